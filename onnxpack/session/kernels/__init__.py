@@ -1,0 +1,18 @@
+"""Native numpy kernels, one module per op family, registered into one registry."""
+
+from __future__ import annotations
+
+from onnxpack.session.kernels._base import (
+    Kernel,
+    KernelContext,
+    PackSpec,
+    TensorInfo,
+    lookup,
+    register,
+    registered_ops,
+)
+
+# Importing the family modules registers their kernels.
+from onnxpack.session.kernels import _families  # noqa: F401,E402
+
+__all__ = ["Kernel", "KernelContext", "PackSpec", "TensorInfo", "lookup", "register", "registered_ops"]

@@ -1,0 +1,194 @@
+"""The kernel contract and the one kernel registry.
+
+A kernel is bound to one node once, at session creation.  Its constructor parses the node's
+attributes (with the spec's defaults) so ``run`` does no parsing.  A kernel that computes faster
+on a re-laid-out constant input implements the pre-packing trio:
+
+* ``pack_spec(i, info)`` says, *without packing*, whether and how input ``i`` would be packed:
+  a :class:`PackSpec` (kernel family, pack format version, bytes of the attributes that shape the
+  pack).  The prepack layer derives the key from it plus the weight's identity, so a warm load
+  finds a saved blob without running ``prepack``.
+* ``prepack(i, weight)`` builds the packed buffers (a tuple of numpy arrays).
+* ``use_prepacked(i, buffers)`` adopts buffers (packed here, taken from a container, or mapped
+  from a file) after ``check_packed`` accepted them; from then on ``run`` must not touch the
+  original weight.
+
+Registration is explicit: ``@register("MatMul", since=1)`` (domain ``""`` and ``"ai.onnx"`` are
+the same).  The highest since-version not above the model's opset for that domain wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+from onnx import AttributeProto, NodeProto, helper
+
+from onnxpack.errors import KernelNotFoundError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Kernel",
+    "KernelContext",
+    "PackSpec",
+    "TensorInfo",
+    "register",
+    "lookup",
+    "registered_ops",
+    "normalize_domain",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """What is known about a constant input before its bytes are read."""
+
+    name: str
+    dtype: np.dtype  # numpy dtype as onnx.helper.tensor_dtype_to_np_dtype gives it (ml_dtypes for bf16/int4)
+    shape: tuple[int, ...]
+    elem_type: int  # onnx.TensorProto element type
+
+
+@dataclasses.dataclass(frozen=True)
+class PackSpec:
+    """How a kernel would pack one input, known without packing.
+
+    ``family`` names the kernel family ("matmul", "conv", ...), ``version`` the pack format
+    version (bump it whenever the packed layout changes, so old saved blobs are ignored), and
+    ``attrs`` the bytes of every attribute that changes the packed bytes (e.g. Gemm's transB).
+    ``nbuffers`` is how many buffers ``prepack`` returns.
+    """
+
+    family: str
+    version: int
+    attrs: bytes = b""
+    nbuffers: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelContext:
+    """What a kernel may know about where it runs."""
+
+    opset: int  # the model's opset for the kernel's domain
+    opsets: dict[str, int]  # every domain's opset ("" for the default domain)
+
+
+def normalize_domain(domain: str) -> str:
+    return "" if domain in ("", "ai.onnx") else domain
+
+
+class Kernel:
+    """Base class of native kernels.
+
+    Subclasses override ``run`` (returning a tuple of arrays, one per node output; ``None``
+    entries for omitted optional outputs are allowed) and, when they pre-pack, ``pack_spec``,
+    ``prepack`` and ``use_prepacked``.
+    """
+
+    op_type: ClassVar[str] = ""
+    domain: ClassVar[str] = ""
+    since: ClassVar[int] = 1
+
+    def __init__(self, node: NodeProto, ctx: KernelContext) -> None:
+        self.node = node
+        self.ctx = ctx
+        self.attrs: dict[str, Any] = {
+            a.name: helper.get_attribute_value(a)
+            for a in node.attribute
+            if a.type not in (AttributeProto.GRAPH, AttributeProto.GRAPHS)
+        }
+
+    # -- attributes -----------------------------------------------------------------------------
+    def attr(self, name: str, default: Any = None) -> Any:
+        value = self.attrs.get(name, default)
+        if isinstance(value, bytes):
+            return value.decode("utf-8")
+        return value
+
+    # -- pre-packing (optional) -----------------------------------------------------------------
+    def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
+        """Whether and how input ``input_index`` (a constant) would be packed. Default: never."""
+        return None
+
+    def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Pack a constant input; only called when ``pack_spec`` returned a spec."""
+        raise NotImplementedError(f"Bug: {type(self).__name__} has a pack_spec but no prepack")
+
+    def check_packed(self, input_index: int, info: TensorInfo, buffers: Sequence[np.ndarray]) -> str | None:
+        """Validate buffers that did not come from our own ``prepack`` (file, cache, container).
+
+        Returns ``None`` when they are usable, else a one-line reason.  The default compares
+        against :meth:`expected_packed`, which subclasses override when they pack.
+        """
+        expected = self.expected_packed(input_index, info)
+        if expected is None:
+            return "kernel does not pack this input"
+        if len(expected) != len(buffers):
+            return f"expected {len(expected)} buffers, got {len(buffers)}"
+        for k, ((dtype, shape), buf) in enumerate(zip(expected, buffers)):
+            if np.dtype(buf.dtype) != np.dtype(dtype) or tuple(buf.shape) != tuple(shape):
+                return (
+                    f"buffer {k}: expected {np.dtype(dtype)}{list(shape)}, "
+                    f"got {np.dtype(buf.dtype)}{list(buf.shape)}"
+                )
+        return None
+
+    def expected_packed(self, input_index: int, info: TensorInfo) -> list[tuple[np.dtype, tuple[int, ...]]] | None:
+        """(dtype, shape) of every buffer ``prepack`` would return for this input, without packing."""
+        return None
+
+    def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
+        raise NotImplementedError(f"Bug: {type(self).__name__} has a pack_spec but no use_prepacked")
+
+    # -- compute --------------------------------------------------------------------------------
+    def run(self, *inputs: np.ndarray | None) -> tuple[np.ndarray | None, ...]:
+        raise NotImplementedError
+
+
+# (domain, op_type) -> list of (since_version, kernel class), kept sorted by since_version.
+_REGISTRY: dict[tuple[str, str], list[tuple[int, type[Kernel]]]] = {}
+
+
+def register(op_type: str, *, domain: str = "", since: int = 1) -> Callable[[type[Kernel]], type[Kernel]]:
+    """Class decorator: register a kernel for (domain, op_type) from opset ``since`` on."""
+
+    def deco(cls: type[Kernel]) -> type[Kernel]:
+        key = (normalize_domain(domain), op_type)
+        entries = _REGISTRY.setdefault(key, [])
+        if any(v == since for v, _ in entries):
+            raise RuntimeError(f"Bug: two kernels registered for {key} since {since}")
+        entries.append((since, cls))
+        entries.sort(key=lambda e: e[0])
+        return cls
+
+    return deco
+
+
+def lookup(domain: str, op_type: str, opset: int) -> type[Kernel] | None:
+    """The kernel class for an op at the model's opset, or ``None`` when no native one exists."""
+    entries = _REGISTRY.get((normalize_domain(domain), op_type))
+    if not entries:
+        return None
+    chosen = None
+    for since, cls in entries:
+        if since <= opset:
+            chosen = cls
+    return chosen
+
+
+def registered_ops() -> list[tuple[str, str, int]]:
+    return sorted((d, op, v) for (d, op), entries in _REGISTRY.items() for v, _ in entries)
+
+
+def require(domain: str, op_type: str, opset: int) -> type[Kernel]:
+    cls = lookup(domain, op_type, opset)
+    if cls is None:
+        raise KernelNotFoundError(
+            f"no native kernel for {domain or 'ai.onnx'}::{op_type} at opset {opset}; "
+            f"native ops: {len(_REGISTRY)}"
+        )
+    return cls
