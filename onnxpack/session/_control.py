@@ -1,0 +1,116 @@
+"""If, Loop and Scan: run their body graphs with the same executor, with outer-scope lookup."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from onnx import NodeProto, helper
+
+from onnxpack.session._executor import Frame, ScopePlan
+from onnxpack.session.kernels._base import Kernel, KernelContext
+
+__all__ = ["ControlFlowKernel", "CONTROL_FLOW"]
+
+
+class ControlFlowKernel(Kernel):
+    """Base of kernels that own subgraphs; they run with access to the caller's frame."""
+
+    def __init__(self, node: NodeProto, ctx: KernelContext, subgraphs: dict[str, ScopePlan]) -> None:
+        super().__init__(node, ctx)
+        self.subgraphs = subgraphs
+
+    def run_in_frame(self, frame: Frame, *inputs: Any) -> tuple:
+        raise NotImplementedError
+
+
+class If(ControlFlowKernel):
+    def run_in_frame(self, frame: Frame, cond: Any) -> tuple:
+        branch = self.subgraphs["then_branch"] if bool(np.asarray(cond).reshape(-1)[0]) else self.subgraphs["else_branch"]
+        return tuple(branch.run([], frame))
+
+
+class Loop(ControlFlowKernel):
+    """Loop (opset 1+): ``M`` trip count and ``cond`` both optional; scan outputs are stacked."""
+
+    def run_in_frame(self, frame: Frame, m: Any = None, cond: Any = None, *v_initial: Any) -> tuple:
+        body = self.subgraphs["body"]
+        n_state = len(v_initial)
+        n_scan = len(body.output_names) - 1 - n_state
+        max_trips = int(np.asarray(m).reshape(-1)[0]) if m is not None else None
+        keep_going = bool(np.asarray(cond).reshape(-1)[0]) if cond is not None else True
+        state = list(v_initial)
+        scans: list[list[np.ndarray]] = [[] for _ in range(n_scan)]
+        i = 0
+        while keep_going and (max_trips is None or i < max_trips):
+            cond_in = np.array(keep_going) if cond is not None else np.array(True)
+            outs = body.run([np.array(i, dtype=np.int64), cond_in, *state], frame)
+            if cond is not None:
+                keep_going = bool(np.asarray(outs[0]).reshape(-1)[0])
+            state = list(outs[1 : 1 + n_state])
+            for k in range(n_scan):
+                scans[k].append(np.asarray(outs[1 + n_state + k]))
+            i += 1
+        stacked = []
+        for k in range(n_scan):
+            if scans[k]:
+                stacked.append(np.stack(scans[k]))
+            else:
+                stacked.append(np.empty((0,), dtype=_output_dtype(body, 1 + n_state + k)))
+        return (*state, *stacked)
+
+
+class Scan(ControlFlowKernel):
+    """Scan (opset 9+): state variables carried, scan inputs sliced along their axes."""
+
+    def __init__(self, node: NodeProto, ctx: KernelContext, subgraphs: dict[str, ScopePlan]) -> None:
+        super().__init__(node, ctx, subgraphs)
+        if ctx.opset < 9:
+            raise NotImplementedError("Scan-8 (batched, sequence_lens) runs through the fallback")
+        self.num_scan_inputs = int(self.attr("num_scan_inputs"))
+
+    def run_in_frame(self, frame: Frame, *inputs: Any) -> tuple:
+        body = self.subgraphs["body"]
+        m = self.num_scan_inputs
+        n = len(inputs) - m
+        state = list(inputs[:n])
+        scan_in = [np.asarray(x) for x in inputs[n:]]
+        in_axes = list(self.attr("scan_input_axes", [0] * m))
+        in_dirs = list(self.attr("scan_input_directions", [0] * m))
+        k_out = len(body.output_names) - n
+        out_axes = list(self.attr("scan_output_axes", [0] * k_out))
+        out_dirs = list(self.attr("scan_output_directions", [0] * k_out))
+        views = []
+        for x, axis, direction in zip(scan_in, in_axes, in_dirs):
+            axis = axis + x.ndim if axis < 0 else axis
+            v = np.moveaxis(x, axis, 0)
+            views.append(v[::-1] if direction else v)
+        length = views[0].shape[0] if views else 0
+        collected: list[list[np.ndarray]] = [[] for _ in range(k_out)]
+        for t in range(length):
+            outs = body.run([*state, *(v[t] for v in views)], frame)
+            state = list(outs[:n])
+            for k in range(k_out):
+                collected[k].append(np.asarray(outs[n + k]))
+        results = []
+        for k in range(k_out):
+            if collected[k]:
+                stacked = np.stack(collected[k][::-1] if out_dirs[k] else collected[k])
+            else:
+                stacked = np.empty((0,), dtype=_output_dtype(body, n + k))
+            axis = out_axes[k]
+            axis = axis + stacked.ndim if axis < 0 else axis
+            results.append(np.moveaxis(stacked, 0, axis) if axis else stacked)
+        return (*state, *results)
+
+
+def _output_dtype(plan: ScopePlan, index: int) -> np.dtype:
+    elem = plan.output_types[index] if index < len(plan.output_types) else 0
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(elem)) if elem else np.dtype(np.float32)
+    except Exception:
+        return np.dtype(np.float32)
+
+
+# op_type -> (kernel class, lowest opset it serves)
+CONTROL_FLOW: dict[str, tuple[type[ControlFlowKernel], int]] = {"If": (If, 1), "Loop": (Loop, 1), "Scan": (Scan, 9)}

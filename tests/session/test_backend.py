@@ -1,0 +1,24 @@
+"""The ONNX conformance suites (node, simple, pytorch-converted, pytorch-operator) on onnxpack.
+
+Every exclusion carries its reason.  The node suite is built from the test-case code shipped in
+the onnx wheel (onnx.backend.test.case.node), the model suites from the wheel's data folder.
+"""
+
+from __future__ import annotations
+
+import onnx.backend.test
+import pytest
+
+import onnxpack.backend
+
+backend_test = onnx.backend.test.BackendTest(onnxpack.backend, __name__)
+
+# pattern -> reason.  Patterns are regular expressions matched against test names.
+EXCLUDED: dict[str, str] = {
+    r"^test_.*_real_": "the 'real' model suite downloads models; CI has no network",
+    r"^test_.*_cuda$": "no GPU: onnxpack runs on the CPU only",
+}
+for _pattern, _reason in EXCLUDED.items():
+    backend_test.exclude(_pattern)
+
+globals().update(backend_test.enable_report().test_cases)
