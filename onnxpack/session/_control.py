@@ -61,15 +61,35 @@ class Loop(ControlFlowKernel):
 
 
 class Scan(ControlFlowKernel):
-    """Scan (opset 9+): state variables carried, scan inputs sliced along their axes."""
+    """Scan: state variables carried, scan inputs sliced along their axes.
+
+    Opset 8 has a leading batch axis on every input and output and an optional
+    ``sequence_lens`` first input; it runs as one opset-9 scan per batch item.
+    """
 
     def __init__(self, node: NodeProto, ctx: KernelContext, subgraphs: dict[str, ScopePlan]) -> None:
         super().__init__(node, ctx, subgraphs)
-        if ctx.opset < 9:
-            raise NotImplementedError("Scan-8 (batched, sequence_lens) runs through the fallback")
         self.num_scan_inputs = int(self.attr("num_scan_inputs"))
+        self.batched = ctx.opset < 9
+        if self.batched and (self.attr("scan_input_axes") or self.attr("scan_output_axes")):
+            raise NotImplementedError("Scan-8 has no axes attributes")
 
     def run_in_frame(self, frame: Frame, *inputs: Any) -> tuple:
+        if not self.batched:
+            return self._scan(frame, inputs)
+        seq_lens, rest = inputs[0], inputs[1:]
+        batch = np.asarray(rest[0]).shape[0]
+        per_item = []
+        for b in range(batch):
+            items = [np.asarray(x)[b] for x in rest]
+            n = len(items) - self.num_scan_inputs
+            if seq_lens is not None:
+                length = int(np.asarray(seq_lens).reshape(-1)[b])
+                items = items[:n] + [x[:length] for x in items[n:]]
+            per_item.append(self._scan(frame, items))
+        return tuple(np.stack([r[k] for r in per_item]) for k in range(len(per_item[0])))
+
+    def _scan(self, frame: Frame, inputs: Any) -> tuple:
         body = self.subgraphs["body"]
         m = self.num_scan_inputs
         n = len(inputs) - m
@@ -113,4 +133,4 @@ def _output_dtype(plan: ScopePlan, index: int) -> np.dtype:
 
 
 # op_type -> (kernel class, lowest opset it serves)
-CONTROL_FLOW: dict[str, tuple[type[ControlFlowKernel], int]] = {"If": (If, 1), "Loop": (Loop, 1), "Scan": (Scan, 9)}
+CONTROL_FLOW: dict[str, tuple[type[ControlFlowKernel], int]] = {"If": (If, 1), "Loop": (Loop, 1), "Scan": (Scan, 8)}

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 from onnx import FunctionProto, NodeProto, helper
 from onnx.reference import ReferenceEvaluator
-from onnx.reference.op_run import RuntimeContextError
+from onnx.reference.op_run import OpFunction, RuntimeContextError
 
 from onnxpack.errors import KernelNotFoundError
 from onnxpack.session.kernels._base import Kernel, KernelContext
@@ -43,6 +43,9 @@ class FallbackKernel(Kernel):
         self._impl: Any = None
         try:
             self._impl = self._instantiate(None)
+            if isinstance(self._impl, OpFunction) and not self._impl.need_context():
+                # Function-bodied ops (e.g. GroupNormalization-21) expand by input types.
+                self._impl = None
         except RuntimeContextError:
             self._impl = None  # needs input types: built at the first run
         except Exception as exc:  # onnx.reference raises many types for an unknown op
@@ -64,6 +67,13 @@ class FallbackKernel(Kernel):
             [node], "fallback", [i for i in inputs if i.name],
             [helper.make_value_info(o, onnx.TypeProto()) for o in node.output if o],
         )
+        if types is not None:
+            # Context-dependent: a whole typed one-node model, run as a whole.
+            model = helper.make_model(
+                graph, opset_imports=[helper.make_opsetid(d, v) for d, v in self._opsets.items()],
+                functions=self._functions or None,
+            )
+            return ReferenceEvaluator(model)
         evaluator = ReferenceEvaluator(graph, opsets=self._opsets, functions=self._functions)
         return evaluator.rt_nodes_[0]
 
@@ -74,9 +84,11 @@ class FallbackKernel(Kernel):
                 (helper.np_dtype_to_tensor_dtype(x.dtype), x.ndim) if isinstance(x, np.ndarray) else None for x in inputs
             )
             with self._lock:
-                impl = self._by_types.get(sig)
-                if impl is None:
-                    impl = self._by_types[sig] = self._instantiate(sig)
+                evaluator = self._by_types.get(sig)
+                if evaluator is None:
+                    evaluator = self._by_types[sig] = self._instantiate(sig)
+            feeds = {n: x for n, x in zip(self.node.input, inputs) if n and x is not None}
+            return tuple(evaluator.run(None, feeds))
         # onnx.reference treats trailing None inputs as absent; it wants them dropped.
         args = list(inputs)
         while args and args[-1] is None:

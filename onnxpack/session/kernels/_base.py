@@ -163,6 +163,10 @@ def register(op_type: str, *, domain: str = "", since: int = 1) -> Callable[[typ
             raise RuntimeError(f"Bug: two kernels registered for {key} since {since}")
         entries.append((since, cls))
         entries.sort(key=lambda e: e[0])
+        # Record what the class serves unless it says so itself (one class may serve several).
+        for attr, value in (("op_type", op_type), ("domain", key[0]), ("since", since)):
+            if attr not in cls.__dict__:
+                setattr(cls, attr, value)
         return cls
 
     return deco

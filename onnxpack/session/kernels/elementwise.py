@@ -1,0 +1,588 @@
+"""Elementwise kernels: arithmetic, comparisons, logic, activations, Cast, Identity, Dropout.
+
+Every kernel keeps ONNX's output dtype exactly.  numpy (NEP 50, numpy >= 2) keeps the array's
+dtype when the other operand is a Python scalar, so attributes (Python floats) never widen
+float16 to float64; where numpy *would* promote two arrays (Pow with an integer exponent, Mean's
+division) the result is cast back to the input dtype, as the spec and onnx.reference do.
+
+Ops whose math raises floating-point warnings by design (``Log(0)``, ``Div`` by zero) compute
+under ``np.errstate(all="ignore")``: onnxruntime never warns, and a warning per run would drown
+the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from onnxpack.session.kernels._base import Kernel, KernelContext, register
+
+logger = logging.getLogger(__name__)
+
+__all__: list[str] = []  # kernels are reached through the registry only
+
+try:  # scipy is optional: its erf is a fast, correctly rounded ufunc.
+    from scipy.special import erf as _scipy_erf  # type: ignore[import-untyped]
+except ImportError:  # pragma: no cover - depends on the environment
+    _scipy_erf = None
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+# Taylor coefficients of erf(x) * sqrt(pi) / 2 = sum (-1)^n x^(2n+1) / (n! (2n+1)), n = 0..9.
+_ERF_TAYLOR = tuple((-1) ** n / (math.factorial(n) * (2 * n + 1)) for n in range(10))
+# Numerical Recipes' erfcc: fractional error of erfc below 1.2e-7 everywhere.
+_ERFC_NR = (
+    -1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
+    0.27886807, -1.13520398, 1.48851587, -0.82215223, 0.17087277,
+)  # fmt: skip
+# Below this |x| the Taylor series is used: erfc's 1.2e-7 *fractional* error would be a large
+# *relative* error of erf near 0; at |x| = 0.5 ten Taylor terms are exact to ~1e-13.
+_ERF_TAYLOR_LIMIT = 0.5
+
+
+def erf_numpy(x: np.ndarray) -> np.ndarray:
+    """erf without scipy, computed in float64 (relative error < 2e-7 everywhere).
+
+    Taylor series near zero (where erf is small and needs relative accuracy), Numerical Recipes'
+    Chebyshev fit of erfc elsewhere (where erf >= 0.52 so erfc's error is relative to ~1).
+    """
+    x64 = np.asarray(x, dtype=np.float64)
+    a = np.abs(x64)
+    z2 = x64 * x64
+    taylor = np.zeros_like(x64)
+    for c in reversed(_ERF_TAYLOR):
+        taylor = taylor * z2 + c
+    taylor *= x64 * _TWO_OVER_SQRT_PI
+    t = 1.0 / (1.0 + 0.5 * a)
+    poly = np.zeros_like(x64)
+    for c in reversed(_ERFC_NR):
+        poly = poly * t + c
+    with np.errstate(under="ignore", over="ignore"):
+        erfc = t * np.exp(-z2 + poly)
+    far = np.copysign(1.0 - erfc, x64)
+    return np.where(a < _ERF_TAYLOR_LIMIT, taylor, far)
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf in x's dtype; float16 is computed in float32 for accuracy, then rounded."""
+    if x.dtype == np.float16:
+        return _erf(x.astype(np.float32)).astype(np.float16)
+    if _scipy_erf is not None:
+        y = _scipy_erf(x)
+    else:
+        y = erf_numpy(x)
+    return y if y.dtype == x.dtype else y.astype(x.dtype)
+
+
+def _same(y: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """``y`` as an array of ``like``'s dtype (no copy when it already is)."""
+    y = np.asarray(y)
+    return y if y.dtype == like.dtype else y.astype(like.dtype)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    # 1 / (1 + exp(-x)) keeps full *relative* accuracy in both tails (tanh-based forms lose it
+    # for negative x); exp overflows to inf only where the true result is below float range.
+    y = np.empty_like(x)  # (not np.negative(x): that is a numpy scalar for 0-d x)
+    np.negative(x, out=y)
+    with np.errstate(over="ignore"):
+        np.exp(y, out=y)
+    y += 1
+    np.reciprocal(y, out=y)
+    return y
+
+
+def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    if a.dtype.kind in "iu" and b.dtype.kind in "iu":
+        if a.dtype.kind == "u" and b.dtype.kind == "u":
+            return np.floor_divide(a, b)
+        # C-style truncation toward zero, as onnxruntime and onnx.reference compute it.
+        q = np.floor_divide(a, b)
+        r = np.remainder(a, b)
+        q += ((r != 0) & ((a < 0) ^ (b < 0))).astype(q.dtype)
+        return q
+    return np.divide(a, b)
+
+
+def _pow(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    if b.size == 1 and b.ndim <= a.ndim and a.dtype.kind == "f" and b.reshape(()).item() == 2:
+        return np.square(a)  # x ** 2 (variance, L2 norms): one multiply instead of pow
+    if a.dtype.kind == "f" and b.dtype != a.dtype:
+        b = b.astype(a.dtype)  # float base, other exponent type: compute in the base's type
+    return _same(np.power(a, b), a)
+
+
+def _bitshift_left(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    bits = a.dtype.itemsize * 8
+    out = np.left_shift(a, np.clip(b, 0, bits - 1).astype(a.dtype))
+    return np.where((b < 0) | (b >= bits), a.dtype.type(0), out)
+
+
+def _bitshift_right(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    bits = a.dtype.itemsize * 8
+    out = np.right_shift(a, np.clip(b, 0, bits - 1).astype(a.dtype))
+    if a.dtype.kind == "i":
+        # Shifting a signed value by bits-1 already yields the sign fill (-1 or 0), which is
+        # what an out-of-range amount must give: clamping the amount is exact.
+        return np.asarray(out)
+    return np.where((b < 0) | (b >= bits), a.dtype.type(0), out)  # unsigned: the fill is 0
+
+
+# ------------------------------------------------------------------------------------------------
+# table-driven unary and binary kernels
+# ------------------------------------------------------------------------------------------------
+class _Unary(Kernel):
+    """``y = fn(x)`` for a numpy function that keeps x's dtype (or gives bool, for IsNaN).
+
+    ``np.asarray`` because a ufunc applied to a 0-d array returns a numpy scalar.
+    """
+
+    _fn: Callable[[np.ndarray], np.ndarray]
+    _quiet = False
+
+    def run(self, x):  # type: ignore[override]
+        if self._quiet:
+            with np.errstate(all="ignore"):
+                return (np.asarray(type(self)._fn(x)),)
+        return (np.asarray(type(self)._fn(x)),)
+
+
+class _Binary(Kernel):
+    """``y = fn(a, b)`` with multidirectional broadcasting."""
+
+    _fn: Callable[[np.ndarray, np.ndarray], np.ndarray]
+    _quiet = False
+
+    def run(self, a, b):  # type: ignore[override]
+        if self._quiet:
+            with np.errstate(all="ignore"):
+                return (np.asarray(type(self)._fn(a, b)),)
+        return (np.asarray(type(self)._fn(a, b)),)
+
+
+def _define(base: type[Kernel], op_type: str, since: int, fn: Callable, quiet: bool = False) -> type[Kernel]:
+    cls = type(
+        op_type,
+        (base,),
+        {
+            "_fn": staticmethod(fn),
+            "_quiet": quiet,
+            "op_type": op_type,
+            "since": since,
+            "__doc__": f"ONNX {op_type} (since opset {since}).",
+            "__module__": __name__,
+        },
+    )
+    return register(op_type, since=since)(cls)
+
+
+# op_type, first opset, function, whether floating-point warnings are expected and silenced.
+_UNARY: tuple[tuple[str, int, Callable, bool], ...] = (
+    ("Neg", 1, np.negative, False),
+    ("Abs", 1, np.abs, False),
+    ("Sqrt", 1, np.sqrt, True),
+    ("Exp", 1, np.exp, True),
+    ("Log", 1, np.log, True),
+    ("Reciprocal", 1, np.reciprocal, True),
+    ("Floor", 1, np.floor, False),
+    ("Ceil", 1, np.ceil, False),
+    ("Round", 11, np.round, False),  # numpy rounds half to even, as ONNX requires
+    ("Sign", 9, np.sign, False),
+    ("Not", 1, np.logical_not, False),
+    ("BitwiseNot", 18, np.invert, False),
+    ("Relu", 1, lambda x: np.maximum(x, 0), False),
+    ("Sigmoid", 1, _sigmoid, False),
+    ("Tanh", 1, np.tanh, False),
+    ("Erf", 9, _erf, False),
+    ("Softplus", 1, lambda x: np.logaddexp(0, x), True),
+    ("Softsign", 1, lambda x: x / (1 + np.abs(x)), False),
+    ("Sin", 7, np.sin, True),
+    ("Cos", 7, np.cos, True),
+    ("Tan", 7, np.tan, True),
+    ("Asin", 7, np.arcsin, True),
+    ("Acos", 7, np.arccos, True),
+    ("Atan", 7, np.arctan, False),
+    ("Sinh", 9, np.sinh, True),
+    ("Cosh", 9, np.cosh, True),
+    ("Asinh", 9, np.arcsinh, False),
+    ("Acosh", 9, np.arccosh, True),
+    ("Atanh", 9, np.arctanh, True),
+    ("IsNaN", 9, np.isnan, False),
+    ("Mish", 18, lambda x: x * np.tanh(np.logaddexp(0, x)), True),
+    ("HardSwish", 14, lambda x: x * np.clip(x / 6 + 0.5, 0, 1), False),
+)
+
+_BINARY: tuple[tuple[str, int, Callable, bool], ...] = (
+    ("Add", 1, np.add, False),
+    ("Sub", 1, np.subtract, False),
+    ("Mul", 1, np.multiply, False),
+    ("Div", 1, _div, True),
+    ("Pow", 1, _pow, True),
+    ("Equal", 1, np.equal, False),
+    ("Less", 1, np.less, False),
+    ("LessOrEqual", 12, np.less_equal, False),
+    ("Greater", 1, np.greater, False),
+    ("GreaterOrEqual", 12, np.greater_equal, False),
+    ("And", 1, np.logical_and, False),
+    ("Or", 1, np.logical_or, False),
+    ("Xor", 1, np.logical_xor, False),
+    ("BitwiseAnd", 18, np.bitwise_and, False),
+    ("BitwiseOr", 18, np.bitwise_or, False),
+    ("BitwiseXor", 18, np.bitwise_xor, False),
+)
+
+for _op, _since, _fn, _quiet in _UNARY:
+    _define(_Unary, _op, _since, _fn, _quiet)
+for _op, _since, _fn, _quiet in _BINARY:
+    _define(_Binary, _op, _since, _fn, _quiet)
+del _op, _since, _fn, _quiet
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels with attributes
+# ------------------------------------------------------------------------------------------------
+@register("Mod", since=10)
+class Mod(Kernel):
+    """``fmod=1``: C fmod (sign of the dividend); ``fmod=0``: Python modulo (sign of the divisor)."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self._fn = np.fmod if int(self.attr("fmod", 0)) == 1 else np.mod
+
+    def run(self, a, b):  # type: ignore[override]
+        with np.errstate(all="ignore"):
+            return (np.asarray(self._fn(a, b)),)
+
+
+@register("BitShift", since=11)
+class BitShift(Kernel):
+    """Shifts with ONNX's rule for amounts outside [0, bits): the sign fill alone."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        direction = self.attr("direction")
+        if direction not in ("LEFT", "RIGHT"):
+            raise NotImplementedError(f"BitShift direction {direction!r}")
+        self._fn = _bitshift_left if direction == "LEFT" else _bitshift_right
+
+    def run(self, a, b):  # type: ignore[override]
+        return (np.asarray(self._fn(a, b)),)
+
+
+class _Variadic(Kernel):
+    _fn: Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+    def run(self, *xs):  # type: ignore[override]
+        xs = [x for x in xs if x is not None]
+        if len(xs) == 1:
+            return (xs[0],)
+        fn = type(self)._fn
+        out = fn(xs[0], xs[1])
+        for x in xs[2:]:
+            if np.broadcast_shapes(out.shape, x.shape) == out.shape:
+                fn(out, x, out=out)
+            else:
+                out = fn(out, x)
+        return (out,)
+
+
+@register("Max", since=1)
+class Max(_Variadic):
+    """Elementwise maximum of any number of inputs (NaN propagates, as in onnxruntime)."""
+
+    _fn = staticmethod(np.maximum)
+
+
+@register("Min", since=1)
+class Min(_Variadic):
+    """Elementwise minimum of any number of inputs."""
+
+    _fn = staticmethod(np.minimum)
+
+
+@register("Sum", since=1)
+class Sum(_Variadic):
+    """Elementwise sum of any number of inputs."""
+
+    _fn = staticmethod(np.add)
+
+
+@register("Mean", since=1)
+class Mean(_Variadic):
+    """Elementwise mean: the sum divided by the count, in the inputs' dtype."""
+
+    _fn = staticmethod(np.add)
+
+    def run(self, *xs):  # type: ignore[override]
+        n = sum(x is not None for x in xs)
+        (s,) = super().run(*xs)
+        if s is next(x for x in xs if x is not None):
+            return (s,)
+        s /= n  # in place: the sum is our own fresh array, and dtype stays
+        return (s,)
+
+
+@register("Where", since=9)
+class Where(Kernel):
+    """``np.where``; x and y share a dtype in valid models, so no promotion happens."""
+
+    def run(self, cond, x, y):  # type: ignore[override]
+        return (_same(np.where(cond, x, y), x),)
+
+
+@register("LeakyRelu", since=1)
+class LeakyRelu(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.alpha = float(self.attr("alpha", 0.01))
+
+    def run(self, x):  # type: ignore[override]
+        return (_same(np.where(x < 0, x * self.alpha, x), x),)
+
+
+@register("PRelu", since=1)
+class PRelu(Kernel):
+    """``x < 0 ? slope * x : x`` with the slope broadcast unidirectionally to x."""
+
+    def run(self, x, slope):  # type: ignore[override]
+        return (_same(np.where(x < 0, x * slope, x), x),)
+
+
+@register("HardSigmoid", since=1)
+class HardSigmoid(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.alpha = float(self.attr("alpha", 0.2))
+        self.beta = float(self.attr("beta", 0.5))
+
+    def run(self, x):  # type: ignore[override]
+        return (_same(np.clip(x * self.alpha + self.beta, 0, 1), x),)
+
+
+@register("Elu", since=1)
+class Elu(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.alpha = float(self.attr("alpha", 1.0))
+
+    def run(self, x):  # type: ignore[override]
+        with np.errstate(all="ignore"):
+            return (_same(np.where(x > 0, x, self.alpha * np.expm1(x)), x),)
+
+
+@register("Celu", since=12)
+class Celu(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.alpha = float(self.attr("alpha", 1.0))
+
+    def run(self, x):  # type: ignore[override]
+        with np.errstate(all="ignore"):
+            y = np.maximum(x, 0) + np.minimum(0, self.alpha * np.expm1(x / self.alpha))
+        return (_same(y, x),)
+
+
+@register("Selu", since=1)
+class Selu(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.alpha = float(self.attr("alpha", 1.67326319217681884765625))
+        self.gamma = float(self.attr("gamma", 1.05070102214813232421875))
+
+    def run(self, x):  # type: ignore[override]
+        with np.errstate(all="ignore"):
+            return (_same(np.where(x > 0, x, self.alpha * np.expm1(x)) * self.gamma, x),)
+
+
+@register("ThresholdedRelu", since=10)
+class ThresholdedRelu(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.alpha = float(self.attr("alpha", 1.0))
+
+    def run(self, x):  # type: ignore[override]
+        return (_same(np.where(x > self.alpha, x, 0), x),)
+
+
+@register("Gelu", since=20)
+class Gelu(Kernel):
+    """Exact (erf) or tanh-approximated GELU; float16 is computed in float32 and rounded."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        approximate = self.attr("approximate", "none")
+        if approximate not in ("none", "tanh"):
+            raise NotImplementedError(f"Gelu approximate={approximate!r}")
+        self.tanh = approximate == "tanh"
+
+    def run(self, x):  # type: ignore[override]
+        if x.ndim == 0:  # in-place numpy ops need arrays, and 0-d arithmetic gives scalars
+            return (self.run(x.reshape(1))[0].reshape(()),)
+        xf = x.astype(np.float32) if x.dtype == np.float16 else x
+        if self.tanh:
+            inner = xf * xf
+            inner *= 0.044715
+            inner += 1
+            inner *= xf
+            inner *= math.sqrt(2.0 / math.pi)
+            y = np.tanh(inner, out=inner)
+        else:
+            y = _erf(xf * (1.0 / math.sqrt(2.0)))
+        y += 1
+        y *= xf
+        y *= 0.5
+        return (_same(y, x),)
+
+
+@register("IsInf", since=10)
+class IsInf(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.neg = int(self.attr("detect_negative", 1)) == 1
+        self.pos = int(self.attr("detect_positive", 1)) == 1
+
+    def run(self, x):  # type: ignore[override]
+        if self.neg and self.pos:
+            return (np.isinf(x),)
+        if self.pos:
+            return (np.isposinf(x),)
+        if self.neg:
+            return (np.isneginf(x),)
+        return (np.zeros(x.shape, dtype=bool),)
+
+
+@register("Clip", since=1)
+class Clip1(Kernel):
+    """Clip before opset 11: bounds are attributes (defaults: the whole float range)."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.lo = self.attr("min")
+        self.hi = self.attr("max")
+
+    def run(self, x):  # type: ignore[override]
+        return (_clip(x, self.lo, self.hi),)
+
+
+@register("Clip", since=11)
+class Clip11(Kernel):
+    """Clip from opset 11: bounds are optional scalar inputs of x's dtype."""
+
+    def run(self, x, lo=None, hi=None):  # type: ignore[override]
+        return (_clip(x, lo, hi),)
+
+
+def _clip(x: np.ndarray, lo, hi) -> np.ndarray:
+    # maximum then minimum, as the spec defines it (min > max gives max everywhere).
+    if lo is None and hi is None:
+        return x
+    if lo is not None:
+        y = np.maximum(x, lo)
+        if hi is not None:
+            np.minimum(y, hi, out=y)
+    else:
+        y = np.minimum(x, hi)
+    return _same(y, x)
+
+
+# ONNX element types a numpy cast reproduces exactly.  Strings, float8, float4 and 4-bit
+# integers need saturation, rounding modes or packing rules: left to onnx.reference.
+_CASTABLE = frozenset(
+    {
+        TensorProto.FLOAT,
+        TensorProto.DOUBLE,
+        TensorProto.FLOAT16,
+        TensorProto.BFLOAT16,
+        TensorProto.INT8,
+        TensorProto.INT16,
+        TensorProto.INT32,
+        TensorProto.INT64,
+        TensorProto.UINT8,
+        TensorProto.UINT16,
+        TensorProto.UINT32,
+        TensorProto.UINT64,
+        TensorProto.BOOL,
+    }
+)
+_EXACT_SOURCE_KINDS = frozenset("fiub")  # float, signed, unsigned, bool (not str/object/void)
+
+
+def _cast_dtype(to: int) -> np.dtype:
+    if to not in _CASTABLE:
+        raise NotImplementedError(f"Cast to {TensorProto.DataType.Name(to)}")
+    return np.dtype(helper.tensor_dtype_to_np_dtype(to))
+
+
+@register("Cast", since=1)
+class Cast(Kernel):
+    """numpy ``astype`` for numeric and bool targets (``saturate`` only matters for float8)."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        to = self.attr("to")
+        if isinstance(to, str):  # opset 1 spelled the type as a string
+            to = TensorProto.DataType.Value(to.upper())
+        self.dtype = _cast_dtype(int(to))
+
+    def run(self, x):  # type: ignore[override]
+        return (x.astype(self.dtype, copy=False),)
+
+
+@register("CastLike", since=15)
+class CastLike(Kernel):
+    """Cast to the second input's dtype; exotic targets go through onnx.reference's own cast."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.saturate = bool(self.attr("saturate", 1))
+
+    def run(self, x, like):  # type: ignore[override]
+        if like.dtype.kind in _EXACT_SOURCE_KINDS:
+            return (x.astype(like.dtype, copy=False),)
+        from onnx.reference.ops.op_cast import cast_to  # rare path: float8/bfloat16/4-bit
+
+        to = helper.np_dtype_to_tensor_dtype(like.dtype)
+        return (np.asarray(cast_to(x, to, self.saturate)),)
+
+
+@register("Identity", since=1)
+class Identity(Kernel):
+    """Returns its input itself: the executor never mutates values, so no copy is needed."""
+
+    def run(self, x):  # type: ignore[override]
+        return (x,)
+
+
+@register("Dropout", since=1)
+class Dropout(Kernel):
+    """Inference Dropout: identity, and a mask of ones when the mask output is requested.
+
+    From opset 12 ``training_mode`` is an input; when it is true at run time the random mask is
+    drawn exactly as onnx.reference draws it (``RandomState(seed)``), so results stay
+    comparable.  The mask is bool from opset 10, the input's dtype before.
+    """
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.want_mask = len(node.output) > 1 and bool(node.output[1])
+        self.mask_bool = ctx.opset >= 10
+        self.seed = self.attr("seed")
+        self.ratio_attr = float(self.attr("ratio", 0.5))
+
+    def run(self, x, ratio=None, training_mode=None):  # type: ignore[override]
+        if self.ctx.opset >= 12 and training_mode is not None and bool(np.asarray(training_mode)):
+            p = 0.5 if ratio is None else float(np.asarray(ratio))
+            if p != 0:
+                mask = np.random.RandomState(self.seed).uniform(0, 1.0, x.shape) >= p
+                y = _same(mask * x * (1.0 / (1.0 - p)), x)
+                return (y, mask) if self.want_mask else (y,)
+        if not self.want_mask:
+            return (x,)
+        return (x, np.ones(x.shape, dtype=bool if self.mask_bool else x.dtype))

@@ -1,0 +1,254 @@
+"""Reductions (Reduce*), Softmax, LogSoftmax and Hardmax, with each opset's rule.
+
+Two generations of Reduce*: ``axes`` as an attribute (ReduceSum before opset 13, the others
+before 18) and ``axes`` as an optional input with ``noop_with_empty_axes`` (from then on).  Each
+generation is its own registered class, so ``run`` never tests the opset.
+
+Softmax-family ops changed meaning at opset 13: before, the input is coerced to 2-D at ``axis``
+(default 1) and normalized over the whole trailing block; from 13, one ``axis`` (default -1).
+
+float16 inputs of Softmax/LogSoftmax and ReduceMean/ReduceLogSumExp are computed in float32 and
+rounded once at the end, as onnxruntime does, so they are at least as accurate as onnx.reference.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import ClassVar
+
+import numpy as np
+
+from onnxpack.session.kernels._base import Kernel, KernelContext, register
+
+logger = logging.getLogger(__name__)
+
+__all__: list[str] = []  # kernels are reached through the registry only
+
+
+
+def _same(y, like: np.ndarray) -> np.ndarray:
+    y = np.asarray(y)
+    return y if y.dtype == like.dtype else y.astype(like.dtype)
+
+
+def _reduced_is_empty(x: np.ndarray, axes: tuple[int, ...] | None) -> bool:
+    if x.size:
+        return False
+    if axes is None:
+        return True
+    return any(x.shape[a] == 0 for a in axes)
+
+
+def _extreme(dtype: np.dtype, largest: bool):
+    if dtype == np.bool_:
+        return largest
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return info.max if largest else info.min
+    return np.inf if largest else -np.inf
+
+
+# --- the reductions themselves: f(x, axes, keepdims) -> array of x's dtype --------------------
+def _sum(x, axes, keepdims):
+    return np.sum(x, axis=axes, keepdims=keepdims)
+
+
+def _mean(x, axes, keepdims):
+    if x.dtype == np.float16:
+        return np.mean(x, axis=axes, keepdims=keepdims, dtype=np.float32)
+    with np.errstate(all="ignore"):  # the mean of nothing is NaN, as the spec allows
+        return np.mean(x, axis=axes, keepdims=keepdims, dtype=x.dtype if x.dtype.kind == "f" else None)
+
+
+def _max(x, axes, keepdims):
+    if _reduced_is_empty(x, axes):
+        return np.max(x, axis=axes, keepdims=keepdims, initial=_extreme(x.dtype, False))
+    return np.max(x, axis=axes, keepdims=keepdims)
+
+
+def _min(x, axes, keepdims):
+    if _reduced_is_empty(x, axes):
+        return np.min(x, axis=axes, keepdims=keepdims, initial=_extreme(x.dtype, True))
+    return np.min(x, axis=axes, keepdims=keepdims)
+
+
+def _prod(x, axes, keepdims):
+    return np.prod(x, axis=axes, keepdims=keepdims)
+
+
+def _l1(x, axes, keepdims):
+    return np.sum(np.abs(x), axis=axes, keepdims=keepdims)
+
+
+def _l2(x, axes, keepdims):
+    return np.sqrt(np.sum(np.square(x), axis=axes, keepdims=keepdims))
+
+
+def _sum_square(x, axes, keepdims):
+    return np.sum(np.square(x), axis=axes, keepdims=keepdims)
+
+
+def _log_sum(x, axes, keepdims):
+    with np.errstate(divide="ignore"):
+        return np.log(np.sum(x, axis=axes, keepdims=keepdims))
+
+
+def _log_sum_exp(x, axes, keepdims):
+    xf = x.astype(np.float32) if x.dtype == np.float16 else x
+    if _reduced_is_empty(x, axes):
+        return np.full(np.sum(x, axis=axes, keepdims=keepdims).shape, -np.inf, dtype=x.dtype)
+    m = np.max(xf, axis=axes, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)  # an all -inf (or inf) slice must not give inf - inf
+    e = np.exp(xf - m)
+    with np.errstate(divide="ignore"):
+        s = np.log(np.sum(e, axis=axes, keepdims=True)) + m
+    if not keepdims:
+        s = np.squeeze(s, axis=axes)
+    return s
+
+
+class _ReduceAttr(Kernel):
+    """Reduce* with ``axes`` as an attribute: no axes means every axis."""
+
+    _fn: ClassVar[Callable]
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        axes = self.attr("axes")
+        self.axes = tuple(int(a) for a in axes) if axes else None
+        self.keepdims = bool(self.attr("keepdims", 1))
+
+    def run(self, x):  # type: ignore[override]
+        return (_same(type(self)._fn(x, self.axes, self.keepdims), x),)
+
+
+class _ReduceInput(Kernel):
+    """Reduce* with ``axes`` as an optional input; empty axes reduce all, or nothing when
+    ``noop_with_empty_axes`` is set."""
+
+    _fn: ClassVar[Callable]
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.keepdims = bool(self.attr("keepdims", 1))
+        self.noop = bool(self.attr("noop_with_empty_axes", 0))
+
+    def run(self, x, axes=None):  # type: ignore[override]
+        if axes is None or axes.size == 0:
+            if self.noop:
+                return (x,)
+            ax = None
+        else:
+            ax = tuple(int(a) for a in axes.reshape(-1).tolist())
+        return (_same(type(self)._fn(x, ax, self.keepdims), x),)
+
+
+_REDUCE: tuple[tuple[str, int, Callable], ...] = (
+    # op_type, opset where axes became an input, reduction
+    ("ReduceSum", 13, _sum),
+    ("ReduceMean", 18, _mean),
+    ("ReduceMax", 18, _max),
+    ("ReduceMin", 18, _min),
+    ("ReduceProd", 18, _prod),
+    ("ReduceL1", 18, _l1),
+    ("ReduceL2", 18, _l2),
+    ("ReduceSumSquare", 18, _sum_square),
+    ("ReduceLogSum", 18, _log_sum),
+    ("ReduceLogSumExp", 18, _log_sum_exp),
+)
+
+for _op, _since_input, _fn in _REDUCE:
+    for _base, _since in ((_ReduceAttr, 1), (_ReduceInput, _since_input)):
+        _cls = type(
+            f"{_op}_{_since}",
+            (_base,),
+            {
+                "_fn": staticmethod(_fn),
+                "op_type": _op,
+                "since": _since,
+                "__doc__": f"ONNX {_op} from opset {_since} ({_base.__doc__.splitlines()[0]})",
+                "__module__": __name__,
+            },
+        )
+        register(_op, since=_since)(_cls)
+del _op, _since_input, _fn, _base, _since, _cls
+
+
+# ------------------------------------------------------------------------------------------------
+# Softmax family
+# ------------------------------------------------------------------------------------------------
+def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    xf = x.astype(np.float32) if x.dtype == np.float16 else x
+    if xf.size == 0:
+        return x.copy()
+    y = xf - np.max(xf, axis=axis, keepdims=True)
+    np.exp(y, out=y)
+    y /= np.sum(y, axis=axis, keepdims=True)
+    return _same(y, x)
+
+
+def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    xf = x.astype(np.float32) if x.dtype == np.float16 else x
+    if xf.size == 0:
+        return x.copy()
+    y = xf - np.max(xf, axis=axis, keepdims=True)
+    y -= np.log(np.sum(np.exp(y), axis=axis, keepdims=True))
+    return _same(y, x)
+
+
+def _hardmax(x: np.ndarray, axis: int) -> np.ndarray:
+    y = np.zeros_like(x)
+    if x.size == 0:
+        return y
+    idx = np.expand_dims(np.argmax(x, axis=axis), axis)  # first maximum wins, as the spec says
+    np.put_along_axis(y, idx, 1, axis=axis)
+    return y
+
+
+class _SoftmaxAxis(Kernel):
+    """Opset >= 13: normalize along one axis (default -1)."""
+
+    _fn: ClassVar[Callable[[np.ndarray, int], np.ndarray]]
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.axis = int(self.attr("axis", -1))
+
+    def run(self, x):  # type: ignore[override]
+        return (type(self)._fn(x, self.axis),)
+
+
+class _Softmax2D(Kernel):
+    """Opset < 13: coerce to 2-D at ``axis`` (default 1), normalize each row, restore the shape."""
+
+    _fn: ClassVar[Callable[[np.ndarray, int], np.ndarray]]
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.axis = int(self.attr("axis", 1))
+
+    def run(self, x):  # type: ignore[override]
+        axis = self.axis + x.ndim if self.axis < 0 else self.axis
+        if axis == x.ndim - 1 and x.ndim > 0:
+            return (type(self)._fn(x, -1),)  # the 2-D rule is the last-axis rule: no reshape
+        rows = int(np.prod(x.shape[:axis], dtype=np.int64))
+        flat = x.reshape(rows, -1) if x.size else x.reshape(rows, int(np.prod(x.shape[axis:])))
+        return (type(self)._fn(flat, 1).reshape(x.shape),)
+
+
+for _op, _fn in (("Softmax", _softmax), ("LogSoftmax", _log_softmax), ("Hardmax", _hardmax)):
+    for _base, _since in ((_Softmax2D, 1), (_SoftmaxAxis, 13)):
+        _cls = type(
+            f"{_op}_{_since}",
+            (_base,),
+            {
+                "_fn": staticmethod(_fn),
+                "op_type": _op,
+                "since": _since,
+                "__doc__": f"ONNX {_op} from opset {_since} ({_base.__doc__.splitlines()[0]})",
+                "__module__": __name__,
+            },
+        )
+        register(_op, since=_since)(_cls)
+del _op, _fn, _base, _since, _cls

@@ -1,0 +1,859 @@
+"""Tensor-manipulation kernels: shapes, views, indexing, padding, resizing, constants.
+
+Kernels that numpy can express as views (Reshape, Squeeze, Unsqueeze, Flatten, Transpose,
+Slice, Split, Expand, Identity-like paths) return views of their input: the executor never
+mutates a value it handed to a kernel, so copying would only cost time and memory.  Views may be
+read-only or non-contiguous (Expand returns a zero-stride broadcast view).
+
+Where an opset moved an attribute to an input (Split/Squeeze/Unsqueeze at 13, Slice at 10, Pad
+at 11, Reshape at 5, TopK at 10) each generation is its own registered class.  Attribute
+combinations these kernels do not implement raise ``NotImplementedError`` from ``__init__``; the
+session then runs that node with onnx.reference instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import ClassVar
+
+import numpy as np
+from onnx import numpy_helper
+
+from onnxpack.session.kernels._base import Kernel, KernelContext, register
+
+logger = logging.getLogger(__name__)
+
+__all__: list[str] = []  # kernels are reached through the registry only
+
+
+
+def _ints(x: np.ndarray | None) -> list[int] | None:
+    """A 0-d or 1-d integer tensor input as Python ints (``None`` stays ``None``)."""
+    if x is None:
+        return None
+    return [int(v) for v in np.asarray(x).reshape(-1).tolist()]
+
+
+def _norm_axis(axis: int, rank: int) -> int:
+    return axis + rank if axis < 0 else axis
+
+
+# ------------------------------------------------------------------------------------------------
+# shape-only ops (views)
+# ------------------------------------------------------------------------------------------------
+def _reshape(x: np.ndarray, shape: list[int], allowzero: bool) -> np.ndarray:
+    if not allowzero:
+        # A 0 copies the input's dimension at the same position.
+        shape = [x.shape[i] if d == 0 else d for i, d in enumerate(shape)]
+    return x.reshape(shape)
+
+
+@register("Reshape", since=1)
+class Reshape1(Kernel):
+    """Reshape-1: the target shape is the ``shape`` attribute."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.shape = [int(d) for d in self.attr("shape", [])]
+
+    def run(self, x):  # type: ignore[override]
+        return (_reshape(x, self.shape, False),)
+
+
+@register("Reshape", since=5)
+class Reshape5(Kernel):
+    """Reshape from opset 5: the shape is an input; ``allowzero`` (opset 14) keeps 0 literal."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.allowzero = bool(self.attr("allowzero", 0))
+
+    def run(self, x, shape):  # type: ignore[override]
+        return (_reshape(x, _ints(shape), self.allowzero),)
+
+
+@register("Transpose", since=1)
+class Transpose(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        perm = self.attr("perm")
+        self.perm = tuple(int(p) for p in perm) if perm else None
+
+    def run(self, x):  # type: ignore[override]
+        return (np.transpose(x, self.perm),)
+
+
+@register("Flatten", since=1)
+class Flatten(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.axis = int(self.attr("axis", 1))
+
+    def run(self, x):  # type: ignore[override]
+        axis = _norm_axis(self.axis, x.ndim)
+        outer = math.prod(x.shape[:axis])
+        return (x.reshape(outer, math.prod(x.shape[axis:])),)
+
+
+def _squeeze(x: np.ndarray, axes: list[int] | None) -> np.ndarray:
+    if not axes:
+        return np.squeeze(x)
+    return np.squeeze(x, axis=tuple(axes))
+
+
+def _unsqueeze(x: np.ndarray, axes: list[int]) -> np.ndarray:
+    return np.expand_dims(x, tuple(axes))  # negative axes count from the output's rank
+
+
+@register("Squeeze", since=1)
+class Squeeze1(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        axes = self.attr("axes")
+        self.axes = [int(a) for a in axes] if axes else None
+
+    def run(self, x):  # type: ignore[override]
+        return (_squeeze(x, self.axes),)
+
+
+@register("Squeeze", since=13)
+class Squeeze13(Kernel):
+    def run(self, x, axes=None):  # type: ignore[override]
+        return (_squeeze(x, _ints(axes)),)
+
+
+@register("Unsqueeze", since=1)
+class Unsqueeze1(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.axes = [int(a) for a in self.attr("axes", [])]
+
+    def run(self, x):  # type: ignore[override]
+        return (_unsqueeze(x, self.axes),)
+
+
+@register("Unsqueeze", since=13)
+class Unsqueeze13(Kernel):
+    def run(self, x, axes):  # type: ignore[override]
+        return (_unsqueeze(x, _ints(axes)),)
+
+
+@register("Shape", since=1)
+class Shape(Kernel):
+    """The shape as int64; ``start``/``end`` (opset 15) clamp like Python slices."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.start = int(self.attr("start", 0))
+        end = self.attr("end")
+        self.end = None if end is None else int(end)
+
+    def run(self, x):  # type: ignore[override]
+        return (np.array(x.shape[self.start : self.end], dtype=np.int64),)
+
+
+@register("Size", since=1)
+class Size(Kernel):
+    def run(self, x):  # type: ignore[override]
+        return (np.array(x.size, dtype=np.int64),)
+
+
+@register("Expand", since=8)
+class Expand(Kernel):
+    """Bidirectional broadcast of x to ``shape``; returns a read-only broadcast view."""
+
+    def run(self, x, shape):  # type: ignore[override]
+        target = np.broadcast_shapes(x.shape, tuple(_ints(shape)))
+        if target == x.shape:
+            return (x,)
+        return (np.broadcast_to(x, target),)
+
+
+@register("Tile", since=6)
+class Tile(Kernel):
+    def run(self, x, repeats):  # type: ignore[override]
+        return (np.tile(x, _ints(repeats)),)
+
+
+# ------------------------------------------------------------------------------------------------
+# Concat / Split / Slice
+# ------------------------------------------------------------------------------------------------
+@register("Concat", since=1)
+class Concat(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.axis = int(self.attr("axis", 1))  # opset 1 defaulted to 1; later it is required
+
+    def run(self, *xs):  # type: ignore[override]
+        xs = [x for x in xs if x is not None]
+        if len(xs) == 1:
+            return (xs[0],)
+        return (np.concatenate(xs, axis=self.axis),)
+
+
+def _split(x: np.ndarray, axis: int, sizes: list[int] | None, n_out: int, num_outputs: int | None):
+    axis = _norm_axis(axis, x.ndim)
+    dim = x.shape[axis]
+    if sizes is None:
+        if num_outputs is not None:
+            # Opset 18: chunks of ceil(dim / n); the last one takes what is left.
+            chunk = -(-dim // num_outputs)
+            sizes = [min(chunk, max(dim - i * chunk, 0)) for i in range(num_outputs)]
+        else:
+            sizes = [dim // n_out] * n_out
+    bounds = np.cumsum(sizes)[:-1].tolist()
+    index: list[slice] = [slice(None)] * x.ndim
+    out = []
+    start = 0
+    for stop in [*bounds, start + sum(sizes)]:
+        index[axis] = slice(start, stop)
+        out.append(x[tuple(index)])
+        start = stop
+    return tuple(out)
+
+
+@register("Split", since=1)
+class Split1(Kernel):
+    """Split before opset 13: ``split`` is an attribute (opset 1 also accepted a 2nd input)."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.axis = int(self.attr("axis", 0))
+        split = self.attr("split")
+        self.split = [int(s) for s in split] if split else None
+        self.n_out = len(node.output)
+
+    def run(self, x, split=None):  # type: ignore[override]
+        sizes = self.split if self.split is not None else _ints(split)
+        return _split(x, self.axis, sizes or None, self.n_out, None)
+
+
+@register("Split", since=13)
+class Split13(Kernel):
+    """Split from opset 13: ``split`` is an optional input; opset 18 adds ``num_outputs``."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.axis = int(self.attr("axis", 0))
+        n = self.attr("num_outputs")
+        self.num_outputs = None if n is None else int(n)
+        self.n_out = len(node.output)
+
+    def run(self, x, split=None):  # type: ignore[override]
+        sizes = _ints(split)
+        return _split(x, self.axis, sizes or None, self.n_out, self.num_outputs)
+
+
+def _slice(x: np.ndarray, starts, ends, axes, steps) -> np.ndarray:
+    if axes is None:
+        axes = list(range(len(starts)))
+    if steps is None:
+        steps = [1] * len(starts)
+    index: list[slice] = [slice(None)] * x.ndim
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        axis = _norm_axis(axis, x.ndim)
+        dim = x.shape[axis]
+        if start < 0:
+            start += dim
+        if end < 0:
+            end += dim
+        if step > 0:
+            start = min(max(start, 0), dim)
+            end = min(max(end, 0), dim)
+            index[axis] = slice(start, end, step)
+        else:
+            # Negative steps clamp start to [0, dim-1] and end to [-1, dim-1], where -1 means
+            # "past the first element" -- which a Python slice spells as None.
+            start = min(max(start, 0), dim - 1)
+            end = min(max(end, -1), dim - 1)
+            index[axis] = slice(start, end if end >= 0 else None, step)
+    return x[tuple(index)]
+
+
+@register("Slice", since=1)
+class Slice1(Kernel):
+    """Slice before opset 10: starts/ends/axes are attributes, steps are 1."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.starts = [int(v) for v in self.attr("starts", [])]
+        self.ends = [int(v) for v in self.attr("ends", [])]
+        axes = self.attr("axes")
+        self.axes = [int(v) for v in axes] if axes else None
+
+    def run(self, x):  # type: ignore[override]
+        return (_slice(x, self.starts, self.ends, self.axes, None),)
+
+
+@register("Slice", since=10)
+class Slice10(Kernel):
+    """Slice from opset 10: starts, ends, axes and steps are inputs (negative steps allowed)."""
+
+    def run(self, x, starts, ends, axes=None, steps=None):  # type: ignore[override]
+        return (_slice(x, _ints(starts), _ints(ends), _ints(axes), _ints(steps)),)
+
+
+# ------------------------------------------------------------------------------------------------
+# indexing
+# ------------------------------------------------------------------------------------------------
+@register("Gather", since=1)
+class Gather(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.axis = int(self.attr("axis", 0))
+
+    def run(self, data, indices):  # type: ignore[override]
+        return (np.take(data, indices, axis=self.axis),)  # negative indices wrap, as specified
+
+
+def _element_index(indices: np.ndarray, axis: int) -> tuple[np.ndarray, ...]:
+    """Advanced index selecting ``indices`` along ``axis`` and the identity elsewhere."""
+    rank = indices.ndim
+    index = []
+    for d in range(rank):
+        if d == axis:
+            index.append(indices)
+        else:
+            shape = [1] * rank
+            shape[d] = indices.shape[d]
+            index.append(np.arange(indices.shape[d]).reshape(shape))
+    return tuple(index)
+
+
+@register("GatherElements", since=11)
+class GatherElements(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.axis = int(self.attr("axis", 0))
+
+    def run(self, data, indices):  # type: ignore[override]
+        axis = _norm_axis(self.axis, data.ndim)
+        return (data[_element_index(indices, axis)],)
+
+
+@register("GatherND", since=11)
+class GatherND(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.batch_dims = int(self.attr("batch_dims", 0))
+
+    def run(self, data, indices):  # type: ignore[override]
+        b = self.batch_dims
+        k = indices.shape[-1]
+        batch = data.shape[:b]
+        nb = math.prod(batch)
+        flat_data = data.reshape((nb,) + data.shape[b:])
+        flat_idx = indices.reshape(nb, -1, k)
+        batch_idx = np.arange(nb).reshape(nb, 1)
+        picked = flat_data[(batch_idx,) + tuple(flat_idx[..., j] for j in range(k))]
+        return (picked.reshape(indices.shape[:-1] + data.shape[b + k :]),)
+
+
+_SCATTER_UFUNC = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+@register("ScatterND", since=11)
+class ScatterND(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        reduction = self.attr("reduction", "none")
+        if reduction != "none" and reduction not in _SCATTER_UFUNC:
+            raise NotImplementedError(f"ScatterND reduction={reduction!r}")
+        self.ufunc = _SCATTER_UFUNC.get(reduction)
+
+    def run(self, data, indices, updates):  # type: ignore[override]
+        out = data.copy()
+        k = indices.shape[-1]
+        idx = tuple(np.moveaxis(indices.reshape(-1, k), 1, 0))
+        upd = updates.reshape((-1,) + data.shape[k:])
+        if self.ufunc is None:
+            out[idx] = upd
+        else:
+            self.ufunc.at(out, idx, upd)
+        return (out,)
+
+
+@register("ScatterElements", since=11)
+class ScatterElements(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.axis = int(self.attr("axis", 0))
+        reduction = self.attr("reduction", "none")
+        if reduction != "none" and reduction not in _SCATTER_UFUNC:
+            raise NotImplementedError(f"ScatterElements reduction={reduction!r}")
+        self.ufunc = _SCATTER_UFUNC.get(reduction)
+
+    def run(self, data, indices, updates):  # type: ignore[override]
+        out = data.copy()
+        idx = _element_index(indices, _norm_axis(self.axis, data.ndim))
+        if self.ufunc is None:
+            out[idx] = updates
+        else:
+            self.ufunc.at(out, idx, updates)
+        return (out,)
+
+
+@register("NonZero", since=9)
+class NonZero(Kernel):
+    def run(self, x):  # type: ignore[override]
+        if x.ndim == 0:
+            return (np.zeros((0, int(bool(x))), dtype=np.int64),)
+        return (np.array(np.nonzero(x), dtype=np.int64).reshape(x.ndim, -1),)
+
+
+def _topk(x: np.ndarray, k: int, axis: int, largest: bool):
+    axis = _norm_axis(axis, x.ndim)
+    if largest:
+        # Descending, lower index first among equal values (onnxruntime's order), for every
+        # dtype without negating: a stable ascending sort of the flipped axis, read backwards.
+        n = x.shape[axis]
+        order = np.flip(np.argsort(np.flip(x, axis), axis=axis, kind="stable"), axis)
+        idx = (n - 1) - np.take(order, np.arange(k), axis=axis)
+    else:
+        order = np.argsort(x, axis=axis, kind="stable")
+        idx = np.take(order, np.arange(k), axis=axis)
+    return np.take_along_axis(x, idx, axis=axis), idx.astype(np.int64, copy=False)
+
+
+@register("TopK", since=1)
+class TopK1(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.k = int(self.attr("k"))
+        self.axis = int(self.attr("axis", -1))
+
+    def run(self, x):  # type: ignore[override]
+        return _topk(x, self.k, self.axis, True)
+
+
+@register("TopK", since=10)
+class TopK10(Kernel):
+    """TopK from opset 10: k is an input; opset 11 adds ``largest`` and ``sorted``."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.axis = int(self.attr("axis", -1))
+        self.largest = bool(self.attr("largest", 1))
+
+    def run(self, x, k):  # type: ignore[override]
+        return _topk(x, _ints(k)[0], self.axis, self.largest)
+
+
+class _ArgExtreme(Kernel):
+    _fn: ClassVar = staticmethod(np.argmax)
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.axis = int(self.attr("axis", 0))
+        self.keepdims = bool(self.attr("keepdims", 1))
+        self.last = bool(self.attr("select_last_index", 0))
+
+    def run(self, x):  # type: ignore[override]
+        axis = _norm_axis(self.axis, x.ndim)
+        fn = type(self)._fn
+        if self.last:
+            idx = x.shape[axis] - 1 - fn(np.flip(x, axis), axis=axis, keepdims=self.keepdims)
+        else:
+            idx = fn(x, axis=axis, keepdims=self.keepdims)
+        return (np.asarray(idx, dtype=np.int64),)
+
+
+@register("ArgMax", since=1)
+class ArgMax(_ArgExtreme):
+    _fn = staticmethod(np.argmax)
+
+
+@register("ArgMin", since=1)
+class ArgMin(_ArgExtreme):
+    _fn = staticmethod(np.argmin)
+
+
+@register("CumSum", since=11)
+class CumSum(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.exclusive = bool(self.attr("exclusive", 0))
+        self.reverse = bool(self.attr("reverse", 0))
+
+    def run(self, x, axis):  # type: ignore[override]
+        ax = _norm_axis(_ints(axis)[0], x.ndim)
+        src = np.flip(x, ax) if self.reverse else x
+        if self.exclusive:
+            out = np.zeros_like(src)
+            head = [slice(None)] * x.ndim
+            tail = [slice(None)] * x.ndim
+            head[ax] = slice(1, None)
+            tail[ax] = slice(None, -1)
+            np.cumsum(src[tuple(tail)], axis=ax, dtype=x.dtype, out=out[tuple(head)])
+        else:
+            out = np.cumsum(src, axis=ax, dtype=x.dtype)
+        return (np.flip(out, ax) if self.reverse else out,)
+
+
+@register("OneHot", since=9)
+class OneHot(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.axis = int(self.attr("axis", -1))
+
+    def run(self, indices, depth, values):  # type: ignore[override]
+        d = int(np.asarray(depth).reshape(-1)[0])
+        idx = indices.astype(np.int64)
+        idx = np.where(idx < 0, idx + d, idx)  # out-of-range stays out of range: all "off"
+        hot = idx[..., None] == np.arange(d, dtype=np.int64)
+        off, on = values.reshape(-1)[0], values.reshape(-1)[1]
+        out = np.where(hot, on, off).astype(values.dtype, copy=False)
+        axis = _norm_axis(self.axis, indices.ndim + 1)
+        return (np.moveaxis(out, -1, axis),)
+
+
+@register("Trilu", since=14)
+class Trilu(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.upper = bool(self.attr("upper", 1))
+
+    def run(self, x, k=None):  # type: ignore[override]
+        kk = 0 if k is None else _ints(k)[0]
+        return ((np.triu if self.upper else np.tril)(x, kk),)
+
+
+@register("DepthToSpace", since=1)
+class DepthToSpace(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.bs = int(self.attr("blocksize"))
+        self.mode = self.attr("mode", "DCR")
+        if self.mode not in ("DCR", "CRD"):
+            raise NotImplementedError(f"DepthToSpace mode={self.mode!r}")
+
+    def run(self, x):  # type: ignore[override]
+        b, c, h, w = x.shape
+        bs = self.bs
+        if self.mode == "DCR":
+            tmp = x.reshape(b, bs, bs, c // (bs * bs), h, w).transpose(0, 3, 4, 1, 5, 2)
+        else:
+            tmp = x.reshape(b, c // (bs * bs), bs, bs, h, w).transpose(0, 1, 4, 2, 5, 3)
+        return (tmp.reshape(b, c // (bs * bs), h * bs, w * bs),)
+
+
+@register("SpaceToDepth", since=1)
+class SpaceToDepth(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.bs = int(self.attr("blocksize"))
+
+    def run(self, x):  # type: ignore[override]
+        b, c, h, w = x.shape
+        bs = self.bs
+        tmp = x.reshape(b, c, h // bs, bs, w // bs, bs).transpose(0, 3, 5, 1, 2, 4)
+        return (tmp.reshape(b, c * bs * bs, h // bs, w // bs),)
+
+
+# ------------------------------------------------------------------------------------------------
+# constants and generators
+# ------------------------------------------------------------------------------------------------
+def _frozen(a: np.ndarray) -> np.ndarray:
+    # The same array is returned by every run: read-only so nobody can change it for the next.
+    a = np.array(a)  # own the memory
+    a.setflags(write=False)
+    return a
+
+
+@register("Constant", since=1)
+class Constant(Kernel):
+    """The value is built once, at bind time; every run returns the same read-only array."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        attrs = {a.name: a for a in node.attribute}
+        if "value" in attrs:
+            value = numpy_helper.to_array(attrs["value"].t)
+        elif "value_float" in attrs:
+            value = np.array(attrs["value_float"].f, dtype=np.float32)
+        elif "value_floats" in attrs:
+            value = np.array(list(attrs["value_floats"].floats), dtype=np.float32)
+        elif "value_int" in attrs:
+            value = np.array(attrs["value_int"].i, dtype=np.int64)
+        elif "value_ints" in attrs:
+            value = np.array(list(attrs["value_ints"].ints), dtype=np.int64)
+        else:
+            # sparse_value, value_string(s), or a reference to a function attribute.
+            raise NotImplementedError(f"Constant with attributes {sorted(attrs)}")
+        if value.dtype == object:
+            raise NotImplementedError("Constant string tensor")
+        self.value = _frozen(value)
+
+    def run(self):  # type: ignore[override]
+        return (self.value,)
+
+
+@register("ConstantOfShape", since=9)
+class ConstantOfShape(Kernel):
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        value = None
+        for a in node.attribute:
+            if a.name == "value":
+                value = numpy_helper.to_array(a.t)
+        if value is None:
+            value = np.zeros(1, dtype=np.float32)
+        if value.dtype == object:
+            raise NotImplementedError("ConstantOfShape of strings")
+        self.fill = value.reshape(-1)[0]
+        self.dtype = value.dtype
+
+    def run(self, shape):  # type: ignore[override]
+        return (np.full(_ints(shape), self.fill, dtype=self.dtype),)
+
+
+@register("Range", since=11)
+class Range(Kernel):
+    """``start + i * delta`` for ``i < max(ceil((limit - start) / delta), 0)``, in the inputs' dtype."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        if int(self.attr("stash_type", 1)) != 1:
+            raise NotImplementedError("Range stash_type=0 (accumulate in float16)")
+
+    def run(self, start, limit, delta):  # type: ignore[override]
+        dtype = start.dtype
+        if dtype == np.float16:  # stash_type=1: compute in float32, round once
+            start, limit, delta = (v.astype(np.float32) for v in (start, limit, delta))
+        return (np.arange(start, limit, delta).astype(dtype, copy=False),)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pad
+# ------------------------------------------------------------------------------------------------
+_PAD_MODES = {"constant", "reflect", "edge", "wrap"}
+
+
+def _pad(x: np.ndarray, pads: list[int], mode: str, value, axes: list[int] | None) -> np.ndarray:
+    rank = x.ndim
+    if axes is None:
+        axes = list(range(rank))
+    n = len(axes)
+    before = [0] * rank
+    after = [0] * rank
+    for i, axis in enumerate(axes):
+        axis = _norm_axis(axis, rank)
+        before[axis] = pads[i]
+        after[axis] = pads[i + n]
+    # Negative pads crop: do that first, with a view.
+    if any(p < 0 for p in before + after):
+        crop = tuple(slice(max(-b, 0), x.shape[d] - max(-a, 0)) for d, (b, a) in enumerate(zip(before, after)))
+        x = x[crop]
+        before = [max(b, 0) for b in before]
+        after = [max(a, 0) for a in after]
+    if not any(before) and not any(after):
+        return x
+    if mode == "constant":
+        out_shape = tuple(s + b + a for s, b, a in zip(x.shape, before, after))
+        out = np.full(out_shape, value, dtype=x.dtype)
+        out[tuple(slice(b, b + s) for b, s in zip(before, x.shape))] = x
+        return out
+    return np.pad(x, list(zip(before, after)), mode=mode)
+
+
+@register("Pad", since=1)
+class Pad2(Kernel):
+    """Pad before opset 11: ``pads`` (``paddings`` in opset 1), ``mode``, ``value`` attributes."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        pads = self.attr("pads", self.attr("paddings"))
+        self.pads = [int(p) for p in pads]
+        self.mode = self.attr("mode", "constant")
+        if self.mode not in _PAD_MODES:
+            raise NotImplementedError(f"Pad mode={self.mode!r}")
+        self.value = float(self.attr("value", 0.0))
+
+    def run(self, x):  # type: ignore[override]
+        return (_pad(x, self.pads, self.mode, self.value, None),)
+
+
+@register("Pad", since=11)
+class Pad11(Kernel):
+    """Pad from opset 11: ``pads``, ``constant_value`` and (opset 18) ``axes`` are inputs."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.mode = self.attr("mode", "constant")
+        if self.mode not in _PAD_MODES:
+            raise NotImplementedError(f"Pad mode={self.mode!r}")
+
+    def run(self, x, pads, value=None, axes=None):  # type: ignore[override]
+        v = 0 if value is None or value.size == 0 else value.reshape(-1)[0]
+        return (_pad(x, _ints(pads), self.mode, v, _ints(axes)),)
+
+
+# ------------------------------------------------------------------------------------------------
+# Resize
+# ------------------------------------------------------------------------------------------------
+_RESIZE_MODES = ("nearest", "linear", "cubic")
+_RESIZE_COORDS = ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners", "asymmetric")
+_NEAREST_MODES = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")
+_ASPECT_POLICIES = ("stretch", "not_larger", "not_smaller")
+
+
+@register("Resize", since=11)
+class Resize(Kernel):
+    """Separable Resize: one 1-D gather (nearest) or weighted gather (linear/cubic) per axis.
+
+    Supported: every ``mode`` and ``nearest_mode``; coordinate modes half_pixel,
+    half_pixel_symmetric, pytorch_half_pixel, align_corners, asymmetric; ``axes``;
+    ``keep_aspect_ratio_policy``; ``exclude_outside``.  ``tf_crop_and_resize`` (roi,
+    extrapolation), ``tf_half_pixel_for_nn`` and ``antialias=1`` raise ``NotImplementedError``
+    so the session falls back to onnx.reference.  Resize-10 (a different input layout and
+    legacy rounding) is not registered at all.
+    """
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.mode = self.attr("mode", "nearest")
+        self.coord = self.attr("coordinate_transformation_mode", "half_pixel")
+        self.nearest_mode = self.attr("nearest_mode", "round_prefer_floor")
+        self.cubic_a = float(self.attr("cubic_coeff_a", -0.75))
+        self.exclude_outside = bool(self.attr("exclude_outside", 0))
+        self.policy = self.attr("keep_aspect_ratio_policy", "stretch")
+        axes = self.attr("axes")
+        self.axes = [int(a) for a in axes] if axes else None
+        unsupported = []
+        if self.mode not in _RESIZE_MODES:
+            unsupported.append(f"mode={self.mode!r}")
+        if self.coord not in _RESIZE_COORDS:
+            unsupported.append(f"coordinate_transformation_mode={self.coord!r}")
+        if self.nearest_mode not in _NEAREST_MODES:
+            unsupported.append(f"nearest_mode={self.nearest_mode!r}")
+        if int(self.attr("antialias", 0)):
+            unsupported.append("antialias=1")
+        if self.policy not in _ASPECT_POLICIES:
+            unsupported.append(f"keep_aspect_ratio_policy={self.policy!r}")
+        if unsupported:
+            raise NotImplementedError("Resize " + ", ".join(unsupported))
+
+    def _plan(self, x: np.ndarray, scales, sizes) -> tuple[list[float], list[int]]:
+        rank = x.ndim
+        axes = [_norm_axis(a, rank) for a in self.axes] if self.axes else list(range(rank))
+        factors = [1.0] * rank
+        out = list(x.shape)
+        if sizes is not None and sizes.size:
+            wanted = _ints(sizes)
+            for a, s in zip(axes, wanted):
+                out[a] = s
+                factors[a] = s / x.shape[a] if x.shape[a] else 1.0
+            if self.policy != "stretch":
+                pick = min if self.policy == "not_larger" else max
+                scale = pick(factors[a] for a in axes)
+                for a in axes:
+                    factors[a] = scale
+                    out[a] = int(scale * x.shape[a] + 0.5)
+        else:
+            given = [float(v) for v in np.asarray(scales, dtype=np.float32).reshape(-1).tolist()]
+            for a, s in zip(axes, given):
+                factors[a] = s
+                out[a] = int(s * x.shape[a])
+        return factors, out
+
+    def run(self, x, roi=None, scales=None, sizes=None):  # type: ignore[override]
+        factors, out_shape = self._plan(x, scales, sizes)
+        work = x if x.dtype.kind == "f" and x.dtype != np.float16 else x.astype(np.float32)
+        if self.mode == "nearest":
+            work = x  # nearest only moves elements: no arithmetic, no dtype change
+        for axis, (scale, n_out) in enumerate(zip(factors, out_shape)):
+            n_in = work.shape[axis]
+            if n_out == n_in and math.isclose(scale, 1.0):
+                continue
+            if n_out == 0 or n_in == 0:
+                shape = list(work.shape)
+                shape[axis] = n_out
+                work = np.empty(shape, dtype=work.dtype)
+                continue
+            coords = self._source_coords(n_in, n_out, scale)
+            if self.mode == "nearest":
+                work = np.take(work, self._nearest(coords, n_in), axis=axis)
+            elif self.mode == "linear":
+                work = self._linear(work, axis, coords, n_in)
+            else:
+                work = self._cubic(work, axis, coords, n_in)
+        return (_cast_back(work, x.dtype),)
+
+    def _source_coords(self, n_in: int, n_out: int, scale: float) -> np.ndarray:
+        y = np.arange(n_out, dtype=np.float64)
+        width = scale * n_in  # the un-rounded output length, as the spec uses it
+        mode = self.coord
+        if mode == "align_corners":
+            return np.zeros(n_out) if width == 1 else y * (n_in - 1) / (width - 1)
+        if mode == "asymmetric":
+            return y / scale
+        if mode == "pytorch_half_pixel":
+            return np.full(n_out, -0.5) if width == 1 else (y + 0.5) / scale - 0.5
+        if mode == "half_pixel_symmetric":
+            offset = (n_in / 2) * (1 - n_out / width)
+            return offset + (y + 0.5) / scale - 0.5
+        return (y + 0.5) / scale - 0.5  # half_pixel
+
+    def _nearest(self, coords: np.ndarray, n_in: int) -> np.ndarray:
+        fl = np.floor(coords)
+        frac = coords - fl
+        mode = self.nearest_mode
+        if mode == "round_prefer_floor":
+            up = frac > 0.5
+        elif mode == "round_prefer_ceil":
+            up = frac >= 0.5
+        elif mode == "floor":
+            up = np.zeros(coords.shape, dtype=bool)
+        else:  # ceil
+            up = frac > 0
+        idx = fl.astype(np.int64) + up
+        return np.clip(idx, 0, n_in - 1)
+
+    @staticmethod
+    def _weighted(work: np.ndarray, axis: int, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
+        # idx, w: (n_out, taps).  Sum over taps of take(work, idx[:, t]) * w[:, t].
+        shape = [1] * work.ndim
+        shape[axis] = idx.shape[0]
+        w = w.astype(work.dtype)
+        out = np.take(work, idx[:, 0], axis=axis) * w[:, 0].reshape(shape)
+        for t in range(1, idx.shape[1]):
+            out += np.take(work, idx[:, t], axis=axis) * w[:, t].reshape(shape)
+        return out
+
+    def _linear(self, work, axis, coords, n_in):
+        fl = np.floor(coords)
+        ratio = coords - fl
+        i0 = fl.astype(np.int64)
+        idx = np.clip(np.stack([i0, i0 + 1], axis=1), 0, n_in - 1)
+        w = np.stack([1 - ratio, ratio], axis=1)
+        return self._weighted(work, axis, idx, w)
+
+    def _cubic(self, work, axis, coords, n_in):
+        fl = np.floor(coords)
+        r = coords - fl
+        i0 = fl.astype(np.int64)
+        a = self.cubic_a
+        # Keys' cubic kernel at distances r+1, r, 1-r, 2-r from taps i0-1 .. i0+2.
+        d = np.stack([r + 1, r, 1 - r, 2 - r], axis=1)
+        ad = np.abs(d)
+        w = np.where(
+            ad <= 1,
+            ((a + 2) * ad - (a + 3)) * ad * ad + 1,
+            np.where(ad < 2, ((a * ad - 5 * a) * ad + 8 * a) * ad - 4 * a, 0.0),
+        )
+        raw = i0[:, None] + np.arange(-1, 3)[None, :]
+        if self.exclude_outside:
+            w = np.where((raw < 0) | (raw >= n_in), 0.0, w)
+            total = w.sum(axis=1, keepdims=True)
+            w = w / np.where(total == 0, 1.0, total)
+        return self._weighted(work, axis, np.clip(raw, 0, n_in - 1), w)
+
+
+def _cast_back(y: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    if y.dtype == dtype:
+        return y
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return np.clip(np.rint(y), info.min, info.max).astype(dtype)
+    return y.astype(dtype)

@@ -1,0 +1,375 @@
+"""Native elementwise kernels against onnx.reference (the oracle), op by op.
+
+Tolerances: integer and bool outputs exact; float64 rtol 1e-12; float32 rtol 1e-6 / atol 1e-7;
+float16 rtol 2e-3 / atol 2e-3 (a few half-precision ulps: our float16 transcendental kernels
+compute in float32 and round once, onnx.reference rounds at every step).  Output dtypes and
+shapes must match exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernel_util import make_node, run_native, run_reference  # noqa: E402
+
+from onnxpack.session.kernels import lookup  # noqa: E402
+from onnxpack.session.kernels import elementwise  # noqa: E402
+
+OPSET = 21
+TOL = {
+    np.dtype(np.float64): dict(rtol=1e-12, atol=1e-14),
+    np.dtype(np.float32): dict(rtol=1e-6, atol=1e-7),
+    np.dtype(np.float16): dict(rtol=2e-3, atol=2e-3),
+}
+
+
+def check(node, inputs, opset=OPSET, tol=None):
+    got = run_native(node, inputs, opset)
+    want = run_reference(node, inputs, opset)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert isinstance(g, np.ndarray), type(g)
+        w = np.asarray(w)
+        assert g.dtype == w.dtype, (g.dtype, w.dtype)
+        assert g.shape == w.shape, (g.shape, w.shape)
+        if g.dtype.kind == "f":
+            np.testing.assert_allclose(g, w, **(tol or TOL[g.dtype]), equal_nan=True)
+        else:
+            np.testing.assert_array_equal(g, w)
+    return got
+
+
+rng = np.random.default_rng(0)
+
+
+def rand(shape, dtype, lo=-3.0, hi=3.0):
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.random(shape) > 0.5
+    if dtype.kind in "iu":
+        lo = max(lo, np.iinfo(dtype).min)
+        return rng.integers(int(lo), int(hi) + 1, size=shape).astype(dtype)
+    return rng.uniform(lo, hi, size=shape).astype(dtype)
+
+
+FLOATS = [np.float32, np.float16, np.float64]
+
+# op, input range (domain of the function), dtypes
+UNARY = [
+    ("Neg", (-3, 3), FLOATS + [np.int32, np.int64]),
+    ("Abs", (-3, 3), FLOATS + [np.int8, np.int64]),
+    ("Sqrt", (0.01, 4), FLOATS),
+    ("Exp", (-5, 5), FLOATS),
+    ("Log", (0.01, 5), FLOATS),
+    ("Reciprocal", (0.5, 4), FLOATS),
+    ("Floor", (-3, 3), FLOATS),
+    ("Ceil", (-3, 3), FLOATS),
+    ("Round", (-3, 3), FLOATS),
+    ("Sign", (-3, 3), FLOATS + [np.int32]),
+    ("Relu", (-3, 3), FLOATS + [np.int32, np.int8]),
+    ("Sigmoid", (-30, 30), FLOATS),
+    ("Tanh", (-4, 4), FLOATS),
+    ("Erf", (-4, 4), FLOATS),
+    ("Softplus", (-20, 20), FLOATS),
+    ("Softsign", (-5, 5), FLOATS),
+    ("Sin", (-5, 5), FLOATS),
+    ("Cos", (-5, 5), FLOATS),
+    ("Tan", (-1, 1), [np.float32]),
+    ("Asin", (-0.9, 0.9), [np.float32]),
+    ("Acos", (-0.9, 0.9), [np.float32]),
+    ("Atan", (-3, 3), [np.float32]),
+    ("Sinh", (-3, 3), [np.float32]),
+    ("Cosh", (-3, 3), [np.float32]),
+    ("Asinh", (-3, 3), [np.float32]),
+    ("Acosh", (1.1, 3), [np.float32]),
+    ("Atanh", (-0.9, 0.9), [np.float32]),
+    ("IsNaN", (-3, 3), [np.float32, np.float16]),
+    ("HardSwish", (-5, 5), [np.float32]),
+    ("Mish", (-5, 5), [np.float32]),
+]
+
+
+@pytest.mark.parametrize(
+    "op,rng_,dtype",
+    [(op, r, d) for op, r, ds in UNARY for d in ds],
+    ids=[f"{op}-{np.dtype(d).name}" for op, _, ds in UNARY for d in ds],
+)
+def test_unary(op, rng_, dtype):
+    x = rand((3, 4, 5), dtype, *rng_)
+    if op == "IsNaN":
+        x.reshape(-1)[::7] = np.nan
+    if op == "Round":
+        x.reshape(-1)[:6] = np.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5], dtype=dtype)
+    # onnx.reference evaluates Erf in float32 even for float64 input.
+    tol = TOL[np.dtype(np.float32)] if (op, np.dtype(dtype)) == ("Erf", np.float64) else None
+    check(make_node(op, ["x"], ["y"]), [x], opset=OPSET, tol=tol)
+
+
+@pytest.mark.parametrize("op", ["Relu", "Sigmoid", "Exp", "Abs", "Neg"], ids=str)
+def test_unary_empty_and_scalar(op):
+    for x in (np.zeros((0, 3), np.float32), np.array(0.7, np.float32)):
+        (y,) = check(make_node(op, ["x"], ["y"]), [x])
+        assert y.shape == x.shape
+
+
+def test_not_bitwise_not():
+    check(make_node("Not", ["x"], ["y"]), [rand((4, 5), np.bool_)])
+    check(make_node("BitwiseNot", ["x"], ["y"]), [rand((4, 5), np.int32, -50, 50)], opset=18)
+    check(make_node("BitwiseNot", ["x"], ["y"]), [rand((4, 5), np.uint8, 0, 255)], opset=18)
+
+
+BROADCAST = [((3, 4), (3, 4)), ((2, 3, 4), (4,)), ((3, 1), (1, 5)), ((1,), (2, 3)), ((), (2, 2)), ((0, 3), (1, 3))]
+ARITH = ["Add", "Sub", "Mul", "Div"]
+
+
+@pytest.mark.parametrize("shapes", BROADCAST, ids=[f"{a}x{b}" for a, b in BROADCAST])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, np.int32, np.int64, np.uint8], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", ARITH)
+def test_arithmetic(op, dtype, shapes):
+    a = rand(shapes[0], dtype, 0 if np.dtype(dtype).kind == "u" else -20, 20)
+    b = rand(shapes[1], dtype, 1, 9)
+    if np.dtype(dtype).kind == "i" and b.size:
+        b.reshape(-1)[::2] *= -1  # negative divisors exercise C truncation
+    check(make_node(op, ["a", "b"], ["y"]), [a, b])
+
+
+def test_integer_div_truncates_like_c():
+    a = np.array([7, -7, 7, -7, 6, -6], np.int32)
+    b = np.array([2, 2, -2, -2, 3, 3], np.int32)
+    (y,) = check(make_node("Div", ["a", "b"], ["y"]), [a, b])
+    assert y.tolist() == [3, -3, -3, 3, 2, -2]
+
+
+@pytest.mark.parametrize(
+    "a_dtype,b_dtype,b_val",
+    [
+        (np.float32, np.float32, None),
+        (np.float32, np.float32, 2.0),
+        (np.float16, np.float16, 2.0),
+        (np.float32, np.int64, 3),
+        (np.float16, np.float32, 0.5),
+        (np.int32, np.int32, 2),
+        (np.int64, np.float32, 2.0),
+    ],
+    ids=["f32", "f32-sq", "f16-sq", "f32^i64", "f16^f32", "i32^i32", "i64^f32"],
+)
+def test_pow(a_dtype, b_dtype, b_val):
+    a = rand((3, 4), a_dtype, 1, 4)
+    b = rand((4,), b_dtype, 0.5, 2) if b_val is None else np.array(b_val, dtype=b_dtype)
+    (y,) = check(make_node("Pow", ["a", "b"], ["y"]), [a, b])
+    assert y.dtype == a.dtype
+
+
+@pytest.mark.parametrize("fmod", [0, 1])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.float32], ids=lambda d: np.dtype(d).name)
+def test_mod(fmod, dtype):
+    if np.dtype(dtype).kind == "f" and fmod == 0:
+        pytest.skip("float Mod requires fmod=1")
+    a = rand((4, 5), dtype, -20, 20)
+    b = rand((5,), dtype, 1, 6)
+    b[::2] *= -1
+    check(make_node("Mod", ["a", "b"], ["y"], fmod=fmod), [a, b])
+
+
+CMP = ["Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual"]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.float16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", CMP)
+def test_compare(op, dtype):
+    a = rand((3, 4), dtype, -2, 2).round()
+    b = rand((4,), dtype, -2, 2).round()
+    (y,) = check(make_node(op, ["a", "b"], ["y"]), [a.astype(dtype), b.astype(dtype)])
+    assert y.dtype == np.bool_
+
+
+@pytest.mark.parametrize("op", ["And", "Or", "Xor"])
+def test_logic(op):
+    check(make_node(op, ["a", "b"], ["y"]), [rand((3, 4), np.bool_), rand((1, 4), np.bool_)])
+
+
+@pytest.mark.parametrize("op", ["BitwiseAnd", "BitwiseOr", "BitwiseXor"])
+def test_bitwise(op):
+    check(make_node(op, ["a", "b"], ["y"]), [rand((3, 4), np.int32, -99, 99), rand((4,), np.int32, -99, 99)], opset=18)
+
+
+@pytest.mark.parametrize("direction", ["LEFT", "RIGHT"])
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint32, np.uint64], ids=lambda d: np.dtype(d).name)
+def test_bitshift(direction, dtype):
+    bits = np.dtype(dtype).itemsize * 8
+    a = rand((3, 6), dtype, 0, 200)
+    b = np.array([0, 1, 3, bits - 1, bits, bits + 5], dtype=dtype)
+    check(make_node("BitShift", ["a", "b"], ["y"], direction=direction), [a, b])
+
+
+@pytest.mark.parametrize("op", ["Max", "Min", "Sum", "Mean"])
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32], ids=lambda d: np.dtype(d).name)
+def test_variadic(op, n, dtype):
+    if op == "Mean" and np.dtype(dtype).kind != "f":
+        pytest.skip("Mean is float-only")
+    # onnx.reference's Mean accumulates in place, so it cannot grow the rank: (3, 1) for it.
+    shapes = [(3, 4), (4,), (3, 1) if op == "Mean" else (2, 1, 4)][:n]
+    xs = [rand(s, dtype) for s in shapes]
+    names = [f"x{i}" for i in range(n)]
+    check(make_node(op, names, ["y"]), xs)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.float16], ids=lambda d: np.dtype(d).name)
+def test_where(dtype):
+    c = rand((3, 1), np.bool_)
+    check(make_node("Where", ["c", "x", "y"], ["z"]), [c, rand((3, 4), dtype), rand((4,), dtype)])
+
+
+ACTIVATIONS = [
+    ("LeakyRelu", {}),
+    ("LeakyRelu", {"alpha": 0.2}),
+    ("HardSigmoid", {}),
+    ("HardSigmoid", {"alpha": 0.5, "beta": 0.1}),
+    ("Elu", {}),
+    ("Elu", {"alpha": 0.3}),
+    ("Selu", {}),
+    ("Selu", {"alpha": 1.5, "gamma": 2.0}),
+    ("Celu", {"alpha": 0.7}),
+    ("ThresholdedRelu", {"alpha": 0.5}),
+    ("Gelu", {}),
+    ("Gelu", {"approximate": "tanh"}),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize(
+    "op,attrs", ACTIVATIONS, ids=[f"{op}-{'-'.join(f'{k}={v}' for k, v in a.items()) or 'default'}" for op, a in ACTIVATIONS]
+)
+def test_activation(op, attrs, dtype):
+    x = rand((2, 3, 7), dtype, -4, 4)
+    check(make_node(op, ["x"], ["y"], **attrs), [x])
+
+
+@pytest.mark.parametrize("slope_shape", [(1,), (4, 1, 1), (5,)], ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
+def test_prelu(slope_shape, dtype):
+    check(make_node("PRelu", ["x", "s"], ["y"]), [rand((2, 4, 3, 5), dtype), rand(slope_shape, dtype, 0, 1)])
+
+
+@pytest.mark.parametrize("neg,pos", [(1, 1), (1, 0), (0, 1), (0, 0)])
+def test_isinf(neg, pos):
+    x = np.array([1.0, np.inf, -np.inf, np.nan, 0.0], np.float32)
+    check(make_node("IsInf", ["x"], ["y"], detect_negative=neg, detect_positive=pos), [x])
+
+
+def test_erf_without_scipy_matches_math_erf():
+    x = np.concatenate([np.linspace(-6, 6, 2001), [0.0, 1e-8, -1e-8, 0.4999, 0.5, 0.5001]])
+    want = np.array([math.erf(v) for v in x])
+    got = elementwise.erf_numpy(x)
+    np.testing.assert_allclose(got, want, rtol=2e-7, atol=1e-30)
+
+
+# --- Clip ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("bounds", [(None, None), (-1, None), (None, 1), (-1, 1), (2, 1)], ids=str)
+def test_clip_inputs(bounds, dtype):
+    lo, hi = bounds
+    names = ["x", "" if lo is None else "lo", "" if hi is None else "hi"]
+    while names and names[-1] == "":
+        names.pop()
+    inputs = [rand((3, 5), dtype)]
+    if len(names) > 1:
+        inputs.append(None if lo is None else np.array(lo, dtype))
+    if len(names) > 2:
+        inputs.append(np.array(hi, dtype))
+    check(make_node("Clip", names, ["y"]), inputs, opset=13)
+
+
+@pytest.mark.parametrize("attrs", [{}, {"min": -0.5}, {"max": 0.5}, {"min": -1.0, "max": 1.5}], ids=str)
+def test_clip_attributes_opset6(attrs):
+    check(make_node("Clip", ["x"], ["y"], **attrs), [rand((3, 5), np.float32)], opset=6)
+
+
+# --- Cast ------------------------------------------------------------------------------------
+CAST_TYPES = {
+    "float": (TensorProto.FLOAT, np.float32),
+    "float16": (TensorProto.FLOAT16, np.float16),
+    "double": (TensorProto.DOUBLE, np.float64),
+    "int8": (TensorProto.INT8, np.int8),
+    "int32": (TensorProto.INT32, np.int32),
+    "int64": (TensorProto.INT64, np.int64),
+    "uint8": (TensorProto.UINT8, np.uint8),
+    "bool": (TensorProto.BOOL, np.bool_),
+}
+
+
+@pytest.mark.parametrize("src", list(CAST_TYPES))
+@pytest.mark.parametrize("dst", list(CAST_TYPES))
+def test_cast(src, dst):
+    dtype = CAST_TYPES[src][1]
+    x = rand((4, 5), dtype, 0, 100)
+    if np.dtype(dtype).kind == "f":
+        x = (x * 1.37).astype(dtype)
+        x.reshape(-1)[:3] = [0, 0.5, 1.0]
+    (y,) = check(make_node("Cast", ["x"], ["y"], to=CAST_TYPES[dst][0]), [x], opset=19)
+    assert y.dtype == CAST_TYPES[dst][1]
+
+
+def test_cast_bfloat16_and_castlike():
+    x = rand((3, 4), np.float32)
+    check(make_node("Cast", ["x"], ["y"], to=TensorProto.BFLOAT16), [x], opset=19)
+    check(make_node("CastLike", ["x", "t"], ["y"]), [x, np.zeros(1, np.float16)], opset=19)
+
+
+def test_cast_to_string_falls_back():
+    cls = lookup("", "Cast", 19)
+    from onnxpack.session.kernels import KernelContext
+
+    with pytest.raises(NotImplementedError):
+        cls(make_node("Cast", ["x"], ["y"], to=TensorProto.STRING), KernelContext(19, {"": 19}))
+    with pytest.raises(NotImplementedError):
+        cls(make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT8E4M3FN), KernelContext(19, {"": 19}))
+
+
+# --- Identity / Dropout ----------------------------------------------------------------------
+def test_identity_returns_input():
+    x = rand((2, 3), np.float32)
+    (y,) = check(make_node("Identity", ["x"], ["y"]), [x])
+    assert y is x
+
+
+@pytest.mark.parametrize(
+    "opset,outputs,extra",
+    [(7, ["y"], []), (10, ["y", "m"], []), (13, ["y", "m"], []), (13, ["y"], [np.array(0.3, np.float32)]),
+     (13, ["y", "m"], [np.array(0.3, np.float32), np.array(False)])],
+    ids=["7", "10-mask", "13-mask", "13-ratio", "13-training-off"],
+)
+def test_dropout_inference(opset, outputs, extra):
+    x = rand((3, 4), np.float32)
+    names = ["x", "r", "t"][: 1 + len(extra)]
+    check(make_node("Dropout", names, outputs), [x, *extra], opset=opset)
+
+
+# --- registry --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "op,opset,cls",
+    [("Clip", 6, elementwise.Clip1), ("Clip", 10, elementwise.Clip1), ("Clip", 11, elementwise.Clip11),
+     ("Clip", 21, elementwise.Clip11), ("Gelu", 20, elementwise.Gelu), ("Mod", 13, elementwise.Mod)],
+    ids=lambda v: getattr(v, "__name__", str(v)),
+)
+def test_registry_picks_version(op, opset, cls):
+    assert lookup("", op, opset) is cls
+    assert lookup("ai.onnx", op, opset) is cls
+
+
+def test_registry_generated_classes_carry_since():
+    assert lookup("", "Erf", 13).since == 9
+    assert lookup("", "Add", 14).op_type == "Add"
+
+
+def test_registry_absent_before_introduction():
+    assert lookup("", "Gelu", 19) is None
+    assert lookup("", "Mod", 9) is None

@@ -1,0 +1,179 @@
+"""Native Reduce*, Softmax, LogSoftmax and Hardmax against onnx.reference or numpy.
+
+Tolerances: integer outputs exact; float32 rtol 1e-6 / atol 1e-7 (rtol 1e-5 for the
+exp/log-based reductions, whose summation order differs); float16 rtol/atol 5e-3 (we accumulate
+float16 in float32, onnx.reference in float16).  Softmax before opset 13 is checked against a
+numpy statement of the spec's flatten-to-2-D rule, because onnx.reference applies the opset-13
+axis rule at every opset.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernel_util import make_node, run_native, run_reference  # noqa: E402
+
+from onnxpack.session.kernels import lookup  # noqa: E402
+
+rng = np.random.default_rng(1)
+TOL = {np.dtype(np.float32): dict(rtol=1e-6, atol=1e-7), np.dtype(np.float16): dict(rtol=5e-3, atol=5e-3)}
+LOOSE = {"ReduceLogSumExp", "ReduceLogSum", "ReduceL2", "ReduceMean", "ReduceProd", "Softmax", "LogSoftmax"}
+
+
+def check(node, inputs, opset, op=None):
+    got = run_native(node, inputs, opset)
+    want = run_reference(node, inputs, opset)
+    for g, w in zip(got, want):
+        w = np.asarray(w)
+        if node.op_type == "ReduceSumSquare" and inputs[0].dtype == np.int32:
+            # onnx.reference's np.sum widens int32 to int64; the spec keeps T.
+            assert g.dtype == np.int32
+            w = w.astype(np.int32)
+        assert isinstance(g, np.ndarray)
+        assert g.dtype == w.dtype and g.shape == w.shape, (g.dtype, w.dtype, g.shape, w.shape)
+        if g.dtype.kind == "f":
+            tol = dict(TOL[g.dtype])
+            if g.dtype == np.float32 and (op or node.op_type) in LOOSE:
+                tol["rtol"] = 1e-5
+            np.testing.assert_allclose(g, w, **tol, equal_nan=True)
+        else:
+            np.testing.assert_array_equal(g, w)
+    return got
+
+
+def data(shape, dtype):
+    if np.dtype(dtype).kind in "iu":
+        return rng.integers(1, 5, size=shape).astype(dtype)
+    return rng.uniform(0.2, 2.0, size=shape).astype(dtype)
+
+
+REDUCE = ["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+          "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare"]  # fmt: skip
+AXES = [None, [0], [-1], [1, 2], [0, -1]]
+
+
+def _axes_opset(op):
+    return 13 if op == "ReduceSum" else 18
+
+
+@pytest.mark.parametrize("keepdims", [0, 1])
+@pytest.mark.parametrize("axes", AXES, ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32, np.int64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", REDUCE)
+def test_reduce_axes_input(op, dtype, axes, keepdims):
+    if np.dtype(dtype).kind in "iu" and op in ("ReduceLogSumExp", "ReduceLogSum", "ReduceL2", "ReduceMean"):
+        pytest.skip("float-only math")
+    x = data((2, 3, 4), dtype)
+    opset = _axes_opset(op)
+    if axes is None:
+        check(make_node(op, ["x"], ["y"], keepdims=keepdims), [x], opset)
+    else:
+        check(make_node(op, ["x", "a"], ["y"], keepdims=keepdims), [x, np.array(axes, np.int64)], opset)
+
+
+@pytest.mark.parametrize("keepdims", [0, 1])
+@pytest.mark.parametrize("axes", AXES, ids=str)
+@pytest.mark.parametrize("op", REDUCE)
+def test_reduce_axes_attribute(op, axes, keepdims):
+    opset = 11
+    attrs = {"keepdims": keepdims}
+    if axes is not None:
+        attrs["axes"] = axes
+    check(make_node(op, ["x"], ["y"], **attrs), [data((2, 3, 4), np.float32)], opset)
+
+
+@pytest.mark.parametrize("noop", [0, 1])
+@pytest.mark.parametrize("op", ["ReduceSum", "ReduceMax", "ReduceMean"])
+def test_reduce_empty_axes(op, noop):
+    x = data((2, 3), np.float32)
+    opset = _axes_opset(op)
+    (y,) = check(make_node(op, ["x", "a"], ["y"], noop_with_empty_axes=noop), [x, np.zeros(0, np.int64)], opset)
+    if noop:
+        np.testing.assert_array_equal(y, x)
+
+
+@pytest.mark.parametrize("op", ["ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceLogSumExp", "ReduceSumSquare"])
+def test_reduce_over_empty_dimension(op):
+    x = np.zeros((2, 0, 3), np.float32)
+    check(make_node(op, ["x", "a"], ["y"], keepdims=1), [x, np.array([1], np.int64)], _axes_opset(op))
+
+
+def test_reduce_zero_d_result_is_array():
+    (y,) = run_native(make_node("ReduceSum", ["x"], ["y"], keepdims=0), [data((3, 4), np.float32)], 13)
+    assert isinstance(y, np.ndarray) and y.shape == ()
+
+
+def test_reduce_log_sum_exp_is_stable():
+    x = np.array([[1000.0, 1000.0], [-np.inf, -np.inf]], np.float32)
+    (y,) = run_native(make_node("ReduceLogSumExp", ["x", "a"], ["y"], keepdims=0), [x, np.array([1], np.int64)], 18)
+    np.testing.assert_allclose(y, [1000 + np.log(2), -np.inf], rtol=1e-6)
+
+
+# --- Softmax family --------------------------------------------------------------------------
+def numpy_softmax_2d(x, axis, op):
+    axis = axis % x.ndim
+    flat = x.astype(np.float64).reshape(int(np.prod(x.shape[:axis])), -1)
+    if op == "Hardmax":
+        y = np.zeros_like(flat)
+        y[np.arange(flat.shape[0]), flat.argmax(1)] = 1
+    else:
+        e = np.exp(flat - flat.max(1, keepdims=True))
+        y = e / e.sum(1, keepdims=True)
+        if op == "LogSoftmax":
+            y = np.log(y)
+    return y.reshape(x.shape).astype(x.dtype)
+
+
+SOFT = ["Softmax", "LogSoftmax", "Hardmax"]
+
+
+@pytest.mark.parametrize("axis", [None, 0, 1, 2, -1, -3], ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", SOFT)
+def test_softmax_axis_rule(op, dtype, axis):
+    x = rng.normal(0, 3, size=(2, 3, 5)).astype(dtype)
+    attrs = {} if axis is None else {"axis": axis}
+    check(make_node(op, ["x"], ["y"], **attrs), [x], 13)
+
+
+@pytest.mark.parametrize("axis", [None, 0, 1, 2, -1, -2], ids=str)
+@pytest.mark.parametrize("op", SOFT)
+@pytest.mark.parametrize("opset", [1, 11])
+def test_softmax_flatten_rule(op, axis, opset):
+    x = rng.normal(0, 3, size=(2, 3, 5)).astype(np.float32)
+    attrs = {} if axis is None else {"axis": axis}
+    (y,) = run_native(make_node(op, ["x"], ["y"], **attrs), [x], opset)
+    want = numpy_softmax_2d(x, 1 if axis is None else axis, op)
+    assert y.dtype == np.float32 and y.shape == x.shape
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+
+
+def test_softmax_large_values_and_empty():
+    x = np.array([[1000.0, 0.0, -1000.0]], np.float32)
+    (y,) = run_native(make_node("Softmax", ["x"], ["y"]), [x], 13)
+    np.testing.assert_allclose(y, [[1, 0, 0]], atol=1e-7)
+    (y,) = run_native(make_node("Softmax", ["x"], ["y"]), [np.zeros((0, 4), np.float32)], 13)
+    assert y.shape == (0, 4)
+
+
+def test_hardmax_first_maximum_wins():
+    x = np.array([[1.0, 3.0, 3.0, 0.0]], np.float32)
+    (y,) = check(make_node("Hardmax", ["x"], ["y"]), [x], 13)
+    assert y.tolist() == [[0, 1, 0, 0]]
+
+
+@pytest.mark.parametrize(
+    "op,opset,name",
+    [("ReduceSum", 11, "ReduceSum_1"), ("ReduceSum", 13, "ReduceSum_13"), ("ReduceMean", 17, "ReduceMean_1"),
+     ("ReduceMean", 18, "ReduceMean_18"), ("ReduceMax", 20, "ReduceMax_18"), ("Softmax", 12, "Softmax_1"),
+     ("Softmax", 13, "Softmax_13"), ("LogSoftmax", 11, "LogSoftmax_1"), ("Hardmax", 21, "Hardmax_13")],
+    ids=lambda v: str(v),
+)
+def test_registry_picks_version(op, opset, name):
+    cls = lookup("", op, opset)
+    assert cls is not None and cls.__name__ == name

@@ -1,0 +1,445 @@
+"""Native tensor-manipulation kernels against onnx.reference (the oracle).
+
+Tolerances: everything that only moves elements is compared exactly (all dtypes); Resize
+linear and Range on floats use rtol 1e-6 / atol 1e-6 for float32, cubic 1e-5 (four taps
+with negative weights accumulated in float32) (we interpolate in
+float32, onnx.reference in float64) and rtol/atol 2e-3 for float16.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernel_util import make_node, run_native, run_reference  # noqa: E402
+
+from onnxpack.session.kernels import KernelContext, lookup  # noqa: E402
+from onnxpack.session.kernels import tensor  # noqa: E402
+
+rng = np.random.default_rng(2)
+I64 = np.int64
+
+
+def i64(*v):
+    return np.array(v, dtype=I64)
+
+
+def check(node, inputs, opset=21, close=False, tol=None):
+    got = run_native(node, inputs, opset)
+    want = run_reference(node, inputs, opset)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        w = np.asarray(w)
+        assert isinstance(g, np.ndarray), type(g)
+        assert g.dtype == w.dtype and g.shape == w.shape, (g.dtype, w.dtype, g.shape, w.shape)
+        if close and g.dtype.kind == "f":
+            tol = tol or (2e-3 if g.dtype == np.float16 else 1e-6)
+            np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+        else:
+            np.testing.assert_array_equal(g, w)
+    return got
+
+
+def x_(shape, dtype=np.float32):
+    if np.dtype(dtype).kind in "iu":
+        return rng.integers(0, 100, size=shape).astype(dtype)
+    return rng.normal(size=shape).astype(dtype)
+
+
+# --- shapes ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "shape,target,allowzero",
+    [((2, 3, 4), (6, 4), 0), ((2, 3, 4), (-1,), 0), ((2, 3, 4), (0, -1), 0), ((2, 3, 4), (0, 0, 4), 0),
+     ((0, 3), (3, 0), 1), ((2, 3), (3, 2), 1), ((1,), (), 0)],
+    ids=str,
+)
+def test_reshape(shape, target, allowzero):
+    x = x_(shape)
+    (y,) = check(make_node("Reshape", ["x", "s"], ["y"], allowzero=allowzero), [x, i64(*target)])
+    if x.size:
+        assert np.shares_memory(x, y)  # a view, no copy
+
+
+def test_reshape_opset1_attribute():
+    (y,) = run_native(make_node("Reshape", ["x"], ["y"], shape=[3, -1]), [x_((2, 3))], 1)
+    assert y.shape == (3, 2)
+
+
+@pytest.mark.parametrize("perm", [None, [0, 2, 1], [2, 0, 1]], ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.bool_], ids=lambda d: np.dtype(d).name)
+def test_transpose(perm, dtype):
+    attrs = {} if perm is None else {"perm": perm}
+    check(make_node("Transpose", ["x"], ["y"], **attrs), [x_((2, 3, 4), dtype) if dtype != np.bool_ else x_((2, 3, 4)) > 0])
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2, -1, 3], ids=str)
+def test_flatten(axis):
+    check(make_node("Flatten", ["x"], ["y"], axis=axis), [x_((2, 3, 4))], opset=13)
+
+
+@pytest.mark.parametrize("axes", [None, [1], [-1], [1, 3]], ids=str)
+@pytest.mark.parametrize("opset", [11, 13])
+def test_squeeze(axes, opset):
+    x = x_((2, 1, 3, 1))
+    if opset >= 13:
+        ins = [x] if axes is None else [x, i64(*axes)]
+        check(make_node("Squeeze", ["x", "a"][: len(ins)], ["y"]), ins, opset)
+    else:
+        attrs = {} if axes is None else {"axes": axes}
+        check(make_node("Squeeze", ["x"], ["y"], **attrs), [x], opset)
+
+
+@pytest.mark.parametrize("axes", [[0], [-1], [1, 3], [0, -1]], ids=str)
+@pytest.mark.parametrize("opset", [11, 13])
+def test_unsqueeze(axes, opset):
+    x = x_((2, 3))
+    if opset >= 13:
+        check(make_node("Unsqueeze", ["x", "a"], ["y"]), [x, i64(*axes)], opset)
+    else:
+        check(make_node("Unsqueeze", ["x"], ["y"], axes=axes), [x], opset)
+
+
+@pytest.mark.parametrize("start,end", [(None, None), (1, None), (-2, None), (0, -1), (5, None), (-9, 2)], ids=str)
+def test_shape(start, end):
+    attrs = {k: v for k, v in (("start", start), ("end", end)) if v is not None}
+    check(make_node("Shape", ["x"], ["y"], **attrs), [x_((2, 3, 4))], opset=15)
+
+
+def test_size():
+    check(make_node("Size", ["x"], ["y"]), [x_((2, 3, 4))])
+    check(make_node("Size", ["x"], ["y"]), [x_((0, 3))])
+
+
+@pytest.mark.parametrize("shape,target", [((3, 1), (2, 3, 4)), ((1,), (3,)), ((2, 3), (1, 1)), ((3, 1), (3, 1))], ids=str)
+def test_expand(shape, target):
+    check(make_node("Expand", ["x", "s"], ["y"]), [x_(shape), i64(*target)])
+
+
+def test_tile():
+    check(make_node("Tile", ["x", "r"], ["y"]), [x_((2, 3)), i64(2, 3)])
+
+
+# --- Concat / Split / Slice ------------------------------------------------------------------
+@pytest.mark.parametrize("axis", [0, 1, -1], ids=str)
+def test_concat(axis):
+    xs = [x_((2, 3)), x_((2, 3)), x_((2, 3))]
+    check(make_node("Concat", ["a", "b", "c"], ["y"], axis=axis), xs)
+
+
+def test_concat_with_empty():
+    check(make_node("Concat", ["a", "b"], ["y"], axis=0), [x_((0, 3)), x_((2, 3))])
+
+
+@pytest.mark.parametrize(
+    "opset,axis,split,n",
+    [(11, 0, None, 2), (11, 1, [1, 3], 2), (11, -1, [1, 1, 2], 3), (13, 1, None, 2), (13, 1, [3, 1], 2),
+     (13, -1, [0, 4], 2), (18, 1, None, 3)],
+    ids=str,
+)
+def test_split(opset, axis, split, n):
+    x = x_((4, 4))
+    outs = [f"y{i}" for i in range(n)]
+    if opset >= 13:
+        ins = [x] if split is None else [x, i64(*split)]
+        attrs = {"axis": axis}
+        if opset >= 18 and split is None:
+            attrs["num_outputs"] = n
+        check(make_node("Split", ["x", "s"][: len(ins)], outs, **attrs), ins, opset)
+    else:
+        attrs = {"axis": axis} if split is None else {"axis": axis, "split": split}
+        check(make_node("Split", ["x"], outs, **attrs), [x], opset)
+
+
+def test_split_uneven_num_outputs():
+    check(make_node("Split", ["x"], ["a", "b", "c"], axis=0, num_outputs=3), [x_((7, 2))], 18)
+
+
+SLICES = [
+    ([0], [2], None, None),
+    ([1, 0], [3, -1], [0, 1], None),
+    ([-1], [-100], [1], [-1]),
+    ([3], [0], [0], [-2]),
+    ([0], [2**62], [2], [2]),
+    ([-100], [100], [-1], [1]),
+    ([5], [10], [0], [1]),
+    ([10], [-10], [0], [-1]),
+    ([2], [2], [0], [1]),
+]
+
+
+@pytest.mark.parametrize("starts,ends,axes,steps", SLICES, ids=[str(i) for i in range(len(SLICES))])
+def test_slice(starts, ends, axes, steps):
+    x = x_((4, 5, 6))
+    ins = [x, i64(*starts), i64(*ends)]
+    if axes is not None:
+        ins.append(i64(*axes))
+    if steps is not None:
+        ins.append(i64(*steps))
+    check(make_node("Slice", ["x", "s", "e", "a", "t"][: len(ins)], ["y"]), ins, 13)
+
+
+def test_slice_opset1_attributes():
+    node = make_node("Slice", ["x"], ["y"], starts=[1, -2], ends=[100, -1], axes=[0, 2])
+    check(node, [x_((4, 5, 6))], 9)
+
+
+# --- indexing --------------------------------------------------------------------------------
+@pytest.mark.parametrize("axis", [0, 1, -1], ids=str)
+@pytest.mark.parametrize("ind_shape", [(), (2,), (2, 3)], ids=str)
+def test_gather(axis, ind_shape):
+    x = x_((3, 4, 5))
+    dim = x.shape[axis]
+    idx = rng.integers(-dim, dim, size=ind_shape).astype(I64)
+    check(make_node("Gather", ["x", "i"], ["y"], axis=axis), [x, idx])
+
+
+@pytest.mark.parametrize("axis", [0, 1, -1], ids=str)
+def test_gather_elements(axis):
+    x = x_((3, 4))
+    shape = list(x.shape)
+    shape[axis] = 5  # more indices than the axis holds; onnx.reference needs the other dims equal
+    idx = rng.integers(-2, 2, size=shape).astype(I64)
+    (y,) = run_native(make_node("GatherElements", ["x", "i"], ["y"], axis=axis), [x, idx], 13)
+    # onnx.reference mishandles a negative axis: ask it with the equivalent positive one.
+    (want,) = run_reference(make_node("GatherElements", ["x", "i"], ["y"], axis=axis % 2), [x, idx], 13)
+    np.testing.assert_array_equal(y, want)
+
+
+@pytest.mark.parametrize("batch_dims", [0, 1])
+def test_gather_nd(batch_dims):
+    x = x_((2, 3, 4))
+    idx = np.array([[[0, 1], [1, 2]], [[1, 3], [0, 0]]], I64) if batch_dims else np.array([[0, 1], [1, 2]], I64)
+    check(make_node("GatherND", ["x", "i"], ["y"], batch_dims=batch_dims), [x, idx])
+
+
+@pytest.mark.parametrize("reduction", ["none", "add", "mul", "max", "min"])
+def test_scatter_nd(reduction):
+    x = x_((4, 3))
+    idx = np.array([[1], [3]], I64)
+    upd = x_((2, 3))
+    check(make_node("ScatterND", ["x", "i", "u"], ["y"], reduction=reduction), [x, idx, upd], 18)
+
+
+@pytest.mark.parametrize("reduction", ["none", "add"])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_scatter_elements(axis, reduction):
+    x = x_((3, 4))
+    idx = np.array([[0, 2], [1, 0]], I64)
+    check(make_node("ScatterElements", ["x", "i", "u"], ["y"], axis=axis, reduction=reduction), [x, idx, x_((2, 2))], 18)
+
+
+def test_nonzero():
+    x = np.array([[1, 0, 2], [0, 0, 3]], np.float32)
+    check(make_node("NonZero", ["x"], ["y"]), [x])
+    check(make_node("NonZero", ["x"], ["y"]), [np.zeros((2, 0), np.float32)])
+
+
+@pytest.mark.parametrize("largest", [1, 0])
+@pytest.mark.parametrize("axis", [-1, 0, 1], ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.uint8], ids=lambda d: np.dtype(d).name)
+def test_topk(largest, axis, dtype):
+    x = rng.integers(0, 6, size=(4, 5, 6)).astype(dtype)  # many ties: the lower index must win
+    check(make_node("TopK", ["x", "k"], ["v", "i"], axis=axis, largest=largest), [x, i64(3)], 11)
+
+
+def test_topk_opset1():
+    check(make_node("TopK", ["x"], ["v", "i"], k=2), [x_((3, 5))], 1)
+
+
+@pytest.mark.parametrize("last", [0, 1])
+@pytest.mark.parametrize("keepdims", [0, 1])
+@pytest.mark.parametrize("axis", [0, -1], ids=str)
+@pytest.mark.parametrize("op", ["ArgMax", "ArgMin"])
+def test_arg_extreme(op, axis, keepdims, last):
+    x = rng.integers(0, 3, size=(3, 4)).astype(np.float32)
+    check(make_node(op, ["x"], ["y"], axis=axis, keepdims=keepdims, select_last_index=last), [x], 13)
+
+
+@pytest.mark.parametrize("reverse", [0, 1])
+@pytest.mark.parametrize("exclusive", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.int32], ids=lambda d: np.dtype(d).name)
+def test_cumsum(exclusive, reverse, dtype):
+    x = x_((3, 4), dtype)
+    check(make_node("CumSum", ["x", "a"], ["y"], exclusive=exclusive, reverse=reverse), [x, np.array(1, np.int32)], close=True)
+
+
+@pytest.mark.parametrize("axis", [-1, 0, 1], ids=str)
+def test_onehot(axis):
+    idx = np.array([[0, 3, -1], [5, 2, -4]], I64)
+    check(make_node("OneHot", ["i", "d", "v"], ["y"], axis=axis), [idx, np.array(4, I64), np.array([0.0, 2.5], np.float32)], 11)
+
+
+@pytest.mark.parametrize("upper", [0, 1])
+@pytest.mark.parametrize("k", [None, -1, 2], ids=str)
+def test_trilu(upper, k):
+    ins = [x_((2, 4, 5))] + ([] if k is None else [i64(k)])
+    check(make_node("Trilu", ["x", "k"][: len(ins)], ["y"], upper=upper), ins, 14)
+
+
+@pytest.mark.parametrize("mode", ["DCR", "CRD"])
+def test_depth_to_space(mode):
+    check(make_node("DepthToSpace", ["x"], ["y"], blocksize=2, mode=mode), [x_((2, 8, 3, 4))], 13)
+
+
+def test_space_to_depth():
+    check(make_node("SpaceToDepth", ["x"], ["y"], blocksize=2), [x_((2, 3, 4, 6))], 13)
+
+
+# --- constants / generators ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        {"value": helper.make_tensor("v", TensorProto.FLOAT, [2, 2], [1, 2, 3, 4])},
+        {"value": helper.make_tensor("v", TensorProto.INT64, [], [7])},
+        {"value_float": 1.5},
+        {"value_floats": [1.0, 2.5]},
+        {"value_int": 3},
+        {"value_ints": [1, 2, 3]},
+    ],
+    ids=["tensor", "scalar", "float", "floats", "int", "ints"],
+)
+def test_constant(attrs):
+    (y,) = check(make_node("Constant", [], ["y"], **attrs), [], 13)
+    assert not y.flags.writeable
+
+
+def test_constant_sparse_falls_back():
+    node = make_node("Constant", [], ["y"], value_string="abc")
+    with pytest.raises(NotImplementedError):
+        lookup("", "Constant", 13)(node, KernelContext(13, {"": 13}))
+
+
+@pytest.mark.parametrize(
+    "value", [None, helper.make_tensor("v", TensorProto.INT32, [1], [5]), helper.make_tensor("v", TensorProto.FLOAT16, [1], [1.5])],
+    ids=["default", "int32", "float16"],
+)
+@pytest.mark.parametrize("shape", [(2, 3), (0,), ()], ids=str)
+def test_constant_of_shape(value, shape):
+    attrs = {} if value is None else {"value": value}
+    check(make_node("ConstantOfShape", ["s"], ["y"], **attrs), [np.array(shape, I64)])
+
+
+@pytest.mark.parametrize(
+    "start,limit,delta,dtype",
+    [(0, 10, 3, np.int64), (10, 4, -2, np.int32), (0.5, 3.2, 0.7, np.float32), (1, 1, 1, np.int64), (0, 1, 0.25, np.float16)],
+    ids=str,
+)
+def test_range(start, limit, delta, dtype):
+    ins = [np.array(v, dtype) for v in (start, limit, delta)]
+    check(make_node("Range", ["a", "b", "c"], ["y"]), ins, 11, close=True)
+
+
+# --- Pad -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["constant", "reflect", "edge"])
+@pytest.mark.parametrize("pads", [[0, 1, 2, 1], [1, 0, 0, 2]], ids=str)
+def test_pad(mode, pads):
+    x = x_((3, 4))
+    ins = [x, i64(*pads)]
+    if mode == "constant":
+        ins.append(np.array(1.5, np.float32))
+    check(make_node("Pad", ["x", "p", "v"][: len(ins)], ["y"], mode=mode), ins, 13)
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect", "edge"])
+def test_pad_negative_crops(mode):
+    # onnx.reference (np.pad) rejects negative pads; the oracle is crop-then-np.pad.
+    x = x_((3, 4))
+    (y,) = run_native(make_node("Pad", ["x", "p"], ["y"], mode=mode), [x, i64(0, -1, 1, 0)], 13)
+    np.testing.assert_array_equal(y, np.pad(x[:, 1:], [(0, 1), (0, 0)], mode=mode))
+
+
+def test_pad_axes_and_wrap():
+    x = x_((2, 3, 4))
+    check(make_node("Pad", ["x", "p", "", "a"], ["y"]), [x, i64(1, 2, 0, 1), None, i64(-1, 0)], 18)
+    check(make_node("Pad", ["x", "p"], ["y"], mode="wrap"), [x, i64(0, 1, 2, 0, 1, 1)], 19)
+
+
+def test_pad_opset2_attributes():
+    check(make_node("Pad", ["x"], ["y"], pads=[0, 1, 1, 0], value=2.0), [x_((3, 4))], 2)
+
+
+# --- Resize ----------------------------------------------------------------------------------
+RESIZE = [
+    ("nearest", "asymmetric", "floor"),
+    ("nearest", "half_pixel", "round_prefer_floor"),
+    ("nearest", "half_pixel", "round_prefer_ceil"),
+    ("nearest", "align_corners", "ceil"),
+    ("nearest", "pytorch_half_pixel", "round_prefer_floor"),
+    ("linear", "half_pixel", None),
+    ("linear", "align_corners", None),
+    ("linear", "asymmetric", None),
+    ("linear", "pytorch_half_pixel", None),
+    ("linear", "half_pixel_symmetric", None),
+    ("cubic", "half_pixel", None),
+    ("cubic", "align_corners", None),
+]
+
+
+@pytest.mark.parametrize("scales", [(1, 1, 2, 2), (1, 1, 0.5, 0.6), (1, 1, 1.7, 0.8)], ids=str)
+@pytest.mark.parametrize("mode,coord,nearest", RESIZE, ids=["-".join(filter(None, r)) for r in RESIZE])
+def test_resize_scales(mode, coord, nearest, scales):
+    attrs = {"mode": mode, "coordinate_transformation_mode": coord}
+    if nearest:
+        attrs["nearest_mode"] = nearest
+    x = x_((1, 2, 5, 6))
+    check(make_node("Resize", ["x", "", "s"], ["y"], **attrs), [x, None, np.array(scales, np.float32)], 19, close=True,
+          tol=1e-5 if mode == "cubic" else None)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear", "cubic"])
+@pytest.mark.parametrize("sizes", [(1, 2, 10, 3), (1, 2, 7, 12)], ids=str)
+def test_resize_sizes(mode, sizes):
+    x = x_((1, 2, 5, 6))
+    check(make_node("Resize", ["x", "", "", "z"], ["y"], mode=mode), [x, None, None, i64(*sizes)], 19, close=True,
+          tol=1e-5 if mode == "cubic" else None)
+
+
+@pytest.mark.parametrize("policy", ["not_larger", "not_smaller"])
+def test_resize_axes_and_aspect_policy(policy):
+    x = x_((1, 2, 5, 6))
+    node = make_node("Resize", ["x", "", "", "z"], ["y"], mode="linear", axes=[2, 3], keep_aspect_ratio_policy=policy)
+    check(node, [x, None, None, i64(9, 9)], 19, close=True)
+
+
+def test_resize_cubic_exclude_outside_and_float16():
+    x = x_((1, 1, 5, 6), np.float16)
+    node = make_node("Resize", ["x", "", "s"], ["y"], mode="cubic", exclude_outside=1, cubic_coeff_a=-0.5)
+    check(node, [x, None, np.array([1, 1, 2, 1.5], np.float32)], 19, close=True)
+
+
+def test_resize_opset11_roi_input_and_integer_nearest():
+    x = x_((1, 1, 3, 4), np.uint8)
+    node = make_node("Resize", ["x", "r", "s"], ["y"], mode="nearest")
+    check(node, [x, np.zeros(0, np.float32), np.array([1, 1, 2, 3], np.float32)], 11)
+
+
+@pytest.mark.parametrize(
+    "attrs",
+    [{"coordinate_transformation_mode": "tf_crop_and_resize"}, {"antialias": 1, "mode": "linear"}, {"mode": "bogus"}],
+    ids=["tf_crop", "antialias", "bogus-mode"],
+)
+def test_resize_unsupported_raises_not_implemented(attrs):
+    node = make_node("Resize", ["x", "r", "s"], ["y"], **attrs)
+    with pytest.raises(NotImplementedError):
+        tensor.Resize(node, KernelContext(19, {"": 19}))
+
+
+def test_resize10_has_no_native_kernel():
+    assert lookup("", "Resize", 10) is None
+
+
+@pytest.mark.parametrize(
+    "op,opset,cls",
+    [("Reshape", 4, tensor.Reshape1), ("Reshape", 14, tensor.Reshape5), ("Split", 11, tensor.Split1),
+     ("Split", 18, tensor.Split13), ("Slice", 9, tensor.Slice1), ("Slice", 13, tensor.Slice10),
+     ("Squeeze", 12, tensor.Squeeze1), ("Squeeze", 21, tensor.Squeeze13), ("Unsqueeze", 13, tensor.Unsqueeze13),
+     ("Pad", 10, tensor.Pad2), ("Pad", 18, tensor.Pad11), ("TopK", 9, tensor.TopK1), ("TopK", 11, tensor.TopK10)],
+    ids=lambda v: getattr(v, "__name__", str(v)),
+)
+def test_registry_picks_version(op, opset, cls):
+    assert lookup("", op, opset) is cls
