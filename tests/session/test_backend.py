@@ -17,6 +17,13 @@ backend_test = onnx.backend.test.BackendTest(onnxpack.backend, __name__)
 EXCLUDED: dict[str, str] = {
     r"^test_.*_real_": "the 'real' model suite downloads models; CI has no network",
     r"^test_.*_cuda$": "no GPU: onnxpack runs on the CPU only",
+    r"^test_bernoulli": "random sampling: outputs cannot match stored ones (onnx.reference fails these too)",
+    r"^test_gradient_of_add": "ai.onnx.preview.training Gradient: a training op, no inference implementation "
+    "(onnx.reference has none either)",
+    r"^test_if_opt_cpu$": "the runner cannot compare an optional(sequence) output with the stored one "
+    "(ours equals onnx.reference's, which fails this case the same way)",
+    r"^test_loop16_seq_none_cpu$": "the runner cannot compare a sequence output containing a 0-d tensor "
+    "(ours equals onnx.reference's, which fails this case the same way)",
 }
 for _pattern, _reason in EXCLUDED.items():
     backend_test.exclude(_pattern)
