@@ -19,6 +19,7 @@ __all__ = [
     "RuntimeFailure",
     "ConfigError",
     "PlannerMemoryError",
+    "PrepackWarning",
 ]
 
 
@@ -64,3 +65,7 @@ class RuntimeFailure(OnnxpackError, RuntimeError):
 
 class PlannerMemoryError(OnnxpackError, MemoryError):
     """No memory of the configured hierarchy can hold a tensor; names the tensor and memories."""
+
+
+class PrepackWarning(UserWarning):
+    """A saved pre-packed blob or cache entry was ignored; the weight is re-packed."""

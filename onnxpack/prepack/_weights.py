@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["PrePackedWeights", "make_key", "content_identity", "file_identity", "freeze"]
+__all__ = ["PrePackedWeights", "make_key", "content_identity", "file_identity", "freeze", "sample_digest", "full_digest"]
 
 # 16 bytes of BLAKE2b: collisions are out of reach for any number of weights a machine holds.
 KEY_DIGEST_SIZE = 16
@@ -77,3 +77,37 @@ def make_key(spec, source_identity: bytes, dtype: np.dtype | str, shape: Sequenc
     h.update(b"|" + str(np.dtype(dtype)).encode() + b"|" + ",".join(map(str, shape)).encode())
     h.update(b"|" + spec.attrs)
     return f"{spec.family}/{spec.version}/{h.hexdigest()}"
+
+
+# Staleness is checked at every warm load, so it must not page the whole weight in: 16 samples of
+# 256 bytes (at most 16 pages touched) plus the length catch a rewritten or re-generated weight;
+# ``onnxpack.verify_prepacked=1`` adds the full digest.
+_SAMPLES = 16
+_SAMPLE_BYTES = 256
+
+
+def _bytes_of(raw: bytes | memoryview | np.ndarray) -> memoryview:
+    if isinstance(raw, np.ndarray):
+        raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8).data
+    return memoryview(raw).cast("B")
+
+
+def full_digest(raw: bytes | memoryview | np.ndarray) -> bytes:
+    """BLAKE2b-128 of every byte (the content identity used in saved keys)."""
+    return hashlib.blake2b(_bytes_of(raw), digest_size=KEY_DIGEST_SIZE).digest()
+
+
+def sample_digest(raw: bytes | memoryview | np.ndarray) -> bytes:
+    """BLAKE2b-128 of the length and of evenly spaced samples of the bytes."""
+    view = _bytes_of(raw)
+    n = len(view)
+    h = hashlib.blake2b(digest_size=KEY_DIGEST_SIZE)
+    h.update(n.to_bytes(8, "little"))
+    if n <= _SAMPLES * _SAMPLE_BYTES:
+        h.update(view)
+    else:
+        step = (n - _SAMPLE_BYTES) // (_SAMPLES - 1)
+        for k in range(_SAMPLES):
+            start = k * step
+            h.update(view[start:start + _SAMPLE_BYTES])
+    return h.digest()

@@ -1,0 +1,34 @@
+"""ONNX models as data: zero-copy load, scopes and the bottom-up walker, aligned atomic save.
+
+See ``_model`` for scope paths, ``_external`` for the external-data security rules and
+``_save`` for the on-disk layout and crash-safety choices.
+"""
+
+from __future__ import annotations
+
+from onnxpack.graph._external import ExternalLocation
+from onnxpack.graph._model import Model, Scope, load_model, walk
+from onnxpack.graph._save import (
+    DEFAULT_ALIGN_THRESHOLD,
+    BlobPlacement,
+    SaveExtras,
+    SaveResult,
+    compute_offset,
+    save_model,
+)
+from onnxpack.graph._tensor import Tensor
+
+__all__ = [
+    "load_model",
+    "save_model",
+    "walk",
+    "Model",
+    "Scope",
+    "Tensor",
+    "ExternalLocation",
+    "SaveExtras",
+    "SaveResult",
+    "BlobPlacement",
+    "compute_offset",
+    "DEFAULT_ALIGN_THRESHOLD",
+]

@@ -1,0 +1,269 @@
+"""External data: resolve a tensor's ``external_data`` safely and map each data file once.
+
+A model is untrusted input.  Its ``external_data`` entries name a file, an offset and a length;
+every one of them is checked here, in one place, before a single byte is read:
+
+* the location must be a relative path without NUL bytes, and its real path (symlinks resolved)
+  must stay inside the model's folder — absolute paths, ``..`` escapes and symlinks pointing out
+  are refused without opening anything outside the folder;
+* the target must be a regular file (``os.stat`` before ``open``, then ``O_NOFOLLOW |
+  O_NONBLOCK`` so a FIFO or device can never block or be read, then ``fstat`` on the descriptor
+  to make sure we opened what we checked);
+* offset and length must be non-negative decimal integers, lie inside the file, and the length
+  must equal what the tensor's shape and dtype need.
+
+Each file is opened once per :class:`DataFiles` and mapped read-only (``mmap.ACCESS_READ``);
+tensors are zero-copy views into that mapping, so loading touches no weight pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import mmap
+import os
+import stat
+
+from onnx import TensorProto
+
+from onnxpack.errors import ExternalDataError
+
+__all__ = ["ExternalLocation", "DataFiles", "parse_external_data", "RESERVED_KEYS"]
+
+logger = logging.getLogger(__name__)
+
+# Keys of TensorProto.external_data that describe where the bytes are.  Everything else
+# (``checksum``, unknown keys) is carried through a save unchanged, except keys onnxruntime
+# owns that point into a specific file layout (see ``_save._STALE_KEY_PREFIXES``).
+RESERVED_KEYS = ("location", "offset", "length")
+
+# Offsets/lengths beyond this cannot be valid file positions on any platform we support; the
+# cap also keeps a hostile "99999…" string from turning into a huge Python int that overflows
+# later C-level arithmetic (mmap, numpy).
+_MAX_FILE_POSITION = 2**63 - 1
+
+# O_NOFOLLOW/O_NONBLOCK do not exist on Windows; there the stat checks above are what protects us.
+_OPEN_FLAGS = (
+    os.O_RDONLY
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_BINARY", 0)
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExternalLocation:
+    """Where an external tensor's bytes live, after validation.
+
+    Attributes:
+        location: the location string exactly as written in the model.
+        path: resolved absolute real path of the data file (inside the model's folder).
+        offset: byte offset of the tensor in the file.
+        length: number of bytes of the tensor in the file.
+        file_id: ``(st_dev, st_ino, st_size, st_mtime_ns)`` of the opened file; the prepack layer
+            uses it as a cheap identity of the weight's bytes.
+    """
+
+    location: str
+    path: str
+    offset: int
+    length: int
+    file_id: tuple[int, int, int, int]
+
+
+def parse_external_data(tensor: TensorProto) -> dict[str, str]:
+    """Returns the tensor's ``external_data`` entries as a dict (last entry wins)."""
+    return {entry.key: entry.value for entry in tensor.external_data}
+
+
+def _parse_position(tensor_name: str, location: str, key: str, value: str | None) -> int | None:
+    if value is None:
+        return None
+    text = value.strip()
+    if not text.isdigit() or not text.isascii():
+        raise ExternalDataError(
+            f"tensor {tensor_name!r}: external data {key} of file {location!r} must be a "
+            f"non-negative decimal integer, got {value!r}"
+        )
+    number = int(text)
+    if number > _MAX_FILE_POSITION:
+        raise ExternalDataError(
+            f"tensor {tensor_name!r}: external data {key} of file {location!r} is {number}, "
+            f"beyond the largest file position {_MAX_FILE_POSITION}"
+        )
+    return number
+
+
+class _MappedFile:
+    """One opened, read-only mapped data file."""
+
+    __slots__ = ("path", "size", "file_id", "buffer", "_mmap")
+
+    def __init__(self, path: str, size: int, file_id: tuple[int, int, int, int], mm) -> None:
+        self.path = path
+        self.size = size
+        self.file_id = file_id
+        self._mmap = mm
+        # mmap of an empty file is impossible; an empty bytes object serves zero-length views.
+        self.buffer = mm if mm is not None else b""
+
+
+class DataFiles:
+    """The external data files of one model: resolved, validated and mapped once each.
+
+    Args:
+        base_dir: folder that locations resolve against; ``None`` means the model came from bytes
+            without a folder, so any external tensor is an error.
+    """
+
+    def __init__(self, base_dir: str | None) -> None:
+        self.base_dir = os.path.abspath(base_dir) if base_dir is not None else None
+        self._real_base = os.path.realpath(self.base_dir) if self.base_dir is not None else None
+        self._files: dict[str, _MappedFile] = {}  # by location string as written
+        self._closed = False
+
+    # -- resolution -------------------------------------------------------------------------
+    def _resolve(self, tensor_name: str, location: str) -> str:
+        if self._real_base is None:
+            raise ExternalDataError(
+                f"tensor {tensor_name!r}: external data file {location!r} cannot be resolved: the "
+                "model was loaded from bytes without base_dir"
+            )
+        if "\x00" in location:
+            raise ExternalDataError(
+                f"tensor {tensor_name!r}: external data location {location!r} contains a NUL byte"
+            )
+        if not location:
+            raise ExternalDataError(f"tensor {tensor_name!r}: external data location is empty")
+        # Refuse absolute locations in every spelling (POSIX, Windows drive, UNC), not only the
+        # host's: a model built on one OS is loaded on another.
+        if (
+            os.path.isabs(location)
+            or location.startswith(("/", "\\"))
+            or (len(location) > 1 and location[1] == ":")
+        ):
+            raise ExternalDataError(
+                f"tensor {tensor_name!r}: external data location {location!r} is absolute; it must "
+                f"be relative to the model folder {self.base_dir!r}"
+            )
+        parts = location.replace("\\", "/").split("/")
+        if ".." in parts:
+            raise ExternalDataError(
+                f"tensor {tensor_name!r}: external data location {location!r} escapes the model "
+                f"folder {self.base_dir!r} with '..'"
+            )
+        # realpath resolves symlinks with lstat/readlink only: nothing is opened.
+        real = os.path.realpath(os.path.join(self._real_base, location))
+        if os.path.commonpath([real, self._real_base]) != self._real_base or real == self._real_base:
+            raise ExternalDataError(
+                f"tensor {tensor_name!r}: external data location {location!r} resolves to {real!r}, "
+                f"outside the model folder {self._real_base!r} (symlink pointing out?)"
+            )
+        return real
+
+    def _open(self, tensor_name: str, location: str) -> _MappedFile:
+        if self._closed:
+            raise ExternalDataError(
+                f"tensor {tensor_name!r}: the model was closed; cannot map {location!r}"
+            )
+        cached = self._files.get(location)
+        if cached is not None:
+            return cached
+        real = self._resolve(tensor_name, location)
+        try:
+            st = os.stat(real, follow_symlinks=False)
+        except OSError as e:
+            raise ExternalDataError(
+                f"tensor {tensor_name!r}: external data file {location!r} ({real}) cannot be "
+                f"accessed: {e.strerror}"
+            ) from e
+        if not stat.S_ISREG(st.st_mode):
+            raise ExternalDataError(
+                f"tensor {tensor_name!r}: external data file {location!r} ({real}) is not a "
+                "regular file"
+            )
+        try:
+            fd = os.open(real, _OPEN_FLAGS)
+        except OSError as e:
+            raise ExternalDataError(
+                f"tensor {tensor_name!r}: external data file {location!r} ({real}) cannot be "
+                f"opened: {e.strerror}"
+            ) from e
+        try:
+            fst = os.fstat(fd)
+            if not stat.S_ISREG(fst.st_mode) or (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+                raise ExternalDataError(
+                    f"tensor {tensor_name!r}: external data file {location!r} ({real}) changed "
+                    "while it was being opened or is not a regular file"
+                )
+            size = fst.st_size
+            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size > 0 else None
+        finally:
+            os.close(fd)
+        file_id = (fst.st_dev, fst.st_ino, fst.st_size, fst.st_mtime_ns)
+        mapped = _MappedFile(real, size, file_id, mm)
+        # Two spellings of one location ("w.bin", "./w.bin") share one mapping.
+        for other in self._files.values():
+            if other.path == real and other.file_id == file_id:
+                mapped = other
+                break
+        self._files[location] = mapped
+        return mapped
+
+    # -- public -----------------------------------------------------------------------------
+    def locate(
+        self, tensor: TensorProto, expected_nbytes: int
+    ) -> tuple[ExternalLocation, object]:
+        """Validates an external tensor and returns its location and the buffer it lives in.
+
+        Args:
+            tensor: the TensorProto with ``data_location == EXTERNAL``.
+            expected_nbytes: bytes its shape and dtype need.
+
+        Returns:
+            ``(ExternalLocation, buffer)`` where ``buffer`` is the read-only mapping (or ``b""``).
+
+        Raises:
+            ExternalDataError: naming the tensor, the file and the bounds, on any violation.
+        """
+        name = tensor.name
+        entries = parse_external_data(tensor)
+        location = entries.get("location")
+        if location is None:
+            raise ExternalDataError(f"tensor {name!r}: external data has no 'location' entry")
+        offset = _parse_position(name, location, "offset", entries.get("offset"))
+        length = _parse_position(name, location, "length", entries.get("length"))
+        mapped = self._open(name, location)
+        offset = 0 if offset is None else offset
+        if length is None:
+            # onnx reads "to the end of file" when length is missing; we require the tensor's
+            # own size to fit instead, which is what every writer means.
+            length = expected_nbytes
+        elif length != expected_nbytes:
+            raise ExternalDataError(
+                f"tensor {name!r}: external data length {length} in file {location!r} does not "
+                f"match its shape {tuple(tensor.dims)} and dtype "
+                f"{TensorProto.DataType.Name(tensor.data_type)}: expected {expected_nbytes} bytes"
+            )
+        if offset > mapped.size or length > mapped.size - offset:
+            raise ExternalDataError(
+                f"tensor {name!r}: external data [{offset}, {offset + length}) lies outside file "
+                f"{location!r} of {mapped.size} bytes"
+            )
+        loc = ExternalLocation(location, mapped.path, offset, length, mapped.file_id)
+        return loc, mapped.buffer
+
+    def paths(self) -> set[str]:
+        """Real paths of every data file mapped so far."""
+        return {m.path for m in self._files.values()}
+
+    def close(self) -> None:
+        """Forgets the mappings.
+
+        The mmaps themselves are not closed: numpy views taken earlier hold references to them,
+        and closing a mapping under a live view would crash the process.  The OS unmaps each file
+        once the last view is garbage-collected.
+        """
+        self._files.clear()
+        self._closed = True

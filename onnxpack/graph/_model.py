@@ -1,0 +1,299 @@
+"""Model, scopes and the one bottom-up walker.
+
+A *scope* is one GraphProto: the root graph or a graph held by a node attribute (If branches,
+Loop/Scan bodies, any GRAPH/GRAPHS attribute, nested to any depth).  Names that a scope uses but
+does not define resolve to the nearest enclosing scope that defines them (ONNX outer-scope
+rule); :attr:`Scope.outer_refs` records which of those are enclosing *initializers*, because those
+are the weights a subgraph's kernels pre-pack and the saver must externalize with their owner.
+
+Scope paths
+-----------
+The root's path is ``""``.  A child's path is
+``f"{parent.path}/{label}.{attr_name}"`` plus ``f"[{k}]"`` for the k-th graph of a GRAPHS
+attribute, where ``label`` is the owner node's name when it is non-empty, does not start with
+``#`` and is unique among the nodes of its graph, else ``f"#{node_index}"``.  In the pathological
+case where two different scopes still spell the same path (node names containing ``/`` and ``.``
+crafted to collide), the later one in pre-order gets ``#{node_index}`` and then a ``~{n}``
+suffix.  Paths depend only on the graph structure and node names, so a model saved and loaded
+again has the same paths — which is what the prepack layer keys its records by.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import onnx
+from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto
+
+from onnxpack.errors import ModelLoadError
+from onnxpack.graph._external import DataFiles
+from onnxpack.graph._tensor import Tensor
+
+__all__ = ["Model", "Scope", "load_model", "walk", "subgraphs_of"]
+
+logger = logging.getLogger(__name__)
+
+
+def subgraphs_of(node: NodeProto) -> Iterator[tuple[str, int | None, GraphProto]]:
+    """Yields ``(attr_name, k, graph)`` for each graph a node holds (``k`` is None for GRAPH)."""
+    for attr in node.attribute:
+        if attr.type == AttributeProto.GRAPH or (attr.HasField("g") and attr.type == 0):
+            yield attr.name, None, attr.g
+        elif attr.type == AttributeProto.GRAPHS:
+            for k, g in enumerate(attr.graphs):
+                yield attr.name, k, g
+
+
+class Scope:
+    """One graph of a model with its place in the scope tree.
+
+    Attributes:
+        graph: the GraphProto.
+        parent: enclosing scope (``None`` for the root).
+        owner: node whose attribute holds this graph (``None`` for the root).
+        owner_index: index of ``owner`` in the parent's ``graph.node`` (``None`` for the root).
+        attr_name, attr_index: the owner's attribute holding this graph, and k for GRAPHS.
+        path: unique, stable path of the scope (see the module docstring).
+        children: scopes of the graphs held by this scope's nodes, in node order.
+        initializers: dense initializers defined in this graph (sparse ones converted to dense).
+        outer_refs: names used by this scope's nodes or its nested scopes that resolve to an
+            enclosing scope's initializer -> the scope that owns it.
+        defined: every name this scope defines (inputs, initializers, node outputs).
+    """
+
+    __slots__ = ("graph", "parent", "owner", "owner_index", "attr_name", "attr_index", "path",
+                 "children", "initializers", "outer_refs", "defined", "_free")
+
+    def __init__(self, graph: GraphProto, parent: Scope | None, owner: NodeProto | None,
+                 owner_index: int | None, path: str) -> None:
+        self.graph = graph
+        self.parent = parent
+        self.owner = owner
+        self.owner_index = owner_index
+        self.attr_name: str | None = None  # attribute of ``owner`` holding this graph
+        self.attr_index: int | None = None  # k for GRAPHS attributes
+        self.path = path
+        self.children: list[Scope] = []
+        self.initializers: dict[str, Tensor] = {}
+        self.outer_refs: dict[str, Scope] = {}
+        self.defined: set[str] = set()
+        self._free: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"Scope({self.path!r}, graph={self.graph.name!r}, {len(self.initializers)} initializers)"
+
+    def lookup_initializer(self, name: str) -> Tensor | None:
+        """Resolves ``name`` innermost scope first; ``None`` when the nearest definition is not an
+        initializer (an input or node output shadows outer initializers of the same name)."""
+        scope: Scope | None = self
+        while scope is not None:
+            tensor = scope.initializers.get(name)
+            if tensor is not None:
+                return tensor
+            if name in scope.defined:
+                return None
+            scope = scope.parent
+        return None
+
+
+def walk(root: Scope) -> Iterator[Scope]:
+    """Yields ``root`` and every nested scope bottom-up: each scope's children (in node order,
+    recursively) before the scope itself, so the root comes last.  Iterative: depth is unbounded."""
+    stack: list[tuple[Scope, bool]] = [(root, False)]
+    while stack:
+        scope, expanded = stack.pop()
+        if expanded:
+            yield scope
+            continue
+        stack.append((scope, True))
+        for child in reversed(scope.children):
+            stack.append((child, False))
+
+
+def _sparse_to_dense(sparse: onnx.SparseTensorProto, files: DataFiles | None) -> Tensor:
+    values = Tensor(sparse.values, files)
+    indices = Tensor(sparse.indices, files)
+    dims = tuple(int(d) for d in sparse.dims)
+    name = sparse.values.name
+    vals = values.numpy().reshape(-1)
+    idx = indices.numpy().astype(np.int64, copy=False)
+    dense = np.zeros(int(np.prod(dims, dtype=np.int64)), dtype=vals.dtype)
+    try:
+        if idx.ndim == 2:  # COO with one column per dimension
+            flat = np.ravel_multi_index(tuple(idx.T), dims) if idx.size else idx.reshape(-1)
+        else:
+            flat = idx.reshape(-1)
+        dense[flat] = vals
+    except (ValueError, IndexError) as e:
+        raise ModelLoadError(
+            f"sparse initializer {name!r}: indices {idx.shape} do not fit shape {dims}: {e}"
+        ) from e
+    dense = dense.reshape(dims)
+    dense.flags.writeable = False
+    proto = TensorProto()
+    proto.name = name
+    proto.data_type = sparse.values.data_type
+    proto.dims.extend(dims)
+    return Tensor(proto, None, array=dense)
+
+
+class Model:
+    """A parsed model whose external data is mapped, not read.
+
+    Attributes:
+        proto: the ModelProto (external data is NOT pulled into it).
+        path: model file path, or ``None`` when loaded from bytes.
+        base_dir: folder against which external locations resolve (``None``: none allowed).
+        root: the root scope.
+        opsets: domain -> version; ``"ai.onnx"`` is normalized to ``""``.
+    """
+
+    def __init__(self, proto: ModelProto, *, path: str | None = None,
+                 base_dir: str | None = None) -> None:
+        self.proto = proto
+        self.path = os.path.abspath(path) if path is not None else None
+        if base_dir is None and self.path is not None:
+            base_dir = os.path.dirname(self.path)
+        self.base_dir = os.path.abspath(base_dir) if base_dir is not None else None
+        self._files = DataFiles(self.base_dir)
+        self.opsets: dict[str, int] = {}
+        for imp in proto.opset_import:
+            domain = "" if imp.domain in ("", "ai.onnx") else imp.domain
+            self.opsets[domain] = int(imp.version)
+        self.root = self._build(proto.graph)
+
+    # -- construction -----------------------------------------------------------------------
+    def tensor(self, proto: TensorProto) -> Tensor:
+        """Wraps any TensorProto of this model (e.g. a Constant node's ``value``) as a Tensor,
+        with the same external-data checks and mappings as initializers."""
+        return Tensor(proto, self._files)
+
+    def _build(self, graph: GraphProto) -> Scope:
+        root = Scope(graph, None, None, None, "")
+        used_paths = {""}
+        order: list[Scope] = []
+        stack = [root]
+        while stack:  # pre-order: parents before children, so path collisions resolve stably
+            scope = stack.pop()
+            order.append(scope)
+            g = scope.graph
+            files = self._files
+            for init in g.initializer:
+                scope.initializers[init.name] = Tensor(init, files)
+            for sp in g.sparse_initializer:
+                dense = _sparse_to_dense(sp, files)
+                scope.initializers[dense.name] = dense
+            defined = scope.defined
+            defined.update(scope.initializers)
+            defined.update(v.name for v in g.input)
+            name_counts = collections.Counter(n.name for n in g.node)
+            for index, node in enumerate(g.node):
+                defined.update(o for o in node.output if o)
+                for attr in node.attribute:  # validate attribute tensors' external data early
+                    if attr.type == AttributeProto.TENSOR and attr.t.data_location == TensorProto.EXTERNAL:
+                        self.tensor(attr.t)
+                    elif attr.type == AttributeProto.TENSORS:
+                        for t in attr.tensors:
+                            if t.data_location == TensorProto.EXTERNAL:
+                                self.tensor(t)
+                subs = list(subgraphs_of(node))
+                if not subs:
+                    continue
+                ok_name = node.name and not node.name.startswith("#") and name_counts[node.name] == 1
+                for attr_name, k, sub in subs:
+                    suffix = f".{attr_name}" + (f"[{k}]" if k is not None else "")
+                    path = f"{scope.path}/{node.name if ok_name else '#' + str(index)}{suffix}"
+                    if path in used_paths:
+                        path = f"{scope.path}/#{index}{suffix}"
+                        n = 1
+                        while path in used_paths:
+                            path = f"{scope.path}/#{index}~{n}{suffix}"
+                            n += 1
+                    used_paths.add(path)
+                    child = Scope(sub, scope, node, index, path)
+                    child.attr_name, child.attr_index = attr_name, k
+                    scope.children.append(child)
+            stack.extend(reversed(scope.children))
+        # Free names bottom-up (children first), then resolve outer references per scope.
+        for scope in walk(root):
+            g = scope.graph
+            used: set[str] = set()
+            for node in g.node:
+                used.update(i for i in node.input if i)
+            used.update(o.name for o in g.output if o.name)
+            for child in scope.children:
+                used |= child._free
+            scope._free = used - scope.defined
+            for name in scope._free:
+                outer = scope.parent
+                while outer is not None and name not in outer.defined:
+                    outer = outer.parent
+                if outer is not None and name in outer.initializers:
+                    scope.outer_refs[name] = outer
+        return root
+
+    # -- queries ----------------------------------------------------------------------------
+    def scopes(self) -> Iterator[Scope]:
+        """Every scope, bottom-up (children before the scope of their owner node)."""
+        return walk(self.root)
+
+    def data_buffer(self, location: str, what: str) -> tuple[object, int]:
+        """The read-only mapping of data file ``location`` and its size, with the same location
+        rules as tensors (``what`` names the reader in errors, e.g. a pre-packed blob)."""
+        mapped = self._files._open(what, location)
+        return mapped.buffer, mapped.size
+
+    def data_paths(self) -> set[str]:
+        """Real paths of the external data files this model maps."""
+        return self._files.paths()
+
+    def close(self) -> None:
+        """Drops the mappings this model owns; arrays handed out earlier stay valid."""
+        self._files.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_model(path_or_bytes: str | os.PathLike | bytes, *, base_dir: str | None = None) -> Model:
+    """Parses a model without reading its external data.
+
+    Args:
+        path_or_bytes: a model file path, or the serialized ModelProto.
+        base_dir: folder external locations resolve against; defaults to the model file's folder.
+            For bytes without ``base_dir`` any external tensor is an ``ExternalDataError``.
+
+    Returns:
+        The :class:`Model`; every initializer of every scope is validated and mapped.
+
+    Raises:
+        ModelLoadError: the file cannot be read or parsed.
+        ExternalDataError: an external data location, offset or length is invalid or unsafe.
+    """
+    path = None
+    if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
+        data = bytes(path_or_bytes)
+    else:
+        path = os.fspath(path_or_bytes)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise ModelLoadError(f"cannot read model file {path!r}: {e.strerror}") from e
+    proto = ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except Exception as e:  # protobuf raises DecodeError (a plain Exception subclass)
+        where = repr(path) if path is not None else f"<{len(data)} bytes>"
+        raise ModelLoadError(f"cannot parse model {where}: not a valid ONNX ModelProto ({e})") from e
+    if not proto.HasField("graph"):
+        where = repr(path) if path is not None else f"<{len(data)} bytes>"
+        raise ModelLoadError(f"model {where} has no graph")
+    return Model(proto, path=path, base_dir=base_dir)

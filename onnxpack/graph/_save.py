@@ -1,0 +1,492 @@
+"""Externalize every scope's initializers into one aligned data file and save atomically.
+
+Layout
+------
+Scopes are visited bottom-up (:func:`walk`); in each, dense initializers in graph order, then
+sparse initializers' values/indices, then external tensors held by node attributes.  Each
+initializer's pre-packed blobs (``SaveExtras.blobs``) follow it directly.  Every tensor and blob
+starts at a multiple of :data:`ALIGNMENT`; those of at least ``align_threshold`` bytes start at
+a multiple of ``allocation_granularity`` so they can be mapped on their own and share no page with
+a neighbour.  Offsets come from the pure :func:`compute_offset`.
+
+Crash safety and the input
+--------------------------
+The data file is written to a temp name in the target folder, fsynced and renamed, then the
+model the same way (data first, model last), then the folder is fsynced.  Nothing the input
+model uses is ever opened for writing.
+
+Replacing a data file name that a live model references would open a window where that model
+points at bytes of a different layout (a torn pair after a crash), and would silently change
+what the *input* model reads.  So the data file name is chosen among ``location``,
+``<root>.1<ext>``, ``<root>.2<ext>``… : the first name that does not exist, or exists but is
+neither one of the input model's data files nor referenced by the model currently at the output
+path, is used (compared by device+inode, so hard links and symlinks count).  Optimizing a model
+in place therefore alternates between two names (A/B) and never tears; the previous data file
+is left on disk (another model may share it) — :class:`SaveResult` reports the name used.
+Renaming over a file that is mapped is safe on POSIX: the old inode lives until unmapped, so
+views into the input stay valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import mmap
+import os
+import secrets
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+from onnx import AttributeProto, GraphProto, ModelProto, TensorProto
+
+from onnxpack.errors import InvalidArgument, OnnxpackError
+from onnxpack.graph._external import RESERVED_KEYS
+from onnxpack.graph._model import Model, Scope, subgraphs_of, walk
+from onnxpack.graph._tensor import Tensor
+
+__all__ = [
+    "ALIGNMENT",
+    "DEFAULT_ALIGN_THRESHOLD",
+    "PREPACKED_METADATA_PREFIX",
+    "BlobPlacement",
+    "SaveExtras",
+    "SaveResult",
+    "compute_offset",
+    "save_model",
+]
+
+logger = logging.getLogger(__name__)
+
+# Every tensor and blob starts on 64 bytes: a cache line and the widest SIMD load (AVX-512), and
+# onnxruntime crashes on pre-packed blobs at offsets that are not multiples of 64.
+ALIGNMENT = 64
+
+# Tensors of at least this many bytes start on an allocation-granularity boundary.  Measured by
+# ``benchmarks/bench_load.py`` (results/load.json, "align"; layout of 64 weights each followed by
+# a 1 KB bias, 4 KiB pages): page-aligning a weight costs ~half a page of file padding and saves
+# at most one page spanned when that weight is read alone (prepack load mode never touches the
+# originals, so a blob must not drag a neighbour's boundary page in, and vice versa).
+#   tensor   4 KiB: +59% file, 43% fewer pages   16 KiB: +17% / 16%   64 KiB: +4.5% / 4.5%
+#   256 KiB: +1.2% / 1.2%                         1 MiB: +0.3% / 0.3%
+# 64 KiB is the smallest size where the file grows by under 5%; below it padding dominates the
+# file, above it the saving is still worth a page per tensor for the many 64 KiB–1 MiB weights
+# (conv kernels, small projections) that onnx-ir's and onnxruntime's 1 MiB threshold leaves
+# sharing pages with neighbours.
+DEFAULT_ALIGN_THRESHOLD = 64 * 1024
+
+# Model-level metadata_props under this prefix belong to the prepack layer and describe offsets
+# in one specific data file layout: they are dropped on save unless ``extra.metadata`` returns
+# them again for the new layout.
+PREPACKED_METADATA_PREFIX = "onnxpack.prepacked/"
+
+# external_data keys onnxruntime writes for its own pre-packed blobs ("prepacked_*").  They hold
+# offsets into the *old* data file; after we relayout the file they would point at unrelated
+# bytes and onnxruntime would hand garbage to its kernels.  Other unknown keys are kept.
+_STALE_KEY_PREFIXES = ("prepacked",)
+
+_WRITE_CHUNK = 16 << 20  # copy large tensors in 16 MiB pieces: bounded page-cache dirtiness
+_ZEROS = bytes(1 << 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlobPlacement:
+    """Where one blob landed in the data file."""
+
+    offset: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveResult:
+    """What :func:`save_model` wrote.
+
+    Attributes:
+        model_path: absolute path of the model file.
+        data_path: absolute path of the data file, or ``None`` when nothing was externalized.
+        location: the data file name written into the model (may differ from the requested one,
+            see the module docstring).
+        tensors_written: number of tensors stored in the data file.
+        bytes_written: size of the data file.
+        placements: ``(scope_path, initializer name) -> blob placements`` of the extras.
+    """
+
+    model_path: str
+    data_path: str | None
+    location: str | None
+    tensors_written: int
+    bytes_written: int
+    placements: dict[tuple[str, str], list[BlobPlacement]]
+
+
+@runtime_checkable
+class SaveExtras(Protocol):
+    """Hook through which the prepack layer appends blobs after weights."""
+
+    def blobs(self, scope_path: str, name: str) -> Sequence[np.ndarray]:
+        """Blobs to write right after initializer ``name`` of scope ``scope_path``."""
+        ...
+
+    def metadata(self, placements: dict[tuple[str, str], list[BlobPlacement]],
+                 location: str | None) -> dict[str, str]:
+        """Model metadata_props entries to add or replace, given where the blobs landed and the
+        data file name actually used (``None`` when nothing went to a data file)."""
+        ...
+
+
+def compute_offset(current: int, size: int, *, align_threshold: int,
+                   allocation_granularity: int, alignment: int = ALIGNMENT) -> int:
+    """Start offset for the next item of ``size`` bytes when the file currently ends at ``current``.
+
+    Items of at least ``align_threshold`` bytes go to a multiple of both ``allocation_granularity``
+    and ``alignment``; all others to a multiple of ``alignment``.
+    """
+    step = math.lcm(alignment, allocation_granularity) if size >= align_threshold else alignment
+    return -(-current // step) * step
+
+
+def _check_args(min_size: int, align_threshold: int, allocation_granularity: int) -> None:
+    for name, value, low in (("min_size", min_size, 0), ("align_threshold", align_threshold, 0),
+                             ("allocation_granularity", allocation_granularity, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise InvalidArgument(f"save_model: {name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_location(location: str) -> None:
+    if (not location or "\x00" in location or "/" in location or "\\" in location
+            or location in (".", "..") or ":" in location):
+        raise InvalidArgument(
+            f"save_model: location must be a plain file name in the model's folder, got {location!r}"
+        )
+
+
+def _kept_keys(src: TensorProto) -> list[tuple[str, str]]:
+    return [(e.key, e.value) for e in src.external_data
+            if e.key not in RESERVED_KEYS and not e.key.startswith(_STALE_KEY_PREFIXES)]
+
+
+def _clear_data(t: TensorProto) -> None:
+    for field in ("raw_data", "float_data", "int32_data", "string_data", "int64_data",
+                  "double_data", "uint64_data", "external_data"):
+        t.ClearField(field)
+
+
+def _inline(dst: TensorProto, src: Tensor) -> None:
+    raw = bytes(src.raw())
+    _clear_data(dst)
+    dst.data_location = TensorProto.DEFAULT
+    dst.raw_data = raw
+
+
+def _graph_tensors(graph: GraphProto):
+    """Yields every TensorProto held by node attributes of ``graph`` (not nested graphs)."""
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == AttributeProto.TENSOR:
+                yield attr.t
+            elif attr.type == AttributeProto.TENSORS:
+                yield from attr.tensors
+            elif attr.type == AttributeProto.SPARSE_TENSOR:
+                yield attr.sparse_tensor.values
+                yield attr.sparse_tensor.indices
+            elif attr.type == AttributeProto.SPARSE_TENSORS:
+                for sp in attr.sparse_tensors:
+                    yield sp.values
+                    yield sp.indices
+
+
+def _external_locations(graph: GraphProto, out: set[str]) -> None:
+    """Collects every external location string in ``graph`` and its subgraphs."""
+    tensors = list(graph.initializer) + list(_graph_tensors(graph))
+    for sp in graph.sparse_initializer:
+        tensors += [sp.values, sp.indices]
+    for t in tensors:
+        if t.data_location == TensorProto.EXTERNAL:
+            for e in t.external_data:
+                if e.key == "location":
+                    out.add(e.value)
+    for node in graph.node:
+        for _, _, g in subgraphs_of(node):
+            _external_locations(g, out)
+
+
+def _inode(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _protected_inodes(model: Model, out_path: str) -> set[tuple[int, int]]:
+    """Files a new data file must not replace: the input's data files and model, and the data
+    files of the model currently at ``out_path``."""
+    protected = {i for i in map(_inode, model.data_paths()) if i is not None}
+    for p in (model.path, out_path):
+        if p is not None and (i := _inode(p)) is not None:
+            protected.add(i)
+    if os.path.isfile(out_path):
+        try:
+            with open(out_path, "rb") as f:
+                existing = ModelProto.FromString(f.read())
+        except Exception:  # not a model we can read: nobody we know depends on its data
+            existing = None
+        if existing is not None:
+            locations: set[str] = set()
+            _external_locations(existing.graph, locations)
+            folder = os.path.dirname(out_path)
+            for loc in locations:
+                if "\x00" not in loc and (i := _inode(os.path.join(folder, loc))) is not None:
+                    protected.add(i)
+    return protected
+
+
+def _choose_data_name(folder: str, location: str, protected: set[tuple[int, int]]) -> str:
+    root, ext = os.path.splitext(location)
+    n = 0
+    candidate = location
+    while True:
+        inode = _inode(os.path.join(folder, candidate))
+        if not os.path.lexists(os.path.join(folder, candidate)) or (
+            inode is not None and inode not in protected
+        ):
+            return candidate
+        n += 1
+        candidate = f"{root}.{n}{ext}"
+
+
+def _fsync_dir(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # e.g. Windows: directories cannot be opened; rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(folder: str, final_name: str, write) -> None:
+    # Not mkstemp: it creates 0600 files; O_EXCL with mode 0666 lets the umask decide, like
+    # any normally created file.
+    while True:
+        tmp = os.path.join(folder, f".{final_name}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
+                         0o666)
+            break
+        except FileExistsError:
+            continue
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(folder, final_name))
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(folder)
+
+
+def _as_bytes(arr: np.ndarray) -> memoryview:
+    arr = np.ascontiguousarray(arr).reshape(-1)
+    return memoryview(arr.view(np.uint8))
+
+
+@dataclasses.dataclass
+class _Item:
+    offset: int
+    data: object  # bytes-like
+
+
+def save_model(
+    model: Model | ModelProto,
+    path: str | os.PathLike,
+    *,
+    location: str | None = None,
+    min_size: int = 1024,
+    align_threshold: int = DEFAULT_ALIGN_THRESHOLD,
+    allocation_granularity: int = mmap.ALLOCATIONGRANULARITY,
+    extra: SaveExtras | None = None,
+) -> SaveResult:
+    """Writes ``model`` to ``path`` with its large tensors in one aligned external data file.
+
+    Args:
+        model: a loaded :class:`Model` (its external data is read through its mappings) or a
+            ModelProto whose data is all in-proto.
+        path: output model file; its folder must exist.
+        location: data file name (a plain name in the output folder); default
+            ``<model file name>.data``.  Another name is used if this one is in use by the input
+            or by the model being replaced (see the module docstring).
+        min_size: tensors of at least this many bytes go to the data file.  Keep it above the
+            size of shape tensors (>= 64): onnxruntime and onnx shape inference refuse Reshape
+            shapes and similar inputs stored as external data.
+        align_threshold: tensors/blobs of at least this many bytes start on a multiple of
+            ``allocation_granularity``.
+        allocation_granularity: page alignment for large tensors.
+        extra: pre-packed blobs to append after weights, and metadata to record them.
+
+    Returns:
+        A :class:`SaveResult`.
+
+    Raises:
+        InvalidArgument: bad arguments or output folder.
+        ExternalDataError: the input's external data is invalid.
+    """
+    _check_args(min_size, align_threshold, allocation_granularity)
+    if isinstance(model, ModelProto):
+        model = Model(model)
+    out_path = os.path.abspath(os.fspath(path))
+    folder = os.path.dirname(out_path)
+    if not os.path.isdir(folder):
+        raise InvalidArgument(f"save_model: output folder {folder!r} does not exist")
+    if location is None:
+        location = os.path.basename(out_path) + ".data"
+    _check_location(location)
+    if location == os.path.basename(out_path):
+        raise InvalidArgument(f"save_model: location {location!r} is the model file itself")
+
+    dst = ModelProto()
+    dst.CopyFrom(model.proto)
+
+    # Pair each source scope with the same graph inside the copy (identical structure).
+    dst_graph_of: dict[int, GraphProto] = {id(model.root): dst.graph}
+    for scope in _top_down(model.root):
+        dgraph = dst_graph_of[id(scope)]
+        subs = [g for node in dgraph.node for _, _, g in subgraphs_of(node)]
+        for child, g in zip(scope.children, subs, strict=True):
+            dst_graph_of[id(child)] = g
+
+    items: list[_Item] = []  # in file order
+    externalized: list[tuple[TensorProto, list[tuple[str, str]], _Item, int]] = []
+    placements: dict[tuple[str, str], list[BlobPlacement]] = {}
+    blob_seen: dict[int, BlobPlacement] = {}
+    keep_alive: list[np.ndarray] = []
+    end = 0
+
+    def place(data, length: int) -> _Item:
+        nonlocal end
+        start = compute_offset(end, length, align_threshold=align_threshold,
+                               allocation_granularity=allocation_granularity)
+        item = _Item(start, data)
+        items.append(item)
+        end = start + length
+        return item
+
+    def handle(dst_t: TensorProto, src: Tensor, *, only_if_external: bool = False) -> None:
+        is_external = src.external is not None
+        if only_if_external and not is_external:
+            return
+        big = src.elem_type != TensorProto.STRING and src.nbytes >= min_size and src.nbytes > 0
+        if big:
+            kept = _kept_keys(src.proto)
+            raw = src.raw()
+            item = place(raw, src.nbytes)
+            externalized.append((dst_t, kept, item, src.nbytes))
+        elif is_external:
+            _inline(dst_t, src)
+
+    def blobs_for(scope: Scope, name: str) -> None:
+        if extra is None:
+            return
+        result = []
+        for arr in extra.blobs(scope.path, name):
+            arr = np.asarray(arr)
+            placed = blob_seen.get(id(arr))
+            if placed is None:
+                keep_alive.append(arr)  # ids stay unique while we hold the objects
+                view = _as_bytes(arr)
+                item = place(view, view.nbytes)
+                placed = BlobPlacement(item.offset, view.nbytes)
+                blob_seen[id(arr)] = placed
+            result.append(placed)
+        if result:
+            placements[(scope.path, name)] = result
+
+    for scope in walk(model.root):
+        dgraph = dst_graph_of[id(scope)]
+        sgraph = scope.graph
+        names = [t.name for t in sgraph.initializer]
+        unique = len(set(names)) == len(names)
+        for s_init, d_init in zip(sgraph.initializer, dgraph.initializer, strict=True):
+            src = scope.initializers.get(s_init.name) if unique else None
+            if src is None:  # duplicate names (invalid, but keep every copy's bytes)
+                src = model.tensor(s_init)
+            handle(d_init, src)
+            blobs_for(scope, s_init.name)
+        for s_sp, d_sp in zip(sgraph.sparse_initializer, dgraph.sparse_initializer, strict=True):
+            handle(d_sp.values, model.tensor(s_sp.values))
+            handle(d_sp.indices, model.tensor(s_sp.indices))
+            blobs_for(scope, s_sp.values.name)
+        for s_t, d_t in zip(_graph_tensors(sgraph), _graph_tensors(dgraph), strict=True):
+            if s_t.data_location == TensorProto.EXTERNAL:
+                handle(d_t, model.tensor(s_t), only_if_external=True)
+
+    data_name = None
+    data_path = None
+    if items:
+        data_name = _choose_data_name(folder, location, _protected_inodes(model, out_path))
+        data_path = os.path.join(folder, data_name)
+        if data_name != location:
+            logger.info("data file %r is in use; writing %r instead", location, data_name)
+    for dst_t, kept, item, length in externalized:
+        _clear_data(dst_t)
+        dst_t.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", data_name), ("offset", str(item.offset)),
+                           ("length", str(length)), *kept):
+            entry = dst_t.external_data.add()
+            entry.key, entry.value = key, value
+
+    # Model metadata: drop the prepack layer's records of the old layout, add the new ones.
+    new_meta = dict(extra.metadata(placements, data_name)) if extra is not None else {}
+    kept_props = [(p.key, p.value) for p in dst.metadata_props
+                  if not p.key.startswith(PREPACKED_METADATA_PREFIX) and p.key not in new_meta]
+    dst.ClearField("metadata_props")
+    for key, value in [*kept_props, *new_meta.items()]:
+        prop = dst.metadata_props.add()
+        prop.key, prop.value = key, value
+
+    try:
+        serialized = dst.SerializeToString()
+    except Exception as e:  # protobuf's 2 GiB limit
+        raise InvalidArgument(
+            f"save_model: the model proto cannot be serialized ({e}); lower min_size so more "
+            "tensors go to the data file"
+        ) from e
+
+    def write_data(f) -> None:
+        pos = 0
+        for item in items:
+            pad = item.offset - pos
+            while pad > 0:
+                n = min(pad, len(_ZEROS))
+                f.write(_ZEROS[:n])
+                pad -= n
+            view = memoryview(item.data).cast("B")
+            for i in range(0, len(view), _WRITE_CHUNK):
+                f.write(view[i:i + _WRITE_CHUNK])
+            pos = item.offset + len(view)
+
+    try:
+        if items:
+            _atomic_write(folder, data_name, write_data)
+        _atomic_write(folder, os.path.basename(out_path), lambda f: f.write(serialized))
+    except OSError as e:
+        raise OnnxpackError(f"save_model: cannot write {out_path!r}: {e}") from e
+    return SaveResult(out_path, data_path, data_name, len(externalized), end if items else 0,
+                      placements)
+
+
+def _top_down(root: Scope):
+    stack = [root]
+    while stack:
+        scope = stack.pop()
+        yield scope
+        stack.extend(scope.children)

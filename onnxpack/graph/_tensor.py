@@ -1,0 +1,132 @@
+"""Tensor: one initializer (or constant) of a model, as a lazily built read-only numpy view."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+import onnx.numpy_helper
+from onnx import TensorProto, helper
+
+from onnxpack.errors import ExternalDataError, ModelLoadError
+from onnxpack.graph._external import DataFiles, ExternalLocation
+
+__all__ = ["Tensor", "storage_nbytes"]
+
+# Element types stored packed, several per byte: bits per element.  Their raw bytes cannot be a
+# zero-copy numpy view (ml_dtypes' int4 etc. use one byte per element), so numpy() unpacks.
+_PACKED_BITS = {
+    TensorProto.INT4: 4,
+    TensorProto.UINT4: 4,
+    TensorProto.FLOAT4E2M1: 4,
+}
+for _name, _bits in (("INT2", 2), ("UINT2", 2), ("FLOAT6E2M3", 6), ("FLOAT6E3M2", 6)):
+    if hasattr(TensorProto, _name):
+        _PACKED_BITS[getattr(TensorProto, _name)] = _bits
+
+
+def _np_dtype(elem_type: int, name: str) -> np.dtype:
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+    except (KeyError, ValueError, TypeError) as e:
+        raise ModelLoadError(f"tensor {name!r}: unsupported element type {elem_type}") from e
+
+
+def storage_nbytes(elem_type: int, dims: tuple[int, ...], dtype: np.dtype) -> int:
+    """Bytes a tensor of this type and shape occupies as raw (little-endian, packed) data."""
+    count = math.prod(dims)
+    bits = _PACKED_BITS.get(elem_type)
+    if bits is not None:
+        return (count * bits + 7) // 8
+    return count * dtype.itemsize
+
+
+class Tensor:
+    """One tensor of a model; data is materialized only when asked for.
+
+    Attributes:
+        name: the tensor's name.
+        elem_type: ONNX element type (``TensorProto.FLOAT`` …).
+        dims: shape.
+        dtype: numpy dtype (``onnx.helper.tensor_dtype_to_np_dtype``).
+        nbytes: bytes the data occupies as stored raw (on disk for external tensors).
+        proto: the TensorProto (external data is NOT pulled into it).
+        external: where the bytes live when external, else ``None``.
+    """
+
+    __slots__ = ("name", "elem_type", "dims", "dtype", "nbytes", "proto", "external",
+                 "_buffer", "_array")
+
+    def __init__(self, proto: TensorProto, files: DataFiles | None, *,
+                 array: np.ndarray | None = None) -> None:
+        self.proto = proto
+        self.name = proto.name
+        self.elem_type = proto.data_type
+        self.dims = tuple(int(d) for d in proto.dims)
+        if any(d < 0 for d in self.dims):
+            raise ModelLoadError(f"tensor {self.name!r}: negative dimension in {self.dims}")
+        self.dtype = _np_dtype(self.elem_type, self.name)
+        self._array = array
+        self._buffer = None
+        self.external: ExternalLocation | None = None
+        if self.elem_type == TensorProto.STRING:
+            if proto.data_location == TensorProto.EXTERNAL:
+                raise ExternalDataError(
+                    f"tensor {self.name!r}: string tensors cannot be stored as external data"
+                )
+            self.nbytes = sum(len(s) for s in proto.string_data)
+            return
+        self.nbytes = storage_nbytes(self.elem_type, self.dims, self.dtype)
+        if proto.data_location == TensorProto.EXTERNAL:
+            if files is None:
+                raise ExternalDataError(
+                    f"tensor {self.name!r} uses external data but no data folder is known"
+                )
+            self.external, self._buffer = files.locate(proto, self.nbytes)
+        elif proto.HasField("raw_data") and array is None:
+            if len(proto.raw_data) != self.nbytes:
+                raise ModelLoadError(
+                    f"tensor {self.name!r}: raw_data has {len(proto.raw_data)} bytes, expected "
+                    f"{self.nbytes} for shape {self.dims} and dtype "
+                    f"{TensorProto.DataType.Name(self.elem_type)}"
+                )
+
+    def __repr__(self) -> str:
+        where = f"external {self.external.location}@{self.external.offset}" if self.external else "in-proto"
+        return f"Tensor({self.name!r}, {self.dtype}, {self.dims}, {where})"
+
+    def raw(self) -> memoryview | bytes:
+        """The tensor's bytes as stored: little-endian, packed for sub-byte types, no copy when
+        external (a read-only memoryview of the mapping)."""
+        if self.external is not None:
+            start = self.external.offset
+            return memoryview(self._buffer)[start:start + self.external.length]
+        if self.proto.HasField("raw_data"):
+            return self.proto.raw_data
+        if self.elem_type == TensorProto.STRING:
+            raise ModelLoadError(f"tensor {self.name!r}: string tensors have no raw bytes")
+        return onnx.numpy_helper.from_array(self.numpy(), self.name).raw_data
+
+    def numpy(self) -> np.ndarray:
+        """The data as a read-only array (zero-copy over the mapping for external data)."""
+        if self._array is not None:
+            return self._array
+        if self.elem_type == TensorProto.STRING or (
+            self.external is None and not self.proto.HasField("raw_data")
+        ):
+            arr = onnx.numpy_helper.to_array(self.proto)  # typed fields: a copy is unavoidable
+        elif self.elem_type in _PACKED_BITS or sys.byteorder == "big":
+            proto = TensorProto()
+            proto.data_type = self.elem_type
+            proto.dims.extend(self.dims)
+            proto.raw_data = bytes(self.raw())
+            arr = onnx.numpy_helper.to_array(proto)
+        elif self.external is not None:
+            arr = np.frombuffer(self._buffer, dtype=self.dtype, count=math.prod(self.dims),
+                                offset=self.external.offset).reshape(self.dims)
+        else:
+            arr = np.frombuffer(self.proto.raw_data, dtype=self.dtype).reshape(self.dims)
+        arr.flags.writeable = False
+        self._array = arr
+        return arr

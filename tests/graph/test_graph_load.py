@@ -1,0 +1,266 @@
+"""load_model, Tensor views, scopes and the bottom-up walker."""
+
+from __future__ import annotations
+
+import mmap
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxpack.errors import ExternalDataError, ModelLoadError
+from onnxpack.graph import Model, load_model, save_model, walk
+
+
+def _all_initializers(proto: onnx.ModelProto) -> dict[str, np.ndarray]:
+    out = {}
+
+    def visit(g):
+        for t in g.initializer:
+            out[t.name] = numpy_helper.to_array(t)
+        for n in g.node:
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    visit(a.g)
+                for sub in a.graphs:
+                    visit(sub)
+
+    visit(proto.graph)
+    return out
+
+
+def _buffer_owner(arr):
+    base = arr
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    return base.obj if isinstance(base, memoryview) else base
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "subgraphs", "transformer", "fp16_mlp",
+                                  "shared_weight"])
+def test_sample_initializers_are_zero_copy_views(samples, build_module, name):
+    model = load_model(samples[name])
+    expected = _all_initializers(build_module.SAMPLES[name]())
+    got = {k: v for s in model.scopes() for k, v in s.initializers.items()}
+    assert set(got) == set(expected)
+    for k, t in got.items():
+        arr = t.numpy()
+        assert arr.dtype == expected[k].dtype and arr.shape == expected[k].shape
+        np.testing.assert_array_equal(arr, expected[k])
+        assert not arr.flags.writeable
+        if t.external is not None:
+            assert isinstance(_buffer_owner(arr), mmap.mmap), f"{k} is not a view over the mapping"
+            assert t.external.offset % 64 == 0
+            assert t.nbytes == t.external.length == expected[k].nbytes
+
+
+def test_each_file_mapped_once(samples):
+    model = load_model(samples["transformer"])
+    tensors = [t for t in model.root.initializers.values() if t.external is not None]
+    assert len(tensors) > 3
+    bases = set()
+    for t in tensors:
+        bases.add(id(_buffer_owner(t.numpy())))
+    assert len(bases) == 1
+    assert len({t.external.file_id for t in tensors}) == 1
+
+
+DTYPE_CASES = [
+    (TensorProto.FLOAT, np.float32), (TensorProto.DOUBLE, np.float64),
+    (TensorProto.FLOAT16, np.float16), (TensorProto.BFLOAT16, ml_dtypes.bfloat16),
+    (TensorProto.INT8, np.int8), (TensorProto.UINT8, np.uint8), (TensorProto.INT16, np.int16),
+    (TensorProto.UINT16, np.uint16), (TensorProto.INT32, np.int32), (TensorProto.INT64, np.int64),
+    (TensorProto.UINT32, np.uint32), (TensorProto.UINT64, np.uint64), (TensorProto.BOOL, np.bool_),
+    (TensorProto.COMPLEX64, np.complex64), (TensorProto.FLOAT8E4M3FN, ml_dtypes.float8_e4m3fn),
+    (TensorProto.INT4, ml_dtypes.int4), (TensorProto.UINT4, ml_dtypes.uint4),
+]
+
+
+def _sample_array(dtype, shape=(3, 5)):
+    rng = np.random.default_rng(0)
+    if dtype in (ml_dtypes.int4,):
+        return rng.integers(-8, 8, shape).astype(dtype)
+    if dtype in (ml_dtypes.uint4,):
+        return rng.integers(0, 16, shape).astype(dtype)
+    if dtype is np.bool_:
+        return rng.integers(0, 2, shape).astype(bool)
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        return rng.integers(0, 100, shape).astype(dtype)
+    return (rng.standard_normal(shape) * 2).astype(dtype)
+
+
+def _identity_model(tensors: list[TensorProto]) -> onnx.ModelProto:
+    nodes = [helper.make_node("Identity", [t.name], [t.name + "_out"]) for t in tensors]
+    outs = [helper.make_tensor_value_info(t.name + "_out", t.data_type, list(t.dims))
+            for t in tensors]
+    g = helper.make_graph(nodes, "g", [], outs, tensors)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("ai.onnx", 21)])
+
+
+@pytest.mark.parametrize("elem,dtype", DTYPE_CASES,
+                         ids=[TensorProto.DataType.Name(e) for e, _ in DTYPE_CASES])
+@pytest.mark.parametrize("storage", ["external", "raw", "typed"])
+def test_dtypes(tmp_path, elem, dtype, storage):
+    arr = _sample_array(dtype)
+    if storage == "typed":
+        t = helper.make_tensor("t", elem, arr.shape, arr.reshape(-1).tolist()
+                               if elem not in (TensorProto.BFLOAT16, TensorProto.FLOAT8E4M3FN,
+                                               TensorProto.FLOAT16)
+                               else arr.astype(np.float32).reshape(-1).tolist())
+    else:
+        t = numpy_helper.from_array(arr, "t")
+    expected = numpy_helper.to_array(t)
+    proto = _identity_model([t])
+    if storage == "external":
+        save_model(proto, tmp_path / "m.onnx", min_size=1)
+        model = load_model(tmp_path / "m.onnx")
+    else:
+        model = load_model(proto.SerializeToString())
+    tensor = model.root.initializers["t"]
+    assert (tensor.external is not None) == (storage == "external")
+    got = tensor.numpy()
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    np.testing.assert_array_equal(got.view(np.uint8) if got.dtype.itemsize == 1 and elem not in (
+        TensorProto.INT4, TensorProto.UINT4, TensorProto.BOOL) else got, expected.view(np.uint8)
+        if got.dtype.itemsize == 1 and elem not in (TensorProto.INT4, TensorProto.UINT4,
+                                                    TensorProto.BOOL) else expected)
+    assert bytes(tensor.raw()) == numpy_helper.from_array(expected, "t").raw_data
+    assert not got.flags.writeable
+
+
+def test_strings_stay_in_proto(tmp_path):
+    t = numpy_helper.from_array(np.array(["a", "bcd" * 500], dtype=object), "s")
+    save_model(_identity_model([t]), tmp_path / "m.onnx", min_size=1)
+    model = load_model(tmp_path / "m.onnx")
+    s = model.root.initializers["s"]
+    assert s.external is None
+    assert list(s.numpy()) == ["a", "bcd" * 500]
+
+
+def test_opsets_normalized():
+    model = load_model(_identity_model([numpy_helper.from_array(np.ones(2, np.float32), "t")])
+                       .SerializeToString())
+    assert model.opsets == {"": 21}
+
+
+def test_bytes_without_base_dir_refuses_external(samples):
+    with open(samples["mlp"], "rb") as f:
+        data = f.read()
+    with pytest.raises(ExternalDataError, match="base_dir"):
+        load_model(data)
+    import os
+
+    model = load_model(data, base_dir=os.path.dirname(samples["mlp"]))
+    assert model.path is None
+    assert model.root.initializers["W1"].numpy().shape == (64, 256)
+
+
+def test_garbage_is_model_load_error(tmp_path):
+    p = tmp_path / "bad.onnx"
+    p.write_bytes(b"\xff\xff\xff\xffnot a model")
+    with pytest.raises(ModelLoadError):
+        load_model(p)
+    with pytest.raises(ModelLoadError):
+        load_model(tmp_path / "missing.onnx")
+
+
+def test_close_keeps_live_views(samples):
+    model = load_model(samples["mlp"])
+    arr = model.root.initializers["W1"].numpy()
+    copy = np.array(arr)
+    model.close()
+    del model
+    np.testing.assert_array_equal(arr, copy)
+
+
+def test_scopes_paths_order_and_outer_refs(samples):
+    model = load_model(samples["subgraphs"])
+    order = [s.path for s in model.scopes()]
+    # children follow node order, then attribute order (make_node sorts: else before then)
+    assert order == [
+        "/top_if.else_branch",
+        "/top_if.then_branch/inner_loop.body",
+        "/top_if.then_branch",
+        "/top_loop.body/body_if.else_branch",
+        "/top_loop.body/body_if.then_branch",
+        "/top_loop.body",
+        "",
+    ]
+    seen = set()
+    for s in model.scopes():  # bottom-up: every child was yielded before its parent
+        assert all(c.path in seen for c in s.children)
+        seen.add(s.path)
+    by_path = {s.path: s for s in model.scopes()}
+    root = model.root
+    assert by_path[""] is root and root.parent is None and root.owner is None
+    inner = by_path["/top_if.then_branch/inner_loop.body"]
+    assert inner.owner.name == "inner_loop" and inner.parent.path == "/top_if.then_branch"
+    assert inner.outer_refs == {"W_loop": root}
+    assert set(inner.initializers) == {"D_body"}
+    assert by_path["/top_if.then_branch"].outer_refs == {"W_loop": root}
+    assert by_path["/top_if.else_branch"].outer_refs == {"W_else": root}
+    assert by_path["/top_loop.body"].outer_refs == {"B_if": root}
+    assert by_path["/top_loop.body/body_if.then_branch"].outer_refs == {"B_if": root}
+    assert root.outer_refs == {}
+    assert inner.lookup_initializer("W_loop") is root.initializers["W_loop"]
+    assert inner.lookup_initializer("D_body") is inner.initializers["D_body"]
+    assert inner.lookup_initializer("nope") is None
+
+
+def test_shadowing_and_duplicate_names():
+    w = numpy_helper.from_array(np.ones((2, 2), np.float32), "W")
+    # inner graph defines "W" as a node output -> the outer initializer is shadowed
+    inner = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["W"]),
+         helper.make_node("Add", ["W", "W"], ["o"])],
+        "inner", [], [helper.make_tensor_value_info("o", TensorProto.FLOAT, [2, 2])])
+    other = helper.make_graph(
+        [helper.make_node("Add", ["W", "x"], ["o2"])],
+        "other", [], [helper.make_tensor_value_info("o2", TensorProto.FLOAT, [2, 2])])
+    nodes = [helper.make_node("If", ["c"], ["y"], name="dup", then_branch=inner, else_branch=other),
+             helper.make_node("If", ["c"], ["z"], name="dup", then_branch=other, else_branch=inner)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+                                       helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])], [w])
+    model = Model(helper.make_model(g))
+    paths = [s.path for s in model.scopes()]
+    assert paths == ["/#0.else_branch", "/#0.then_branch", "/#1.else_branch", "/#1.then_branch", ""]
+    s = {p: sc for p, sc in zip(paths, model.scopes())}
+    assert s["/#0.then_branch"].outer_refs == {}
+    assert s["/#0.then_branch"].lookup_initializer("W") is None
+    assert s["/#0.else_branch"].outer_refs == {"W": model.root}
+    assert s["/#0.else_branch"].lookup_initializer("W") is model.root.initializers["W"]
+
+
+def test_graphs_attribute_and_deep_nesting():
+    depth = 12  # protobuf (upb) caps message nesting at ~100 levels; 12 graphs = 48 levels
+    body = helper.make_graph([helper.make_node("Add", ["x", "W"], ["o"])], "leaf", [],
+                             [helper.make_tensor_value_info("o", TensorProto.FLOAT, [2])])
+    leaf = body
+    for i in range(depth):
+        node = helper.make_node("Custom", [], ["o"], name=f"n{i}", domain="x.y")
+        node.attribute.append(helper.make_attribute("gs", [body, leaf]))
+        body = helper.make_graph([node], f"g{i}", [],
+                                 [helper.make_tensor_value_info("o", TensorProto.FLOAT, [2])])
+    body.initializer.append(numpy_helper.from_array(np.ones(2, np.float32), "W"))
+    model = Model(helper.make_model(body))
+    scopes = list(walk(model.root))
+    assert len(scopes) == 2 * depth + 1
+    assert scopes[-1] is model.root
+    assert scopes[0].path == "".join(f"/n{i}.gs[0]" for i in reversed(range(depth)))
+    assert scopes[0].outer_refs == {"W": model.root}
+    assert len({s.path for s in scopes}) == len(scopes)
+
+
+def test_sparse_initializer_dense():
+    values = numpy_helper.from_array(np.array([1.5, 2.5], np.float32), "S")
+    indices = numpy_helper.from_array(np.array([1, 5], np.int64), "S_idx")
+    sp = helper.make_sparse_tensor(values, indices, [2, 3])
+    g = helper.make_graph([helper.make_node("Identity", ["S"], ["y"])], "g", [],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    g.sparse_initializer.append(sp)
+    model = Model(helper.make_model(g))
+    np.testing.assert_array_equal(model.root.initializers["S"].numpy(),
+                                  [[0, 1.5, 0], [0, 0, 2.5]])
