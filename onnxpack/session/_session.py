@@ -201,6 +201,7 @@ class InferenceSession:
         try:
             self._setup_prepack_sources()
             self._build()
+            self._sources.flush_cache()
             self._save_if_asked()
         except BaseException:
             self._finalizer()

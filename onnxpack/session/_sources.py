@@ -1,57 +1,181 @@
 """Where a session's packed weights come from, and how they are saved.
 
-Order for one packed kernel input: the container (another session, or another node of this
-session, already has it) → blobs saved in the model's data file (load mode) → the persistent
-cache file → pack now.  Saved blobs are validated before they can reach a kernel; anything wrong
-is one warning and a re-pack.
+For one packed kernel input the order is:
+
+1. blobs saved in the model's data file (load mode) — their content key is shared through the
+   container, so a second session of the same optimized model takes them from the container;
+2. the container (another session, or another node of this session, already has the key);
+3. the persistent cache file (``onnxpack.prepacked_cache_path``);
+4. pack now (and, with a cache path, append the new blobs to the cache file at the end of
+   session creation).
+
+Saved blobs are validated before they can reach a kernel; anything wrong is one warning and a
+re-pack.  The cache file is mapped once per process per path and re-mapped only after it grew.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 import warnings
 from typing import Any
 
+import numpy as np
+
+from onnxpack.errors import CacheFileError, InvalidArgument, PrepackWarning
 from onnxpack.graph import Model
 from onnxpack.prepack import PrePackedWeights, PrepackedWeightsContainer, make_key
+from onnxpack.prepack import cache_file as cf
+from onnxpack.prepack._record import LoadRecord, SaveRecord
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PrepackSources", "save_optimized"]
 
+# realpath -> (file identity, CacheFile): one mapping per process per cache path.
+_CACHE_FILES: dict[str, tuple[tuple[int, int, int, int], cf.CacheFile]] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, PrepackWarning, stacklevel=4)
+    logger.warning("%s", message)
+
+
+def _cache_identity(path: str) -> tuple[int, int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def open_cache(path: str) -> cf.CacheFile | None:
+    """The process-wide mapping of cache file ``path`` (None with a warning when unusable)."""
+    real = os.path.realpath(path)
+    ident = _cache_identity(real)
+    with _CACHE_LOCK:
+        known = _CACHE_FILES.get(real)
+        if known is not None and known[0] == ident:
+            return known[1]
+        if ident is None:
+            return None  # no file yet: nothing to map
+        cache, warning = cf.load_or_empty(real)
+        if warning:
+            _warn(f"packed-weight cache {path!r} ignored, packing in memory: {warning}")
+            return None
+        _CACHE_FILES[real] = (ident, cache)
+        return cache
+
 
 class PrepackSources:
-    """The saved-blob sources of one session (model file record, cache file)."""
+    """The saved-blob sources of one session (model file record, cache file) and its save record."""
 
     def __init__(self, model: Model, config: dict[str, Any]) -> None:
         self.model = model
         self.config = config
-        self.rejected = 0
+        self.verify = bool(config["onnxpack.verify_prepacked"])
+        self.record = LoadRecord(model, verify=self.verify)
+        self.cache_path = config["onnxpack.prepacked_cache_path"] or ""
+        if self.cache_path:
+            folder = os.path.dirname(os.path.abspath(self.cache_path))
+            if not os.path.isdir(folder):
+                raise InvalidArgument(
+                    f"onnxpack.prepacked_cache_path: folder {folder!r} of {self.cache_path!r} does not exist"
+                )
+        self.cache = open_cache(self.cache_path) if self.cache_path else None
+        # (constant ref, spec, tensor info, entry) of every pack, for a save with blobs.
+        self.save_items: list[tuple[Any, Any, Any, PrePackedWeights]] = []
+        self.to_cache: dict[str, tuple[np.ndarray, ...]] = {}
+
+    @property
+    def rejected(self) -> int:
+        return self.record.rejected
 
     def obtain(self, session: Any, kernel: Any, i: int, ref: Any, info: Any, spec: Any,
                container: PrepackedWeightsContainer, holder: int) -> tuple[PrePackedWeights | None, str]:
-        key = make_key(spec, ref.identity(), info.dtype, info.shape)
+        """The packed form of kernel input ``i`` (constant ``ref``), and where it came from."""
+
+        def check(buffers: tuple[np.ndarray, ...]) -> str | None:
+            return kernel.check_packed(i, info, buffers)
+
         origin = {"value": "container"}
+        if not ref.user and self.record.has(ref.owner.path, ref.name):
+            mapped = self.record.find(ref.owner.path, ref.name, ref.tensor.raw, spec, info.dtype, info.shape, check)
+            if mapped is not None:
+                def from_model() -> PrePackedWeights:
+                    origin["value"] = "model"
+                    session._count("model", mapped)
+                    return mapped
+
+                entry, created = container.get_or_create(mapped.key, holder, from_model)
+                if not created:
+                    session._count("container", entry)
+                self._record_for_save(ref, spec, info, entry)
+                return entry, origin["value"]
+            session._stats.blobs_rejected = self.record.rejected
+
+        key = make_key(spec, ref.identity(), info.dtype, info.shape)
 
         def pack() -> PrePackedWeights | None:
+            if self.cache is not None and key in self.cache:
+                try:
+                    buffers = self.cache.get(key, verify=self.verify)
+                except CacheFileError as exc:
+                    buffers = None
+                    _warn(f"cache entry for weight {ref.name!r} ignored, re-packing: {exc}")
+                if buffers is not None:
+                    reason = check(tuple(buffers))
+                    if reason is None:
+                        entry = PrePackedWeights(key, tuple(buffers), "cache")
+                        origin["value"] = "cache"
+                        session._count("cache", entry)
+                        return entry
+                    session._stats.blobs_rejected += 1
+                    _warn(f"cache entry for weight {ref.name!r} rejected by {kernel.op_type}, re-packing: {reason}")
             t0 = time.perf_counter()
             buffers = kernel.prepack(i, ref.value())
             entry = PrePackedWeights(key, tuple(buffers), "packed")
-            reason = kernel.check_packed(i, info, entry.buffers)
+            reason = check(entry.buffers)
             if reason is not None:
                 raise RuntimeError(f"Bug: {type(kernel).__name__}.prepack output fails its own check: {reason}")
             session._count("packed", entry, time.perf_counter() - t0)
             origin["value"] = "packed"
+            if self.cache_path:
+                self.to_cache[key] = entry.buffers
             return entry
 
         entry, created = container.get_or_create(key, holder, pack)
         if entry is not None and not created:
             session._count("container", entry)
+        if entry is not None:
+            self._record_for_save(ref, spec, info, entry)
         return entry, origin["value"]
 
+    def _record_for_save(self, ref: Any, spec: Any, info: Any, entry: PrePackedWeights) -> None:
+        if not ref.user:  # user-given initializers are not part of the saved model's weights
+            self.save_items.append((ref, spec, info, entry))
 
-def save_optimized(session: Any, path: str) -> None:
+    def flush_cache(self) -> None:
+        """Append blobs packed by this session to the cache file (nothing new → nothing written)."""
+        if not self.cache_path or not self.to_cache:
+            return
+        entries = {k: v for k, v in self.to_cache.items() if self.cache is None or k not in self.cache}
+        self.to_cache = {}
+        if not entries:
+            return
+        try:
+            result = cf.append_entries(self.cache_path, entries)
+        except (OSError, CacheFileError) as exc:
+            _warn(f"packed-weight cache {self.cache_path!r} not updated: {exc}")
+            return
+        logger.info("cache %s: %d entries added, %d already there", self.cache_path, result.added, result.skipped)
+
+
+def save_optimized(session: Any, path: str) -> Any:
+    """Save the session's model to ``path`` (optimized_model_filepath), with packed blobs if asked."""
     from onnxpack.graph import save_model
 
     cfg = session._config
@@ -63,4 +187,9 @@ def save_optimized(session: Any, path: str) -> None:
     if cfg["onnxpack.align_threshold"] is not None:
         kwargs["align_threshold"] = cfg["onnxpack.align_threshold"]
     kwargs["allocation_granularity"] = cfg["onnxpack.allocation_granularity"]
-    save_model(session.model, path, **kwargs)
+    extra = None
+    if cfg["session.save_external_prepacked_constant_initializers"]:
+        extra = SaveRecord()
+        for ref, spec, info, entry in session._sources.save_items:
+            extra.add(ref.owner.path, ref.name, ref.tensor.raw(), spec, info.dtype, info.shape, entry)
+    return save_model(session.model, path, extra=extra, **kwargs)

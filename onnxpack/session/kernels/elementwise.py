@@ -128,11 +128,14 @@ def _bitshift_left(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def _bitshift_right(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     bits = a.dtype.itemsize * 8
     out = np.right_shift(a, np.clip(b, 0, bits - 1).astype(a.dtype))
+    out_of_range = (b < 0) | (b >= bits)
     if a.dtype.kind == "i":
-        # Shifting a signed value by bits-1 already yields the sign fill (-1 or 0), which is
-        # what an out-of-range amount must give: clamping the amount is exact.
-        return np.asarray(out)
-    return np.where((b < 0) | (b >= bits), a.dtype.type(0), out)  # unsigned: the fill is 0
+        # An amount outside [0, bits) leaves the sign fill alone (-1 or 0), as onnx.reference
+        # computes it.  Clamping covers amounts >= bits (a shift by bits-1 is the fill) but not
+        # negative ones, which the clamp would turn into "no shift".
+        fill = np.where(a < 0, a.dtype.type(-1), a.dtype.type(0))
+        return np.asarray(np.where(out_of_range, fill, out))
+    return np.asarray(np.where(out_of_range, a.dtype.type(0), out))  # unsigned: the fill is 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -352,7 +355,30 @@ class PRelu(Kernel):
     """``x < 0 ? slope * x : x`` with the slope broadcast unidirectionally to x."""
 
     def run(self, x, slope):  # type: ignore[override]
-        return (_same(np.where(x < 0, x * slope, x), x),)
+        return (_same(np.where(x < 0, x * _prelu_slope(x, slope), x), x),)
+
+
+def _prelu_slope(x: np.ndarray, slope: np.ndarray) -> np.ndarray:
+    """``slope`` shaped to broadcast against x.
+
+    Models exported for opsets before 7 (and some later ones, which onnxruntime and
+    onnx.reference both accept) give a per-channel slope of shape (C,) for x of shape
+    (N, C, ...), which numpy's trailing-axis rule does not broadcast.  Like onnx.reference, a
+    1-D slope that does not broadcast is laid along the one axis of x with its length; when no
+    axis or several axes match, numpy's own error stands.
+    """
+    try:
+        np.broadcast_shapes(x.shape, slope.shape)
+        return slope
+    except ValueError:
+        if slope.ndim != 1:
+            raise
+    matches = [d for d, n in enumerate(x.shape) if n == slope.shape[0]]
+    if len(matches) != 1:
+        raise ValueError(f"PRelu slope of shape {slope.shape} does not broadcast to x of shape {x.shape}")
+    shape = [1] * x.ndim
+    shape[matches[0]] = slope.shape[0]
+    return slope.reshape(shape)
 
 
 @register("HardSigmoid", since=1)
@@ -484,7 +510,8 @@ def _clip(x: np.ndarray, lo, hi) -> np.ndarray:
     if lo is None and hi is None:
         return x
     if lo is not None:
-        y = np.maximum(x, lo)
+        # A ufunc on 0-d operands returns a numpy scalar, which cannot be an ``out=``.
+        y = np.asarray(np.maximum(x, lo))
         if hi is not None:
             np.minimum(y, hi, out=y)
     else:
@@ -544,7 +571,9 @@ class CastLike(Kernel):
         self.saturate = bool(self.attr("saturate", 1))
 
     def run(self, x, like):  # type: ignore[override]
-        if like.dtype.kind in _EXACT_SOURCE_KINDS:
+        # ml_dtypes' float8 types also have kind "f": test for numpy's own dtypes, whose astype
+        # is the spec's cast (float8 targets need saturation, which astype does not do).
+        if like.dtype.kind in _EXACT_SOURCE_KINDS and like.dtype.isbuiltin:
             return (x.astype(like.dtype, copy=False),)
         from onnx.reference.ops.op_cast import cast_to  # rare path: float8/bfloat16/4-bit
 

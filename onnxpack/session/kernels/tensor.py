@@ -35,6 +35,14 @@ def _ints(x: np.ndarray | None) -> list[int] | None:
     return [int(v) for v in np.asarray(x).reshape(-1).tolist()]
 
 
+def _scalar(x: np.ndarray, op_type: str, name: str) -> np.generic:
+    """The one element of a scalar input given as a 0-d or 1-element tensor (a numpy scalar)."""
+    x = np.asarray(x)
+    if x.size != 1:
+        raise ValueError(f"{op_type} input {name!r} must hold one element, got shape {x.shape}")
+    return x.reshape(())[()]
+
+
 def _norm_axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
 
@@ -394,6 +402,11 @@ class ScatterElements(Kernel):
         return (out,)
 
 
+@register("Scatter", since=9)
+class Scatter(ScatterElements):
+    """Scatter (opset 9, deprecated at 11): ScatterElements under its old name, no reduction."""
+
+
 @register("NonZero", since=9)
 class NonZero(Kernel):
     def run(self, x):  # type: ignore[override]
@@ -540,14 +553,24 @@ class DepthToSpace(Kernel):
 
 @register("SpaceToDepth", since=1)
 class SpaceToDepth(Kernel):
+    """Blocks of the spatial axes moved into depth; ``mode`` (DCR default, or CRD) orders them.
+
+    DCR puts the block offset before the channel (depth = (bh * bs + bw) * C + c), CRD after
+    it (depth = c * bs * bs + bh * bs + bw), mirroring DepthToSpace's two modes.
+    """
+
     def __init__(self, node, ctx: KernelContext) -> None:
         super().__init__(node, ctx)
         self.bs = int(self.attr("blocksize"))
+        self.mode = self.attr("mode", "DCR")
+        if self.mode not in ("DCR", "CRD"):
+            raise NotImplementedError(f"SpaceToDepth mode={self.mode!r}")
 
     def run(self, x):  # type: ignore[override]
         b, c, h, w = x.shape
         bs = self.bs
-        tmp = x.reshape(b, c, h // bs, bs, w // bs, bs).transpose(0, 3, 5, 1, 2, 4)
+        perm = (0, 3, 5, 1, 2, 4) if self.mode == "DCR" else (0, 1, 3, 5, 2, 4)
+        tmp = x.reshape(b, c, h // bs, bs, w // bs, bs).transpose(perm)
         return (tmp.reshape(b, c * bs * bs, h // bs, w // bs),)
 
 
@@ -608,6 +631,9 @@ class ConstantOfShape(Kernel):
         return (np.full(_ints(shape), self.fill, dtype=self.dtype),)
 
 
+_RANGE_INPUTS = ("start", "limit", "delta")
+
+
 @register("Range", since=11)
 class Range(Kernel):
     """``start + i * delta`` for ``i < max(ceil((limit - start) / delta), 0)``, in the inputs' dtype."""
@@ -619,8 +645,11 @@ class Range(Kernel):
 
     def run(self, start, limit, delta):  # type: ignore[override]
         dtype = start.dtype
+        # The inputs are scalars by the spec, but producers (AffineGrid's function body among
+        # them) pass 1-element 1-D tensors, which onnx.reference accepts: take the one element.
+        start, limit, delta = (_scalar(v, "Range", n) for v, n in zip((start, limit, delta), _RANGE_INPUTS))
         if dtype == np.float16:  # stash_type=1: compute in float32, round once
-            start, limit, delta = (v.astype(np.float32) for v in (start, limit, delta))
+            start, limit, delta = (np.float32(v) for v in (start, limit, delta))
         return (np.arange(start, limit, delta).astype(dtype, copy=False),)
 
 

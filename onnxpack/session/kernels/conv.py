@@ -1,0 +1,512 @@
+"""Convolutions and pools over NC(D)HW tensors, as GEMMs and a handful of whole-array numpy ops.
+
+Conv is im2col + one BLAS call per group.  im2col is built by a Python loop over *kernel
+offsets* (9 for a 3x3 kernel), each a single strided numpy copy of a whole (N, C, out...) slab, so
+no loop ever runs per pixel.  Three shapes skip im2col:
+
+* 1x1, unpadded convolutions (a third of resnet50's convs): the input *is* the column matrix
+  (strided-sliced first when the stride is > 1), so the conv is one matmul over channels.
+* depthwise convolutions (group == C, one output channel per group): a GEMM of inner size
+  kh*kw would be dominated by call overhead, so they are kh*kw fused multiply-adds over the whole
+  tensor instead.
+* everything else: ``cols`` of shape (N, g, C/g*kh*kw, L) and ``np.matmul(W, cols)``, which numpy
+  turns into one sgemm per (image, group).
+
+Pre-packing: Conv's weight becomes the per-group GEMM matrix, stored C-contiguous float32 as
+``(g, M/g, C/g, *kernel)`` so that it is self-describing (no kernel_shape attribute needed) and
+viewed as ``(g, M/g, C/g*prod(kernel))`` for free; half-precision weights are widened once (numpy
+has no half BLAS).  ConvTranspose's weight becomes the transposed per-group matrix
+``(g, M/g, *kernel, C/g)``, viewed as ``(g, M/g*prod(kernel), C/g)``, which multiplies the input
+directly before the col2im scatter.  Half-precision activations are
+computed in float32 and the output cast back to the input dtype.
+
+Pools use the same offset loop (``np.maximum`` / ``+=``).  Spatial ranks 1, 2 and 3 share one
+implementation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import struct
+
+import numpy as np
+
+from onnxpack.errors import InvalidArgument
+from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
+from onnxpack.session.kernels.linalg import as_compute, compute_dtype
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Conv",
+    "ConvTranspose",
+    "MaxPool",
+    "AveragePool",
+    "GlobalAveragePool",
+    "GlobalMaxPool",
+    "conv_geometry",
+    "im2col",
+]
+
+# Version of the packed layouts written by this module (bump when a layout changes).
+_PACK_VERSION = 1
+
+
+# -- geometry ---------------------------------------------------------------------------------
+
+
+def conv_geometry(
+    in_shape: tuple[int, ...],
+    kernel: tuple[int, ...],
+    strides: tuple[int, ...],
+    dilations: tuple[int, ...],
+    pads: tuple[int, ...] | None,
+    auto_pad: str,
+    ceil_mode: bool = False,
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(pads_begin, pads_end, out_shape) for a conv/pool over ``in_shape``.
+
+    ``SAME_UPPER``/``SAME_LOWER`` keep ``ceil(in / stride)`` outputs and put the odd padding
+    element at the end / the beginning (ONNX spec, as onnxruntime does).  With ``ceil_mode`` the
+    last window must start inside the (begin-padded) input, PyTorch's and onnxruntime's rule.
+    """
+    nd = len(in_shape)
+    begin, end, out = [], [], []
+    for i in range(nd):
+        eff = (kernel[i] - 1) * dilations[i] + 1
+        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            o = -(-in_shape[i] // strides[i])
+            total = max(0, (o - 1) * strides[i] + eff - in_shape[i])
+            small = total // 2
+            b = small if auto_pad == "SAME_UPPER" else total - small
+            begin.append(b)
+            end.append(total - b)
+            out.append(o)
+            continue
+        if auto_pad == "VALID":
+            b = e = 0
+        else:
+            p = pads or (0,) * (2 * nd)
+            b, e = int(p[i]), int(p[i + nd])
+        span = in_shape[i] + b + e - eff
+        if span < 0:
+            raise InvalidArgument(
+                f"kernel {list(kernel)} (dilations {list(dilations)}) is larger than the padded "
+                f"input {list(in_shape)}"
+            )
+        if ceil_mode:
+            o = -(-span // strides[i]) + 1
+            if (o - 1) * strides[i] >= in_shape[i] + b:
+                o -= 1
+        else:
+            o = span // strides[i] + 1
+        begin.append(b)
+        end.append(e)
+        out.append(o)
+    return tuple(begin), tuple(end), tuple(out)
+
+
+def _pad(x: np.ndarray, begin, extent, value) -> np.ndarray:
+    """``x`` placed at ``begin`` inside a (N, C, *extent) array filled with ``value``.
+
+    ``extent`` may cut the input short (ceil_mode windows are computed on what they need).
+    """
+    if all(b == 0 for b in begin) and tuple(extent) == x.shape[2:]:
+        return x
+    xp = np.full(x.shape[:2] + tuple(extent), value, dtype=x.dtype)
+    dst, src = [slice(None), slice(None)], [slice(None), slice(None)]
+    for b, n, e in zip(begin, x.shape[2:], extent):
+        lo, hi = max(b, 0), min(b + n, e)
+        dst.append(slice(lo, hi))
+        src.append(slice(lo - b, hi - b))
+    xp[tuple(dst)] = x[tuple(src)]
+    return xp
+
+
+def _padded_extent(in_shape, begin, out, kernel, strides, dilations):
+    return tuple(
+        (o - 1) * s + (k - 1) * d + 1 for o, k, s, d in zip(out, kernel, strides, dilations)
+    )
+
+
+def _window(offset, out, strides, dilations):
+    """Slices picking, for one kernel offset, the input element of every output position."""
+    return tuple(
+        slice(k * d, k * d + (o - 1) * s + 1, s) for k, o, s, d in zip(offset, out, strides, dilations)
+    )
+
+
+def im2col(xp: np.ndarray, kernel, out, strides, dilations) -> np.ndarray:
+    """Column tensor (N, C, *kernel, *out) of a padded input, one strided copy per kernel offset."""
+    cols = np.empty(xp.shape[:2] + tuple(kernel) + tuple(out), dtype=xp.dtype)
+    for offset in itertools.product(*(range(k) for k in kernel)):
+        cols[(slice(None), slice(None)) + offset] = xp[(Ellipsis,) + _window(offset, out, strides, dilations)]
+    return cols
+
+
+def _ints(value, n: int, default: int) -> tuple[int, ...]:
+    if value is None or len(value) == 0:
+        return (default,) * n
+    return tuple(int(v) for v in value)
+
+
+class _SpatialAttrs:
+    """Attributes common to Conv, ConvTranspose and pools, resolved against an input's rank."""
+
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel_shape = kernel.attr("kernel_shape")
+        self.strides = kernel.attr("strides")
+        self.dilations = kernel.attr("dilations")
+        self.pads = kernel.attr("pads")
+        self.auto_pad = kernel.attr("auto_pad", "NOTSET") or "NOTSET"
+        if self.auto_pad not in ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"):
+            raise InvalidArgument(
+                f"node {kernel.node.name!r} ({kernel.node.op_type}): auto_pad must be NOTSET, "
+                f"SAME_UPPER, SAME_LOWER or VALID, got {self.auto_pad!r}"
+            )
+
+    def resolve(self, nd: int, kernel_shape=None):
+        ks = tuple(int(k) for k in (self.kernel_shape or kernel_shape))
+        return ks, _ints(self.strides, nd, 1), _ints(self.dilations, nd, 1)
+
+
+# -- Conv -------------------------------------------------------------------------------------
+
+
+@register("Conv", since=1)
+class Conv(Kernel):
+    """N-D convolution (1-D, 2-D, 3-D), groups, dilations, strides, pads and auto_pad."""
+
+    op_type = "Conv"
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.sp = _SpatialAttrs(self)
+        self.group = int(self.attr("group", 1))
+        self._w: np.ndarray | None = None  # packed (g, M/g, C/g, *kernel)
+
+    # pre-packing
+    def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
+        if input_index != 1 or compute_dtype(info.dtype) is None or len(info.shape) < 3:
+            return None
+        if info.shape[0] % self.group:
+            return None
+        return PackSpec("conv", _PACK_VERSION, struct.pack("<q", self.group), 1)
+
+    def expected_packed(self, input_index: int, info: TensorInfo):
+        if self.pack_spec(input_index, info) is None:
+            return None
+        m = info.shape[0]
+        g = self.group
+        return [(compute_dtype(info.dtype), (g, m // g) + tuple(info.shape[1:]))]
+
+    def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
+        m = weight.shape[0]
+        g = self.group
+        w = weight.reshape((g, m // g) + weight.shape[1:])
+        return (np.ascontiguousarray(w, dtype=compute_dtype(weight.dtype)),)
+
+    def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
+        (self._w,) = buffers
+
+    def run(self, x, w=None, b=None):
+        out_dtype = x.dtype
+        if compute_dtype(x.dtype) is None:
+            raise InvalidArgument(f"node {self.node.name!r}: Conv on {x.dtype} is not supported natively")
+        g = self.group
+        if self._w is not None:
+            m = self._w.shape[0] * self._w.shape[1]
+            kernel_shape = self._w.shape[3:]
+            wm = self._w.reshape(g, m // g, -1)
+        else:
+            m = w.shape[0]
+            if m % g:
+                raise InvalidArgument(f"node {self.node.name!r}: {m} output channels not divisible by group {g}")
+            wm = as_compute(w).reshape(g, m // g, -1)
+            kernel_shape = w.shape[2:]
+        xc = as_compute(x)
+        n, c = xc.shape[:2]
+        nd = xc.ndim - 2
+        ks, strides, dils = self.sp.resolve(nd, kernel_shape)
+        kprod = math.prod(ks)
+        if c % g or wm.shape[2] != (c // g) * kprod:
+            raise InvalidArgument(
+                f"node {self.node.name!r} (Conv): input has {c} channels, weight expects "
+                f"{wm.shape[2] // max(kprod, 1) * g} (group {g}, kernel {list(ks)})"
+            )
+        if wm.dtype != xc.dtype:
+            wm = wm.astype(xc.dtype)
+        begin, end, out = conv_geometry(xc.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad)
+        cg, mg = c // g, m // g
+        length = math.prod(out)
+        if kprod == 1 and not any(begin) and not any(end):
+            # 1x1: the (strided) input is the column matrix.
+            xs = xc[(Ellipsis,) + tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(out, strides))]
+            cols = np.ascontiguousarray(xs).reshape(n, g, cg, length)
+            y = self._gemm(wm, cols, n, g)
+        else:
+            xp = _pad(xc, begin, _padded_extent(xc.shape[2:], begin, out, ks, strides, dils), 0)
+            if cg == 1 and mg == 1 and g > 1:
+                y = self._depthwise(xp, wm, ks, out, strides, dils)
+            else:
+                cols = im2col(xp, ks, out, strides, dils).reshape(n, g, cg * kprod, length)
+                y = self._gemm(wm, cols, n, g)
+        y = y.reshape((n, m) + out)
+        if b is not None:
+            y += as_compute(b).astype(y.dtype, copy=False).reshape((1, m) + (1,) * nd)
+        if y.dtype != out_dtype:
+            y = y.astype(out_dtype)
+        return (y,)
+
+    @staticmethod
+    def _gemm(wm: np.ndarray, cols: np.ndarray, n: int, g: int) -> np.ndarray:
+        if g == 1:
+            if n == 1:
+                return wm[0] @ cols[0, 0]
+            return np.matmul(wm[0], cols[:, 0])
+        return np.matmul(wm, cols)
+
+    @staticmethod
+    def _depthwise(xp, wm, ks, out, strides, dils) -> np.ndarray:
+        c = wm.shape[0]
+        taps = wm.reshape(c, -1)
+        bshape = (1, c) + (1,) * len(out)
+        y = None
+        for k, offset in enumerate(itertools.product(*(range(s) for s in ks))):
+            term = xp[(Ellipsis,) + _window(offset, out, strides, dils)] * taps[:, k].reshape(bshape)
+            if y is None:
+                y = term
+            else:
+                y += term
+        return y
+
+
+# -- ConvTranspose ------------------------------------------------------------------------------
+
+
+@register("ConvTranspose", since=1)
+class ConvTranspose(Kernel):
+    """Transposed convolution: GEMM of the transposed weight with the input, then col2im."""
+
+    op_type = "ConvTranspose"
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.sp = _SpatialAttrs(self)
+        self.group = int(self.attr("group", 1))
+        self.output_padding = self.attr("output_padding")
+        self.output_shape = self.attr("output_shape")
+        self._w: np.ndarray | None = None  # packed (g, M/g, *kernel, C/g)
+
+    def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
+        if input_index != 1 or compute_dtype(info.dtype) is None or len(info.shape) < 3:
+            return None
+        if info.shape[0] % self.group:
+            return None
+        return PackSpec("convtranspose", _PACK_VERSION, struct.pack("<q", self.group), 1)
+
+    def expected_packed(self, input_index: int, info: TensorInfo):
+        if self.pack_spec(input_index, info) is None:
+            return None
+        c = info.shape[0]
+        g = self.group
+        return [(compute_dtype(info.dtype), (g,) + tuple(info.shape[1:]) + (c // g,))]
+
+    def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
+        c = weight.shape[0]
+        g = self.group
+        wt = weight.reshape((g, c // g) + weight.shape[1:])
+        wt = np.moveaxis(wt, 1, -1)  # (g, M/g, *kernel, C/g)
+        return (np.ascontiguousarray(wt, dtype=compute_dtype(weight.dtype)),)
+
+    def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
+        (self._w,) = buffers
+
+    def run(self, x, w=None, b=None):
+        out_dtype = x.dtype
+        if compute_dtype(x.dtype) is None:
+            raise InvalidArgument(f"node {self.node.name!r}: ConvTranspose on {x.dtype} is not supported natively")
+        g = self.group
+        xc = as_compute(x)
+        n, c = xc.shape[:2]
+        nd = xc.ndim - 2
+        if self._w is not None:
+            mg, wk = self._w.shape[1], tuple(self._w.shape[2:-1])
+            wt = self._w.reshape(g, -1, self._w.shape[-1])
+        else:
+            mg, wk = w.shape[1], tuple(w.shape[2:])
+            wt = as_compute(w).reshape(g, w.shape[0] // g, -1).transpose(0, 2, 1)
+        if wt.dtype != xc.dtype:
+            wt = wt.astype(xc.dtype)
+        ks, strides, dils = self.sp.resolve(nd, wk)
+        in_shape = xc.shape[2:]
+        opad = _ints(self.output_padding, nd, 0)[:nd]
+        natural = [(i - 1) * s + (k - 1) * d + 1 + op for i, s, k, d, op in zip(in_shape, strides, ks, dils, opad)]
+        if self.output_shape is not None and len(self.output_shape) > 0:
+            out = tuple(int(v) for v in self.output_shape[-nd:])
+            begin = self._split_total([nat - o for nat, o in zip(natural, out)])
+        elif self.sp.auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            out = tuple(i * s for i, s in zip(in_shape, strides))
+            begin = self._split_total([nat - o for nat, o in zip(natural, out)])
+        else:
+            p = (0,) * (2 * nd) if self.sp.auto_pad == "VALID" or not self.sp.pads else self.sp.pads
+            begin = [int(v) for v in p[:nd]]
+            out = tuple(nat - int(p[i]) - int(p[i + nd]) for i, nat in enumerate(natural))
+        m = mg * g
+        cg = c // g
+        lin = math.prod(in_shape)
+        cols = np.matmul(wt, xc.reshape(n, g, cg, lin))  # (n, g, mg*K, lin)
+        cols = cols.reshape((n, m) + tuple(ks) + tuple(in_shape))
+        # Full (uncropped) output, shifted so that negative begin pads stay in bounds.
+        lo = [min(0, bg) for bg in begin]
+        full = tuple(max(o + bg, nat) - l for o, bg, nat, l in zip(out, begin, natural, lo))
+        y_full = np.zeros((n, m) + full, dtype=xc.dtype)
+        for offset in itertools.product(*(range(k) for k in ks)):
+            dst = tuple(
+                slice(k * d - l, k * d - l + (i - 1) * s + 1, s)
+                for k, d, l, i, s in zip(offset, dils, lo, in_shape, strides)
+            )
+            y_full[(Ellipsis,) + dst] += cols[(slice(None), slice(None)) + offset]
+        crop = tuple(slice(bg - l, bg - l + o) for bg, l, o in zip(begin, lo, out))
+        y = y_full[(Ellipsis,) + crop]
+        if b is not None:
+            y = y + as_compute(b).astype(y.dtype, copy=False).reshape((1, m) + (1,) * nd)
+        y = np.ascontiguousarray(y, dtype=out_dtype)
+        return (y,)
+
+    def _split_total(self, totals):
+        """Begin pads from total paddings: SAME_UPPER puts the odd element at the end."""
+        if self.sp.auto_pad == "SAME_UPPER":
+            return [t // 2 for t in totals]
+        return [t - t // 2 for t in totals]
+
+
+# -- pools ----------------------------------------------------------------------------------------
+
+
+class _Pool(Kernel):
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.sp = _SpatialAttrs(self)
+        if self.sp.kernel_shape is None:
+            raise InvalidArgument(f"node {node.name!r} ({node.op_type}): kernel_shape is required")
+        self.ceil_mode = bool(self.attr("ceil_mode", 0))
+
+    def _geometry(self, x):
+        nd = x.ndim - 2
+        ks, strides, dils = self.sp.resolve(nd)
+        begin, end, out = conv_geometry(x.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad, self.ceil_mode)
+        extent = _padded_extent(x.shape[2:], begin, out, ks, strides, dils)
+        return ks, strides, dils, begin, end, out, extent
+
+
+@register("MaxPool", since=1)
+class MaxPool(_Pool):
+    """Max pooling; optional Indices output (flat index into the unpadded input, row- or column-major)."""
+
+    op_type = "MaxPool"
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.storage_order = int(self.attr("storage_order", 0))
+        self.want_indices = len(node.output) > 1 and bool(node.output[1])
+
+    def run(self, x):
+        ks, strides, dils, begin, end, out, extent = self._geometry(x)
+        if np.issubdtype(x.dtype, np.floating) or x.dtype.name == "bfloat16":
+            fill = -np.inf
+        else:
+            fill = np.iinfo(x.dtype).min
+        xw = x if x.dtype.name != "bfloat16" else x.astype(np.float32)
+        xp = _pad(xw, begin, extent, fill)
+        y = None
+        idx = None
+        if self.want_indices:
+            in_shape = x.shape[2:]
+            n, c = x.shape[:2]
+            base = (np.arange(n * c, dtype=np.int64) * math.prod(in_shape)).reshape((n, c) + (1,) * len(out))
+        for offset in itertools.product(*(range(k) for k in ks)):
+            win = xp[(Ellipsis,) + _window(offset, out, strides, dils)]
+            if y is None:
+                y = win.copy()
+                if self.want_indices:
+                    idx = np.broadcast_to(self._flat(offset, out, strides, dils, begin, in_shape), y.shape).copy()
+                continue
+            if self.want_indices:
+                better = win > y
+                np.copyto(idx, self._flat(offset, out, strides, dils, begin, in_shape), where=better)
+                np.copyto(y, win, where=better)
+            else:
+                np.maximum(y, win, out=y)
+        if y.dtype != x.dtype:
+            y = y.astype(x.dtype)
+        if self.want_indices:
+            return (y, idx + base)
+        return (y,)
+
+    def _flat(self, offset, out, strides, dils, begin, in_shape):
+        """Flat input index (within one (n, c) plane) of every output position for one kernel offset."""
+        coords = [
+            np.clip(np.arange(o) * s + k * d - b, 0, i - 1)
+            for o, s, k, d, b, i in zip(out, strides, offset, dils, begin, in_shape)
+        ]
+        grids = np.meshgrid(*coords, indexing="ij")
+        if self.storage_order == 1:
+            grids, shape = grids[::-1], tuple(in_shape)[::-1]
+        else:
+            shape = tuple(in_shape)
+        return np.ravel_multi_index(tuple(grids), shape).astype(np.int64)
+
+
+@register("AveragePool", since=1)
+class AveragePool(_Pool):
+    """Average pooling; ``count_include_pad`` counts explicit padding but never the ceil_mode overhang."""
+
+    op_type = "AveragePool"
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.count_include_pad = int(self.attr("count_include_pad", 0))
+
+    def run(self, x):
+        ks, strides, dils, begin, end, out, extent = self._geometry(x)
+        xc = as_compute(x) if x.dtype != np.float64 else x
+        xp = _pad(xc, begin, extent, 0)
+        acc = None
+        for offset in itertools.product(*(range(k) for k in ks)):
+            win = xp[(Ellipsis,) + _window(offset, out, strides, dils)]
+            if acc is None:
+                acc = win.copy()
+            else:
+                acc += win
+        # Divisor per output position: how many window taps fall on counted positions, per axis.
+        counts = None
+        for i, (o, k, s, d, b, n_in) in enumerate(zip(out, ks, strides, dils, begin, x.shape[2:])):
+            lo, hi = (-b, n_in + end[i]) if self.count_include_pad else (0, n_in)
+            taps = np.arange(o)[:, None] * s + np.arange(k)[None, :] * d - b
+            cnt = ((taps >= lo) & (taps < hi)).sum(axis=1).astype(acc.dtype)
+            cnt = cnt.reshape((1,) * i + (o,) + (1,) * (len(out) - i - 1))
+            counts = cnt if counts is None else counts * cnt
+        acc /= np.maximum(counts, 1)
+        return (acc.astype(x.dtype, copy=False),)
+
+
+@register("GlobalAveragePool", since=1)
+class GlobalAveragePool(Kernel):
+    op_type = "GlobalAveragePool"
+
+    def run(self, x):
+        axes = tuple(range(2, x.ndim))
+        xc = as_compute(x) if x.dtype != np.float64 else x
+        return (xc.mean(axis=axes, keepdims=True).astype(x.dtype, copy=False),)
+
+
+@register("GlobalMaxPool", since=1)
+class GlobalMaxPool(Kernel):
+    op_type = "GlobalMaxPool"
+
+    def run(self, x):
+        axes = tuple(range(2, x.ndim))
+        return (x.max(axis=axes, keepdims=True),)

@@ -1,0 +1,166 @@
+"""Normalizations: BatchNormalization (inference), LayerNormalization, InstanceNormalization, LRN.
+
+All compute in float32 (float64 stays float64) and cast the result back: half-precision
+statistics lose too much (a float16 sum of 4096 squares overflows), and the ONNX spec's
+``stash_type`` for LayerNormalization is float32 by default.
+
+BatchNormalization folds its four vectors into one scale and one shift per channel
+(``a = scale / sqrt(var + eps)``, ``b = bias - mean * a``) so the tensor is touched by exactly
+two in-place passes.  The fold costs O(C) per call, too little to be worth a packed buffer (the
+pre-packing contract packs one input at a time, and the fold needs four).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from onnxpack.errors import InvalidArgument
+from onnxpack.session.kernels._base import Kernel, register
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BatchNormalization", "LayerNormalization", "InstanceNormalization", "LRN"]
+
+
+def _stat_dtype(dtype: np.dtype) -> np.dtype:
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def _f(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+@register("BatchNormalization", since=1)
+class BatchNormalization(Kernel):
+    """Inference-mode batch normalization for every opset.
+
+    Opsets 1-6 carry ``spatial`` (0 means per-activation statistics: scale/bias/mean/var have
+    shape (C, D1, ...)) and ``is_test``/``consumed_inputs`` (ignored: inference only).  Opset 14's
+    ``training_mode=1`` computes batch statistics and running means; it is left to the fallback
+    (``NotImplementedError`` from the constructor), as is any node asking for the training-only
+    outputs of opsets < 9.
+    """
+
+    op_type = "BatchNormalization"
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.epsilon = float(self.attr("epsilon", 1e-5))
+        if int(self.attr("training_mode", 0)):
+            raise NotImplementedError("BatchNormalization training_mode=1 is not implemented natively")
+        if len([o for o in node.output if o]) > 1:
+            raise NotImplementedError("BatchNormalization training outputs are not implemented natively")
+
+    def run(self, x, scale, bias, mean, var):
+        sd = _stat_dtype(x.dtype)
+        nd = x.ndim - 2
+        a = _f(scale, sd) / np.sqrt(_f(var, sd) + sd.type(self.epsilon))
+        b = _f(bias, sd) - _f(mean, sd) * a
+        if a.ndim == 1:
+            shape = (1, a.shape[0]) + (1,) * nd
+        else:  # spatial=0: statistics per activation, shape (C, D1, ...)
+            shape = (1,) + a.shape
+        y = _f(x, sd) * a.reshape(shape)
+        y += b.reshape(shape)
+        return (_f(y, x.dtype),)
+
+
+@register("LayerNormalization", since=17)
+class LayerNormalization(Kernel):
+    """Normalization over the axes from ``axis`` on; optional Mean and InvStdDev outputs.
+
+    Statistics are computed in float32 (``stash_type=1``, the only value onnxruntime supports);
+    Mean and InvStdDev are returned in that stash type as the spec's type constraint U says
+    (onnxruntime does the same).
+    """
+
+    op_type = "LayerNormalization"
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.axis = int(self.attr("axis", -1))
+        self.epsilon = float(self.attr("epsilon", 1e-5))
+        if int(self.attr("stash_type", 1)) != 1:
+            raise NotImplementedError("LayerNormalization stash_type != 1 is not implemented natively")
+
+    def run(self, x, scale, bias=None):
+        axis = self.axis + x.ndim if self.axis < 0 else self.axis
+        if not 0 <= axis < max(x.ndim, 1):
+            raise InvalidArgument(
+                f"node {self.node.name!r} (LayerNormalization): axis {self.axis} out of range for rank {x.ndim}"
+            )
+        sd = _stat_dtype(x.dtype)
+        xs = _f(x, sd)
+        axes = tuple(range(axis, x.ndim))
+        mean = xs.mean(axis=axes, keepdims=True)
+        d = xs - mean
+        var = np.einsum("...i,...i->...", d.reshape(*d.shape[:axis], -1), d.reshape(*d.shape[:axis], -1))
+        var = var.reshape(mean.shape) / max(1, int(np.prod(x.shape[axis:])))
+        inv = 1.0 / np.sqrt(var + sd.type(self.epsilon))
+        d *= inv
+        d *= _f(scale, sd)
+        if bias is not None:
+            d += _f(bias, sd)
+        return (_f(d, x.dtype), mean, inv)[: max(1, len(self.node.output))]
+
+
+@register("InstanceNormalization", since=1)
+class InstanceNormalization(Kernel):
+    """Per (image, channel) normalization over the spatial axes."""
+
+    op_type = "InstanceNormalization"
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.epsilon = float(self.attr("epsilon", 1e-5))
+
+    def run(self, x, scale, bias):
+        sd = _stat_dtype(x.dtype)
+        xs = _f(x, sd)
+        axes = tuple(range(2, x.ndim))
+        mean = xs.mean(axis=axes, keepdims=True)
+        d = xs - mean
+        var = (d * d).mean(axis=axes, keepdims=True)
+        shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
+        d *= _f(scale, sd).reshape(shape) / np.sqrt(var + sd.type(self.epsilon))
+        d += _f(bias, sd).reshape(shape)
+        return (_f(d, x.dtype),)
+
+
+@register("LRN", since=1)
+class LRN(Kernel):
+    """Local response normalization across channels, windowed sums via one cumulative sum.
+
+    The window of channel c is [c - floor((size-1)/2), c + ceil((size-1)/2)] (spec).  Note that
+    onnx.reference (1.23) sums the window for only the first N channels (it loops over the batch
+    axis); tests use onnxruntime as the oracle.
+    """
+
+    op_type = "LRN"
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.alpha = float(self.attr("alpha", 1e-4))
+        self.beta = float(self.attr("beta", 0.75))
+        self.bias = float(self.attr("bias", 1.0))
+        size = self.attr("size")
+        if size is None or int(size) < 1:
+            raise InvalidArgument(f"node {node.name!r} (LRN): attribute size must be a positive integer, got {size!r}")
+        self.size = int(size)
+
+    def run(self, x):
+        sd = _stat_dtype(x.dtype)
+        xs = _f(x, sd)
+        c = x.shape[1]
+        lo = (self.size - 1) // 2
+        hi = -(-(self.size - 1) // 2)
+        csum = np.zeros((x.shape[0], c + 1) + x.shape[2:], dtype=sd)
+        np.cumsum(xs * xs, axis=1, out=csum[:, 1:])
+        idx = np.arange(c)
+        start = np.clip(idx - lo, 0, c)
+        stop = np.clip(idx + hi + 1, 0, c)
+        square_sum = csum[:, stop] - csum[:, start]
+        y = xs / (sd.type(self.bias) + sd.type(self.alpha / self.size) * square_sum) ** sd.type(self.beta)
+        return (_f(y, x.dtype),)

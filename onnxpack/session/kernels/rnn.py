@@ -1,0 +1,342 @@
+"""LSTM and GRU: one GEMM for every timestep's input projection, one small GEMM per step.
+
+The step loop is inherently sequential, so the work per step is kept to one ``h @ R^T`` GEMM
+(two for GRU without ``linear_before_reset``, whose candidate gate needs ``r * h`` first) and a
+few fused elementwise ops on (batch, hidden) arrays.  The input projection ``X @ W^T`` of *all*
+timesteps is done up front as one large GEMM, with the bias folded in.
+
+Pre-packing (per input, every direction at once):
+
+* ``W`` (num_dir, G*H, I) -> ``W^T`` per direction, (num_dir, I, G*H) float32 C-contiguous, the
+  right operand of the up-front GEMM.
+* ``R`` (num_dir, G*H, H) -> ``R^T`` per direction, (num_dir, H, G*H) float32, so the per-step
+  GEMM reads a contiguous matrix.
+* ``B`` (num_dir, 2*G*H) -> the summed bias.  LSTM: (num_dir, 4H) = Wb + Rb.  GRU:
+  (num_dir, 4H) = [Wb_z+Rb_z, Wb_r+Rb_r, Wb_h, Rb_h]: the candidate gate's two biases must stay
+  apart because with ``linear_before_reset`` Rb_h is multiplied by the reset gate.
+
+Activations: the spec's defaults and the parameterless/parameterized functions of the spec's
+list are supported; ``input_forget=1`` raises ``NotImplementedError`` from the constructor so the
+session falls back to onnx.reference for that node.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from onnxpack.errors import InvalidArgument
+from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LSTM", "GRU"]
+
+_PACK_VERSION = 1
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    # 0.5 * (1 + tanh(x / 2)) is exact, overflow-free and one transcendental op.
+    out = np.tanh(x * 0.5)
+    out += 1.0
+    out *= 0.5
+    return out
+
+
+def _activation(name: str, alpha: float | None, beta: float | None) -> Callable[[np.ndarray], np.ndarray]:
+    lname = name.lower()
+    if lname == "sigmoid":
+        return _sigmoid
+    if lname == "tanh":
+        return np.tanh
+    if lname == "relu":
+        return lambda x: np.maximum(x, 0)
+    if lname == "leakyrelu":
+        a = 0.01 if alpha is None else alpha
+        return lambda x: np.where(x >= 0, x, a * x)
+    if lname == "thresholdedrelu":
+        a = 1.0 if alpha is None else alpha
+        return lambda x: np.where(x > a, x, 0).astype(x.dtype)
+    if lname == "scaledtanh":
+        a, b = (1.0 if alpha is None else alpha), (1.0 if beta is None else beta)
+        return lambda x: a * np.tanh(b * x)
+    if lname == "hardsigmoid":
+        a, b = (0.2 if alpha is None else alpha), (0.5 if beta is None else beta)
+        return lambda x: np.clip(a * x + b, 0, 1)
+    if lname == "elu":
+        a = 1.0 if alpha is None else alpha
+        return lambda x: np.where(x >= 0, x, a * (np.exp(np.minimum(x, 0)) - 1))
+    if lname == "softsign":
+        return lambda x: x / (1 + np.abs(x))
+    if lname == "softplus":
+        return lambda x: np.logaddexp(x, 0)
+    if lname == "affine":
+        a, b = (1.0 if alpha is None else alpha), (0.0 if beta is None else beta)
+        return lambda x: a * x + b
+    raise NotImplementedError(f"RNN activation {name!r} is not implemented natively")
+
+
+def _as_f(x: np.ndarray, dtype=np.float32) -> np.ndarray:
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+class _RNNBase(Kernel):
+    n_gates: int = 0
+    default_acts: tuple[str, ...] = ()
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.direction = self.attr("direction", "forward") or "forward"
+        if self.direction not in ("forward", "reverse", "bidirectional"):
+            raise InvalidArgument(
+                f"node {node.name!r} ({node.op_type}): direction must be forward, reverse or "
+                f"bidirectional, got {self.direction!r}"
+            )
+        self.num_dir = 2 if self.direction == "bidirectional" else 1
+        self.layout = int(self.attr("layout", 0))
+        self.hidden = self.attr("hidden_size")
+        clip = self.attr("clip")
+        self.clip = None if clip is None else float(clip)
+        names = [a.decode() if isinstance(a, bytes) else a for a in (self.attr("activations") or [])]
+        per_dir = len(self.default_acts)
+        if not names:
+            names = list(self.default_acts) * self.num_dir
+        if len(names) != per_dir * self.num_dir:
+            raise InvalidArgument(
+                f"node {node.name!r} ({node.op_type}): expected {per_dir * self.num_dir} activations, "
+                f"got {len(names)}"
+            )
+        alphas = list(self.attr("activation_alpha") or [])
+        betas = list(self.attr("activation_beta") or [])
+        # Spec: alpha/beta lists are consumed in order by the activations that take them.
+        takes = {"leakyrelu", "thresholdedrelu", "scaledtanh", "hardsigmoid", "elu", "affine"}
+        takes_beta = {"scaledtanh", "hardsigmoid", "affine"}
+        acts = []
+        ai = bi = 0
+        for name in names:
+            ln = name.lower()
+            a = b = None
+            if ln in takes and ai < len(alphas):
+                a, ai = float(alphas[ai]), ai + 1
+            if ln in takes_beta and bi < len(betas):
+                b, bi = float(betas[bi]), bi + 1
+            acts.append(_activation(name, a, b))
+        self.acts = [acts[d * per_dir : (d + 1) * per_dir] for d in range(self.num_dir)]
+        self._wt = self._rt = self._b = None
+
+    # -- pre-packing ------------------------------------------------------------------------------
+    def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
+        if input_index not in (1, 2, 3) or info.dtype.name not in ("float16", "float32", "float64", "bfloat16"):
+            return None
+        if input_index in (1, 2) and len(info.shape) != 3:
+            return None
+        if input_index == 3 and (len(info.shape) != 2 or info.shape[1] % (2 * self.n_gates)):
+            return None
+        return PackSpec(self.op_type.lower(), _PACK_VERSION, bytes([input_index]), 1)
+
+    def expected_packed(self, input_index: int, info: TensorInfo):
+        if self.pack_spec(input_index, info) is None:
+            return None
+        if input_index in (1, 2):
+            nd, gh, k = info.shape
+            return [(np.dtype(np.float32), (nd, k, gh))]
+        nd, twogh = info.shape
+        h = twogh // (2 * self.n_gates)
+        return [(np.dtype(np.float32), (nd, 4 * h))]
+
+    def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
+        if input_index in (1, 2):
+            return (np.ascontiguousarray(weight.transpose(0, 2, 1), dtype=np.float32),)
+        return (self._fuse_bias(_as_f(weight)),)
+
+    def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
+        (buf,) = buffers
+        if input_index == 1:
+            self._wt = buf
+        elif input_index == 2:
+            self._rt = buf
+        else:
+            self._b = buf
+
+    def _fuse_bias(self, b: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    # -- shared plumbing ------------------------------------------------------------------------------
+    def _prepare(self, x, w, r, b, seq_lens, init_states):
+        """Inputs in (seq, batch, ...) layout and float32; packed forms resolved."""
+        out_dtype = x.dtype
+        xs = _as_f(x)
+        if self.layout:
+            xs = xs.transpose(1, 0, 2)
+        seq, batch = xs.shape[:2]
+        wt = self._wt if self._wt is not None else np.ascontiguousarray(_as_f(w).transpose(0, 2, 1))
+        rt = self._rt if self._rt is not None else np.ascontiguousarray(_as_f(r).transpose(0, 2, 1))
+        hidden = rt.shape[1]
+        if self.hidden is not None and int(self.hidden) != hidden:
+            raise InvalidArgument(
+                f"node {self.node.name!r} ({self.op_type}): hidden_size={self.hidden} but R has hidden {hidden}"
+            )
+        if wt.shape[0] != self.num_dir:
+            raise InvalidArgument(
+                f"node {self.node.name!r} ({self.op_type}): direction={self.direction} needs "
+                f"{self.num_dir} direction(s) in W, got {wt.shape[0]}"
+            )
+        if self._b is not None:
+            bias = self._b
+        elif b is not None:
+            bias = self._fuse_bias(_as_f(b))
+        else:
+            bias = np.zeros((self.num_dir, 4 * hidden), np.float32)
+        states = []
+        for s in init_states:
+            if s is None:
+                states.append(np.zeros((self.num_dir, batch, hidden), np.float32))
+            else:
+                s = _as_f(s)
+                states.append(s.transpose(1, 0, 2) if self.layout else s)
+        lens = None
+        if seq_lens is not None:
+            lens = np.asarray(seq_lens).astype(np.int64).reshape(-1)
+            if lens.shape[0] != batch or (lens > seq).any() or (lens < 0).any():
+                raise InvalidArgument(
+                    f"node {self.node.name!r} ({self.op_type}): sequence_lens must have {batch} "
+                    f"values in [0, {seq}], got {lens.tolist()}"
+                )
+            if (lens == seq).all():
+                lens = None
+        return out_dtype, xs, wt, rt, bias, states, lens, seq, batch, hidden
+
+    def _steps(self, d: int, seq: int):
+        reverse = self.direction == "reverse" or (self.direction == "bidirectional" and d == 1)
+        return range(seq - 1, -1, -1) if reverse else range(seq)
+
+    def _finish(self, y, finals, out_dtype):
+        """y (seq, nd, batch, H), finals list of (nd, batch, H) -> outputs in the node's layout."""
+        if self.layout:
+            y = y.transpose(2, 0, 1, 3)
+            finals = [f.transpose(1, 0, 2) for f in finals]
+        outs = [np.ascontiguousarray(y, dtype=out_dtype)] + [np.ascontiguousarray(f, dtype=out_dtype) for f in finals]
+        return tuple(outs[: max(1, len(self.node.output))])
+
+    @staticmethod
+    def _zero_empty(state: np.ndarray, lens: np.ndarray | None) -> np.ndarray:
+        """Final states of zero-length sequences are zeros (onnxruntime), not the initial state."""
+        if lens is None or not (lens == 0).any():
+            return state
+        return np.where((lens == 0)[:, None], 0, state).astype(state.dtype)
+
+    def _clip(self, g: np.ndarray) -> np.ndarray:
+        if self.clip is not None:
+            np.clip(g, -self.clip, self.clip, out=g)
+        return g
+
+
+@register("LSTM", since=7)
+class LSTM(_RNNBase):
+    """LSTM (gate order i, o, f, c), peepholes, clip, sequence_lens, layout 0/1, all directions."""
+
+    op_type = "LSTM"
+    n_gates = 4
+    default_acts = ("Sigmoid", "Tanh", "Tanh")
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        if int(self.attr("input_forget", 0)):
+            raise NotImplementedError("LSTM input_forget=1 is not implemented natively")
+
+    def _fuse_bias(self, b: np.ndarray) -> np.ndarray:
+        g = b.shape[1] // 2
+        return np.ascontiguousarray(b[:, :g] + b[:, g:], dtype=np.float32)
+
+    def run(self, x, w=None, r=None, b=None, seq_lens=None, h0=None, c0=None, p=None):
+        out_dtype, xs, wt, rt, bias, (hs, cs), lens, seq, batch, H = self._prepare(x, w, r, b, seq_lens, (h0, c0))
+        y = np.zeros((seq, self.num_dir, batch, H), np.float32)
+        finals_h, finals_c = [], []
+        for d in range(self.num_dir):
+            f, g, hact = self.acts[d]
+            xw = (xs.reshape(seq * batch, -1) @ wt[d]).reshape(seq, batch, 4 * H)
+            xw += bias[d]
+            h = hs[d].copy()
+            c = cs[d].copy()
+            pi = po = pf = None
+            if p is not None:
+                pp = _as_f(p)[d]
+                pi, po, pf = pp[:H], pp[H : 2 * H], pp[2 * H :]
+            for t in self._steps(d, seq):
+                gates = xw[t] + h @ rt[d]
+                self._clip(gates)
+                gi, go, gf, gc = gates[:, :H], gates[:, H : 2 * H], gates[:, 2 * H : 3 * H], gates[:, 3 * H :]
+                if pi is not None:
+                    gi = gi + pi * c
+                    gf = gf + pf * c
+                c_new = f(gf) * c + f(gi) * g(gc)
+                if pi is not None:
+                    go = go + po * c_new
+                h_new = f(go) * hact(c_new)
+                if lens is not None:
+                    valid = (t < lens)[:, None]
+                    h_new = np.where(valid, h_new, h)
+                    c_new = np.where(valid, c_new, c)
+                    y[t, d] = np.where(valid, h_new, 0)
+                else:
+                    y[t, d] = h_new
+                h, c = h_new, c_new
+            finals_h.append(self._zero_empty(h, lens))
+            finals_c.append(self._zero_empty(c, lens))
+        return self._finish(y, [np.stack(finals_h), np.stack(finals_c)], out_dtype)
+
+
+@register("GRU", since=7)
+class GRU(_RNNBase):
+    """GRU (gate order z, r, h), ``linear_before_reset`` 0/1, clip, sequence_lens, layout, directions."""
+
+    op_type = "GRU"
+    n_gates = 3
+    default_acts = ("Sigmoid", "Tanh")
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.lbr = int(self.attr("linear_before_reset", 0))
+
+    def _fuse_bias(self, b: np.ndarray) -> np.ndarray:
+        h = b.shape[1] // 6
+        wb, rb = b[:, : 3 * h], b[:, 3 * h :]
+        out = np.concatenate([wb[:, : 2 * h] + rb[:, : 2 * h], wb[:, 2 * h :], rb[:, 2 * h :]], axis=1)
+        return np.ascontiguousarray(out, dtype=np.float32)
+
+    def run(self, x, w=None, r=None, b=None, seq_lens=None, h0=None):
+        out_dtype, xs, wt, rt, bias, (hs,), lens, seq, batch, H = self._prepare(x, w, r, b, seq_lens, (h0,))
+        y = np.zeros((seq, self.num_dir, batch, H), np.float32)
+        finals = []
+        for d in range(self.num_dir):
+            f, g = self.acts[d]
+            xw = (xs.reshape(seq * batch, -1) @ wt[d]).reshape(seq, batch, 3 * H)
+            xw += bias[d, : 3 * H]
+            rb_h = bias[d, 3 * H :]
+            r_zr, r_h = rt[d][:, : 2 * H], rt[d][:, 2 * H :]
+            h = hs[d].copy()
+            for t in self._steps(d, seq):
+                xt = xw[t]
+                if self.lbr:
+                    hr = h @ rt[d]
+                    zr = self._clip(xt[:, : 2 * H] + hr[:, : 2 * H])
+                    z, rr = f(zr[:, :H]), f(zr[:, H:])
+                    hr_h = hr[:, 2 * H :] + rb_h
+                    cand = self._clip(xt[:, 2 * H :] + rr * hr_h)
+                else:
+                    zr = self._clip(xt[:, : 2 * H] + h @ r_zr)
+                    z, rr = f(zr[:, :H]), f(zr[:, H:])
+                    cand = self._clip(xt[:, 2 * H :] + (rr * h) @ r_h + rb_h)
+                hh = g(cand)
+                h_new = hh + z * (h - hh)  # (1 - z) * hh + z * h
+                if lens is not None:
+                    valid = (t < lens)[:, None]
+                    h_new = np.where(valid, h_new, h)
+                    y[t, d] = np.where(valid, h_new, 0)
+                else:
+                    y[t, d] = h_new
+                h = h_new
+            finals.append(self._zero_empty(h, lens))
+        return self._finish(y, [np.stack(finals)], out_dtype)
