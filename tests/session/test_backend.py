@@ -15,7 +15,6 @@ backend_test = onnx.backend.test.BackendTest(onnxpack.backend, __name__)
 
 # pattern -> reason.  Patterns are regular expressions matched against test names.
 EXCLUDED: dict[str, str] = {
-    r"^test_.*_real_": "the 'real' model suite downloads models; CI has no network",
     r"^test_.*_cuda$": "no GPU: onnxpack runs on the CPU only",
     r"^test_bernoulli": "random sampling: outputs cannot match stored ones (onnx.reference fails these too)",
     r"^test_gradient_of_add": "ai.onnx.preview.training Gradient: a training op, no inference implementation "

@@ -37,10 +37,11 @@ class BatchNormalization(Kernel):
     """Inference-mode batch normalization for every opset.
 
     Opsets 1-6 carry ``spatial`` (0 means per-activation statistics: scale/bias/mean/var have
-    shape (C, D1, ...)) and ``is_test``/``consumed_inputs`` (ignored: inference only).  Opset 14's
-    ``training_mode=1`` computes batch statistics and running means; it is left to the fallback
-    (``NotImplementedError`` from the constructor), as is any node asking for the training-only
-    outputs of opsets < 9.
+    shape (C, D1, ...)) and ``is_test``/``consumed_inputs``, ignored as onnxruntime ignores them
+    (it runs every BatchNormalization before opset 14 in inference mode).  The optional outputs
+    of opsets < 14 (running mean/var, saved mean/var) are then the unchanged running statistics
+    and ``None``.  Opset 14's ``training_mode=1`` computes batch statistics; it is left to the
+    fallback (``NotImplementedError`` from the constructor).
     """
 
     op_type = "BatchNormalization"
@@ -50,7 +51,7 @@ class BatchNormalization(Kernel):
         self.epsilon = float(self.attr("epsilon", 1e-5))
         if int(self.attr("training_mode", 0)):
             raise NotImplementedError("BatchNormalization training_mode=1 is not implemented natively")
-        if len([o for o in node.output if o]) > 1:
+        if ctx.opset >= 14 and len([o for o in node.output if o]) > 1:
             raise NotImplementedError("BatchNormalization training outputs are not implemented natively")
 
     def run(self, x, scale, bias, mean, var):
@@ -64,7 +65,8 @@ class BatchNormalization(Kernel):
             shape = (1,) + a.shape
         y = _f(x, sd) * a.reshape(shape)
         y += b.reshape(shape)
-        return (_f(y, x.dtype),)
+        outs = (_f(y, x.dtype), mean, var, None, None)
+        return outs[: max(1, len(self.node.output))]
 
 
 @register("LayerNormalization", since=17)

@@ -267,14 +267,17 @@ class LSTM(_RNNBase):
             for t in self._steps(d, seq):
                 gates = xw[t] + h @ rt[d]
                 self._clip(gates)
-                gi, go, gf, gc = gates[:, :H], gates[:, H : 2 * H], gates[:, 2 * H : 3 * H], gates[:, 3 * H :]
-                if pi is not None:
-                    gi = gi + pi * c
-                    gf = gf + pf * c
-                c_new = f(gf) * c + f(gi) * g(gc)
-                if pi is not None:
-                    go = go + po * c_new
-                h_new = f(go) * hact(c_new)
+                if pi is None:
+                    # i, o, f are adjacent: one activation call for the three gates.
+                    iof = f(gates[:, : 3 * H])
+                    c_new = iof[:, 2 * H :] * c + iof[:, :H] * g(gates[:, 3 * H :])
+                    h_new = iof[:, H : 2 * H] * hact(c_new)
+                else:
+                    gi = gates[:, :H] + pi * c
+                    gf = gates[:, 2 * H : 3 * H] + pf * c
+                    c_new = f(gf) * c + f(gi) * g(gates[:, 3 * H :])
+                    go = gates[:, H : 2 * H] + po * c_new
+                    h_new = f(go) * hact(c_new)
                 if lens is not None:
                     valid = (t < lens)[:, None]
                     h_new = np.where(valid, h_new, h)
@@ -321,13 +324,13 @@ class GRU(_RNNBase):
                 xt = xw[t]
                 if self.lbr:
                     hr = h @ rt[d]
-                    zr = self._clip(xt[:, : 2 * H] + hr[:, : 2 * H])
-                    z, rr = f(zr[:, :H]), f(zr[:, H:])
+                    zr = f(self._clip(xt[:, : 2 * H] + hr[:, : 2 * H]))
+                    z, rr = zr[:, :H], zr[:, H:]
                     hr_h = hr[:, 2 * H :] + rb_h
                     cand = self._clip(xt[:, 2 * H :] + rr * hr_h)
                 else:
-                    zr = self._clip(xt[:, : 2 * H] + h @ r_zr)
-                    z, rr = f(zr[:, :H]), f(zr[:, H:])
+                    zr = f(self._clip(xt[:, : 2 * H] + h @ r_zr))
+                    z, rr = zr[:, :H], zr[:, H:]
                     cand = self._clip(xt[:, 2 * H :] + (rr * h) @ r_h + rb_h)
                 hh = g(cand)
                 h_new = hh + z * (h - hh)  # (1 - z) * hh + z * h

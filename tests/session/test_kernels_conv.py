@@ -1,0 +1,250 @@
+"""Conv, ConvTranspose and pools: native vs onnx.reference (or onnxruntime), packed vs unpacked.
+
+Tolerances: float32 rtol 1e-4 / atol 1e-5 (inputs are scaled so outputs are O(1); BLAS sums in
+a different order than onnx.reference); float16 rtol 1e-2 / atol 1e-2 (we accumulate in float32
+and round once, onnx.reference accumulates in float16).  Packed vs unpacked: the same float32
+arithmetic on the same matrix, so rtol 1e-6 / atol 1e-6.
+
+onnxruntime is the oracle where onnx.reference 1.23 is wrong: MaxPool's Indices output (it
+returns the row-major index for storage_order=1 and wrong indices when unpadded) and
+``ceil_mode`` (it pads the overhang on both sides), asymmetric pool pads and padded 3-D pools.  ConvTranspose with group > 1 slices the
+weight by output channels; we compare grouped ConvTranspose with onnxruntime as well.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernel_util import make_node, run_native, run_reference  # noqa: E402
+
+OPSET = 17
+TOL = {np.dtype(np.float32): dict(rtol=1e-4, atol=1e-5), np.dtype(np.float16): dict(rtol=1e-2, atol=1e-2)}
+PACK_TOL = dict(rtol=1e-6, atol=1e-6)
+
+
+def run_ort(node, inputs, opset=OPSET):
+    """Run one node through onnxruntime (all inputs fed as graph inputs)."""
+    names = [n for n, v in zip(node.input, inputs) if n and v is not None]
+    feeds = {n: v for n, v in zip(node.input, inputs) if n and v is not None}
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(feeds[n].dtype), feeds[n].shape) for n in names],
+        [helper.make_value_info(o, onnx.TypeProto()) for o in node.output if o],
+    )
+    opsets = [helper.make_opsetid("", opset)]
+    if node.domain:
+        opsets.append(helper.make_opsetid(node.domain, 1))
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def assert_close(got, want, dtype):
+    assert len(got) >= len(want)
+    for g, w in zip(got, want):
+        w = np.asarray(w)
+        assert g.shape == w.shape, (g.shape, w.shape)
+        assert g.dtype == w.dtype, (g.dtype, w.dtype)
+        np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), **TOL[np.dtype(dtype)])
+
+
+def conv_inputs(rng, x_shape, w_shape, dtype, bias=True):
+    fan_in = int(np.prod(w_shape[1:]))
+    x = rng.standard_normal(x_shape).astype(dtype)
+    w = (rng.standard_normal(w_shape) / np.sqrt(fan_in)).astype(dtype)
+    b = rng.standard_normal(w_shape[0]).astype(dtype) if bias else None
+    return x, w, b
+
+
+CONV_CASES = [
+    # id, x shape, w shape, attrs
+    ("3x3", (2, 4, 9, 10), (6, 4, 3, 3), {}),
+    ("3x3-pad1", (1, 4, 9, 10), (6, 4, 3, 3), dict(pads=[1, 1, 1, 1])),
+    ("3x3-s2-asympad", (2, 4, 9, 10), (6, 4, 3, 3), dict(strides=[2, 2], pads=[1, 0, 2, 1])),
+    ("dilation", (1, 4, 9, 10), (6, 4, 3, 3), dict(dilations=[2, 1])),
+    ("same-upper-s2", (1, 4, 9, 10), (6, 4, 3, 3), dict(auto_pad="SAME_UPPER", strides=[2, 2])),
+    ("same-lower", (1, 4, 9, 10), (6, 4, 2, 2), dict(auto_pad="SAME_LOWER")),
+    ("valid", (1, 4, 9, 10), (6, 4, 3, 3), dict(auto_pad="VALID")),
+    ("group2", (2, 4, 9, 10), (6, 2, 3, 3), dict(group=2, pads=[1, 1, 1, 1])),
+    ("depthwise", (2, 4, 9, 10), (4, 1, 3, 3), dict(group=4, pads=[1, 1, 1, 1])),
+    ("depthwise-s2", (1, 8, 9, 10), (8, 1, 3, 3), dict(group=8, strides=[2, 2], pads=[0, 0, 1, 1])),
+    ("depthwise-mult2", (1, 4, 9, 10), (8, 1, 3, 3), dict(group=4)),
+    ("depthwise-dil2", (1, 4, 9, 10), (4, 1, 3, 3), dict(group=4, dilations=[2, 2], pads=[2, 1, 2, 1])),
+    ("depthwise-1d", (2, 3, 11), (3, 1, 5), dict(group=3, pads=[2, 2])),
+    ("depthwise-3d", (1, 2, 5, 6, 7), (2, 1, 3, 3, 3), dict(group=2, pads=[1, 1, 1, 1, 1, 1])),
+    ("1x1", (2, 8, 7, 6), (5, 8, 1, 1), {}),
+    ("1x1-s2", (1, 8, 7, 6), (5, 8, 1, 1), dict(strides=[2, 2])),
+    ("1x1-group2", (1, 8, 7, 6), (6, 4, 1, 1), dict(group=2)),
+    ("7x7-s2-pad3", (1, 3, 20, 20), (8, 3, 7, 7), dict(strides=[2, 2], pads=[3, 3, 3, 3], kernel_shape=[7, 7])),
+    ("1d", (2, 3, 11), (5, 3, 4), dict(pads=[1, 2])),
+    ("1d-s3-dil2", (2, 3, 17), (5, 3, 3), dict(strides=[3], dilations=[2])),
+    ("3d", (1, 3, 5, 6, 7), (4, 3, 3, 2, 3), dict(pads=[1, 1, 1, 1, 0, 1])),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("case", CONV_CASES, ids=[c[0] for c in CONV_CASES])
+def test_conv_matches_reference_and_packed(case, dtype):
+    _, xs, ws, attrs = case
+    rng = np.random.default_rng(0)
+    x, w, b = conv_inputs(rng, xs, ws, dtype)
+    node = make_node("Conv", ["x", "w", "b"], ["y"], **attrs)
+    got = run_native(node, [x, w, b], OPSET)
+    assert_close(got, run_reference(node, [x, w, b], OPSET), dtype)
+    packed = run_native(node, [x, w, b], OPSET, pack=[1])
+    np.testing.assert_allclose(packed[0].astype(np.float64), got[0].astype(np.float64), **PACK_TOL)
+
+
+def test_conv_without_bias_and_kernel_shape_packed():
+    rng = np.random.default_rng(1)
+    x, w, _ = conv_inputs(rng, (1, 4, 6, 6), (3, 4, 3, 3), np.float32, bias=False)
+    node = make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])
+    want = run_reference(node, [x, w], OPSET)
+    assert_close(run_native(node, [x, w], OPSET, pack=[1]), want, np.float32)
+
+
+def test_conv_packed_buffer_is_the_group_gemm_matrix():
+    """The packed weight is (g, M/g, C/g, *kernel) float32, C-contiguous, the widened fp16 weight."""
+    from onnxpack.session.kernels import KernelContext, TensorInfo, lookup
+
+    w = np.random.default_rng(2).standard_normal((6, 2, 3, 3)).astype(np.float16)
+    node = make_node("Conv", ["x", "w"], ["y"], group=2)
+    k = lookup("", "Conv", OPSET)(node, KernelContext(OPSET, {"": OPSET}))
+    info = TensorInfo("w", w.dtype, w.shape, onnx.TensorProto.FLOAT16)
+    (buf,) = k.prepack(1, w)
+    assert buf.dtype == np.float32 and buf.flags.c_contiguous and buf.shape == (2, 3, 2, 3, 3)
+    assert k.expected_packed(1, info) == [(np.dtype(np.float32), (2, 3, 2, 3, 3))]
+    np.testing.assert_array_equal(buf.reshape(6, 2, 3, 3), w.astype(np.float32))
+    assert k.check_packed(1, info, (buf[:1],)) is not None
+
+
+CONVT_CASES = [
+    ("basic", (2, 4, 5, 6), (4, 3, 3, 3), {}),
+    ("s2", (1, 4, 5, 6), (4, 3, 3, 3), dict(strides=[2, 2])),
+    ("s2-pads-outpad", (1, 4, 5, 6), (4, 3, 3, 3), dict(strides=[2, 2], pads=[1, 1, 0, 0], output_padding=[1, 1])),
+    ("output-shape", (1, 4, 5, 6), (4, 3, 3, 3), dict(strides=[2, 3], output_shape=[12, 18])),
+    ("same-upper", (1, 4, 5, 6), (4, 3, 3, 3), dict(auto_pad="SAME_UPPER", strides=[2, 2])),
+    ("dilation", (1, 4, 5, 6), (4, 3, 3, 3), dict(dilations=[2, 2])),
+    ("k4-s2-p1", (1, 4, 5, 6), (4, 2, 4, 4), dict(strides=[2, 2], pads=[1, 1, 1, 1])),
+    ("1d", (2, 3, 7), (3, 2, 3), dict(strides=[2])),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("case", CONVT_CASES, ids=[c[0] for c in CONVT_CASES])
+def test_conv_transpose_matches_reference_and_packed(case, dtype):
+    _, xs, ws, attrs = case
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(xs).astype(dtype)
+    w = (rng.standard_normal(ws) / np.sqrt(ws[0])).astype(dtype)
+    b = rng.standard_normal(ws[1]).astype(dtype)
+    node = make_node("ConvTranspose", ["x", "w", "b"], ["y"], **attrs)
+    got = run_native(node, [x, w, b], OPSET)
+    assert_close(got, run_reference(node, [x, w, b], OPSET), dtype)
+    packed = run_native(node, [x, w, b], OPSET, pack=[1])
+    np.testing.assert_allclose(packed[0].astype(np.float64), got[0].astype(np.float64), **PACK_TOL)
+
+
+@pytest.mark.parametrize("attrs", [dict(group=2), dict(group=2, strides=[2, 2], pads=[1, 0, 1, 0])], ids=["g2", "g2-s2"])
+def test_conv_transpose_groups_match_onnxruntime(attrs):
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, 4, 5, 6)).astype(np.float32)
+    w = (rng.standard_normal((4, 3, 3, 3)) / 2).astype(np.float32)  # M = 3 * 2 = 6 != C
+    b = rng.standard_normal(6).astype(np.float32)
+    node = make_node("ConvTranspose", ["x", "w", "b"], ["y"], **attrs)
+    want = run_ort(node, [x, w, b])
+    assert_close(run_native(node, [x, w, b], OPSET), want, np.float32)
+    assert_close(run_native(node, [x, w, b], OPSET, pack=[1]), want, np.float32)
+
+
+POOL_CASES = [
+    ("k3", dict(kernel_shape=[3, 3])),
+    ("k3-s2-pad1", dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+    ("k2-s2", dict(kernel_shape=[2, 2], strides=[2, 2])),
+    ("same-upper-s2", dict(kernel_shape=[3, 3], auto_pad="SAME_UPPER", strides=[2, 2])),
+    ("same-lower", dict(kernel_shape=[2, 2], auto_pad="SAME_LOWER")),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])
+@pytest.mark.parametrize("case", POOL_CASES, ids=[c[0] for c in POOL_CASES])
+def test_pools_match_reference(case, op, dtype):
+    x = np.random.default_rng(5).standard_normal((2, 3, 9, 10)).astype(dtype)
+    for extra in ({}, {"count_include_pad": 1}) if op == "AveragePool" else ({},):
+        node = make_node(op, ["x"], ["y"], **case[1], **extra)
+        assert_close(run_native(node, [x], OPSET), run_reference(node, [x], OPSET), dtype)
+
+
+@pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        dict(kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1),
+        dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1),
+        dict(kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1, count_include_pad=1),
+        dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1, count_include_pad=1),
+        dict(kernel_shape=[3, 3], dilations=[2, 2]),
+        dict(kernel_shape=[2, 3], strides=[3, 2], dilations=[2, 1], pads=[1, 1, 0, 1], ceil_mode=1),
+        dict(kernel_shape=[3, 2], pads=[1, 1, 0, 1]),
+        dict(kernel_shape=[3, 2], pads=[1, 1, 0, 1], count_include_pad=1),
+    ],
+    ids=["ceil", "ceil-pad", "ceil-incl", "ceil-pad-incl", "dilated", "dilated-ceil", "asym-pads", "asym-pads-incl"],
+)
+def test_pools_ceil_mode_match_onnxruntime(attrs, op):
+    if op == "MaxPool":
+        attrs = {k: v for k, v in attrs.items() if k != "count_include_pad"}
+    x = np.random.default_rng(6).standard_normal((1, 2, 10, 11)).astype(np.float32)
+    node = make_node(op, ["x"], ["y"], **attrs)
+    assert_close(run_native(node, [x], 19), run_ort(node, [x], 19), np.float32)
+
+
+@pytest.mark.parametrize("storage_order", [0, 1], ids=["row", "col"])
+@pytest.mark.parametrize(
+    "attrs",
+    [dict(kernel_shape=[3, 3]), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]), dict(kernel_shape=[2, 2], strides=[2, 2])],
+    ids=["k3", "k3-s2-pad1", "k2-s2"],
+)
+def test_maxpool_indices_match_onnxruntime(attrs, storage_order):
+    x = np.random.default_rng(7).standard_normal((2, 3, 7, 8)).astype(np.float32)
+    node = make_node("MaxPool", ["x"], ["y", "i"], storage_order=storage_order, **attrs)
+    got = run_native(node, [x], 12)
+    want = run_ort(node, [x], 12)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    assert got[1].dtype == np.int64
+
+
+@pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])
+def test_pool_1d_and_3d_match_onnxruntime(op):
+    """onnx.reference 1.23 indexes out of bounds on padded 3-D pools, so onnxruntime is the oracle."""
+    rng = np.random.default_rng(8)
+    for shape, ks in (((2, 3, 12), [3]), ((1, 2, 5, 6, 7), [2, 2, 3])):
+        x = rng.standard_normal(shape).astype(np.float32)
+        node = make_node(op, ["x"], ["y"], kernel_shape=ks, pads=[1] * (2 * len(ks)))
+        assert_close(run_native(node, [x], OPSET), run_ort(node, [x], OPSET), np.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("op", ["GlobalAveragePool", "GlobalMaxPool"])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 6), (1, 4, 7), (1, 2, 3, 4, 5)], ids=["2d", "1d", "3d"])
+def test_global_pools(shape, op, dtype):
+    """numpy is the oracle: onnx.reference's GlobalMaxPool mis-shapes non-2-D inputs."""
+    x = np.random.default_rng(9).standard_normal(shape).astype(dtype)
+    node = make_node(op, ["x"], ["y"])
+    axes = tuple(range(2, x.ndim))
+    if op == "GlobalMaxPool":
+        want = x.max(axis=axes, keepdims=True)
+    else:
+        want = x.astype(np.float64).mean(axis=axes, keepdims=True).astype(dtype)
+    assert_close(run_native(node, [x], OPSET), [want], dtype)

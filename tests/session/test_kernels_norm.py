@@ -1,0 +1,175 @@
+"""BatchNormalization, LayerNormalization, InstanceNormalization, LRN vs an oracle.
+
+Oracle: onnx.reference, except LRN (onnx.reference 1.23 sums the window only for the first N
+channels, looping over the batch axis) and LayerNormalization's float16 Mean/InvStdDev outputs
+(the spec types them U = the stash type, float32; onnx.reference returns X's dtype), where
+onnxruntime is the oracle.  Tolerances: float32 rtol 1e-4 / atol 1e-5; float16 rtol 1e-2 /
+atol 1e-2 (we compute statistics in float32 and round once).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernel_util import make_node, run_native, run_reference  # noqa: E402
+
+TOL = {
+    np.dtype(np.float64): dict(rtol=1e-10, atol=1e-12),
+    np.dtype(np.float32): dict(rtol=1e-4, atol=1e-5),
+    np.dtype(np.float16): dict(rtol=1e-2, atol=1e-2),
+}
+DTYPES = [np.float32, np.float16]
+IDS = ["f32", "f16"]
+
+
+def run_ort(node, inputs, opset):
+    feeds = {n: v for n, v in zip(node.input, inputs) if n and v is not None}
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape) for n, v in feeds.items()],
+        [helper.make_value_info(o, onnx.TypeProto()) for o in node.output if o],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def assert_close(got, want, dtype, check_dtype=True):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        w = np.asarray(w)
+        assert g.shape == w.shape, (g.shape, w.shape)
+        if check_dtype:
+            assert g.dtype == w.dtype, (g.dtype, w.dtype)
+        np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), **TOL[np.dtype(dtype)])
+
+
+def bn_inputs(rng, shape, dtype, stat_shape=None):
+    c = shape[1]
+    ss = stat_shape or (c,)
+    return [
+        rng.standard_normal(shape).astype(dtype),
+        rng.standard_normal(ss).astype(dtype),
+        rng.standard_normal(ss).astype(dtype),
+        rng.standard_normal(ss).astype(dtype),
+        (rng.random(ss) + 0.5).astype(dtype),
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [np.float64], ids=IDS + ["f64"])
+@pytest.mark.parametrize("opset", [7, 9, 15], ids=["op7", "op9", "op15"])
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (2, 3), (1, 4, 6), (1, 2, 3, 4, 2)], ids=["4d", "2d", "3d", "5d"])
+def test_batchnorm(shape, opset, dtype):
+    """onnx.reference is the oracle at opset 15; at 7 and 9 it runs training mode (momentum's
+    default makes it compute batch statistics), so onnxruntime (float32) is the oracle there."""
+    inputs = bn_inputs(np.random.default_rng(0), shape, dtype)
+    node = make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], epsilon=1e-3)
+    if opset >= 15:
+        want = run_reference(node, inputs, opset)
+    else:
+        want = [w.astype(dtype) for w in run_ort(node, [i.astype(np.float32) for i in inputs], opset)]
+        dtype = np.float32 if dtype == np.float64 else dtype  # the oracle ran in float32
+    assert_close(run_native(node, inputs, opset), want, dtype)
+
+
+def test_batchnorm_opset6_attributes_and_spatial0():
+    """Opset 6's is_test/spatial are accepted; spatial=0 takes per-activation statistics."""
+    rng = np.random.default_rng(1)
+    inputs = bn_inputs(rng, (2, 3, 4), np.float32, stat_shape=(3, 4))
+    x, s, b, m, v = inputs
+    node = make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], is_test=1, spatial=0, epsilon=1e-5)
+    want = (x - m) / np.sqrt(v + 1e-5) * s + b
+    assert_close(run_native(node, inputs, 6), [want], np.float32)
+    node = make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], is_test=1, spatial=1)
+    inputs = bn_inputs(rng, (2, 3, 4), np.float32)
+    x, s, b, m, v = inputs
+    want = (x - m[:, None]) / np.sqrt(v[:, None] + 1e-5) * s[:, None] + b[:, None]
+    assert_close(run_native(node, inputs, 6), [want], np.float32)
+
+
+def test_batchnorm_old_opset_optional_outputs_are_running_stats():
+    inputs = bn_inputs(np.random.default_rng(5), (2, 3, 4), np.float32)
+    node = make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "rm", "rv"], is_test=1)
+    got = run_native(node, inputs, 6)
+    assert len(got) == 3
+    np.testing.assert_array_equal(got[1], inputs[3])
+    np.testing.assert_array_equal(got[2], inputs[4])
+
+
+def test_batchnorm_training_mode_is_left_to_fallback():
+    from onnxpack.session.kernels import KernelContext, lookup
+
+    node = make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "rm", "rv"], training_mode=1)
+    with pytest.raises(NotImplementedError):
+        lookup("", "BatchNormalization", 15)(node, KernelContext(15, {"": 15}))
+
+
+LN_CASES = [("last", (2, 3, 8), -1), ("axis1", (2, 3, 4, 5), 1), ("axis0", (3, 4), 0), ("axis-2", (2, 3, 4, 5), -2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("outputs", [1, 3], ids=["Y", "Y-mean-invstd"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("case", LN_CASES, ids=[c[0] for c in LN_CASES])
+def test_layernorm(case, bias, outputs, dtype):
+    _, shape, axis = case
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal(shape) * 3 + 1).astype(dtype)
+    norm_shape = shape[axis:] if axis >= 0 else shape[len(shape) + axis :]
+    inputs = [x, rng.standard_normal(norm_shape).astype(dtype)]
+    names = ["x", "s"]
+    if bias:
+        inputs.append(rng.standard_normal(norm_shape).astype(dtype))
+        names.append("b")
+    node = make_node("LayerNormalization", names, ["y", "mean", "inv"][:outputs], axis=axis, epsilon=1e-4)
+    got = run_native(node, inputs, 17)
+    assert len(got) == outputs
+    if dtype == np.float32:
+        assert_close(got, run_reference(node, inputs, 17), dtype)
+    else:
+        want = run_ort(node, inputs, 17)
+        assert [w.dtype for w in want] == [g.dtype for g in got]
+        assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (2, 3, 7), (1, 2, 3, 4, 2)], ids=["4d", "3d", "5d"])
+def test_instancenorm(shape, dtype):
+    rng = np.random.default_rng(3)
+    inputs = [
+        (rng.standard_normal(shape) * 2).astype(dtype),
+        rng.standard_normal(shape[1]).astype(dtype),
+        rng.standard_normal(shape[1]).astype(dtype),
+    ]
+    node = make_node("InstanceNormalization", ["x", "s", "b"], ["y"], epsilon=1e-3)
+    assert_close(run_native(node, inputs, 6), run_reference(node, inputs, 6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize(
+    "attrs", [dict(size=3), dict(size=4, alpha=1e-2, beta=0.5, bias=2.0), dict(size=1), dict(size=7)], ids=["s3", "s4-params", "s1", "s7"]
+)
+def test_lrn(attrs, dtype):
+    """Oracle: the spec's formula written as a loop over channels (float64), and onnxruntime for
+    odd sizes (it rejects even ones)."""
+    x = (np.random.default_rng(4).standard_normal((2, 6, 4, 5)) * 3).astype(dtype)
+    node = make_node("LRN", ["x"], ["y"], **attrs)
+    got = run_native(node, [x], 13)
+    size, alpha, beta, bias = attrs["size"], attrs.get("alpha", 1e-4), attrs.get("beta", 0.75), attrs.get("bias", 1.0)
+    xd = x.astype(np.float64)
+    sq = np.zeros_like(xd)
+    for c in range(x.shape[1]):
+        lo, hi = max(0, c - (size - 1) // 2), min(x.shape[1], c + -(-(size - 1) // 2) + 1)
+        sq[:, c] = (xd[:, lo:hi] ** 2).sum(axis=1)
+    want = (xd / (bias + alpha / size * sq) ** beta).astype(dtype)
+    assert_close(got, [want], dtype)
+    if size % 2:
+        assert_close(got, run_ort(node, [x], 13), dtype)

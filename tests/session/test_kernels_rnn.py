@@ -1,0 +1,185 @@
+"""LSTM and GRU: native vs onnx.reference / onnxruntime, packed (W, R, B) vs unpacked.
+
+onnx.reference is the oracle for plain runs (all directions, layouts, initial states, GRU's
+linear_before_reset, LSTM peepholes); it ignores ``sequence_lens``, ``clip`` and custom
+activations, so onnxruntime is the oracle for those.  Tolerances: float32 rtol 1e-4 / atol 1e-5;
+float16 rtol 1e-2 / atol 1e-2 (we compute in float32).  Packed vs unpacked: rtol 1e-6 / atol 1e-6.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernel_util import make_node, run_native, run_reference  # noqa: E402
+
+from onnxpack.session.kernels import KernelContext, TensorInfo, lookup  # noqa: E402
+
+TOL = {np.dtype(np.float32): dict(rtol=1e-4, atol=1e-5), np.dtype(np.float16): dict(rtol=1e-2, atol=1e-2)}
+PACK_TOL = dict(rtol=1e-6, atol=1e-6)
+GATES = {"LSTM": 4, "GRU": 3}
+
+
+def run_ort(node, inputs, opset):
+    feeds = {n: v for n, v in zip(node.input, inputs) if n and v is not None}
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape) for n, v in feeds.items()],
+        [helper.make_value_info(o, onnx.TypeProto()) for o in node.output if o],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def assert_close(got, want, dtype):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        w = np.asarray(w)
+        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, g.dtype, w.shape, w.dtype)
+        np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), **TOL[np.dtype(dtype)])
+
+
+def make_case(op, *, direction="forward", layout=0, seq=5, batch=3, inp=4, hidden=6, dtype=np.float32,
+              bias=True, init=False, peep=False, seq_lens=None, seed=0, **attrs):
+    rng = np.random.default_rng(seed)
+    nd = 2 if direction == "bidirectional" else 1
+    g = GATES[op]
+    x_shape = (batch, seq, inp) if layout else (seq, batch, inp)
+    st_shape = (batch, nd, hidden) if layout else (nd, batch, hidden)
+    inputs = {
+        "X": rng.standard_normal(x_shape).astype(dtype),
+        "W": (rng.standard_normal((nd, g * hidden, inp)) * 0.5).astype(dtype),
+        "R": (rng.standard_normal((nd, g * hidden, hidden)) * 0.5).astype(dtype),
+        "B": (rng.standard_normal((nd, 2 * g * hidden)) * 0.5).astype(dtype) if bias else None,
+        "sequence_lens": None if seq_lens is None else np.array(seq_lens, dtype=np.int32),
+        "initial_h": rng.standard_normal(st_shape).astype(dtype) if init else None,
+    }
+    if op == "LSTM":
+        inputs["initial_c"] = rng.standard_normal(st_shape).astype(dtype) if init else None
+        inputs["P"] = (rng.standard_normal((nd, 3 * hidden)) * 0.5).astype(dtype) if peep else None
+    names = [n if v is not None else "" for n, v in inputs.items()]
+    while names and not names[-1]:
+        names.pop()
+    values = list(inputs.values())[: len(names)]
+    outputs = ["Y", "Y_h", "Y_c"] if op == "LSTM" else ["Y", "Y_h"]
+    if layout:
+        attrs["layout"] = 1
+    node = make_node(op, names, outputs, hidden_size=hidden, direction=direction, **attrs)
+    return node, values
+
+
+def check_packed(node, values, got, opset=14):
+    packable = [i for i in (1, 2, 3) if i < len(values) and values[i] is not None]
+    packed = run_native(node, values, opset, pack=packable)
+    for p, u in zip(packed, got):
+        np.testing.assert_allclose(p.astype(np.float64), u.astype(np.float64), **PACK_TOL)
+
+
+CASES = [
+    ("fwd", dict()),
+    ("rev", dict(direction="reverse")),
+    ("bidi", dict(direction="bidirectional")),
+    ("bidi-init", dict(direction="bidirectional", init=True)),
+    ("nobias", dict(bias=False)),
+    ("layout1", dict(layout=1, direction="bidirectional", init=True)),
+    ("batch1-seq1", dict(batch=1, seq=1)),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_rnn_matches_reference_and_packed(case, op, dtype):
+    node, values = make_case(op, dtype=dtype, **case[1])
+    got = run_native(node, values, 14)
+    assert_close(got, run_reference(node, values, 14), dtype)
+    check_packed(node, values, got)
+
+
+@pytest.mark.parametrize("direction", ["forward", "bidirectional"])
+def test_gru_linear_before_reset(direction):
+    node, values = make_case("GRU", direction=direction, init=True, linear_before_reset=1)
+    got = run_native(node, values, 14)
+    assert_close(got, run_reference(node, values, 14), np.float32)
+    check_packed(node, values, got)
+
+
+def test_lstm_peepholes():
+    node, values = make_case("LSTM", direction="bidirectional", init=True, peep=True)
+    got = run_native(node, values, 14)
+    assert_close(got, run_reference(node, values, 14), np.float32)
+    check_packed(node, values, got)
+
+
+ORT_CASES = [
+    ("seqlens-fwd", dict(seq_lens=[5, 2, 3])),
+    ("seqlens-bidi", dict(seq_lens=[1, 5, 3], direction="bidirectional", init=True)),
+    ("seqlens-rev-zero", dict(seq_lens=[4, 0, 5], direction="reverse", init=True)),
+    ("clip", dict(clip=0.7, direction="bidirectional")),
+    ("acts", dict(activations=["HardSigmoid", "Relu", "Tanh"], activation_alpha=[0.3], activation_beta=[0.4])),
+]
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+@pytest.mark.parametrize("case", ORT_CASES, ids=[c[0] for c in ORT_CASES])
+def test_rnn_matches_onnxruntime(case, op):
+    kwargs = dict(case[1])
+    if op == "GRU" and "activations" in kwargs:
+        kwargs["activations"] = kwargs["activations"][:2]
+    node, values = make_case(op, **kwargs)
+    got = run_native(node, values, 14)
+    assert_close(got, run_ort(node, values, 14), np.float32)
+    check_packed(node, values, got)
+
+
+def test_gru_linear_before_reset_with_seqlens_matches_onnxruntime():
+    node, values = make_case("GRU", seq_lens=[2, 5, 4], direction="bidirectional", linear_before_reset=1, init=True)
+    assert_close(run_native(node, values, 14), run_ort(node, values, 14), np.float32)
+
+
+def test_only_y_output_and_old_opset():
+    node, values = make_case("LSTM")
+    node = make_node("LSTM", list(node.input), ["Y"], hidden_size=6)
+    got = run_native(node, values, 7)
+    assert len(got) == 1
+    assert_close(got, run_reference(node, values, 7)[:1], np.float32)
+
+
+def _kernel(node, opset=14):
+    return lookup("", node.op_type, opset)(node, KernelContext(opset, {"": opset}))
+
+
+def test_input_forget_is_left_to_fallback():
+    node, _ = make_case("LSTM", input_forget=1)
+    with pytest.raises(NotImplementedError):
+        _kernel(node)
+
+
+def test_packed_layouts():
+    """W/R become per-direction transposes (nd, I, G*H) float32; GRU's B keeps Rb_h apart."""
+    node, values = make_case("GRU", direction="bidirectional", dtype=np.float16)
+    k = _kernel(node)
+    w, r, b = values[1], values[2], values[3]
+    for i, arr in ((1, w), (2, r)):
+        info = TensorInfo("w", arr.dtype, arr.shape, onnx.TensorProto.FLOAT16)
+        (buf,) = k.prepack(i, arr)
+        assert k.expected_packed(i, info) == [(np.dtype(np.float32), buf.shape)]
+        assert buf.flags.c_contiguous
+        np.testing.assert_array_equal(buf, arr.astype(np.float32).transpose(0, 2, 1))
+    (bb,) = k.prepack(3, b)
+    h = 6
+    bf = b.astype(np.float32)
+    np.testing.assert_array_equal(bb[:, : 2 * h], bf[:, : 2 * h] + bf[:, 3 * h : 5 * h])
+    np.testing.assert_array_equal(bb[:, 2 * h : 3 * h], bf[:, 2 * h : 3 * h])
+    np.testing.assert_array_equal(bb[:, 3 * h :], bf[:, 5 * h :])
+    info = TensorInfo("b", b.dtype, b.shape, onnx.TensorProto.FLOAT16)
+    assert k.check_packed(3, info, (bb,)) is None
+    assert k.pack_spec(4, info) is None
