@@ -29,7 +29,15 @@ from onnxpack.prepack._weights import PrePackedWeights, full_digest, make_key, s
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SaveRecord", "LoadRecord", "content_key"]
+__all__ = ["SaveRecord", "LoadRecord", "content_key", "ALWAYS_VERIFY_BELOW"]
+
+# Blobs shorter than this have their CRC-32 checked at every load, even without
+# ``onnxpack.verify_prepacked``.  Why: at ~4 GB/s a 64 KiB blob costs ~16 us, such blobs are
+# below the page-alignment threshold (they share pages with neighbours that are read anyway), and
+# a wrong small blob (bias-sized tables, conv kernels) otherwise gives silently wrong outputs.
+# Large blobs are not read at load: checking them would page in every packed weight at create,
+# which is exactly what mapping avoids; ``verify_prepacked=1`` checks them too.
+ALWAYS_VERIFY_BELOW = 64 * 1024
 
 
 def _warn(message: str) -> None:
@@ -69,7 +77,7 @@ class SaveRecord:
             entry = _SavedWeight(int(nbytes), full_digest(source), sample_digest(source), [])
             self._weights[(scope, name)] = entry
         key = content_key(spec, entry.digest, dtype, shape)
-        buffers = self._by_key.setdefault(key, tuple(np.ascontiguousarray(b) for b in packed.buffers))
+        buffers = self._by_key.setdefault(key, packed.buffers)
         if all(k != key for k, _ in entry.packs):
             entry.packs.append((key, buffers))
         return key
@@ -111,6 +119,7 @@ class LoadRecord:
         self.model = model
         self.verify = verify
         self.rejected = 0
+        self._failed: set[tuple[str, str, str]] = set()  # (scope, name, reason): warn once each
         self._records: dict[tuple[str, str], fmt.WeightRecord] = {}
         for prop in model.proto.metadata_props:
             if not fmt.is_record_key(prop.key):
@@ -143,8 +152,13 @@ class LoadRecord:
         try:
             return self._find(rec, where, raw, spec, dtype, shape, check)
         except (PrepackFormatError, OnnxpackError, ValueError) as exc:
-            self.rejected += 1
-            _warn(f"{where} ignored, re-packing: {exc}")
+            # A weight with several consumers is looked up once per consumer; the same failure
+            # is one warning (and one rejected blob), not one per consumer.
+            seen = (scope, name, str(exc))
+            if seen not in self._failed:
+                self._failed.add(seen)
+                self.rejected += 1
+                _warn(f"{where} ignored, re-packing: {exc}")
             return None
 
     def _find(self, rec: fmt.WeightRecord, where: str, raw: Any, spec: Any, dtype: Any,
@@ -177,7 +191,7 @@ class LoadRecord:
                     f"buffer {i} [{b.offset}, {b.offset + b.length}) lies outside {b.location!r} of {size} bytes"
                 )
             view = b.view(data)
-            if self.verify and fmt.checksum(view) != b.checksum:
+            if (self.verify or b.length < ALWAYS_VERIFY_BELOW) and fmt.checksum(view) != b.checksum:
                 raise PrepackFormatError(f"buffer {i}: checksum {fmt.checksum(view)} != recorded {b.checksum}")
             buffers.append(view)
         reason = check(tuple(buffers))

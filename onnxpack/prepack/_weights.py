@@ -26,7 +26,8 @@ KEY_DIGEST_SIZE = 16
 
 def freeze(array: np.ndarray) -> np.ndarray:
     """A read-only, C-contiguous view (or copy when the input is not contiguous)."""
-    out = np.ascontiguousarray(array)
+    # np.ascontiguousarray would turn a 0-d array into a 1-d one; keep the shape.
+    out = array if array.flags.c_contiguous else np.ascontiguousarray(array).reshape(array.shape)
     if out is array and array.flags.writeable:
         out = array.view()
     out.setflags(write=False)

@@ -83,7 +83,10 @@ def validate_config(config: dict[str, str]) -> dict[str, Any]:
             raise ConfigError(f"unknown config key {key!r}; onnxpack keys are: {known}")
     for key, (parser, default, _doc) in CONFIG_KEYS.items():
         value = config.get(key, default)
-        parsed[key] = None if value == "" and parser is not _text else parser(key, value) if value != "" else value
+        if value == "":  # unset: text keys stay "", numeric keys mean "use the default"
+            parsed[key] = "" if parser is _text else None
+        else:
+            parsed[key] = parser(key, value)
     return parsed
 
 

@@ -209,6 +209,18 @@ def test_bitshift(direction, dtype):
     check(make_node("BitShift", ["a", "b"], ["y"], direction=direction), [a, b])
 
 
+@pytest.mark.parametrize("direction", ["LEFT", "RIGHT"])
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.int64], ids=lambda d: np.dtype(d).name)
+def test_bitshift_signed_out_of_range_amounts(direction, dtype):
+    # Regression: a negative amount was clamped to 0 ("no shift") instead of giving the fill.
+    bits = np.dtype(dtype).itemsize * 8
+    a = np.array([-16, 8, -1, 5, -128, 127], dtype=dtype)
+    b = np.array([-1, -3, 2, bits, bits + 1, -bits], dtype=dtype)
+    (y,) = check(make_node("BitShift", ["a", "b"], ["y"], direction=direction), [a, b])
+    if direction == "RIGHT":
+        assert y[:2].tolist() == [-1, 0]  # the sign fill, as the conformance suite expects
+
+
 @pytest.mark.parametrize("op", ["Max", "Min", "Sum", "Mean"])
 @pytest.mark.parametrize("n", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32], ids=lambda d: np.dtype(d).name)
@@ -259,6 +271,22 @@ def test_prelu(slope_shape, dtype):
     check(make_node("PRelu", ["x", "s"], ["y"]), [rand((2, 4, 3, 5), dtype), rand(slope_shape, dtype, 0, 1)])
 
 
+@pytest.mark.parametrize("opset", [6, 9, 16])
+@pytest.mark.parametrize("x_shape", [(2, 3, 4), (2, 3, 4, 5)], ids=str)
+def test_prelu_channel_slope_legacy_broadcast(x_shape, opset):
+    # Regression: pytorch-exported models give slope (C,) for x (N, C, ...); numpy's trailing
+    # rule does not broadcast it, onnx.reference (and onnxruntime) lay it along the C axis.
+    x = rand(x_shape, np.float32)
+    (y,) = check(make_node("PRelu", ["x", "s"], ["y"]), [x, np.array([0.1, 0.2, 0.3], np.float32)], opset=opset)
+    np.testing.assert_allclose(y[:, 1], np.where(x[:, 1] < 0, 0.2 * x[:, 1], x[:, 1]), rtol=1e-6)
+
+
+def test_prelu_ambiguous_slope_still_fails():
+    x = rand((3, 3, 4), np.float32)  # a (3,) slope matches two axes: no guess
+    with pytest.raises(ValueError):
+        run_native(make_node("PRelu", ["x", "s"], ["y"]), [x, np.ones(3, np.float32)], OPSET)
+
+
 @pytest.mark.parametrize("neg,pos", [(1, 1), (1, 0), (0, 1), (0, 0)])
 def test_isinf(neg, pos):
     x = np.array([1.0, np.inf, -np.inf, np.nan, 0.0], np.float32)
@@ -286,6 +314,22 @@ def test_clip_inputs(bounds, dtype):
     if len(names) > 2:
         inputs.append(np.array(hi, dtype))
     check(make_node("Clip", names, ["y"]), inputs, opset=13)
+
+
+@pytest.mark.parametrize("bounds", [(-1.0, None), (-1.0, 1.0), (None, 1.0)], ids=str)
+@pytest.mark.parametrize("value", [-3.0, 0.25, 7.0], ids=str)
+def test_clip_zero_dim_input(value, bounds):
+    # Regression: np.maximum of 0-d arrays is a numpy scalar, which cannot be an out= target
+    # (DynamicQuantizeLinear's function body clips a 0-d scale).
+    lo, hi = bounds
+    names = ["x", "" if lo is None else "lo", "hi" if hi is not None else ""]
+    inputs = [np.array(value, np.float32), None if lo is None else np.array(lo, np.float32)]
+    if hi is None:
+        names, inputs = names[:2], inputs[:2]
+    else:
+        inputs.append(np.array(hi, np.float32))
+    (y,) = check(make_node("Clip", names, ["y"]), inputs, opset=13)
+    assert y.shape == ()
 
 
 @pytest.mark.parametrize("attrs", [{}, {"min": -0.5}, {"max": 0.5}, {"min": -1.0, "max": 1.5}], ids=str)
@@ -322,6 +366,25 @@ def test_cast_bfloat16_and_castlike():
     x = rand((3, 4), np.float32)
     check(make_node("Cast", ["x"], ["y"], to=TensorProto.BFLOAT16), [x], opset=19)
     check(make_node("CastLike", ["x", "t"], ["y"]), [x, np.zeros(1, np.float16)], opset=19)
+
+
+@pytest.mark.parametrize("saturate", [1, 0])
+@pytest.mark.parametrize("src", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("target", ["float8_e5m2", "float8_e4m3fn"])
+def test_castlike_float8_saturates(target, src, saturate):
+    # Regression: ml_dtypes' float8 dtypes have kind "f", so they took the plain astype path,
+    # which overflows to inf where the spec (saturate=1) clamps to the largest finite value.
+    import ml_dtypes
+
+    like = np.zeros(1, getattr(ml_dtypes, target))
+    x = np.array([0.4, 1e4, -1e4, 1e6, np.inf, -np.inf, np.nan], np.float32).astype(src)
+    node = make_node("CastLike", ["x", "t"], ["y"], saturate=saturate)
+    (got,) = run_native(node, [x, like], 19)
+    (want,) = run_reference(node, [x, like], 19)
+    assert got.dtype == like.dtype
+    np.testing.assert_array_equal(got.astype(np.float32), np.asarray(want).astype(np.float32))
+    if saturate and target == "float8_e5m2":
+        assert got.astype(np.float32)[3] == 57344.0
 
 
 def test_cast_to_string_falls_back():

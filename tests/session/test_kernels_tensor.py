@@ -233,6 +233,18 @@ def test_scatter_elements(axis, reduction):
     check(make_node("ScatterElements", ["x", "i", "u"], ["y"], axis=axis, reduction=reduction), [x, idx, x_((2, 2))], 18)
 
 
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_scatter_opset9_is_scatter_elements(axis):
+    # Regression: Scatter (opset 9/10, deprecated at 11) had no kernel and onnx.reference has
+    # none either; it is ScatterElements without reduction, which serves as the oracle.
+    x = x_((3, 4))
+    idx = np.array([[1, 0, 2], [0, 2, 1]], I64)
+    upd = x_((2, 3))
+    (got,) = run_native(make_node("Scatter", ["x", "i", "u"], ["y"], axis=axis), [x, idx, upd], 10)
+    (want,) = run_reference(make_node("ScatterElements", ["x", "i", "u"], ["y"], axis=axis), [x, idx, upd], 11)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_nonzero():
     x = np.array([[1, 0, 2], [0, 0, 3]], np.float32)
     check(make_node("NonZero", ["x"], ["y"]), [x])
@@ -290,6 +302,16 @@ def test_space_to_depth():
     check(make_node("SpaceToDepth", ["x"], ["y"], blocksize=2), [x_((2, 3, 4, 6))], 13)
 
 
+@pytest.mark.parametrize("mode", ["DCR", "CRD"])
+def test_space_to_depth_mode(mode):
+    # Regression: the opset-28 ``mode`` attribute was ignored (CRD computed as DCR).
+    x = x_((2, 3, 4, 6))
+    (y,) = check(make_node("SpaceToDepth", ["x"], ["y"], blocksize=2, mode=mode), [x], 28)
+    # Inverse of DepthToSpace in the same mode, an oracle independent of onnx.reference.
+    (back,) = run_native(make_node("DepthToSpace", ["y"], ["x"], blocksize=2, mode=mode), [y], 13)
+    np.testing.assert_array_equal(back, x)
+
+
 # --- constants / generators ------------------------------------------------------------------
 @pytest.mark.parametrize(
     "attrs",
@@ -332,6 +354,20 @@ def test_constant_of_shape(value, shape):
 def test_range(start, limit, delta, dtype):
     ins = [np.array(v, dtype) for v in (start, limit, delta)]
     check(make_node("Range", ["a", "b", "c"], ["y"]), ins, 11, close=True)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.float32, np.float16], ids=lambda d: np.dtype(d).name)
+def test_range_one_element_1d_inputs(dtype):
+    # Regression: AffineGrid's function body feeds Range 1-element 1-D tensors, which numpy
+    # cannot turn into Python scalars.  onnx.reference takes the one element.
+    ins = [np.array([v], dtype) for v in (0, 5, 2)]
+    (y,) = check(make_node("Range", ["a", "b", "c"], ["y"]), ins, 11, close=True)
+    assert y.tolist() == [0, 2, 4]
+
+
+def test_range_rejects_multi_element_inputs():
+    with pytest.raises(ValueError):
+        run_native(make_node("Range", ["a", "b", "c"], ["y"]), [i64(0, 1), i64(5), i64(1)], 11)
 
 
 # --- Pad -------------------------------------------------------------------------------------

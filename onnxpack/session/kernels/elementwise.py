@@ -156,6 +156,22 @@ class _Unary(Kernel):
                 return (np.asarray(type(self)._fn(x)),)
         return (np.asarray(type(self)._fn(x)),)
 
+    def run_into(self, outs, x) -> bool:
+        """``run`` writing into ``outs[0]`` (the memory planner's arena) with numpy ``out=``.
+
+        The same ufunc on the same operands, so the bits equal ``run``'s; functions that are not
+        one ufunc (Round, Sigmoid, Erf, ...) decline with ``False`` and are ``run`` instead.
+        """
+        fn = _UNARY_INTO.get(self.op_type) or type(self)._fn
+        if not isinstance(fn, np.ufunc) and self.op_type not in _UNARY_INTO:
+            return False
+        if self._quiet:
+            with np.errstate(all="ignore"):
+                fn(x, out=outs[0])
+        else:
+            fn(x, out=outs[0])
+        return True
+
 
 class _Binary(Kernel):
     """``y = fn(a, b)`` with multidirectional broadcasting."""
@@ -168,6 +184,20 @@ class _Binary(Kernel):
             with np.errstate(all="ignore"):
                 return (np.asarray(type(self)._fn(a, b)),)
         return (np.asarray(type(self)._fn(a, b)),)
+
+    def run_into(self, outs, a, b) -> bool:
+        """``run`` writing into ``outs[0]`` with numpy ``out=`` (ufuncs only; Div on floats)."""
+        fn = type(self)._fn
+        if fn is _div and a.dtype.kind == "f" and b.dtype == a.dtype:
+            fn = np.divide  # float Div is np.divide in ``_div`` too
+        elif not isinstance(fn, np.ufunc):
+            return False
+        if self._quiet:
+            with np.errstate(all="ignore"):
+                fn(a, b, out=outs[0])
+        else:
+            fn(a, b, out=outs[0])
+        return True
 
 
 def _define(base: type[Kernel], op_type: str, since: int, fn: Callable, quiet: bool = False) -> type[Kernel]:
@@ -221,6 +251,11 @@ _UNARY: tuple[tuple[str, int, Callable, bool], ...] = (
     ("Mish", 18, lambda x: x * np.tanh(np.logaddexp(0, x)), True),
     ("HardSwish", 14, lambda x: x * np.clip(x / 6 + 0.5, 0, 1), False),
 )
+
+# Unary ops whose table function is not itself a ufunc but is one ufunc call with ``out=``.
+_UNARY_INTO: dict[str, Callable[..., np.ndarray]] = {
+    "Relu": lambda x, out: np.maximum(x, 0, out=out),  # the table's ``np.maximum(x, 0)``
+}
 
 _BINARY: tuple[tuple[str, int, Callable, bool], ...] = (
     ("Add", 1, np.add, False),
@@ -571,9 +606,10 @@ class CastLike(Kernel):
         self.saturate = bool(self.attr("saturate", 1))
 
     def run(self, x, like):  # type: ignore[override]
-        # ml_dtypes' float8 types also have kind "f": test for numpy's own dtypes, whose astype
-        # is the spec's cast (float8 targets need saturation, which astype does not do).
-        if like.dtype.kind in _EXACT_SOURCE_KINDS and like.dtype.isbuiltin:
+        # ml_dtypes' float8 types also have kind "f": test for numpy's own dtypes (isbuiltin 1;
+        # ml_dtypes' are 2), whose astype is the spec's cast -- float8 targets need saturation,
+        # which astype does not do.
+        if like.dtype.kind in _EXACT_SOURCE_KINDS and like.dtype.isbuiltin == 1:
             return (x.astype(like.dtype, copy=False),)
         from onnx.reference.ops.op_cast import cast_to  # rare path: float8/bfloat16/4-bit
 
