@@ -15,8 +15,11 @@ buffer's checksum.  Anything wrong is one warning naming the weight, and ``None`
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import hashlib
 import logging
+import os
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -25,7 +28,15 @@ import numpy as np
 
 from onnxpack.errors import OnnxpackError, PrepackFormatError, PrepackWarning
 from onnxpack.prepack import entry_format as fmt
-from onnxpack.prepack._weights import PrePackedWeights, full_digest, make_key, sample_digest
+from onnxpack.prepack._weights import (
+    _SAMPLE_BYTES,
+    _SAMPLES,
+    KEY_DIGEST_SIZE,
+    PrePackedWeights,
+    full_digest,
+    make_key,
+    sample_digest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +123,43 @@ class SaveRecord:
         return out
 
 
+def _file_sample_digest(external: Any) -> bytes | None:
+    """:func:`sample_digest` of an external weight read with ``os.pread``, not through the mmap.
+
+    Why: a 256-byte read through the mapping faults in (and maps) a whole page-cache folio; on
+    this machine (Linux 6.18, ext4 large folios) 16 samples mapped ~all of every 16 MB weight,
+    so a warm start that never uses the originals still had them in its RSS/PSS.  ``pread``
+    copies just the samples and maps nothing.  ``None`` (use the mapping) when the file on disk
+    is no longer the one mapped (its identity changed), so we never sample other bytes.
+    """
+    try:
+        fd = os.open(external.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != tuple(external.file_id):
+            return None
+        n, base = external.length, external.offset
+        h = hashlib.blake2b(digest_size=KEY_DIGEST_SIZE)
+        h.update(n.to_bytes(8, "little"))
+        if n <= _SAMPLES * _SAMPLE_BYTES:
+            spans = [(base, n)]
+        else:
+            step = (n - _SAMPLE_BYTES) // (_SAMPLES - 1)
+            spans = [(base + k * step, _SAMPLE_BYTES) for k in range(_SAMPLES)]
+        for off, size in spans:
+            chunk = os.pread(fd, size, off)
+            if len(chunk) != size:
+                return None
+            h.update(chunk)
+        return h.digest()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 class LoadRecord:
     """Load mode: the records found in a model, validated lazily per weight."""
 
@@ -121,6 +169,7 @@ class LoadRecord:
         self.rejected = 0
         self._failed: set[tuple[str, str, str]] = set()  # (scope, name, reason): warn once each
         self._records: dict[tuple[str, str], fmt.WeightRecord] = {}
+        self._ranges: tuple[dict[str, tuple[list, list]], set] | None = None
         for prop in model.proto.metadata_props:
             if not fmt.is_record_key(prop.key):
                 continue
@@ -139,7 +188,7 @@ class LoadRecord:
         return (scope, name) in self._records
 
     def find(self, scope: str, name: str, raw: Any, spec: Any, dtype: Any, shape: Sequence[int],
-             check: Any) -> PrePackedWeights | None:
+             check: Any, external: Any = None) -> PrePackedWeights | None:
         """Mapped buffers for this weight and kernel spec, or None (with a warning if unusable).
 
         ``raw`` returns the source weight's bytes (read lazily: only sampled unless verifying);
@@ -150,7 +199,7 @@ class LoadRecord:
             return None
         where = f"pre-packed blob of weight {name!r}" + (f" in scope {scope!r}" if scope else "")
         try:
-            return self._find(rec, where, raw, spec, dtype, shape, check)
+            return self._find(rec, where, raw, spec, dtype, shape, check, external)
         except (PrepackFormatError, OnnxpackError, ValueError) as exc:
             # A weight with several consumers is looked up once per consumer; the same failure
             # is one warning (and one rejected blob), not one per consumer.
@@ -162,7 +211,7 @@ class LoadRecord:
             return None
 
     def _find(self, rec: fmt.WeightRecord, where: str, raw: Any, spec: Any, dtype: Any,
-              shape: Sequence[int], check: Any) -> PrePackedWeights | None:
+              shape: Sequence[int], check: Any, external: Any = None) -> PrePackedWeights | None:
         digest_hex = rec.source_digest
         if len(digest_hex) != 64:
             raise PrepackFormatError(f"source digest: expected 64 hex digits, got {len(digest_hex)}")
@@ -175,6 +224,16 @@ class LoadRecord:
                 f"no pack for kernel {fam} with this weight's dtype/shape (record has "
                 f"{[p.key.rsplit('/', 1)[0] for p in rec.packs]})"
             )
+        if external is not None and not self.verify:
+            if external.length != rec.source_length:
+                raise PrepackFormatError(
+                    f"stale: weight has {external.length} bytes, record says {rec.source_length}"
+                )
+            sampled = _file_sample_digest(external)
+            if sampled is not None:
+                if sampled != sample:
+                    raise PrepackFormatError("stale: the weight's bytes changed since the blob was saved")
+                return self._map(pack, where, key, check)
         source = raw()
         nbytes = source.nbytes if isinstance(source, (memoryview, np.ndarray)) else len(source)
         if nbytes != rec.source_length:
@@ -183,6 +242,10 @@ class LoadRecord:
             raise PrepackFormatError("stale: the weight's bytes changed since the blob was saved")
         if self.verify and full_digest(source) != digest:
             raise PrepackFormatError("stale: the weight's full digest does not match the record")
+        return self._map(pack, where, key, check)
+
+    def _map(self, pack: fmt.PackRecord, where: str, key: str, check: Any) -> PrePackedWeights:
+        """Views of ``pack``'s buffers after bounds, checksum (small or verify) and kernel checks."""
         buffers = []
         for i, b in enumerate(pack.buffers):
             data, size = self.model.data_buffer(b.location, where)
@@ -190,6 +253,7 @@ class LoadRecord:
                 raise PrepackFormatError(
                     f"buffer {i} [{b.offset}, {b.offset + b.length}) lies outside {b.location!r} of {size} bytes"
                 )
+            self._check_overlap(i, b, key)
             view = b.view(data)
             if (self.verify or b.length < ALWAYS_VERIFY_BELOW) and fmt.checksum(view) != b.checksum:
                 raise PrepackFormatError(f"buffer {i}: checksum {fmt.checksum(view)} != recorded {b.checksum}")
@@ -198,3 +262,61 @@ class LoadRecord:
         if reason is not None:
             raise PrepackFormatError(f"kernel rejects the blob: {reason}")
         return PrePackedWeights(key, tuple(buffers), "model")
+
+    def _check_overlap(self, i: int, b: fmt.BufferRecord, key: str) -> None:
+        """Refuses a buffer whose bytes overlap a weight or another record's buffer.
+
+        Why: blobs of at least ``ALWAYS_VERIFY_BELOW`` bytes are not CRC-checked at load, so a
+        record whose offset was corrupted (or copied from another layout) would otherwise hand a
+        kernel the wrong bytes and give silently wrong outputs (found by the reliability fuzzer).
+        Our saver never lets a blob overlap a weight or a different blob, and both facts are
+        known without reading a byte.  The same range under the same key (two equal weights
+        sharing one blob) is fine.
+        """
+        if self._ranges is None:
+            self._ranges = _occupied_ranges(self.model, self._records.values())
+        weights, conflicts = self._ranges
+        end = b.offset + b.length
+        if b.length and (b.location, b.offset, end, key) in conflicts:
+            raise PrepackFormatError(
+                f"buffer {i} [{b.offset}, {end}) in {b.location!r} overlaps another record's buffer"
+            )
+        starts, reach = weights.get(b.location, ((), ()))
+        k = bisect.bisect_left(starts, end)  # weights starting before the buffer ends
+        if b.length and k and reach[k - 1][0] > b.offset:
+            stop, start, name = reach[k - 1]
+            raise PrepackFormatError(
+                f"buffer {i} [{b.offset}, {end}) in {b.location!r} overlaps the bytes "
+                f"[{start}, {stop}) of weight {name!r}: the record points at the wrong bytes"
+            )
+
+
+def _occupied_ranges(model: Any, records: Any) -> tuple[dict[str, tuple[list, list]], set]:
+    """(location -> (sorted weight starts, running max of (end, start, name)), set of record
+    buffers that overlap another one); O(log n) per lookup, so large models stay cheap."""
+    ranges: dict[str, list[tuple[int, int, str]]] = {}
+    for scope in model.scopes():
+        for name, tensor in scope.initializers.items():
+            ext = tensor.external
+            if ext is not None and ext.length:
+                ranges.setdefault(ext.location, []).append((ext.offset, ext.offset + ext.length, name))
+    weights: dict[str, tuple[list, list]] = {}
+    for location, items in ranges.items():
+        items.sort()
+        reach: list[tuple[int, int, str]] = []
+        for start, stop, name in items:
+            reach.append(max(reach[-1], (stop, start, name)) if reach else (stop, start, name))
+        weights[location] = ([start for start, _, _ in items], reach)
+    spans = sorted(
+        (b.location, b.offset, b.offset + b.length, p.key)
+        for rec in records for p in rec.packs for b in p.buffers if b.length
+    )
+    conflicts: set = set()
+    prev = None  # the span reaching furthest so far in the current location
+    for span in spans:
+        if prev is not None and prev[0] == span[0] and span[1] < prev[2] and span[1:] != prev[1:]:
+            conflicts.add(span)
+            conflicts.add(prev)
+        if prev is None or prev[0] != span[0] or span[2] > prev[2]:
+            prev = span
+    return weights, conflicts

@@ -15,11 +15,14 @@ re-pack.  The cache file is mapped once per process per path and re-mapped only 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import threading
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -28,11 +31,29 @@ from onnxpack.errors import CacheFileError, InvalidArgument, PrepackWarning
 from onnxpack.graph import Model
 from onnxpack.prepack import PrePackedWeights, PrepackedWeightsContainer, make_key
 from onnxpack.prepack import cache_file as cf
-from onnxpack.prepack._record import LoadRecord, SaveRecord
+from onnxpack.prepack._record import ALWAYS_VERIFY_BELOW, LoadRecord, SaveRecord
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PrepackSources", "save_optimized"]
+__all__ = ["PrepackSources", "save_optimized", "report_progress"]
+
+# Called after every packed kernel input is obtained (weight name); set by report_progress.
+# A context variable, not a session option: progress display is the caller's business (the
+# optimize CLI's bar) and must not leak into sessions created by other threads.
+_PROGRESS: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar(
+    "onnxpack_prepack_progress", default=None
+)
+
+
+@contextlib.contextmanager
+def report_progress(callback: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, sessions created in this context call ``callback(weight name)`` after
+    obtaining each packed kernel input (packed, mapped or shared)."""
+    token = _PROGRESS.set(callback)
+    try:
+        yield
+    finally:
+        _PROGRESS.reset(token)
 
 # realpath -> (file identity, CacheFile): one mapping per process per cache path.
 _CACHE_FILES: dict[str, tuple[tuple[int, int, int, int], cf.CacheFile]] = {}
@@ -86,6 +107,9 @@ class PrepackSources:
                     f"onnxpack.prepacked_cache_path: folder {folder!r} of {self.cache_path!r} does not exist"
                 )
         self.cache = open_cache(self.cache_path) if self.cache_path else None
+        # open_cache returns None for an existing file only after warning that it is unusable;
+        # flush_cache then keeps to that one warning (issue 6: "ignored with one warning").
+        self._cache_ignored = bool(self.cache_path) and self.cache is None and os.path.exists(self.cache_path)
         # (constant ref, spec, tensor info, entry) of every pack, for a save with blobs.
         self.save_items: list[tuple[Any, Any, Any, PrePackedWeights]] = []
         self.to_cache: dict[str, tuple[np.ndarray, ...]] = {}
@@ -97,13 +121,22 @@ class PrepackSources:
     def obtain(self, session: Any, kernel: Any, i: int, ref: Any, info: Any, spec: Any,
                container: PrepackedWeightsContainer, holder: int) -> tuple[PrePackedWeights | None, str]:
         """The packed form of kernel input ``i`` (constant ``ref``), and where it came from."""
+        result = self._obtain(session, kernel, i, ref, info, spec, container, holder)
+        callback = _PROGRESS.get()
+        if callback is not None:
+            callback(ref.name)
+        return result
+
+    def _obtain(self, session: Any, kernel: Any, i: int, ref: Any, info: Any, spec: Any,
+                container: PrepackedWeightsContainer, holder: int) -> tuple[PrePackedWeights | None, str]:
 
         def check(buffers: tuple[np.ndarray, ...]) -> str | None:
             return kernel.check_packed(i, info, buffers)
 
         origin = {"value": "container"}
         if not ref.user and self.record.has(ref.owner.path, ref.name):
-            mapped = self.record.find(ref.owner.path, ref.name, ref.tensor.raw, spec, info.dtype, info.shape, check)
+            mapped = self.record.find(ref.owner.path, ref.name, ref.tensor.raw, spec, info.dtype, info.shape, check,
+                                      ref.tensor.external)
             if mapped is not None:
                 def from_model() -> PrePackedWeights:
                     origin["value"] = "model"
@@ -121,8 +154,12 @@ class PrepackSources:
 
         def pack() -> PrePackedWeights | None:
             if self.cache is not None and key in self.cache:
+                # Small entries are CRC-checked at every load, like small blobs saved in a model
+                # (ALWAYS_VERIFY_BELOW): cheap, and a corrupt one would give wrong outputs.
+                cached = self.cache.entry(key)
+                small = cached is not None and cached.nbytes < ALWAYS_VERIFY_BELOW
                 try:
-                    buffers = self.cache.get(key, verify=self.verify)
+                    buffers = self.cache.get(key, verify=self.verify or small)
                 except CacheFileError as exc:
                     buffers = None
                     _warn(f"cache entry for weight {ref.name!r} ignored, re-packing: {exc}")
@@ -169,9 +206,13 @@ class PrepackSources:
         try:
             result = cf.append_entries(self.cache_path, entries)
         except (OSError, CacheFileError) as exc:
-            _warn(f"packed-weight cache {self.cache_path!r} not updated: {exc}")
+            if self._cache_ignored:  # the file was already reported unusable at open: one warning
+                logger.info("packed-weight cache %r not updated: %s", self.cache_path, exc)
+            else:
+                _warn(f"packed-weight cache {self.cache_path!r} not updated: {exc}")
             return
-        logger.info("cache %s: %d entries added, %d already there", self.cache_path, result.added, result.skipped)
+        logger.info("cache %s: %d entries added, %d already there%s", self.cache_path, len(result.added),
+                    len(result.skipped), " (damaged file rebuilt)" if result.rebuilt else "")
 
 
 def save_optimized(session: Any, path: str) -> Any:
