@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["add_arguments", "handler", "collect", "format_text", "SECTIONS"]
 
+from onnxpack._layout import describe_layout, format_layout  # noqa: E402
+
 EXIT_OK = 0
 
 Report = dict[str, Any]
@@ -125,6 +127,7 @@ def collect(model_path: str, config: dict[str, str] | None = None) -> Report:
             "packs": packs,
             "fallback_nodes": session.get_fallback_nodes(),
             "stats": session.get_prepack_stats(),
+            "layout": describe_layout(os.fspath(model_path)),
         }
     finally:
         session.close()
@@ -210,6 +213,14 @@ def format_stats(report: Report) -> list[str]:
     return ["prepack stats:"] + _table(["stat", "value"], rows)
 
 
+def format_layout_section(report: Report) -> list[str]:
+    """External data layout: each weight and its saved blobs, offsets, alignment, sizes, kernels."""
+    rows = report.get("layout") or []
+    if not rows:
+        return ["external data layout: (no external data)"]
+    return ["external data layout:"] + format_layout(rows).rstrip("\n").splitlines()
+
+
 # One entry per printed section, in order; a new section is a function taking the report.
 SECTIONS: list[Callable[[Report], list[str]]] = [
     format_header,
@@ -218,6 +229,7 @@ SECTIONS: list[Callable[[Report], list[str]]] = [
     format_packs,
     format_fallback,
     format_stats,
+    format_layout_section,
 ]
 
 

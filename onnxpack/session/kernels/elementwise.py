@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 from onnx import TensorProto, helper
 
-from onnxpack.session.kernels._base import Kernel, KernelContext, register
+from onnxpack.session.kernels._base import Kernel, KernelContext, PackSpec, register
 
 logger = logging.getLogger(__name__)
 
@@ -584,7 +584,14 @@ def _cast_dtype(to: int) -> np.dtype:
 
 @register("Cast", since=1)
 class Cast(Kernel):
-    """numpy ``astype`` for numeric and bool targets (``saturate`` only matters for float8)."""
+    """numpy ``astype`` for numeric and bool targets (``saturate`` only matters for float8).
+
+    A Cast of a constant (the usual way exporters widen fp16 weights: ``Cast(W_fp16) -> fp32``)
+    pre-packs: the cast weight is computed once, saved and mapped like any packed weight, and
+    ``run`` returns it without touching the original.
+    """
+
+    _PACK_VERSION = 1
 
     def __init__(self, node, ctx: KernelContext) -> None:
         super().__init__(node, ctx)
@@ -592,8 +599,31 @@ class Cast(Kernel):
         if isinstance(to, str):  # opset 1 spelled the type as a string
             to = TensorProto.DataType.Value(to.upper())
         self.dtype = _cast_dtype(int(to))
+        self._packed: np.ndarray | None = None
 
-    def run(self, x):  # type: ignore[override]
+    def pack_spec(self, input_index, info):
+        target = np.dtype(self.dtype)
+        source = np.dtype(info.dtype)
+        if input_index != 0 or target == source or target.isbuiltin != 1 or source.isbuiltin != 1:
+            return None
+        if target.kind not in "iuf" or source.kind not in "iuf":
+            return None
+        return PackSpec("cast", self._PACK_VERSION, target.str.encode(), 1)
+
+    def expected_packed(self, input_index, info):
+        if self.pack_spec(input_index, info) is None:
+            return None
+        return [(np.dtype(self.dtype), tuple(info.shape))]
+
+    def prepack(self, input_index, weight):
+        return (np.ascontiguousarray(weight.astype(self.dtype)).reshape(weight.shape),)
+
+    def use_prepacked(self, input_index, buffers):
+        (self._packed,) = buffers
+
+    def run(self, x=None):  # type: ignore[override]
+        if self._packed is not None:
+            return (self._packed,)
         return (x.astype(self.dtype, copy=False),)
 
 
