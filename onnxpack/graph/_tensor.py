@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import mmap
 import sys
 
 import numpy as np
@@ -42,6 +43,35 @@ def storage_nbytes(elem_type: int, dims: tuple[int, ...], dtype: np.dtype) -> in
     return count * dtype.itemsize
 
 
+# In-proto tensors without raw_data keep their values in one typed field (onnx.proto3 comments).
+_TYPED_FIELD = {
+    TensorProto.FLOAT: ("float_data", 1),
+    TensorProto.COMPLEX64: ("float_data", 2),
+    TensorProto.DOUBLE: ("double_data", 1),
+    TensorProto.COMPLEX128: ("double_data", 2),
+    TensorProto.INT64: ("int64_data", 1),
+    TensorProto.UINT32: ("uint64_data", 1),
+    TensorProto.UINT64: ("uint64_data", 1),
+}
+
+
+def _check_typed_count(proto: TensorProto, name: str, elem_type: int, dims: tuple[int, ...]) -> None:
+    """Checks that an in-proto tensor holds as many values as its shape needs, before anything
+    is allocated: a model declaring a 10^12-element tensor with no data must be an error, not a
+    ``reshape`` failure or a huge allocation (found by the reliability fuzzer)."""
+    field, per_element = _TYPED_FIELD.get(elem_type, ("int32_data", 1))
+    count = math.prod(dims)
+    bits = _PACKED_BITS.get(elem_type)
+    # Sub-byte types keep one packed byte per int32_data entry.
+    need = (count * bits + 7) // 8 if bits is not None else count * per_element
+    got = len(getattr(proto, field))
+    if got != need:
+        raise ModelLoadError(
+            f"tensor {name!r}: holds {got} values in {field}, expected {need} for shape {dims} and "
+            f"dtype {TensorProto.DataType.Name(elem_type)} (no raw_data, no external data)"
+        )
+
+
 class Tensor:
     """One tensor of a model; data is materialized only when asked for.
 
@@ -75,6 +105,11 @@ class Tensor:
                 raise ExternalDataError(
                     f"tensor {self.name!r}: string tensors cannot be stored as external data"
                 )
+            if array is None and len(proto.string_data) != math.prod(self.dims):
+                raise ModelLoadError(
+                    f"tensor {self.name!r}: holds {len(proto.string_data)} strings, expected "
+                    f"{math.prod(self.dims)} for shape {self.dims}"
+                )
             self.nbytes = sum(len(s) for s in proto.string_data)
             return
         self.nbytes = storage_nbytes(self.elem_type, self.dims, self.dtype)
@@ -91,10 +126,34 @@ class Tensor:
                     f"{self.nbytes} for shape {self.dims} and dtype "
                     f"{TensorProto.DataType.Name(self.elem_type)}"
                 )
+        elif array is None:
+            _check_typed_count(proto, self.name, self.elem_type, self.dims)
 
     def __repr__(self) -> str:
         where = f"external {self.external.location}@{self.external.offset}" if self.external else "in-proto"
         return f"Tensor({self.name!r}, {self.dtype}, {self.dims}, {where})"
+
+    def drop_pages(self) -> bool:
+        """Tell the OS this process no longer needs the tensor's mapped pages resident.
+
+        Used after a weight was packed and nothing reads the original any more: its pages leave
+        this process's RSS (they stay in the page cache, shared, and would simply fault back in
+        if read again, so views stay valid).  Only whole pages inside the tensor are dropped.
+        Returns whether anything was advised.
+        """
+        buf = self._buffer
+        if self.external is None or not isinstance(buf, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+            return False
+        page = mmap.PAGESIZE
+        start = -(-self.external.offset // page) * page
+        end = (self.external.offset + self.external.length) // page * page
+        if end <= start:
+            return False
+        try:
+            buf.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):
+            return False
+        return True
 
     def raw(self) -> memoryview | bytes:
         """The tensor's bytes as stored: little-endian, packed for sub-byte types, no copy when

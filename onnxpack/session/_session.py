@@ -20,6 +20,7 @@ from onnx import AttributeProto, NodeProto, TensorProto, helper
 from onnxpack.errors import ConfigError, InvalidArgument, ModelLoadError
 from onnxpack.graph import Model, Scope, Tensor, load_model
 from onnxpack.prepack import PrePackedWeights, PrepackedWeightsContainer, content_identity, file_identity, make_key
+from onnxpack.session._arena import ArenaRunner
 from onnxpack.session._control import CONTROL_FLOW
 from onnxpack.session._executor import ScopePlan, Step, topological_order
 from onnxpack.session._fallback import FallbackKernel
@@ -207,6 +208,8 @@ class InferenceSession:
             self._finalizer()
             self._model.close()
             raise
+        planner = self._config["onnxpack.memory_planner"]
+        self._arena = None if planner in (None, "none") else ArenaRunner(self._root_plan, planner)
         self._closed = False
 
     # -- construction ---------------------------------------------------------------------------
@@ -244,7 +247,9 @@ class InferenceSession:
         if unknown:
             raise InvalidArgument(f"add_initializer: {unknown} are neither initializers nor inputs of the model")
         self._user_inits = user_inits
-        self._overridable = {n for n in root.initializers if n in root_inputs}
+        # Before IR 4 every initializer had to be listed as an input too; onnxruntime treats them
+        # as constants there (not feedable, not overridable), and so do we.
+        self._overridable = {n for n in root.initializers if n in root_inputs} if model.proto.ir_version >= 4 else set()
         self._plans: dict[int, ScopePlan] = {}
         self._scope_of_plan: dict[int, Scope] = {}
         unpacked_uses: set[tuple[int, str]] = set()  # (id(owner scope), name) read unpacked
@@ -264,6 +269,8 @@ class InferenceSession:
                     value: Any = user_inits[name]
                 else:
                     if (id(scope), name) not in unpacked_uses and name not in plan.output_names:
+                        # Nothing reads the original: drop the pages packing faulted in.
+                        scope.initializers[name].drop_pages()
                         released += 1
                         continue
                     value = scope.initializers[name].numpy()
@@ -324,7 +331,7 @@ class InferenceSession:
                 unpacked_uses.add((id(ref.owner), out.name))
         input_names = [i.name for i in graph.input]
         if scope.parent is None:
-            input_names = [n for n in input_names if n not in self._overridable] + sorted(self._overridable)
+            input_names = [n for n in input_names if n not in scope.initializers] + sorted(self._overridable)
         plan = ScopePlan(name, input_names, [o.name for o in graph.output], {}, steps, _visible_outer_names(scope))
         plan.output_types = [o.type.tensor_type.elem_type for o in graph.output]
         return plan
@@ -442,7 +449,7 @@ class InferenceSession:
             domain=p.domain,
             description=p.doc_string,
             graph_description=p.graph.doc_string,
-            version=p.model_version,
+            version=p.model_version if p.HasField("model_version") else 2**63 - 1,  # ORT's kNoVersion
             custom_metadata_map={m.key: m.value for m in p.metadata_props if not m.key.startswith("onnxpack.prepacked/")},
         )
 
@@ -477,22 +484,37 @@ class InferenceSession:
             if missing:
                 raise InvalidArgument(f"run: unknown output name(s) {missing}; the model's outputs are {all_outputs}")
         inputs = [feeds[n] for n in plan.input_names]
-        values = plan.run(inputs, None)
+        arena = self._arena
+        values = plan.run(inputs, None) if arena is None else arena.run(inputs)
         result = dict(zip(all_outputs, values))
         names = list(output_names) if output_names else all_outputs
         return [_to_user(result[n]) for n in names]
+
+    def get_memory_plan(self, input_shapes: dict[str, Sequence[int]] | None = None) -> dict[str, Any] | None:
+        """The activation memory plan of the root graph, or ``None`` when there is none yet.
+
+        Plans are made at the first run for a set of input shapes (with
+        ``onnxpack.memory_planner`` set), so this is ``None`` before that run and when the
+        planner is off.  Without ``input_shapes`` the latest plan is returned.  The dict is
+        :meth:`PlanResult.as_dict` (algorithm, totals, lower bound, per memory arena/peak, per
+        tensor name/memory/offset/size/first/last, plus nbytes/dtype/shape/node) with the input
+        ``signature``, ``steps``, ``planned_steps`` and the ``lifetimes`` planned.
+        """
+        self._check_open()
+        return None if self._arena is None else self._arena.memory_plan(input_shapes)
 
     def _validate_feed(self, input_feed: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(input_feed, dict):
             raise InvalidArgument(f"run: input_feed must be a dict of name -> array, got {type(input_feed).__name__}")
         graph = self._model.proto.graph
-        declared = {i.name: i for i in graph.input}
+        consts = self._model.root.initializers
+        declared = {i.name: i for i in graph.input if i.name not in consts or i.name in self._overridable}
         unknown = [n for n in input_feed if n not in declared]
         if unknown:
             required = [i.name for i in self.get_inputs()]
             raise InvalidArgument(f"run: unknown input name(s) {unknown}; the model's inputs are {required}")
         feeds: dict[str, Any] = {}
-        for vi in graph.input:
+        for vi in declared.values():
             name = vi.name
             if name not in input_feed:
                 if name in self._overridable:
@@ -508,6 +530,7 @@ class InferenceSession:
         self._closed = True
         self._finalizer()
         self._root_plan = None  # type: ignore[assignment]
+        self._arena = None
         self._plans.clear()
         self._packs_by_weight.clear()
         self._model.close()
