@@ -109,6 +109,27 @@ class MatMul(Kernel):
             y = y.astype(out_dtype)
         return (y,)
 
+    def run_into(self, outs, a, b=None) -> bool:
+        """``run`` writing into ``outs[0]`` (the memory planner's arena) with ``np.matmul(out=)``.
+
+        Only where ``run`` is one BLAS call whose result already has the output dtype (float32,
+        float64), so the bits are ``run``'s; half precision (widened, then cast), integers and
+        empty results decline with ``False``.
+        """
+        y = outs[0]
+        if a.ndim == 0 or y.size == 0 or a.dtype != y.dtype or compute_dtype(a.dtype) != a.dtype:
+            return False
+        if self._b is not None:
+            if a.ndim <= 2:
+                np.matmul(a, self._b, out=y)
+            else:  # matmul_packed's single flattened GEMM
+                np.matmul(a.reshape(-1, a.shape[-1]), self._b, out=y.reshape(-1, y.shape[-1]))
+            return True
+        if b is None or b.dtype != a.dtype:
+            return False
+        np.matmul(a, b, out=y)
+        return True
+
 
 @register("Gemm", since=1)
 class Gemm(Kernel):
