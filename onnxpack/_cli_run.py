@@ -1,0 +1,173 @@
+"""``onnxpack run MODEL``: run a model once (or N times) and print its outputs and timings.
+
+Inputs come from ``--input name=file.npy``; any input not given is random data of its declared
+shape and type (seeded, so two runs print the same numbers), with symbolic or unknown dims set
+to 1 unless ``--dim name=value`` says otherwise.  The point is a one-line smoke test of a model
+("does it load, what comes out, how long does it take") without writing Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from onnxpack.errors import InvalidArgument
+
+__all__ = ["add_arguments", "handler", "random_inputs"]
+
+logger = logging.getLogger(__name__)
+
+# Integers are drawn from [0, INT_HIGH): small non-negative values are valid indices, counts and
+# trip counts for most models, where arbitrary int64 would make Gather/Loop inputs nonsense.
+INT_HIGH = 4
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="ONNX model file")
+    p.add_argument("--input", "-i", action="append", default=[], metavar="NAME=FILE.npy",
+                   help="feed input NAME from a .npy file (repeatable); others get random data")
+    p.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE",
+                   help="value of a symbolic dimension for random inputs (repeatable; default 1)")
+    p.add_argument("--repeat", "-n", type=_positive, default=1,
+                   help="number of timed runs after the first (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                   help="session config entry, e.g. session.disable_prepacking=1 (repeatable)")
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
+def _pairs(values: list[str], flag: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in values:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise InvalidArgument(f"{flag} {item!r}: expected NAME=VALUE")
+        if name in out:
+            raise InvalidArgument(f"{flag} {name!r} given twice")
+        out[name] = value
+    return out
+
+
+def _dims(values: list[str]) -> dict[str, int]:
+    dims = {}
+    for name, text in _pairs(values, "--dim").items():
+        try:
+            dims[name] = int(text)
+        except ValueError:
+            raise InvalidArgument(f"--dim {name}={text}: expected a non-negative integer") from None
+        if dims[name] < 0:
+            raise InvalidArgument(f"--dim {name}={text}: expected a non-negative integer")
+    return dims
+
+
+def _load_npy(name: str, path: str) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, EOFError) as e:  # OSError (missing file) reaches the CLI as is
+        raise InvalidArgument(f"--input {name}={path}: not a readable .npy file ({e})") from e
+
+
+_TYPES = {
+    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int16)": np.int16,
+    "tensor(int8)": np.int8, "tensor(uint8)": np.uint8, "tensor(uint16)": np.uint16,
+    "tensor(uint32)": np.uint32, "tensor(uint64)": np.uint64, "tensor(bool)": np.bool_,
+}
+
+
+def random_inputs(nodeargs: list[Any], dims: dict[str, int], seed: int = 0) -> dict[str, np.ndarray]:
+    """Random arrays for ``nodeargs`` (``NodeArg``s): normal floats, small ints, random bools.
+
+    Symbolic dims take ``dims[name]`` (default 1), unknown dims 1.
+    """
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for arg in nodeargs:
+        dtype = _TYPES.get(arg.type)
+        if dtype is None:
+            raise InvalidArgument(
+                f"input {arg.name!r} has type {arg.type}; give it with --input {arg.name}=FILE.npy")
+        shape = tuple(d if isinstance(d, int) else dims.get(d, 1) if isinstance(d, str) else 1
+                      for d in arg.shape)
+        if np.dtype(dtype).kind == "f":
+            feeds[arg.name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype is np.bool_:
+            feeds[arg.name] = rng.integers(0, 2, shape).astype(bool)
+        else:
+            feeds[arg.name] = rng.integers(0, INT_HIGH, shape).astype(dtype)
+    return feeds
+
+
+def handler(args: argparse.Namespace) -> int:
+    from onnxpack.session import InferenceSession, SessionOptions
+
+    given = _pairs(args.input, "--input")
+    dims = _dims(args.dim)
+    so = SessionOptions()
+    for key, value in _pairs(args.config, "--config").items():
+        so.add_session_config_entry(key, value)
+    if not os.path.exists(args.model):
+        raise InvalidArgument(f"model {args.model!r} does not exist")
+    t0 = time.perf_counter()
+    sess = InferenceSession(args.model, so)
+    create_s = time.perf_counter() - t0
+    with sess:
+        inputs = sess.get_inputs() + sess.get_overridable_initializers()
+        known = {a.name for a in inputs}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise InvalidArgument(f"--input {unknown[0]!r}: the model's inputs are {sorted(known)}")
+        used_dims = {d for a in inputs for d in a.shape if isinstance(d, str)}
+        stray = sorted(set(dims) - used_dims)
+        if stray:
+            raise InvalidArgument(f"--dim {stray[0]!r}: no input has a dimension of that name "
+                                  f"(symbolic dims: {sorted(used_dims) or 'none'})")
+        feeds = {name: _load_npy(name, path) for name, path in given.items()}
+        feeds.update(random_inputs([a for a in sess.get_inputs() if a.name not in feeds], dims, args.seed))
+        for name, value in feeds.items():
+            origin = "file" if name in given else "random"
+            print(f"input  {name}: {value.dtype} {list(value.shape)} ({origin})")
+        names = [o.name for o in sess.get_outputs()]
+        t0 = time.perf_counter()
+        outputs = sess.run(None, feeds)
+        first_s = time.perf_counter() - t0
+        times = []
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            sess.run(None, feeds)
+            times.append(time.perf_counter() - t0)
+        for name, value in zip(names, outputs):
+            print(f"output {name}: {_describe(value)}")
+        print(f"create {create_s * 1e3:.1f} ms, first run {first_s * 1e3:.1f} ms, "
+              f"run median {statistics.median(times) * 1e3:.2f} ms / min {min(times) * 1e3:.2f} ms "
+              f"over {len(times)} run(s)")
+        fallbacks = sess.get_fallback_nodes()
+        if fallbacks:
+            print(f"{len(fallbacks)} node(s) ran through onnx.reference: {', '.join(fallbacks[:5])}"
+                  + (" ..." if len(fallbacks) > 5 else ""))
+    return 0
+
+
+def _describe(value: Any) -> str:
+    if not isinstance(value, np.ndarray):
+        return f"{type(value).__name__} of {len(value)}" if isinstance(value, list) else type(value).__name__
+    text = f"{value.dtype} {list(value.shape)}"
+    if value.size and value.dtype.kind in "fiub":
+        v = value.astype(np.float64)
+        text += f" min {v.min():.6g} max {v.max():.6g} mean {v.mean():.6g}"
+    return text
