@@ -56,7 +56,7 @@ class Loop(ControlFlowKernel):
             if scans[k]:
                 stacked.append(np.stack(scans[k]))
             else:
-                stacked.append(np.empty((0,), dtype=_output_dtype(body, 1 + n_state + k)))
+                stacked.append(_empty_output(body, 1 + n_state + k))
         return (*state, *stacked)
 
 
@@ -87,7 +87,17 @@ class Scan(ControlFlowKernel):
                 length = int(np.asarray(seq_lens).reshape(-1)[b])
                 items = items[:n] + [x[:length] for x in items[n:]]
             per_item.append(self._scan(frame, items))
-        return tuple(np.stack([r[k] for r in per_item]) for k in range(len(per_item[0])))
+        n_state = len(rest) - self.num_scan_inputs
+        out = []
+        for k in range(len(per_item[0])):
+            parts = [np.asarray(r[k]) for r in per_item]
+            if k >= n_state and seq_lens is not None:
+                # Items shorter than the longest sequence are zero-padded along the scan axis,
+                # as onnxruntime does.
+                longest = max(p.shape[0] for p in parts)
+                parts = [np.pad(p, [(0, longest - p.shape[0])] + [(0, 0)] * (p.ndim - 1)) for p in parts]
+            out.append(np.stack(parts))
+        return tuple(out)
 
     def _scan(self, frame: Frame, inputs: Any) -> tuple:
         body = self.subgraphs["body"]
@@ -117,11 +127,19 @@ class Scan(ControlFlowKernel):
             if collected[k]:
                 stacked = np.stack(collected[k][::-1] if out_dirs[k] else collected[k])
             else:
-                stacked = np.empty((0,), dtype=_output_dtype(body, n + k))
+                stacked = _empty_output(body, n + k)
             axis = out_axes[k]
             axis = axis + stacked.ndim if axis < 0 else axis
             results.append(np.moveaxis(stacked, 0, axis) if axis else stacked)
         return (*state, *results)
+
+
+def _empty_output(plan: ScopePlan, index: int) -> np.ndarray:
+    """A zero-trip scan output: shape (0, *declared per-iteration shape) when the body declares
+    it with fixed dims (as onnxruntime gives), else (0,)."""
+    dims = plan.output_dims[index] if index < len(plan.output_dims) else None
+    tail = tuple(dims) if dims is not None and all(isinstance(d, int) for d in dims) else ()
+    return np.empty((0, *tail), dtype=_output_dtype(plan, index))
 
 
 def _output_dtype(plan: ScopePlan, index: int) -> np.dtype:

@@ -175,6 +175,7 @@ class ScopePlan:
         self.constants = constants
         self.steps = steps
         self.output_types: list[int] = []  # ONNX elem types of the outputs (empty Loop/Scan results)
+        self.output_dims: list[list[int | None] | None] = []  # declared output shapes, None if unknown
         self._compute_release(outer_names)
 
     def _compute_release(self, outer_names: set[str]) -> None:

@@ -334,6 +334,10 @@ class InferenceSession:
             input_names = [n for n in input_names if n not in scope.initializers] + sorted(self._overridable)
         plan = ScopePlan(name, input_names, [o.name for o in graph.output], {}, steps, _visible_outer_names(scope))
         plan.output_types = [o.type.tensor_type.elem_type for o in graph.output]
+        plan.output_dims = [
+            None if (dims := _shape_of(o.type)) is None else [d if isinstance(d, int) else None for d in dims]
+            for o in graph.output
+        ]
         return plan
 
     def _bind(self, scope: Scope, node: NodeProto, child_scopes: list[Scope], unpacked_uses: set) -> Step:
