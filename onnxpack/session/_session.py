@@ -17,12 +17,14 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, NodeProto, TensorProto, helper
 
-from onnxpack.errors import ConfigError, InvalidArgument, ModelLoadError
+from onnxpack.errors import ConfigError, InvalidArgument, InvalidGraph, ModelLoadError, OnnxpackError
 from onnxpack.graph import Model, Scope, Tensor, load_model
 from onnxpack.prepack import PrePackedWeights, PrepackedWeightsContainer, content_identity, file_identity, make_key
 from onnxpack.session._arena import ArenaRunner
 from onnxpack.session._control import CONTROL_FLOW
-from onnxpack.session._executor import ScopePlan, Step, topological_order
+from onnxpack.session._executor import ScopePlan, Step, _node_inputs, topological_order
+from onnxpack.session._fusion import bn_fold, find_conv_fusions, fused_node
+from onnxpack.session.kernels.conv import FusedConv
 from onnxpack.session._fallback import FallbackKernel
 from onnxpack.session.kernels import KernelContext, PackSpec, TensorInfo, lookup
 from onnxpack.session.kernels._base import normalize_domain
@@ -251,6 +253,7 @@ class InferenceSession:
         # as constants there (not feedable, not overridable), and so do we.
         self._overridable = {n for n in root.initializers if n in root_inputs} if model.proto.ir_version >= 4 else set()
         self._plans: dict[int, ScopePlan] = {}
+        self._fusions: dict[int, dict[str, Any]] = {}  # id(fused Conv node) -> FusedConv arguments
         self._scope_of_plan: dict[int, Scope] = {}
         unpacked_uses: set[tuple[int, str]] = set()  # (id(owner scope), name) read unpacked
         t0 = time.perf_counter()
@@ -316,6 +319,8 @@ class InferenceSession:
             available |= set(self._user_inits)
         available |= _visible_outer_names(scope)
         nodes = list(graph.node)
+        if self._prepack_on:
+            nodes = self._fuse(scope, nodes)
         order = topological_order(nodes, available, name)
         children = {id(c.owner): [] for c in scope.children}
         for c in scope.children:
@@ -340,6 +345,41 @@ class InferenceSession:
         ]
         return plan
 
+    def _fuse(self, scope: Scope, nodes: list[NodeProto]) -> list[NodeProto]:
+        """Fold Conv → BatchNormalization → Relu chains (see ``_fusion.py``)."""
+        readers: dict[str, int] = {}
+        for node in nodes:
+            for n in _node_inputs(node):
+                if n:
+                    readers[n] = readers.get(n, 0) + 1
+        protected = {o.name for o in scope.graph.output}
+        for n in protected:
+            readers[n] = readers.get(n, 0) + 1
+
+        def is_const(n: str) -> bool:
+            return self._resolve_const(scope, n) is not None
+
+        fusions = find_conv_fusions(nodes, readers, protected, is_const, self._opsets.get("", 1))
+        if not fusions:
+            return nodes
+        absorbed: set[int] = set()
+        replaced: dict[int, NodeProto] = {}
+        for f in fusions:
+            node = fused_node(nodes, f)
+            multiplier = shift = None
+            if f.bn is not None:
+                bn = nodes[f.bn]
+                scale, bias, mean, var = (self._resolve_const(scope, n).value() for n in bn.input[1:5])
+                eps = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
+                conv = nodes[f.conv]
+                cb = self._resolve_const(scope, conv.input[2]).value() if len(conv.input) > 2 and conv.input[2] else None
+                multiplier, shift = bn_fold(scale, bias, mean, var, eps, cb)
+                del node.input[2:]  # the Conv bias is folded into the shift
+            self._fusions[id(node)] = {"multiplier": multiplier, "shift": shift, "relu": f.relu is not None}
+            replaced[f.conv] = node
+            absorbed.update(f.absorbed)
+        return [replaced.get(k, n) for k, n in enumerate(nodes) if k not in absorbed]
+
     def _bind(self, scope: Scope, node: NodeProto, child_scopes: list[Scope], unpacked_uses: set) -> Step:
         domain = normalize_domain(node.domain)
         opset = self._opsets.get(domain, 1)
@@ -356,6 +396,8 @@ class InferenceSession:
                     needs_frame = True
                 except NotImplementedError:
                     kernel = None
+        if id(node) in self._fusions:
+            kernel = FusedConv(node, ctx, **self._fusions[id(node)])
         if kernel is None and not sub_attrs and (domain, node.op_type) not in self._function_ids:
             cls = lookup(domain, node.op_type, opset)
             if cls is not None:
@@ -364,6 +406,12 @@ class InferenceSession:
                 except NotImplementedError as exc:
                     logger.debug("node %r (%s): native kernel declined (%s); using onnx.reference", node.name, node.op_type, exc)
                     kernel = None
+                except OnnxpackError:
+                    raise
+                except Exception as exc:  # e.g. an attribute of the wrong type in a hostile model
+                    raise InvalidGraph(
+                        f"node {node.name!r} ({node.op_type}): invalid node for its kernel: {type(exc).__name__}: {exc}"
+                    ) from exc
         if kernel is None:
             kernel = FallbackKernel(node, ctx, self._functions)
             needs_context = kernel.needs_context

@@ -26,6 +26,7 @@ implementation.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import math
@@ -251,6 +252,23 @@ class Conv(Kernel):
         (self._w,) = buffers
 
     def run(self, x, w=None, b=None):
+        return (self._conv(x, w, b, None),)
+
+    def run_into(self, outs, x, w=None, b=None) -> bool:
+        """``run`` writing into ``outs[0]`` (the memory planner's arena): only the one-GEMM case
+        (batch 1, one group, output already in the compute dtype), so the bits are ``run``'s."""
+        y = outs[0]
+        if self.group != 1 or x.ndim < 3 or x.shape[0] != 1 or y.size == 0:
+            return False
+        if y.dtype != x.dtype or compute_dtype(x.dtype) != x.dtype:
+            return False
+        return self._conv(x, w, b, y) is y
+
+    def _conv(self, x, w, b, out: np.ndarray | None) -> np.ndarray:
+        """The convolution; with ``out`` (batch 1, one group) the GEMM writes there.
+
+        Returns the result: ``out`` itself when it was used, else a fresh array.
+        """
         out_dtype = x.dtype
         if compute_dtype(x.dtype) is None:
             raise InvalidArgument(f"node {self.node.name!r}: Conv on {x.dtype} is not supported natively")
@@ -277,27 +295,35 @@ class Conv(Kernel):
             )
         if wm.dtype != xc.dtype:
             wm = wm.astype(xc.dtype)
-        begin, end, out = conv_geometry(xc.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad)
+        begin, end, out_shape = conv_geometry(xc.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad)
         cg, mg = c // g, m // g
-        length = math.prod(out)
+        length = math.prod(out_shape)
+        if out is not None and (out.shape != (n, m) + tuple(out_shape) or not out.flags.c_contiguous):
+            out = None
         if kprod == 1 and not any(begin) and not any(end):
             # 1x1: the (strided) input is the column matrix.
-            xs = xc[(Ellipsis,) + tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(out, strides))]
+            xs = xc[(Ellipsis,) + tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(out_shape, strides))]
             cols = np.ascontiguousarray(xs).reshape(n, g, cg, length)
-            y = self._gemm(wm, cols, n, g)
         else:
-            xp = _pad(xc, begin, _padded_extent(xc.shape[2:], begin, out, ks, strides, dils), 0)
+            xp = _pad(xc, begin, _padded_extent(xc.shape[2:], begin, out_shape, ks, strides, dils), 0)
             if cg == 1 and mg == 1 and g > 1:
-                y = self._depthwise(xp, wm, ks, out, strides, dils)
+                cols = None
+                y = self._depthwise(xp, wm, ks, out_shape, strides, dils)
+                out = None
             else:
-                cols = im2col(xp, ks, out, strides, dils).reshape(n, g, cg * kprod, length)
+                cols = im2col(xp, ks, out_shape, strides, dils).reshape(n, g, cg * kprod, length)
+        if cols is not None:
+            if out is not None:
+                np.matmul(wm[0], cols[0, 0], out=out.reshape(m, length))
+                y = out
+            else:
                 y = self._gemm(wm, cols, n, g)
-        y = y.reshape((n, m) + out)
+        y = y.reshape((n, m) + tuple(out_shape))
         if b is not None:
             y += as_compute(b).astype(y.dtype, copy=False).reshape((1, m) + (1,) * nd)
         if y.dtype != out_dtype:
             y = y.astype(out_dtype)
-        return (y,)
+        return y
 
     @staticmethod
     def _gemm(wm: np.ndarray, cols: np.ndarray, n: int, g: int) -> np.ndarray:
@@ -571,3 +597,51 @@ class GlobalMaxPool(Kernel):
     def run(self, x):
         axes = tuple(range(2, x.ndim))
         return (x.max(axis=axes, keepdims=True),)
+
+
+class FusedConv(Conv):
+    """A Conv with the BatchNormalization and/or Relu that followed it folded in.
+
+    Not registered: the session builds it when it fuses a chain (see ``session/_fusion.py``).
+    With a BatchNormalization, the packed weight is ``W * multiplier`` per output channel (pack
+    family ``conv_bn``; the key covers a digest of the multiplier and shift, so other statistics
+    are another key) and the shift replaces the Conv's bias; Relu is applied in place on the
+    Conv's fresh output.
+    """
+
+    def __init__(self, node, ctx, *, multiplier: np.ndarray | None = None,
+                 shift: np.ndarray | None = None, relu: bool = False) -> None:
+        super().__init__(node, ctx)
+        self.multiplier = multiplier
+        self.shift = shift
+        self.relu = relu
+        if multiplier is not None:
+            h = hashlib.blake2b(digest_size=16)
+            h.update(np.ascontiguousarray(multiplier, dtype=np.float32).tobytes())
+            h.update(np.ascontiguousarray(shift, dtype=np.float32).tobytes())
+            self._fold_digest = h.digest()
+
+    def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
+        spec = super().pack_spec(input_index, info)
+        if spec is None or self.multiplier is None:
+            return spec
+        return PackSpec("conv_bn", _PACK_VERSION, spec.attrs + self._fold_digest, 1)
+
+    def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
+        (packed,) = super().prepack(input_index, weight)
+        if self.multiplier is None:
+            return (packed,)
+        mult = self.multiplier.astype(packed.dtype).reshape(packed.shape[:2] + (1,) * (packed.ndim - 2))
+        return (np.ascontiguousarray(packed * mult),)
+
+    def _conv(self, x, w, b, out):
+        if self.multiplier is not None:
+            if self._w is None:  # not packed (e.g. a weight dtype BLAS cannot take): fold per call
+                w = as_compute(w) * self.multiplier.reshape((-1,) + (1,) * (w.ndim - 1))
+            y = super()._conv(x, w, None, out)
+            y += self.shift.astype(y.dtype, copy=False).reshape((1, -1) + (1,) * (y.ndim - 2))
+        else:
+            y = super()._conv(x, w, b, out)
+        if self.relu:
+            np.maximum(y, 0, out=y)
+        return y

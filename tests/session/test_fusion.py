@@ -1,0 +1,135 @@
+"""Conv → BatchNormalization → Relu fusion: when it applies, and that it never changes results."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxpack
+from onnxpack.session._fusion import find_conv_fusions
+
+F = TensorProto.FLOAT
+RNG = np.random.default_rng(7)
+
+
+def _w(*shape, positive=False):
+    a = RNG.standard_normal(shape).astype(np.float32)
+    return np.abs(a) + 0.5 if positive else a
+
+
+def conv_bn_relu_model(*, bias=True, relu=True, bn=True, extra_reader=None, group=1, bn_stats=None):
+    """x(1,4,8,8) -> Conv(3x3, pad 1) -> [BN] -> [Relu] -> y; optionally another reader."""
+    cin, cout = 4, 6
+    inits = [numpy_helper.from_array(_w(cout, cin // group, 3, 3), "W")]
+    conv_in = ["x", "W"]
+    if bias:
+        inits.append(numpy_helper.from_array(_w(cout), "B"))
+        conv_in.append("B")
+    nodes = [helper.make_node("Conv", conv_in, ["c"], name="conv", pads=[1, 1, 1, 1], group=group)]
+    last = "c"
+    if bn:
+        scale, shift, mean, var = bn_stats or (_w(cout), _w(cout), _w(cout), _w(cout, positive=True))
+        for name, arr in (("s", scale), ("bb", shift), ("m", mean), ("v", var)):
+            inits.append(numpy_helper.from_array(arr, name))
+        nodes.append(helper.make_node("BatchNormalization", ["c", "s", "bb", "m", "v"], ["n"], name="bn", epsilon=1e-3))
+        last = "n"
+    if relu:
+        nodes.append(helper.make_node("Relu", [last], ["r"], name="relu"))
+        last = "r"
+    nodes.append(helper.make_node("Identity", [last], ["y"], name="out"))
+    outputs = [helper.make_tensor_value_info("y", F, None)]
+    if extra_reader:
+        nodes.append(helper.make_node("Neg", [extra_reader], ["z"], name="extra"))
+        outputs.append(helper.make_tensor_value_info("z", F, None))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [1, cin, 8, 8])], outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return model.SerializeToString()
+
+
+def _fused(sess) -> list[str]:
+    return [r["node"] for r in sess.get_prepack_log() if "+" in r["node"]]
+
+
+def _ort(model, feed):
+    return ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feed)
+
+
+CASES = {
+    "conv-bn-relu": dict(),
+    "conv-bn": dict(relu=False),
+    "conv-relu": dict(bn=False),
+    "no-bias": dict(bias=False),
+    "groups": dict(group=2),
+}
+
+
+@pytest.mark.parametrize("kwargs", list(CASES.values()), ids=list(CASES))
+def test_fused_chain_equals_onnxruntime_and_unfused(kwargs):
+    model = conv_bn_relu_model(**kwargs)
+    feed = {"x": _w(1, 4, 8, 8)}
+    with onnxpack.InferenceSession(model) as s:
+        got = s.run(None, feed)
+        assert _fused(s), "the chain was not fused"
+    opts = onnxpack.SessionOptions()
+    opts.add_session_config_entry("session.disable_prepacking", "1")
+    with onnxpack.InferenceSession(model, opts) as s:
+        unfused = s.run(None, feed)
+        assert not _fused(s)
+    want = _ort(model, feed)
+    for a, b, c in zip(got, unfused, want):
+        np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-5)  # float32, BLAS order differs
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reader", ["c", "n"], ids=["conv-output-read-twice", "bn-output-read-twice"])
+def test_value_read_elsewhere_is_not_fused_away(reader):
+    model = conv_bn_relu_model(extra_reader=reader)
+    feed = {"x": _w(1, 4, 8, 8)}
+    with onnxpack.InferenceSession(model) as s:
+        got = s.run(None, feed)
+    for a, b in zip(got, _ort(model, feed)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_find_conv_fusions_rules():
+    import onnx
+
+    model = onnx.load_from_string(conv_bn_relu_model())
+    nodes = list(model.graph.node)
+    consts = {t.name for t in model.graph.initializer}
+    readers = {n: 1 for node in nodes for n in node.input}
+    found = find_conv_fusions(nodes, readers, {"y"}, consts.__contains__, 17)
+    assert [(f.conv, f.bn, f.relu) for f in found] == [(0, 1, 2)]
+    # BatchNormalization statistics that are not constants: only nothing to fold.
+    found = find_conv_fusions(nodes, readers, {"y"}, lambda n: n in {"W", "B"}, 17)
+    assert [(f.conv, f.bn, f.relu) for f in found] == []
+    # The Conv output is a graph output: must stay materialized.
+    found = find_conv_fusions(nodes, readers, {"c"}, consts.__contains__, 17)
+    assert found == []
+
+
+def test_folded_weight_is_saved_and_mapped_and_keyed_by_statistics(tmp_path):
+    stats = (_w(6), _w(6), _w(6), _w(6, positive=True))
+    model = conv_bn_relu_model(bn_stats=stats)
+    src = tmp_path / "m.onnx"
+    src.write_bytes(model)
+    opts = onnxpack.SessionOptions()
+    opts.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    opts.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+    opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "64")
+    feed = {"x": _w(1, 4, 8, 8)}
+    with onnxpack.InferenceSession(str(src), opts) as cold:
+        want = cold.run(None, feed)
+        cold_keys = {r["key"] for r in cold.get_prepack_log()}
+    with onnxpack.InferenceSession(str(tmp_path / "opt.onnx")) as warm:
+        stats_warm = warm.get_prepack_stats()
+        assert stats_warm["weights_packed"] == 0 and stats_warm["blobs_from_model"] >= 1
+        assert any(r["key"].startswith("conv_bn/") for r in warm.get_prepack_log())
+        for a, b in zip(warm.run(None, feed), want):
+            np.testing.assert_array_equal(a, b)
+    # Other statistics, same weight: another key (a folded blob is never reused for them).
+    other = conv_bn_relu_model(bn_stats=(stats[0] * 2, stats[1], stats[2], stats[3]))
+    with onnxpack.InferenceSession(other) as s:
+        assert not ({r["key"] for r in s.get_prepack_log() if r["key"].startswith("conv_bn/")} & cold_keys)
