@@ -28,6 +28,8 @@ from collections.abc import Iterator
 import numpy as np
 import onnx
 from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from onnxpack.errors import ModelLoadError
 from onnxpack.graph._external import DataFiles
@@ -296,4 +298,39 @@ def load_model(path_or_bytes: str | os.PathLike | bytes, *, base_dir: str | None
     if not proto.HasField("graph"):
         where = repr(path) if path is not None else f"<{len(data)} bytes>"
         raise ModelLoadError(f"model {where} has no graph")
+    _check_text_fields(proto, repr(path) if path is not None else f"<{len(data)} bytes>")
     return Model(proto, path=path, base_dir=base_dir)
+
+
+def _check_text_fields(proto: ModelProto, where: str) -> None:
+    """Refuses a model whose ``string`` fields hold invalid UTF-8.
+
+    protobuf (upb) parses such a field without error but hands it to Python as ``bytes`` instead
+    of ``str``, so a corrupt name or external-data location would otherwise surface much later as
+    a ``TypeError`` deep inside the loader (found by the reliability fuzzer).
+    """
+    string_type = FieldDescriptor.TYPE_STRING
+    message_type = FieldDescriptor.TYPE_MESSAGE
+    stack: list[tuple[Message, str]] = [(proto, "model")]
+    while stack:
+        msg, at = stack.pop()
+        for fd, value in msg.ListFields():
+            repeated = _is_repeated(fd)
+            if fd.type == string_type:
+                values = value if repeated else (value,)
+                if any(type(v) is not str for v in values):
+                    raise ModelLoadError(
+                        f"cannot parse model {where}: field {at}.{fd.name} is not valid UTF-8 text"
+                    )
+            elif fd.type == message_type:
+                if repeated:
+                    stack.extend((m, f"{at}.{fd.name}[{k}]") for k, m in enumerate(value))
+                else:
+                    stack.append((value, f"{at}.{fd.name}"))
+
+
+def _is_repeated(fd: FieldDescriptor) -> bool:
+    is_repeated = getattr(fd, "is_repeated", None)  # protobuf >= 5.x; ``label`` is deprecated
+    if is_repeated is not None:
+        return bool(is_repeated)
+    return fd.label == FieldDescriptor.LABEL_REPEATED
