@@ -29,17 +29,15 @@ create <= 5% of the packed bytes.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import platform
 import statistics
-import subprocess
 import sys
 import textwrap
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _common import BLAS_ENV, ROOT, blas_info, run_child, write_json  # noqa: E402
 
 GOAL_SPEEDUP = 20.0
 GOAL_RSS_SHARE = 0.05
@@ -52,49 +50,23 @@ _CHILD = textwrap.dedent("""
     # The session imports these lazily; importing them here keeps import (and, on a tree whose
     # sources just changed, byte-compile) time off the create clock in every mode alike.
     import onnxpack.session._sources, onnxpack.prepack.cache_file
-    sys.path.insert(0, sys.argv[3])
     import _models
-
-    def status():
-        out = {}
-        with open("/proc/self/status") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                if k in ("VmRSS", "RssAnon", "RssFile"):
-                    out[k] = int(v.split()[0]) * 1024
-        try:
-            with open("/proc/self/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        out["Pss"] = int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return out
+    from _common import proc_memory
 
     path, cache = sys.argv[1], sys.argv[2]
     feeds = _models.feeds_for(path)
     so = onnxpack.SessionOptions()
     so.add_session_config_entry("onnxpack.prepacked_cache_path", cache)
-    before = status()
+    before = proc_memory()
     t0 = time.perf_counter()
     sess = onnxpack.InferenceSession(path, so)
     t1 = time.perf_counter()
-    after = status()
+    after = proc_memory()
     (y,) = sess.run(None, feeds)
     print(json.dumps({"seconds": t1 - t0, "before": before, "after": after,
                       "stats": sess.get_prepack_stats(),
                       "output_sha": hashlib.sha256(np.ascontiguousarray(y).tobytes()).hexdigest()}))
 """)
-
-
-def _blas() -> list[dict]:
-    try:
-        import numpy  # noqa: F401
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return [{"error": "threadpoolctl not installed (pip install threadpoolctl)"}]
-    keep = ("internal_api", "version", "num_threads", "architecture", "filepath")
-    return [{k: d.get(k) for k in keep} for d in threadpool_info()]
 
 
 def _model(name: str, folder: pathlib.Path) -> str:
@@ -120,13 +92,7 @@ def _model(name: str, folder: pathlib.Path) -> str:
 
 
 def _child(model: str, cache: str) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-c", _CHILD, model, cache, str(ROOT / "benchmarks")],
-                       capture_output=True, text=True, env=env, cwd=str(ROOT))
-    if p.returncode != 0:
-        raise RuntimeError(f"child failed for {model} (cache {cache!r}):\n{p.stderr}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_child(_CHILD, model, cache, what=f"{model}, cache {cache!r}")
 
 
 def _unlink(path: str) -> None:
@@ -212,20 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         model = _model(name, folder)
         results.append(measure(name, model, folder, args.runs))
     print_table(results)
-    blas = _blas()
+    blas = blas_info()
     print("BLAS:", "; ".join(f"{b.get('internal_api')} {b.get('version')} {b.get('architecture')} "
                                f"threads={b.get('num_threads')}" for b in blas))
     doc = {"benchmark": "cache", "runs": args.runs, "python": platform.python_version(),
            "machine": platform.machine(), "cpus": os.cpu_count(), "blas": blas,
-           "env_unset": [k for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k not in os.environ],
+           "env_unset": [k for k in BLAS_ENV if k not in os.environ],
            "goals": {"speedup": GOAL_SPEEDUP, "rss_anon_share": GOAL_RSS_SHARE}, "results": results}
-    pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.json + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, args.json)
+    write_json(args.json, doc)
     print(f"wrote {args.json}")
     return 0
 

@@ -17,10 +17,9 @@ threads stall (timings jump in 4-8 ms steps): compare with ``--threads 1`` there
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import time
+import pathlib
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -30,15 +29,12 @@ from onnx import helper, numpy_helper
 
 from onnxpack.session.kernels import KernelContext, TensorInfo, lookup
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _common import blas_info, median_seconds, write_json  # noqa: E402
+
 
 def _median_ms(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return median_seconds(fn, repeat) * 1e3
 
 
 def _kernel(node, opset: int, domain_opsets: dict[str, int]):
@@ -152,13 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'case':40s} {'packed ms':>10s} {'unpacked ms':>12s} {'ort ms':>8s} {'packed/ort':>10s}")
     for r in rows:
         print(f"{r['case']:40s} {r['packed_ms']:10.3f} {r['unpacked_ms']:12.3f} {r['ort_ms']:8.3f} {r['ratio_vs_ort']:10.2f}")
+    blas = blas_info()
+    print("BLAS:", "; ".join(f"{b.get('internal_api')} {b.get('version')} {b.get('architecture')} "
+                               f"threads={b.get('num_threads')}" for b in blas))
     if args.json:
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(rows, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, args.json)
+        write_json(args.json, rows)
     return 0
 
 

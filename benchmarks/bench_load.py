@@ -19,18 +19,18 @@ by ``compute_offset``: the evidence for ``DEFAULT_ALIGN_THRESHOLD``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import mmap
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import textwrap
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _models  # noqa: E402
+from _common import ROOT, blas_info, run_child, write_json  # noqa: E402
+
 N_LAYERS = 16
 SIZES = {"64M": 64 << 20, "1G": 1 << 30}
 
@@ -38,39 +38,22 @@ _CHILD = textwrap.dedent("""
     import json, sys, time
     import numpy, onnx
     from onnxpack.graph import load_model
+    from _common import proc_memory
 
-    def status():
-        out = {}
-        with open("/proc/self/status") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                if k in ("VmRSS", "RssAnon", "RssFile"):
-                    out[k] = int(v.split()[0]) * 1024
-        return out
-
-    before = status()
+    before = proc_memory()
     t0 = time.perf_counter()
     model = load_model(sys.argv[1])
     t1 = time.perf_counter()
-    after = status()
+    after = proc_memory()
     n = sum(len(s.initializers) for s in model.scopes())
     print(json.dumps({"seconds": t1 - t0, "before": before, "after": after, "tensors": n}))
 """)
 
 
-def _build_module():
-    spec = importlib.util.spec_from_file_location("onnxpack_models_build", ROOT / "models" / "build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _measure(path: str, runs: int) -> dict:
     samples = []
     for _ in range(runs):
-        out = subprocess.run([sys.executable, "-c", _CHILD, path], capture_output=True, text=True,
-                             check=True)
-        samples.append(json.loads(out.stdout))
+        samples.append(run_child(_CHILD, path, what=path))
     secs = [s["seconds"] for s in samples]
     rss = [s["after"]["VmRSS"] - s["before"]["VmRSS"] for s in samples]
     anon = [s["after"].get("RssAnon", 0) - s["before"].get("RssAnon", 0) for s in samples]
@@ -115,14 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="64M,1G")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "load.json"))
     args = ap.parse_args(argv)
-    build = _build_module()
+    build = _models.sample_models()
     tmp = None
     folder = args.dir
     if folder is None:
         tmp = tempfile.TemporaryDirectory(prefix="onnxpack-bench-")
         folder = tmp.name
     os.makedirs(folder, exist_ok=True)
-    results = {"n_layers": N_LAYERS, "runs": args.runs, "models": {}}
+    results = {"n_layers": N_LAYERS, "runs": args.runs, "blas": blas_info(), "models": {}}
     try:
         for label in args.sizes.split(","):
             total = SIZES[label]
@@ -154,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['tensor_bytes']:>9} {row['padding_pct_of_file']:>10} "
               f"{row['pages_spanned_packed']:>13} {row['pages_spanned_aligned']:>14} "
               f"{row['pages_saved_pct']:>8}")
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=2)
+    write_json(args.json, results, indent=2)
     print(f"\nwrote {args.json}")
     return 0
 

@@ -36,13 +36,12 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import textwrap
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _models  # noqa: E402
+from _common import ROOT, run_child, write_json  # noqa: E402
 
 MODELS = {"fp16_mlp": _models.make_fp16_mlp, "int4": _models.make_int4_model}
 GOAL_RSS_RATIO = 1.1  # issue 4: 8 sessions on one container <= 1.1x one session's RSS
@@ -52,24 +51,8 @@ _PRELUDE = textwrap.dedent("""
     import numpy as np
     import onnxruntime as ort
     import onnxpack
-    sys.path.insert(0, sys.argv[2])
     import _models
-
-    def status():
-        out = {}
-        with open("/proc/self/status") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                if k in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
-                    out[k] = int(v.split()[0]) * 1024
-        try:
-            with open("/proc/self/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        out["Pss"] = int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return out
+    from _common import blas_info, proc_memory
 
     def ox_session(path, prepack=True, container=None):
         so = onnxpack.SessionOptions()
@@ -89,7 +72,6 @@ _PRELUDE = textwrap.dedent("""
 """)
 
 _LATENCY = _PRELUDE + textwrap.dedent("""
-    from threadpoolctl import threadpool_info
     sessions = {"onnxpack packed": ox_session(path), "onnxpack unpacked": ox_session(path, prepack=False),
                 "onnxruntime": ort_session(path, spin=False)}
     outs = {k: s.run(None, feeds)[0] for k, s in sessions.items()}  # warm-up round
@@ -103,11 +85,9 @@ _LATENCY = _PRELUDE + textwrap.dedent("""
     diff = {k: float(np.max(np.abs(v.astype(np.float64) - ref))) for k, v in outs.items()}
     packed_vs_unpacked = float(np.max(np.abs(outs["onnxpack packed"].astype(np.float64)
                                              - outs["onnxpack unpacked"].astype(np.float64))))
-    blas = [{k: i.get(k) for k in ("internal_api", "version", "num_threads", "architecture", "threading_layer")}
-            for i in threadpool_info()]
     print(json.dumps({"seconds": times, "max_abs_diff_vs_onnxruntime": diff,
                       "max_abs_diff_packed_vs_unpacked": packed_vs_unpacked,
-                      "stats": sessions["onnxpack packed"].get_prepack_stats(), "blas": blas,
+                      "stats": sessions["onnxpack packed"].get_prepack_stats(), "blas": blas_info(),
                       "ort_allow_spinning": 0}))
 """)
 
@@ -127,7 +107,7 @@ _CREATE = _PRELUDE + textwrap.dedent("""
 _MEMORY = _PRELUDE + textwrap.dedent("""
     engine, n = args["engine"], args["sessions"]
     gc.collect()
-    before = status()
+    before = proc_memory()
     container = onnxpack.PrepackedWeightsContainer() if engine == "onnxpack" else None
     sessions = []
     for _ in range(n):
@@ -138,7 +118,7 @@ _MEMORY = _PRELUDE + textwrap.dedent("""
     for s in sessions:
         s.run(None, feeds)
     gc.collect()
-    after = status()
+    after = proc_memory()
     extra = {}
     if container is not None:
         extra = {"container_entries": len(container), "container_nbytes": container.nbytes}
@@ -147,14 +127,7 @@ _MEMORY = _PRELUDE + textwrap.dedent("""
 
 
 def _child(script: str, args: dict) -> dict:
-    env = dict(os.environ)
-    # The editable install may predate onnxpack/__init__.py; make the tree importable explicitly.
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", script, json.dumps(args), str(ROOT / "benchmarks")],
-                          capture_output=True, text=True, env=env, cwd=str(ROOT))
-    if proc.returncode != 0:
-        raise RuntimeError(f"benchmark child failed ({args}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(script, json.dumps(args), what=str(args))
 
 
 def _ensure_models(folder: pathlib.Path) -> dict[str, str]:
@@ -229,17 +202,6 @@ def _print_model(res: dict, n_sessions: int) -> dict:
     return res
 
 
-def _write_json(path: pathlib.Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default=str(ROOT / "benchmarks" / "work"), help="folder for generated models")
@@ -259,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nBLAS: " + "; ".join(f"{b['internal_api']} {b['version']} {b['architecture']} "
                                  f"threads={b['num_threads']}" for b in blas))
     env = {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OMP_NUM_THREADS")}
-    _write_json(pathlib.Path(args.json), {
+    write_json(args.json, indent=2, payload={
         "benchmark": "prepack", "python": sys.version.split()[0], "cpu_count": os.cpu_count(),
         "runs": args.runs, "sessions": args.sessions, "env": env, "blas": blas, "results": results})
     print(f"wrote {args.json}")

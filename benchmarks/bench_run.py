@@ -8,7 +8,7 @@ Usage::
 Models (weights random, seeded; generated into ``benchmarks/work/``, git-ignored):
 
 * ``resnet50``: onnx's ``light_resnet50.onnx`` with its ConstantOfShape weights replaced by real
-  random initializers (``materialize_light_model`` in tests/session/test_session_models.py),
+  random initializers (``materialize_light_model`` in models/build.py),
   batch 1, 224x224;
 * ``transformer-small``: models/transformer.onnx (seq 8, d 64: executor overhead dominates);
 * ``transformer``: one pre-LN encoder block, seq 128, d 512, 8 heads, ff 2048, batch 1;
@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import importlib.util
 import io
-import json
 import math
 import os
 import platform
@@ -45,6 +43,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repo's onnxpack, whatever the editable install resolves to
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
@@ -53,6 +52,8 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 from onnx.reference import ReferenceEvaluator  # noqa: E402
 
 import onnxpack  # noqa: E402
+import _models  # noqa: E402
+from _common import blas_info, median_seconds, write_json  # noqa: E402
 
 WORK = ROOT / "benchmarks" / "work"
 RESULTS = ROOT / "benchmarks" / "results" / "run.json"
@@ -63,14 +64,6 @@ TARGETS = {  # model -> (max onnxpack/onnxruntime latency ratio, min onnx.refere
 
 
 # -- models ---------------------------------------------------------------------------------------
-def _models_helper():
-    spec = importlib.util.spec_from_file_location(
-        "onnxpack_test_session_models", ROOT / "tests" / "session" / "test_session_models.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _save(model: onnx.ModelProto, path: Path) -> str:
     tmp = path.with_suffix(".tmp")
     onnx.save_model(model, str(tmp), save_as_external_data=True, location=path.name + ".data",
@@ -80,9 +73,9 @@ def _save(model: onnx.ModelProto, path: Path) -> str:
 
 
 def make_resnet50() -> tuple[str, dict[str, np.ndarray]]:
-    helper_mod = _models_helper()
-    path, model = helper_mod.write_light_model("light_resnet50", WORK, seed=0, expose_logits=False)
-    return path, helper_mod.light_inputs(model)
+    build = _models.sample_models()
+    path, model = build.write_light_model("light_resnet50", WORK, seed=0, expose_logits=False)
+    return path, build.light_inputs(model)
 
 
 def make_mlp(batch: int = 64, dims=(1024, 4096, 4096, 1024)) -> tuple[str, dict[str, np.ndarray]]:
@@ -106,43 +99,8 @@ def make_mlp(batch: int = 64, dims=(1024, 4096, 4096, 1024)) -> tuple[str, dict[
 
 def make_transformer(s: int = 128, d: int = 512, h: int = 8, ff: int = 2048) -> tuple[str, dict[str, np.ndarray]]:
     """One pre-LN encoder block (LayerNorm, MHA, residual, LayerNorm, GELU FFN, residual)."""
+    m = _models.transformer_block(s, d, h, ff, seed=0)
     rng = np.random.default_rng(0)
-    hd = d // h
-
-    def w(*shape, scale=None):
-        return rng.standard_normal(shape, dtype=np.float32) * np.float32(scale if scale is not None else 1 / math.sqrt(shape[0]))
-
-    arrays = {
-        "ln1_s": 1 + w(d, scale=0.1), "ln1_b": w(d, scale=0.1), "Wq": w(d, d), "Wk": w(d, d), "Wv": w(d, d),
-        "bq": w(d, scale=0.1), "Wo": w(d, d), "ln2_s": 1 + w(d, scale=0.1), "ln2_b": w(d, scale=0.1),
-        "W1": w(d, ff), "b1": w(ff, scale=0.1), "W2": w(ff, d), "b2": w(d, scale=0.1),
-        "heads": np.array([1, s, h, hd], np.int64), "model": np.array([1, s, d], np.int64),
-        "scale": np.array(1 / math.sqrt(hd), np.float32), "half": np.array(0.5, np.float32),
-        "one": np.array(1.0, np.float32), "rsqrt2": np.array(1 / math.sqrt(2), np.float32),
-    }
-    n = helper.make_node
-    nodes = [
-        n("LayerNormalization", ["x", "ln1_s", "ln1_b"], ["ln1"], axis=-1, epsilon=1e-5),
-        n("MatMul", ["ln1", "Wq"], ["q0"]), n("Add", ["q0", "bq"], ["q"]),
-        n("MatMul", ["ln1", "Wk"], ["k"]), n("MatMul", ["ln1", "Wv"], ["v"]),
-        n("Reshape", ["q", "heads"], ["qh"]), n("Reshape", ["k", "heads"], ["kh"]), n("Reshape", ["v", "heads"], ["vh"]),
-        n("Transpose", ["qh"], ["qt"], perm=[0, 2, 1, 3]), n("Transpose", ["kh"], ["kt"], perm=[0, 2, 3, 1]),
-        n("Transpose", ["vh"], ["vt"], perm=[0, 2, 1, 3]),
-        n("MatMul", ["qt", "kt"], ["sc"]), n("Mul", ["sc", "scale"], ["scs"]), n("Softmax", ["scs"], ["p"], axis=-1),
-        n("MatMul", ["p", "vt"], ["ctx"]), n("Transpose", ["ctx"], ["ctxt"], perm=[0, 2, 1, 3]),
-        n("Reshape", ["ctxt", "model"], ["ctxr"]), n("MatMul", ["ctxr", "Wo"], ["att"]),
-        n("Add", ["x", "att"], ["r1"]),
-        n("LayerNormalization", ["r1", "ln2_s", "ln2_b"], ["ln2"], axis=-1, epsilon=1e-5),
-        n("MatMul", ["ln2", "W1"], ["f1"]), n("Add", ["f1", "b1"], ["f1b"]),
-        n("Mul", ["f1b", "rsqrt2"], ["g0"]), n("Erf", ["g0"], ["g1"]), n("Add", ["g1", "one"], ["g2"]),
-        n("Mul", ["f1b", "g2"], ["g3"]), n("Mul", ["g3", "half"], ["gelu"]),
-        n("MatMul", ["gelu", "W2"], ["f2"]), n("Add", ["f2", "b2"], ["f2b"]), n("Add", ["r1", "f2b"], ["y"]),
-    ]
-    g = helper.make_graph(nodes, "transformer_block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, s, d])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, s, d])],
-                          [numpy_helper.from_array(a, k) for k, a in arrays.items()])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 9
     return _save(m, WORK / f"transformer_s{s}_d{d}.onnx"), {"x": rng.standard_normal((1, s, d), dtype=np.float32)}
 
 
@@ -165,22 +123,7 @@ def gemm_gflops(m: int, k: int, n: int, repeat: int = 9) -> float:
     a = rng.standard_normal((m, k), dtype=np.float32)
     b = rng.standard_normal((k, n), dtype=np.float32)
     out = np.empty((m, n), np.float32)
-    np.matmul(a, b, out=out)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        np.matmul(a, b, out=out)
-        times.append(time.perf_counter() - t0)
-    return 2 * m * k * n / statistics.median(times) / 1e9
-
-
-def blas_info() -> list[dict]:
-    try:
-        import threadpoolctl
-    except ImportError:
-        return [{"error": "threadpoolctl not installed (pip install threadpoolctl)"}]
-    keep = ("user_api", "internal_api", "version", "architecture", "num_threads", "threading_layer")
-    return [{k: i.get(k) for k in keep} for i in threadpoolctl.threadpool_info()]
+    return 2 * m * k * n / median_seconds(lambda: np.matmul(a, b, out=out), repeat) / 1e9
 
 
 def bench_model(name: str, runs: int, ref_runs: int, threads: int = 0) -> dict:
@@ -362,14 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         print("  cProfile, top functions by own time (3 runs):")
         for ln in prof["cprofile_top_tottime"][4:20]:
             print("   ", ln)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    out = write_json(args.json, result)
     print(f"\nwrote {os.path.relpath(out, ROOT)}")
     return 0
 

@@ -28,7 +28,6 @@ import os
 import pathlib
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,48 +39,44 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import _models  # noqa: E402
+from _common import blas_info, print_table, proc_memory, run_json, write_json  # noqa: E402
 
-from onnxpack._cli_demo import _memory, measure  # noqa: E402
+from onnxpack._cli_demo import measure  # noqa: E402
 from onnxpack.cli import optimize_model  # noqa: E402
 
 WORK = HERE / "work" / "serialize"
 RESULTS = HERE / "results" / "serialize.json"
-_TAG = "ORT-MEASURE "
+_MB = 1 << 20
 
 
 def _ort_worker(model: str, feeds_path: str) -> None:
-    before = _memory()
     import onnxruntime as ort
 
-    before = _memory()
+    before = proc_memory()
     t0 = time.perf_counter()
     s = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
     create = time.perf_counter() - t0
-    after = _memory()
+    after = proc_memory()
     s.run(None, dict(np.load(feeds_path)))
-    after_run = _memory()
-    print(_TAG + json.dumps({"create_s": create, "before": before, "after_create": after,
-                             "after_run": after_run}), flush=True)
+    after_run = proc_memory()
+    print(json.dumps({"create_s": create, "before": before, "after_create": after,
+                      "after_run": after_run}), flush=True)
 
 
 def _ort_measure(model: str, feeds_path: str, repeats: int) -> dict:
-    res = []
-    for _ in range(repeats):
-        out = subprocess.run([sys.executable, __file__, "--ort-worker", model, feeds_path],
-                             capture_output=True, text=True, check=True).stdout
-        line = next(l for l in out.splitlines() if l.startswith(_TAG))
-        res.append(json.loads(line[len(_TAG):]))
+    res = [run_json([sys.executable, __file__, "--ort-worker", model, feeds_path], what=model)
+           for _ in range(repeats)]
 
     def med(f):
         return statistics.median(f(x) for x in res)
 
     return {
         "create_ms": med(lambda x: x["create_s"] * 1e3),
-        "anon_growth_mb": med(lambda x: (x["after_create"]["rss_anon_kb"] - x["before"]["rss_anon_kb"]) / 1024),
-        "rss_file_mb": med(lambda x: x["after_create"]["rss_file_kb"] / 1024),
-        "pss_mb": med(lambda x: x["after_create"]["pss_kb"] / 1024),
-        "rss_anon_run_mb": med(lambda x: x["after_run"]["rss_anon_kb"] / 1024),
-        "rss_file_run_mb": med(lambda x: x["after_run"]["rss_file_kb"] / 1024),
+        "anon_growth_mb": med(lambda x: (x["after_create"]["RssAnon"] - x["before"]["RssAnon"]) / _MB),
+        "rss_file_mb": med(lambda x: x["after_create"]["RssFile"] / _MB),
+        "pss_mb": med(lambda x: x["after_create"].get("Pss", -_MB) / _MB),
+        "rss_anon_run_mb": med(lambda x: x["after_run"]["RssAnon"] / _MB),
+        "rss_file_run_mb": med(lambda x: x["after_run"]["RssFile"] / _MB),
     }
 
 
@@ -98,16 +93,6 @@ def _ort_optimized(src: str, out: str) -> str:
     return out
 
 
-def _blas() -> list[dict]:
-    try:
-        from threadpoolctl import threadpool_info
-
-        return [{k: v for k, v in i.items() if k in ("internal_api", "version", "architecture", "num_threads")}
-                for i in threadpool_info()]
-    except ImportError:
-        return [{"note": "threadpoolctl not installed"}]
-
-
 def _fmt(x, spec=".1f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -117,7 +102,7 @@ def run(repeats: int, processes: int, only: list[str] | None) -> dict:
     gens = {"matmul_fp32": _models.make_matmul_model, "mlp_fp16": _models.make_fp16_mlp,
             "matmulnbits_int4": _models.make_int4_model}
     report = {"repeats": repeats, "processes": processes, "python": sys.version.split()[0],
-              "machine": platform.machine(), "cpus": os.cpu_count(), "blas": _blas(), "models": {}}
+              "machine": platform.machine(), "cpus": os.cpu_count(), "blas": blas_info(), "models": {}}
     for name, gen in gens.items():
         if only and name not in only:
             continue
@@ -179,11 +164,7 @@ def print_report(report: dict) -> None:
                          _fmt(r["anon_growth_mb"]), _fmt(r["rss_file_mb"]), _fmt(r["pss_mb"]),
                          _fmt(r["rss_anon_run_mb"]), _fmt(r["rss_file_run_mb"]),
                          _fmt(r.get("pss_total_mb")), _fmt(growth_ratio, ".2f")])
-    widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
-    for i, r in enumerate(rows):
-        print("  ".join(c.ljust(w) if k < 2 else c.rjust(w) for k, (c, w) in enumerate(zip(r, widths))))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print_table(rows, left=2)
     print()
     print("targets: warm/ort-saved create <= 0.5; cold/warm >= 20 (fp16, int4); "
           "warm RssAnon growth <= 5% of weight bytes; PSS of 4 <= 1.3x one")
@@ -212,10 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args.repeats, args.processes, args.only)
     print_report(report)
     if not args.no_save:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        tmp = RESULTS.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(report, indent=1, default=float))
-        os.replace(tmp, RESULTS)
+        write_json(RESULTS, report, default=float)
         print(f"wrote {RESULTS}")
     return 0
 

@@ -7,6 +7,12 @@ Usage::
 Each sample ``<name>.onnx`` is written with its initializers in ``<name>.onnx.data`` through
 ``onnxpack.graph.save_model`` (``min_size=1024``), so the committed files exercise our own
 aligned layout.  :func:`sample_inputs` gives deterministic feeds for each model.
+
+onnx's "light" models (``onnx/backend/test/data/light``) ship without weights: every weight is a
+``ConstantOfShape`` of 0.02 fed by a shape initializer, so any runtime that gets the graph
+plumbing right passes them no matter what its Conv or Gemm does.  :func:`materialize_light_model`
+and :func:`write_light_model` give them real, seeded random weights (used by the tests and the
+benchmarks alike); :func:`light_inputs` gives their feeds.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["SAMPLES", "build_all", "build_sample", "sample_inputs", "make_matmul_chain"]
+__all__ = [
+    "SAMPLES", "build_all", "build_sample", "sample_inputs", "make_matmul_chain",
+    "LIGHT_DIR", "light_model_names", "materialize_light_model", "write_light_model", "light_inputs",
+]
 
 OPSET = 17  # LayerNormalization needs 17; onnxruntime and onnx.reference both support it
 IR_VERSION = 9  # what onnxruntime 1.18+ reads; newer IR adds nothing these models use
@@ -342,6 +351,155 @@ def make_matmul_chain(path: str, n_layers: int, dim: int, dtype=np.float32, *, s
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return n_layers * dim * dim * dtype.itemsize
+
+
+# -- onnx's light models with real weights ---------------------------------------------------------
+LIGHT_DIR = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
+# External weights start on 64-byte boundaries: what numpy's .npy and our save_model use, so a
+# mapped weight is aligned for SIMD loads.
+LIGHT_DATA_ALIGN = 64
+
+
+def light_model_names() -> list[str]:
+    """Names (``light_resnet50``, ...) of the light models shipped with the installed onnx."""
+    return sorted(n[: -len(".onnx")] for n in os.listdir(LIGHT_DIR)
+                  if n.startswith("light_") and n.endswith(".onnx"))
+
+
+def materialize_light_model(name_or_path: str | os.PathLike, seed: int = 0, *,
+                            expose_logits: bool = True, data_path: str | os.PathLike | None = None
+                            ) -> onnx.ModelProto:
+    """onnx's light model with every ``ConstantOfShape`` weight replaced by a random initializer.
+
+    Why: the shipped constant weights make every channel equal, so wrong kernels, wrong arena
+    offsets or wrong packing can still give the expected output.  Scales keep activations O(1)
+    through 50+ layers (logits neither saturated nor vanishing): Conv weights N(0, 1/fan_in),
+    Gemm weights N(0, 1/K), BatchNormalization scale U(0.3, 0.6) and variance U(0.5, 1.5)
+    (positive), everything else (biases, means, shifts) N(0, 0.1²).
+
+    The shape initializers and the graph inputs naming them are dropped; the IR version is raised
+    to 4 so the new initializers are constants, not overridable inputs.
+
+    Args:
+        name_or_path: A light model name (``"light_resnet50"``) or the path of an ONNX file.
+        seed: Seed of the weights (same seed, same weights).
+        expose_logits: Also output the input of the last Softmax (typed float), since a softmax
+            can hide logit errors.
+        data_path: If given, the weights are streamed to this file (64-byte aligned; written to a
+            temp name, fsynced, renamed) as external data, so hundreds of MB never pass through a
+            protobuf; save the model in the same folder.
+    """
+    path = os.fspath(name_or_path)
+    if not os.path.splitext(path)[1]:
+        path = os.path.join(LIGHT_DIR, f"{path}.onnx")
+    m = onnx.load(path)
+    g = m.graph
+    inits = {t.name: t for t in g.initializer}
+    consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for n in g.node:
+        for k, i in enumerate(n.input):
+            consumers.setdefault(i, []).append((n, k))
+    rng = np.random.default_rng(seed)
+    keep, new_inits, dropped = [], [], set()
+    data = tmp = None
+    if data_path is not None:
+        data_path = os.fspath(data_path)
+        tmp = os.path.join(os.path.dirname(os.path.abspath(data_path)), f".{os.path.basename(data_path)}.tmp")
+        data = open(tmp, "wb")
+    try:
+        for n in g.node:
+            if n.op_type != "ConstantOfShape" or n.input[0] not in inits:
+                keep.append(n)
+                continue
+            shape = tuple(int(v) for v in numpy_helper.to_array(inits[n.input[0]]))
+            dropped.add(n.input[0])
+            a = _random_light_weight(rng, shape, *consumers.get(n.output[0], [(None, -1)])[0])
+            if data is None:
+                new_inits.append(numpy_helper.from_array(a, n.output[0]))
+                continue
+            offset = -(-data.tell() // LIGHT_DATA_ALIGN) * LIGHT_DATA_ALIGN
+            data.write(bytes(offset - data.tell()))
+            a.tofile(data)
+            t = TensorProto(name=n.output[0], data_type=TensorProto.FLOAT, dims=shape,
+                            data_location=TensorProto.EXTERNAL)
+            for key, value in (("location", os.path.basename(data_path)), ("offset", str(offset)),
+                               ("length", str(a.nbytes))):
+                e = t.external_data.add()
+                e.key, e.value = key, value
+            new_inits.append(t)
+        if data is not None:
+            data.flush()
+            os.fsync(data.fileno())
+    finally:
+        if data is not None:
+            data.close()
+    if tmp is not None:
+        os.replace(tmp, data_path)
+    used = {i for n in keep for i in n.input}
+    new_inits += [t for t in g.initializer if t.name not in dropped or t.name in used]
+    inputs = [i for i in g.input if i.name not in dropped or i.name in used]
+    del g.node[:]
+    g.node.extend(keep)
+    del g.initializer[:]
+    g.initializer.extend(new_inits)
+    del g.input[:]
+    g.input.extend(inputs)
+    # IR 3 wants every initializer listed as a graph input (i.e. overridable); from IR 4 on an
+    # initializer that is not an input is a constant, which is what these weights are.
+    m.ir_version = max(m.ir_version, 4)
+    softmax = [n for n in g.node if n.op_type == "Softmax"]
+    if expose_logits and softmax:
+        g.output.append(helper.make_tensor_value_info(softmax[-1].input[0], TensorProto.FLOAT, None))
+    return m
+
+
+def write_light_model(name: str, folder: str | os.PathLike, seed: int = 0, *,
+                      expose_logits: bool = True) -> tuple[str, onnx.ModelProto]:
+    """:func:`materialize_light_model` saved as ``folder/<name>.onnx`` + ``<name>.onnx.data``.
+
+    Returns the model path and the proto (its weights external, pointing at the data file).
+    """
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{name}.onnx")
+    model = materialize_light_model(name, seed, expose_logits=expose_logits, data_path=path + ".data")
+    tmp = os.path.join(folder, f".{name}.onnx.tmp")
+    with open(tmp, "wb") as f:
+        f.write(model.SerializeToString())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path, model
+
+
+def _random_light_weight(rng: np.random.Generator, shape: tuple[int, ...], user: onnx.NodeProto | None,
+                         k: int) -> np.ndarray:
+    """A weight for input ``k`` of node ``user``, scaled per role (see materialize_light_model)."""
+    op = user.op_type if user is not None else ""
+    f32 = np.float32
+    if op == "Conv" and k == 1:
+        return rng.standard_normal(shape, dtype=f32) * f32(math.sqrt(1.0 / max(1, math.prod(shape[1:]))))
+    if op == "Gemm" and k == 1:
+        trans_b = any(at.name == "transB" and at.i for at in user.attribute)
+        return rng.standard_normal(shape, dtype=f32) * f32(math.sqrt(1.0 / shape[1 if trans_b else 0]))
+    if op == "BatchNormalization" and k == 4:
+        return rng.uniform(0.5, 1.5, shape).astype(f32)
+    if op == "BatchNormalization" and k == 1:
+        return rng.uniform(0.3, 0.6, shape).astype(f32)
+    return rng.standard_normal(shape, dtype=f32) * f32(0.1)
+
+
+def light_inputs(model: onnx.ModelProto, seed: int = 1) -> dict[str, np.ndarray]:
+    """Seeded float32 N(0, 1) feeds for a light model's inputs (dynamic dimensions as 1)."""
+    inits = {t.name for t in model.graph.initializer}
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        shape = [d.dim_value or 1 for d in vi.type.tensor_type.shape.dim]
+        feeds[vi.name] = rng.standard_normal(shape, dtype=np.float32)
+    return feeds
 
 
 def main(argv: list[str] | None = None) -> int:

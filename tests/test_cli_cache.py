@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import sys
 
 import numpy as np
 import pytest
@@ -19,9 +18,7 @@ from onnxpack.cli import main
 from onnxpack.prepack import cache_file as cf
 from onnxpack.prepack.cache_file import CacheFile, append_entries
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "models"))
-from build import build_sample, sample_inputs  # noqa: E402
+from onnxpack_sample_models import build_sample, sample_inputs  # models/build.py, via tests/conftest.py
 
 
 def bufs(seed: int, n: int = 3000) -> list[np.ndarray]:

@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+import onnxpack_sample_models as sample_models  # models/build.py, via tests/conftest.py
 from onnxpack import cli
 from onnxpack._cli_inspect import collect, format_text
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "models"))
-import build as sample_models  # noqa: E402
 
 
 @pytest.fixture(scope="module")

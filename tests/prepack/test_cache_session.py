@@ -27,14 +27,13 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxpack
+from onnxpack_sample_models import build_sample, sample_inputs  # models/build.py, via tests/conftest.py
 from onnxpack.errors import InvalidArgument, PrepackWarning
 from onnxpack.prepack import cache_file as cf
 from onnxpack.prepack.cache_file import CacheFile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MODELS_DIR = os.path.join(ROOT, "models")
-sys.path.insert(0, MODELS_DIR)
-from build import build_sample, sample_inputs  # noqa: E402
+BUILD_PY = os.path.join(ROOT, "models", "build.py")
 
 MODELS = ("mlp", "cnn", "subgraphs", "transformer", "fp16_mlp")
 # fp16_mlp computes one MatMul in float16 (onnxruntime and numpy accumulate differently).
@@ -106,10 +105,10 @@ _CHILD = textwrap.dedent("""
     import json, os, signal, sys, time
     import numpy as np
     cfg = json.loads(sys.argv[1])
-    sys.path.insert(0, cfg["models_dir"])
+    import runpy
     import onnxpack
     from onnxpack.prepack import cache_file as cf
-    from build import sample_inputs
+    sample_inputs = runpy.run_path(cfg["build_py"])["sample_inputs"]  # models/build.py
 
     kill = cfg.get("kill")
     if kill:
@@ -149,7 +148,7 @@ def child_env() -> dict[str, str]:
 def spawn(tmp_path, tag: str, models: dict[str, str], cache, **cfg) -> tuple[subprocess.Popen, str]:
     out = tmp_path / f"out-{tag}"
     out.mkdir()
-    cfg.update(models_dir=MODELS_DIR, models=models, cache=os.fspath(cache), out=str(out))
+    cfg.update(build_py=BUILD_PY, models=models, cache=os.fspath(cache), out=str(out))
     p = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(cfg)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=child_env(), cwd=str(tmp_path))
     return p, str(out)

@@ -8,7 +8,6 @@ re-pack, and nothing else.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -22,6 +21,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+import onnxpack_sample_models as sample_models  # models/build.py, via tests/conftest.py
 from onnxpack.errors import PrepackWarning
 from onnxpack.prepack import entry_format as ef
 from onnxpack.session import InferenceSession, SessionOptions
@@ -30,16 +30,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODELS = ROOT / "models"
 SAMPLES = ["mlp", "cnn", "subgraphs", "transformer", "fp16_mlp", "shared_weight"]
 FLAG = "session.save_external_prepacked_constant_initializers"
-
-
-def _build_module():
-    spec = importlib.util.spec_from_file_location("_onnxpack_models_build", MODELS / "build.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-BUILD = _build_module()
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -140,7 +130,7 @@ def _external(path: os.PathLike, name: str) -> tuple[str, int, int]:
 def test_round_trip_sample(name, tmp_path):
     src = MODELS / f"{name}.onnx"
     out = tmp_path / f"{name}.opt.onnx"
-    feeds = BUILD.sample_inputs(name, onnx.load(str(src), load_external_data=False))
+    feeds = sample_models.sample_inputs(name, onnx.load(str(src), load_external_data=False))
     with _Warnings() as w:
         cold = _optimize(src, out)
         cold_out = cold.run(None, feeds)
@@ -241,7 +231,7 @@ def test_without_flag_only_model_and_weights(tmp_path):
 def saved_mlp(tmp_path):
     out = tmp_path / "mlp.opt.onnx"
     s = _optimize(MODELS / "mlp.onnx", out)
-    expected = s.run(None, BUILD.sample_inputs("mlp"))
+    expected = s.run(None, sample_models.sample_inputs("mlp"))
     s.close()
     return out, expected
 
@@ -330,7 +320,7 @@ def test_invalid_entry_falls_back(case, saved_mlp):
     _rewrite_props(out, INVALID[case])
     with _Warnings() as w:
         s = InferenceSession(str(out))
-        got = s.run(None, BUILD.sample_inputs("mlp"))
+        got = s.run(None, sample_models.sample_inputs("mlp"))
     assert len(w.prepack) == 1, w.prepack
     assert "W1" in w.prepack[0]
     stats = s.get_prepack_stats()
@@ -350,7 +340,7 @@ def test_stale_weight_is_repacked(saved_mlp):
         w = np.frombuffer(f.read(length), dtype=np.float32)
         f.seek(off)
         f.write((-w * 0.5).astype(np.float32).tobytes())
-    feeds = BUILD.sample_inputs("mlp")
+    feeds = sample_models.sample_inputs("mlp")
     with _Warnings() as ws:
         s = InferenceSession(str(out))
         got = s.run(None, feeds)
@@ -367,7 +357,7 @@ def test_stale_shared_weight_warns_once(tmp_path):
     with open(_data_path(out, loc), "r+b") as f:
         f.seek(off)
         f.write(bytes(length))  # zero weight
-    feeds = BUILD.sample_inputs("shared_weight")
+    feeds = sample_models.sample_inputs("shared_weight")
     with _Warnings() as ws:
         s = InferenceSession(str(out))
         got = s.run(None, feeds)
@@ -434,7 +424,7 @@ def _flip_blob_byte(out, name: str) -> None:
 def test_verify_prepacked_catches_flipped_byte(saved_mlp):
     out, expected = saved_mlp
     _flip_blob_byte(out, "W1")  # 64 KiB blob: above the always-checked size
-    feeds = BUILD.sample_inputs("mlp")
+    feeds = sample_models.sample_inputs("mlp")
     with _Warnings() as ws:
         s = InferenceSession(str(out), _options(onnxpack__verify_prepacked="1"))
         got = s.run(None, feeds)
@@ -459,7 +449,7 @@ def test_small_blobs_always_checksummed(saved_mlp):
     _flip_blob_byte(out, "W3")
     with _Warnings() as ws:
         s = InferenceSession(str(out))
-        got = s.run(None, BUILD.sample_inputs("mlp"))
+        got = s.run(None, sample_models.sample_inputs("mlp"))
     assert len(ws.prepack) == 1 and "W3" in ws.prepack[0]
     assert s.get_prepack_stats()["weights_packed"] == 1
     _equal(got, expected)
@@ -470,7 +460,7 @@ def test_small_blobs_always_checksummed(saved_mlp):
 
 def test_model_saved_by_onnxruntime_with_its_prepacked_entries(tmp_path):
     src = tmp_path / "chain.onnx"
-    BUILD.make_matmul_chain(str(src), 2, 256)
+    sample_models.make_matmul_chain(str(src), 2, 256)
     ort_out = tmp_path / "ort_opt.onnx"
     o = ort.SessionOptions()
     o.optimized_model_filepath = str(ort_out)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 import threading
 
 import numpy as np
@@ -30,11 +29,9 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 import onnxpack
+import onnxpack_sample_models as sample_models  # models/build.py, via tests/conftest.py
 from onnxpack import InferenceSession, PrepackedWeightsContainer, SessionOptions
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "models"))
-import build as sample_models  # noqa: E402  (models/build.py: sample models + big generators)
 
 PACKED_VS_UNPACKED = {np.float32: dict(rtol=1e-5, atol=1e-5), np.float16: dict(rtol=1e-3, atol=1e-3)}
 VS_ORACLE = {np.float32: dict(rtol=1e-4, atol=1e-4), np.float16: dict(rtol=2e-2, atol=2e-2)}

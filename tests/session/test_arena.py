@@ -18,6 +18,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+import onnxpack_sample_models as sample_models  # models/build.py, via tests/conftest.py
 from onnxpack import InferenceSession, SessionOptions
 from onnxpack.session import planner
 from onnxpack.session.kernels import lookup
@@ -25,7 +26,6 @@ from onnxpack.session.kernels._base import KernelContext
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAMPLE_MODELS = sorted(glob.glob(os.path.join(ROOT, "models", "*.onnx")))
-LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
 ALGORITHMS = ["naive", "greedy_by_size", "position_greedy", "auto"]
 F32 = np.float32
 
@@ -60,41 +60,6 @@ def _assert_same(want, got, what: str) -> None:
         assert np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"), f"{what}: output {k} differs"
 
 
-def light_model_with_weights(path: str, seed: int = 0) -> onnx.ModelProto:
-    """A light model with its ConstantOfShape weights replaced by random initializers.
-
-    onnx ships the light models with every weight a ConstantOfShape of one value; real random
-    weights make every channel differ, so a wrong arena offset shows.  1-D tensors (biases,
-    batch-norm scale/mean/var) are drawn in [0.5, 1.5) so variances stay positive.
-    """
-    m = onnx.load(path)
-    g = m.graph
-    rng = np.random.default_rng(seed)
-    inits = {t.name: t for t in g.initializer}
-    keep, new = [], []
-    for n in g.node:
-        if n.op_type == "ConstantOfShape" and n.input[0] in inits:
-            shape = numpy_helper.to_array(inits[n.input[0]]).astype(int).tolist()
-            if len(shape) <= 1:
-                w = rng.uniform(0.5, 1.5, shape).astype(F32)
-            else:
-                w = (rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))).astype(F32)
-            new.append(numpy_helper.from_array(w, n.output[0]))
-        else:
-            keep.append(n)
-    used = {i for n in keep for i in n.input}
-    kept = [t for t in g.initializer if t.name in used]
-    gone = set(inits) | {t.name for t in new}
-    inputs = [i for i in g.input if i.name not in gone]
-    g.ClearField("node")
-    g.node.extend(keep)
-    g.ClearField("initializer")
-    g.initializer.extend(kept + new)
-    g.ClearField("input")
-    g.input.extend(inputs)
-    return m
-
-
 # --------------------------------------------------------------------------------------------
 # Sample models and light models
 
@@ -110,7 +75,8 @@ def _reference(model_key: str):
 @functools.lru_cache(maxsize=None)
 def _load(model_key: str):
     if model_key.startswith("light_"):
-        return light_model_with_weights(os.path.join(LIGHT, model_key + ".onnx")).SerializeToString()
+        # Real random weights make every channel differ, so a wrong arena offset shows.
+        return sample_models.materialize_light_model(model_key, expose_logits=False).SerializeToString()
     return model_key
 
 
@@ -138,7 +104,7 @@ LIGHT_CASES = [
 
 @pytest.mark.parametrize(("name", "algorithm"), LIGHT_CASES, ids=[f"{n}-{a}" for n, a in LIGHT_CASES])
 def test_light_models_planned_equal_unplanned(name, algorithm):
-    if not os.path.exists(os.path.join(LIGHT, name + ".onnx")):
+    if not os.path.exists(os.path.join(sample_models.LIGHT_DIR, name + ".onnx")):
         pytest.skip(f"{name} is not shipped with this onnx")
     model, feeds, want = _reference(name)
     sess = _session(model, algorithm)

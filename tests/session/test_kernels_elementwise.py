@@ -9,18 +9,15 @@ shapes must match exactly.
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from onnx import TensorProto
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernel_util import make_node, run_native, run_reference  # noqa: E402
+from kernel_util import assert_outputs_match, make_node, run_native, run_reference
 
-from onnxpack.session.kernels import lookup  # noqa: E402
-from onnxpack.session.kernels import elementwise  # noqa: E402
+from onnxpack.session.kernels import lookup
+from onnxpack.session.kernels import elementwise
 
 OPSET = 21
 TOL = {
@@ -32,17 +29,7 @@ TOL = {
 
 def check(node, inputs, opset=OPSET, tol=None):
     got = run_native(node, inputs, opset)
-    want = run_reference(node, inputs, opset)
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert isinstance(g, np.ndarray), type(g)
-        w = np.asarray(w)
-        assert g.dtype == w.dtype, (g.dtype, w.dtype)
-        assert g.shape == w.shape, (g.shape, w.shape)
-        if g.dtype.kind == "f":
-            np.testing.assert_allclose(g, w, **(tol or TOL[g.dtype]), equal_nan=True)
-        else:
-            np.testing.assert_array_equal(g, w)
+    assert_outputs_match(got, run_reference(node, inputs, opset), lambda dt: tol or TOL[dt], equal_nan=True)
     return got
 
 

@@ -8,24 +8,15 @@ bfloat16 (rtol 2e-2).  Integer MatMul is exact.  Packed vs unpacked: rtol 1e-6 /
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import ml_dtypes
 import numpy as np
 import pytest
 from onnx import TensorProto
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernel_util import make_node, run_native, run_reference  # noqa: E402
+from kernel_util import assert_close, make_node, run_native, run_reference
 
-from onnxpack.session.kernels import KernelContext, TensorInfo, lookup  # noqa: E402
+from onnxpack.session.kernels import KernelContext, TensorInfo, lookup
 
-TOL = {
-    np.dtype(np.float64): dict(rtol=1e-10, atol=1e-12),
-    np.dtype(np.float32): dict(rtol=1e-4, atol=1e-5),
-    np.dtype(np.float16): dict(rtol=1e-2, atol=1e-2),
-}
 PACK_TOL = dict(rtol=1e-6, atol=1e-6)
 DTYPES = [np.float32, np.float16, np.float64]
 DTYPE_IDS = ["f32", "f16", "f64"]
@@ -33,14 +24,6 @@ DTYPE_IDS = ["f32", "f16", "f64"]
 
 def rand(rng, shape, dtype, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(dtype)
-
-
-def assert_close(got, want, dtype):
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        w = np.asarray(w)
-        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, g.dtype, w.shape, w.dtype)
-        np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), **TOL[np.dtype(dtype)])
 
 
 MATMUL_SHAPES = [

@@ -11,8 +11,6 @@ unpacked: rtol 1e-5 / atol 1e-5.
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -20,11 +18,10 @@ import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernel_util import run_native  # noqa: E402
+from kernel_util import run_native, run_ort
 
-from onnxpack.session.kernels import KernelContext, TensorInfo, lookup  # noqa: E402
-from onnxpack.session.kernels.quant import dequantize_nbits  # noqa: E402
+from onnxpack.session.kernels import KernelContext, TensorInfo, lookup
+from onnxpack.session.kernels.quant import dequantize_nbits
 
 TOL = {np.dtype(np.float32): dict(rtol=1e-4, atol=1e-4), np.dtype(np.float16): dict(rtol=1e-2, atol=2e-2)}
 PACK_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -118,19 +115,6 @@ def hand_node_case(k, n, bs, *, scale_dtype, zp_kind, bias, seed=2):
     return node, values
 
 
-def run_ort_node(node, a, values):
-    inits = [numpy_helper.from_array(v, name) for name, v in values.items()]
-    graph = helper.make_graph(
-        [node],
-        "g",
-        [helper.make_tensor_value_info("a", helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)],
-        [helper.make_value_info("y", onnx.TypeProto())],
-        inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)], ir_version=8)
-    return ort_session(model).run(None, {"a": a})
-
-
 HAND = [
     ("f32-nozp", np.float32, None, False),
     ("f32-u8zp-bias", np.float32, "uint8", True),
@@ -147,7 +131,7 @@ def test_hand_written_nodes_match_onnxruntime(case, m):
     k, n, bs = 80, 12, 16
     node, values = hand_node_case(k, n, bs, scale_dtype=dtype, zp_kind=zp_kind, bias=bias)
     a = (np.random.default_rng(3).standard_normal((2, m, k)) * 0.5).astype(dtype)  # 3-D A
-    (want,) = run_ort_node(node, a, values)
+    (want,) = run_ort(node, [a], 17, initializers=values, optimize=False)
     names = list(node.input)
     feeds = [a] + [values.get(nm) if nm else None for nm in names[1:]]
     (got,) = run_native(node, feeds, 1)

@@ -9,16 +9,12 @@ axis rule at every opset.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernel_util import make_node, run_native, run_reference  # noqa: E402
+from kernel_util import assert_outputs_match, make_node, run_native, run_reference
 
-from onnxpack.session.kernels import lookup  # noqa: E402
+from onnxpack.session.kernels import lookup
 
 rng = np.random.default_rng(1)
 TOL = {np.dtype(np.float32): dict(rtol=1e-6, atol=1e-7), np.dtype(np.float16): dict(rtol=5e-3, atol=5e-3)}
@@ -27,22 +23,21 @@ LOOSE = {"ReduceLogSumExp", "ReduceLogSum", "ReduceL2", "ReduceMean", "ReducePro
 
 def check(node, inputs, opset, op=None):
     got = run_native(node, inputs, opset)
-    want = run_reference(node, inputs, opset)
-    for g, w in zip(got, want):
-        w = np.asarray(w)
+
+    def prepare(g, w):
         if node.op_type == "ReduceSumSquare" and inputs[0].dtype == np.int32:
             # onnx.reference's np.sum widens int32 to int64; the spec keeps T.
             assert g.dtype == np.int32
             w = w.astype(np.int32)
-        assert isinstance(g, np.ndarray)
-        assert g.dtype == w.dtype and g.shape == w.shape, (g.dtype, w.dtype, g.shape, w.shape)
-        if g.dtype.kind == "f":
-            tol = dict(TOL[g.dtype])
-            if g.dtype == np.float32 and (op or node.op_type) in LOOSE:
-                tol["rtol"] = 1e-5
-            np.testing.assert_allclose(g, w, **tol, equal_nan=True)
-        else:
-            np.testing.assert_array_equal(g, w)
+        return w
+
+    def tol(dtype):
+        t = dict(TOL[dtype])
+        if dtype == np.float32 and (op or node.op_type) in LOOSE:
+            t["rtol"] = 1e-5
+        return t
+
+    assert_outputs_match(got, run_reference(node, inputs, opset), tol, equal_nan=True, prepare=prepare)
     return got
 
 

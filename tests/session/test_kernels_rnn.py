@@ -8,43 +8,16 @@ float16 rtol 1e-2 / atol 1e-2 (we compute in float32).  Packed vs unpacked: rtol
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
-from onnx import helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernel_util import make_node, run_native, run_reference  # noqa: E402
+from kernel_util import assert_close, make_node, run_ort, run_native, run_reference
 
-from onnxpack.session.kernels import KernelContext, TensorInfo, lookup  # noqa: E402
+from onnxpack.session.kernels import KernelContext, TensorInfo, lookup
 
-TOL = {np.dtype(np.float32): dict(rtol=1e-4, atol=1e-5), np.dtype(np.float16): dict(rtol=1e-2, atol=1e-2)}
 PACK_TOL = dict(rtol=1e-6, atol=1e-6)
 GATES = {"LSTM": 4, "GRU": 3}
-
-
-def run_ort(node, inputs, opset):
-    feeds = {n: v for n, v in zip(node.input, inputs) if n and v is not None}
-    graph = helper.make_graph(
-        [node],
-        "g",
-        [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape) for n, v in feeds.items()],
-        [helper.make_value_info(o, onnx.TypeProto()) for o in node.output if o],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
-
-
-def assert_close(got, want, dtype):
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        w = np.asarray(w)
-        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, g.dtype, w.shape, w.dtype)
-        np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), **TOL[np.dtype(dtype)])
 
 
 def make_case(op, *, direction="forward", layout=0, seq=5, batch=3, inp=4, hidden=6, dtype=np.float32,

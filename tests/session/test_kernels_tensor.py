@@ -8,18 +8,14 @@ float32, onnx.reference in float64) and rtol/atol 2e-3 for float16.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernel_util import make_node, run_native, run_reference  # noqa: E402
+from kernel_util import assert_outputs_match, make_node, run_native, run_reference
 
-from onnxpack.session.kernels import KernelContext, lookup  # noqa: E402
-from onnxpack.session.kernels import tensor  # noqa: E402
+from onnxpack.session.kernels import KernelContext, lookup
+from onnxpack.session.kernels import tensor
 
 rng = np.random.default_rng(2)
 I64 = np.int64
@@ -31,17 +27,14 @@ def i64(*v):
 
 def check(node, inputs, opset=21, close=False, tol=None):
     got = run_native(node, inputs, opset)
-    want = run_reference(node, inputs, opset)
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        w = np.asarray(w)
-        assert isinstance(g, np.ndarray), type(g)
-        assert g.dtype == w.dtype and g.shape == w.shape, (g.dtype, w.dtype, g.shape, w.shape)
-        if close and g.dtype.kind == "f":
-            tol = tol or (2e-3 if g.dtype == np.float16 else 1e-6)
-            np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
-        else:
-            np.testing.assert_array_equal(g, w)
+
+    def tolerance(dtype):
+        if not close:
+            return None
+        t = tol or (2e-3 if dtype == np.float16 else 1e-6)
+        return dict(rtol=t, atol=t)
+
+    assert_outputs_match(got, run_reference(node, inputs, opset), tolerance)
     return got
 
 

@@ -10,7 +10,6 @@ fallback node; with and without the activation memory planner.
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import onnxpack
+import onnxpack_sample_models as sample_models  # models/build.py, via tests/conftest.py
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "models"
@@ -28,18 +28,8 @@ THREADS = 8
 RUNS_PER_THREAD = 6
 
 
-def _build_module():
-    spec = importlib.util.spec_from_file_location("onnxpack_models_build", MODELS / "build.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-BUILD = _build_module()
-
-
 def _feeds(name: str, model: onnx.ModelProto, k: int) -> dict[str, np.ndarray]:
-    feeds = BUILD.sample_inputs(name, model)
+    feeds = sample_models.sample_inputs(name, model)
     rng = np.random.default_rng(1000 + k)
     out = {}
     for key, v in feeds.items():
