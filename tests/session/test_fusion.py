@@ -133,3 +133,23 @@ def test_folded_weight_is_saved_and_mapped_and_keyed_by_statistics(tmp_path):
     other = conv_bn_relu_model(bn_stats=(stats[0] * 2, stats[1], stats[2], stats[3]))
     with onnxpack.InferenceSession(other) as s:
         assert not ({r["key"] for r in s.get_prepack_log() if r["key"].startswith("conv_bn/")} & cold_keys)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["conv", "fused-conv-bn-relu"])
+def test_conv_run_into_writes_the_given_buffer(fused):
+    """The planner's arena path: ``run_into`` must fill ``outs[0]`` and say so (a ``False``
+    makes the executor compute the node a second time)."""
+    from onnxpack.session.kernels import KernelContext
+    from onnxpack.session.kernels.conv import Conv, FusedConv
+
+    node = helper.make_node("Conv", ["x", "W", "B"], ["y"], pads=[1, 1, 1, 1])
+    ctx = KernelContext(opset=17, opsets={"": 17})
+    x, w, b = _w(1, 4, 8, 8), _w(6, 4, 3, 3), _w(6)
+    if fused:
+        kernel = FusedConv(node, ctx, multiplier=np.abs(_w(6)) + 0.1, shift=_w(6), relu=True)
+    else:
+        kernel = Conv(node, ctx)
+    want = kernel.run(x, w, b)[0]
+    out = np.full(want.shape, np.nan, np.float32)
+    assert kernel.run_into((out,), x, w, b) is True
+    np.testing.assert_array_equal(out, want)

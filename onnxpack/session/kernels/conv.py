@@ -312,13 +312,13 @@ class Conv(Kernel):
                 out = None
             else:
                 cols = im2col(xp, ks, out_shape, strides, dils).reshape(n, g, cg * kprod, length)
-        if cols is not None:
-            if out is not None:
-                np.matmul(wm[0], cols[0, 0], out=out.reshape(m, length))
-                y = out
-            else:
+        if cols is not None and out is not None:
+            np.matmul(wm[0], cols[0, 0], out=out.reshape(m, length))
+            y = out  # already (n, m, *out_shape): keep the object, run_into checks identity
+        else:
+            if cols is not None:
                 y = self._gemm(wm, cols, n, g)
-        y = y.reshape((n, m) + tuple(out_shape))
+            y = y.reshape((n, m) + tuple(out_shape))
         if b is not None:
             y += as_compute(b).astype(y.dtype, copy=False).reshape((1, m) + (1,) * nd)
         if y.dtype != out_dtype:
