@@ -380,26 +380,34 @@ def save_model(
         end = start + length
         return item
 
-    def handle(dst_t: TensorProto, src: Tensor, *, only_if_external: bool = False) -> None:
+    def handle(dst_t: TensorProto, src: Tensor, *, only_if_external: bool = False) -> _Item | None:
         is_external = src.external is not None
         if only_if_external and not is_external:
-            return
+            return None
         big = src.elem_type != TensorProto.STRING and src.nbytes >= min_size and src.nbytes > 0
         if big:
             kept = _kept_keys(src.proto)
             raw = src.raw()
             item = place(raw, src.nbytes)
             externalized.append((dst_t, kept, item, src.nbytes))
-        elif is_external:
+            return item
+        if is_external:
             _inline(dst_t, src)
+        return None
 
-    def blobs_for(scope: Scope, name: str) -> None:
+    def blobs_for(scope: Scope, name: str, item: _Item | None = None) -> None:
         if extra is None:
             return
         result = []
         for arr in extra.blobs(scope.path, name):
             arr = np.asarray(arr)
             placed = blob_seen.get(id(arr))
+            if placed is None and item is not None and _is_view_of(arr, item.data):
+                # A pack that is the weight's own bytes (an fp32 weight BLAS reads as it is) is
+                # recorded at the weight's offset instead of being written a second time.
+                placed = BlobPlacement(item.offset, int(arr.nbytes))
+                keep_alive.append(arr)
+                blob_seen[id(arr)] = placed
             if placed is None:
                 keep_alive.append(arr)  # ids stay unique while we hold the objects
                 view = _as_bytes(arr)
@@ -419,8 +427,8 @@ def save_model(
             src = scope.initializers.get(s_init.name) if unique else None
             if src is None:  # duplicate names (invalid, but keep every copy's bytes)
                 src = model.tensor(s_init)
-            handle(d_init, src)
-            blobs_for(scope, s_init.name)
+            item = handle(d_init, src)
+            blobs_for(scope, s_init.name, item)
         for s_sp, d_sp in zip(sgraph.sparse_initializer, dgraph.sparse_initializer, strict=True):
             handle(d_sp.values, model.tensor(s_sp.values))
             handle(d_sp.indices, model.tensor(s_sp.indices))
@@ -482,6 +490,17 @@ def save_model(
         raise OnnxpackError(f"save_model: cannot write {out_path!r}: {e}") from e
     return SaveResult(out_path, data_path, data_name, len(externalized), end if items else 0,
                       placements)
+
+
+def _is_view_of(arr: np.ndarray, data) -> bool:
+    """Whether ``arr`` covers exactly the bytes of ``data`` (same start address and length)."""
+    try:
+        src = np.frombuffer(data, dtype=np.uint8)
+    except (TypeError, ValueError):
+        return False
+    if arr.nbytes != src.nbytes or arr.nbytes == 0 or not arr.flags.c_contiguous:
+        return False
+    return arr.__array_interface__["data"][0] == src.__array_interface__["data"][0]
 
 
 def _top_down(root: Scope):

@@ -88,7 +88,12 @@ class SaveRecord:
             entry = _SavedWeight(int(nbytes), full_digest(source), sample_digest(source), [])
             self._weights[(scope, name)] = entry
         key = content_key(spec, entry.digest, dtype, shape)
-        buffers = self._by_key.setdefault(key, packed.buffers)
+        if getattr(spec, "identity", False):
+            # The pack is this weight's own bytes: the saver records it at the weight's offset,
+            # so it must stay a view of this weight (not of an equal one packed first).
+            buffers = packed.buffers
+        else:
+            buffers = self._by_key.setdefault(key, packed.buffers)
         if all(k != key for k, _ in entry.packs):
             entry.packs.append((key, buffers))
         return key
@@ -233,7 +238,7 @@ class LoadRecord:
             if sampled is not None:
                 if sampled != sample:
                     raise PrepackFormatError("stale: the weight's bytes changed since the blob was saved")
-                return self._map(pack, where, key, check)
+                return self._map(pack, where, key, check, self._own_range(spec, external))
         source = raw()
         nbytes = source.nbytes if isinstance(source, (memoryview, np.ndarray)) else len(source)
         if nbytes != rec.source_length:
@@ -242,9 +247,17 @@ class LoadRecord:
             raise PrepackFormatError("stale: the weight's bytes changed since the blob was saved")
         if self.verify and full_digest(source) != digest:
             raise PrepackFormatError("stale: the weight's full digest does not match the record")
-        return self._map(pack, where, key, check)
+        return self._map(pack, where, key, check, self._own_range(spec, external))
 
-    def _map(self, pack: fmt.PackRecord, where: str, key: str, check: Any) -> PrePackedWeights:
+    @staticmethod
+    def _own_range(spec: Any, external: Any) -> tuple[str, int, int] | None:
+        """The weight's own bytes, where an identity pack may point (see ``PackSpec.identity``)."""
+        if external is None or not getattr(spec, "identity", False):
+            return None
+        return (external.location, external.offset, external.length)
+
+    def _map(self, pack: fmt.PackRecord, where: str, key: str, check: Any,
+             own: tuple[str, int, int] | None = None) -> PrePackedWeights:
         """Views of ``pack``'s buffers after bounds, checksum (small or verify) and kernel checks."""
         buffers = []
         for i, b in enumerate(pack.buffers):
@@ -253,7 +266,8 @@ class LoadRecord:
                 raise PrepackFormatError(
                     f"buffer {i} [{b.offset}, {b.offset + b.length}) lies outside {b.location!r} of {size} bytes"
                 )
-            self._check_overlap(i, b, key)
+            if own is None or (b.location, b.offset, b.length) != own:
+                self._check_overlap(i, b, key)
             view = b.view(data)
             if (self.verify or b.length < ALWAYS_VERIFY_BELOW) and fmt.checksum(view) != b.checksum:
                 raise PrepackFormatError(f"buffer {i}: checksum {fmt.checksum(view)} != recorded {b.checksum}")
@@ -307,9 +321,11 @@ def _occupied_ranges(model: Any, records: Any) -> tuple[dict[str, tuple[list, li
         for start, stop, name in items:
             reach.append(max(reach[-1], (stop, start, name)) if reach else (stop, start, name))
         weights[location] = ([start for start, _, _ in items], reach)
-    spans = sorted(
+    own = {(loc, start, stop) for loc, items in ranges.items() for start, stop, _ in items}
+    spans = sorted(  # buffers pointing exactly at a weight are identity packs, checked apart
         (b.location, b.offset, b.offset + b.length, p.key)
-        for rec in records for p in rec.packs for b in p.buffers if b.length
+        for rec in records for p in rec.packs for b in p.buffers
+        if b.length and (b.location, b.offset, b.offset + b.length) not in own
     )
     conflicts: set = set()
     prev = None  # the span reaching furthest so far in the current location

@@ -197,10 +197,11 @@ def test_outer_scope_weight_recorded_under_owner(tmp_path):
     recs = _records(out)
     assert ("", "W_loop") in recs and ("", "W_else") in recs
     assert not any(scope and name in ("W_loop", "W_else") for scope, name in recs)
-    # The blob sits right after the weight it was packed from (both in the data file).
+    # W_loop is fp32 and MatMul reads it as it is (an identity pack): the record points at the
+    # weight's own bytes instead of a second copy.
     loc, off, length = _external(out, "W_loop")
     blob = recs[("", "W_loop")].packs[0].buffers[0]
-    assert blob.location == loc and off + length <= blob.offset < off + length + 64 * 1024
+    assert (blob.location, blob.offset, blob.length) == (loc, off, length)
     warm = InferenceSession(str(out))
     assert warm.get_prepack_stats()["weights_packed"] == 0
     assert {r["weight"]: r["origin"] for r in warm.get_prepack_log()}["W_loop"] == "model"
@@ -227,10 +228,27 @@ def test_without_flag_only_model_and_weights(tmp_path):
 # -- invalid entries ---------------------------------------------------------------------------
 
 
+def _transposed_mlp(folder: pathlib.Path) -> pathlib.Path:
+    """The mlp sample with fc1 and fc3 as Gemm(transB=1) over transposed weights (as PyTorch
+    exports Linear layers): their packs transpose, so the saved blobs are bytes of their own."""
+    m = onnx.load(str(MODELS / "mlp.onnx"))
+    inits = {t.name: t for t in m.graph.initializer}
+    for node in m.graph.node:
+        if node.name in ("fc1", "fc3"):
+            w = node.input[1]
+            arr = numpy_helper.to_array(inits[w]).T.copy()
+            inits[w].CopyFrom(numpy_helper.from_array(arr, w))
+            node.op_type = "Gemm"
+            node.attribute.extend([helper.make_attribute("transB", 1)])
+    src = folder / "mlp_t.onnx"
+    _save_proto(m, src)
+    return src
+
+
 @pytest.fixture
 def saved_mlp(tmp_path):
     out = tmp_path / "mlp.opt.onnx"
-    s = _optimize(MODELS / "mlp.onnx", out)
+    s = _optimize(_transposed_mlp(tmp_path), out)
     expected = s.run(None, sample_models.sample_inputs("mlp"))
     s.close()
     return out, expected
@@ -543,6 +561,9 @@ def test_equal_weights_share_one_blob(tmp_path):
         "equal", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])],
         [numpy_helper.from_array(w, "Wa"), numpy_helper.from_array(w.copy(), "Wb")])
+    for node in g.node:  # transposing Gemms: packs with bytes of their own (not identity)
+        node.op_type = "Gemm"
+        node.attribute.extend([helper.make_attribute("transB", 1)])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 9
     src = tmp_path / "eq.onnx"
@@ -563,3 +584,28 @@ def test_equal_weights_share_one_blob(tmp_path):
     s = InferenceSession(str(out))
     assert s.get_prepack_stats()["weights_packed"] == 0
     _close(s.run(None, feeds), _reference(src, feeds))
+
+
+def test_identity_pack_points_at_its_weight_and_nothing_else_may(saved_mlp, tmp_path):
+    """fp32 weights BLAS reads as they are (W2: Gemm without transB) are recorded at their own
+    bytes, not written twice; a transposing pack (W1: Gemm transB) pointed at its weight's bytes
+    — same length, dtype and shape as the real blob — is refused, never used."""
+    out, expected = saved_mlp
+    recs = _records(out)
+    w2 = recs[("", "W2")].packs[0].buffers[0]
+    assert (w2.location, w2.offset, w2.length) == _external(out, "W2")
+    loc, off, length = _external(out, "W1")
+    w1 = recs[("", "W1")].packs[0].buffers[0]
+    assert w1.length == length and w1.offset != off  # a real blob of the same size
+
+    def at_own_weight(o):
+        _buf(o)["offset"] = off
+        return o
+
+    _rewrite_props(out, _edit_record("W1", at_own_weight))
+    with _Warnings() as w:
+        s = InferenceSession(str(out))
+        got = s.run(None, sample_models.sample_inputs("mlp"))
+    assert len(w.prepack) == 1 and "W1" in w.prepack[0] and "overlaps" in w.prepack[0]
+    assert s.get_prepack_stats()["weights_packed"] == 1
+    _equal(got, expected)

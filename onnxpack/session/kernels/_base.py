@@ -60,13 +60,18 @@ class PackSpec:
     ``family`` names the kernel family ("matmul", "conv", ...), ``version`` the pack format
     version (bump it whenever the packed layout changes, so old saved blobs are ignored), and
     ``attrs`` the bytes of every attribute that changes the packed bytes (e.g. Gemm's transB).
-    ``nbuffers`` is how many buffers ``prepack`` returns.
+    ``nbuffers`` is how many buffers ``prepack`` returns; ``identity`` says the single buffer is
+    the weight's own bytes (a view), which lets a saved model point at the weight instead of
+    writing it twice.
     """
 
     family: str
     version: int
     attrs: bytes = b""
     nbuffers: int = 1
+    # The pack is the weight's own bytes, viewed (an fp32 weight BLAS reads as it is): nothing is
+    # computed, and a saved model records it at the weight's own offset instead of a second copy.
+    identity: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

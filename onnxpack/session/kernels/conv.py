@@ -233,7 +233,8 @@ class Conv(Kernel):
             return None
         if info.shape[0] % self.group:
             return None
-        return PackSpec("conv", _PACK_VERSION, struct.pack("<q", self.group), 1)
+        identity = compute_dtype(info.dtype) == np.dtype(info.dtype)  # the GEMM matrix is a reshape
+        return PackSpec("conv", _PACK_VERSION, struct.pack("<q", self.group), 1, identity=identity)
 
     def expected_packed(self, input_index: int, info: TensorInfo):
         if self.pack_spec(input_index, info) is None:

@@ -82,7 +82,8 @@ class MatMul(Kernel):
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
         if input_index != 1 or len(info.shape) != 2 or compute_dtype(info.dtype) is None:
             return None
-        return PackSpec("matmul", _PACK_VERSION, b"", 1)
+        identity = compute_dtype(info.dtype) == np.dtype(info.dtype)
+        return PackSpec("matmul", _PACK_VERSION, b"", 1, identity=identity)
 
     def expected_packed(self, input_index: int, info: TensorInfo):
         if self.pack_spec(input_index, info) is None:
@@ -153,7 +154,8 @@ class Gemm(Kernel):
         if input_index != 1 or compute_dtype(info.dtype) is None or len(info.shape) != 2:
             return None
         attrs = struct.pack("<id", self.trans_b, self.alpha)
-        return PackSpec("gemm", _PACK_VERSION, attrs, 1)
+        identity = not self.trans_b and self.alpha == 1.0 and compute_dtype(info.dtype) == np.dtype(info.dtype)
+        return PackSpec("gemm", _PACK_VERSION, attrs, 1, identity=identity)
 
     def expected_packed(self, input_index: int, info: TensorInfo):
         if self.pack_spec(input_index, info) is None:
