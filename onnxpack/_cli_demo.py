@@ -134,10 +134,8 @@ def _worker_main() -> None:
     model, feeds_path, out_path, n_sessions, wait = sys.argv[1:6]
     before = _memory()
     t0 = time.perf_counter()
-    # Import time is not create time (as for onnxruntime, imported before its sessions): load
-    # every module a session needs, including those the session imports lazily.
+    # Import time is not create time (as for onnxruntime, imported before its sessions).
     from onnxpack.session import InferenceSession
-    import onnxpack.session._sources  # noqa: F401
 
     t_import = time.perf_counter() - t0
     before = _memory()

@@ -34,13 +34,13 @@ import logging
 import math
 import mmap
 import os
-import secrets
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 from onnx import AttributeProto, GraphProto, ModelProto, TensorProto
 
+from onnxpack._io import atomic_write
 from onnxpack.errors import InvalidArgument, OnnxpackError
 from onnxpack.graph._external import RESERVED_KEYS
 from onnxpack.graph._model import Model, Scope, subgraphs_of, walk
@@ -256,43 +256,8 @@ def _choose_data_name(folder: str, location: str, protected: set[tuple[int, int]
         candidate = f"{root}.{n}{ext}"
 
 
-def _fsync_dir(folder: str) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # e.g. Windows: directories cannot be opened; rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _atomic_write(folder: str, final_name: str, write) -> None:
-    # Not mkstemp: it creates 0600 files; O_EXCL with mode 0666 lets the umask decide, like
-    # any normally created file.
-    while True:
-        tmp = os.path.join(folder, f".{final_name}.{secrets.token_hex(6)}.tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
-                         0o666)
-            break
-        except FileExistsError:
-            continue
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(folder, final_name))
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(folder)
+    atomic_write(os.path.join(folder, final_name), write)
 
 
 def _as_bytes(arr: np.ndarray) -> memoryview:

@@ -44,12 +44,12 @@ import math
 import mmap
 import os
 import struct
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from onnxpack._io import fsync_dir, temp_path
 from onnxpack.errors import CacheFileError, InvalidArgument
 from onnxpack.prepack.entry_format import ALLOWED_DTYPES, MAX_BUFFERS_PER_PACK, MAX_DIMS, crc32
 
@@ -585,19 +585,6 @@ def _check_limits(path: str, entries: Sequence[CacheEntry], index: bytes) -> Non
         )
 
 
-def _fsync_dir(folder: str) -> None:
-    try:
-        dfd = os.open(folder, os.O_RDONLY)
-    except OSError:  # pragma: no cover - e.g. platforms without directory fds
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(dfd)
-
-
 def _write_new_file(path: str, items: Mapping[str, Sequence[np.ndarray]]) -> int:
     """Write a complete cache file holding ``items`` to a temp file, fsync, rename over ``path``."""
     writes, entries, end = _layout(HEADER_SIZE, items)
@@ -606,14 +593,13 @@ def _write_new_file(path: str, items: Mapping[str, Sequence[np.ndarray]]) -> int
     _check_limits(path, entries, index)
     slot = _encode_slot(1, index_offset, index, len(entries))
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    fd, tmp = temp_path(folder, os.path.basename(path))
     try:
         try:
             _pwrite_all(fd, slot * NUM_SLOTS, 0)
             for off, a in writes:
                 _pwrite_all(fd, _bytes_of(a), off)
             _pwrite_all(fd, index, index_offset)
-            os.fchmod(fd, 0o644)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -622,7 +608,7 @@ def _write_new_file(path: str, items: Mapping[str, Sequence[np.ndarray]]) -> int
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _fsync_dir(folder)
+    fsync_dir(folder)
     return index_offset + len(index)
 
 

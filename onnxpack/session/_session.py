@@ -8,7 +8,6 @@ import logging
 import os
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -17,15 +16,16 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, NodeProto, TensorProto, helper
 
-from onnxpack.errors import ConfigError, InvalidArgument, InvalidGraph, ModelLoadError, OnnxpackError
+from onnxpack.errors import InvalidArgument, InvalidGraph, OnnxpackError
 from onnxpack.graph import Model, Scope, Tensor, load_model
-from onnxpack.prepack import PrePackedWeights, PrepackedWeightsContainer, content_identity, file_identity, make_key
+from onnxpack.prepack import PrePackedWeights, PrepackedWeightsContainer, content_identity, file_identity
 from onnxpack.session._arena import ArenaRunner
 from onnxpack.session._control import CONTROL_FLOW
 from onnxpack.session._executor import ScopePlan, Step, _node_inputs, topological_order
 from onnxpack.session._fusion import bn_fold, find_conv_fusions, fused_node
 from onnxpack.session.kernels.conv import FusedConv
 from onnxpack.session._fallback import FallbackKernel
+from onnxpack.session._sources import PrepackSources, save_optimized
 from onnxpack.session.kernels import KernelContext, PackSpec, TensorInfo, lookup
 from onnxpack.session.kernels._base import normalize_domain
 from onnxpack.session.options import SessionOptions, validate_config
@@ -231,8 +231,6 @@ class InferenceSession:
 
     def _setup_prepack_sources(self) -> None:
         """Hook for saved blobs (model file) and the persistent cache file; see _sources.py."""
-        from onnxpack.session._sources import PrepackSources
-
         self._sources = PrepackSources(self._model, self._config)
         self._stats.blobs_rejected += self._sources.rejected
 
@@ -474,8 +472,6 @@ class InferenceSession:
         path = self._options.optimized_model_filepath
         if not path:
             return
-        from onnxpack.session._sources import save_optimized
-
         save_optimized(self, os.fspath(path))
 
     # -- API ------------------------------------------------------------------------------------

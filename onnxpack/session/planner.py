@@ -31,9 +31,9 @@ import dataclasses
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from onnxpack._io import atomic_write
 from onnxpack.errors import ConfigError, InvalidArgument, InvalidGraph, PlannerMemoryError
 
 logger = logging.getLogger(__name__)
@@ -758,17 +758,4 @@ def plot(result: PlanResult, path: str | os.PathLike[str]) -> None:
         ax.set_ylabel("offset (bytes)")
         ax.set_title(f"{m.name}: arena {_fmt_bytes(arena)} ({result.algorithm})")
         ax.legend(loc="upper right", fontsize=7)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix="." + fmt, dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format=fmt)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(path, lambda f: fig.savefig(f, format=fmt))

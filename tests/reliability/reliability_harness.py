@@ -28,8 +28,6 @@ test run) with a per-case timeout (a hang is a failure).  Any exception that is 
 
 from __future__ import annotations
 
-import base64
-import copy
 import importlib.util
 import io
 import json

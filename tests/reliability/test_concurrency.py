@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import os
-import shutil
 import warnings
 
 import numpy as np

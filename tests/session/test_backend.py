@@ -7,7 +7,6 @@ the onnx wheel (onnx.backend.test.case.node), the model suites from the wheel's 
 from __future__ import annotations
 
 import onnx.backend.test
-import pytest
 
 import onnxpack.backend
 

@@ -161,21 +161,26 @@ _REDUCE: tuple[tuple[str, int, Callable], ...] = (
     ("ReduceLogSumExp", 18, _log_sum_exp),
 )
 
+def _define(op: str, base: type, since: int, fn) -> None:
+    """Register ``base`` specialised with the numpy function ``fn`` as ONNX ``op`` from ``since``."""
+    cls = type(
+        f"{op}_{since}",
+        (base,),
+        {
+            "_fn": staticmethod(fn),
+            "op_type": op,
+            "since": since,
+            "__doc__": f"ONNX {op} from opset {since} ({base.__doc__.splitlines()[0]})",
+            "__module__": __name__,
+        },
+    )
+    register(op, since=since)(cls)
+
+
 for _op, _since_input, _fn in _REDUCE:
-    for _base, _since in ((_ReduceAttr, 1), (_ReduceInput, _since_input)):
-        _cls = type(
-            f"{_op}_{_since}",
-            (_base,),
-            {
-                "_fn": staticmethod(_fn),
-                "op_type": _op,
-                "since": _since,
-                "__doc__": f"ONNX {_op} from opset {_since} ({_base.__doc__.splitlines()[0]})",
-                "__module__": __name__,
-            },
-        )
-        register(_op, since=_since)(_cls)
-del _op, _since_input, _fn, _base, _since, _cls
+    _define(_op, _ReduceAttr, 1, _fn)
+    _define(_op, _ReduceInput, _since_input, _fn)
+del _op, _since_input, _fn
 
 
 # ------------------------------------------------------------------------------------------------
@@ -259,17 +264,6 @@ class _Softmax2D(Kernel):
 
 
 for _op, _fn in (("Softmax", _softmax), ("LogSoftmax", _log_softmax), ("Hardmax", _hardmax)):
-    for _base, _since in ((_Softmax2D, 1), (_SoftmaxAxis, 13)):
-        _cls = type(
-            f"{_op}_{_since}",
-            (_base,),
-            {
-                "_fn": staticmethod(_fn),
-                "op_type": _op,
-                "since": _since,
-                "__doc__": f"ONNX {_op} from opset {_since} ({_base.__doc__.splitlines()[0]})",
-                "__module__": __name__,
-            },
-        )
-        register(_op, since=_since)(_cls)
-del _op, _fn, _base, _since, _cls
+    _define(_op, _Softmax2D, 1, _fn)
+    _define(_op, _SoftmaxAxis, 13, _fn)
+del _op, _fn
