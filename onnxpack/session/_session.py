@@ -6,7 +6,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -26,7 +25,7 @@ from onnxpack.session._fusion import bn_fold, find_conv_fusions, fused_node
 from onnxpack.session.kernels.conv import FusedConv
 from onnxpack.session._fallback import FallbackKernel
 from onnxpack.session._sources import PrepackSources, save_optimized
-from onnxpack.session.kernels import KernelContext, PackSpec, TensorInfo, lookup
+from onnxpack.session.kernels import KernelContext, TensorInfo, lookup
 from onnxpack.session.kernels._base import normalize_domain
 from onnxpack.session.options import SessionOptions, validate_config
 
@@ -196,9 +195,8 @@ class InferenceSession:
         self._finalizer = weakref.finalize(self, self._container.release, self._holder)
         self._stats = PrepackStats()
         self._packed_log: list[dict[str, Any]] = []  # for inspect: node, input, weight, key, bytes, origin
-        self._packs_by_weight: dict[tuple[str, str], list[tuple[PackSpec, str, PrePackedWeights, _ConstRef]]] = {}
+        self._held: dict[str, int] = {}  # key -> bytes of every pack this session uses
         self._fallback_nodes: list[str] = []
-        self._lock = threading.Lock()
 
         self._model: Model = load_model(path_or_bytes if isinstance(path_or_bytes, bytes) else os.fspath(path_or_bytes))
         try:
@@ -252,13 +250,11 @@ class InferenceSession:
         self._overridable = {n for n in root.initializers if n in root_inputs} if model.proto.ir_version >= 4 else set()
         self._plans: dict[int, ScopePlan] = {}
         self._fusions: dict[int, dict[str, Any]] = {}  # id(fused Conv node) -> FusedConv arguments
-        self._scope_of_plan: dict[int, Scope] = {}
         unpacked_uses: set[tuple[int, str]] = set()  # (id(owner scope), name) read unpacked
         t0 = time.perf_counter()
         for scope in model.scopes():  # bottom-up: children before the node that owns them
             plan = self._plan_scope(scope, unpacked_uses)
             self._plans[id(scope)] = plan
-            self._scope_of_plan[id(scope)] = scope
         # Constants: only originals still read unpacked somewhere stay referenced.
         released = 0
         for scope in model.scopes():
@@ -286,11 +282,7 @@ class InferenceSession:
         self._stats.originals_released = released
         self._root_plan = self._plans[id(root)]
         self._build_seconds = time.perf_counter() - t0
-        held = {}
-        for entries in self._packs_by_weight.values():
-            for _spec, key, packed, _ref in entries:
-                held[key] = packed.nbytes
-        self._stats.bytes_held = sum(held.values())
+        self._stats.bytes_held = sum(self._held.values())
 
     def _resolve_const(self, scope: Scope, name: str) -> _ConstRef | None:
         """The initializer ``name`` refers to from ``scope``, or None if it is not a constant."""
@@ -444,9 +436,7 @@ class InferenceSession:
             return False
         kernel.use_prepacked(i, entry.buffers)
         key = entry.key
-        self._packs_by_weight.setdefault((ref.owner.path, ref.name), [])
-        if not any(k == key for _s, k, _p, _r in self._packs_by_weight[(ref.owner.path, ref.name)]):
-            self._packs_by_weight[(ref.owner.path, ref.name)].append((spec, key, entry, ref))
+        self._held[key] = entry.nbytes
         self._packed_log.append(
             {"scope": scope.path, "node": node.name, "op_type": node.op_type, "input": i, "weight": ref.name,
              "key": key, "nbytes": entry.nbytes, "origin": origin}
@@ -580,7 +570,7 @@ class InferenceSession:
         self._root_plan = None  # type: ignore[assignment]
         self._arena = None
         self._plans.clear()
-        self._packs_by_weight.clear()
+        self._held.clear()
         self._model.close()
 
     def __enter__(self) -> InferenceSession:
