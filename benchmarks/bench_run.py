@@ -131,6 +131,9 @@ def bench_model(name: str, runs: int, ref_runs: int, threads: int = 0) -> dict:
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.intra_op_num_threads = threads  # 0 = onnxruntime's default (one per core)
+    # Runs are interleaved in one process: onnxruntime's worker threads would otherwise spin on
+    # both cores after each of its runs and slow whichever runtime goes next.
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     runners = {
         "onnxpack": onnxpack.InferenceSession(path).run,
         "onnxruntime": ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run,

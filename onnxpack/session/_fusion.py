@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from onnx import NodeProto, helper
 
-__all__ = ["ConvFusion", "find_conv_fusions", "fused_node"]
+__all__ = ["ConvFusion", "ReluAfter", "find_conv_fusions", "find_relu_fusions", "fused_node"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +82,66 @@ def find_conv_fusions(
             continue
         out.append(ConvFusion(k, bn, relu))
     return out
+
+
+# Elementwise producers whose result Relu may clamp in place (a residual Sum -> Relu, ...).
+_RELU_PRODUCERS = frozenset({"Add", "Sum", "Sub", "Mul"})
+
+
+def find_relu_fusions(
+    nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str], taken: set[int]
+) -> list[ConvFusion]:
+    """``Add/Sum/Sub/Mul -> Relu`` pairs where Relu is the producer's only reader.
+
+    Returned as :class:`ConvFusion` with ``conv`` the producer and ``bn`` None; ``taken`` holds
+    node indices already part of another fusion.
+    """
+    by_input: dict[str, list[int]] = {}
+    for k, node in enumerate(nodes):
+        for name in node.input:
+            if name:
+                by_input.setdefault(name, []).append(k)
+    out = []
+    for k, node in enumerate(nodes):
+        if k in taken or node.op_type not in _RELU_PRODUCERS or node.domain not in ("", "ai.onnx"):
+            continue
+        name = node.output[0]
+        users = by_input.get(name, [])
+        if len(users) != 1 or readers.get(name, 0) != 1 or name in protected or users[0] in taken:
+            continue
+        relu = nodes[users[0]]
+        if relu.op_type == "Relu" and relu.domain in ("", "ai.onnx"):
+            out.append(ConvFusion(k, None, users[0]))
+    return out
+
+
+class ReluAfter:
+    """A native elementwise kernel whose single output Relu clamps in place.
+
+    The producer's result is a fresh array unless it returned one of its inputs (Sum of one
+    input): then Relu allocates as usual, so no caller's value is ever written.
+    """
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str):  # pack_spec, node, attrs...: the producer's
+        return getattr(self.inner, name)
+
+    def run_into(self, outs, *inputs) -> bool:
+        """The producer's ``run_into`` (the planner's arena), then Relu in place on ``outs[0]``."""
+        into = getattr(self.inner, "run_into", None)
+        if into is None or not into(outs, *inputs):
+            return False
+        np.maximum(outs[0], 0, out=outs[0])
+        return True
+
+    def run(self, *inputs):
+        (y,) = self.inner.run(*inputs)[:1]
+        if isinstance(y, np.ndarray) and y.flags.writeable and y.flags.owndata and not any(y is x for x in inputs):
+            np.maximum(y, 0, out=y)
+            return (y,)
+        return (np.maximum(y, 0).astype(y.dtype, copy=False),)
 
 
 def _foldable_bn(node: NodeProto, is_const: Callable[[str], bool], opset: int) -> bool:

@@ -21,7 +21,7 @@ from onnxpack.prepack import PrePackedWeights, PrepackedWeightsContainer, conten
 from onnxpack.session._arena import ArenaRunner
 from onnxpack.session._control import CONTROL_FLOW
 from onnxpack.session._executor import ScopePlan, Step, _node_inputs, topological_order
-from onnxpack.session._fusion import bn_fold, find_conv_fusions, fused_node
+from onnxpack.session._fusion import ReluAfter, bn_fold, find_conv_fusions, find_relu_fusions, fused_node
 from onnxpack.session.kernels.conv import FusedConv
 from onnxpack.session._fallback import FallbackKernel
 from onnxpack.session._sources import PrepackSources, save_optimized
@@ -350,9 +350,15 @@ class InferenceSession:
             return self._resolve_const(scope, n) is not None
 
         fusions = find_conv_fusions(nodes, readers, protected, is_const, self._opsets.get("", 1))
-        if not fusions:
+        taken = {i for f in fusions for i in (f.conv, *f.absorbed)}
+        for f in find_relu_fusions(nodes, readers, protected, taken):
+            node = fused_node(nodes, f)
+            self._fusions[id(node)] = {"relu_after": True}
+            nodes = [node if k == f.conv else n for k, n in enumerate(nodes)]
+            taken.add(f.relu)
+        if not fusions and not taken:
             return nodes
-        absorbed: set[int] = set()
+        absorbed: set[int] = {i for i in taken if nodes[i].op_type == "Relu"}
         replaced: dict[int, NodeProto] = {}
         for f in fusions:
             node = fused_node(nodes, f)
@@ -386,8 +392,9 @@ class InferenceSession:
                     needs_frame = True
                 except NotImplementedError:
                     kernel = None
-        if id(node) in self._fusions:
-            kernel = FusedConv(node, ctx, **self._fusions[id(node)])
+        fusion = self._fusions.get(id(node))
+        if fusion is not None and not fusion.get("relu_after"):
+            kernel = FusedConv(node, ctx, **fusion)
         if kernel is None and not sub_attrs and (domain, node.op_type) not in self._function_ids:
             cls = lookup(domain, node.op_type, opset)
             if cls is not None:
@@ -407,6 +414,8 @@ class InferenceSession:
             needs_context = kernel.needs_context
             self._fallback_nodes.append(f"{scope.path or 'main'}:{node.name or '#'}:{node.op_type}")
             logger.debug("node %r (%s): onnx.reference fallback", node.name, node.op_type)
+        if fusion is not None and fusion.get("relu_after"):
+            kernel = ReluAfter(kernel)
         packed: set[int] = set()
         for i, name in enumerate(node.input):
             if not name:

@@ -153,3 +153,21 @@ def test_conv_run_into_writes_the_given_buffer(fused):
     out = np.full(want.shape, np.nan, np.float32)
     assert kernel.run_into((out,), x, w, b) is True
     np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("op,n_inputs", [("Add", 2), ("Sum", 3), ("Sum", 1), ("Mul", 2), ("Sub", 2)],
+                         ids=["add", "sum3", "sum1-returns-its-input", "mul", "sub"])
+def test_elementwise_then_relu_is_fused_and_never_writes_an_input(op, n_inputs):
+    names = [f"x{k}" for k in range(n_inputs)]
+    nodes = [helper.make_node(op, names, ["s"], name="op"), helper.make_node("Relu", ["s"], ["y"], name="relu")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, F, [2, 5]) for n in names],
+                              [helper.make_tensor_value_info("y", F, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    feed = {n: _w(2, 5) for n in names}
+    before = {n: v.copy() for n, v in feed.items()}
+    with onnxpack.InferenceSession(model) as s:
+        assert [st.node.name for st in s._root_plan.steps] == ["op+relu"]
+        got = s.run(None, feed)
+    for n in names:
+        np.testing.assert_array_equal(feed[n], before[n])  # the caller's arrays are untouched
+    np.testing.assert_allclose(got[0], _ort(model, feed)[0], rtol=1e-6, atol=1e-7)
