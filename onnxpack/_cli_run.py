@@ -42,13 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return n
+    from onnxpack.cli import int_at_least
+
+    return int_at_least(1)(text)
 
 
 def _pairs(values: list[str], flag: str) -> dict[str, str]:

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from onnxpack._io import fsync_dir, temp_path
+from onnxpack._io import atomic_write
 from onnxpack.errors import CacheFileError, InvalidArgument
 from onnxpack.prepack.entry_format import ALLOWED_DTYPES, MAX_BUFFERS_PER_PACK, MAX_DIMS, crc32
 
@@ -592,23 +592,15 @@ def _write_new_file(path: str, items: Mapping[str, Sequence[np.ndarray]]) -> int
     index = _encode_index(entries)
     _check_limits(path, entries, index)
     slot = _encode_slot(1, index_offset, index, len(entries))
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = temp_path(folder, os.path.basename(path))
-    try:
-        try:
-            _pwrite_all(fd, slot * NUM_SLOTS, 0)
-            for off, a in writes:
-                _pwrite_all(fd, _bytes_of(a), off)
-            _pwrite_all(fd, index, index_offset)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(folder)
+
+    def write(f) -> None:
+        fd = f.fileno()
+        _pwrite_all(fd, slot * NUM_SLOTS, 0)
+        for off, a in writes:
+            _pwrite_all(fd, _bytes_of(a), off)
+        _pwrite_all(fd, index, index_offset)
+
+    atomic_write(path, write)  # temp file, fsync, rename over ``path``, fsync the folder
     return index_offset + len(index)
 
 
