@@ -65,10 +65,12 @@ class Scope:
         outer_refs: names used by this scope's nodes or its nested scopes that resolve to an
             enclosing scope's initializer -> the scope that owns it.
         defined: every name this scope defines (inputs, initializers, node outputs).
+        free: every name this scope's nodes, outputs or nested scopes use but this scope does not
+            define (its implicit inputs, resolved in enclosing scopes).
     """
 
     __slots__ = ("graph", "parent", "owner", "owner_index", "attr_name", "attr_index", "path",
-                 "children", "initializers", "outer_refs", "defined", "_free")
+                 "children", "initializers", "outer_refs", "defined", "free")
 
     def __init__(self, graph: GraphProto, parent: Scope | None, owner: NodeProto | None,
                  owner_index: int | None, path: str) -> None:
@@ -83,7 +85,7 @@ class Scope:
         self.initializers: dict[str, Tensor] = {}
         self.outer_refs: dict[str, Scope] = {}
         self.defined: set[str] = set()
-        self._free: set[str] = set()
+        self.free: set[str] = set()
 
     def __repr__(self) -> str:
         return f"Scope({self.path!r}, graph={self.graph.name!r}, {len(self.initializers)} initializers)"
@@ -228,9 +230,9 @@ class Model:
                 used.update(i for i in node.input if i)
             used.update(o.name for o in g.output if o.name)
             for child in scope.children:
-                used |= child._free
-            scope._free = used - scope.defined
-            for name in scope._free:
+                used |= child.free
+            scope.free = used - scope.defined
+            for name in scope.free:
                 outer = scope.parent
                 while outer is not None and name not in outer.defined:
                     outer = outer.parent

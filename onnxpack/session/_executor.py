@@ -69,17 +69,21 @@ class Step:
     release: tuple[str, ...] = ()  # local names whose last use is this step
     needs_frame: bool = False  # control flow: gets the frame
     needs_context: bool = False  # onnx.reference fallback with graph attributes
+    implicit: tuple[str, ...] = ()  # names its subgraphs read from enclosing scopes
 
     @property
     def label(self) -> str:
         return f"node {self.node.name or '<unnamed>'!r} ({self.node.op_type})"
 
 
-def topological_order(nodes: Sequence[NodeProto], available: set[str], scope_name: str) -> list[int]:
+def topological_order(nodes: Sequence[NodeProto], available: set[str], scope_name: str,
+                      reads: Sequence[Sequence[str]] | None = None) -> list[int]:
     """Indices of ``nodes`` in an order where every input is produced before use.
 
     ``available`` holds names defined before any node runs (graph inputs, initializers, and every
-    name visible from enclosing scopes).  A cycle or an input nobody produces is InvalidGraph.
+    name visible from enclosing scopes); ``reads[i]`` is what node ``i`` reads — its inputs plus
+    the implicit inputs of its subgraphs (default: its inputs).  A cycle or an input nobody
+    produces is InvalidGraph.
     """
     producers: dict[str, int] = {}
     for i, node in enumerate(nodes):
@@ -95,7 +99,7 @@ def topological_order(nodes: Sequence[NodeProto], available: set[str], scope_nam
     deps: list[set[int]] = []
     for i, node in enumerate(nodes):
         d: set[int] = set()
-        for name in _node_inputs(node):
+        for name in (reads[i] if reads is not None else node.input):
             if not name or name in available and name not in producers:
                 continue
             p = producers.get(name)
@@ -128,33 +132,6 @@ def topological_order(nodes: Sequence[NodeProto], available: set[str], scope_nam
                 state[nxt] = 1
                 stack.append((nxt, iter(sorted(deps[nxt]))))
     return order
-
-
-def _node_inputs(node: NodeProto) -> list[str]:
-    """Explicit inputs plus names used inside the node's subgraphs but defined outside them."""
-    names = list(node.input)
-    from onnx import AttributeProto
-
-    for attr in node.attribute:
-        graphs = [attr.g] if attr.type == AttributeProto.GRAPH else list(attr.graphs) if attr.type == AttributeProto.GRAPHS else []
-        for g in graphs:
-            names.extend(sorted(_free_names(g)))
-    return names
-
-
-def _free_names(graph) -> set[str]:
-    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    defined |= {t.values.name for t in graph.sparse_initializer}
-    free: set[str] = set()
-    for node in graph.node:
-        for name in _node_inputs(node):
-            if name and name not in defined:
-                free.add(name)
-        defined.update(o for o in node.output if o)
-    for o in graph.output:
-        if o.name not in defined:
-            free.add(o.name)
-    return free
 
 
 class ScopePlan:
@@ -229,4 +206,5 @@ class ScopePlan:
 
 
 def _step_reads(step: Step) -> list[str]:
-    return [n for n in _node_inputs(step.node) if n]
+    """Every name the step reads: its inputs and its subgraphs' implicit inputs."""
+    return [n for n in (*step.inputs, *step.implicit) if n]

@@ -6,7 +6,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +19,7 @@ from onnxpack.graph import Model, Scope, Tensor, load_model
 from onnxpack.prepack import PrePackedWeights, PrepackedWeightsContainer, content_identity, file_identity
 from onnxpack.session._arena import ArenaRunner
 from onnxpack.session._control import CONTROL_FLOW
-from onnxpack.session._executor import ScopePlan, Step, _node_inputs, topological_order
+from onnxpack.session._executor import ScopePlan, Step, topological_order
 from onnxpack.session._fusion import ReluAfter, bn_fold, find_conv_fusions, find_relu_fusions, fused_node
 from onnxpack.session.kernels.conv import FusedConv
 from onnxpack.session._fallback import FallbackKernel
@@ -202,6 +201,7 @@ class InferenceSession:
         try:
             self._setup_prepack_sources()
             self._build()
+            self._stats.blobs_rejected = self._sources.rejected
             self._sources.flush_cache()
             self._save_if_asked()
         except BaseException:
@@ -230,7 +230,6 @@ class InferenceSession:
     def _setup_prepack_sources(self) -> None:
         """Hook for saved blobs (model file) and the persistent cache file; see _sources.py."""
         self._sources = PrepackSources(self._model, self._config)
-        self._stats.blobs_rejected += self._sources.rejected
 
     def _build(self) -> None:
         model = self._model
@@ -251,7 +250,6 @@ class InferenceSession:
         self._plans: dict[int, ScopePlan] = {}
         self._fusions: dict[int, dict[str, Any]] = {}  # id(fused Conv node) -> FusedConv arguments
         unpacked_uses: set[tuple[int, str]] = set()  # (id(owner scope), name) read unpacked
-        t0 = time.perf_counter()
         for scope in model.scopes():  # bottom-up: children before the node that owns them
             plan = self._plan_scope(scope, unpacked_uses)
             self._plans[id(scope)] = plan
@@ -281,7 +279,6 @@ class InferenceSession:
             plan.constants = consts
         self._stats.originals_released = released
         self._root_plan = self._plans[id(root)]
-        self._build_seconds = time.perf_counter() - t0
         self._stats.bytes_held = sum(self._held.values())
 
     def _resolve_const(self, scope: Scope, name: str) -> _ConstRef | None:
@@ -296,7 +293,7 @@ class InferenceSession:
                 return _ConstRef(name, s.initializers[name], s)
             if s is self._model.root and name in self._user_inits:
                 return _ConstRef(name, None, s, self._user_inits[name])
-            if _defines(s, name):
+            if name in s.defined:
                 return None
             s = s.parent
         return None
@@ -307,18 +304,24 @@ class InferenceSession:
         available = {i.name for i in graph.input} | set(scope.initializers)
         if scope.parent is None:
             available |= set(self._user_inits)
-        available |= _visible_outer_names(scope)
+        outer = _visible_outer_names(scope)
+        available |= outer
+        children: dict[int, list[Scope]] = {}
+        for c in scope.children:
+            children.setdefault(id(c.owner), []).append(c)
+        # What each node's subgraphs read from outside them (the graph layer's free names).
+        implicit = {k: tuple(sorted(set().union(*(c.free for c in cs)))) for k, cs in children.items()}
         nodes = list(graph.node)
         if self._prepack_on:
-            nodes = self._fuse(scope, nodes)
-        order = topological_order(nodes, available, name)
-        children = {id(c.owner): [] for c in scope.children}
-        for c in scope.children:
-            children[id(c.owner)].append(c)
+            nodes = self._fuse(scope, nodes, implicit)
+        reads = [(*node.input, *implicit.get(id(node), ())) for node in nodes]
+        order = topological_order(nodes, available, name, reads)
         steps = []
         for idx in order:
             node = nodes[idx]
-            steps.append(self._bind(scope, node, children.get(id(node), []), unpacked_uses))
+            step = self._bind(scope, node, children.get(id(node), []), unpacked_uses)
+            step.implicit = implicit.get(id(node), ())
+            steps.append(step)
         # Graph outputs that are constants keep their originals.
         for out in graph.output:
             ref = self._resolve_const(scope, out.name)
@@ -327,7 +330,7 @@ class InferenceSession:
         input_names = [i.name for i in graph.input]
         if scope.parent is None:
             input_names = [n for n in input_names if n not in scope.initializers] + sorted(self._overridable)
-        plan = ScopePlan(name, input_names, [o.name for o in graph.output], {}, steps, _visible_outer_names(scope))
+        plan = ScopePlan(name, input_names, [o.name for o in graph.output], {}, steps, outer)
         plan.output_types = [o.type.tensor_type.elem_type for o in graph.output]
         plan.output_dims = [
             None if (dims := _shape_of(o.type)) is None else [d if isinstance(d, int) else None for d in dims]
@@ -335,11 +338,11 @@ class InferenceSession:
         ]
         return plan
 
-    def _fuse(self, scope: Scope, nodes: list[NodeProto]) -> list[NodeProto]:
+    def _fuse(self, scope: Scope, nodes: list[NodeProto], implicit: dict[int, tuple[str, ...]]) -> list[NodeProto]:
         """Fold Conv → BatchNormalization → Relu chains (see ``_fusion.py``)."""
         readers: dict[str, int] = {}
         for node in nodes:
-            for n in _node_inputs(node):
+            for n in (*node.input, *implicit.get(id(node), ())):
                 if n:
                     readers[n] = readers.get(n, 0) + 1
         protected = {o.name for o in scope.graph.output}
@@ -589,19 +592,12 @@ class InferenceSession:
         self.close()
 
 
-def _defines(scope: Scope, name: str) -> bool:
-    return name in scope.defined
-
-
 def _visible_outer_names(scope: Scope) -> set[str]:
+    """Every name the enclosing scopes define (the graph layer's ``defined`` sets)."""
     names: set[str] = set()
     s = scope.parent
     while s is not None:
-        g = s.graph
-        names.update(i.name for i in g.input)
-        names.update(s.initializers)
-        for n in g.node:
-            names.update(o for o in n.output if o)
+        names |= s.defined
         s = s.parent
     return names
 

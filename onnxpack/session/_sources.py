@@ -113,10 +113,15 @@ class PrepackSources:
         # (constant ref, spec, tensor info, entry) of every pack, for a save with blobs.
         self.save_items: list[tuple[Any, Any, Any, PrePackedWeights]] = []
         self.to_cache: dict[str, tuple[np.ndarray, ...]] = {}
+        self.cache_rejected = 0  # cache entries ignored with a warning
+        # (scope path, name, user-given) -> identity: a weight read by several kernels is
+        # identified (for in-proto weights: hashed) once.
+        self._identities: dict[tuple[str, str, bool], bytes] = {}
 
     @property
     def rejected(self) -> int:
-        return self.record.rejected
+        """Saved blobs and cache entries ignored with a warning (their weights were re-packed)."""
+        return self.record.rejected + self.cache_rejected
 
     def obtain(self, session: Any, kernel: Any, i: int, ref: Any, info: Any, spec: Any,
                container: PrepackedWeightsContainer, holder: int) -> tuple[PrePackedWeights | None, str]:
@@ -148,9 +153,12 @@ class PrepackSources:
                     session._count("container", entry)
                 self._record_for_save(ref, spec, info, entry)
                 return entry, origin["value"]
-            session._stats.blobs_rejected = self.record.rejected
 
-        key = make_key(spec, ref.identity(), info.dtype, info.shape)
+        ident_key = (ref.owner.path, ref.name, ref.user)
+        identity = self._identities.get(ident_key)
+        if identity is None:
+            identity = self._identities[ident_key] = ref.identity()
+        key = make_key(spec, identity, info.dtype, info.shape)
 
         def pack() -> PrePackedWeights | None:
             if self.cache is not None and key in self.cache:
@@ -162,6 +170,7 @@ class PrepackSources:
                     buffers = self.cache.get(key, verify=self.verify or small)
                 except CacheFileError as exc:
                     buffers = None
+                    self.cache_rejected += 1
                     _warn(f"cache entry for weight {ref.name!r} ignored, re-packing: {exc}")
                 if buffers is not None:
                     reason = check(tuple(buffers))
@@ -170,7 +179,7 @@ class PrepackSources:
                         origin["value"] = "cache"
                         session._count("cache", entry)
                         return entry
-                    session._stats.blobs_rejected += 1
+                    self.cache_rejected += 1
                     _warn(f"cache entry for weight {ref.name!r} rejected by {kernel.op_type}, re-packing: {reason}")
             t0 = time.perf_counter()
             buffers = kernel.prepack(i, ref.value())
