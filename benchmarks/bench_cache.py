@@ -49,7 +49,7 @@ _CHILD = textwrap.dedent("""
     import onnxpack
     # The session imports these lazily; importing them here keeps import (and, on a tree whose
     # sources just changed, byte-compile) time off the create clock in every mode alike.
-    import onnxpack.session._sources, onnxpack.prepack.cache_file
+    import onnxpack.prepack, onnxpack.prepack.cache_file
     import _models
     from _common import proc_memory
 

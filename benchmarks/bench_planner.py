@@ -137,12 +137,14 @@ def arena_sizes(path: str) -> dict:
     """Arena totals of each algorithm for every intermediate, and of the run-time plan."""
     from onnxpack import InferenceSession
     from onnxpack.session import planner
-    from onnxpack.session._arena import analyze
+    from onnxpack.session import analyze, validate_feed
 
     with InferenceSession(path) as sess:
-        feeds = session_feeds(sess)
-        lifetimes, _, _ = analyze(sess, feeds, algorithm="naive")
-        rt_lifetimes, rt, _ = analyze(sess, feeds, algorithm="auto", runtime_only=True)
+        program = sess.program
+        valid = validate_feed(sess.model, session_feeds(sess), program.overridable, program.defaults)
+        inputs = [valid[n] for n in program.root.input_names]
+        lifetimes, _, _ = analyze(program.root, inputs, algorithm="naive")
+        rt_lifetimes, rt, _ = analyze(program.root, inputs, algorithm="auto", runtime_only=True)
     lb, _ = planner.lower_bound(lifetimes, planner.DEFAULT_ALIGNMENT)
     row = {"tensors": len(lifetimes), "lower_bound": lb}
     for name in ("naive", "greedy_by_size", "position_greedy"):

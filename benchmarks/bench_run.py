@@ -165,7 +165,7 @@ def profile_resnet50(runs: int = 5) -> dict:
     """Where onnxpack's resnet50 time goes: per op type, executor overhead, cProfile top."""
     path, feeds = make_resnet50()
     sess = onnxpack.InferenceSession(path)
-    plan = sess._root_plan
+    plan = sess.program.root
     per_op: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     originals = []

@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE.parent))
 import _models  # noqa: E402
 from _common import blas_info, print_table, proc_memory, run_json, write_json  # noqa: E402
 
-from onnxpack._cli_demo import measure  # noqa: E402
+from onnxpack.cli._measure import measure  # noqa: E402
 from onnxpack.cli import optimize_model  # noqa: E402
 
 WORK = HERE / "work" / "serialize"

@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxpack_sample_models as sample_models  # models/build.py, via tests/conftest.py
 from onnxpack import cli
-from onnxpack._cli_inspect import collect, format_text
+from onnxpack.cli.inspect import collect, format_text
 
 
 

@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxpack._cli_run import random_inputs
+from onnxpack.cli._common import random_inputs
 from onnxpack.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

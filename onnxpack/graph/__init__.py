@@ -7,7 +7,7 @@ See ``_model`` for scope paths, ``_external`` for the external-data security rul
 from __future__ import annotations
 
 from onnxpack.graph._external import ExternalLocation
-from onnxpack.graph._model import Model, Scope, load_model, walk
+from onnxpack.graph._model import Model, Scope, load_model, subgraphs_of, walk
 from onnxpack.graph._save import (
     DEFAULT_ALIGN_THRESHOLD,
     BlobPlacement,
@@ -22,6 +22,7 @@ __all__ = [
     "load_model",
     "save_model",
     "walk",
+    "subgraphs_of",
     "Model",
     "Scope",
     "Tensor",

@@ -90,18 +90,25 @@ class Scope:
     def __repr__(self) -> str:
         return f"Scope({self.path!r}, graph={self.graph.name!r}, {len(self.initializers)} initializers)"
 
+    def resolve(self, name: str) -> Scope | None:
+        """The scope whose definition ``name`` refers to from here: this scope or the nearest
+        enclosing one that defines it (inputs, initializers, node outputs); ``None`` if none."""
+        scope: Scope | None = self
+        while scope is not None:
+            if name in scope.defined:
+                return scope
+            scope = scope.parent
+        return None
+
+    def defined_outside(self, name: str) -> bool:
+        """Whether an enclosing scope defines ``name`` (an implicit input would resolve)."""
+        return self.parent is not None and self.parent.resolve(name) is not None
+
     def lookup_initializer(self, name: str) -> Tensor | None:
         """Resolves ``name`` innermost scope first; ``None`` when the nearest definition is not an
         initializer (an input or node output shadows outer initializers of the same name)."""
-        scope: Scope | None = self
-        while scope is not None:
-            tensor = scope.initializers.get(name)
-            if tensor is not None:
-                return tensor
-            if name in scope.defined:
-                return None
-            scope = scope.parent
-        return None
+        owner = self.resolve(name)
+        return None if owner is None else owner.initializers.get(name)
 
 
 def walk(root: Scope) -> Iterator[Scope]:

@@ -110,6 +110,7 @@ class SaveResult:
         tensors_written: number of tensors stored in the data file.
         bytes_written: size of the data file.
         placements: ``(scope_path, initializer name) -> blob placements`` of the extras.
+        tensor_bytes: bytes of the tensors stored in the data file (padding and blobs excluded).
     """
 
     model_path: str
@@ -118,6 +119,7 @@ class SaveResult:
     tensors_written: int
     bytes_written: int
     placements: dict[tuple[str, str], list[BlobPlacement]]
+    tensor_bytes: int = 0
 
 
 @runtime_checkable
@@ -454,7 +456,7 @@ def save_model(
     except OSError as e:
         raise OnnxpackError(f"save_model: cannot write {out_path!r}: {e}") from e
     return SaveResult(out_path, data_path, data_name, len(externalized), end if items else 0,
-                      placements)
+                      placements, sum(length for *_rest, length in externalized))
 
 
 def _is_view_of(arr: np.ndarray, data) -> bool:

@@ -17,8 +17,12 @@ import hashlib
 from collections.abc import Sequence
 
 import numpy as np
+from onnx import helper
 
-__all__ = ["PrePackedWeights", "make_key", "content_identity", "file_identity", "freeze", "sample_digest", "full_digest"]
+from onnxpack.graph import ExternalLocation, Tensor
+
+__all__ = ["PackSpec", "PrePackedWeights", "WeightRef", "make_key", "content_identity", "file_identity", "freeze",
+           "sample_digest", "full_digest"]
 
 # 16 bytes of BLAKE2b: collisions are out of reach for any number of weights a machine holds.
 KEY_DIGEST_SIZE = 16
@@ -32,6 +36,77 @@ def freeze(array: np.ndarray) -> np.ndarray:
         out = array.view()
     out.setflags(write=False)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PackSpec:
+    """How a kernel would pack one input, known without packing.
+
+    ``family`` names the kernel family ("matmul", "conv", ...), ``version`` the pack format
+    version (bump it whenever the packed layout changes, so old saved blobs are ignored), and
+    ``attrs`` the bytes of every attribute that changes the packed bytes (e.g. Gemm's transB).
+    ``nbuffers`` is how many buffers ``prepack`` returns; ``identity`` says the single buffer is
+    the weight's own bytes (a view), which lets a saved model point at the weight instead of
+    writing it twice.
+    """
+
+    family: str
+    version: int
+    attrs: bytes = b""
+    nbuffers: int = 1
+    # The pack is the weight's own bytes, viewed (an fp32 weight BLAS reads as it is): nothing is
+    # computed, and a saved model records it at the weight's own offset instead of a second copy.
+    identity: bool = False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class WeightRef:
+    """A constant a kernel may pack: an initializer of a model scope, or an array the user gave
+    with ``SessionOptions.add_initializer`` (``array`` set, ``tensor`` None)."""
+
+    scope: str  # path of the scope that owns the initializer
+    name: str
+    tensor: Tensor | None
+    array: np.ndarray | None = None
+
+    @property
+    def user(self) -> bool:
+        return self.array is not None
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.array.dtype if self.array is not None else self.tensor.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape) if self.array is not None else self.tensor.dims
+
+    @property
+    def elem_type(self) -> int:
+        """ONNX element type (``TensorProto.FLOAT`` …)."""
+        if self.array is not None:
+            return helper.np_dtype_to_tensor_dtype(self.array.dtype)
+        return self.tensor.elem_type
+
+    @property
+    def external(self) -> ExternalLocation | None:
+        return None if self.tensor is None else self.tensor.external
+
+    def value(self) -> np.ndarray:
+        return self.array if self.array is not None else self.tensor.numpy()
+
+    def raw(self) -> bytes | memoryview | np.ndarray:
+        """The stored bytes (what saved records digest)."""
+        return self.array if self.array is not None else self.tensor.raw()
+
+    def identity(self) -> bytes:
+        """File identity for a mapped weight (no read), else a digest of the bytes."""
+        if self.array is not None:
+            return content_identity(self.array)
+        ext = self.tensor.external
+        if ext is not None:
+            return file_identity(*ext.file_id, ext.offset, ext.length)
+        return content_identity(self.tensor.raw())
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -71,7 +146,7 @@ def file_identity(st_dev: int, st_ino: int, st_size: int, st_mtime_ns: int, offs
     return f"f:{st_dev}:{st_ino}:{st_size}:{st_mtime_ns}:{offset}:{length}".encode()
 
 
-def make_key(spec, source_identity: bytes, dtype: np.dtype | str, shape: Sequence[int]) -> str:
+def make_key(spec: PackSpec, source_identity: bytes, dtype: np.dtype | str, shape: Sequence[int]) -> str:
     """Key of a pack; ``spec`` has ``family``, ``version`` and ``attrs`` (a kernel's PackSpec)."""
     h = hashlib.blake2b(digest_size=KEY_DIGEST_SIZE)
     h.update(source_identity)

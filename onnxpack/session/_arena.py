@@ -25,8 +25,11 @@ Why this never changes results:
   input (a data-dependent view, a subgraph returning an outer value) is copied at once, while
   its base is still live.  Outputs that reach the user are copied if they touch the arena.
 
-Subgraphs (If/Loop/Scan bodies) run unplanned, through their own ``ScopePlan.run``; they read
+Subgraphs (If/Loop/Scan bodies) run unplanned, through their own ``Plan.run``; they read
 outer arena values (which the lifetimes keep live through the owning node), never write them.
+
+There is no second step loop here: recording and planned runs are
+:class:`~onnxpack.session._program.StepHook` objects plugged into ``run_plan``.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from onnxpack.errors import RuntimeFailure
-from onnxpack.session._executor import Frame, ScopePlan, Step, _step_reads
+from onnxpack.session._program import Frame, Plan, Step, StepHook, call_step, run_plan, store
 from onnxpack.session.planner import MemoryConfig, PlanResult, TensorLifetime, compute_lifetimes
 from onnxpack.session.planner import plan as plan_tensors
 
@@ -91,71 +94,43 @@ def _sig(args: Sequence[Any]) -> tuple:
 
 
 def _has_run_into(step: Step) -> bool:
-    return not step.needs_frame and not step.needs_context and callable(getattr(step.kernel, "run_into", None))
+    return step.kernel.call_mode == "plain" and step.kernel.writes_into
 
 
-def _call(step: Step, frame: Frame, args: list, scope: str) -> Sequence[Any]:
-    try:
-        if step.needs_frame:
-            return step.kernel.run_in_frame(frame, *args)
-        if step.needs_context:
-            return step.kernel.run(*args, context=frame.visible())
-        return step.kernel.run(*args)
-    except RuntimeFailure:
-        raise
-    except Exception as exc:
-        raise RuntimeFailure(f"{step.label} in graph {scope!r} failed: {type(exc).__name__}: {exc}") from exc
+class _Recorder(StepHook):
+    """Records, per step, what the planner needs: reads, input signature, outputs."""
 
+    def __init__(self) -> None:
+        self.rec = Recording([], [], {})
 
-def _store(value: Any) -> Any:
-    return value if isinstance(value, (np.ndarray, list)) or value is None else np.asarray(value)
-
-
-def _start(plan: ScopePlan, inputs: Sequence[Any], parent: Frame | None) -> tuple[dict, Frame]:
-    values = dict(plan.constants)
-    for name, value in zip(plan.input_names, inputs):
-        values[name] = value
-    return values, Frame(values, parent)
-
-
-def _finish(plan: ScopePlan, values: dict, frame: Frame) -> list[Any]:
-    try:
-        return [values[n] if n in values else frame.get(n) for n in plan.output_names]
-    except KeyError as exc:
-        raise RuntimeFailure(f"graph {plan.name!r}: output {exc.args[0]!r} was not produced") from None
-
-
-def record(plan: ScopePlan, inputs: Sequence[Any], parent: Frame | None = None) -> tuple[list[Any], Recording]:
-    """Run ``plan`` unplanned and record what the planner needs; returns (outputs, recording)."""
-    values, frame = _start(plan, inputs, parent)
-    get = frame.get
-    rec = Recording([], [], {})
-    for k, step in enumerate(plan.steps):
-        args = [None if (i in step.packed or not n) else (values[n] if n in values else get(n)) for i, n in enumerate(step.inputs)]
-        rec.steps.append((tuple(_step_reads(step)), tuple(step.outputs)))
+    def step(self, k: int, step: Step, args: list[Any], frame: Frame, plan: Plan) -> Sequence[Any]:
+        rec = self.rec
+        rec.steps.append((step.reads, tuple(step.outputs)))
         rec.input_sigs.append(_sig(args))
-        outs = _call(step, frame, args, plan.name)
+        outs = [store(v) for v in call_step(step, frame, args, plan.name)]
         into = _has_run_into(step)
         for name, value in zip(step.outputs, outs):
-            if not name:
-                continue
-            value = values[name] = _store(value)
-            if not isinstance(value, np.ndarray):
+            if not name or not isinstance(value, np.ndarray):
                 continue
             alias = None
-            if not step.needs_frame:
+            if step.kernel.call_mode != "frame":
                 for i, a in enumerate(args):
                     if isinstance(a, np.ndarray) and np.may_share_memory(value, a):
                         alias = i
                         break
             plannable = into and alias is None and not value.dtype.hasobject and value.dtype.kind not in "USV"
             rec.values[name] = ValueRecord(name, k, value.dtype, value.shape, int(value.nbytes), plannable, alias)
-        for name in step.release:
-            values.pop(name, None)
-    return _finish(plan, values, frame), rec
+        return outs
 
 
-def recording_lifetimes(plan: ScopePlan, rec: Recording, *, only_plannable: bool = True) -> list[TensorLifetime]:
+def record(plan: Plan, inputs: Sequence[Any], parent: Frame | None = None) -> tuple[list[Any], Recording]:
+    """Run ``plan`` unplanned and record what the planner needs; returns (outputs, recording)."""
+    recorder = _Recorder()
+    outputs = run_plan(plan, inputs, parent, recorder)
+    return outputs, recorder.rec
+
+
+def recording_lifetimes(plan: Plan, rec: Recording, *, only_plannable: bool = True) -> list[TensorLifetime]:
     """Lifetimes of the recorded intermediates.
 
     ``only_plannable`` (the run-time plan) keeps outputs of ``run_into`` kernels only; ``False``
@@ -229,7 +204,7 @@ class _Arena:
 class _SignaturePlan:
     """The plan for one input signature, with its pool of arenas."""
 
-    def __init__(self, plan: ScopePlan, rec: Recording, algorithm: str, config: MemoryConfig, signature: tuple) -> None:
+    def __init__(self, plan: Plan, rec: Recording, algorithm: str, config: MemoryConfig, signature: tuple) -> None:
         self.signature = signature
         self.lifetimes = recording_lifetimes(plan, rec, only_plannable=True)
         self.result: PlanResult = plan_tensors(self.lifetimes, config, algorithm)
@@ -285,7 +260,7 @@ class _SignaturePlan:
         if len(self._pool) < MAX_POOLED_ARENAS:  # a race may keep one or two more: harmless
             self._pool.append(arena)
 
-    def as_dict(self, plan: ScopePlan) -> dict[str, Any]:
+    def as_dict(self, plan: Plan) -> dict[str, Any]:
         d = self.result.as_dict()
         producers = {k: plan.steps[k].node.name for k in range(len(plan.steps))}
         for t in d["tensors"]:
@@ -317,20 +292,18 @@ def _unaliased(arena: _Arena, name: str, value: Any, args: list, alias_input: di
     return _copy_if_in(arena, value)
 
 
-def run_planned(plan: ScopePlan, inputs: Sequence[Any], sp: _SignaturePlan, arena: _Arena) -> list[Any]:
-    """Run the root plan with ``run_into`` kernels writing into ``arena``; outputs never alias it."""
-    values, frame = _start(plan, inputs, None)
-    get = frame.get
-    alias_input = sp.alias_input
-    into = sp.into
-    guard = sp.guard
-    arena_outs = arena.outs
-    for k, step in enumerate(plan.steps):
-        args = [None if (i in step.packed or not n) else (values[n] if n in values else get(n)) for i, n in enumerate(step.inputs)]
-        st = into[k]
-        outs = None
+class _Planned(StepHook):
+    """Runs ``run_into`` steps into the arena's prebuilt views; copies unrecorded arena views."""
+
+    def __init__(self, sp: _SignaturePlan, arena: _Arena) -> None:
+        self.sp = sp
+        self.arena = arena
+
+    def step(self, k: int, step: Step, args: list[Any], frame: Frame, plan: Plan) -> Sequence[Any]:
+        sp, arena = self.sp, self.arena
+        st = sp.into[k]
         if st is not None and _sig(args) == st.sig:
-            outs = arena_outs[k]
+            outs = arena.outs[k]
             if st.fresh:  # outputs not in the plan (graph outputs, ...): allocated as usual
                 outs = tuple(
                     v if v is not None or o is None else np.empty(o.shape, o.dtype) for v, o in zip(outs, st.outs)
@@ -339,18 +312,17 @@ def run_planned(plan: ScopePlan, inputs: Sequence[Any], sp: _SignaturePlan, aren
                 done = step.kernel.run_into(outs, *args)
             except Exception as exc:
                 raise RuntimeFailure(f"{step.label} in graph {plan.name!r} failed: {type(exc).__name__}: {exc}") from exc
-            if done is False:
-                outs = None
-        if outs is None:
-            outs = [_store(v) for v in _call(step, frame, args, plan.name)]
-            if guard[k]:
-                outs = [_unaliased(arena, name, value, args, alias_input) for name, value in zip(step.outputs, outs)]
-        for name, value in zip(step.outputs, outs):
-            if name:
-                values[name] = value
-        for name in step.release:
-            values.pop(name, None)
-    return [_copy_if_in(arena, v) for v in _finish(plan, values, frame)]
+            if done is not False:
+                return outs
+        outs = [store(v) for v in call_step(step, frame, args, plan.name)]
+        if sp.guard[k]:
+            outs = [_unaliased(arena, name, value, args, sp.alias_input) for name, value in zip(step.outputs, outs)]
+        return outs
+
+
+def run_planned(plan: Plan, inputs: Sequence[Any], sp: _SignaturePlan, arena: _Arena) -> list[Any]:
+    """Run the root plan with ``run_into`` kernels writing into ``arena``; outputs never alias it."""
+    return [_copy_if_in(arena, v) for v in run_plan(plan, inputs, None, _Planned(sp, arena))]
 
 
 # --------------------------------------------------------------------------------------------
@@ -363,7 +335,7 @@ class ArenaRunner:
     Thread-safe: the plan cache is guarded by a lock and each run holds its own arena.
     """
 
-    def __init__(self, plan: ScopePlan, algorithm: str, config: MemoryConfig | None = None) -> None:
+    def __init__(self, plan: Plan, algorithm: str, config: MemoryConfig | None = None) -> None:
         self.plan = plan
         self.algorithm = algorithm
         self.config = config or MemoryConfig.default()
@@ -372,7 +344,7 @@ class ArenaRunner:
         self._last: _SignaturePlan | None = None
 
     @staticmethod
-    def signature(plan: ScopePlan, inputs: Sequence[Any]) -> tuple | None:
+    def signature(plan: Plan, inputs: Sequence[Any]) -> tuple | None:
         try:
             return tuple((name, v.dtype.str, v.shape) for name, v in zip(plan.input_names, inputs))
         except AttributeError:
@@ -382,7 +354,7 @@ class ArenaRunner:
         plan = self.plan
         sig = self.signature(plan, inputs)
         if sig is None:
-            return plan.run(inputs, None)
+            return run_plan(plan, inputs)
         sp = self._plans.get(sig, _MISSING)  # a dict read is atomic; writes hold the lock
         if sp is _MISSING:
             outputs, rec = record(plan, inputs)
@@ -399,7 +371,7 @@ class ArenaRunner:
                     self._last = made
             return outputs
         if sp is None or sp.planned_steps == 0:
-            return plan.run(inputs, None)
+            return run_plan(plan, inputs)
         arena = sp.acquire()
         try:
             return run_planned(plan, inputs, sp, arena)
@@ -421,25 +393,23 @@ class ArenaRunner:
 
 
 def analyze(
-    session: Any,
-    input_feed: dict[str, Any],
+    plan: Plan,
+    inputs: Sequence[Any],
     *,
     algorithm: str = "auto",
     config: MemoryConfig | None = None,
     runtime_only: bool = False,
 ) -> tuple[list[TensorLifetime], PlanResult, Recording]:
-    """Record one unplanned run of ``session``'s root graph and plan its intermediates.
+    """Record one unplanned run of a root ``plan`` on ``inputs`` (in ``plan.input_names`` order,
+    e.g. from ``validate_feed``) and plan its intermediates.
 
     For reports (``onnxpack plan``, the benchmark): ``runtime_only=False`` plans every
     intermediate ndarray, ``True`` only those the run-time arena holds (``run_into`` outputs).
 
     Raises:
-        InvalidArgument: a bad feed (as ``session.run`` raises it) or unknown algorithm.
+        InvalidArgument: an unknown algorithm.
         PlannerMemoryError: a tensor fits in no memory of ``config``.
     """
-    session._check_open()
-    root = session._root_plan
-    feeds = session._validate_feed(input_feed)
-    _, rec = record(root, [feeds[n] for n in root.input_names])
-    lifetimes = recording_lifetimes(root, rec, only_plannable=runtime_only)
+    _, rec = record(plan, inputs)
+    lifetimes = recording_lifetimes(plan, rec, only_plannable=runtime_only)
     return lifetimes, plan_tensors(lifetimes, config or MemoryConfig.default(), algorithm), rec

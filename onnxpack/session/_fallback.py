@@ -13,7 +13,7 @@ from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpFunction, RuntimeContextError
 
 from onnxpack.errors import KernelNotFoundError
-from onnxpack.session.kernels._base import Kernel, KernelContext
+from onnxpack.session.kernels import Kernel, KernelContext
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ class FallbackKernel(Kernel):
                 f"node {node.name!r}: no native kernel and onnx.reference has none for "
                 f"{node.domain or 'ai.onnx'}::{node.op_type} at opset {ctx.opset} ({exc})"
             ) from exc
-        self.needs_context = bool(self._impl is not None and self._impl.need_context())
+        if self._impl is not None and self._impl.need_context():
+            self.call_mode = "context"  # graph attributes: it reads enclosing scopes' values
 
     def _instantiate(self, types: tuple | None) -> Any:
         node = self.node

@@ -7,19 +7,41 @@ following Relu runs in place on the Conv's fresh output.  The folded weight is a
 pre-packed weight of ``W``: its key includes a digest of the BatchNormalization constants, so it
 is saved, mapped and shared like any other, and a changed statistic is a different key.
 
-The graph itself is never rewritten: the saved model is the original one, and each session
-re-derives the fusion from it.
+The graph itself is never rewritten: the saved model is the original one, and each compile
+re-derives the fusions from it.  :func:`plan_fusions` is pure: it returns :class:`Fusion`
+records (which nodes collapse into which, and the arguments of the kernel that runs them); the
+resolver turns a record into a kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from onnx import NodeProto, helper
 
-__all__ = ["ConvFusion", "ReluAfter", "find_conv_fusions", "find_relu_fusions", "fused_node"]
+__all__ = ["ConvFusion", "Fusion", "apply_fusions", "bn_fold", "find_conv_fusions", "find_relu_fusions",
+           "fused_node", "plan_fusions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    """A chain of nodes that runs as one kernel.
+
+    ``node`` stands for the chain (the anchor's inputs, the chain's last output); it replaces the
+    node at index ``anchor`` and the nodes at ``absorbed`` are dropped.  ``kernel`` names the
+    fused kernel (``register_fused``) built with ``params``; ``None`` keeps the anchor's own
+    kernel.  ``epilogue`` ``"relu"`` clamps that kernel's fresh output in place.
+    """
+
+    node: NodeProto
+    anchor: int
+    absorbed: tuple[int, ...]
+    kernel: str | None = None
+    params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    epilogue: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,35 +137,6 @@ def find_relu_fusions(
     return out
 
 
-class ReluAfter:
-    """A native elementwise kernel whose single output Relu clamps in place.
-
-    The producer's result is a fresh array unless it returned one of its inputs (Sum of one
-    input): then Relu allocates as usual, so no caller's value is ever written.
-    """
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str):  # pack_spec, node, attrs...: the producer's
-        return getattr(self.inner, name)
-
-    def run_into(self, outs, *inputs) -> bool:
-        """The producer's ``run_into`` (the planner's arena), then Relu in place on ``outs[0]``."""
-        into = getattr(self.inner, "run_into", None)
-        if into is None or not into(outs, *inputs):
-            return False
-        np.maximum(outs[0], 0, out=outs[0])
-        return True
-
-    def run(self, *inputs):
-        (y,) = self.inner.run(*inputs)[:1]
-        if isinstance(y, np.ndarray) and y.flags.writeable and y.flags.owndata and not any(y is x for x in inputs):
-            np.maximum(y, 0, out=y)
-            return (y,)
-        return (np.maximum(y, 0).astype(y.dtype, copy=False),)
-
-
 def _foldable_bn(node: NodeProto, is_const: Callable[[str], bool], opset: int) -> bool:
     if len(node.input) != 5 or not all(is_const(n) for n in node.input[1:]):
         return False
@@ -170,9 +163,63 @@ def fused_node(nodes: Sequence[NodeProto], fusion: ConvFusion) -> NodeProto:
 
 def bn_fold(scale: np.ndarray, bias: np.ndarray, mean: np.ndarray, var: np.ndarray, eps: float,
             conv_bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """Per-output-channel multiplier and shift of ``BN(conv(x) + conv_bias)`` (float32)."""
-    f = np.float32
+    """Per-output-channel multiplier and shift of ``BN(conv(x) + conv_bias)``.
+
+    Computed in float64 whatever the inputs: the kernel rounds once to its compute dtype, so a
+    float64 model keeps float64 precision and a float32 one is rounded once instead of per step.
+    """
+    f = np.float64
     a = scale.astype(f) / np.sqrt(var.astype(f) + f(eps))
     b0 = conv_bias.astype(f) if conv_bias is not None else f(0)
     shift = (b0 - mean.astype(f)) * a + bias.astype(f)
     return a, shift
+
+
+def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
+                 const_value: Callable[[str], np.ndarray | None], opset: int) -> list[Fusion]:
+    """Every fusion of one scope's nodes (pure).
+
+    Args:
+        nodes: the scope's nodes.
+        readers: name -> number of reads (node inputs, subgraph free names, graph outputs).
+        protected: names that must stay materialized (graph outputs).
+        const_value: the value of a constant of the scope (initializer, not overridable), or None.
+        opset: the default domain's opset.
+    """
+
+    def is_const(n: str) -> bool:
+        return const_value(n) is not None
+
+    convs = find_conv_fusions(nodes, readers, protected, is_const, opset)
+    taken = {i for f in convs for i in (f.conv, *f.absorbed)}
+    out: list[Fusion] = []
+    for f in convs:
+        node = fused_node(nodes, f)
+        params: dict[str, Any] = {"multiplier": None, "shift": None, "relu": f.relu is not None}
+        if f.bn is not None:
+            bn = nodes[f.bn]
+            scale, bias, mean, var = (const_value(n) for n in bn.input[1:5])
+            eps = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
+            conv = nodes[f.conv]
+            cb = const_value(conv.input[2]) if len(conv.input) > 2 and conv.input[2] else None
+            params["multiplier"], params["shift"] = bn_fold(scale, bias, mean, var, eps, cb)
+            del node.input[2:]  # the Conv bias is folded into the shift
+        out.append(Fusion(node, f.conv, f.absorbed, kernel="conv", params=params))
+    for f in find_relu_fusions(nodes, readers, protected, taken):
+        out.append(Fusion(fused_node(nodes, f), f.conv, f.absorbed, epilogue="relu"))
+    return out
+
+
+def apply_fusions(nodes: Sequence[NodeProto],
+                  fusions: Sequence[Fusion]) -> list[tuple[int, NodeProto, Fusion | None]]:
+    """The scope's nodes after fusion, as (original index, node, fusion or None): each anchor
+    replaced by its fused node, absorbed nodes gone."""
+    by_anchor = {f.anchor: f for f in fusions}
+    absorbed = {i for f in fusions for i in f.absorbed}
+    out = []
+    for k, node in enumerate(nodes):
+        if k in absorbed:
+            continue
+        f = by_anchor.get(k)
+        out.append((k, node, None) if f is None else (k, f.node, f))
+    return out

@@ -33,6 +33,7 @@ import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from onnxpack._units import format_bytes
 from onnxpack._io import atomic_write
 from onnxpack.errors import ConfigError, InvalidArgument, InvalidGraph, PlannerMemoryError
 
@@ -658,12 +659,7 @@ def compute_lifetimes(
 
 
 def _fmt_bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"  # unreachable
+    return format_bytes(n, digits=2)
 
 
 def _ratio(num: int, den: int) -> str:

@@ -425,7 +425,7 @@ def test_weight_shared_by_nodes_and_subgraphs_is_packed_once(with_container):
         got = s.run(None, feeds)
         if c is not None:
             assert len(c) == 1
-        plans = list(s._plans.values())
+        plans = list(s.program.plans.values())
         assert all("W" not in p.constants for p in plans), "the original W must be released"
     assert sorted(r["node"] for r in log) == ["body_mm", "root_mm", "then_mm"]
     assert len({r["key"] for r in log}) == 1
@@ -461,7 +461,7 @@ def test_weight_read_unpacked_somewhere_keeps_its_original():
     with InferenceSession(m.SerializeToString()) as s:
         assert s.get_prepack_stats()["weights_packed"] == 1
         assert s.get_prepack_stats()["originals_released"] == 0
-        assert "W" in s._root_plan.constants
+        assert "W" in s.program.root.constants
         np.testing.assert_allclose(s.run(None, {"x": x})[0], x @ w + w, rtol=1e-5, atol=1e-5)
 
 
@@ -504,7 +504,7 @@ def test_released_originals_are_never_paged_in_on_a_warm_start(tmp_path):
         stats = warm.get_prepack_stats()
         assert stats["weights_packed"] == 0 and stats["blobs_from_cache"] == n_layers
         assert stats["originals_released"] == n_layers
-        assert all(not p.constants for p in warm._plans.values())
+        assert all(not p.constants for p in warm.program.plans.values())
         got = warm.run(None, {"x": x})
         np.testing.assert_array_equal(got[0], want[0])
         mappings, rss = _mapping_rss(data)
@@ -518,4 +518,4 @@ def test_released_originals_are_never_paged_in_on_a_warm_start(tmp_path):
 def test_unpacked_session_keeps_every_original(samples):
     with InferenceSession(samples["mlp"], _unpacked()) as s:
         assert s.get_prepack_stats()["originals_released"] == 0
-        assert set(s._root_plan.constants) == {"W1", "b1", "W2", "b2", "W3", "b3"}
+        assert set(s.program.root.constants) == {"W1", "b1", "W2", "b2", "W3", "b3"}

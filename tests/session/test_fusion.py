@@ -166,7 +166,7 @@ def test_elementwise_then_relu_is_fused_and_never_writes_an_input(op, n_inputs):
     feed = {n: _w(2, 5) for n in names}
     before = {n: v.copy() for n, v in feed.items()}
     with onnxpack.InferenceSession(model) as s:
-        assert [st.node.name for st in s._root_plan.steps] == ["op+relu"]
+        assert [st.node.name for st in s.program.root.steps] == ["op+relu"]
         got = s.run(None, feed)
     for n in names:
         np.testing.assert_array_equal(feed[n], before[n])  # the caller's arrays are untouched

@@ -7,7 +7,10 @@ from onnxpack.session.kernels._base import (
     KernelContext,
     PackSpec,
     TensorInfo,
+    fused_kernel,
     lookup,
+    normalize_domain,
+    register_fused,
     register,
     registered_ops,
 )
@@ -15,4 +18,5 @@ from onnxpack.session.kernels._base import (
 # Importing the family modules registers their kernels.
 from onnxpack.session.kernels import _families  # noqa: F401,E402
 
-__all__ = ["Kernel", "KernelContext", "PackSpec", "TensorInfo", "lookup", "register", "registered_ops"]
+__all__ = ["Kernel", "KernelContext", "PackSpec", "TensorInfo", "fused_kernel", "lookup", "normalize_domain",
+           "register", "register_fused", "registered_ops"]

@@ -21,18 +21,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 from onnx import AttributeProto, NodeProto, helper
 
 from onnxpack.errors import KernelNotFoundError
+from onnxpack.prepack import PackSpec
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "Kernel",
+    "register_fused",
+    "fused_kernel",
     "KernelContext",
     "PackSpec",
     "TensorInfo",
@@ -54,32 +57,17 @@ class TensorInfo:
 
 
 @dataclasses.dataclass(frozen=True)
-class PackSpec:
-    """How a kernel would pack one input, known without packing.
-
-    ``family`` names the kernel family ("matmul", "conv", ...), ``version`` the pack format
-    version (bump it whenever the packed layout changes, so old saved blobs are ignored), and
-    ``attrs`` the bytes of every attribute that changes the packed bytes (e.g. Gemm's transB).
-    ``nbuffers`` is how many buffers ``prepack`` returns; ``identity`` says the single buffer is
-    the weight's own bytes (a view), which lets a saved model point at the weight instead of
-    writing it twice.
-    """
-
-    family: str
-    version: int
-    attrs: bytes = b""
-    nbuffers: int = 1
-    # The pack is the weight's own bytes, viewed (an fp32 weight BLAS reads as it is): nothing is
-    # computed, and a saved model records it at the weight's own offset instead of a second copy.
-    identity: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
 class KernelContext:
-    """What a kernel may know about where it runs."""
+    """What a kernel may know about where it runs.
+
+    ``subgraphs`` maps a node's graph attribute name to the compiled plan of that graph (for
+    GRAPHS attributes, ``name[k]``); control-flow kernels run them with the caller's frame.
+    """
 
     opset: int  # the model's opset for the kernel's domain
     opsets: dict[str, int]  # every domain's opset ("" for the default domain)
+    subgraphs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    functions: Sequence[Any] = ()  # the model's FunctionProtos (for the onnx.reference fallback)
 
 
 def normalize_domain(domain: str) -> str:
@@ -87,16 +75,33 @@ def normalize_domain(domain: str) -> str:
 
 
 class Kernel:
-    """Base class of native kernels.
+    """Base class of every kernel the executor runs (native, control flow, fused, fallback).
 
     Subclasses override ``run`` (returning a tuple of arrays, one per node output; ``None``
     entries for omitted optional outputs are allowed) and, when they pre-pack, ``pack_spec``,
     ``prepack`` and ``use_prepacked``.
+
+    How the executor calls a kernel is declared, not discovered:
+
+    * ``call_mode`` ``"plain"``: ``run(*inputs)``; ``"frame"``: ``run_in_frame(frame, *inputs)``
+      (control flow: the kernel runs subgraph plans with the caller's values visible);
+      ``"context"``: ``run(*inputs, context=visible values)`` (onnx.reference nodes with graph
+      attributes).
+    * ``run_into(outs, *inputs)`` writes the outputs into given arrays (the memory planner's
+      arena) and returns True, or returns False to decline; ``writes_into`` is True for classes
+      that override it.
     """
 
     op_type: ClassVar[str] = ""
     domain: ClassVar[str] = ""
     since: ClassVar[int] = 1
+    call_mode: str = "plain"
+    writes_into: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "writes_into" not in cls.__dict__:
+            cls.writes_into = cls.run_into is not Kernel.run_into
 
     def __init__(self, node: NodeProto, ctx: KernelContext) -> None:
         self.node = node
@@ -153,6 +158,15 @@ class Kernel:
     def run(self, *inputs: np.ndarray | None) -> tuple[np.ndarray | None, ...]:
         raise NotImplementedError
 
+    def run_into(self, outs: Sequence[np.ndarray | None], *inputs: np.ndarray | None) -> bool:
+        """Compute into ``outs`` (arrays of the recorded output shapes and dtypes, ``None`` for
+        an output to allocate as usual); return False to decline.  Default: decline."""
+        return False
+
+    def run_in_frame(self, frame: Any, *inputs: Any) -> tuple:
+        """For ``call_mode == "frame"`` kernels: run with the caller's frame."""
+        raise NotImplementedError(f"Bug: {type(self).__name__} declares call_mode 'frame' but has no run_in_frame")
+
 
 # (domain, op_type) -> list of (since_version, kernel class), kept sorted by since_version.
 _REGISTRY: dict[tuple[str, str], list[tuple[int, type[Kernel]]]] = {}
@@ -187,6 +201,31 @@ def lookup(domain: str, op_type: str, opset: int) -> type[Kernel] | None:
         if since <= opset:
             chosen = cls
     return chosen
+
+
+# Fusion kind -> kernel class standing for a fused chain (see session/_fusion.py); the resolver
+# picks these as it picks every kernel.
+_FUSED: dict[str, type[Kernel]] = {}
+
+
+def register_fused(kind: str) -> Callable[[type[Kernel]], type[Kernel]]:
+    """Class decorator: the kernel that runs fusions of ``kind``; its constructor takes
+    ``(node, ctx, fusion)``."""
+
+    def deco(cls: type[Kernel]) -> type[Kernel]:
+        if kind in _FUSED:
+            raise RuntimeError(f"Bug: two kernels registered for fusion {kind!r}")
+        _FUSED[kind] = cls
+        return cls
+
+    return deco
+
+
+def fused_kernel(kind: str) -> type[Kernel]:
+    cls = _FUSED.get(kind)
+    if cls is None:
+        raise RuntimeError(f"Bug: no kernel registered for fusion {kind!r}")
+    return cls
 
 
 def registered_ops() -> list[tuple[str, str, int]]:

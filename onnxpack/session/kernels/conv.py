@@ -35,7 +35,7 @@ import struct
 import numpy as np
 
 from onnxpack.errors import InvalidArgument
-from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
+from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register, register_fused
 from onnxpack.session.kernels.linalg import as_compute, compute_dtype
 
 logger = logging.getLogger(__name__)
@@ -600,10 +600,13 @@ class GlobalMaxPool(Kernel):
         return (x.max(axis=axes, keepdims=True),)
 
 
+@register_fused("conv")
 class FusedConv(Conv):
     """A Conv with the BatchNormalization and/or Relu that followed it folded in.
 
-    Not registered: the session builds it when it fuses a chain (see ``session/_fusion.py``).
+    Registered for the fusion kind ``conv``: the resolver builds it for a fused chain (see
+    ``session/_fusion.py``); ``multiplier``/``shift`` come in float64 and are rounded once to the
+    compute dtype.
     With a BatchNormalization, the packed weight is ``W * multiplier`` per output channel (pack
     family ``conv_bn``; the key covers a digest of the multiplier and shift, so other statistics
     are another key) and the shift replaces the Conv's bias; Relu is applied in place on the
@@ -618,8 +621,8 @@ class FusedConv(Conv):
         self.relu = relu
         if multiplier is not None:
             h = hashlib.blake2b(digest_size=16)
-            h.update(np.ascontiguousarray(multiplier, dtype=np.float32).tobytes())
-            h.update(np.ascontiguousarray(shift, dtype=np.float32).tobytes())
+            h.update(np.ascontiguousarray(multiplier, dtype=np.float64).tobytes())
+            h.update(np.ascontiguousarray(shift, dtype=np.float64).tobytes())
             self._fold_digest = h.digest()
 
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
@@ -638,7 +641,8 @@ class FusedConv(Conv):
     def _conv(self, x, w, b, out):
         if self.multiplier is not None:
             if self._w is None:  # not packed (e.g. a weight dtype BLAS cannot take): fold per call
-                w = as_compute(w) * self.multiplier.reshape((-1,) + (1,) * (w.ndim - 1))
+                w = as_compute(w)
+                w = w * self.multiplier.astype(w.dtype).reshape((-1,) + (1,) * (w.ndim - 1))
             y = super()._conv(x, w, None, out)
             y += self.shift.astype(y.dtype, copy=False).reshape((1, -1) + (1,) * (y.ndim - 2))
         else:

@@ -681,3 +681,46 @@ class Dropout(Kernel):
         if not self.want_mask:
             return (x,)
         return (x, np.ones(x.shape, dtype=bool if self.mask_bool else x.dtype))
+
+
+class ReluAfter(Kernel):
+    """A kernel whose single output Relu clamps in place (the ``relu`` fusion epilogue).
+
+    The producer's result is a fresh array unless it returned one of its inputs (Sum of one
+    input): then Relu allocates as usual, so no caller's value is ever written.
+    """
+
+    def __init__(self, inner: Kernel) -> None:
+        super().__init__(inner.node, inner.ctx)
+        self.inner = inner
+        self.writes_into = inner.writes_into  # type: ignore[misc]
+        self.call_mode = inner.call_mode
+
+    def pack_spec(self, input_index, info):
+        return self.inner.pack_spec(input_index, info)
+
+    def expected_packed(self, input_index, info):
+        return self.inner.expected_packed(input_index, info)
+
+    def check_packed(self, input_index, info, buffers):
+        return self.inner.check_packed(input_index, info, buffers)
+
+    def prepack(self, input_index, weight):
+        return self.inner.prepack(input_index, weight)
+
+    def use_prepacked(self, input_index, buffers) -> None:
+        self.inner.use_prepacked(input_index, buffers)
+
+    def run_into(self, outs, *inputs) -> bool:
+        """The producer's ``run_into`` (the planner's arena), then Relu in place on ``outs[0]``."""
+        if not self.inner.run_into(outs, *inputs):
+            return False
+        np.maximum(outs[0], 0, out=outs[0])
+        return True
+
+    def run(self, *inputs):
+        (y,) = self.inner.run(*inputs)[:1]
+        if isinstance(y, np.ndarray) and y.flags.writeable and y.flags.owndata and not any(y is x for x in inputs):
+            np.maximum(y, 0, out=y)
+            return (y,)
+        return (np.maximum(y, 0).astype(y.dtype, copy=False),)

@@ -18,10 +18,11 @@ import json
 import logging
 import os
 
+from onnxpack.cli._common import format_bytes
 from onnxpack.errors import InvalidArgument
 from onnxpack.prepack import cache_file
 
-__all__ = ["add_arguments", "handle"]
+__all__ = ["HELP", "add_arguments", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +49,6 @@ def _existing_file(path: str) -> str:
     return path
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
 def _info(args: argparse.Namespace) -> int:
     info = cache_file.info(_existing_file(args.path))
     if args.json:
@@ -70,7 +63,7 @@ def _info(args: argparse.Namespace) -> int:
         }))
         return 0
     share = 100.0 * info.wasted_bytes / info.file_size if info.file_size else 0.0
-    print(f"{info.path}: {len(info.entries)} entries, file {_size(info.file_size)} "
+    print(f"{info.path}: {len(info.entries)} entries, file {format_bytes(info.file_size)} "
           f"({info.file_size} bytes), format v{info.version}, commit {info.sequence}")
     print(f"  live {info.live_bytes} bytes, index {info.index_bytes} bytes, "
           f"wasted {info.wasted_bytes} bytes ({share:.1f}%)")
@@ -93,5 +86,5 @@ def _compact(args: argparse.Namespace) -> int:
     return 0
 
 
-def handle(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     return {"info": _info, "compact": _compact}[args.cache_action](args)

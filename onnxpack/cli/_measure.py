@@ -1,110 +1,42 @@
-"""``onnxpack demo`` and ``onnxpack bench``: cold (packing) vs warm (mapped) session starts.
+"""Cold (packing) vs warm (mapped) session starts, measured in fresh processes.
 
 Every measured session is created in a fresh Python process (``python -c`` running
 :func:`_worker_main`), so create time includes nothing cached in this process and memory figures
 are that process's own: ``RssAnon`` (private heap: what packing costs), ``RssFile`` (mapped file
 pages: what mapping costs, shared through the page cache) and ``Pss`` (proportional set size:
-shared pages divided among the processes mapping them).  With ``--processes N`` the N workers
-are alive at the same time when they read their PSS, so the total shows whether they share.
-
-The demo model is generated on the fly into a temp folder: an fp16 MLP (MatMul + Relu layers,
-2048-wide by default) whose MatMul kernels widen each fp16 weight to float32 when packing — the
-conversion every fp16 model pays at every start unless the packed blobs are saved and mapped.
+shared pages divided among the processes mapping them).  With ``processes > 1`` the workers are
+alive at the same time when they read their PSS, so the total shows whether they share.
+``onnxpack demo`` and ``onnxpack bench`` print :func:`compare`'s table.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
 import numpy as np
 
+from onnxpack.cli._common import random_inputs
 from onnxpack.errors import InvalidArgument
 
-__all__ = ["make_demo_model", "measure", "format_table", "demo_args", "demo", "bench_args", "bench"]
-
-# The demo model: fp16 MLP, 2048 wide.  64 MiB of fp16 weights (8 layers) packs to 128 MiB of
-# float32 blobs: large enough that packing cost and memory are visible over Python's own ~30 MB,
-# small enough that generating, optimizing and 2 x 3 fresh-process starts stay under ~30 s on
-# 2 cores.
-DEMO_DIM = 2048
-DEMO_SIZE_MB = 64
-DEMO_REPEATS = 3
+__all__ = ["feeds_for", "measure", "format_table", "compare"]
 
 # The worker prints one JSON line starting with this tag (anything else on stdout is ignored).
 _TAG = "ONNXPACK-MEASURE "
 
 
-# -- model ------------------------------------------------------------------------------------
+def feeds_for(model_path: str, seed: int = 0) -> dict[str, np.ndarray]:
+    """Deterministic random inputs from the model's declared inputs (symbolic dims -> 1)."""
+    from onnxpack.graph import load_model
+    from onnxpack.session import model_inputs
 
-
-def make_demo_model(folder: str, size_mb: float = DEMO_SIZE_MB, dim: int = DEMO_DIM) -> str:
-    """Writes an fp16 MLP with about ``size_mb`` MB of weights to ``folder/demo_mlp.onnx``."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    from onnxpack.graph import save_model
-
-    layer_bytes = dim * dim * 2
-    n_layers = max(1, round(size_mb * 1e6 / layer_bytes))
-    if size_mb * 1e6 < layer_bytes:  # small sizes (tests): shrink the width instead
-        dim = max(16, int(math.sqrt(size_mb * 1e6 / 2)) // 16 * 16)
-        n_layers = 2
-    rng = np.random.default_rng(0)
-    inits, nodes, prev = [], [], "x"
-    for i in range(n_layers):
-        w = (rng.standard_normal((dim, dim), dtype=np.float32) / math.sqrt(dim)).astype(np.float16)
-        inits.append(numpy_helper.from_array(w, f"W{i}"))
-        out = "y" if i == n_layers - 1 else f"h{i}"
-        nodes.append(helper.make_node("MatMul", [prev, f"W{i}"], [f"m{i}"], name=f"fc{i}"))
-        nodes.append(helper.make_node("Relu", [f"m{i}"], [out], name=f"relu{i}"))
-        prev = out
-    h = TensorProto.FLOAT16
-    graph = helper.make_graph(nodes, "demo_fp16_mlp", [helper.make_tensor_value_info("x", h, [4, dim])],
-                              [helper.make_tensor_value_info("y", h, [4, dim])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
-                              producer_name="onnxpack-demo")
-    model.ir_version = 9
-    path = os.path.join(folder, "demo_mlp.onnx")
-    save_model(model, path, min_size=1024)
-    del model, inits
-    onnx.checker.check_model(path)
-    return path
-
-
-def _feeds(model_path: str, seed: int = 0) -> dict[str, np.ndarray]:
-    """Deterministic inputs from the model's declared inputs (symbolic dims -> 1)."""
-    import onnx
-    from onnx import TensorProto, helper
-
-    proto = onnx.load(model_path, load_external_data=False)
-    init = {t.name for t in proto.graph.initializer}
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for vi in proto.graph.input:
-        if vi.name in init:
-            continue
-        t = vi.type.tensor_type
-        shape = [d.dim_value if d.HasField("dim_value") else 1 for d in t.shape.dim]
-        dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
-        if t.elem_type == TensorProto.BOOL:
-            feeds[vi.name] = rng.random(shape) < 0.5
-        elif np.issubdtype(dtype, np.integer):
-            feeds[vi.name] = rng.integers(0, 4, shape).astype(dtype)
-        else:
-            feeds[vi.name] = rng.standard_normal(shape).astype(dtype)
-    return feeds
-
-
-# -- measuring in fresh processes -------------------------------------------------------------
+    with load_model(model_path) as model:
+        return random_inputs(model_inputs(model), seed=seed)
 
 
 def _memory() -> dict[str, int]:
@@ -159,7 +91,7 @@ def _worker_main() -> None:
 
 
 def _spawn(model: str, feeds_path: str, out_path: str, sessions: int, wait: bool) -> subprocess.Popen:
-    code = "from onnxpack._cli_demo import _worker_main; _worker_main()"
+    code = "from onnxpack.cli._measure import _worker_main; _worker_main()"
     return subprocess.Popen(
         [sys.executable, "-c", code, model, feeds_path, out_path, str(sessions), "1" if wait else "0"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -268,19 +200,10 @@ def format_table(rows: list[tuple[str, dict[str, Any]]], reference: list[np.ndar
     return "\n".join(lines) + "\n"
 
 
-def _has_records(model: str) -> bool:
-    import onnx
-
-    from onnxpack.prepack.entry_format import is_record_key
-
-    proto = onnx.load(model, load_external_data=False)
-    return any(is_record_key(p.key) for p in proto.metadata_props)
-
-
-def _compare(model: str, optimized: str, workdir: str, *, repeats: int, sessions: int,
+def compare(model: str, optimized: str, workdir: str, *, repeats: int, sessions: int,
              processes: int, out=None) -> list[tuple[str, dict[str, Any]]]:
     out = out if out is not None else sys.stdout
-    feeds = _feeds(model)
+    feeds = feeds_for(model)
     cold = measure(model, feeds, os.path.join(workdir, "cold"), repeats=repeats, sessions=sessions,
                    processes=processes)
     warm = measure(optimized, feeds, os.path.join(workdir, "warm"), repeats=repeats,
@@ -292,70 +215,3 @@ def _compare(model: str, optimized: str, workdir: str, *, repeats: int, sessions
                   f"private memory (RssAnon growth) {cold['anon_growth_mb']:.1f} MB -> "
                   f"{warm['anon_growth_mb']:.1f} MB\n")
     return rows
-
-
-# -- subcommands ------------------------------------------------------------------------------
-
-
-def demo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size-mb", type=float, default=DEMO_SIZE_MB,
-                   help=f"fp16 weight megabytes of the generated model (default {DEMO_SIZE_MB})")
-    p.add_argument("--repeats", type=int, default=DEMO_REPEATS,
-                   help=f"fresh processes per row; the median is shown (default {DEMO_REPEATS})")
-    p.add_argument("--processes", type=int, default=1,
-                   help="also run this many processes at once and show their total PSS")
-    p.add_argument("--keep", metavar="DIR", default=None,
-                   help="write the models to DIR (kept) instead of a temp folder")
-
-
-def demo(args: argparse.Namespace) -> int:
-    """Generate an fp16 MLP, optimize it with blobs, compare cold and warm starts."""
-    from onnxpack.cli import optimize_model
-
-    if args.size_mb <= 0 or args.repeats < 1 or args.processes < 1:
-        raise InvalidArgument("demo: --size-mb must be > 0, --repeats and --processes >= 1")
-    with tempfile.TemporaryDirectory(prefix="onnxpack-demo-") as tmp:
-        folder = args.keep or tmp
-        os.makedirs(folder, exist_ok=True)
-        for sub in ("cold", "warm"):
-            os.makedirs(os.path.join(tmp, sub), exist_ok=True)
-        t0 = time.perf_counter()
-        model = make_demo_model(folder, args.size_mb)
-        size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)
-                   if f.startswith("demo_mlp.onnx"))
-        print(f"1. generated {model} ({size / 1e6:.1f} MB, fp16 MLP) in {time.perf_counter() - t0:.1f} s")
-        optimized = os.path.join(folder, "demo_mlp.opt.onnx")
-        print("2. onnxpack optimize (pre-pack and save the blobs next to the weights):")
-        optimize_model(model, optimized, progress=False)
-        print("3. fresh processes: cold = original model (packs every weight), "
-              "warm = optimized model (maps the saved blobs)")
-        _compare(model, optimized, tmp, repeats=args.repeats, sessions=1, processes=args.processes)
-    return 0
-
-
-def bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="ONNX model (never modified)")
-    p.add_argument("--sessions", type=int, default=1, help="sessions per process (default 1)")
-    p.add_argument("--processes", type=int, default=1,
-                   help="processes alive at once for the total-PSS column (default 1)")
-    p.add_argument("--repeats", type=int, default=DEMO_REPEATS,
-                   help=f"fresh processes per row; the median is shown (default {DEMO_REPEATS})")
-
-
-def bench(args: argparse.Namespace) -> int:
-    """Cold vs warm table for a user's model (optimized into a temp folder unless it has blobs)."""
-    from onnxpack.cli import optimize_model
-
-    if args.sessions < 1 or args.processes < 1 or args.repeats < 1:
-        raise InvalidArgument("bench: --sessions, --processes and --repeats must be >= 1")
-    if not os.path.isfile(args.model):
-        raise InvalidArgument(f"bench: model {args.model!r} does not exist")
-    with tempfile.TemporaryDirectory(prefix="onnxpack-bench-") as tmp:
-        for sub in ("cold", "warm"):
-            os.makedirs(os.path.join(tmp, sub))
-        optimized = os.path.join(tmp, "optimized.onnx")
-        print(f"optimizing {args.model} into a temp folder (with pre-packed blobs):")
-        optimize_model(args.model, optimized, progress=False)
-        _compare(args.model, optimized, tmp, repeats=args.repeats, sessions=args.sessions,
-                 processes=args.processes)
-    return 0

@@ -17,15 +17,14 @@ from typing import Any
 
 import numpy as np
 
+from onnxpack.cli._common import int_at_least, parse_pairs, random_inputs
 from onnxpack.errors import InvalidArgument
 
-__all__ = ["add_arguments", "handler", "random_inputs"]
+__all__ = ["HELP", "add_arguments", "run"]
 
 logger = logging.getLogger(__name__)
 
-# Integers are drawn from [0, INT_HIGH): small non-negative values are valid indices, counts and
-# trip counts for most models, where arbitrary int64 would make Gather/Loop inputs nonsense.
-INT_HIGH = 4
+HELP = "run a model on .npy or random inputs; print outputs and timings"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,34 +33,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="feed input NAME from a .npy file (repeatable); others get random data")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE",
                    help="value of a symbolic dimension for random inputs (repeatable; default 1)")
-    p.add_argument("--repeat", "-n", type=_positive, default=1,
+    p.add_argument("--repeat", "-n", type=int_at_least(1), default=1,
                    help="number of timed runs after the first (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                    help="session config entry, e.g. session.disable_prepacking=1 (repeatable)")
 
 
-def _positive(text: str) -> int:
-    from onnxpack.cli import int_at_least
-
-    return int_at_least(1)(text)
-
-
-def _pairs(values: list[str], flag: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in values:
-        name, sep, value = item.partition("=")
-        if not sep or not name or not value:
-            raise InvalidArgument(f"{flag} {item!r}: expected NAME=VALUE")
-        if name in out:
-            raise InvalidArgument(f"{flag} {name!r} given twice")
-        out[name] = value
-    return out
-
-
 def _dims(values: list[str]) -> dict[str, int]:
     dims = {}
-    for name, text in _pairs(values, "--dim").items():
+    for name, text in parse_pairs(values, "--dim").items():
         try:
             dims[name] = int(text)
         except ValueError:
@@ -78,44 +59,13 @@ def _load_npy(name: str, path: str) -> np.ndarray:
         raise InvalidArgument(f"--input {name}={path}: not a readable .npy file ({e})") from e
 
 
-_TYPES = {
-    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
-    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int16)": np.int16,
-    "tensor(int8)": np.int8, "tensor(uint8)": np.uint8, "tensor(uint16)": np.uint16,
-    "tensor(uint32)": np.uint32, "tensor(uint64)": np.uint64, "tensor(bool)": np.bool_,
-}
-
-
-def random_inputs(nodeargs: list[Any], dims: dict[str, int], seed: int = 0) -> dict[str, np.ndarray]:
-    """Random arrays for ``nodeargs`` (``NodeArg``s): normal floats, small ints, random bools.
-
-    Symbolic dims take ``dims[name]`` (default 1), unknown dims 1.
-    """
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for arg in nodeargs:
-        dtype = _TYPES.get(arg.type)
-        if dtype is None:
-            raise InvalidArgument(
-                f"input {arg.name!r} has type {arg.type}; give it with --input {arg.name}=FILE.npy")
-        shape = tuple(d if isinstance(d, int) else dims.get(d, 1) if isinstance(d, str) else 1
-                      for d in arg.shape)
-        if np.dtype(dtype).kind == "f":
-            feeds[arg.name] = rng.standard_normal(shape).astype(dtype)
-        elif dtype is np.bool_:
-            feeds[arg.name] = rng.integers(0, 2, shape).astype(bool)
-        else:
-            feeds[arg.name] = rng.integers(0, INT_HIGH, shape).astype(dtype)
-    return feeds
-
-
-def handler(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from onnxpack.session import InferenceSession, SessionOptions
 
-    given = _pairs(args.input, "--input")
+    given = parse_pairs(args.input, "--input")
     dims = _dims(args.dim)
     so = SessionOptions()
-    for key, value in _pairs(args.config, "--config").items():
+    for key, value in parse_pairs(args.config, "--config").items():
         so.add_session_config_entry(key, value)
     if not os.path.exists(args.model):
         raise InvalidArgument(f"model {args.model!r} does not exist")

@@ -12,12 +12,14 @@ import argparse
 import logging
 
 import numpy as np
-from onnx import helper
 
+from onnxpack.cli._common import random_inputs
 from onnxpack.errors import InvalidArgument
 from onnxpack.session import planner
 
-__all__ = ["add_arguments", "handler"]
+__all__ = ["HELP", "add_arguments", "run"]
+
+HELP = "print the activation memory plan: per-memory arena, peak, lower bound; --plot draws it"
 
 logger = logging.getLogger(__name__)
 
@@ -58,45 +60,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _feeds(session, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    graph = session.model.proto.graph
-    inits = set(session.model.root.initializers)
-    declared = [vi for vi in graph.input if vi.name not in inits]
-    unknown = sorted(set(shapes) - {vi.name for vi in graph.input})
+    """Standard normal floats, zeros for integers and bools (valid ids and indices)."""
+    declared = session.get_inputs()
+    names = {a.name for a in declared} | {a.name for a in session.get_overridable_initializers()}
+    unknown = sorted(set(shapes) - names)
     if unknown:
-        raise InvalidArgument(f"--shape: unknown input(s) {unknown}; inputs are {[vi.name for vi in declared]}")
-    feeds = {}
-    for vi in declared:
-        tt = vi.type.tensor_type
-        if vi.type.WhichOneof("value") != "tensor_type":
-            raise InvalidArgument(f"input {vi.name!r}: only tensor inputs can be generated")
-        if vi.name in shapes:
-            shape = shapes[vi.name]
-        else:
-            dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
-            if None in dims:
-                raise InvalidArgument(
-                    f"input {vi.name!r} has symbolic dimensions {[d.dim_param or '?' for d in tt.shape.dim]}; "
-                    f"give them with --shape {vi.name}=" + ",".join("1" if d is None else str(d) for d in dims)
-                )
-            shape = tuple(dims)
-        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type))
-        if dtype.kind == "f":
-            feeds[vi.name] = rng.standard_normal(shape).astype(dtype)
-        else:
-            feeds[vi.name] = np.zeros(shape, dtype=dtype)
-    return feeds
+        raise InvalidArgument(f"--shape: unknown input(s) {unknown}; inputs are {[a.name for a in declared]}")
+    for arg in declared:
+        if not arg.type.startswith("tensor("):
+            raise InvalidArgument(f"input {arg.name!r}: only tensor inputs can be generated")
+        if arg.name not in shapes and not all(isinstance(d, int) for d in arg.shape):
+            raise InvalidArgument(
+                f"input {arg.name!r} has symbolic dimensions {[d if isinstance(d, str) else '?' for d in arg.shape]}; "
+                f"give them with --shape {arg.name}=" + ",".join(str(d) if isinstance(d, int) else "1" for d in arg.shape)
+            )
+    return random_inputs(declared, shapes=shapes, int_high=1)
 
 
-def handler(args: argparse.Namespace) -> int:
-    from onnxpack.session._arena import analyze
-    from onnxpack.session._session import InferenceSession
+def run(args: argparse.Namespace) -> int:
+    from onnxpack.session import InferenceSession, analyze, validate_feed
 
     config = args.memory or planner.MemoryConfig.default()
     with InferenceSession(args.model) as session:
         feeds = _feeds(session, dict(args.shape))
+        program = session.program
+        valid = validate_feed(session.model, feeds, program.overridable, program.defaults)
         lifetimes, result, _ = analyze(
-            session, feeds, algorithm=args.algorithm, config=config, runtime_only=args.runtime
+            program.root, [valid[n] for n in program.root.input_names], algorithm=args.algorithm, config=config,
+            runtime_only=args.runtime,
         )
     what = "run-time arena tensors" if args.runtime else "intermediate tensors"
     total = sum(t.size for t in lifetimes)

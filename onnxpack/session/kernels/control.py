@@ -1,4 +1,9 @@
-"""If, Loop and Scan: run their body graphs with the same executor, with outer-scope lookup."""
+"""If, Loop and Scan: run their body graphs' compiled plans with the caller's frame.
+
+A control-flow kernel gets its subgraphs' plans from ``KernelContext.subgraphs`` (compiled
+bottom-up, so they exist before the node is bound) and runs them through the same step loop
+(``plan.run(inputs, frame)``), so names of enclosing scopes resolve through the frame chain.
+"""
 
 from __future__ import annotations
 
@@ -7,29 +12,34 @@ from typing import Any
 import numpy as np
 from onnx import NodeProto, helper
 
-from onnxpack.session._executor import Frame, ScopePlan
-from onnxpack.session.kernels._base import Kernel, KernelContext
+from onnxpack.session.kernels._base import Kernel, KernelContext, register
 
-__all__ = ["ControlFlowKernel", "CONTROL_FLOW"]
+__all__ = ["ControlFlowKernel", "If", "Loop", "Scan"]
+
+# Frames and plans are the executor's types (session/_program.py); kernels only call
+# ``plan.run(inputs, frame)`` and read ``output_names``/``output_types``/``output_dims``.
+Frame = Any
+Plan = Any
 
 
 class ControlFlowKernel(Kernel):
     """Base of kernels that own subgraphs; they run with access to the caller's frame."""
 
-    def __init__(self, node: NodeProto, ctx: KernelContext, subgraphs: dict[str, ScopePlan]) -> None:
+    call_mode = "frame"
+
+    def __init__(self, node: NodeProto, ctx: KernelContext) -> None:
         super().__init__(node, ctx)
-        self.subgraphs = subgraphs
-
-    def run_in_frame(self, frame: Frame, *inputs: Any) -> tuple:
-        raise NotImplementedError
+        self.subgraphs: dict[str, Plan] = dict(ctx.subgraphs)
 
 
+@register("If", since=1)
 class If(ControlFlowKernel):
     def run_in_frame(self, frame: Frame, cond: Any) -> tuple:
         branch = self.subgraphs["then_branch"] if bool(np.asarray(cond).reshape(-1)[0]) else self.subgraphs["else_branch"]
         return tuple(branch.run([], frame))
 
 
+@register("Loop", since=1)
 class Loop(ControlFlowKernel):
     """Loop (opset 1+): ``M`` trip count and ``cond`` both optional; scan outputs are stacked."""
 
@@ -60,6 +70,7 @@ class Loop(ControlFlowKernel):
         return (*state, *stacked)
 
 
+@register("Scan", since=8)
 class Scan(ControlFlowKernel):
     """Scan: state variables carried, scan inputs sliced along their axes.
 
@@ -67,8 +78,8 @@ class Scan(ControlFlowKernel):
     ``sequence_lens`` first input; it runs as one opset-9 scan per batch item.
     """
 
-    def __init__(self, node: NodeProto, ctx: KernelContext, subgraphs: dict[str, ScopePlan]) -> None:
-        super().__init__(node, ctx, subgraphs)
+    def __init__(self, node: NodeProto, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
         self.num_scan_inputs = int(self.attr("num_scan_inputs"))
         self.batched = ctx.opset < 9
         if self.batched and (self.attr("scan_input_axes") or self.attr("scan_output_axes")):
@@ -134,7 +145,7 @@ class Scan(ControlFlowKernel):
         return (*state, *results)
 
 
-def _empty_output(plan: ScopePlan, index: int) -> np.ndarray:
+def _empty_output(plan: Plan, index: int) -> np.ndarray:
     """A zero-trip scan output: shape (0, *declared per-iteration shape) when the body declares
     it with fixed dims (as onnxruntime gives), else (0,)."""
     dims = plan.output_dims[index] if index < len(plan.output_dims) else None
@@ -142,13 +153,9 @@ def _empty_output(plan: ScopePlan, index: int) -> np.ndarray:
     return np.empty((0, *tail), dtype=_output_dtype(plan, index))
 
 
-def _output_dtype(plan: ScopePlan, index: int) -> np.dtype:
+def _output_dtype(plan: Plan, index: int) -> np.dtype:
     elem = plan.output_types[index] if index < len(plan.output_types) else 0
     try:
         return np.dtype(helper.tensor_dtype_to_np_dtype(elem)) if elem else np.dtype(np.float32)
     except Exception:
         return np.dtype(np.float32)
-
-
-# op_type -> (kernel class, lowest opset it serves)
-CONTROL_FLOW: dict[str, tuple[type[ControlFlowKernel], int]] = {"If": (If, 1), "Loop": (Loop, 1), "Scan": (Scan, 8)}

@@ -25,30 +25,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from onnxpack.errors import InvalidArgument
+from onnxpack.cli._common import EXIT_OK, format_bytes, parse_config
+from onnxpack.cli._layout import describe_layout, format_layout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["add_arguments", "handler", "collect", "format_text", "SECTIONS"]
+__all__ = ["HELP", "add_arguments", "run", "collect", "format_text", "SECTIONS"]
 
-from onnxpack._layout import describe_layout, format_layout  # noqa: E402
-
-EXIT_OK = 0
+HELP = "print scopes, initializers, packed weights, fallback nodes and prepack stats"
 
 Report = dict[str, Any]
 
 
 # -- collecting ---------------------------------------------------------------------------------------
-def _parse_config(entries: list[str]) -> dict[str, str]:
-    config: dict[str, str] = {}
-    for entry in entries:
-        key, sep, value = entry.partition("=")
-        if not sep or not key:
-            raise InvalidArgument(f"--config: expected KEY=VALUE, got {entry!r}")
-        config[key.strip()] = value.strip()
-    return config
-
-
 def _scope_rows(model: Any) -> list[dict[str, Any]]:
     rows = []
     for scope in model.scopes():
@@ -67,13 +56,8 @@ def _scope_rows(model: Any) -> list[dict[str, Any]]:
 def _owner_path(by_path: dict[str, Any], scope_path: str, name: str) -> str | None:
     """Path of the scope whose initializer ``name`` is, as seen from scope ``scope_path``."""
     scope = by_path.get(scope_path)
-    while scope is not None:
-        if name in scope.initializers:
-            return scope.path
-        if name in scope.defined:
-            return None
-        scope = scope.parent
-    return None
+    owner = scope.resolve(name) if scope is not None else None
+    return owner.path if owner is not None and name in owner.initializers else None
 
 
 def _initializer_rows(model: Any, packs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -141,14 +125,6 @@ def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"  # pragma: no cover
-
-
 def _scope_label(path: str) -> str:
     return path or "(main)"
 
@@ -179,7 +155,7 @@ def format_initializers(report: Report) -> list[str]:
         where = "in proto" if t["location"] is None else f"{t['location']} @{t['offset']} +{t['length']}"
         rows.append([_scope_label(t["scope"]), t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar",
                      t["nbytes"], where, "yes" if t["packed"] else "no"])
-    head = f"initializers ({len(rows)}, {_human(total)}):"
+    head = f"initializers ({len(rows)}, {format_bytes(total)}):"
     return [head] + _table(["scope", "name", "dtype", "shape", "bytes", "stored", "packed"], rows)
 
 
@@ -206,7 +182,7 @@ def format_stats(report: Report) -> list[str]:
         if isinstance(value, float):
             shown = f"{value * 1000:.2f} ms" if key.startswith("seconds") else f"{value:g}"
         elif key.startswith("bytes"):
-            shown = f"{value} ({_human(value)})"
+            shown = f"{value} ({format_bytes(value)})"
         else:
             shown = str(value)
         rows.append([key, shown])
@@ -247,8 +223,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="session config entry (repeatable), e.g. onnxpack.prepacked_cache_path=cache.bin")
 
 
-def handler(args: argparse.Namespace) -> int:
-    config = _parse_config(args.config)
+def run(args: argparse.Namespace) -> int:
+    config = parse_config(args.config)
     if args.no_prepack:
         config["session.disable_prepacking"] = "1"
     report = collect(args.model, config)

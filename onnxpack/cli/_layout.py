@@ -14,9 +14,11 @@ import logging
 from typing import Any
 
 import onnx
-from onnx import AttributeProto, GraphProto, TensorProto
+from onnx import TensorProto
 
+from onnxpack._units import format_bytes
 from onnxpack.errors import PrepackFormatError
+from onnxpack.graph import Scope
 from onnxpack.prepack import entry_format as fmt
 
 logger = logging.getLogger(__name__)
@@ -39,28 +41,18 @@ def _alignment(offset: int) -> int:
     return min(offset & -offset, _MAX_REPORTED_ALIGN)
 
 
-def _subgraphs(node: onnx.NodeProto) -> list[tuple[str, GraphProto]]:
-    out = []
-    for a in node.attribute:
-        if a.type == AttributeProto.GRAPH:
-            out.append((f"{node.name or node.op_type}/{a.name}", a.g))
-        elif a.type == AttributeProto.GRAPHS:
-            out.extend((f"{node.name or node.op_type}/{a.name}/{k}", g) for k, g in enumerate(a.graphs))
-    return out
-
-
-def _consumers(graph: GraphProto, name: str, where: str) -> list[str]:
-    """``op_type:node`` of every node reading ``name`` here or in nested graphs that do not
-    define their own ``name`` (outer-scope use)."""
+def _consumers(scope: Scope, name: str) -> list[str]:
+    """``op_type:node`` of every node reading ``name`` in ``scope`` or in nested scopes that do
+    not define their own ``name`` (outer-scope use), with ``@scope path`` for nested ones."""
     found = []
-    for node in graph.node:
-        if name in node.input:
-            found.append(f"{node.op_type}:{node.name or '#'}" + (f"@{where}" if where else ""))
-        for sub_path, g in _subgraphs(node):
-            defined = {t.name for t in g.initializer} | {i.name for i in g.input}
-            defined |= {o for n in g.node for o in n.output}
-            if name not in defined:
-                found.extend(_consumers(g, name, f"{where}/{sub_path}" if where else sub_path))
+    stack = [scope]
+    while stack:
+        s = stack.pop()
+        where = s.path
+        for node in s.graph.node:
+            if name in node.input:
+                found.append(f"{node.op_type}:{node.name or '#'}" + (f"@{where}" if where else ""))
+        stack.extend(c for c in reversed(s.children) if name not in c.defined)
     return found
 
 
@@ -78,11 +70,12 @@ def describe_layout(model_path: str) -> list[dict[str, Any]]:
     # The graph layer names scopes exactly as the records do (bottom-up walk, unique paths).
     with load_model(str(model_path)) as model:
         proto = model.proto
-        scopes = [(s.path, s.graph) for s in model.scopes()][::-1]  # root first
-    by_path = dict(scopes)
+        scopes = list(model.scopes())[::-1]  # root first
+    by_path = {s.path: s for s in scopes}
     rows: list[dict[str, Any]] = []
-    for path, graph in scopes:
-        for t in graph.initializer:
+    for scope in scopes:
+        path = scope.path
+        for t in scope.graph.initializer:
             if t.data_location != TensorProto.EXTERNAL:
                 continue
             info = {e.key: e.value for e in t.external_data}
@@ -96,7 +89,7 @@ def describe_layout(model_path: str) -> list[dict[str, Any]]:
                 "kind": "weight", "scope": path, "name": t.name, "file": info.get("location", "?"),
                 "offset": offset, "length": length, "align": _alignment(offset) if offset >= 0 else 0,
                 "dtype": dtype, "shape": tuple(t.dims), "key": "",
-                "kernels": _consumers(graph, t.name, path), "shared_with": [], "note": "",
+                "kernels": _consumers(scope, t.name), "shared_with": [], "note": "",
             })
     blob_owner: dict[tuple[str, int], list[str]] = {}
     blob_rows: list[dict[str, Any]] = []
@@ -110,8 +103,8 @@ def describe_layout(model_path: str) -> list[dict[str, Any]]:
                          "length": -1, "align": 0, "dtype": "", "shape": (), "key": "",
                          "kernels": [], "shared_with": [], "note": str(exc)[:200]})
             continue
-        graph = by_path.get(rec.scope)
-        users = _consumers(graph, rec.name, rec.scope) if graph is not None else []
+        owner = by_path.get(rec.scope)
+        users = _consumers(owner, rec.name) if owner is not None else []
         for pack in rec.packs:
             family = pack.key.split("/", 1)[0]
             ops = _FAMILY_OPS.get(family)
@@ -141,15 +134,6 @@ def describe_layout(model_path: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _size(n: int) -> str:
-    if n < 0:
-        return "?"
-    for unit, step in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= step:
-            return f"{n / step:.1f} {unit}"
-    return f"{n} B"
-
-
 def _align_text(a: int) -> str:
     if a >= 1024:
         return f"{a // 1024}K"
@@ -173,7 +157,7 @@ def format_layout(rows: list[dict[str, Any]]) -> str:
                 name += f" (shared with {', '.join(r['shared_with'])})"
         kernels = ", ".join(r["kernels"]) if r["kernels"] else "-"
         shape = "x".join(map(str, r["shape"])) if r["shape"] else "scalar"
-        table.append((r["kind"], name, r["file"], str(r["offset"]), _size(r["length"]),
+        table.append((r["kind"], name, r["file"], str(r["offset"]), format_bytes(r["length"]),
                       _align_text(r["align"]), r["dtype"], shape, kernels))
     widths = [max(len(row[c]) for row in table) for c in range(len(header) - 1)]
     lines = []
@@ -185,8 +169,8 @@ def format_layout(rows: list[dict[str, Any]]) -> str:
     blobs = [r for r in rows if r["kind"] == "blob"]
     bad = [r for r in rows if r["kind"] == "invalid"]
     misaligned = [r for r in weights + blobs if r["offset"] >= 0 and r["offset"] % 64]
-    summary = (f"{len(weights)} weights ({_size(sum(max(r['length'], 0) for r in weights))}), "
-               f"{len(blobs)} pre-packed blobs ({_size(sum(r['length'] for r in blobs))})")
+    summary = (f"{len(weights)} weights ({format_bytes(sum(max(r['length'], 0) for r in weights))}), "
+               f"{len(blobs)} pre-packed blobs ({format_bytes(sum(r['length'] for r in blobs))})")
     if bad:
         summary += f", {len(bad)} invalid records"
     summary += f", {len(misaligned)} not 64-byte aligned" if misaligned else ", all 64-byte aligned"

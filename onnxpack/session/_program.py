@@ -1,0 +1,364 @@
+"""The compiled form of a model: frozen per-scope plans of bound kernels, and the one step loop.
+
+A :class:`Program` is what :func:`~onnxpack.session._compile.compile` returns and what an
+``InferenceSession`` runs.  It holds one :class:`Plan` per scope (keyed by scope path), the pack
+log (one :class:`PackEvent` per packed kernel input) and the statistics derived from it.
+
+A :class:`Plan` is a frozen tuple of :class:`Step` records (bound kernel, input names, output
+names, which inputs were taken pre-packed, which values die after the step), its constants and
+its graph's inputs and outputs.  :func:`run_plan` is the only loop that executes steps: plain
+runs, subgraph runs (If/Loop/Scan call back into it with their frame) and the memory planner's
+recording and arena runs all go through it; the planner plugs in as a :class:`StepHook`, which
+decides how one step is called (e.g. writing into a preallocated buffer) and may look at its
+outputs.
+
+Running a plan creates a :class:`Frame` — a dict of values plus the enclosing frame — so
+concurrent runs share nothing mutable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from onnx import NodeProto
+
+from onnxpack.errors import InvalidGraph, RuntimeFailure
+from onnxpack.prepack import PackSpec, PrePackedWeights, WeightRef
+from onnxpack.session.kernels import Kernel
+
+__all__ = [
+    "Frame",
+    "Step",
+    "Plan",
+    "Program",
+    "PackEvent",
+    "PrepackStats",
+    "StepHook",
+    "call_step",
+    "run_plan",
+    "schedule",
+    "topological_order",
+]
+
+_MISSING = object()
+
+
+class Frame:
+    """Values of one running scope; names not found here are looked up in the parent frame."""
+
+    __slots__ = ("values", "parent")
+
+    def __init__(self, values: dict[str, Any], parent: Frame | None) -> None:
+        self.values = values
+        self.parent = parent
+
+    def get(self, name: str) -> Any:
+        frame: Frame | None = self
+        while frame is not None:
+            v = frame.values.get(name, _MISSING)
+            if v is not _MISSING:
+                return v
+            frame = frame.parent
+        raise KeyError(name)
+
+    def visible(self) -> dict[str, Any]:
+        """Every visible name (outer first, inner wins): the context onnx.reference wants."""
+        chain = []
+        frame: Frame | None = self
+        while frame is not None:
+            chain.append(frame.values)
+            frame = frame.parent
+        out: dict[str, Any] = {}
+        for values in reversed(chain):
+            out.update(values)
+        return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Step:
+    """One node bound to its kernel.
+
+    ``inputs`` holds ``""`` for an omitted optional input; ``packed`` the input indices the
+    kernel took pre-packed (they are fed ``None``); ``release`` the local names whose last use is
+    this step; ``implicit`` the names the node's subgraphs read from enclosing scopes.
+    """
+
+    node: NodeProto
+    kernel: Kernel
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    packed: frozenset[int] = frozenset()
+    release: tuple[str, ...] = ()
+    implicit: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        return f"node {self.node.name or '<unnamed>'!r} ({self.node.op_type})"
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """Every name the step reads: its inputs and its subgraphs' implicit inputs."""
+        return tuple(n for n in (*self.inputs, *self.implicit) if n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The steps of one graph, in order, with release points, constants and declared outputs.
+
+    ``output_types`` (ONNX elem types) and ``output_dims`` (declared shapes, ``None`` entries
+    for unknown dims, ``None`` for no shape) let Loop/Scan give zero-trip outputs the body's
+    declared type.
+    """
+
+    name: str
+    path: str
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    constants: Mapping[str, Any]
+    steps: tuple[Step, ...]
+    output_types: tuple[int, ...] = ()
+    output_dims: tuple[tuple[int | None, ...] | None, ...] = ()
+
+    def run(self, inputs: Sequence[Any], parent: Frame | None = None) -> list[Any]:
+        return run_plan(self, inputs, parent)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackEvent:
+    """One packed kernel input: which node packed which weight, the pack and where it came from.
+
+    ``origin`` is ``packed`` (packed now), ``model`` (mapped from the model's data file),
+    ``cache`` (mapped from the cache file) or ``container`` (another session or node had it).
+    """
+
+    scope: str  # path of the scope of the node
+    node: str
+    op_type: str
+    input: int
+    weight: WeightRef
+    spec: PackSpec
+    entry: PrePackedWeights
+    origin: str
+    seconds: float = 0.0
+
+    def as_row(self) -> dict[str, Any]:
+        return {"scope": self.scope, "node": self.node, "op_type": self.op_type, "input": self.input,
+                "weight": self.weight.name, "key": self.entry.key, "nbytes": self.entry.nbytes,
+                "origin": self.origin}
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepackStats:
+    """Where every packed weight of a session came from, and what it cost."""
+
+    weights_packed: int = 0  # packed at creation by this session
+    blobs_from_model: int = 0  # mapped from the model's data file
+    blobs_from_cache: int = 0  # mapped from the persistent cache file
+    blobs_from_container: int = 0  # already in the (shared) container
+    blobs_rejected: int = 0  # saved blobs ignored with a warning (then re-packed)
+    bytes_packed: int = 0
+    bytes_mapped: int = 0
+    bytes_held: int = 0  # bytes of every packed weight this session uses
+    seconds_packing: float = 0.0
+    originals_released: int = 0  # weights whose every consumer uses a packed form
+
+    @classmethod
+    def from_log(cls, log: Sequence[PackEvent], *, rejected: int, released: int) -> PrepackStats:
+        """The one place counters are derived: from the pack log."""
+        by = {o: [e for e in log if e.origin == o] for o in ("packed", "model", "cache", "container")}
+        held = {e.entry.key: e.entry.nbytes for e in log}
+        return cls(
+            weights_packed=len(by["packed"]),
+            blobs_from_model=len(by["model"]),
+            blobs_from_cache=len(by["cache"]),
+            blobs_from_container=len(by["container"]),
+            blobs_rejected=rejected,
+            bytes_packed=sum(e.entry.nbytes for e in by["packed"]),
+            bytes_mapped=sum(e.entry.nbytes for e in (*by["model"], *by["cache"])),
+            bytes_held=sum(held.values()),
+            seconds_packing=sum(e.seconds for e in by["packed"]),
+            originals_released=released,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A compiled model: what a session runs and what ``onnxpack optimize`` saves.
+
+    ``overridable`` are root initializers that are also graph inputs (IR >= 4): fed by the user
+    or, when not fed, ``defaults``.
+    """
+
+    plans: Mapping[str, Plan]  # scope path -> plan
+    root: Plan
+    overridable: frozenset[str]
+    defaults: Mapping[str, Any]
+    pack_log: tuple[PackEvent, ...]
+    fallback_nodes: tuple[str, ...]
+    stats: PrepackStats
+
+
+# -- running ------------------------------------------------------------------------------------
+
+
+class StepHook:
+    """How the memory planner takes part in a run without a loop of its own.
+
+    ``step(k, step, args, frame, plan)`` returns the step's outputs; the default calls the kernel.
+    """
+
+    def step(self, k: int, step: Step, args: list[Any], frame: Frame, plan: Plan) -> Sequence[Any]:
+        return call_step(step, frame, args, plan.name)
+
+
+def call_step(step: Step, frame: Frame, args: Sequence[Any], scope: str) -> Sequence[Any]:
+    """Calls the step's kernel the way it asks to be called (see ``Kernel.call_mode``)."""
+    kernel = step.kernel
+    try:
+        mode = kernel.call_mode
+        if mode == "plain":
+            return kernel.run(*args)
+        if mode == "frame":
+            return kernel.run_in_frame(frame, *args)
+        return kernel.run(*args, context=frame.visible())
+    except RuntimeFailure:
+        raise
+    except Exception as exc:
+        raise RuntimeFailure(f"{step.label} in graph {scope!r} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def store(value: Any) -> Any:
+    """A kernel's output as kept in a frame (numpy scalars become 0-d arrays)."""
+    return value if isinstance(value, (np.ndarray, list)) or value is None else np.asarray(value)
+
+
+def run_plan(plan: Plan, inputs: Sequence[Any], parent: Frame | None = None,
+             hook: StepHook | None = None) -> list[Any]:
+    """Runs ``plan`` on ``inputs`` (in ``plan.input_names`` order); the one step loop."""
+    values = dict(plan.constants)
+    for name, value in zip(plan.input_names, inputs):
+        values[name] = value
+    frame = Frame(values, parent)
+    get = frame.get
+    for k, step in enumerate(plan.steps):
+        packed = step.packed
+        args = [None if (i in packed or not n) else (values[n] if n in values else get(n))
+                for i, n in enumerate(step.inputs)]
+        if hook is None:
+            kernel = step.kernel
+            try:
+                mode = kernel.call_mode
+                if mode == "plain":
+                    outs = kernel.run(*args)
+                elif mode == "frame":
+                    outs = kernel.run_in_frame(frame, *args)
+                else:
+                    outs = kernel.run(*args, context=frame.visible())
+            except RuntimeFailure:
+                raise
+            except Exception as exc:
+                raise RuntimeFailure(f"{step.label} in graph {plan.name!r} failed: {type(exc).__name__}: {exc}") from exc
+        else:
+            outs = hook.step(k, step, args, frame, plan)
+        for name, value in zip(step.outputs, outs):
+            if name:
+                values[name] = value if isinstance(value, (np.ndarray, list)) or value is None else np.asarray(value)
+        for name in step.release:
+            values.pop(name, None)
+    try:
+        return [values[n] if n in values else get(n) for n in plan.output_names]
+    except KeyError as exc:
+        raise RuntimeFailure(f"graph {plan.name!r}: output {exc.args[0]!r} was not produced") from None
+
+
+# -- building (pure) ----------------------------------------------------------------------------
+
+
+def topological_order(nodes: Sequence[NodeProto], available: Callable[[str], bool], scope_name: str,
+                      reads: Sequence[Sequence[str]] | None = None) -> list[int]:
+    """Indices of ``nodes`` in an order where every input is produced before use.
+
+    ``available(name)`` says whether a name is defined before any node runs (graph inputs,
+    initializers, names visible from enclosing scopes); ``reads[i]`` is what node ``i`` reads —
+    its inputs plus the implicit inputs of its subgraphs (default: its inputs).  A name produced
+    twice, a cycle, or an input nobody produces is InvalidGraph.  O(nodes + edges).
+    """
+    producers: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        for out in node.output:
+            if out:
+                if out in producers:
+                    raise InvalidGraph(
+                        f"graph {scope_name!r}: value {out!r} is produced by two nodes "
+                        f"({nodes[producers[out]].name!r} and {node.name!r})"
+                    )
+                producers[out] = i
+    deps: list[list[int]] = []
+    for i, node in enumerate(nodes):
+        d: set[int] = set()
+        for name in (reads[i] if reads is not None else node.input):
+            if not name:
+                continue
+            p = producers.get(name)
+            if p is None:
+                if available(name):
+                    continue
+                raise InvalidGraph(
+                    f"graph {scope_name!r}: node {node.name!r} ({node.op_type}) uses {name!r}, "
+                    "which is not a graph input, an initializer, or any node's output"
+                )
+            d.add(p)
+        deps.append(sorted(d))
+    order: list[int] = []
+    state = [0] * len(nodes)  # 0 new, 1 on stack, 2 done
+    for start in range(len(nodes)):
+        if state[start]:
+            continue
+        stack = [(start, iter(deps[start]))]
+        state[start] = 1
+        while stack:
+            i, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                stack.pop()
+                state[i] = 2
+                order.append(i)
+            elif state[nxt] == 1:
+                raise InvalidGraph(f"graph {scope_name!r}: cycle through node {nodes[nxt].name!r} ({nodes[nxt].op_type})")
+            elif state[nxt] == 0:
+                state[nxt] = 1
+                stack.append((nxt, iter(deps[nxt])))
+    return order
+
+
+def schedule(steps: Sequence[Step], input_names: Sequence[str], output_names: Sequence[str],
+             constants: Mapping[str, Any]) -> tuple[Step, ...]:
+    """The steps with their release lists: a local value dies after its last reader.
+
+    Only values this scope produces (its inputs and step outputs) are released; graph outputs and
+    constants are kept; an output nobody reads is dropped at once.  O(steps + reads).
+    """
+    keep = set(output_names) | set(constants)
+    last: dict[str, int] = {}
+    for k, step in enumerate(steps):
+        for name in step.reads:
+            last[name] = k
+    produced = set(input_names)
+    for step in steps:
+        produced.update(o for o in step.outputs if o)
+    release: dict[int, list[str]] = {}
+    for name, k in last.items():
+        if name in produced and name not in keep:
+            release.setdefault(k, []).append(name)
+    out = []
+    for k, step in enumerate(steps):
+        names = list(release.get(k, ()))
+        names.extend(o for o in step.outputs if o and o not in last and o not in keep)
+        out.append(dataclasses.replace(step, release=tuple(names)))
+    return tuple(out)
