@@ -6,7 +6,7 @@ See ``_model`` for scope paths, ``_external`` for the external-data security rul
 
 from __future__ import annotations
 
-from onnxpack.graph._external import ExternalLocation
+from onnxpack.graph._external import MAX_FILE_POSITION, ExternalLocation, stat_identity
 from onnxpack.graph._model import Model, Scope, load_model, subgraphs_of, walk
 from onnxpack.graph._save import (
     DEFAULT_ALIGN_THRESHOLD,
@@ -16,7 +16,7 @@ from onnxpack.graph._save import (
     compute_offset,
     save_model,
 )
-from onnxpack.graph._tensor import Tensor
+from onnxpack.graph._tensor import Tensor, mapped_view
 
 __all__ = [
     "load_model",
@@ -27,6 +27,9 @@ __all__ = [
     "Scope",
     "Tensor",
     "ExternalLocation",
+    "MAX_FILE_POSITION",
+    "stat_identity",
+    "mapped_view",
     "SaveExtras",
     "SaveResult",
     "BlobPlacement",

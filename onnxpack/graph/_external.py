@@ -28,7 +28,8 @@ from onnx import TensorProto
 
 from onnxpack.errors import ExternalDataError
 
-__all__ = ["ExternalLocation", "DataFiles", "parse_external_data", "RESERVED_KEYS"]
+__all__ = ["ExternalLocation", "DataFiles", "parse_external_data", "stat_identity", "RESERVED_KEYS",
+           "MAX_FILE_POSITION"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ RESERVED_KEYS = ("location", "offset", "length")
 # Offsets/lengths beyond this cannot be valid file positions on any platform we support; the
 # cap also keeps a hostile "99999…" string from turning into a huge Python int that overflows
 # later C-level arithmetic (mmap, numpy).
-_MAX_FILE_POSITION = 2**63 - 1
+MAX_FILE_POSITION = 2**63 - 1
 
 # O_NOFOLLOW/O_NONBLOCK do not exist on Windows; there the stat checks above are what protects us.
 _OPEN_FLAGS = (
@@ -61,15 +62,23 @@ class ExternalLocation:
         path: resolved absolute real path of the data file (inside the model's folder).
         offset: byte offset of the tensor in the file.
         length: number of bytes of the tensor in the file.
-        file_id: ``(st_dev, st_ino, st_size, st_mtime_ns)`` of the opened file; the prepack layer
-            uses it as a cheap identity of the weight's bytes.
+        file_id: :func:`stat_identity` of the opened file; the prepack layer uses it as a cheap
+            identity of the weight's bytes.
     """
 
     location: str
     path: str
     offset: int
     length: int
-    file_id: tuple[int, int, int, int]
+    file_id: tuple[int, int, int, int, int]
+
+
+def stat_identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)``: what identifies a file's bytes
+    without reading them.  Any write in place moves mtime and ctime (ctime cannot be set back by a
+    user), a copy or a replacement is another inode: while the identity holds, the bytes are the
+    ones seen when it was taken."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def parse_external_data(tensor: TensorProto) -> dict[str, str]:
@@ -87,10 +96,10 @@ def _parse_position(tensor_name: str, location: str, key: str, value: str | None
             f"non-negative decimal integer, got {value!r}"
         )
     number = int(text)
-    if number > _MAX_FILE_POSITION:
+    if number > MAX_FILE_POSITION:
         raise ExternalDataError(
             f"tensor {tensor_name!r}: external data {key} of file {location!r} is {number}, "
-            f"beyond the largest file position {_MAX_FILE_POSITION}"
+            f"beyond the largest file position {MAX_FILE_POSITION}"
         )
     return number
 
@@ -201,7 +210,7 @@ class DataFiles:
             mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size > 0 else None
         finally:
             os.close(fd)
-        file_id = (fst.st_dev, fst.st_ino, fst.st_size, fst.st_mtime_ns)
+        file_id = stat_identity(fst)
         mapped = _MappedFile(real, size, file_id, mm)
         # Two spellings of one location ("w.bin", "./w.bin") share one mapping.
         for other in self._files.values():

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 from onnxpack.errors import ExternalDataError, ModelLoadError
 from onnxpack.graph._external import DataFiles, ExternalLocation
 
-__all__ = ["Tensor", "storage_nbytes"]
+__all__ = ["Tensor", "storage_nbytes", "mapped_view"]
 
 # Element types stored packed, several per byte: bits per element.  Their raw bytes cannot be a
 # zero-copy numpy view (ml_dtypes' int4 etc. use one byte per element), so numpy() unpacks.
@@ -41,6 +41,21 @@ def storage_nbytes(elem_type: int, dims: tuple[int, ...], dtype: np.dtype) -> in
     if bits is not None:
         return (count * bits + 7) // 8
     return count * dtype.itemsize
+
+
+def mapped_view(buffer, dtype: np.dtype | str, shape: tuple[int, ...], offset: int) -> np.ndarray:
+    """A read-only zero-copy array of ``shape`` over ``buffer`` (a mapping or bytes) at ``offset``.
+
+    The one place a file region becomes an array (tensors, pre-packed blobs, cache entries);
+    callers have checked the bounds.  An empty shape of zero elements is a fresh empty array.
+    """
+    count = math.prod(shape)
+    if count == 0:
+        arr = np.zeros(shape, dtype=dtype)
+    else:
+        arr = np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
+    arr.flags.writeable = False
+    return arr
 
 
 # In-proto tensors without raw_data keep their values in one typed field (onnx.proto3 comments).
@@ -182,10 +197,9 @@ class Tensor:
             proto.raw_data = bytes(self.raw())
             arr = onnx.numpy_helper.to_array(proto)
         elif self.external is not None:
-            arr = np.frombuffer(self._buffer, dtype=self.dtype, count=math.prod(self.dims),
-                                offset=self.external.offset).reshape(self.dims)
+            arr = mapped_view(self._buffer, self.dtype, self.dims, self.external.offset)
         else:
-            arr = np.frombuffer(self.proto.raw_data, dtype=self.dtype).reshape(self.dims)
+            arr = mapped_view(self.proto.raw_data, self.dtype, self.dims, 0)
         arr.flags.writeable = False
         self._array = arr
         return arr

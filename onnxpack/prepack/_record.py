@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import hashlib
 import logging
 import os
 import warnings
@@ -28,10 +27,8 @@ import numpy as np
 
 from onnxpack.errors import OnnxpackError, PrepackFormatError, PrepackWarning
 from onnxpack.prepack import entry_format as fmt
+from onnxpack.graph import stat_identity
 from onnxpack.prepack._weights import (
-    _SAMPLE_BYTES,
-    _SAMPLES,
-    KEY_DIGEST_SIZE,
     PrePackedWeights,
     full_digest,
     make_key,
@@ -142,23 +139,10 @@ def _file_sample_digest(external: Any) -> bytes | None:
     except OSError:
         return None
     try:
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != tuple(external.file_id):
+        if stat_identity(os.fstat(fd)) != tuple(external.file_id):
             return None
-        n, base = external.length, external.offset
-        h = hashlib.blake2b(digest_size=KEY_DIGEST_SIZE)
-        h.update(n.to_bytes(8, "little"))
-        if n <= _SAMPLES * _SAMPLE_BYTES:
-            spans = [(base, n)]
-        else:
-            step = (n - _SAMPLE_BYTES) // (_SAMPLES - 1)
-            spans = [(base + k * step, _SAMPLE_BYTES) for k in range(_SAMPLES)]
-        for off, size in spans:
-            chunk = os.pread(fd, size, off)
-            if len(chunk) != size:
-                return None
-            h.update(chunk)
-        return h.digest()
+        return sample_digest(None, length=external.length,
+                             read=lambda start, size: os.pread(fd, size, external.offset + start))
     except OSError:
         return None
     finally:

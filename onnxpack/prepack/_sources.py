@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from onnxpack.errors import CacheFileError, InvalidArgument, PrepackWarning
-from onnxpack.graph import Model
+from onnxpack.graph import Model, stat_identity
 from onnxpack.prepack import cache_file as cf
 from onnxpack.prepack._container import PrepackedWeightsContainer
 from onnxpack.prepack._record import ALWAYS_VERIFY_BELOW, LoadRecord
@@ -58,7 +58,7 @@ def report_progress(callback: Callable[[str], None]) -> Iterator[None]:
         _PROGRESS.reset(token)
 
 # realpath -> (file identity, CacheFile): one mapping per process per cache path.
-_CACHE_FILES: dict[str, tuple[tuple[int, int, int, int], cf.CacheFile]] = {}
+_CACHE_FILES: dict[str, tuple[tuple[int, ...], cf.CacheFile]] = {}
 _CACHE_LOCK = threading.Lock()
 
 
@@ -67,12 +67,11 @@ def _warn(message: str) -> None:
     logger.warning("%s", message)
 
 
-def _cache_identity(path: str) -> tuple[int, int, int, int] | None:
+def _cache_identity(path: str) -> tuple[int, ...] | None:
     try:
-        st = os.stat(path)
+        return stat_identity(os.stat(path))
     except OSError:
         return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def open_cache(path: str) -> cf.CacheFile | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from onnx import helper
@@ -105,7 +105,7 @@ class WeightRef:
             return content_identity(self.array)
         ext = self.tensor.external
         if ext is not None:
-            return file_identity(*ext.file_id, ext.offset, ext.length)
+            return file_identity(ext.file_id, ext.offset, ext.length)
         return content_identity(self.tensor.raw())
 
 
@@ -141,9 +141,10 @@ def content_identity(raw: bytes | memoryview | np.ndarray) -> bytes:
     return b"c:" + hashlib.blake2b(raw, digest_size=KEY_DIGEST_SIZE).digest()
 
 
-def file_identity(st_dev: int, st_ino: int, st_size: int, st_mtime_ns: int, offset: int, length: int) -> bytes:
-    """Identity of a weight mapped from a file region, without reading it."""
-    return f"f:{st_dev}:{st_ino}:{st_size}:{st_mtime_ns}:{offset}:{length}".encode()
+def file_identity(file_id: tuple[int, ...], offset: int, length: int) -> bytes:
+    """Identity of a weight mapped from a file region (``graph.stat_identity`` of the file, the
+    region), without reading it."""
+    return ("f:" + ":".join(map(str, (*file_id, offset, length)))).encode()
 
 
 def make_key(spec: PackSpec, source_identity: bytes, dtype: np.dtype | str, shape: Sequence[int]) -> str:
@@ -173,17 +174,29 @@ def full_digest(raw: bytes | memoryview | np.ndarray) -> bytes:
     return hashlib.blake2b(_bytes_of(raw), digest_size=KEY_DIGEST_SIZE).digest()
 
 
-def sample_digest(raw: bytes | memoryview | np.ndarray) -> bytes:
-    """BLAKE2b-128 of the length and of evenly spaced samples of the bytes."""
-    view = _bytes_of(raw)
-    n = len(view)
+def sample_spans(n: int) -> list[tuple[int, int]]:
+    """(start, length) of the evenly spaced samples :func:`sample_digest` reads from ``n`` bytes."""
+    if n <= _SAMPLES * _SAMPLE_BYTES:
+        return [(0, n)]
+    step = (n - _SAMPLE_BYTES) // (_SAMPLES - 1)
+    return [(k * step, _SAMPLE_BYTES) for k in range(_SAMPLES)]
+
+
+def sample_digest(raw: bytes | memoryview | np.ndarray | None, *, length: int | None = None,
+                  read: Callable[[int, int], bytes | None] | None = None) -> bytes | None:
+    """BLAKE2b-128 of the length and of evenly spaced samples of the bytes.
+
+    The bytes are ``raw``, or (``raw`` None) ``length`` bytes read span by span with
+    ``read(start, size)`` — e.g. ``os.pread`` of a file region, so nothing is mapped.  ``None``
+    when a read comes back short.
+    """
+    view = _bytes_of(raw) if raw is not None else None
+    n = len(view) if view is not None else int(length)
     h = hashlib.blake2b(digest_size=KEY_DIGEST_SIZE)
     h.update(n.to_bytes(8, "little"))
-    if n <= _SAMPLES * _SAMPLE_BYTES:
-        h.update(view)
-    else:
-        step = (n - _SAMPLE_BYTES) // (_SAMPLES - 1)
-        for k in range(_SAMPLES):
-            start = k * step
-            h.update(view[start:start + _SAMPLE_BYTES])
+    for start, size in sample_spans(n):
+        chunk = view[start:start + size] if view is not None else read(start, size)
+        if chunk is None or len(chunk) != size:
+            return None
+        h.update(chunk)
     return h.digest()

@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from onnxpack.graph import MAX_FILE_POSITION, mapped_view
 from onnxpack._io import atomic_write
 from onnxpack.errors import CacheFileError, InvalidArgument
 from onnxpack.prepack.entry_format import ALLOWED_DTYPES, MAX_BUFFERS_PER_PACK, MAX_DIMS, crc32
@@ -114,7 +115,7 @@ MAX_INDEX_BYTES = 64 * 1024 * 1024
 MAX_ENTRIES = 1 << 18
 MAX_KEY_BYTES = 1024
 MAX_BUFFERS = MAX_BUFFERS_PER_PACK
-MAX_OFFSET = 2**63 - 1
+MAX_OFFSET = MAX_FILE_POSITION  # the graph layer's bound on file positions
 MAX_SEQUENCE = 2**64 - 1
 
 # The writers' lock is a sidecar file, so locking never touches the data file's bytes or mtime.
@@ -422,12 +423,7 @@ class CacheFile:
             raise CacheFileError(f"cache file {self.path!r}: closed")
         out = []
         for j, b in enumerate(e.buffers):
-            count = b.length // np.dtype(b.dtype).itemsize
-            if count == 0:
-                arr = np.zeros(b.shape, dtype=b.dtype)
-                arr.flags.writeable = False
-            else:
-                arr = np.frombuffer(self._mm, dtype=b.dtype, count=count, offset=b.offset).reshape(b.shape)
+            arr = mapped_view(self._mm, b.dtype, tuple(b.shape), b.offset)
             if verify:
                 got = crc32(arr)
                 if got != b.crc32:

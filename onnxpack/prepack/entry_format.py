@@ -39,6 +39,7 @@ from urllib.parse import quote
 
 import numpy as np
 
+from onnxpack.graph import MAX_FILE_POSITION, mapped_view
 from onnxpack.errors import PrepackFormatError
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ MAX_BUFFERS_PER_PACK = 16
 MAX_DIMS = 8
 
 # Offsets and lengths must fit a signed 64-bit file offset (what mmap/pread accept).
-MAX_OFFSET = 2**63 - 1
+MAX_OFFSET = MAX_FILE_POSITION  # the graph layer's bound on file positions
 
 # Every blob starts 64-byte aligned (cache line, AVX-512 loads; onnxruntime even crashes on
 # misaligned blobs).  A record pointing at an unaligned offset is not one we wrote.
@@ -218,12 +219,7 @@ class BufferRecord:
                 f"offset + length <= file size {size}",
                 f"{self.offset} + {self.length}",
             )
-        count = self.length // np.dtype(self.dtype).itemsize
-        if count == 0:
-            arr = np.zeros(self.shape, dtype=self.dtype)
-            arr.flags.writeable = False
-            return arr
-        return np.frombuffer(data, dtype=self.dtype, count=count, offset=self.offset).reshape(self.shape)
+        return mapped_view(data, self.dtype, tuple(self.shape), self.offset)
 
 
 @dataclasses.dataclass(frozen=True)
