@@ -6,7 +6,7 @@ See ``_model`` for scope paths, ``_external`` for the external-data security rul
 
 from __future__ import annotations
 
-from onnxpack.graph._external import MAX_FILE_POSITION, ExternalLocation, stat_identity
+from onnxpack.graph._external import MAX_FILE_POSITION, ExternalLocation, open_regular_file, read_regular_file, stat_identity
 from onnxpack.graph._model import Model, Scope, load_model, subgraphs_of, walk
 from onnxpack.graph._save import (
     DEFAULT_ALIGN_THRESHOLD,
@@ -29,6 +29,8 @@ __all__ = [
     "ExternalLocation",
     "MAX_FILE_POSITION",
     "stat_identity",
+    "open_regular_file",
+    "read_regular_file",
     "mapped_view",
     "SaveExtras",
     "SaveResult",

@@ -29,7 +29,7 @@ from onnx import TensorProto
 from onnxpack.errors import ExternalDataError
 
 __all__ = ["ExternalLocation", "DataFiles", "parse_external_data", "stat_identity", "RESERVED_KEYS",
-           "MAX_FILE_POSITION"]
+           "MAX_FILE_POSITION", "open_regular_file", "read_regular_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,56 @@ def stat_identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+def open_regular_file(path: str, what: str, max_bytes: int, error: type[Exception],
+                      flags: int = 0) -> tuple[int, os.stat_result]:
+    """Opens ``path`` without blocking and returns ``(fd, fstat)`` after checking that what was
+    opened is a regular file of at most ``max_bytes``: a FIFO, a device (``/dev/zero``), a socket
+    or a folder — directly or behind a symlink — is ``error`` naming ``what``, never a hang or an
+    endless read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+                     | getattr(os, "O_BINARY", 0) | flags)
+    except OSError as e:
+        raise error(f"cannot read {what} {path!r}: {e.strerror}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{what} {path!r}: expected a regular file, got {_file_kind(st.st_mode)}")
+        if st.st_size > max_bytes:
+            raise error(f"{what} {path!r}: {st.st_size} bytes, more than the {max_bytes} it may have")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_regular_file(path: str, what: str, max_bytes: int, error: type[Exception]) -> bytes:
+    """The bytes of a regular file (see :func:`open_regular_file`), read to its size at open."""
+    fd, st = open_regular_file(path, what, max_bytes, error)
+    try:
+        chunks = []
+        left = st.st_size
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 26))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    except OSError as e:
+        raise error(f"cannot read {what} {path!r}: {e.strerror}") from e
+    finally:
+        os.close(fd)
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
 def parse_external_data(tensor: TensorProto) -> dict[str, str]:
     """Returns the tensor's ``external_data`` entries as a dict (last entry wins)."""
     return {entry.key: entry.value for entry in tensor.external_data}
@@ -105,17 +155,37 @@ def _parse_position(tensor_name: str, location: str, key: str, value: str | None
 
 
 class _MappedFile:
-    """One opened, read-only mapped data file."""
+    """One opened, read-only mapped data file; its descriptor stays open so that :meth:`check`
+    can tell, with one ``fstat``, whether the mapped inode was truncated or rewritten."""
 
-    __slots__ = ("path", "size", "file_id", "buffer", "_mmap")
+    __slots__ = ("path", "size", "file_id", "buffer", "_mmap", "fd")
 
-    def __init__(self, path: str, size: int, file_id: tuple[int, int, int, int], mm) -> None:
+    def __init__(self, path: str, size: int, file_id: tuple[int, ...], mm, fd: int) -> None:
         self.path = path
         self.size = size
         self.file_id = file_id
         self._mmap = mm
+        self.fd = fd
         # mmap of an empty file is impossible; an empty bytes object serves zero-length views.
         self.buffer = mm if mm is not None else b""
+
+    def check(self) -> None:
+        try:
+            now = stat_identity(os.fstat(self.fd))
+        except (OSError, ValueError):  # closed: the model was closed, nothing runs from it
+            return
+        if now != self.file_id:
+            raise ExternalDataError(
+                f"external data file {self.path!r} changed under the live session (was {self.size} "
+                f"bytes, now {now[2]}; modified after it was mapped): its weights are no longer the "
+                "ones loaded — create the session again"
+            )
+
+    def close(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
 
 
 class DataFiles:
@@ -208,13 +278,15 @@ class DataFiles:
                 )
             size = fst.st_size
             mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size > 0 else None
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         file_id = stat_identity(fst)
-        mapped = _MappedFile(real, size, file_id, mm)
+        mapped = _MappedFile(real, size, file_id, mm, fd)
         # Two spellings of one location ("w.bin", "./w.bin") share one mapping.
         for other in self._files.values():
             if other.path == real and other.file_id == file_id:
+                mapped.close()
                 mapped = other
                 break
         self._files[location] = mapped
@@ -267,12 +339,31 @@ class DataFiles:
         """Real paths of every data file mapped so far."""
         return {m.path for m in self._files.values()}
 
+    def identity(self, location: str) -> tuple[int, ...] | None:
+        """:func:`stat_identity` of the mapped file ``location`` when it was opened (None if not
+        mapped)."""
+        m = self._files.get(location)
+        return None if m is None else m.file_id
+
+    def check(self) -> None:
+        """Raises ExternalDataError if a mapped file was truncated or rewritten since it was
+        mapped (one ``fstat`` per file): reading a truncated mapping kills the process with
+        SIGBUS, and a rewritten one gives other weights than the ones loaded."""
+        for m in {id(m): m for m in self._files.values()}.values():
+            m.check()
+
     def close(self) -> None:
-        """Forgets the mappings.
+        """Forgets the mappings and closes the descriptors.
 
         The mmaps themselves are not closed: numpy views taken earlier hold references to them,
         and closing a mapping under a live view would crash the process.  The OS unmaps each file
         once the last view is garbage-collected.
         """
+        for m in {id(m): m for m in self._files.values()}.values():
+            m.close()
         self._files.clear()
         self._closed = True
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.close()

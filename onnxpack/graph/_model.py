@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 from collections.abc import Iterator
 
@@ -31,8 +32,8 @@ from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from onnxpack.errors import ModelLoadError
-from onnxpack.graph._external import DataFiles
+from onnxpack.errors import InvalidGraph, ModelLoadError
+from onnxpack.graph._external import DataFiles, read_regular_file
 from onnxpack.graph._tensor import Tensor
 
 __all__ = ["Model", "Scope", "load_model", "walk", "subgraphs_of"]
@@ -125,19 +126,60 @@ def walk(root: Scope) -> Iterator[Scope]:
             stack.append((child, False))
 
 
+# A sparse initializer is densified at load (as onnxruntime does); its dense form may not exceed
+# this many bytes, so that a hostile model declaring huge dims is an error before any allocation.
+MAX_DENSE_SPARSE_BYTES = 1 << 34  # 16 GiB
+
+
+def _check_sparse(sparse: onnx.SparseTensorProto, what: str) -> None:
+    """Dims, value and index counts of a sparse tensor (before anything is read)."""
+    dims = tuple(int(d) for d in sparse.dims)
+    if any(d < 0 for d in dims):
+        raise ModelLoadError(f"{what}: sparse tensor has a negative dimension in {dims}")
+    nvals = math.prod(int(d) for d in sparse.values.dims)
+    idims = tuple(int(d) for d in sparse.indices.dims)
+    if len(sparse.values.dims) != 1:
+        raise ModelLoadError(f"{what}: sparse values must be 1-D, got shape {tuple(sparse.values.dims)}")
+    if len(idims) == 1:
+        ok = idims[0] == nvals
+    elif len(idims) == 2:
+        ok = idims == (nvals, len(dims))
+    else:
+        ok = False
+    if not ok:
+        raise ModelLoadError(
+            f"{what}: sparse indices of shape {idims} do not match {nvals} values of a {len(dims)}-D "
+            f"tensor (expected ({nvals},) or ({nvals}, {len(dims)}))"
+        )
+
+
 def _sparse_to_dense(sparse: onnx.SparseTensorProto, files: DataFiles | None) -> Tensor:
+    name = sparse.values.name
+    what = f"sparse initializer {name!r}"
+    _check_sparse(sparse, what)
+    dims = tuple(int(d) for d in sparse.dims)
     values = Tensor(sparse.values, files)
     indices = Tensor(sparse.indices, files)
-    dims = tuple(int(d) for d in sparse.dims)
-    name = sparse.values.name
+    count = math.prod(dims)
+    if count * values.dtype.itemsize > MAX_DENSE_SPARSE_BYTES:
+        raise ModelLoadError(
+            f"{what}: dense shape {dims} needs {count * values.dtype.itemsize} bytes, more than the "
+            f"{MAX_DENSE_SPARSE_BYTES} a sparse initializer may densify to"
+        )
     vals = values.numpy().reshape(-1)
     idx = indices.numpy().astype(np.int64, copy=False)
-    dense = np.zeros(int(np.prod(dims, dtype=np.int64)), dtype=vals.dtype)
+    dense = np.zeros(count, dtype=vals.dtype)
     try:
         if idx.ndim == 2:  # COO with one column per dimension
+            if idx.size and (idx.min() < 0 or np.any(idx >= np.asarray(dims, dtype=np.int64))):
+                raise ValueError("an index is negative or beyond its dimension")
             flat = np.ravel_multi_index(tuple(idx.T), dims) if idx.size else idx.reshape(-1)
         else:
             flat = idx.reshape(-1)
+            if flat.size and (flat.min() < 0 or flat.max() >= count):
+                raise ValueError(f"a linear index is negative or not below {count}")
+        if flat.size > 1 and np.any(np.diff(flat) <= 0):
+            raise ValueError("indices are not strictly increasing (duplicates or out of order)")
         dense[flat] = vals
     except (ValueError, IndexError) as e:
         raise ModelLoadError(
@@ -178,6 +220,30 @@ class Model:
         self.root = self._build(proto.graph)
 
     # -- construction -----------------------------------------------------------------------
+    def _inline_attribute_tensors(self, node: NodeProto) -> None:
+        """Attribute tensors stored as external data (a Constant's ``value``, ConstantOfShape's,
+        sparse values) are read here, through the same location checks as initializers, and
+        kept in this in-memory proto: kernels and onnx.reference later read them with
+        ``numpy_helper``, which would resolve the location against the working directory."""
+        for attr in node.attribute:
+            if attr.type == AttributeProto.TENSOR:
+                tensors = [attr.t]
+            elif attr.type == AttributeProto.TENSORS:
+                tensors = list(attr.tensors)
+            elif attr.type == AttributeProto.SPARSE_TENSOR:
+                tensors = [attr.sparse_tensor.values, attr.sparse_tensor.indices]
+                _check_sparse(attr.sparse_tensor, f"node {node.name!r} attribute {attr.name!r}")
+            elif attr.type == AttributeProto.SPARSE_TENSORS:
+                tensors = [t for sp in attr.sparse_tensors for t in (sp.values, sp.indices)]
+            else:
+                continue
+            for t in tensors:
+                if t.data_location == TensorProto.EXTERNAL:
+                    raw = bytes(self.tensor(t).raw())
+                    t.ClearField("external_data")
+                    t.data_location = TensorProto.DEFAULT
+                    t.raw_data = raw
+
     def tensor(self, proto: TensorProto) -> Tensor:
         """Wraps any TensorProto of this model (e.g. a Constant node's ``value``) as a Tensor,
         with the same external-data checks and mappings as initializers."""
@@ -203,14 +269,17 @@ class Model:
             defined.update(v.name for v in g.input)
             name_counts = collections.Counter(n.name for n in g.node)
             for index, node in enumerate(g.node):
-                defined.update(o for o in node.output if o)
-                for attr in node.attribute:  # validate attribute tensors' external data early
-                    if attr.type == AttributeProto.TENSOR and attr.t.data_location == TensorProto.EXTERNAL:
-                        self.tensor(attr.t)
-                    elif attr.type == AttributeProto.TENSORS:
-                        for t in attr.tensors:
-                            if t.data_location == TensorProto.EXTERNAL:
-                                self.tensor(t)
+                for o in node.output:
+                    if o and o in defined:
+                        raise InvalidGraph(
+                            f"graph {g.name!r}{' (' + scope.path + ')' if scope.path else ''}: node "
+                            f"{node.name!r} ({node.op_type}) output {o!r} is already defined (a graph "
+                            "input, an initializer or another node's output): ambiguous, as onnxruntime "
+                            "refuses it"
+                        )
+                    if o:
+                        defined.add(o)
+                self._inline_attribute_tensors(node)
                 subs = list(subgraphs_of(node))
                 if not subs:
                     continue
@@ -262,6 +331,14 @@ class Model:
         """Real paths of the external data files this model maps."""
         return self._files.paths()
 
+    def data_identity(self, location: str) -> tuple[int, ...] | None:
+        """``stat_identity`` of data file ``location`` as it was when mapped (None: not mapped)."""
+        return self._files.identity(location)
+
+    def check_files(self) -> None:
+        """Raises ExternalDataError if a mapped data file was truncated or rewritten since load."""
+        self._files.check()
+
     def close(self) -> None:
         """Drops the mappings this model owns; arrays handed out earlier stay valid."""
         self._files.close()
@@ -271,6 +348,10 @@ class Model:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# protobuf cannot parse a message over 2 GiB: a larger "model file" is not one.
+MAX_MODEL_FILE_BYTES = (2 << 30) - 1
 
 
 def load_model(path_or_bytes: str | os.PathLike | bytes, *, base_dir: str | None = None) -> Model:
@@ -293,11 +374,7 @@ def load_model(path_or_bytes: str | os.PathLike | bytes, *, base_dir: str | None
         data = bytes(path_or_bytes)
     else:
         path = os.fspath(path_or_bytes)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as e:
-            raise ModelLoadError(f"cannot read model file {path!r}: {e.strerror}") from e
+        data = read_regular_file(path, "model file", MAX_MODEL_FILE_BYTES, ModelLoadError)
     proto = ModelProto()
     try:
         proto.ParseFromString(data)

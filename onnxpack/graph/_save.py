@@ -15,14 +15,19 @@ The data file is written to a temp name in the target folder, fsynced and rename
 model the same way (data first, model last), then the folder is fsynced.  Nothing the input
 model uses is ever opened for writing.
 
-Replacing a data file name that a live model references would open a window where that model
-points at bytes of a different layout (a torn pair after a crash), and would silently change
-what the *input* model reads.  So the data file name is chosen among ``location``,
-``<root>.1<ext>``, ``<root>.2<ext>``… : the first name that does not exist, or exists but is
-neither one of the input model's data files nor referenced by the model currently at the output
-path, is used (compared by device+inode, so hard links and symlinks count).  Optimizing a model
-in place therefore alternates between two names (A/B) and never tears; the previous data file
-is left on disk (another model may share it) — :class:`SaveResult` reports the name used.
+Replacing a data file that some model references would silently change that model's weights
+(and, after a crash, tear the pair).  So the data file name is chosen among ``location``,
+``<root>.1<ext>``, ``<root>.2<ext>``… : the first name that does not exist, or whose file is a
+data file of the model currently at the output path (re-saving an output replaces its own data)
+and is read by nothing of the input (compared by device+inode, so hard links count; a symlink is
+never replaced).  Optimizing a model in place therefore never replaces a file: every earlier data
+file is left on disk, since another model may share it — :class:`SaveResult` reports the name
+used.  The output model path itself may be the input model (in place) but never one of the
+input's data files.
+
+After the data file is renamed into place, the prepack layer's ``SaveExtras.sealed`` records the
+file's identity (device, inode, size, mtime, ctime) and the offset of the manifest it appended,
+so a later load can tell, without reading weights, whether the file is still the one written.
 Renaming over a file that is mapped is safe on POSIX: the old inode lives until unmapped, so
 views into the input stay valid.
 """
@@ -42,7 +47,7 @@ from onnx import AttributeProto, GraphProto, ModelProto, TensorProto
 
 from onnxpack._io import atomic_write
 from onnxpack.errors import InvalidArgument, OnnxpackError
-from onnxpack.graph._external import RESERVED_KEYS
+from onnxpack.graph._external import RESERVED_KEYS, read_regular_file, stat_identity
 from onnxpack.graph._model import Model, Scope, subgraphs_of, walk
 from onnxpack.graph._tensor import Tensor
 
@@ -124,7 +129,10 @@ class SaveResult:
 
 @runtime_checkable
 class SaveExtras(Protocol):
-    """Hook through which the prepack layer appends blobs after weights."""
+    """Hook through which the prepack layer appends blobs after weights.
+
+    ``manifest`` and ``sealed`` are optional: an extra without them writes no seal.
+    """
 
     def blobs(self, scope_path: str, name: str) -> Sequence[np.ndarray]:
         """Blobs to write right after initializer ``name`` of scope ``scope_path``."""
@@ -134,6 +142,15 @@ class SaveExtras(Protocol):
                  location: str | None) -> dict[str, str]:
         """Model metadata_props entries to add or replace, given where the blobs landed and the
         data file name actually used (``None`` when nothing went to a data file)."""
+        ...
+
+    def manifest(self, metadata: dict[str, str]) -> bytes:
+        """Bytes to append to the data file that seal ``metadata`` (b"" for none)."""
+        ...
+
+    def sealed(self, location: str, manifest_offset: int, identity: tuple[int, ...]) -> dict[str, str]:
+        """metadata_props entries known only once the data file is written: where the manifest
+        landed and the file's ``stat_identity`` right after its rename."""
         ...
 
 
@@ -221,17 +238,21 @@ def _inode(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _protected_inodes(model: Model, out_path: str) -> set[tuple[int, int]]:
-    """Files a new data file must not replace: the input's data files and model, and the data
-    files of the model currently at ``out_path``."""
-    protected = {i for i in map(_inode, model.data_paths()) if i is not None}
-    for p in (model.path, out_path):
-        if p is not None and (i := _inode(p)) is not None:
-            protected.add(i)
-    if os.path.isfile(out_path):
+def _replaceable_inodes(model: Model, out_path: str) -> set[tuple[int, int]]:
+    """Existing files a new data file may replace: the data files of the model currently at
+    ``out_path`` (re-saving an output replaces its own data), minus every file the input reads.
+
+    Nothing else is replaced, whatever its name: a data file the input no longer references after
+    an earlier in-place save may still be another model's, and replacing it would change that
+    model's weights behind its back.
+    """
+    inputs = {i for i in map(_inode, model.data_paths()) if i is not None}
+    if model.path is not None and (i := _inode(model.path)) is not None:
+        inputs.add(i)
+    replaceable: set[tuple[int, int]] = set()
+    if os.path.isfile(out_path) and _inode(out_path) not in inputs:
         try:
-            with open(out_path, "rb") as f:
-                existing = ModelProto.FromString(f.read())
+            existing = ModelProto.FromString(read_regular_file(out_path, "model file", (2 << 30) - 1, OSError))
         except Exception:  # not a model we can read: nobody we know depends on its data
             existing = None
         if existing is not None:
@@ -240,22 +261,33 @@ def _protected_inodes(model: Model, out_path: str) -> set[tuple[int, int]]:
             folder = os.path.dirname(out_path)
             for loc in locations:
                 if "\x00" not in loc and (i := _inode(os.path.join(folder, loc))) is not None:
-                    protected.add(i)
-    return protected
+                    replaceable.add(i)
+    return replaceable - inputs
 
 
-def _choose_data_name(folder: str, location: str, protected: set[tuple[int, int]]) -> str:
+def _choose_data_name(folder: str, location: str, replaceable: set[tuple[int, int]]) -> str:
     root, ext = os.path.splitext(location)
     n = 0
     candidate = location
     while True:
-        inode = _inode(os.path.join(folder, candidate))
-        if not os.path.lexists(os.path.join(folder, candidate)) or (
-            inode is not None and inode not in protected
-        ):
+        path = os.path.join(folder, candidate)
+        if not os.path.lexists(path) or (not os.path.islink(path) and _inode(path) in replaceable):
             return candidate
         n += 1
         candidate = f"{root}.{n}{ext}"
+
+
+def _check_output_path(model: Model, out_path: str) -> None:
+    """The output model may replace the input model file (in place), never a file the input
+    reads its weights from."""
+    target = _inode(out_path)
+    if target is None:
+        return
+    if target in {i for i in map(_inode, model.data_paths()) if i is not None}:
+        raise InvalidArgument(
+            f"save_model: output path {out_path!r} is an external data file of the input model; "
+            "writing there would destroy the weights being saved — choose another output path"
+        )
 
 
 def _atomic_write(folder: str, final_name: str, write) -> None:
@@ -319,6 +351,7 @@ def save_model(
     _check_location(location)
     if location == os.path.basename(out_path):
         raise InvalidArgument(f"save_model: location {location!r} is the model file itself")
+    _check_output_path(model, out_path)
 
     dst = ModelProto()
     dst.CopyFrom(model.proto)
@@ -407,7 +440,7 @@ def save_model(
     data_name = None
     data_path = None
     if items:
-        data_name = _choose_data_name(folder, location, _protected_inodes(model, out_path))
+        data_name = _choose_data_name(folder, location, _replaceable_inodes(model, out_path))
         data_path = os.path.join(folder, data_name)
         if data_name != location:
             logger.info("data file %r is in use; writing %r instead", location, data_name)
@@ -421,6 +454,9 @@ def save_model(
 
     # Model metadata: drop the prepack layer's records of the old layout, add the new ones.
     new_meta = dict(extra.metadata(placements, data_name)) if extra is not None else {}
+    seal = extra is not None and items and new_meta and hasattr(extra, "manifest") and hasattr(extra, "sealed")
+    manifest = extra.manifest(new_meta) if seal else b""
+    manifest_item = place(manifest, len(manifest)) if manifest else None
     kept_props = [(p.key, p.value) for p in dst.metadata_props
                   if not p.key.startswith(PREPACKED_METADATA_PREFIX) and p.key not in new_meta]
     dst.ClearField("metadata_props")
@@ -428,13 +464,12 @@ def save_model(
         prop = dst.metadata_props.add()
         prop.key, prop.value = key, value
 
-    try:
-        serialized = dst.SerializeToString()
-    except Exception as e:  # protobuf's 2 GiB limit
+    # protobuf's 2 GiB limit, checked before anything is written (the seal adds < 1 KiB).
+    if dst.ByteSize() > (2 << 30) - (1 << 20):
         raise InvalidArgument(
-            f"save_model: the model proto cannot be serialized ({e}); lower min_size so more "
-            "tensors go to the data file"
-        ) from e
+            f"save_model: the model proto would be {dst.ByteSize()} bytes, over protobuf's 2 GiB; "
+            "lower min_size so more tensors go to the data file"
+        )
 
     def write_data(f) -> None:
         pos = 0
@@ -452,6 +487,12 @@ def save_model(
     try:
         if items:
             _atomic_write(folder, data_name, write_data)
+            if manifest_item is not None:
+                identity = stat_identity(os.stat(data_path))
+                for key, value in extra.sealed(data_name, manifest_item.offset, identity).items():
+                    prop = dst.metadata_props.add()
+                    prop.key, prop.value = key, value
+        serialized = dst.SerializeToString()
         _atomic_write(folder, os.path.basename(out_path), lambda f: f.write(serialized))
     except OSError as e:
         raise OnnxpackError(f"save_model: cannot write {out_path!r}: {e}") from e

@@ -16,6 +16,7 @@ buffer's checksum.  Anything wrong is one warning naming the weight, and ``None`
 from __future__ import annotations
 
 import bisect
+import hashlib
 import dataclasses
 import logging
 import os
@@ -34,6 +35,7 @@ from onnxpack.prepack._weights import (
     make_key,
     sample_digest,
 )
+from onnxpack.prepack._weights import KEY_DIGEST_SIZE
 
 logger = logging.getLogger(__name__)
 
@@ -124,16 +126,25 @@ class SaveRecord:
             out[rk] = value
         return out
 
+    def manifest(self, metadata: dict[str, str]) -> bytes:
+        self._manifest = fmt.manifest_bytes(metadata.items())
+        return self._manifest
 
-def _file_sample_digest(external: Any) -> bytes | None:
-    """:func:`sample_digest` of an external weight read with ``os.pread``, not through the mmap.
+    def sealed(self, location: str, manifest_offset: int, identity: tuple[int, ...]) -> dict[str, str]:
+        m = self._manifest
+        digest = hashlib.blake2b(m, digest_size=32).hexdigest()
+        key, value = fmt.format_file_record(fmt.FileRecord(location, tuple(identity), manifest_offset, len(m), digest))
+        return {key: value}
 
-    Why: a 256-byte read through the mapping faults in (and maps) a whole page-cache folio; on
-    this machine (Linux 6.18, ext4 large folios) 16 samples mapped ~all of every 16 MB weight,
-    so a warm start that never uses the originals still had them in its RSS/PSS.  ``pread``
-    copies just the samples and maps nothing.  ``None`` (use the mapping) when the file on disk
-    is no longer the one mapped (its identity changed), so we never sample other bytes.
-    """
+
+# Full digests of external source weights are computed reading the file in chunks of this size
+# with pread: the weight's pages are not mapped into the process (its RSS stays as it was).
+_DIGEST_CHUNK = 4 << 20
+
+
+def _file_full_digest(external: Any) -> bytes | None:
+    """:func:`full_digest` of an external weight read with ``os.pread``, not through the mapping;
+    ``None`` (use the mapping) when the file on disk is no longer the one mapped."""
     try:
         fd = os.open(external.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     except OSError:
@@ -141,16 +152,36 @@ def _file_sample_digest(external: Any) -> bytes | None:
     try:
         if stat_identity(os.fstat(fd)) != tuple(external.file_id):
             return None
-        return sample_digest(None, length=external.length,
-                             read=lambda start, size: os.pread(fd, size, external.offset + start))
+        h = hashlib.blake2b(digest_size=KEY_DIGEST_SIZE)
+        pos, end = external.offset, external.offset + external.length
+        while pos < end:
+            chunk = os.pread(fd, min(_DIGEST_CHUNK, end - pos), pos)
+            if not chunk:
+                return None
+            h.update(chunk)
+            pos += len(chunk)
+        return h.digest()
     except OSError:
         return None
     finally:
         os.close(fd)
 
 
+class _FileRejected(PrepackFormatError):
+    """Every record of one data file is unusable (reported once for the file, not per weight)."""
+
+
 class LoadRecord:
-    """Load mode: the records found in a model, validated lazily per weight."""
+    """Load mode: the records found in a model, validated lazily per weight.
+
+    How much is checked before a blob is used depends on the seal of its data file (see
+    ``entry_format``): records that do not match the data file's manifest are never used; a file
+    with its identity unchanged since it was written is trusted without reading a weight (bounds,
+    overlaps, sizes, dtypes, the kernel's check and the checksums of small blobs still apply); a
+    file without a seal or with another identity (copied, replaced, written since) — and every
+    file under ``verify`` — has every source weight digested and every blob checksummed in full.
+    Sources stored inside the model proto are always digested in full.
+    """
 
     def __init__(self, model: Any, *, verify: bool = False) -> None:
         self.model = model
@@ -158,17 +189,44 @@ class LoadRecord:
         self.rejected = 0
         self._failed: set[tuple[str, str, str]] = set()  # (scope, name, reason): warn once each
         self._records: dict[tuple[str, str], fmt.WeightRecord] = {}
+        self._stored: dict[tuple[str, str], tuple[str, str]] = {}  # the record's key and value as stored
+        self._files: dict[str, fmt.FileRecord | None] = {}
+        self._states: dict[str, tuple[str, dict[bytes, bytes]] | PrepackFormatError] = {}
+        self._warned_files: set[str] = set()
         self._ranges: tuple[dict[str, tuple[list, list]], set] | None = None
-        for prop in model.proto.metadata_props:
-            if not fmt.is_record_key(prop.key):
+        props = [(p.key, p.value) for p in model.proto.metadata_props]
+        counts: dict[str, int] = {}
+        for key, _ in props:
+            counts[key] = counts.get(key, 0) + 1
+        for key, value in props:
+            if fmt.is_file_key(key):
+                try:
+                    rec = fmt.parse_file_record(key, value)
+                except PrepackFormatError as exc:
+                    _warn(f"data file record {key[:200]!r} ignored (blobs are verified in full): {exc}")
+                    continue
+                # Two records for one file: neither is believed.
+                self._files[rec.location] = None if rec.location in self._files else rec
+                continue
+            if not fmt.is_record_key(key):
+                continue
+            if counts[key] > 1:
+                if counts[key] > 0:
+                    self.rejected += 1
+                    _warn(f"pre-packed record {key[:200]!r} appears {counts[key]} times: every copy ignored "
+                          "(the weight will be re-packed)")
+                    counts[key] = -1
+                continue
+            if counts[key] < 0:
                 continue
             try:
-                rec = fmt.parse_record(prop.key, prop.value)
+                rec = fmt.parse_record(key, value)
             except PrepackFormatError as exc:
                 self.rejected += 1
-                _warn(f"pre-packed record {prop.key[:200]!r} ignored (the weight will be re-packed): {exc}")
+                _warn(f"pre-packed record {key[:200]!r} ignored (the weight will be re-packed): {exc}")
                 continue
             self._records[(rec.scope, rec.name)] = rec
+            self._stored[(rec.scope, rec.name)] = (key, value)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -180,7 +238,7 @@ class LoadRecord:
              check: Any, external: Any = None) -> PrePackedWeights | None:
         """Mapped buffers for this weight and kernel spec, or None (with a warning if unusable).
 
-        ``raw`` returns the source weight's bytes (read lazily: only sampled unless verifying);
+        ``raw`` returns the source weight's bytes (read only when it must be digested);
         ``check(buffers)`` is the kernel's own validation (None when fine, else a reason).
         """
         rec = self._records.get((scope, name))
@@ -189,6 +247,15 @@ class LoadRecord:
         where = f"pre-packed blob of weight {name!r}" + (f" in scope {scope!r}" if scope else "")
         try:
             return self._find(rec, where, raw, spec, dtype, shape, check, external)
+        except _FileRejected as exc:
+            seen = (scope, name, "file")
+            if seen not in self._failed:
+                self._failed.add(seen)
+                self.rejected += 1
+            if str(exc) not in self._warned_files:
+                self._warned_files.add(str(exc))
+                _warn(f"pre-packed blobs ignored, re-packing: {exc}")
+            return None
         except (PrepackFormatError, OnnxpackError, ValueError) as exc:
             # A weight with several consumers is looked up once per consumer; the same failure
             # is one warning (and one rejected blob), not one per consumer.
@@ -199,12 +266,44 @@ class LoadRecord:
                 _warn(f"{where} ignored, re-packing: {exc}")
             return None
 
+    def _state(self, location: str) -> tuple[str, dict[bytes, bytes]]:
+        """(``trusted`` or ``verify``, the manifest) for the blobs in data file ``location``;
+        raises :class:`_FileRejected` when the file's seal and manifest disagree."""
+        state = self._states.get(location)
+        if state is None:
+            try:
+                state = self._seal_state(location)
+            except PrepackFormatError as exc:
+                state = _FileRejected(f"data file {location!r}: {exc}")
+            self._states[location] = state
+        if isinstance(state, PrepackFormatError):
+            raise state
+        return state
+
+    def _seal_state(self, location: str) -> tuple[str, dict[bytes, bytes]]:
+        seal = self._files.get(location)
+        if seal is None:
+            raise PrepackFormatError(
+                "no seal for this data file (saved by an older onnxpack, or its record was removed): "
+                "re-run onnxpack optimize"
+            )
+        data, size = self.model.data_buffer(location, f"manifest of data file {location!r}")
+        end = seal.manifest_offset + seal.manifest_length
+        if end > size:
+            raise PrepackFormatError(f"the manifest [{seal.manifest_offset}, {end}) lies outside the file of {size} bytes")
+        raw = bytes(memoryview(data)[seal.manifest_offset:end])
+        if hashlib.blake2b(raw, digest_size=32).hexdigest() != seal.manifest_digest:
+            raise PrepackFormatError("the manifest in the data file is not the one this model was saved with "
+                                     "(a data file from another save)")
+        trusted = self.model.data_identity(location) == seal.identity and not self.verify
+        return ("trusted" if trusted else "verify"), fmt.parse_manifest(raw)
+
     def _find(self, rec: fmt.WeightRecord, where: str, raw: Any, spec: Any, dtype: Any,
               shape: Sequence[int], check: Any, external: Any = None) -> PrePackedWeights | None:
         digest_hex = rec.source_digest
         if len(digest_hex) != 64:
             raise PrepackFormatError(f"source digest: expected 64 hex digits, got {len(digest_hex)}")
-        digest, sample = bytes.fromhex(digest_hex[:32]), bytes.fromhex(digest_hex[32:])
+        digest = bytes.fromhex(digest_hex[:32])
         key = content_key(spec, digest, dtype, shape)
         pack = next((p for p in rec.packs if p.key == key), None)
         if pack is None:
@@ -213,25 +312,49 @@ class LoadRecord:
                 f"no pack for kernel {fam} with this weight's dtype/shape (record has "
                 f"{[p.key.rsplit('/', 1)[0] for p in rec.packs]})"
             )
-        if external is not None and not self.verify:
+        locations = {b.location for b in pack.buffers}
+        if len(locations) != 1:
+            raise PrepackFormatError(f"the pack's buffers lie in several files {sorted(locations)}")
+        (location,) = locations
+        if external is not None and external.location != location:
+            raise PrepackFormatError(
+                f"the blob lies in {location!r}, not in {external.location!r} with its weight: the record "
+                "points at another file"
+            )
+        mode, manifest = self._state(location)
+        full = mode == "verify"
+        own = self._own_range(spec, external)
+        views = self._views(pack, where, key, own)  # bounds and overlaps: the record's structure
+        stored_key, stored_value = self._stored[(rec.scope, rec.name)]
+        if not fmt.manifest_matches(manifest, stored_key, stored_value):
+            raise PrepackFormatError(
+                "the record does not match the data file's manifest (edited, added or moved to this "
+                "weight after saving): its blobs are not bound to this weight"
+            )
+        if external is not None:
             if external.length != rec.source_length:
                 raise PrepackFormatError(
-                    f"stale: weight has {external.length} bytes, record says {rec.source_length}"
-                )
-            sampled = _file_sample_digest(external)
-            if sampled is not None:
-                if sampled != sample:
+                    f"stale: weight has {external.length} bytes, record says {rec.source_length}")
+            if full:
+                got = _file_full_digest(external)
+                if got is None:
+                    got = full_digest(raw())
+                if got != digest:
                     raise PrepackFormatError("stale: the weight's bytes changed since the blob was saved")
-                return self._map(pack, where, key, check, self._own_range(spec, external))
-        source = raw()
-        nbytes = source.nbytes if isinstance(source, (memoryview, np.ndarray)) else len(source)
-        if nbytes != rec.source_length:
-            raise PrepackFormatError(f"stale: weight has {nbytes} bytes, record says {rec.source_length}")
-        if sample_digest(source) != sample:
-            raise PrepackFormatError("stale: the weight's bytes changed since the blob was saved")
-        if self.verify and full_digest(source) != digest:
-            raise PrepackFormatError("stale: the weight's full digest does not match the record")
-        return self._map(pack, where, key, check, self._own_range(spec, external))
+        else:
+            source = raw()
+            nbytes = source.nbytes if isinstance(source, (memoryview, np.ndarray)) else len(source)
+            if nbytes != rec.source_length:
+                raise PrepackFormatError(f"stale: weight has {nbytes} bytes, record says {rec.source_length}")
+            if full_digest(source) != digest:
+                raise PrepackFormatError("stale: the weight's bytes changed since the blob was saved")
+        for i, (b, view) in enumerate(zip(pack.buffers, views)):
+            if (full or b.length < ALWAYS_VERIFY_BELOW) and fmt.checksum(view) != b.checksum:
+                raise PrepackFormatError(f"buffer {i}: checksum {fmt.checksum(view)} != recorded {b.checksum}")
+        reason = check(tuple(views))
+        if reason is not None:
+            raise PrepackFormatError(f"kernel rejects the blob: {reason}")
+        return PrePackedWeights(key, tuple(views), "model")
 
     @staticmethod
     def _own_range(spec: Any, external: Any) -> tuple[str, int, int] | None:
@@ -240,10 +363,10 @@ class LoadRecord:
             return None
         return (external.location, external.offset, external.length)
 
-    def _map(self, pack: fmt.PackRecord, where: str, key: str, check: Any,
-             own: tuple[str, int, int] | None = None) -> PrePackedWeights:
-        """Views of ``pack``'s buffers after bounds, checksum (small or verify) and kernel checks."""
-        buffers = []
+    def _views(self, pack: fmt.PackRecord, where: str, key: str,
+               own: tuple[str, int, int] | None = None) -> list[np.ndarray]:
+        """Views of ``pack``'s buffers after the bounds and overlap checks."""
+        views = []
         for i, b in enumerate(pack.buffers):
             data, size = self.model.data_buffer(b.location, where)
             if b.offset + b.length > size:
@@ -252,14 +375,8 @@ class LoadRecord:
                 )
             if own is None or (b.location, b.offset, b.length) != own:
                 self._check_overlap(i, b, key)
-            view = b.view(data)
-            if (self.verify or b.length < ALWAYS_VERIFY_BELOW) and fmt.checksum(view) != b.checksum:
-                raise PrepackFormatError(f"buffer {i}: checksum {fmt.checksum(view)} != recorded {b.checksum}")
-            buffers.append(view)
-        reason = check(tuple(buffers))
-        if reason is not None:
-            raise PrepackFormatError(f"kernel rejects the blob: {reason}")
-        return PrePackedWeights(key, tuple(buffers), "model")
+            views.append(b.view(data))
+        return views
 
     def _check_overlap(self, i: int, b: fmt.BufferRecord, key: str) -> None:
         """Refuses a buffer whose bytes overlap a weight or another record's buffer.

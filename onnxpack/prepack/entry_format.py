@@ -54,6 +54,14 @@ __all__ = [
     "WeightRecord",
     "record_key",
     "is_record_key",
+    "FileRecord",
+    "file_key",
+    "is_file_key",
+    "format_file_record",
+    "parse_file_record",
+    "manifest_bytes",
+    "parse_manifest",
+    "manifest_matches",
     "format_record",
     "parse_record",
     "check_bounds",
@@ -338,8 +346,130 @@ def record_key(scope: str, name: str) -> str:
 
 
 def is_record_key(key: str) -> bool:
-    """Whether a metadata_props key belongs to this format (the value may still be malformed)."""
-    return isinstance(key, str) and key.startswith(KEY_PREFIX)
+    """Whether a metadata_props key is a weight record of this format (the value may still be
+    malformed); file records (:func:`is_file_key`) are not weight records."""
+    return isinstance(key, str) and key.startswith(KEY_PREFIX) and not key.startswith(FILE_KEY_PREFIX)
+
+
+# -- the data file's seal: identity and manifest ---------------------------------------------------
+#
+# A saved model's records are bound to its data file in two ways, both checkable without reading
+# any weight:
+#
+# * the **manifest**, a table the saver appends to the data file: per weight record, the
+#   blake2b-128 of its metadata key and of its value (:func:`manifest_bytes`).  A record edited,
+#   added, or moved to another weight in the model file no longer matches an entry of the manifest
+#   in the data file, so that record's blobs are not used (its weight is re-packed);
+# * the **file record** (key ``onnxpack.prepacked/~files/<location>``): the data file's
+#   ``stat_identity`` (device, inode, size, mtime, ctime) right after it was written, and where its
+#   manifest is, with the blake2b-256 of the manifest's bytes.  While the file keeps that identity
+#   nobody has written to it (an in-place write moves ctime, which users cannot set back; a copy or
+#   a replacement is another inode), so its weights are the ones the records digested; otherwise
+#   every source weight and blob is verified in full before use.  A manifest whose bytes do not
+#   match the file record (another save's data file) makes every record of that file unusable.
+#
+# "~" cannot start an encoded scope path (the root's is empty, others start with "%2F"), so the
+# file key never collides with a weight record's key.
+
+FILE_KEY_PREFIX = KEY_PREFIX + "~files/"
+FILE_VALUE_MAGIC = "onnxpack-datafile-v"
+MANIFEST_MAGIC = b"onnxpack-mfst-v1"  # 16 bytes, then the entry count (u64 LE), zeros to 64
+MANIFEST_HEADER = 64
+MANIFEST_ENTRY = 32  # blake2b-128 of the record's key, then of its value
+# A manifest longer than this is not one we wrote (a million records): refused before reading.
+MAX_MANIFEST_BYTES = MANIFEST_HEADER + MANIFEST_ENTRY * (1 << 20)
+_HEX64_RE = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRecord:
+    """The seal of one data file: its identity when written and where its manifest is."""
+
+    location: str
+    identity: tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
+    manifest_offset: int
+    manifest_length: int
+    manifest_digest: str  # 64 hex digits: blake2b-256 of the manifest's bytes
+
+    def __post_init__(self) -> None:
+        _check_location("data file", self.location)
+        if type(self.identity) is not tuple or len(self.identity) != 5:
+            raise _fail("data file identity", "5 integers", self.identity)
+        for what, v in zip(("device", "inode", "size", "mtime_ns", "ctime_ns"), self.identity):
+            _check_int(f"data file {what}", v, 0, 2**64 - 1)
+        _check_int("manifest offset", self.manifest_offset)
+        _check_int("manifest length", self.manifest_length, MANIFEST_HEADER, MAX_MANIFEST_BYTES)
+        if type(self.manifest_digest) is not str or not _HEX64_RE.fullmatch(self.manifest_digest):
+            raise _fail("manifest digest", "64 lowercase hex digits", self.manifest_digest)
+
+
+def file_key(location: str) -> str:
+    _check_location("data file", location)
+    return f"{FILE_KEY_PREFIX}{quote(location, safe='')}"
+
+
+def is_file_key(key: str) -> bool:
+    return isinstance(key, str) and key.startswith(FILE_KEY_PREFIX)
+
+
+def format_file_record(record: FileRecord) -> tuple[str, str]:
+    body = {"file": record.location, "identity": list(record.identity), "manifest_offset": record.manifest_offset,
+            "manifest_length": record.manifest_length, "manifest": record.manifest_digest}
+    return file_key(record.location), f"{FILE_VALUE_MAGIC}1;" + json.dumps(body, separators=(",", ":"))
+
+
+def parse_file_record(key: str, value: str) -> FileRecord:
+    """Parse a file record; :class:`PrepackFormatError` on anything malformed."""
+    if type(key) is not str or not key.startswith(FILE_KEY_PREFIX) or len(key) > MAX_KEY_LENGTH:
+        raise _fail("data file record key", f"at most {MAX_KEY_LENGTH} characters starting with {FILE_KEY_PREFIX!r}", key)
+    if type(value) is not str or len(value) > 4096 or not value.startswith(f"{FILE_VALUE_MAGIC}1;"):
+        raise _fail(f"data file record {key!r}", f"a value starting with '{FILE_VALUE_MAGIC}1;'", str(value)[:40])
+    try:
+        obj = json.loads(value.split(";", 1)[1], object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+    except PrepackFormatError:
+        raise
+    except (ValueError, RecursionError) as e:
+        raise _fail(f"data file record {key!r}", "valid JSON", f"{type(e).__name__}: {e}") from None
+    obj = _object("data file record", obj, ("file", "identity", "manifest_offset", "manifest_length", "manifest"))
+    identity = _array("data file identity", obj["identity"], 5)
+    record = FileRecord(obj["file"], tuple(identity), obj["manifest_offset"], obj["manifest_length"], obj["manifest"])
+    if key != file_key(record.location):
+        raise _fail("data file record key", repr(file_key(record.location)), key)
+    return record
+
+
+def _entry(key: str, value: str) -> tuple[bytes, bytes]:
+    def d(text: str) -> bytes:
+        return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+    return d(key), d(value)
+
+
+def manifest_bytes(props: Any) -> bytes:
+    """The manifest sealing the weight records among ``props`` ((key, value) pairs)."""
+    entries = sorted(_entry(k, v) for k, v in props if is_record_key(k))
+    header = MANIFEST_MAGIC + len(entries).to_bytes(8, "little")
+    return header + bytes(MANIFEST_HEADER - len(header)) + b"".join(kd + vd for kd, vd in entries)
+
+
+def parse_manifest(data: bytes) -> dict[bytes, bytes]:
+    """key digest -> value digest of a manifest; :class:`PrepackFormatError` if malformed."""
+    if len(data) < MANIFEST_HEADER or data[:16] != MANIFEST_MAGIC:
+        raise _fail("manifest", f"{MANIFEST_MAGIC!r} and a {MANIFEST_HEADER}-byte header", bytes(data[:16]))
+    count = int.from_bytes(data[16:24], "little")
+    if len(data) != MANIFEST_HEADER + MANIFEST_ENTRY * count:
+        raise _fail("manifest length", f"{MANIFEST_HEADER} + {MANIFEST_ENTRY} x {count}", len(data))
+    out: dict[bytes, bytes] = {}
+    for k in range(count):
+        at = MANIFEST_HEADER + MANIFEST_ENTRY * k
+        out[bytes(data[at:at + 16])] = bytes(data[at + 16:at + 32])
+    return out
+
+
+def manifest_matches(manifest: dict[bytes, bytes], key: str, value: str) -> bool:
+    """Whether the record stored as (``key``, ``value``) is the one the manifest sealed."""
+    kd, vd = _entry(key, value)
+    return manifest.get(kd) == vd
 
 
 def _to_json(record: WeightRecord) -> dict[str, Any]:

@@ -172,9 +172,13 @@ def test_save_over_input_never_modifies_it(samples, tmp_path, build_module):
     assert _digest(tmp_path)["mlp.onnx.data"] == before["mlp.onnx.data"]
     assert os.stat(tmp_path / "mlp.onnx.data").st_ino == inode_before
     np.testing.assert_array_equal(w1, w1_copy)  # live view still valid
-    # Saving again alternates back: mlp.onnx.data is no longer referenced by anyone we know.
+    # Saving in place again never replaces a file: mlp.onnx.data may still be another model's
+    # (issue 12: a second in-place save replaced it), so a fresh name is used and both stay.
+    first_data = _digest(tmp_path)["mlp.onnx.1.data"]
     again = save_model(load_model(tmp_path / "mlp.onnx"), tmp_path / "mlp.onnx", min_size=64)
-    assert again.location == "mlp.onnx.data"
+    assert again.location == "mlp.onnx.2.data"
+    after = _digest(tmp_path)
+    assert after["mlp.onnx.data"] == before["mlp.onnx.data"] and after["mlp.onnx.1.data"] == first_data
     import onnxruntime as ort
 
     feeds = build_module.sample_inputs("mlp")

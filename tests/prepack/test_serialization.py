@@ -448,12 +448,13 @@ def test_verify_prepacked_catches_flipped_byte(saved_mlp):
     assert len(ws.prepack) == 1 and "W1" in ws.prepack[0] and "checksum" in ws.prepack[0]
     assert s.get_prepack_stats()["weights_packed"] == 1
     _equal(got, expected)
-    # Without verify, a large blob is trusted as mapped (bounds/shape/dtype checked, bytes not):
-    # checking it would page in every large blob at create, which is what mapping avoids.
+    # Without verify the flip is caught too: writing into the data file changed its identity
+    # (ctime), so every source and blob of it is verified in full before use (issue 12).
     with _Warnings() as ws:
         s2 = InferenceSession(str(out))
-    assert ws.prepack == []
-    assert s2.get_prepack_stats()["weights_packed"] == 0
+        _equal(s2.run(None, feeds), expected)
+    assert len(ws.prepack) == 1 and "W1" in ws.prepack[0] and "checksum" in ws.prepack[0]
+    assert s2.get_prepack_stats()["weights_packed"] == 1
 
 
 def test_small_blobs_always_checksummed(saved_mlp):

@@ -89,8 +89,12 @@ def _external_variant(base, location: str | None = None, offset: str | None = No
 
 def _record_variant(base, location: str) -> bytes:
     proto = onnx.ModelProto.FromString(base["files"]["fuzzmix.onnx"])
-    assert len(proto.metadata_props) == 3
+    from onnxpack.prepack.entry_format import is_record_key
+
+    assert sum(is_record_key(p.key) for p in proto.metadata_props) == 3
     for prop in proto.metadata_props:
+        if not is_record_key(prop.key):
+            continue  # the data file's seal
         prefix, body = prop.value.split(";", 1)
         obj = json.loads(body)
         for p in obj["packs"]:
