@@ -21,13 +21,21 @@ MS = "com.microsoft"
 
 
 def single_node_model(node, feeds: Mapping[str, np.ndarray], consts: Mapping[str, np.ndarray], opset: int = 21,
-                      ms_opset: int = 1) -> onnx.ModelProto:
+                      ms_opset: int = 1, out_types: Mapping[str, np.dtype] | None = None) -> onnx.ModelProto:
+    """``out_types`` declares output element types where onnxruntime cannot infer them."""
+    out_types = out_types or {}
+
+    def out_vi(o):
+        if o in out_types:
+            return helper.make_tensor_value_info(o, helper.np_dtype_to_tensor_dtype(np.dtype(out_types[o])), None)
+        return helper.make_value_info(o, onnx.TypeProto())
+
     def vi(n, v):
         return helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
 
     graph = helper.make_graph(
         [node], "g", [vi(n, v) for n, v in feeds.items()],
-        [helper.make_value_info(o, onnx.TypeProto()) for o in node.output if o],
+        [out_vi(o) for o in node.output if o],
         [numpy_helper.from_array(np.asarray(v), n) for n, v in consts.items()],
     )
     opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS, ms_opset)]
@@ -62,12 +70,12 @@ def assert_match(got, want, tol: Mapping | None, what: str = "") -> None:
 
 
 def check_all_paths(node, feeds: Mapping[str, np.ndarray], consts: Mapping[str, np.ndarray], tol: Mapping, *,
-                    packs: int = 0, opset: int = 21, want=None) -> list[np.ndarray]:
+                    packs: int = 0, opset: int = 21, want=None, out_types=None) -> list[np.ndarray]:
     """Oracle vs the three session paths; ``packs`` = how many weights the kernel must pack.
 
     ``want`` replaces onnxruntime as the oracle (ops onnxruntime runs only on CUDA).
     """
-    model = single_node_model(node, feeds, consts, opset)
+    model = single_node_model(node, feeds, consts, opset, out_types=out_types)
     if want is None:
         want = run_ort_model(model, feeds)
     got, stats = run_onnxpack(model, feeds)
@@ -77,7 +85,7 @@ def check_all_paths(node, feeds: Mapping[str, np.ndarray], consts: Mapping[str, 
     assert stats2["weights_packed"] == 0
     assert_match(got2, want, tol, "prepacking disabled")
     if consts:
-        unpacked = single_node_model(node, {**feeds, **consts}, {}, opset)
+        unpacked = single_node_model(node, {**feeds, **consts}, {}, opset, out_types=out_types)
         got3, _ = run_onnxpack(unpacked, {**feeds, **consts})
         assert_match(got3, want, tol, "weights as inputs")
     return want
