@@ -276,3 +276,161 @@ def test_onnx_rotary_embedding_23(case, dtype):
         p = rng.integers(0, 16, (2, s))
         n = mk("RotaryEmbedding", ["x", "c", "s"], ["y"], domain="", **attrs)
         check_all_paths(n, {"x": x, "c": cos[p], "s": sin[p]}, {}, tol(dtype), opset=23)
+
+
+# ------------------------------------------------------------------------------------------------
+# GroupQueryAttention
+# ------------------------------------------------------------------------------------------------
+GQA_INPUTS = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length", "cos_cache",
+              "sin_cache", "position_ids", "attention_bias", "head_sink"]
+
+
+def gqa_model(dtype, used: set[str], consts: dict[str, np.ndarray], **attrs) -> onnx.ModelProto:
+    """A one-node GroupQueryAttention model whose inputs have no fixed shapes (steps differ)."""
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    types = {"seqlens_k": TensorProto.INT32, "total_sequence_length": TensorProto.INT32,
+             "position_ids": TensorProto.INT64}
+    ins = [n if n in used or n in consts else "" for n in GQA_INPUTS]
+    while ins[-1] == "":
+        ins.pop()
+    node = helper.make_node("GroupQueryAttention", ins, ["y", "present_key", "present_value"], domain=MS, **attrs)
+    graph = helper.make_graph(
+        [node], "gqa",
+        [helper.make_tensor_value_info(n, types.get(n, elem), None) for n in ins if n and n not in consts],
+        [helper.make_tensor_value_info(o, elem, None) for o in node.output],
+        [numpy_helper.from_array(v, n) for n, v in consts.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)],
+                             ir_version=10)
+
+
+class GqaPair:
+    """The same GQA model in onnxruntime and in onnxpack."""
+
+    def __init__(self, model):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        self.ort = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        self.ours = onnxpack.InferenceSession(model.SerializeToString())
+        assert not self.ours.get_fallback_nodes()
+
+
+GQA_LOOP = [
+    # id, layout, packed, rotary (None | "halves" | "interleaved"), attrs
+    ("exact-plain", "exact", False, None, {}),
+    ("shared-plain", "shared", False, None, {}),
+    ("exact-rotary", "exact", False, "halves", {}),
+    ("shared-rotary-interleaved", "shared", False, "interleaved", {}),
+    ("shared-packed-rotary", "shared", True, "halves", {}),
+    ("exact-local-window", "exact", False, "halves", dict(local_window_size=3)),
+    ("shared-softcap", "shared", False, None, dict(softcap=2.0)),
+    ("exact-packed-window-softcap", "exact", True, "interleaved", dict(local_window_size=2, softcap=5.0)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", GQA_LOOP, ids=[c[0] for c in GQA_LOOP])
+def test_gqa_prompt_then_decode_steps(case, dtype):
+    """A right-padded batch-2 prompt (lengths 5 and 3), then 4 decode steps each feeding its own
+    present back as past.  "exact": past holds exactly the cached rows (P = past length, empty
+    for the prompt); "shared": past is a max-length buffer (12 rows) that present keeps."""
+    _, layout, packed, rotary, attrs = case
+    rng = np.random.default_rng(10)
+    n, nkv, h, cap = 4, 2, 16, 12  # onnxruntime rotates only head sizes that are multiples of 16
+    consts = {}
+    if rotary:
+        consts["cos_cache"], consts["sin_cache"] = rope_caches(16, h // 2, dtype)
+        attrs = dict(attrs, do_rotary=1, rotary_interleaved=int(rotary == "interleaved"))
+    used = {"query", "past_key", "past_value", "seqlens_k", "total_sequence_length"}
+    if not packed:
+        used |= {"key", "value"}
+    pair = GqaPair(gqa_model(dtype, used, consts, num_heads=n, kv_num_heads=nkv, **attrs))
+    lens = np.array([5, 3])
+    s = 5
+    p0 = 0 if layout == "exact" else cap
+    caches = {k: (np.zeros((2, nkv, p0, h), dtype),) * 2 for k in ("ort", "ours")}
+    for step in range(5):
+        if step:
+            lens = lens + 1
+            s = 1
+        total = int(lens.max())
+        feeds = {"seqlens_k": (lens - 1).astype(np.int32), "total_sequence_length": np.array(total, np.int32)}
+        if packed:
+            feeds["query"] = rand(rng, (2, s, (n + 2 * nkv) * h), dtype)
+        else:
+            feeds["query"] = rand(rng, (2, s, n * h), dtype)
+            feeds["key"] = rand(rng, (2, s, nkv * h), dtype)
+            feeds["value"] = rand(rng, (2, s, nkv * h), dtype)
+        outs = {}
+        for side, sess in (("ort", pair.ort), ("ours", pair.ours)):
+            pk, pv = caches[side]
+            outs[side] = sess.run(None, {**feeds, "past_key": pk, "past_value": pv})
+            caches[side] = (outs[side][1], outs[side][2])
+        (y_ort, k_ort, v_ort), (y, k, v) = outs["ort"], outs["ours"]
+        assert y.dtype == y_ort.dtype == dtype and y.shape == y_ort.shape
+        want_len = max(total, p0 if layout == "shared" else (0 if step == 0 else caches["ort"][0].shape[2]))
+        assert k.shape == k_ort.shape == (2, nkv, max(total, cap if layout == "shared" else total), h), (k.shape, want_len)
+        t = tol(dtype)
+        if step == 0:  # rows of row 1 past its length 3 are unspecified in onnxruntime
+            np.testing.assert_allclose(y[0].astype(np.float64), y_ort[0].astype(np.float64), **t)
+            np.testing.assert_allclose(y[1, :3].astype(np.float64), y_ort[1, :3].astype(np.float64), **t)
+        else:
+            np.testing.assert_allclose(y.astype(np.float64), y_ort.astype(np.float64), **t, err_msg=f"step {step}")
+        np.testing.assert_allclose(k.astype(np.float64), k_ort.astype(np.float64), **t, err_msg=f"present_key {step}")
+        np.testing.assert_allclose(v.astype(np.float64), v_ort.astype(np.float64), **t, err_msg=f"present_value {step}")
+
+
+GQA_PROMPT = [
+    ("plain", {}, set()),
+    ("scale", dict(scale=0.2), set()),
+    ("smooth-softmax", dict(smooth_softmax=1), set()),
+    ("head-sink", {}, {"head_sink"}),
+    ("attention-bias", {}, {"attention_bias"}),
+    ("attention-bias-softcap", dict(softcap=1.5), {"attention_bias"}),
+    ("position-ids-rotary", dict(do_rotary=1), {"position_ids"}),
+    ("non-causal", dict(causal=0), set()),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", GQA_PROMPT, ids=[c[0] for c in GQA_PROMPT])
+def test_gqa_options(case, dtype):
+    """Options on a prompt of 4 tokens plus one decode step (past of 4 rows), batch 2."""
+    _, attrs, extra = case
+    rng = np.random.default_rng(11)
+    n, nkv, h = 6, 2, 16
+    consts = {}
+    if attrs.get("do_rotary"):
+        consts["cos_cache"], consts["sin_cache"] = rope_caches(16, h // 2, dtype)
+    for s, p in ((4, 0), (1, 4)):
+        feeds = {
+            "query": rand(rng, (2, s, n * h), dtype), "key": rand(rng, (2, s, nkv * h), dtype),
+            "value": rand(rng, (2, s, nkv * h), dtype),
+            "past_key": rand(rng, (2, nkv, p, h), dtype), "past_value": rand(rng, (2, nkv, p, h), dtype),
+            "seqlens_k": np.full(2, p + s - 1, np.int32), "total_sequence_length": np.array(p + s, np.int32),
+        }
+        if "head_sink" in extra:
+            feeds["head_sink"] = rand(rng, (n,), dtype)
+        if "attention_bias" in extra:
+            feeds["attention_bias"] = rand(rng, (2, 1, s, p + s), dtype, 2.0)
+        if "position_ids" in extra:
+            feeds["position_ids"] = rng.integers(0, 16, (2, s)).astype(np.int64)
+        ins = [k if k in feeds or k in consts else "" for k in GQA_INPUTS]
+        node = mk("GroupQueryAttention", ins, ["y", "present_key", "present_value"], num_heads=n, kv_num_heads=nkv,
+                  **attrs)
+        check_all_paths(node, feeds, consts, tol(dtype))
+
+
+def test_gqa_declines_what_it_does_not_implement_and_checks_lengths():
+    ctx = KernelContext(1, {MS: 1})
+    cls = lookup(MS, "GroupQueryAttention", 1)
+    with pytest.raises(NotImplementedError):
+        cls(mk("GroupQueryAttention", ["q"], ["y"], num_heads=2, kv_num_heads=1, k_quant_type="PER_TENSOR"), ctx)
+    with pytest.raises(InvalidArgument, match="multiple of kv_num_heads"):
+        cls(mk("GroupQueryAttention", ["q"], ["y"], num_heads=3, kv_num_heads=2), ctx)
+    k = cls(mk("GroupQueryAttention", GQA_INPUTS[:7], ["y"], num_heads=2, kv_num_heads=1), ctx)
+    q = np.zeros((1, 1, 8), np.float32)
+    kv = np.zeros((1, 1, 4), np.float32)
+    past = np.zeros((1, 1, 2, 4), np.float32)
+    with pytest.raises(InvalidArgument, match="seqlens_k"):
+        k.run(q, kv, kv, past, past, np.array([5], np.int32), np.array(3, np.int32))

@@ -57,11 +57,15 @@ def softmax_rows(z: np.ndarray, sink: np.ndarray | None = None) -> np.ndarray:
     m = z.max(axis=-1, keepdims=True)
     if sink is not None:
         m = np.maximum(m, sink)
+    # A row with every key excluded (-inf; only padding rows of a right-padded prompt under a
+    # local window) gives zeros instead of NaN: its max becomes finite and its sum 1.
+    np.maximum(m, np.finfo(z.dtype).min, out=m)
     z -= m
     np.exp(z, out=z)
     s = z.sum(axis=-1, keepdims=True)
     if sink is not None:
         s += np.exp(sink - m)
+    s[s == 0] = 1
     z /= s
     return z
 
@@ -87,14 +91,14 @@ def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: b
     return out
 
 
-def _attend(q, k, v, scale: float, bias=None, *, exclude=None, softcap: float = 0.0, sink=None,
+def _attend(q, k, v, scale: float, bias=None, *, exclude=None, softcap: float = 0.0, post_bias=None, sink=None,
             qk_out: bool = False):
     """``softmax(scale * q @ k^T + bias) @ v`` for q (B, N, S, H), k/v (B, Nkv, T, H).
 
     N must be a multiple of Nkv (grouped query attention: query heads ``g*G .. g*G+G-1`` share
     KV head g).  ``bias`` (additive, broadcast to (B, N, S, T)) is added before ``softcap``
-    (``softcap * tanh(scores / softcap)``); ``exclude`` (bool, True = key not attended) takes
-    keys out of the softmax after it.  ``sink``: see :func:`softmax_rows`.  Returns
+    (``softcap * tanh(scores / softcap)``), ``post_bias`` after it; ``exclude`` (bool, True = key
+    not attended) then takes keys out of the softmax.  ``sink``: see :func:`softmax_rows`.  Returns
     (B, N, S, Hv) and, with ``qk_out``, the scaled scores plus bias (before softcap and mask).
     """
     b, n, s, h = q.shape
@@ -110,6 +114,8 @@ def _attend(q, k, v, scale: float, bias=None, *, exclude=None, softcap: float = 
         scores /= scores.dtype.type(softcap)
         np.tanh(scores, out=scores)
         scores *= scores.dtype.type(softcap)
+    if post_bias is not None:
+        scores += post_bias
     if exclude is not None:
         scores[np.broadcast_to(exclude, scores.shape)] = -np.inf
     softmax_rows(scores, sink)
@@ -563,10 +569,12 @@ class GroupQueryAttention(Kernel):
 
     Query i of row b (absolute position ``p = past_b + i``) attends to keys ``j <= p`` (all
     ``j < seqlens_k[b] + 1`` with ``causal=0``), and with ``local_window_size = W > 0`` only to
-    ``j >= p - W``.  ``softcap`` caps the scaled scores (``softcap * tanh(x / softcap)``), after
-    attention_bias is added; ``smooth_softmax`` adds a zero logit to the softmax denominator,
+    the W keys ``j > p - W`` (itself included; measured against onnxruntime 1.32, whose older
+    releases attended to W + 1 keys).  ``softcap`` caps the scaled scores (``softcap * tanh(x / softcap)``) before
+    attention_bias is added (onnxruntime's order); ``smooth_softmax`` adds a zero logit to the softmax denominator,
     ``head_sink`` a per-head one.  Rotary (``do_rotary``) rotates Q and K at positions
-    ``position_ids`` or else ``past_b + i``.
+    ``position_ids`` (for a first prompt only its first element counts: positions
+    ``position_ids[0, 0] + i`` for every row, as onnxruntime does) or else ``past_b + i``.
 
     Not implemented (the constructor declines): quantized caches (``k_quant_type``,
     ``kv_cache_bit_width``), ``sliding_window_cache``, ``qk_output``, the q/k norm weights and
@@ -652,6 +660,8 @@ class GroupQueryAttention(Kernel):
                 if position_ids.shape != (b, s):
                     raise _err(self, f"position_ids must have shape {[b, s]}, got {list(position_ids.shape)}")
                 pos = position_ids
+                if first_prompt:  # onnxruntime reads only the first element for a first prompt
+                    pos = np.broadcast_to(int(position_ids.reshape(-1)[0]) + np.arange(s), (b, s))
             else:
                 pos = past[:, None] + np.arange(s)[None, :]
             half = cos_cache.shape[-1]
@@ -690,7 +700,7 @@ class GroupQueryAttention(Kernel):
         if self.causal:
             exclude = exclude | (j > qpos[:, :, None])
         if self.window > 0:
-            exclude = exclude | (j < qpos[:, :, None] - self.window)
+            exclude = exclude | (j <= qpos[:, :, None] - self.window)
         bias = None
         if attention_bias is not None:
             ab = attention_bias
@@ -705,7 +715,7 @@ class GroupQueryAttention(Kernel):
         elif self.smooth:
             sink = fd.type(0)
         scale = self.scale if self.scale != 0.0 else 1.0 / math.sqrt(h)
-        out, _ = _attend(q.transpose(0, 2, 1, 3), kk, vv, scale, bias, exclude=exclude[:, None], softcap=self.softcap,
-                         sink=sink)
+        out, _ = _attend(q.transpose(0, 2, 1, 3), kk, vv, scale, exclude=exclude[:, None], softcap=self.softcap,
+                         post_bias=bias, sink=sink)
         y = _bnsh_to_bsd(out).astype(query.dtype, copy=False)
         return (y, pk, pv)[: self.n_out]
