@@ -434,3 +434,77 @@ def test_gqa_declines_what_it_does_not_implement_and_checks_lengths():
     past = np.zeros((1, 1, 2, 4), np.float32)
     with pytest.raises(InvalidArgument, match="seqlens_k"):
         k.run(q, kv, kv, past, past, np.array([5], np.int32), np.array(3, np.int32))
+
+
+# ------------------------------------------------------------------------------------------------
+# A BERT-like graph as onnxruntime's optimizer writes it: packed blobs saved and mapped back
+# ------------------------------------------------------------------------------------------------
+def bert_like_model(dtype, vocab=40, hidden=16, heads=2, ff=32, seq=6):
+    rng = np.random.default_rng(12)
+    w = {
+        "word": rand(rng, (vocab, hidden), dtype), "pos": rand(rng, (seq, hidden), dtype),
+        "seg": rand(rng, (2, hidden), dtype), "g0": rand(rng, (hidden,), dtype), "b0": rand(rng, (hidden,), dtype),
+        "qkv_w": rand(rng, (hidden, 3 * hidden), dtype, 0.3), "qkv_b": rand(rng, (3 * hidden,), dtype, 0.1),
+        "wo_t": rand(rng, (hidden, hidden), dtype, 0.3), "bo": rand(rng, (hidden,), dtype, 0.1),
+        "g1": rand(rng, (hidden,), dtype), "b1": rand(rng, (hidden,), dtype),
+        "w1": rand(rng, (hidden, ff), dtype, 0.3), "bf1": rand(rng, (ff,), dtype, 0.1),
+        "w2": rand(rng, (ff, hidden), dtype, 0.3), "bf2": rand(rng, (hidden,), dtype, 0.1),
+        "g2": rand(rng, (hidden,), dtype), "b2": rand(rng, (hidden,), dtype),
+    }
+    n = helper.make_node
+    nodes = [
+        n("EmbedLayerNormalization", ["ids", "segs", "word", "pos", "seg", "g0", "b0", "mask"], ["emb", "mask_index"],
+          domain=MS, epsilon=1e-5),
+        n("Attention", ["emb", "qkv_w", "qkv_b", "mask_index"], ["att"], domain=MS, num_heads=heads),
+        n("FusedMatMul", ["att", "wo_t"], ["proj"], domain=MS, transB=1, alpha=1.0),
+        n("SkipLayerNormalization", ["proj", "emb", "g1", "b1", "bo"], ["ln1"], domain=MS, epsilon=1e-5),
+        n("MatMul", ["ln1", "w1"], ["f1"]),
+        n("BiasGelu", ["f1", "bf1"], ["act"], domain=MS),
+        n("MatMul", ["act", "w2"], ["f2"]),
+        n("SkipLayerNormalization", ["f2", "ln1", "g2", "b2", "bf2"], ["y"], domain=MS, epsilon=1e-5),
+    ]
+    i32 = TensorProto.INT32
+    graph = helper.make_graph(
+        nodes, "bert_like",
+        [helper.make_tensor_value_info(k, i32, [2, seq]) for k in ("ids", "segs", "mask")],
+        [helper.make_tensor_value_info("y", helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), [2, seq, hidden])],
+        [numpy_helper.from_array(v, k) for k, v in w.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)],
+                              ir_version=9)
+    feeds = {"ids": rng.integers(0, vocab, (2, seq)).astype(np.int32),
+             "segs": rng.integers(0, 2, (2, seq)).astype(np.int32),
+             "mask": np.array([[1] * seq, [1] * (seq - 2) + [0, 0]], np.int32)}
+    return model, feeds
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_bert_like_graph_saved_with_packed_blobs(dtype, tmp_path):
+    """Created once (packs), saved with its packed blobs, loaded again (maps every blob, packs
+    nothing); each run matches onnxruntime, and so does a session with prepacking disabled."""
+    model, feeds = bert_like_model(dtype)
+    src = tmp_path / "bert.onnx"
+    onnx.save(model, str(src))
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    (want,) = ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+    t = tol(dtype)
+    out = tmp_path / "bert.opt.onnx"
+    o = onnxpack.SessionOptions()
+    o.optimized_model_filepath = str(out)
+    o.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+    o.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "0")
+    with onnxpack.InferenceSession(str(src), o) as first:
+        assert not first.get_fallback_nodes()
+        packed = first.get_prepack_stats()["weights_packed"]
+        # Attention weight + bias, FusedMatMul B, 2 MatMul B; float32 also the 5 embedding tables
+        assert packed == (10 if dtype == np.float32 else 5)
+        np.testing.assert_allclose(first.run(None, feeds)[0].astype(np.float64), want.astype(np.float64), **t)
+    with onnxpack.InferenceSession(str(out)) as again:
+        st = again.get_prepack_stats()
+        assert st["weights_packed"] == 0 and st["blobs_from_model"] == packed, st
+        np.testing.assert_allclose(again.run(None, feeds)[0].astype(np.float64), want.astype(np.float64), **t)
+    o2 = onnxpack.SessionOptions()
+    o2.add_session_config_entry("session.disable_prepacking", "1")
+    with onnxpack.InferenceSession(str(src), o2) as plain:
+        np.testing.assert_allclose(plain.run(None, feeds)[0].astype(np.float64), want.astype(np.float64), **t)
