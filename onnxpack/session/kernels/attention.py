@@ -189,7 +189,7 @@ class Attention(Kernel):
     (2, B, N, P, H), attention_bias, past_sequence_length.  Outputs: output (B, S, Dv), present
     (2, B, N, P + S, H).  ``past_present_share_buffer=1``: past is a (2, B, N, M, H) buffer whose
     first ``past_sequence_length`` rows are valid, and present has the same shape with the new
-    rows written after them (rows beyond are copied from past).
+    rows written after them (rows beyond are zero; onnxruntime leaves them unspecified).
     """
 
     def __init__(self, node, ctx) -> None:
@@ -281,7 +281,8 @@ class Attention(Kernel):
                 past_len = int(np.asarray(past_sequence_length).reshape(-1)[0])
                 if not 0 <= past_len <= past.shape[3] - s:
                     raise _err(self, f"past_sequence_length {past_len} + sequence {s} exceeds the buffer's {past.shape[3]} rows")
-                present = past.copy()
+                present = np.zeros_like(past)  # only the valid rows are copied: O(past), not O(buffer)
+                present[:, :, :, :past_len] = past[:, :, :, :past_len]
                 present[0, :, :, past_len:past_len + s] = k
                 present[1, :, :, past_len:past_len + s] = v
                 k_all = _f(present[0, :, :, :past_len + s], fd)
