@@ -11,7 +11,7 @@ evaluated in float32 with Horner's rule; the range is split where MLAS splits it
 
 Measured against ``math.erf`` on 2,000,001 float32 points in [-5, 5] (tests repeat this on a
 dense grid): max error 8.8e-8 absolute, 1.5 ulp of the float32 result.  Cost: ~45 cheap elementwise
-float32 passes, no Python loop per element, no float64 temporaries.
+float32 passes over L2-sized chunks, no Python loop per element, no float64 temporaries.
 """
 
 from __future__ import annotations
@@ -65,6 +65,13 @@ def _horner(coeffs: np.ndarray, v: np.ndarray, p: np.ndarray) -> np.ndarray:
     return p
 
 
+# Elements per chunk: the ~45 passes run over six chunk-sized float32 buffers (384 KiB), which
+# stay in L2, instead of streaming whole tensors through memory 45 times.  Measured on a (128,
+# 3072) tensor (CPU ms, shared 2-core machine): whole tensor 7.9, chunks of 4096 6.7 (per-call
+# overhead), 16384 3.4, 65536 3.2; scipy's ufunc 5.1.
+_CHUNK = 16384
+
+
 def erf_f32(x: np.ndarray) -> np.ndarray:
     """``erf(x)`` as a new float32 array (other float inputs are computed in float32).
 
@@ -75,27 +82,33 @@ def erf_f32(x: np.ndarray) -> np.ndarray:
     propagates; ``erf(+-inf) = +-1``; ``erf(-0.0) = -0.0``.
     """
     x = np.asarray(x)
-    if x.dtype != np.float32:
-        x = x.astype(np.float32)
-    if x.ndim == 0:  # ufuncs on 0-d operands return scalars, which cannot be ``out=``
-        return erf_f32(x.reshape(1)).reshape(())
-    if not x.flags.c_contiguous:  # the bitwise sign copy views x as uint32
-        x = x.copy()
-    a = np.abs(x)
-    s = np.minimum(a, ERF_SPLIT)
-    t = s * s
-    small = _horner(_P, t, np.empty_like(t))  # erf = s + s * P(s*s)
-    small *= s
-    small += s
-    np.minimum(a, ERF_CLAMP, out=t)
-    big = _horner(_Q, t, np.empty_like(t))  # erf = 1 - exp(Q(a))
-    np.exp(big, out=big)
-    np.subtract(np.float32(1), big, out=big)
-    m = np.less(a, ERF_SPLIT)  # False for NaN: the NaN of ``big`` is kept
-    small *= m
-    np.logical_not(m, out=m)
-    big *= m
-    big += small
-    bits = big.view(np.uint32)
-    bits |= x.view(np.uint32) & _SIGN
-    return big
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, dtype=np.float32).reshape(x.shape)
+    out = np.empty_like(x)
+    flat, oflat = x.reshape(-1), out.reshape(-1)
+    n = flat.size
+    c = min(_CHUNK, n)
+    a, s, t = (np.empty(c, np.float32) for _ in range(3))
+    m = np.empty(c, bool)
+    for i in range(0, n, _CHUNK):
+        xc, o = flat[i:i + _CHUNK], oflat[i:i + _CHUNK]
+        k = xc.size
+        ak, sk, tk, mk = a[:k], s[:k], t[:k], m[:k]
+        np.abs(xc, out=ak)
+        np.minimum(ak, ERF_SPLIT, out=sk)
+        np.multiply(sk, sk, out=tk)
+        _horner(_P, tk, o)  # small piece: erf = s + s * P(s*s)
+        o *= sk
+        o += sk
+        np.minimum(ak, ERF_CLAMP, out=tk)
+        _horner(_Q, tk, sk)  # large piece: erf = 1 - exp(Q(a))
+        np.exp(sk, out=sk)
+        np.subtract(np.float32(1), sk, out=sk)
+        np.less(ak, ERF_SPLIT, out=mk)  # False for NaN: the NaN of the large piece is kept
+        o *= mk
+        np.logical_not(mk, out=mk)
+        sk *= mk
+        o += sk
+        bits = o.view(np.uint32)
+        bits |= xc.view(np.uint32) & _SIGN
+    return out

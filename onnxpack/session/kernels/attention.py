@@ -104,8 +104,16 @@ def _attend(q, k, v, scale: float, bias=None, *, exclude=None, softcap: float = 
     b, n, s, h = q.shape
     nkv = k.shape[1]
     g = n // nkv
+    t = k.shape[2]
     qg = q.reshape(b, nkv, g * s, h)
-    scores = np.matmul(qg, k.swapaxes(-1, -2)).reshape(b, n, s, k.shape[2])
+    if g * s < t:
+        # Few query rows against a long cache (decoding): numpy's batched matmul with a
+        # transposed right operand is slow (measured 1.7 ms vs 0.15 ms for 16 rows x 2048 keys,
+        # one thread), so multiply the cache as the left operand and transpose the small result.
+        scores = np.matmul(k, np.ascontiguousarray(qg.swapaxes(-1, -2)))
+        scores = np.ascontiguousarray(scores.swapaxes(-1, -2)).reshape(b, n, s, t)
+    else:
+        scores = np.matmul(qg, k.swapaxes(-1, -2)).reshape(b, n, s, t)
     scores *= scores.dtype.type(scale)
     if bias is not None:
         scores += bias
