@@ -93,6 +93,7 @@ ATTN_VARIANTS = [
     ("scale-filter", dict(scale=0.3, mask_filter_value=-50.0), (16, 16, 16), False, False),
     ("attention-bias", dict(), (16, 16, 16), False, True),
     ("past-present", dict(unidirectional=1), (16, 16, 16), True, False),
+    ("empty-past", dict(unidirectional=1), (16, 16, 16), 0, False),
 ]
 
 
@@ -102,15 +103,16 @@ def test_attention_variants(case, dtype):
     _, attrs, sizes, past, abias = case
     rng = np.random.default_rng(1)
     x, w, bias = attention_case(rng, dtype, sizes)
-    feeds = {"x": x, "m": np.array([[1, 1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 0, 0]], np.int32)[:, : (3 if past else 0) + S]}
+    plen = 3 if past is True else 0
+    feeds = {"x": x, "m": np.array([[1, 1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 0, 0]], np.int32)[:, : plen + S]}
     ins = ["x", "w", "b", "m", "", ""]
     outs = ["y"]
-    if past:
-        feeds["past"] = rand(rng, (2, B, NH, 3, 4), dtype)
+    if past is not False:
+        feeds["past"] = rand(rng, (2, B, NH, plen, 4), dtype)
         ins[4] = "past"
         outs.append("present")
     if abias:
-        feeds["ab"] = rand(rng, (1, NH, S, S + (3 if past else 0)), dtype)
+        feeds["ab"] = rand(rng, (1, NH, S, S + plen), dtype)
         ins[5] = "ab"
     n = mk("Attention", ins, outs, num_heads=NH, **attrs)
     check_all_paths(n, feeds, {"w": w, "b": bias}, tol(dtype), packs=2)

@@ -211,7 +211,8 @@ def test_skip_layer_norm(case, outputs, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize("outputs", [["y"], ["y", "", "inv", "sum"]], ids=["y", "inv-sum"])
+@pytest.mark.parametrize("outputs", [["y"], ["y", "", "inv", "sum"], ["y", "mean", "inv", "sum"]],
+                         ids=["y", "inv-sum", "all-outputs"])  # onnxruntime's mean output: zeros
 @pytest.mark.parametrize("case", SKIP_CASES, ids=[c[0] for c in SKIP_CASES])
 def test_skip_simplified_layer_norm(case, outputs, dtype):
     _, xs, ss, _, bias = case
