@@ -75,7 +75,8 @@ def bert_fused(layers=2, seq=128, hidden=768, heads=12, ff=3072, vocab=30522, se
     rng = np.random.default_rng(seed)
 
     def w(*shape, scale=None):
-        return (rng.standard_normal(shape) * (scale if scale is not None else 1 / math.sqrt(shape[0]))).astype(np.float32)
+        scale = scale if scale is not None else 1 / math.sqrt(shape[0])
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
 
     inits = {"word": w(vocab, hidden, scale=0.1), "pos": w(512, hidden, scale=0.1), "seg": w(2, hidden, scale=0.1),
              "g0": 1 + w(hidden, scale=0.1), "b0": w(hidden, scale=0.1)}
@@ -85,10 +86,12 @@ def bert_fused(layers=2, seq=128, hidden=768, heads=12, ff=3072, vocab=30522, se
     x = "h0"
     for i in range(layers):
         p = f"l{i}_"
-        inits.update({p + "qkv": w(hidden, 3 * hidden), p + "qkv_b": w(3 * hidden, scale=0.02), p + "wo": w(hidden, hidden),
-                      p + "bo": w(hidden, scale=0.02), p + "g1": 1 + w(hidden, scale=0.1), p + "b1": w(hidden, scale=0.1),
+        inits.update({p + "qkv": w(hidden, 3 * hidden), p + "qkv_b": w(3 * hidden, scale=0.02),
+                      p + "wo": w(hidden, hidden), p + "bo": w(hidden, scale=0.02),
+                      p + "g1": 1 + w(hidden, scale=0.1), p + "b1": w(hidden, scale=0.1),
                       p + "w1": w(hidden, ff), p + "bf1": w(ff, scale=0.02), p + "w2": w(ff, hidden),
-                      p + "bf2": w(hidden, scale=0.02), p + "g2": 1 + w(hidden, scale=0.1), p + "b2": w(hidden, scale=0.1)})
+                      p + "bf2": w(hidden, scale=0.02), p + "g2": 1 + w(hidden, scale=0.1),
+                      p + "b2": w(hidden, scale=0.1)})
         nodes += [
             n("Attention", [x, p + "qkv", p + "qkv_b", "mi"], [p + "att"], domain=MS, num_heads=heads),
             n("MatMul", [p + "att", p + "wo"], [p + "proj"]),
@@ -102,10 +105,12 @@ def bert_fused(layers=2, seq=128, hidden=768, heads=12, ff=3072, vocab=30522, se
         ]
         x = p + "out"
     i32 = TensorProto.INT32
-    graph = helper.make_graph(nodes, "bert", [helper.make_tensor_value_info(k, i32, [1, seq]) for k in ("ids", "segs", "mask")],
+    graph = helper.make_graph(nodes, "bert",
+                              [helper.make_tensor_value_info(k, i32, [1, seq]) for k in ("ids", "segs", "mask")],
                               [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, seq, hidden])],
                               [numpy_helper.from_array(v, k) for k, v in inits.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)], ir_version=9)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)],
+                              ir_version=9)
     feeds = {"ids": rng.integers(0, vocab, (1, seq)).astype(np.int32), "segs": np.zeros((1, seq), np.int32),
              "mask": np.ones((1, seq), np.int32)}
     return model, feeds
@@ -116,9 +121,11 @@ def gqa_model(n=16, nkv=4, h=64):
     names = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"]
     types = {"seqlens_k": TensorProto.INT32, "total_sequence_length": TensorProto.INT32}
     node = helper.make_node("GroupQueryAttention", names, ["y", "pk", "pv"], domain=MS, num_heads=n, kv_num_heads=nkv)
-    graph = helper.make_graph([node], "gqa", [helper.make_tensor_value_info(k, types.get(k, elem), None) for k in names],
+    graph = helper.make_graph([node], "gqa",
+                              [helper.make_tensor_value_info(k, types.get(k, elem), None) for k in names],
                               [helper.make_tensor_value_info(o, elem, None) for o in node.output])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)], ir_version=10)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)],
+                             ir_version=10)
 
 
 def main(argv=None) -> int:

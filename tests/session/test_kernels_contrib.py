@@ -228,7 +228,8 @@ def test_skip_simplified_layer_norm(case, outputs, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("opset", [1, 17, 23], ids=["op1", "op17", "op23"])
-@pytest.mark.parametrize("axis,shape", [(-1, (2, 3, 16)), (2, (2, 3, 4, 8)), (0, (3, 8))], ids=["last", "axis2", "axis0"])
+@pytest.mark.parametrize("axis,shape", [(-1, (2, 3, 16)), (2, (2, 3, 4, 8)), (0, (3, 8))],
+                         ids=["last", "axis2", "axis0"])
 def test_simplified_layer_norm_default_domain(axis, shape, opset, dtype):
     """onnxruntime registers SimplifiedLayerNormalization in the default domain at version 1, so
     any opset of the default domain resolves to it."""

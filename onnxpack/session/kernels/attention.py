@@ -124,8 +124,8 @@ def _attend(q, k, v, scale: float, bias=None, *, exclude=None, softcap: float = 
         scores *= scores.dtype.type(softcap)
     if post_bias is not None:
         scores += post_bias
-    if exclude is not None:
-        scores[np.broadcast_to(exclude, scores.shape)] = -np.inf
+    if exclude is not None:  # one broadcast add of a small 0 / -inf mask (no boolean indexing)
+        scores += np.where(exclude, scores.dtype.type(-np.inf), scores.dtype.type(0))
     softmax_rows(scores, sink)
     out = np.matmul(scores.reshape(b, nkv, g * s, -1), v).reshape(b, n, s, v.shape[-1])
     return out, raw
@@ -204,7 +204,9 @@ class Attention(Kernel):
         super().__init__(node, ctx)
         heads = self.attr("num_heads")
         if heads is None or int(heads) <= 0:
-            raise InvalidArgument(f"node {node.name!r} (Attention): num_heads must be a positive integer, got {heads!r}")
+            raise InvalidArgument(
+                f"node {node.name!r} (Attention): num_heads must be a positive integer, got {heads!r}"
+            )
         self.heads = int(heads)
         self.sizes = [int(v) for v in self.attr("qkv_hidden_sizes", [])] or None
         self.unidirectional = bool(int(self.attr("unidirectional", 0)))
@@ -256,7 +258,8 @@ class Attention(Kernel):
         total = w.shape[1]
         if self.sizes is None:
             if total % 3 or (total // 3) % self.heads:
-                raise _err(self, f"weights' second dimension {total} must be 3 equal multiples of num_heads {self.heads}")
+                raise _err(self, f"weights' second dimension {total} must be 3 equal multiples of "
+                                 f"num_heads {self.heads}")
             dq = dk = dv = total // 3
         else:
             dq, dk, dv = self.sizes
@@ -288,7 +291,8 @@ class Attention(Kernel):
                     raise _err(self, "past_present_share_buffer=1 needs the past_sequence_length input")
                 past_len = int(np.asarray(past_sequence_length).reshape(-1)[0])
                 if not 0 <= past_len <= past.shape[3] - s:
-                    raise _err(self, f"past_sequence_length {past_len} + sequence {s} exceeds the buffer's {past.shape[3]} rows")
+                    raise _err(self, f"past_sequence_length {past_len} + sequence {s} exceeds the buffer's "
+                                     f"{past.shape[3]} rows")
                 present = np.zeros_like(past)  # only the valid rows are copied: O(past), not O(buffer)
                 present[:, :, :, :past_len] = past[:, :, :, :past_len]
                 present[0, :, :, past_len:past_len + s] = k
@@ -392,14 +396,18 @@ class MultiHeadAttention(Kernel):
                 if value is None:
                     raise _err(self, "value is required with an unpacked key")
                 if key.ndim == 4:  # already (B, N, L, H)
-                    if key.shape[:2] != (b, n) or key.shape[3] != h or value.ndim != 4 or value.shape[:3] != key.shape[:3]:
-                        raise _err(self, f"4-D key/value must be ({b}, {n}, L, {h}), got {list(key.shape)} / {list(value.shape)}")
+                    if (key.shape[:2] != (b, n) or key.shape[3] != h or value.ndim != 4
+                            or value.shape[:3] != key.shape[:3]):
+                        raise _err(self, f"4-D key/value must be ({b}, {n}, L, {h}), got {list(key.shape)} / "
+                                         f"{list(value.shape)}")
                     dv = value.shape[1] * value.shape[3]
                     k, v = _f(key, fd), _f(value, fd)
                     bq = None if bias is None else bias[:d]
                 else:
-                    if key.ndim != 3 or key.shape[0] != b or key.shape[2] != d or value.ndim != 3 or value.shape[:2] != key.shape[:2]:
-                        raise _err(self, f"key/value must be ({b}, L, {d}) / ({b}, L, Dv), got {list(key.shape)} / {list(value.shape)}")
+                    if (key.ndim != 3 or key.shape[0] != b or key.shape[2] != d or value.ndim != 3
+                            or value.shape[:2] != key.shape[:2]):
+                        raise _err(self, f"key/value must be ({b}, L, {d}) / ({b}, L, Dv), got {list(key.shape)} / "
+                                         f"{list(value.shape)}")
                     dv = value.shape[2]
                     if bias is not None:
                         if bias.shape != (2 * d + dv,):
@@ -415,7 +423,8 @@ class MultiHeadAttention(Kernel):
         if past_key is not None or past_value is not None:
             if past_key is None or past_value is None:
                 raise _err(self, "past_key and past_value must be given together")
-            if past_key.ndim != 4 or past_key.shape[:2] != (b, n) or past_key.shape[3] != h or past_value.shape[:3] != past_key.shape[:3]:
+            if (past_key.ndim != 4 or past_key.shape[:2] != (b, n) or past_key.shape[3] != h
+                    or past_value.shape != past_key.shape):
                 raise _err(self, f"past_key/past_value must be ({b}, {n}, P, {h}), got {list(past_key.shape)}")
             past_len = past_key.shape[2]
             k = np.concatenate([_f(past_key, fd), k], axis=2)
@@ -428,7 +437,9 @@ class MultiHeadAttention(Kernel):
         if self.unidirectional:
             c = _causal(s, t, past_len)
             mask = np.where(c, fd.type(_LOWEST), fd.type(0)) if mask is None else np.where(c, fd.type(_LOWEST), mask)
-        ab = None if attention_bias is None else _add_bias(self, None, attention_bias, b, n, s, t).astype(fd, copy=False)
+        ab = None
+        if attention_bias is not None:
+            ab = _add_bias(self, None, attention_bias, b, n, s, t).astype(fd, copy=False)
         bias_all = ab if mask is None else (mask if ab is None else mask + ab)
         out, qk = _attend(q, k, v, scale, bias_all, qk_out=self.want_qk)
         dt = query.dtype
@@ -595,7 +606,8 @@ class GroupQueryAttention(Kernel):
         n, nkv = self.attr("num_heads"), self.attr("kv_num_heads")
         if n is None or nkv is None or int(n) <= 0 or int(nkv) <= 0 or int(n) % int(nkv):
             raise InvalidArgument(
-                f"node {node.name!r} (GroupQueryAttention): num_heads ({n}) must be a positive multiple of kv_num_heads ({nkv})"
+                f"node {node.name!r} (GroupQueryAttention): num_heads ({n}) must be a positive multiple of "
+                f"kv_num_heads ({nkv})"
             )
         self.heads, self.kv_heads = int(n), int(nkv)
         self.scale = float(self.attr("scale", 0.0))
@@ -654,7 +666,8 @@ class GroupQueryAttention(Kernel):
         if past_key is not None:
             want = (b, nkv, plen, h)
             if past_key.shape != want or past_value.shape != want:
-                raise _err(self, f"past_key/past_value must be {list(want)}, got {list(past_key.shape)} / {list(past_value.shape)}")
+                raise _err(self, f"past_key/past_value must be {list(want)}, got {list(past_key.shape)} / "
+                                 f"{list(past_value.shape)}")
         if lens.min() < 1 or lens.max() > total:
             raise _err(self, f"seqlens_k + 1 must be in [1, total_sequence_length={total}], got {lens.tolist()}")
         first_prompt = s == total
@@ -713,7 +726,8 @@ class GroupQueryAttention(Kernel):
         bias = None
         if attention_bias is not None:
             ab = attention_bias
-            if ab.ndim != 4 or ab.shape[0] not in (1, b) or ab.shape[1] not in (1, n) or ab.shape[2] != s or ab.shape[3] < t:
+            if (ab.ndim != 4 or ab.shape[0] not in (1, b) or ab.shape[1] not in (1, n) or ab.shape[2] != s
+                    or ab.shape[3] < t):
                 raise _err(self, f"attention_bias must be ({b} or 1, {n} or 1, {s}, >= {t}), got {list(ab.shape)}")
             bias = _f(ab[..., :t], fd)
         sink = None

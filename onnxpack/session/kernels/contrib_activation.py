@@ -67,7 +67,8 @@ def tanh_gelu_inplace(xf: np.ndarray) -> np.ndarray:
 def _check_bias(kernel: Kernel, x: np.ndarray, bias: np.ndarray, name: str = "bias") -> None:
     if bias.ndim != 1 or x.ndim == 0 or bias.shape[0] != x.shape[-1]:
         raise InvalidArgument(
-            f"node {kernel.node.name!r} ({kernel.op_type}): {name} must be 1-D of length {x.shape[-1] if x.ndim else '?'}"
+            f"node {kernel.node.name!r} ({kernel.op_type}): {name} must be 1-D of length "
+            f"{x.shape[-1] if x.ndim else '?'}"
             f" (the input's last dimension), got shape {list(bias.shape)}"
         )
 
@@ -192,7 +193,8 @@ class BiasSoftmax(Kernel):
             lead = bias.ndim - (r - axis)
             if lead < 0:
                 raise InvalidArgument(
-                    f"node {self.node.name!r} (BiasSoftmax): bias of shape {list(bias.shape)} does not cover the softmax axes"
+                    f"node {self.node.name!r} (BiasSoftmax): bias of shape {list(bias.shape)} does not cover "
+                    "the softmax axes"
                 )
             bias = bias.reshape(bias.shape[:lead] + (1,) * (axis - lead) + bias.shape[lead:])
         try:

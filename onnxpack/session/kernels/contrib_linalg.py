@@ -52,7 +52,8 @@ class FusedMatMul(Kernel):
         if input_index != 1 or len(info.shape) != 2 or compute_dtype(info.dtype) is None:
             return None
         identity = not self.trans_b and self.alpha == 1.0 and compute_dtype(info.dtype) == np.dtype(info.dtype)
-        return PackSpec("fused_matmul", _PACK_VERSION, struct.pack("<id", self.trans_b, self.alpha), 1, identity=identity)
+        attrs = struct.pack("<id", self.trans_b, self.alpha)
+        return PackSpec("fused_matmul", _PACK_VERSION, attrs, 1, identity=identity)
 
     def expected_packed(self, input_index: int, info: TensorInfo):
         if self.pack_spec(input_index, info) is None:

@@ -179,7 +179,8 @@ class SimplifiedLayerNormalization(Kernel):
         axis = self.axis + x.ndim if self.axis < 0 else self.axis
         if not 0 <= axis < max(x.ndim, 1):
             raise InvalidArgument(
-                f"node {self.node.name!r} (SimplifiedLayerNormalization): axis {self.axis} out of range for rank {x.ndim}"
+                f"node {self.node.name!r} (SimplifiedLayerNormalization): axis {self.axis} out of range for "
+                f"rank {x.ndim}"
             )
         fd = _float(np.result_type(x.dtype, scale.dtype) if np.float64 in (x.dtype, scale.dtype) else x.dtype)
         y, inv = rms_norm_f(x.astype(fd), scale, self.epsilon, axis)
@@ -231,7 +232,8 @@ class EmbedLayerNormalization(Kernel):
         if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
             bad = ids[(ids < 0) | (ids >= table.shape[0])].reshape(-1)[0]
             raise InvalidArgument(
-                f"node {self.node.name!r} (EmbedLayerNormalization): {what} {int(bad)} out of range [0, {table.shape[0]})"
+                f"node {self.node.name!r} (EmbedLayerNormalization): {what} {int(bad)} out of range "
+                f"[0, {table.shape[0]})"
             )
         return table[ids]
 
@@ -242,7 +244,9 @@ class EmbedLayerNormalization(Kernel):
         )
         name = self.node.name
         if input_ids.ndim != 2:
-            raise InvalidArgument(f"node {name!r} (EmbedLayerNormalization): input_ids must be 2-D, got {list(input_ids.shape)}")
+            raise InvalidArgument(
+                f"node {name!r} (EmbedLayerNormalization): input_ids must be 2-D, got {list(input_ids.shape)}"
+            )
         b, s = input_ids.shape
         h = word.shape[1]
         for what, t in (("position_embedding", position), ("segment_embedding", segment)):
@@ -253,7 +257,8 @@ class EmbedLayerNormalization(Kernel):
         for what, t in (("segment_ids", segment_ids), ("mask", mask)):
             if t is not None and t.shape != input_ids.shape:
                 raise InvalidArgument(
-                    f"node {name!r} (EmbedLayerNormalization): {what} must have input_ids' shape {[b, s]}, got {list(t.shape)}"
+                    f"node {name!r} (EmbedLayerNormalization): {what} must have input_ids' shape {[b, s]}, "
+                    f"got {list(t.shape)}"
                 )
         if (segment_ids is None) != (segment is None):
             raise InvalidArgument(
