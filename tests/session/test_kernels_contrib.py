@@ -321,3 +321,48 @@ def test_fused_matmul(case, dtype):
         check_all_paths(n, {"a": a}, {"b": b}, tol(dtype), packs=1)
     else:
         check_all_paths(n, {"a": a, "b": b}, {}, tol(dtype))
+
+
+def test_model_optimized_by_onnxruntime_runs_natively(tmp_path):
+    """onnxruntime's own graph optimizer (level EXTENDED, saved with optimized_model_filepath)
+    rewrites plain ops into Gelu, FusedMatMul and SkipLayerNormalization; the saved model runs
+    without any onnx.reference fallback and matches the unoptimized model in onnxruntime."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, numpy_helper
+
+    import onnxpack
+
+    rng = np.random.default_rng(20)
+    d, ff = 16, 32
+    w = {"w1": rand(rng, (d, ff), np.float32, 0.3), "b1": rand(rng, (ff,), np.float32, 0.1),
+         "w2t": rand(rng, (d, ff), np.float32, 0.3), "g": rand(rng, (d,), np.float32), "be": rand(rng, (d,), np.float32),
+         "sqrt2": np.array(math.sqrt(2), np.float32), "one": np.array(1, np.float32), "half": np.array(0.5, np.float32)}
+    n = helper.make_node
+    nodes = [
+        n("MatMul", ["x", "w1"], ["h0"]), n("Add", ["h0", "b1"], ["h1"]),
+        n("Div", ["h1", "sqrt2"], ["g0"]), n("Erf", ["g0"], ["g1"]), n("Add", ["g1", "one"], ["g2"]),
+        n("Mul", ["h1", "g2"], ["g3"]), n("Mul", ["g3", "half"], ["act"]),
+        n("Transpose", ["w2t"], ["w2"], perm=[1, 0]), n("MatMul", ["act", "w2"], ["h2"]),
+        n("Add", ["x", "h2"], ["r"]),
+        n("LayerNormalization", ["r", "g", "be"], ["y"], axis=-1, epsilon=1e-5),
+        n("Transpose", ["y"], ["yt"], perm=[0, 2, 1]), n("MatMul", ["y", "yt"], ["z0"]), n("Mul", ["z0", "half"], ["z"]),
+    ]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, d])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 5, 5])],
+                              [numpy_helper.from_array(v, k) for k, v in w.items()])
+    src, opt = tmp_path / "mlp.onnx", tmp_path / "mlp.opt.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(src))
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(opt)
+    ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
+    ops = {(nd.domain, nd.op_type) for nd in onnx.load(str(opt)).graph.node}
+    assert {(MS, "Gelu"), (MS, "FusedMatMul"), (MS, "SkipLayerNormalization")} <= ops, ops
+    x = {"x": rand(rng, (2, 5, d), np.float32)}
+    plain = ort.SessionOptions()
+    plain.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    (want,) = ort.InferenceSession(str(src), plain, providers=["CPUExecutionProvider"]).run(None, x)
+    sess = onnxpack.InferenceSession(str(opt))
+    assert sess.get_fallback_nodes() == []
+    np.testing.assert_allclose(sess.run(None, x)[0], want, **F32)
