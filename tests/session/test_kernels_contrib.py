@@ -336,7 +336,8 @@ def test_model_optimized_by_onnxruntime_runs_natively(tmp_path):
     rng = np.random.default_rng(20)
     d, ff = 16, 32
     w = {"w1": rand(rng, (d, ff), np.float32, 0.3), "b1": rand(rng, (ff,), np.float32, 0.1),
-         "w2t": rand(rng, (d, ff), np.float32, 0.3), "g": rand(rng, (d,), np.float32), "be": rand(rng, (d,), np.float32),
+         "w2t": rand(rng, (d, ff), np.float32, 0.3), "g": rand(rng, (d,), np.float32),
+         "be": rand(rng, (d,), np.float32),
          "sqrt2": np.array(math.sqrt(2), np.float32), "one": np.array(1, np.float32), "half": np.array(0.5, np.float32)}
     n = helper.make_node
     nodes = [
@@ -346,7 +347,8 @@ def test_model_optimized_by_onnxruntime_runs_natively(tmp_path):
         n("Transpose", ["w2t"], ["w2"], perm=[1, 0]), n("MatMul", ["act", "w2"], ["h2"]),
         n("Add", ["x", "h2"], ["r"]),
         n("LayerNormalization", ["r", "g", "be"], ["y"], axis=-1, epsilon=1e-5),
-        n("Transpose", ["y"], ["yt"], perm=[0, 2, 1]), n("MatMul", ["y", "yt"], ["z0"]), n("Mul", ["z0", "half"], ["z"]),
+        n("Transpose", ["y"], ["yt"], perm=[0, 2, 1]), n("MatMul", ["y", "yt"], ["z0"]),
+        n("Mul", ["z0", "half"], ["z"]),
     ]
     graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, d])],
                               [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 5, 5])],
