@@ -137,7 +137,7 @@ def test_attention_shared_buffer_and_4d_mask_against_formula():
     want_present[:, :, :, :p] = past[:, :, :, :p]
     want_present[0, :, :, p:p + S] = kk
     want_present[1, :, :, p:p + S] = v
-    np.testing.assert_allclose(present, want_present, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(present[:, :, :, : p + S], want_present[:, :, :, : p + S], rtol=1e-5, atol=1e-6)
     K, V = want_present[0, :, :, : p + S], want_present[1, :, :, : p + S]
     scores = q @ K.swapaxes(-1, -2) / 2.0 + np.where(mask4[:, :, p:p + S, : p + S] > 0, 0, -10000.0)
     e = np.exp(scores - scores.max(-1, keepdims=True))
@@ -378,8 +378,10 @@ def test_gqa_prompt_then_decode_steps(case, dtype):
             np.testing.assert_allclose(y[1, :3].astype(np.float64), y_ort[1, :3].astype(np.float64), **t)
         else:
             np.testing.assert_allclose(y.astype(np.float64), y_ort.astype(np.float64), **t, err_msg=f"step {step}")
-        np.testing.assert_allclose(k.astype(np.float64), k_ort.astype(np.float64), **t, err_msg=f"present_key {step}")
-        np.testing.assert_allclose(v.astype(np.float64), v_ort.astype(np.float64), **t, err_msg=f"present_value {step}")
+        # rows from the longest row's end on are unspecified (onnxruntime zero-fills, we do not write)
+        for got, ref, what in ((k, k_ort, "present_key"), (v, v_ort, "present_value")):
+            np.testing.assert_allclose(got[:, :, :total].astype(np.float64), ref[:, :, :total].astype(np.float64), **t,
+                                       err_msg=f"{what} {step}")
 
 
 GQA_PROMPT = [

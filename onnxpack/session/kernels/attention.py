@@ -197,7 +197,7 @@ class Attention(Kernel):
     (2, B, N, P, H), attention_bias, past_sequence_length.  Outputs: output (B, S, Dv), present
     (2, B, N, P + S, H).  ``past_present_share_buffer=1``: past is a (2, B, N, M, H) buffer whose
     first ``past_sequence_length`` rows are valid, and present has the same shape with the new
-    rows written after them (rows beyond are zero; onnxruntime leaves them unspecified).
+    rows written after them (rows beyond are unspecified, as in onnxruntime: not written).
     """
 
     def __init__(self, node, ctx) -> None:
@@ -293,7 +293,7 @@ class Attention(Kernel):
                 if not 0 <= past_len <= past.shape[3] - s:
                     raise _err(self, f"past_sequence_length {past_len} + sequence {s} exceeds the buffer's "
                                      f"{past.shape[3]} rows")
-                present = np.zeros_like(past)  # only the valid rows are copied: O(past), not O(buffer)
+                present = np.empty_like(past)  # only valid rows are written: O(past), not O(buffer)
                 present[:, :, :, :past_len] = past[:, :, :, :past_len]
                 present[0, :, :, past_len:past_len + s] = k
                 present[1, :, :, past_len:past_len + s] = v
@@ -576,16 +576,17 @@ class GroupQueryAttention(Kernel):
     int32 = total length - 1 per row; total_sequence_length (scalar int32); cos_cache/sin_cache
     (max_position, rotary_dim / 2); position_ids (B, S); attention_bias (B or 1, N or 1, S, T);
     head_sink (N).  Outputs: output (B, S, N*H), present_key/present_value (B, Nkv, C, H) with
-    ``C = max(total_sequence_length, P)``, in the cache's dtype.
+    ``C = max(total_sequence_length, P)``, in the cache's dtype; rows from the longest row's
+    end on are unspecified (not written: a step costs O(total length), not O(C)).
 
     As in onnxruntime, a call is the first prompt when ``S == total_sequence_length``: then every
     row's past is empty and its S new rows fill present rows 0..S-1 (rows of a right-padded
     prompt past ``seqlens_k[b]`` are written but never attended to).  Otherwise row b has
     ``past_b = seqlens_k[b] + 1 - S`` cached tokens and the new ones go to rows
-    ``past_b .. past_b + S - 1``.  Present rows past a row's length are zero.  Past and present
-    never share memory here (each step copies the valid past rows, which the attention reads
-    anyway): "past is a max-length buffer" (P = C) and "past has exactly the past length" give
-    the same values.
+    ``past_b .. past_b + S - 1``; rows of a shorter row up to the longest row's end are zero.
+    Past and present never share memory here (each step copies the valid past rows, which the
+    attention reads anyway): "past is a max-length buffer" (P = C) and "past has exactly the
+    past length" give the same values in every specified row.
 
     Query i of row b (absolute position ``p = past_b + i``) attends to keys ``j <= p`` (all
     ``j < seqlens_k[b] + 1`` with ``causal=0``), and with ``local_window_size = W > 0`` only to
@@ -695,8 +696,10 @@ class GroupQueryAttention(Kernel):
             q = apply_rotary(q, cos, sin, self.interleaved, rot)
             k = apply_rotary(k, cos, sin, self.interleaved, rot)
         cache_dtype = query.dtype if past_key is None else past_key.dtype
-        pk = np.zeros((b, nkv, cap, h), cache_dtype)
-        pv = np.zeros((b, nkv, cap, h), cache_dtype)
+        # Rows at and past the longest row's end are left unwritten (unspecified, as onnxruntime
+        # documents them): zero-filling a max-length buffer would cost O(max_seq) per step.
+        pk = np.empty((b, nkv, cap, h), cache_dtype)
+        pv = np.empty((b, nkv, cap, h), cache_dtype)
         kt = k.transpose(0, 2, 1, 3)  # (B, Nkv, S, H)
         vt = v.transpose(0, 2, 1, 3)
         if past.min() == past.max():  # every row has the same past: one slice per cache
@@ -714,6 +717,9 @@ class GroupQueryAttention(Kernel):
                 pk[r, :, p0:p0 + s] = kt[r]
                 pv[r, :, p0:p0 + s] = vt[r]
         t = int((past + s).max())  # keys any query can see
+        for r in np.flatnonzero(past + s < t):  # a shorter row's keys up to t: zero, never garbage
+            pk[r, :, past[r] + s:t] = 0
+            pv[r, :, past[r] + s:t] = 0
         kk = _f(pk[:, :, :t], fd)
         vv = _f(pv[:, :, :t], fd)
         qpos = past[:, None] + np.arange(s)[None, :]  # (B, S) absolute query positions
