@@ -11,6 +11,8 @@ attention multiplies each KV head with its group of query heads as one (group * 
 Masks are additive, built once per call as onnxruntime's CPU kernels build them: a masked key
 gets ``mask_filter_value`` (default -10000) for mask inputs and the lowest float for the causal
 (unidirectional) part, so a fully masked row gives the same (uniform) weights as onnxruntime.
+GroupQueryAttention instead takes excluded keys (causal, window, past a row's length) out of
+the softmax (weight exactly 0), as its onnxruntime kernel does.
 
 Pre-packing: Attention's merged QKV weight is packed as the float32 (K, N) matrix that one BLAS
 call multiplies with (an identity pack for float32 weights, as MatMul packs), and its bias as a
