@@ -1,0 +1,752 @@
+"""Attention ops of onnxruntime's transformer optimizer and of onnxruntime-genai's LLM builder:
+com.microsoft Attention, MultiHeadAttention, RotaryEmbedding, GroupQueryAttention, and ONNX
+RotaryEmbedding-23.
+
+Every op computes in float32 (float64 stays float64) and rounds its outputs once; the KV cache
+outputs (``present*``) keep the input dtype and copy past rows bit for bit.  Attention runs as
+batched ``np.matmul`` over (batch, heads): no Python loop over heads or tokens.  Grouped-query
+attention multiplies each KV head with its group of query heads as one (group * seq, head) block
+(``q.reshape(B, kv_heads, group * S, H) @ k^T``), so K and V are never repeated per query head.
+
+Masks are additive, built once per call as onnxruntime's CPU kernels build them: a masked key
+gets ``mask_filter_value`` (default -10000) for mask inputs and the lowest float for the causal
+(unidirectional) part, so a fully masked row gives the same (uniform) weights as onnxruntime.
+GroupQueryAttention instead takes excluded keys (causal, window, past a row's length) out of
+the softmax (weight exactly 0), as its onnxruntime kernel does.
+
+Pre-packing: Attention's merged QKV weight is packed as the float32 (K, N) matrix that one BLAS
+call multiplies with (an identity pack for float32 weights, as MatMul packs), and its bias as a
+float32 vector.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+
+from onnxpack.errors import InvalidArgument
+from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
+from onnxpack.session.kernels.linalg import compute_dtype, matmul_packed
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["apply_rotary", "softmax_rows"]
+
+_PACK_VERSION = 1
+_LOWEST = np.finfo(np.float32).min
+
+
+def _fd(dtype: np.dtype) -> np.dtype:
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def _f(x: np.ndarray, fd: np.dtype) -> np.ndarray:
+    return x if x.dtype == fd else x.astype(fd)
+
+
+def _err(kernel: Kernel, msg: str) -> InvalidArgument:
+    return InvalidArgument(f"node {kernel.node.name!r} ({kernel.op_type}): {msg}")
+
+
+def softmax_rows(z: np.ndarray, sink: np.ndarray | None = None) -> np.ndarray:
+    """Softmax over the last axis in place on a fresh float array.
+
+    ``sink`` (broadcastable to ``z[..., :1]``) is an extra logit that joins the denominator only
+    (smooth softmax: 0; head sinks: one value per head).
+    """
+    m = z.max(axis=-1, keepdims=True)
+    if sink is not None:
+        m = np.maximum(m, sink)
+    # A row with every key excluded (-inf; only padding rows of a right-padded prompt under a
+    # local window) gives zeros instead of NaN: its max becomes finite and its sum 1.
+    np.maximum(m, np.finfo(z.dtype).min, out=m)
+    z -= m
+    np.exp(z, out=z)
+    s = z.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        s += np.exp(sink - m)
+    s[s == 0] = 1
+    z /= s
+    return z
+
+
+def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool, rot_dim: int) -> np.ndarray:
+    """Rotate the first ``rot_dim`` features of the last axis of ``x`` (a new float array).
+
+    ``cos``/``sin`` broadcast against ``x[..., :rot_dim // 2]``.  Halves layout: pairs are
+    ``(i, i + rot_dim/2)``; interleaved: ``(2i, 2i + 1)``.
+    """
+    out = x.copy()
+    half = rot_dim // 2
+    if interleaved:
+        x1, x2 = x[..., 0:rot_dim:2], x[..., 1:rot_dim:2]
+        o1, o2 = out[..., 0:rot_dim:2], out[..., 1:rot_dim:2]
+    else:
+        x1, x2 = x[..., :half], x[..., half:rot_dim]
+        o1, o2 = out[..., :half], out[..., half:rot_dim]
+    np.multiply(x1, cos, out=o1)
+    o1 -= x2 * sin
+    np.multiply(x1, sin, out=o2)
+    o2 += x2 * cos
+    return out
+
+
+def _attend(q, k, v, scale: float, bias=None, *, exclude=None, softcap: float = 0.0, post_bias=None, sink=None,
+            qk_out: bool = False):
+    """``softmax(scale * q @ k^T + bias) @ v`` for q (B, N, S, H), k/v (B, Nkv, T, H).
+
+    N must be a multiple of Nkv (grouped query attention: query heads ``g*G .. g*G+G-1`` share
+    KV head g).  ``bias`` (additive, broadcast to (B, N, S, T)) is added before ``softcap``
+    (``softcap * tanh(scores / softcap)``), ``post_bias`` after it; ``exclude`` (bool, True = key
+    not attended) then takes keys out of the softmax.  ``sink``: see :func:`softmax_rows`.  Returns
+    (B, N, S, Hv) and, with ``qk_out``, the scaled scores plus bias (before softcap and mask).
+    """
+    b, n, s, h = q.shape
+    nkv = k.shape[1]
+    g = n // nkv
+    t = k.shape[2]
+    qg = q.reshape(b, nkv, g * s, h)
+    if g * s < t:
+        # Few query rows against a long cache (decoding): numpy's batched matmul with a
+        # transposed right operand is slow (measured 1.7 ms vs 0.15 ms for 16 rows x 2048 keys,
+        # one thread), so multiply the cache as the left operand and transpose the small result.
+        scores = np.matmul(k, np.ascontiguousarray(qg.swapaxes(-1, -2)))
+        scores = np.ascontiguousarray(scores.swapaxes(-1, -2)).reshape(b, n, s, t)
+    else:
+        scores = np.matmul(qg, k.swapaxes(-1, -2)).reshape(b, n, s, t)
+    scores *= scores.dtype.type(scale)
+    if bias is not None:
+        scores += bias
+    raw = scores.copy() if qk_out else None
+    if softcap > 0:
+        scores /= scores.dtype.type(softcap)
+        np.tanh(scores, out=scores)
+        scores *= scores.dtype.type(softcap)
+    if post_bias is not None:
+        scores += post_bias
+    if exclude is not None:  # one broadcast add of a small 0 / -inf mask (no boolean indexing)
+        scores += np.where(exclude, scores.dtype.type(-np.inf), scores.dtype.type(0))
+    softmax_rows(scores, sink)
+    out = np.matmul(scores.reshape(b, nkv, g * s, -1), v).reshape(b, n, s, v.shape[-1])
+    return out, raw
+
+
+def _bsd_to_bnsh(x: np.ndarray, heads: int) -> np.ndarray:
+    b, s, d = x.shape
+    return x.reshape(b, s, heads, d // heads).transpose(0, 2, 1, 3)
+
+
+def _bnsh_to_bsd(x: np.ndarray) -> np.ndarray:
+    b, n, s, h = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(b, s, n * h)
+
+
+def _causal(s: int, t: int, past: int) -> np.ndarray:
+    """True where query i (absolute position past + i) may not see key j (j > past + i)."""
+    return np.arange(t)[None, :] > (past + np.arange(s))[:, None]
+
+
+def _key_mask_bias(kernel, mask: np.ndarray, b: int, s: int, t: int, past: int, filter_value: float, fd):
+    """onnxruntime's additive mask from a mask_index / key_padding_mask: (B, 1, S, T) or None.
+
+    Raw masks (B, T) and (B, S, T): 0 -> ``filter_value``.  1-D (B): right padding, keys at or
+    after ``mask[b]`` masked.  1-D (2B): then also keys before ``mask[B + b]``.  Other 1-D
+    lengths (3B+2, CUDA's cumulated lengths) are read as (B) end positions, as onnxruntime's CPU
+    kernel does.  4-D (B, 1, M, M) (Megatron GPT-2, CUDA only in onnxruntime): row
+    ``past + i``, first T columns, 0 -> ``filter_value``.
+    """
+    fv = fd.type(filter_value)
+    if mask.ndim == 1:
+        if mask.shape[0] < b:
+            raise _err(kernel, f"1-D mask of length {mask.shape[0]} is shorter than the batch {b}")
+        cols = np.arange(t)[None, :]
+        masked = cols >= mask[:b, None]
+        if mask.shape[0] == 2 * b:
+            masked |= cols < np.minimum(mask[b:, None], t)
+        return np.where(masked, fv, fd.type(0))[:, None, None, :]
+    if mask.ndim == 2:
+        if mask.shape != (b, t):
+            raise _err(kernel, f"2-D mask must have shape {[b, t]}, got {list(mask.shape)}")
+        return np.where(mask > 0, fd.type(0), fv)[:, None, None, :]
+    if mask.ndim == 3:
+        if mask.shape != (b, s, t):
+            raise _err(kernel, f"3-D mask must have shape {[b, s, t]}, got {list(mask.shape)}")
+        return np.where(mask > 0, fd.type(0), fv)[:, None, :, :]
+    if mask.ndim == 4:
+        if mask.shape[0] != b or mask.shape[1] != 1 or mask.shape[2] < past + s or mask.shape[3] < t:
+            raise _err(kernel, f"4-D mask must be ({b}, 1, M, M) with M >= {max(past + s, t)}, got {list(mask.shape)}")
+        return np.where(mask[:, :, past:past + s, :t] > 0, fd.type(0), fv)
+    raise _err(kernel, f"mask of rank {mask.ndim} is not supported")
+
+
+def _add_bias(kernel, acc, attention_bias, b, n, s, t):
+    if attention_bias is None:
+        return acc
+    ab = attention_bias
+    if ab.ndim != 4 or ab.shape[0] not in (1, b) or ab.shape[1] not in (1, n) or ab.shape[2:] != (s, t):
+        raise _err(kernel, f"attention_bias must have shape ({b} or 1, {n} or 1, {s}, {t}), got {list(ab.shape)}")
+    ab = _f(ab, np.dtype(np.float32) if acc is None else acc.dtype)
+    return ab if acc is None else acc + ab
+
+
+@register("Attention", domain="com.microsoft", since=1)
+class Attention(Kernel):
+    """Self attention with a merged QKV projection (BERT, GPT-2 after onnxruntime's optimizer).
+
+    Inputs: input (B, S, D_in), weights (D_in, Dq + Dk + Dv), bias, mask_index, past
+    (2, B, N, P, H), attention_bias, past_sequence_length.  Outputs: output (B, S, Dv), present
+    (2, B, N, P + S, H).  ``past_present_share_buffer=1``: past is a (2, B, N, M, H) buffer whose
+    first ``past_sequence_length`` rows are valid, and present has the same shape with the new
+    rows written after them (rows beyond are unspecified, as in onnxruntime: not written).
+    """
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        heads = self.attr("num_heads")
+        if heads is None or int(heads) <= 0:
+            raise InvalidArgument(
+                f"node {node.name!r} (Attention): num_heads must be a positive integer, got {heads!r}"
+            )
+        self.heads = int(heads)
+        self.sizes = [int(v) for v in self.attr("qkv_hidden_sizes", [])] or None
+        self.unidirectional = bool(int(self.attr("unidirectional", 0)))
+        self.filter_value = float(self.attr("mask_filter_value", -10000.0))
+        self.scale = float(self.attr("scale", 0.0))
+        self.share_buffer = bool(int(self.attr("past_present_share_buffer", 0)))
+        if int(self.attr("do_rotary", 0)):
+            # onnxruntime's CPU kernel refuses it too ("fuse the model with MHA + RotaryEmbedding").
+            raise NotImplementedError("Attention do_rotary=1 (not supported on CPU by onnxruntime either)")
+        if self.sizes is not None and (len(self.sizes) != 3 or any(v <= 0 or v % self.heads for v in self.sizes)):
+            raise InvalidArgument(
+                f"node {node.name!r} (Attention): qkv_hidden_sizes must be 3 positive multiples of num_heads "
+                f"{self.heads}, got {self.sizes}"
+            )
+        self._w: np.ndarray | None = None
+        self._b: np.ndarray | None = None
+        self.n_out = len(node.output)
+
+    # -- packing: the merged weight as BLAS's (K, N) float matrix, the bias as a float vector ----
+    def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
+        cd = compute_dtype(info.dtype)
+        if input_index not in (1, 2) or cd is None or len(info.shape) != (2 if input_index == 1 else 1):
+            return None
+        family = "attention_qkv_weight" if input_index == 1 else "attention_qkv_bias"
+        return PackSpec(family, _PACK_VERSION, b"", 1, identity=cd == np.dtype(info.dtype))
+
+    def expected_packed(self, input_index: int, info: TensorInfo):
+        if self.pack_spec(input_index, info) is None:
+            return None
+        return [(compute_dtype(info.dtype), tuple(info.shape))]
+
+    def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
+        return (np.ascontiguousarray(weight, dtype=compute_dtype(weight.dtype)),)
+
+    def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
+        if input_index == 1:
+            (self._w,) = buffers
+        else:
+            (self._b,) = buffers
+
+    def run(self, x, weights=None, bias=None, mask_index=None, past=None, attention_bias=None,
+            past_sequence_length=None):
+        w = self._w if self._w is not None else weights
+        bias = self._b if self._b is not None else bias
+        if x.ndim != 3:
+            raise _err(self, f"input must be 3-D (batch, sequence, hidden), got shape {list(x.shape)}")
+        if w.ndim != 2 or w.shape[0] != x.shape[2]:
+            raise _err(self, f"weights must be ({x.shape[2]}, Dq + Dk + Dv), got {list(w.shape)}")
+        total = w.shape[1]
+        if self.sizes is None:
+            if total % 3 or (total // 3) % self.heads:
+                raise _err(self, f"weights' second dimension {total} must be 3 equal multiples of "
+                                 f"num_heads {self.heads}")
+            dq = dk = dv = total // 3
+        else:
+            dq, dk, dv = self.sizes
+            if dq + dk + dv != total:
+                raise _err(self, f"qkv_hidden_sizes {self.sizes} do not sum to the weights' second dimension {total}")
+        if dq != dk:
+            raise _err(self, f"Q and K hidden sizes must be equal, got {dq} and {dk}")
+        if bias is not None and bias.shape != (total,):
+            raise _err(self, f"bias must have shape ({total},), got {list(bias.shape)}")
+        fd = _fd(x.dtype)
+        b, s, _ = x.shape
+        n = self.heads
+        qkv = matmul_packed(_f(x, fd), _f(w, fd))
+        if bias is not None:
+            qkv += _f(bias, fd)
+        q = _bsd_to_bnsh(qkv[..., :dq], n)
+        k = _bsd_to_bnsh(qkv[..., dq:dq + dk], n)
+        v = _bsd_to_bnsh(qkv[..., dq + dk:], n)
+        h = dq // n
+        present = None
+        past_len = 0
+        if past is not None:
+            if dq != dv:
+                raise _err(self, "with past state, Q, K and V hidden sizes must be equal")
+            if past.ndim != 5 or past.shape[0] != 2 or past.shape[1] != b or past.shape[2] != n or past.shape[4] != h:
+                raise _err(self, f"past must have shape (2, {b}, {n}, past_length, {h}), got {list(past.shape)}")
+            if self.share_buffer:
+                if past_sequence_length is None:
+                    raise _err(self, "past_present_share_buffer=1 needs the past_sequence_length input")
+                past_len = int(np.asarray(past_sequence_length).reshape(-1)[0])
+                if not 0 <= past_len <= past.shape[3] - s:
+                    raise _err(self, f"past_sequence_length {past_len} + sequence {s} exceeds the buffer's "
+                                     f"{past.shape[3]} rows")
+                present = np.empty_like(past)  # only valid rows are written: O(past), not O(buffer)
+                present[:, :, :, :past_len] = past[:, :, :, :past_len]
+                present[0, :, :, past_len:past_len + s] = k
+                present[1, :, :, past_len:past_len + s] = v
+                k_all = _f(present[0, :, :, :past_len + s], fd)
+                v_all = _f(present[1, :, :, :past_len + s], fd)
+            else:
+                past_len = past.shape[3]
+                k_all = np.concatenate([_f(past[0], fd), k], axis=2)
+                v_all = np.concatenate([_f(past[1], fd), v], axis=2)
+                if self.n_out > 1 and self.node.output[1]:
+                    present = np.stack([k_all, v_all]).astype(x.dtype, copy=False)
+        else:
+            k_all, v_all = k, v
+            if self.n_out > 1 and self.node.output[1]:
+                present = np.stack([k, v]).astype(x.dtype, copy=False)
+        t = past_len + s
+        scale = self.scale if self.scale != 0.0 else 1.0 / math.sqrt(h)
+        acc = None
+        if mask_index is not None:
+            acc = _key_mask_bias(self, mask_index, b, s, t, past_len, self.filter_value, fd)
+        if self.unidirectional:
+            causal = np.where(_causal(s, t, past_len), fd.type(_LOWEST), fd.type(0))
+            acc = causal if acc is None else np.where(_causal(s, t, past_len), fd.type(_LOWEST), acc)
+        acc = _add_bias(self, acc, attention_bias, b, n, s, t)
+        out, _ = _attend(q, k_all, v_all, scale, acc)
+        y = _bnsh_to_bsd(out)
+        return (y.astype(x.dtype, copy=False), present)[: self.n_out]
+
+
+def _project_kv(kernel, x, bias_part, heads, fd):
+    """key/value input (B, L, D) -> (B, N, L, H) float, plus its bias."""
+    xf = _f(x, fd)
+    if bias_part is not None:
+        xf = xf + bias_part
+    return _bsd_to_bnsh(xf, heads)
+
+
+@register("MultiHeadAttention", domain="com.microsoft", since=1)
+class MultiHeadAttention(Kernel):
+    """Self or cross attention on projected Q, K, V (onnxruntime's fusion of BERT/ViT/T5/Whisper).
+
+    query (B, S, D) or packed QKV (B, S, N, 3, H); key (B, L, D), packed KV (B, L, N, 2, H) or
+    already split into heads (B, N, L, H) (then value too, and no bias is added to them); bias
+    (D + D + Dv) added to the projections; key_padding_mask (B), (2B), (3B+2), (B, T) or
+    (B, S, T); attention_bias (B or 1, N or 1, S, T); past_key/past_value (B, N, P, H).  Outputs:
+    output (B, S, Dv), present_key/present_value (B, N, P + L, H), qk (the scaled scores plus
+    mask and attention_bias, before softmax).  ``past_sequence_length`` and
+    ``cache_indirection`` (beam search buffer sharing, the CUDA decoder path) are not supported.
+    """
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        heads = self.attr("num_heads")
+        if heads is None or int(heads) <= 0:
+            raise InvalidArgument(f"node {node.name!r} (MultiHeadAttention): num_heads must be positive, got {heads!r}")
+        self.heads = int(heads)
+        self.unidirectional = bool(int(self.attr("unidirectional", 0)))
+        self.filter_value = float(self.attr("mask_filter_value", -10000.0))
+        self.scale = float(self.attr("scale", 0.0))
+        ins = list(node.input) + [""] * 10
+        if ins[8] or ins[9]:
+            raise NotImplementedError("MultiHeadAttention past_sequence_length / cache_indirection inputs")
+        outs = list(node.output) + [""] * 4
+        self.want_present = bool(outs[1]) or bool(outs[2])
+        self.want_qk = bool(outs[3])
+        self.n_out = len(node.output)
+
+    def run(self, query, key=None, value=None, bias=None, key_padding_mask=None, attention_bias=None,
+            past_key=None, past_value=None, past_sequence_length=None, cache_indirection=None):
+        n = self.heads
+        fd = _fd(query.dtype)
+        if query.ndim == 5:  # packed QKV (B, S, N, 3, H)
+            if key is not None or value is not None or query.shape[2] != n or query.shape[3] != 3:
+                raise _err(self, f"packed QKV must be (B, S, {n}, 3, H) with no key/value, got {list(query.shape)}")
+            qf = _f(query, fd)
+            h = query.shape[4]
+            b, s = query.shape[:2]
+            if bias is not None:
+                qf = qf + bias.reshape(3, n, h).transpose(1, 0, 2)
+            q, k, v = (qf[:, :, :, i].transpose(0, 2, 1, 3) for i in range(3))
+            dv = n * h
+        else:
+            if query.ndim != 3 or query.shape[2] % n:
+                raise _err(self, f"query must be (B, S, D) with D a multiple of {n}, got {list(query.shape)}")
+            b, s, d = query.shape
+            h = d // n
+            if key is None:
+                raise _err(self, "key is required unless query is packed QKV")
+            bq = bk = bv = None
+            if key.ndim == 5:  # packed KV (B, L, N, 2, H)
+                if value is not None or key.shape[2] != n or key.shape[3] != 2 or key.shape[4] != h:
+                    raise _err(self, f"packed KV must be (B, L, {n}, 2, {h}) with no value, got {list(key.shape)}")
+                dv = d
+                kf = _f(key, fd)
+                if bias is not None:
+                    kf = kf + bias[d:].reshape(2, n, h).transpose(1, 0, 2)
+                k, v = (kf[:, :, :, i].transpose(0, 2, 1, 3) for i in range(2))
+                bq = None if bias is None else bias[:d]
+            else:
+                if value is None:
+                    raise _err(self, "value is required with an unpacked key")
+                if key.ndim == 4:  # already (B, N, L, H)
+                    if (key.shape[:2] != (b, n) or key.shape[3] != h or value.ndim != 4
+                            or value.shape[:3] != key.shape[:3]):
+                        raise _err(self, f"4-D key/value must be ({b}, {n}, L, {h}), got {list(key.shape)} / "
+                                         f"{list(value.shape)}")
+                    dv = value.shape[1] * value.shape[3]
+                    k, v = _f(key, fd), _f(value, fd)
+                    bq = None if bias is None else bias[:d]
+                else:
+                    if (key.ndim != 3 or key.shape[0] != b or key.shape[2] != d or value.ndim != 3
+                            or value.shape[:2] != key.shape[:2]):
+                        raise _err(self, f"key/value must be ({b}, L, {d}) / ({b}, L, Dv), got {list(key.shape)} / "
+                                         f"{list(value.shape)}")
+                    dv = value.shape[2]
+                    if bias is not None:
+                        if bias.shape != (2 * d + dv,):
+                            raise _err(self, f"bias must have shape ({2 * d + dv},), got {list(bias.shape)}")
+                        bq, bk, bv = _f(bias[:d], fd), _f(bias[d:2 * d], fd), _f(bias[2 * d:], fd)
+                    k = _project_kv(self, key, bk, n, fd)
+                    v = _project_kv(self, value, bv, n, fd)
+            qf = _f(query, fd)
+            if bq is not None:
+                qf = qf + _f(bq, fd)
+            q = _bsd_to_bnsh(qf, n)
+        past_len = 0
+        if past_key is not None or past_value is not None:
+            if past_key is None or past_value is None:
+                raise _err(self, "past_key and past_value must be given together")
+            if (past_key.ndim != 4 or past_key.shape[:2] != (b, n) or past_key.shape[3] != h
+                    or past_value.shape != past_key.shape):
+                raise _err(self, f"past_key/past_value must be ({b}, {n}, P, {h}), got {list(past_key.shape)}")
+            past_len = past_key.shape[2]
+            k = np.concatenate([_f(past_key, fd), k], axis=2)
+            v = np.concatenate([_f(past_value, fd), v], axis=2)
+        t = k.shape[2]
+        scale = self.scale if self.scale != 0.0 else 1.0 / math.sqrt(h)
+        mask = None
+        if key_padding_mask is not None:
+            mask = _key_mask_bias(self, key_padding_mask, b, s, t, past_len, self.filter_value, fd)
+        if self.unidirectional:
+            c = _causal(s, t, past_len)
+            mask = np.where(c, fd.type(_LOWEST), fd.type(0)) if mask is None else np.where(c, fd.type(_LOWEST), mask)
+        ab = None
+        if attention_bias is not None:
+            ab = _add_bias(self, None, attention_bias, b, n, s, t).astype(fd, copy=False)
+        bias_all = ab if mask is None else (mask if ab is None else mask + ab)
+        out, qk = _attend(q, k, v, scale, bias_all, qk_out=self.want_qk)
+        dt = query.dtype
+        y = _bnsh_to_bsd(out).astype(dt, copy=False)
+        pk = k.astype(dt, copy=False) if self.want_present else None
+        pv = v.astype(dt, copy=False) if self.want_present else None
+        return (y, pk, pv, None if qk is None else qk.astype(dt, copy=False))[: self.n_out]
+
+
+def _gather_cache(kernel, cache: np.ndarray, positions: np.ndarray, half: int, what: str) -> np.ndarray:
+    if cache.ndim != 2 or cache.shape[1] != half:
+        raise _err(kernel, f"{what} must be 2-D (max_position, {half}), got {list(cache.shape)}")
+    if positions.size and (positions.min() < 0 or positions.max() >= cache.shape[0]):
+        raise _err(kernel, f"position ids must be in [0, {cache.shape[0]}) ({what} rows), got "
+                           f"[{int(positions.min())}, {int(positions.max())}]")
+    return cache[positions]
+
+
+def _rotary_dims(kernel, d_or_h: int, heads: int, rot_attr: int, half: int, three_d: bool) -> tuple[int, int]:
+    """(head_size, rotary_dim) for RotaryEmbedding's input layouts."""
+    if three_d:
+        if heads > 0:
+            if d_or_h % heads:
+                raise _err(kernel, f"hidden size {d_or_h} is not a multiple of num_heads {heads}")
+            head = d_or_h // heads
+        else:
+            if rot_attr > 0:
+                raise _err(kernel, "num_heads is required with rotary_embedding_dim for a 3-D input")
+            head = 2 * half
+    else:
+        head = d_or_h
+    rot = rot_attr if rot_attr > 0 else head
+    if rot > head or rot % 2 or rot // 2 != half or (three_d and d_or_h % head):
+        raise _err(kernel, f"rotary dimension {rot} (cache width {half}) does not fit head size {head}")
+    return head, rot
+
+
+@register("RotaryEmbedding", domain="com.microsoft", since=1)
+class MsRotaryEmbedding(Kernel):
+    """onnxruntime's RotaryEmbedding: inputs (input, position_ids, cos_cache, sin_cache).
+
+    input (B, S, D) or (B, N, S, H); position_ids (B, S), or one offset (shape (1,)) giving
+    positions ``offset + 0 .. S-1``; caches (max_position, rotary_dim / 2).  ``interleaved``,
+    ``rotary_embedding_dim`` (partial rotation; needs ``num_heads`` for 3-D input).  ``scale`` and
+    ``is_packed_batching`` do not change onnxruntime's CPU results and are accepted and ignored.
+    """
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.interleaved = bool(int(self.attr("interleaved", 0)))
+        self.heads = int(self.attr("num_heads", 0))
+        self.rot = int(self.attr("rotary_embedding_dim", 0))
+
+    def run(self, x, position_ids, cos_cache, sin_cache):
+        if x.ndim not in (3, 4):
+            raise _err(self, f"input must be 3-D or 4-D, got shape {list(x.shape)}")
+        b = x.shape[0]
+        s = x.shape[1] if x.ndim == 3 else x.shape[2]
+        half = cos_cache.shape[-1]
+        head, rot = _rotary_dims(self, x.shape[-1], self.heads, self.rot, half, x.ndim == 3)
+        pos = np.asarray(position_ids)
+        if pos.size == 1 and pos.ndim <= 1:
+            pos = int(pos.reshape(-1)[0]) + np.arange(s)[None, :]
+        elif pos.shape != (b, s):
+            raise _err(self, f"position_ids must have shape (1,) or {[b, s]}, got {list(pos.shape)}")
+        fd = _fd(x.dtype)
+        cos = _f(_gather_cache(self, cos_cache, pos, half, "cos_cache"), fd)  # (B|1, S, half)
+        sin = _f(_gather_cache(self, sin_cache, pos, half, "sin_cache"), fd)
+        if x.ndim == 3:
+            xh = _f(x, fd).reshape(b, s, -1, head)
+            cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        else:
+            xh = _f(x, fd)
+            cos, sin = cos[:, None], sin[:, None]
+        y = apply_rotary(xh, cos, sin, self.interleaved, rot)
+        return (y.reshape(x.shape).astype(x.dtype, copy=False),)
+
+
+@register("RotaryEmbedding", since=23)
+class RotaryEmbedding23(Kernel):
+    """ONNX RotaryEmbedding-23: inputs (X, cos_cache, sin_cache, position_ids).
+
+    X (B, N, S, H), or (B, S, hidden) with ``num_heads``; with position_ids (B, S) the caches are
+    (max_position, rotary_dim / 2), without they are (B, S, rotary_dim / 2).
+    """
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.interleaved = bool(int(self.attr("interleaved", 0)))
+        self.heads = int(self.attr("num_heads", 0))
+        self.rot = int(self.attr("rotary_embedding_dim", 0))
+
+    def run(self, x, cos_cache, sin_cache, position_ids=None):
+        if x.ndim not in (3, 4):
+            raise _err(self, f"X must be 3-D or 4-D, got shape {list(x.shape)}")
+        if x.ndim == 3 and self.heads <= 0:
+            raise _err(self, "num_heads is required for a 3-D X")
+        b = x.shape[0]
+        s = x.shape[1] if x.ndim == 3 else x.shape[2]
+        half = cos_cache.shape[-1]
+        head = x.shape[-1] // self.heads if x.ndim == 3 else x.shape[-1]
+        if x.ndim == 3 and x.shape[-1] % self.heads:
+            raise _err(self, f"hidden size {x.shape[-1]} is not a multiple of num_heads {self.heads}")
+        rot = self.rot if self.rot > 0 else head
+        if rot > head or rot % 2 or rot // 2 != half:
+            raise _err(self, f"rotary dimension {rot} (cache width {half}) does not fit head size {head}")
+        fd = _fd(x.dtype)
+        if position_ids is not None:
+            if position_ids.shape != (b, s):
+                raise _err(self, f"position_ids must have shape {[b, s]}, got {list(position_ids.shape)}")
+            cos = _gather_cache(self, cos_cache, position_ids, half, "cos_cache")
+            sin = _gather_cache(self, sin_cache, position_ids, half, "sin_cache")
+        else:
+            if cos_cache.shape != (b, s, half) or sin_cache.shape != (b, s, half):
+                raise _err(self, f"without position_ids the caches must be {[b, s, half]}, got {list(cos_cache.shape)}")
+            cos, sin = cos_cache, sin_cache
+        cos, sin = _f(cos, fd), _f(sin, fd)
+        if x.ndim == 3:
+            xh = _f(x, fd).reshape(b, s, self.heads, head)
+            cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        else:
+            xh = _f(x, fd)
+            cos, sin = cos[:, None], sin[:, None]
+        y = apply_rotary(xh, cos, sin, self.interleaved, rot)
+        return (y.reshape(x.shape).astype(x.dtype, copy=False),)
+
+
+@register("GroupQueryAttention", domain="com.microsoft", since=1)
+class GroupQueryAttention(Kernel):
+    """Causal grouped-query attention with a KV cache (onnxruntime-genai's decoder layers).
+
+    Inputs: query (B, S, N*H) or packed QKV (B, S, (N + 2*Nkv) * H) with key/value omitted;
+    key/value (B, S, Nkv*H); past_key/past_value (B, Nkv, P, H) (P may be 0); seqlens_k (B)
+    int32 = total length - 1 per row; total_sequence_length (scalar int32); cos_cache/sin_cache
+    (max_position, rotary_dim / 2); position_ids (B, S); attention_bias (B or 1, N or 1, S, T);
+    head_sink (N).  Outputs: output (B, S, N*H), present_key/present_value (B, Nkv, C, H) with
+    ``C = max(total_sequence_length, P)``, in the cache's dtype; rows from the longest row's
+    end on are unspecified (not written: a step costs O(total length), not O(C)).
+
+    As in onnxruntime, a call is the first prompt when ``S == total_sequence_length``: then every
+    row's past is empty and its S new rows fill present rows 0..S-1 (rows of a right-padded
+    prompt past ``seqlens_k[b]`` are written but never attended to).  Otherwise row b has
+    ``past_b = seqlens_k[b] + 1 - S`` cached tokens and the new ones go to rows
+    ``past_b .. past_b + S - 1``; rows of a shorter row up to the longest row's end are zero.
+    Past and present never share memory here (each step copies the valid past rows, which the
+    attention reads anyway): "past is a max-length buffer" (P = C) and "past has exactly the
+    past length" give the same values in every specified row.
+
+    Query i of row b (absolute position ``p = past_b + i``) attends to keys ``j <= p`` (all
+    ``j < seqlens_k[b] + 1`` with ``causal=0``), and with ``local_window_size = W > 0`` only to
+    the W keys ``j > p - W`` (itself included; measured against onnxruntime 1.32, whose older
+    releases attended to W + 1 keys).  ``softcap`` caps the scaled scores (``softcap * tanh(x / softcap)``) before
+    attention_bias is added (onnxruntime's order); ``smooth_softmax`` adds a zero logit to the softmax denominator,
+    ``head_sink`` a per-head one.  Rotary (``do_rotary``) rotates Q and K at positions
+    ``position_ids`` (for a first prompt only its first element counts: positions
+    ``position_ids[0, 0] + i`` for every row, as onnxruntime does) or else ``past_b + i``.
+
+    Not implemented (the constructor declines): quantized caches (``k_quant_type``,
+    ``kv_cache_bit_width``), ``sliding_window_cache``, ``qk_output``, the q/k norm weights and
+    ``query_seqlens``.
+    """
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        n, nkv = self.attr("num_heads"), self.attr("kv_num_heads")
+        if n is None or nkv is None or int(n) <= 0 or int(nkv) <= 0 or int(n) % int(nkv):
+            raise InvalidArgument(
+                f"node {node.name!r} (GroupQueryAttention): num_heads ({n}) must be a positive multiple of "
+                f"kv_num_heads ({nkv})"
+            )
+        self.heads, self.kv_heads = int(n), int(nkv)
+        self.scale = float(self.attr("scale", 0.0))
+        self.softcap = float(self.attr("softcap", 0.0))
+        self.window = int(self.attr("local_window_size", -1))
+        self.do_rotary = bool(int(self.attr("do_rotary", 0)))
+        self.interleaved = bool(int(self.attr("rotary_interleaved", 0)))
+        self.smooth = int(self.attr("smooth_softmax", -1)) == 1
+        self.causal = bool(int(self.attr("causal", 1)))
+        if not self.causal and self.window > 0:
+            raise InvalidArgument(f"node {node.name!r} (GroupQueryAttention): local_window_size needs causal=1")
+        for name, default in (("k_quant_type", "NONE"), ("v_quant_type", "NONE")):
+            if self.attr(name, default) != "NONE":
+                raise NotImplementedError(f"GroupQueryAttention {name}={self.attr(name)!r} (quantized KV cache)")
+        if int(self.attr("sliding_window_cache", 0)) or int(self.attr("qk_output", 0)):
+            raise NotImplementedError("GroupQueryAttention sliding_window_cache / qk_output")
+        ins = list(node.input) + [""] * 16
+        if any(ins[i] for i in (12, 13, 14, 15)) or (len(node.output) > 3 and node.output[3]):
+            raise NotImplementedError("GroupQueryAttention k/v scales, q/k norm weights, query_seqlens or output_qk")
+        self.n_out = len(node.output)
+
+    def run(self, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None,
+            total_sequence_length=None, cos_cache=None, sin_cache=None, position_ids=None,
+            attention_bias=None, head_sink=None, *unused):
+        n, nkv = self.heads, self.kv_heads
+        if query.ndim != 3:
+            raise _err(self, f"query must be 3-D (batch, sequence, hidden), got {list(query.shape)}")
+        b, s, d = query.shape
+        fd = _fd(query.dtype)
+        if key is None:
+            if value is not None or d % (n + 2 * nkv):
+                raise _err(self, f"packed QKV needs a last dimension divisible by {n + 2 * nkv}, got {d}")
+            h = d // (n + 2 * nkv)
+            qf = _f(query, fd)
+            q = qf[..., : n * h].reshape(b, s, n, h)
+            k = qf[..., n * h:(n + nkv) * h].reshape(b, s, nkv, h)
+            v = qf[..., (n + nkv) * h:].reshape(b, s, nkv, h)
+        else:
+            if value is None or d % n:
+                raise _err(self, f"query's last dimension {d} must be a multiple of num_heads {n}, with key and value")
+            h = d // n
+            if key.shape != (b, s, nkv * h) or value.shape != (b, s, nkv * h):
+                raise _err(self, f"key/value must be {[b, s, nkv * h]}, got {list(key.shape)} / {list(value.shape)}")
+            q = _f(query, fd).reshape(b, s, n, h)
+            k = _f(key, fd).reshape(b, s, nkv, h)
+            v = _f(value, fd).reshape(b, s, nkv, h)
+        if seqlens_k is None or total_sequence_length is None:
+            raise _err(self, "seqlens_k and total_sequence_length are required")
+        lens = np.asarray(seqlens_k).reshape(-1).astype(np.int64) + 1
+        total = int(np.asarray(total_sequence_length).reshape(-1)[0])
+        if lens.shape != (b,):
+            raise _err(self, f"seqlens_k must have shape ({b},), got {list(np.shape(seqlens_k))}")
+        if (past_key is None) != (past_value is None):
+            raise _err(self, "past_key and past_value must be given together")
+        plen = 0 if past_key is None else past_key.shape[2]
+        if past_key is not None:
+            want = (b, nkv, plen, h)
+            if past_key.shape != want or past_value.shape != want:
+                raise _err(self, f"past_key/past_value must be {list(want)}, got {list(past_key.shape)} / "
+                                 f"{list(past_value.shape)}")
+        if lens.min() < 1 or lens.max() > total:
+            raise _err(self, f"seqlens_k + 1 must be in [1, total_sequence_length={total}], got {lens.tolist()}")
+        first_prompt = s == total
+        past = np.zeros(b, np.int64) if first_prompt else lens - s
+        cap = max(total, plen)
+        if past.min() < 0 or (past + s).max() > cap or (not first_prompt and past.max() > plen):
+            raise _err(self, f"seqlens_k {(lens - 1).tolist()} do not fit sequence {s}, past {plen}, total {total}")
+        if self.do_rotary:
+            if cos_cache is None or sin_cache is None:
+                raise _err(self, "do_rotary=1 needs cos_cache and sin_cache")
+            if position_ids is not None:
+                if position_ids.shape != (b, s):
+                    raise _err(self, f"position_ids must have shape {[b, s]}, got {list(position_ids.shape)}")
+                pos = position_ids
+                if first_prompt:  # onnxruntime reads only the first element for a first prompt
+                    pos = np.broadcast_to(int(position_ids.reshape(-1)[0]) + np.arange(s), (b, s))
+            else:
+                pos = past[:, None] + np.arange(s)[None, :]
+            half = cos_cache.shape[-1]
+            rot = 2 * half
+            if rot > h:
+                raise _err(self, f"cos_cache width {half} exceeds head_size / 2 = {h // 2}")
+            cos = _f(_gather_cache(self, cos_cache, pos, half, "cos_cache"), fd)[:, :, None, :]
+            sin = _f(_gather_cache(self, sin_cache, pos, half, "sin_cache"), fd)[:, :, None, :]
+            q = apply_rotary(q, cos, sin, self.interleaved, rot)
+            k = apply_rotary(k, cos, sin, self.interleaved, rot)
+        cache_dtype = query.dtype if past_key is None else past_key.dtype
+        # Rows at and past the longest row's end are left unwritten (unspecified, as onnxruntime
+        # documents them): zero-filling a max-length buffer would cost O(max_seq) per step.
+        pk = np.empty((b, nkv, cap, h), cache_dtype)
+        pv = np.empty((b, nkv, cap, h), cache_dtype)
+        kt = k.transpose(0, 2, 1, 3)  # (B, Nkv, S, H)
+        vt = v.transpose(0, 2, 1, 3)
+        if past.min() == past.max():  # every row has the same past: one slice per cache
+            p0 = int(past[0])
+            if p0:
+                pk[:, :, :p0] = past_key[:, :, :p0]
+                pv[:, :, :p0] = past_value[:, :, :p0]
+            pk[:, :, p0:p0 + s] = kt
+            pv[:, :, p0:p0 + s] = vt
+        else:  # right-padded batch: a slice per row (a loop over the batch only)
+            for r in range(b):
+                p0 = int(past[r])
+                pk[r, :, :p0] = past_key[r, :, :p0]
+                pv[r, :, :p0] = past_value[r, :, :p0]
+                pk[r, :, p0:p0 + s] = kt[r]
+                pv[r, :, p0:p0 + s] = vt[r]
+        t = int((past + s).max())  # keys any query can see
+        for r in np.flatnonzero(past + s < t):  # a shorter row's keys up to t: zero, never garbage
+            pk[r, :, past[r] + s:t] = 0
+            pv[r, :, past[r] + s:t] = 0
+        kk = _f(pk[:, :, :t], fd)
+        vv = _f(pv[:, :, :t], fd)
+        qpos = past[:, None] + np.arange(s)[None, :]  # (B, S) absolute query positions
+        j = np.arange(t)[None, None, :]
+        exclude = j >= lens[:, None, None]  # beyond the row's length
+        if self.causal:
+            exclude = exclude | (j > qpos[:, :, None])
+        if self.window > 0:
+            exclude = exclude | (j <= qpos[:, :, None] - self.window)
+        bias = None
+        if attention_bias is not None:
+            ab = attention_bias
+            if (ab.ndim != 4 or ab.shape[0] not in (1, b) or ab.shape[1] not in (1, n) or ab.shape[2] != s
+                    or ab.shape[3] < t):
+                raise _err(self, f"attention_bias must be ({b} or 1, {n} or 1, {s}, >= {t}), got {list(ab.shape)}")
+            bias = _f(ab[..., :t], fd)
+        sink = None
+        if head_sink is not None:
+            if head_sink.shape != (n,):
+                raise _err(self, f"head_sink must have shape ({n},), got {list(head_sink.shape)}")
+            sink = _f(head_sink, fd).reshape(1, n, 1, 1)
+        elif self.smooth:
+            sink = fd.type(0)
+        scale = self.scale if self.scale != 0.0 else 1.0 / math.sqrt(h)
+        out, _ = _attend(q.transpose(0, 2, 1, 3), kk, vv, scale, exclude=exclude[:, None], softcap=self.softcap,
+                         post_bias=bias, sink=sink)
+        y = _bnsh_to_bsd(out).astype(query.dtype, copy=False)
+        return (y, pk, pv)[: self.n_out]

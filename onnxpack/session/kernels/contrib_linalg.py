@@ -1,0 +1,94 @@
+"""com.microsoft::FusedMatMul: ``alpha * op(A) @ op(B)``, a MatMul with Transposes and a scale
+folded in by onnxruntime's optimizer.
+
+``op`` first applies ``transBatch`` (the first axis moves behind the other batch axes, to
+position ``rank - 2``: ``(d0, d1, .., d_{r-2}, d_{r-1}) -> (d1, .., d_{r-2}, d0, d_{r-1})``),
+then ``trans`` (the last two axes swap), as onnxruntime's MatMul helper does.
+
+A constant 2-D ``B`` is pre-packed as ``alpha * op(B)``, a C-contiguous ``(K, N)`` matrix in
+the BLAS compute dtype, exactly as Gemm packs (``linalg``'s helpers; ``transB`` and ``alpha``
+are in ``PackSpec.attrs`` since they change the packed bytes); for a 2-D ``B`` transBatchB is
+the identity permutation.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+
+import numpy as np
+
+from onnxpack.errors import InvalidArgument
+from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
+from onnxpack.session.kernels.linalg import as_compute, compute_dtype, matmul_packed
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FusedMatMul"]
+
+_PACK_VERSION = 1
+
+
+def _op(x: np.ndarray, trans_batch: bool, trans: bool) -> np.ndarray:
+    if trans_batch and x.ndim > 2:
+        x = x.transpose(list(range(1, x.ndim - 1)) + [0, x.ndim - 1])
+    if trans and x.ndim >= 2:
+        x = x.swapaxes(-1, -2)
+    return x
+
+
+@register("FusedMatMul", domain="com.microsoft", since=1)
+class FusedMatMul(Kernel):
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.alpha = float(self.attr("alpha", 1.0))
+        self.trans_a = bool(int(self.attr("transA", 0)))
+        self.trans_b = bool(int(self.attr("transB", 0)))
+        self.trans_batch_a = bool(int(self.attr("transBatchA", 0)))
+        self.trans_batch_b = bool(int(self.attr("transBatchB", 0)))
+        self._b: np.ndarray | None = None  # packed alpha * op(B), (K, N)
+
+    def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
+        if input_index != 1 or len(info.shape) != 2 or compute_dtype(info.dtype) is None:
+            return None
+        identity = not self.trans_b and self.alpha == 1.0 and compute_dtype(info.dtype) == np.dtype(info.dtype)
+        attrs = struct.pack("<id", self.trans_b, self.alpha)
+        return PackSpec("fused_matmul", _PACK_VERSION, attrs, 1, identity=identity)
+
+    def expected_packed(self, input_index: int, info: TensorInfo):
+        if self.pack_spec(input_index, info) is None:
+            return None
+        k, n = info.shape[::-1] if self.trans_b else info.shape
+        return [(compute_dtype(info.dtype), (k, n))]
+
+    def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
+        cd = compute_dtype(weight.dtype)
+        packed = np.ascontiguousarray(weight.T if self.trans_b else weight, dtype=cd)
+        if self.alpha != 1.0:
+            if np.shares_memory(packed, weight):
+                packed = packed.copy()
+            packed *= cd.type(self.alpha)
+        return (packed,)
+
+    def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
+        (self._b,) = buffers
+
+    def run(self, a, b=None):
+        if compute_dtype(a.dtype) is None:
+            raise InvalidArgument(f"node {self.node.name!r} (FusedMatMul): unsupported input dtype {a.dtype}")
+        if a.ndim == 0 or (b is not None and b.ndim == 0):
+            raise InvalidArgument(f"node {self.node.name!r} (FusedMatMul): inputs must not be scalars")
+        a2 = as_compute(_op(a, self.trans_batch_a, self.trans_a))
+        try:
+            if self._b is not None:
+                y = matmul_packed(a2, self._b)
+            else:
+                y = np.matmul(a2, as_compute(_op(b, self.trans_batch_b, self.trans_b)))
+                if self.alpha != 1.0:
+                    y *= y.dtype.type(self.alpha)
+        except ValueError as exc:
+            raise InvalidArgument(
+                f"node {self.node.name!r} (FusedMatMul): shapes {list(a.shape)} and "
+                f"{list(b.shape) if b is not None else list(self._b.shape)} do not multiply ({exc})"
+            ) from None
+        return (y if y.dtype == a.dtype else y.astype(a.dtype),)

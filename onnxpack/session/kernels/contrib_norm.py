@@ -1,0 +1,290 @@
+"""onnxruntime's normalizations beyond ONNX: SkipLayerNormalization, SkipSimplifiedLayerNormalization
+(com.microsoft), SimplifiedLayerNormalization and LayerNormalization before opset 17 (registered by
+onnxruntime in the *default* domain from version 1), EmbedLayerNormalization (com.microsoft).
+
+onnxruntime 1.32 has no com.microsoft LayerNormalization or SimplifiedLayerNormalization (its
+schema list has them only in the default domain), so neither is registered there.
+
+Everything is computed in float32 (float64 stays float64) and rounded once, as onnxruntime's CPU
+kernels do for float16: they widen input, skip and bias, sum in float, and round the sum (the
+``input_skip_bias_sum`` output) and the normalized result separately.  Statistics outputs
+(``mean``, ``inv_std_var``) are float32 with the normalized axes kept as 1, as onnxruntime
+returns them.
+
+EmbedLayerNormalization pre-packs its float32 tables (word, position, segment embeddings, gamma,
+beta) as identity packs, so they are shared, saved and mapped like any packed weight and ``run``
+never reads the originals.  float16 tables are left unpacked: widening a table to float32 would
+double its memory to save the widening of only the ``batch * sequence`` rows a call gathers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from onnxpack.errors import InvalidArgument
+from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
+from onnxpack.session.kernels.norm import LayerNormalization
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["layer_norm_f", "rms_norm_f"]
+
+# onnxruntime's LayerNormalization for opsets 1-16 (a contrib kernel in the default domain) has
+# the same attributes, inputs and outputs as ONNX's LayerNormalization-17.
+register("LayerNormalization", since=1)(LayerNormalization)
+
+
+def _float(dtype: np.dtype) -> np.dtype:
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def layer_norm_f(x: np.ndarray, gamma, beta, eps: float, axis: int = -1):
+    """LayerNorm of a float32/float64 ``x`` over its axes from ``axis`` on, in place on ``x``.
+
+    Returns ``(y, mean, inv_std)`` with the statistics shaped like ``x`` with those axes 1.
+    ``x`` must be a fresh array (it becomes ``y``).
+    """
+    axes = tuple(range(axis % x.ndim, x.ndim))
+    mean = x.mean(axis=axes, keepdims=True)
+    x -= mean
+    var = np.mean(np.square(x), axis=axes, keepdims=True)
+    inv = var
+    inv += x.dtype.type(eps)
+    np.sqrt(inv, out=inv)
+    np.reciprocal(inv, out=inv)
+    x *= inv
+    x *= gamma
+    if beta is not None:
+        x += beta
+    return x, mean, inv
+
+
+def rms_norm_f(x: np.ndarray, gamma, eps: float, axis: int = -1):
+    """RMS norm (``x / sqrt(mean(x**2) + eps) * gamma``) in place on a fresh float ``x``.
+
+    Returns ``(y, inv_std)``.
+    """
+    axes = tuple(range(axis % x.ndim, x.ndim))
+    inv = np.mean(np.square(x), axis=axes, keepdims=True)
+    inv += x.dtype.type(eps)
+    np.sqrt(inv, out=inv)
+    np.reciprocal(inv, out=inv)
+    x *= inv
+    x *= gamma
+    return x, inv
+
+
+def _to(y: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    return y if y.dtype == dtype else y.astype(dtype)
+
+
+class _SkipNorm(Kernel):
+    """Shared by SkipLayerNormalization and SkipSimplifiedLayerNormalization."""
+
+    _simplified = False
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.epsilon = float(self.attr("epsilon", 1e-12))
+        outs = list(node.output) + [""] * 4
+        self.want_mean = bool(outs[1])
+        self.want_inv = bool(outs[2])
+        self.want_sum = bool(outs[3])
+        self.n_out = len(node.output)
+
+    def _check(self, x, skip, gamma, beta, bias) -> int:
+        if x.ndim not in (2, 3):
+            raise InvalidArgument(
+                f"node {self.node.name!r} ({self.op_type}): input must be 3-D (batch, sequence, hidden) or 2-D "
+                f"(tokens, hidden), got shape {list(x.shape)}"
+            )
+        h = x.shape[-1]
+        ok_skip = skip.shape == x.shape or (skip.ndim >= 2 and skip.shape[-1] == h and skip.shape[-2] == x.shape[-2]
+                                            and all(d == 1 for d in skip.shape[:-2]) and skip.ndim <= x.ndim)
+        if not ok_skip:
+            raise InvalidArgument(
+                f"node {self.node.name!r} ({self.op_type}): skip must have shape {list(x.shape)}, "
+                f"(1, {x.shape[-2]}, {h}) or ({x.shape[-2]}, {h}), got {list(skip.shape)}"
+            )
+        for name, v in (("gamma", gamma), ("beta", beta), ("bias", bias)):
+            if v is not None and v.shape not in ((h,), (1, h), (1, 1, h)):
+                raise InvalidArgument(
+                    f"node {self.node.name!r} ({self.op_type}): {name} must have shape ({h},), got {list(v.shape)}"
+                )
+        return h
+
+    def _run(self, x, skip, gamma, beta, bias):
+        self._check(x, skip, gamma, beta, bias)
+        fd = _float(x.dtype)
+        s = x.astype(fd)
+        s += skip
+        if bias is not None:
+            s += bias
+        total = _to(s, x.dtype) if self.want_sum else None
+        if self.want_sum and total is s:
+            total = s.copy()  # s is normalized in place below
+        g = gamma.reshape(-1)
+        if self._simplified:
+            y, inv = rms_norm_f(s, g, self.epsilon)
+            mean = np.zeros_like(inv) if self.want_mean else None
+        else:
+            y, mean, inv = layer_norm_f(s, g, None if beta is None else beta.reshape(-1), self.epsilon)
+        outs = (_to(y, x.dtype), _to(mean, np.float32) if self.want_mean else None,
+                _to(inv, np.float32) if self.want_inv else None, total)
+        return outs[: self.n_out]
+
+
+@register("SkipLayerNormalization", domain="com.microsoft", since=1)
+class SkipLayerNormalization(_SkipNorm):
+    """``LayerNorm(input + skip + bias) * gamma + beta`` over the last axis.
+
+    Outputs: output, mean, inv_std_var (float32, shape (..., 1)), input_skip_bias_sum.
+    """
+
+    def run(self, x, skip, gamma, beta=None, bias=None):
+        return self._run(x, skip, gamma, beta, bias)
+
+
+@register("SkipSimplifiedLayerNormalization", domain="com.microsoft", since=1)
+class SkipSimplifiedLayerNormalization(_SkipNorm):
+    """``RMSNorm(input + skip + bias) * gamma`` over the last axis.
+
+    Outputs: output, mean (unused by the math; zeros when requested), inv_std_var,
+    input_skip_bias_sum.
+    """
+
+    _simplified = True
+
+    def run(self, x, skip, gamma, bias=None):
+        return self._run(x, skip, gamma, None, bias)
+
+
+@register("SimplifiedLayerNormalization", since=1)
+class SimplifiedLayerNormalization(Kernel):
+    """RMS normalization over the axes from ``axis`` on (onnxruntime registers it in the default
+    domain for every opset).  Outputs Y (the scale's dtype, onnxruntime's type V) and the
+    float32 inv_std_var (shape of X with the normalized axes 1)."""
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.axis = int(self.attr("axis", -1))
+        self.epsilon = float(self.attr("epsilon", 1e-5))
+        if int(self.attr("stash_type", 1)) != 1:
+            raise NotImplementedError("SimplifiedLayerNormalization stash_type != 1")
+        self.n_out = len(node.output)
+
+    def run(self, x, scale):
+        axis = self.axis + x.ndim if self.axis < 0 else self.axis
+        if not 0 <= axis < max(x.ndim, 1):
+            raise InvalidArgument(
+                f"node {self.node.name!r} (SimplifiedLayerNormalization): axis {self.axis} out of range for "
+                f"rank {x.ndim}"
+            )
+        fd = _float(np.result_type(x.dtype, scale.dtype) if np.float64 in (x.dtype, scale.dtype) else x.dtype)
+        y, inv = rms_norm_f(x.astype(fd), scale, self.epsilon, axis)
+        sd = fd if fd == np.float64 else np.dtype(np.float32)
+        return (_to(y, scale.dtype), _to(inv, sd))[: self.n_out]
+
+
+# -- EmbedLayerNormalization ----------------------------------------------------------------------
+_EMBED_PACK_VERSION = 1
+_EMBED_TABLES = (2, 3, 4, 5, 6)  # word, position, segment embeddings, gamma, beta
+
+
+@register("EmbedLayerNormalization", domain="com.microsoft", since=1)
+class EmbedLayerNormalization(Kernel):
+    """``LayerNorm(word[input_ids] + position[position_ids] + segment[segment_ids])``.
+
+    ``position_ids`` (input 8, (batch, seq) or (1, seq)) defaults to ``0 .. seq-1``.  Output 1,
+    ``mask_index``, is the number of non-zero entries of each row of ``mask`` (zeros without a
+    mask), as onnxruntime computes it; output 2 is the embedding sum before normalization.
+    Out-of-range ids are an error, as in onnxruntime.
+    """
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.epsilon = float(self.attr("epsilon", 1e-12))
+        self.tables: dict[int, np.ndarray] = {}
+        outs = list(node.output) + ["", ""]
+        self.want_mask = bool(outs[1])
+        self.want_sum = bool(outs[2])
+        self.n_out = len(node.output)
+
+    def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
+        if input_index not in _EMBED_TABLES or np.dtype(info.dtype) != np.float32:
+            return None
+        return PackSpec("embed_layer_norm", _EMBED_PACK_VERSION, b"", 1, identity=True)
+
+    def expected_packed(self, input_index: int, info: TensorInfo):
+        if self.pack_spec(input_index, info) is None:
+            return None
+        return [(np.dtype(np.float32), tuple(info.shape))]
+
+    def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
+        return (np.ascontiguousarray(weight, dtype=np.float32),)
+
+    def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
+        (self.tables[input_index],) = buffers
+
+    def _gather(self, table: np.ndarray, ids: np.ndarray, what: str) -> np.ndarray:
+        if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
+            bad = ids[(ids < 0) | (ids >= table.shape[0])].reshape(-1)[0]
+            raise InvalidArgument(
+                f"node {self.node.name!r} (EmbedLayerNormalization): {what} {int(bad)} out of range "
+                f"[0, {table.shape[0]})"
+            )
+        return table[ids]
+
+    def run(self, input_ids, segment_ids=None, word=None, position=None, segment=None, gamma=None, beta=None,
+            mask=None, position_ids=None):
+        word, position, segment, gamma, beta = (
+            self.tables.get(i, v) for i, v in zip(_EMBED_TABLES, (word, position, segment, gamma, beta))
+        )
+        name = self.node.name
+        if input_ids.ndim != 2:
+            raise InvalidArgument(
+                f"node {name!r} (EmbedLayerNormalization): input_ids must be 2-D, got {list(input_ids.shape)}"
+            )
+        b, s = input_ids.shape
+        h = word.shape[1]
+        for what, t in (("position_embedding", position), ("segment_embedding", segment)):
+            if t is not None and (t.ndim != 2 or t.shape[1] != h):
+                raise InvalidArgument(
+                    f"node {name!r} (EmbedLayerNormalization): {what} must be 2-D with {h} columns, got {list(t.shape)}"
+                )
+        for what, t in (("segment_ids", segment_ids), ("mask", mask)):
+            if t is not None and t.shape != input_ids.shape:
+                raise InvalidArgument(
+                    f"node {name!r} (EmbedLayerNormalization): {what} must have input_ids' shape {[b, s]}, "
+                    f"got {list(t.shape)}"
+                )
+        if (segment_ids is None) != (segment is None):
+            raise InvalidArgument(
+                f"node {name!r} (EmbedLayerNormalization): segment_ids and segment_embedding must be given together"
+            )
+        fd = _float(word.dtype)
+        e = self._gather(word, input_ids, "input id").astype(fd)  # fresh: normalized in place
+        if position_ids is None:
+            if s > position.shape[0]:
+                raise InvalidArgument(
+                    f"node {name!r} (EmbedLayerNormalization): sequence length {s} exceeds position_embedding's "
+                    f"{position.shape[0]} rows"
+                )
+            e += position[:s]
+        else:
+            if position_ids.shape not in ((b, s), (1, s)):
+                raise InvalidArgument(
+                    f"node {name!r} (EmbedLayerNormalization): position_ids must have shape {[b, s]} or {[1, s]}, "
+                    f"got {list(position_ids.shape)}"
+                )
+            e += self._gather(position, position_ids, "position id")
+        if segment_ids is not None:
+            e += self._gather(segment, segment_ids, "segment id")
+        total = _to(e, word.dtype).copy() if self.want_sum else None
+        y, _, _ = layer_norm_f(e, gamma, beta, self.epsilon)
+        mask_index = None
+        if self.want_mask:
+            mask_index = (np.count_nonzero(mask, axis=1) if mask is not None else np.zeros(b)).astype(np.int32)
+        return (_to(y, word.dtype), mask_index, total)[: self.n_out]

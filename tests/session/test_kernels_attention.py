@@ -1,0 +1,514 @@
+"""Attention, MultiHeadAttention, RotaryEmbedding (com.microsoft and ONNX-23) and
+GroupQueryAttention vs onnxruntime 1.32 (CPU, graph optimizations off).
+
+Tolerances: float32 rtol 1e-4 / atol 1e-5 (onnxruntime's MLAS GEMMs and softmax sum in another
+order); float16 rtol 1e-2 / atol 1e-2 after widening (both sides compute in float32 and round
+once, but onnxruntime's rotary kernel rounds each float16 product: an ulp or two of float16).
+Where onnxruntime leaves values unspecified (output rows of a right-padded prompt past its
+length) only the specified rows are compared.
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from contrib_util import MS, check_all_paths, run_ort_model, single_node_model
+
+import onnxpack
+from onnxpack.errors import InvalidArgument
+from onnxpack.session.kernels import KernelContext, lookup
+
+F32 = dict(rtol=1e-4, atol=1e-5)
+F16 = dict(rtol=1e-2, atol=1e-2)
+DTYPES = [np.float32, np.float16]
+DT_IDS = ["f32", "f16"]
+
+
+def tol(dtype):
+    return F32 if np.dtype(dtype) == np.float32 else F16
+
+
+def rand(rng, shape, dtype, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+def mk(op, inputs, outputs, domain=MS, **attrs):
+    inputs = list(inputs)
+    while inputs and inputs[-1] == "":
+        inputs.pop()
+    return helper.make_node(op, inputs, outputs, domain=domain, **attrs)
+
+
+def rope_caches(max_pos, half, dtype, base=10000.0):
+    inv = 1.0 / base ** (np.arange(half) / half)
+    ang = np.arange(max_pos)[:, None] * inv[None, :]
+    return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention
+# ------------------------------------------------------------------------------------------------
+B, S, DIN, NH = 2, 5, 16, 4
+
+
+def attention_case(rng, dtype, sizes=(16, 16, 16)):
+    x = rand(rng, (B, S, DIN), dtype)
+    w = rand(rng, (DIN, sum(sizes)), dtype, 0.3)
+    bias = rand(rng, (sum(sizes),), dtype, 0.2)
+    return x, w, bias
+
+
+MASKS = {
+    "none": None,
+    "1d-lengths": np.array([5, 3], np.int32),
+    "1d-end-start": np.array([5, 4, 0, 1], np.int32),
+    "2d": np.array([[1, 1, 1, 0, 1], [1, 1, 0, 0, 0]], np.int32),
+    "3d": (np.arange(S)[None, :, None] >= np.arange(S)[None, None, :]).repeat(B, 0).astype(np.int32),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("unidirectional", [0, 1], ids=["bidir", "unidir"])
+@pytest.mark.parametrize("mask", list(MASKS), ids=list(MASKS))
+def test_attention_masks(mask, unidirectional, dtype):
+    rng = np.random.default_rng(0)
+    x, w, bias = attention_case(rng, dtype)
+    feeds = {"x": x}
+    ins = ["x", "w", "b", ""]
+    if MASKS[mask] is not None:
+        feeds["m"] = MASKS[mask]
+        ins[3] = "m"
+    n = mk("Attention", ins, ["y"], num_heads=NH, unidirectional=unidirectional)
+    check_all_paths(n, feeds, {"w": w, "b": bias}, tol(dtype), packs=2)
+
+
+ATTN_VARIANTS = [
+    ("qkv-sizes", dict(qkv_hidden_sizes=[16, 16, 8]), (16, 16, 8), False, False),
+    ("scale-filter", dict(scale=0.3, mask_filter_value=-50.0), (16, 16, 16), False, False),
+    ("attention-bias", dict(), (16, 16, 16), False, True),
+    ("past-present", dict(unidirectional=1), (16, 16, 16), True, False),
+    ("empty-past", dict(unidirectional=1), (16, 16, 16), 0, False),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", ATTN_VARIANTS, ids=[c[0] for c in ATTN_VARIANTS])
+def test_attention_variants(case, dtype):
+    _, attrs, sizes, past, abias = case
+    rng = np.random.default_rng(1)
+    x, w, bias = attention_case(rng, dtype, sizes)
+    plen = 3 if past is True else 0
+    feeds = {"x": x, "m": np.array([[1, 1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 0, 0]], np.int32)[:, : plen + S]}
+    ins = ["x", "w", "b", "m", "", ""]
+    outs = ["y"]
+    if past is not False:
+        feeds["past"] = rand(rng, (2, B, NH, plen, 4), dtype)
+        ins[4] = "past"
+        outs.append("present")
+    if abias:
+        feeds["ab"] = rand(rng, (1, NH, S, S + plen), dtype)
+        ins[5] = "ab"
+    n = mk("Attention", ins, outs, num_heads=NH, **attrs)
+    check_all_paths(n, feeds, {"w": w, "b": bias}, tol(dtype), packs=2)
+
+
+def test_attention_shared_buffer_and_4d_mask_against_formula():
+    """past_present_share_buffer and the 4-D (Megatron) mask: onnxruntime's CPU kernel refuses
+    the 4-D mask, so both are checked against the same attention written out in float64
+    (rtol 1e-5)."""
+    rng = np.random.default_rng(2)
+    x, w, bias = attention_case(rng, np.float32)
+    m, p = 8, 2
+    past = rand(rng, (2, B, NH, m, 4), np.float32)
+    mask4 = np.tril(np.ones((m, m), np.int32))[None, None].repeat(B, 0)
+    mask4[1, 0, :, 0] = 0
+    n = mk("Attention", ["x", "w", "b", "m", "past", "", "pl"], ["y", "present"], num_heads=NH,
+           past_present_share_buffer=1)
+    k = lookup(MS, "Attention", 1)(n, KernelContext(1, {MS: 1}))
+    y, present = k.run(x, w, bias, mask4, past, None, np.array([p], np.int32))
+    qkv = x.astype(np.float64) @ w + bias
+    q, kk, v = (qkv[..., i * 16:(i + 1) * 16].reshape(B, S, NH, 4).transpose(0, 2, 1, 3) for i in range(3))
+    want_present = np.zeros_like(past)
+    want_present[:, :, :, :p] = past[:, :, :, :p]
+    want_present[0, :, :, p:p + S] = kk
+    want_present[1, :, :, p:p + S] = v
+    np.testing.assert_allclose(present[:, :, :, : p + S], want_present[:, :, :, : p + S], rtol=1e-5, atol=1e-6)
+    K, V = want_present[0, :, :, : p + S], want_present[1, :, :, : p + S]
+    scores = q @ K.swapaxes(-1, -2) / 2.0 + np.where(mask4[:, :, p:p + S, : p + S] > 0, 0, -10000.0)
+    e = np.exp(scores - scores.max(-1, keepdims=True))
+    want = (e / e.sum(-1, keepdims=True) @ V).transpose(0, 2, 1, 3).reshape(B, S, 16)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_declines_rotary_and_rejects_bad_weights():
+    with pytest.raises(NotImplementedError):
+        lookup(MS, "Attention", 1)(mk("Attention", ["x", "w"], ["y"], num_heads=2, do_rotary=1), KernelContext(1, {}))
+    k = lookup(MS, "Attention", 1)(mk("Attention", ["x", "w"], ["y"], num_heads=2), KernelContext(1, {}))
+    with pytest.raises(InvalidArgument, match="3 equal multiples"):
+        k.run(np.zeros((1, 2, 4), np.float32), np.zeros((4, 10), np.float32))
+
+
+# ------------------------------------------------------------------------------------------------
+# MultiHeadAttention
+# ------------------------------------------------------------------------------------------------
+MHA_CASES = ["separate", "separate-bias", "cross-kv-len", "packed-qkv", "packed-kv", "bnsh-kv", "key-padding-2d",
+             "key-padding-1d", "key-padding-3d", "attention-bias", "past-present", "unidirectional-past", "qk-output"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", MHA_CASES)
+def test_multihead_attention(case, dtype):
+    rng = np.random.default_rng(3)
+    n, h, s = 2, 4, 3
+    d = n * h
+    l_ = 4 if case == "cross-kv-len" else s
+    feeds = {"q": rand(rng, (B, s, d), dtype)}
+    ins = ["q", "k", "v", "", "", "", "", ""]
+    outs = ["y"]
+    attrs = {}
+    if case == "packed-qkv":
+        feeds = {"q": rand(rng, (B, s, n, 3, h), dtype)}
+        ins[1] = ins[2] = ""
+    elif case == "packed-kv":
+        feeds["k"] = rand(rng, (B, l_, n, 2, h), dtype)
+        ins[2] = ""
+    elif case == "bnsh-kv":
+        feeds["k"], feeds["v"] = rand(rng, (B, n, 5, h), dtype), rand(rng, (B, n, 5, h), dtype)
+    else:
+        feeds["k"], feeds["v"] = rand(rng, (B, l_, d), dtype), rand(rng, (B, l_, d), dtype)
+    if case in ("separate-bias", "packed-kv", "packed-qkv"):
+        feeds["b"] = rand(rng, (3 * d,), dtype, 0.3)
+        ins[3] = "b"
+    past = case in ("past-present", "unidirectional-past")
+    t = s + (2 if past else 0)
+    if case == "key-padding-2d":
+        feeds["m"] = np.array([[1, 1, 0], [1, 0, 1]], np.int32)
+    elif case == "key-padding-1d":
+        feeds["m"] = np.array([3, 2], np.int32)
+    elif case == "key-padding-3d":
+        feeds["m"] = (rng.random((B, s, t)) > 0.3).astype(np.int32)
+    if "m" in feeds:
+        ins[4] = "m"
+    if case in ("attention-bias", "past-present"):
+        feeds["ab"] = rand(rng, (B, 1, s, t), dtype)
+        ins[5] = "ab"
+    if past:
+        feeds["pk"], feeds["pv"] = rand(rng, (B, n, 2, h), dtype), rand(rng, (B, n, 2, h), dtype)
+        ins[6], ins[7] = "pk", "pv"
+        outs += ["present_key", "present_value"]
+        attrs["unidirectional"] = int(case == "unidirectional-past")
+    if case == "qk-output":
+        outs += ["", "", "qk"]
+        attrs["scale"] = 0.7
+    node = mk("MultiHeadAttention", ins, outs, num_heads=n, **attrs)
+    want = None
+    if case.startswith("packed"):
+        # onnxruntime's CPU kernel refuses packed QKV / KV: the oracle is onnxruntime on the same
+        # values unpacked into separate query, key and value.
+        if case == "packed-qkv":
+            qkv = feeds["q"]
+            sep = {"q": qkv[:, :, :, 0].reshape(B, s, d), "k": qkv[:, :, :, 1].reshape(B, s, d),
+                   "v": qkv[:, :, :, 2].reshape(B, s, d), "b": feeds["b"]}
+        else:
+            kv = feeds["k"]
+            sep = {"q": feeds["q"], "k": kv[:, :, :, 0].reshape(B, l_, d), "v": kv[:, :, :, 1].reshape(B, l_, d),
+                   "b": feeds["b"]}
+        sep_node = mk("MultiHeadAttention", ["q", "k", "v", "b"], outs, num_heads=n, **attrs)
+        want = run_ort_model(single_node_model(sep_node, sep, {}), sep)
+    check_all_paths(node, feeds, {}, tol(dtype), want=want, out_types={"qk": dtype})
+
+
+# ------------------------------------------------------------------------------------------------
+# RotaryEmbedding
+# ------------------------------------------------------------------------------------------------
+ROTARY_CASES = [
+    ("3d", (2, 5, 16), {}, "bs"),
+    ("3d-interleaved", (2, 5, 16), dict(interleaved=1), "bs"),
+    ("3d-offset", (2, 5, 16), {}, "offset"),
+    ("3d-partial", (2, 5, 16), dict(rotary_embedding_dim=4, num_heads=2), "bs"),
+    ("3d-partial-interleaved", (2, 5, 16), dict(rotary_embedding_dim=4, num_heads=2, interleaved=1), "bs"),
+    ("4d", (2, 2, 5, 8), {}, "bs"),
+    ("4d-interleaved-offset", (2, 2, 5, 8), dict(interleaved=1), "offset"),
+    ("packed-batching-scale", (2, 5, 16), dict(is_packed_batching=1, scale=2.0), "bs"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", ROTARY_CASES, ids=[c[0] for c in ROTARY_CASES])
+def test_ms_rotary_embedding(case, dtype):
+    _, shape, attrs, pos = case
+    rng = np.random.default_rng(4)
+    x = rand(rng, shape, dtype)
+    half = attrs.get("rotary_embedding_dim", 8) // 2
+    cos, sin = rope_caches(16, half, dtype)
+    s = shape[1] if len(shape) == 3 else shape[2]
+    p = np.array([3], np.int64) if pos == "offset" else rng.integers(0, 16, (2, s)).astype(np.int64)
+    n = mk("RotaryEmbedding", ["x", "p", "c", "s"], ["y"], **attrs)
+    check_all_paths(n, {"x": x, "p": p}, {"c": cos, "s": sin}, tol(dtype))
+
+
+ROTARY23_CASES = [
+    ("4d", (2, 2, 5, 8), {}, True),
+    ("4d-interleaved", (2, 2, 5, 8), dict(interleaved=1), True),
+    ("3d-heads", (2, 5, 16), dict(num_heads=2), True),
+    ("3d-partial", (2, 5, 16), dict(num_heads=2, rotary_embedding_dim=4), True),
+    ("no-position-ids", (2, 2, 5, 8), {}, False),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", ROTARY23_CASES, ids=[c[0] for c in ROTARY23_CASES])
+def test_onnx_rotary_embedding_23(case, dtype):
+    _, shape, attrs, with_pos = case
+    rng = np.random.default_rng(5)
+    x = rand(rng, shape, dtype)
+    half = attrs.get("rotary_embedding_dim", 8) // 2
+    s = shape[1] if len(shape) == 3 else shape[2]
+    cos, sin = rope_caches(16, half, dtype)
+    if with_pos:
+        p = rng.integers(0, 16, (2, s)).astype(np.int64)
+        n = mk("RotaryEmbedding", ["x", "c", "s", "p"], ["y"], domain="", **attrs)
+        check_all_paths(n, {"x": x, "p": p}, {"c": cos, "s": sin}, tol(dtype), opset=23)
+    else:
+        p = rng.integers(0, 16, (2, s))
+        n = mk("RotaryEmbedding", ["x", "c", "s"], ["y"], domain="", **attrs)
+        check_all_paths(n, {"x": x, "c": cos[p], "s": sin[p]}, {}, tol(dtype), opset=23)
+
+
+# ------------------------------------------------------------------------------------------------
+# GroupQueryAttention
+# ------------------------------------------------------------------------------------------------
+GQA_INPUTS = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length", "cos_cache",
+              "sin_cache", "position_ids", "attention_bias", "head_sink"]
+
+
+def gqa_model(dtype, used: set[str], consts: dict[str, np.ndarray], **attrs) -> onnx.ModelProto:
+    """A one-node GroupQueryAttention model whose inputs have no fixed shapes (steps differ)."""
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    types = {"seqlens_k": TensorProto.INT32, "total_sequence_length": TensorProto.INT32,
+             "position_ids": TensorProto.INT64}
+    ins = [n if n in used or n in consts else "" for n in GQA_INPUTS]
+    while ins[-1] == "":
+        ins.pop()
+    node = helper.make_node("GroupQueryAttention", ins, ["y", "present_key", "present_value"], domain=MS, **attrs)
+    graph = helper.make_graph(
+        [node], "gqa",
+        [helper.make_tensor_value_info(n, types.get(n, elem), None) for n in ins if n and n not in consts],
+        [helper.make_tensor_value_info(o, elem, None) for o in node.output],
+        [numpy_helper.from_array(v, n) for n, v in consts.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)],
+                             ir_version=10)
+
+
+class GqaPair:
+    """The same GQA model in onnxruntime and in onnxpack."""
+
+    def __init__(self, model):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        self.ort = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        self.ours = onnxpack.InferenceSession(model.SerializeToString())
+        assert not self.ours.get_fallback_nodes()
+
+
+GQA_LOOP = [
+    # id, layout, packed, rotary (None | "halves" | "interleaved"), attrs
+    ("exact-plain", "exact", False, None, {}),
+    ("shared-plain", "shared", False, None, {}),
+    ("exact-rotary", "exact", False, "halves", {}),
+    ("shared-rotary-interleaved", "shared", False, "interleaved", {}),
+    ("shared-packed-rotary", "shared", True, "halves", {}),
+    ("exact-local-window", "exact", False, "halves", dict(local_window_size=3)),
+    ("shared-softcap", "shared", False, None, dict(softcap=2.0)),
+    ("exact-packed-window-softcap", "exact", True, "interleaved", dict(local_window_size=2, softcap=5.0)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", GQA_LOOP, ids=[c[0] for c in GQA_LOOP])
+def test_gqa_prompt_then_decode_steps(case, dtype):
+    """A right-padded batch-2 prompt (lengths 5 and 3), then 4 decode steps each feeding its own
+    present back as past.  "exact": past holds exactly the cached rows (P = past length, empty
+    for the prompt); "shared": past is a max-length buffer (12 rows) that present keeps."""
+    _, layout, packed, rotary, attrs = case
+    rng = np.random.default_rng(10)
+    n, nkv, h, cap = 4, 2, 16, 12  # onnxruntime rotates only head sizes that are multiples of 16
+    consts = {}
+    if rotary:
+        consts["cos_cache"], consts["sin_cache"] = rope_caches(16, h // 2, dtype)
+        attrs = dict(attrs, do_rotary=1, rotary_interleaved=int(rotary == "interleaved"))
+    used = {"query", "past_key", "past_value", "seqlens_k", "total_sequence_length"}
+    if not packed:
+        used |= {"key", "value"}
+    pair = GqaPair(gqa_model(dtype, used, consts, num_heads=n, kv_num_heads=nkv, **attrs))
+    lens = np.array([5, 3])
+    s = 5
+    p0 = 0 if layout == "exact" else cap
+    caches = {k: (np.zeros((2, nkv, p0, h), dtype),) * 2 for k in ("ort", "ours")}
+    for step in range(5):
+        if step:
+            lens = lens + 1
+            s = 1
+        total = int(lens.max())
+        feeds = {"seqlens_k": (lens - 1).astype(np.int32), "total_sequence_length": np.array(total, np.int32)}
+        if packed:
+            feeds["query"] = rand(rng, (2, s, (n + 2 * nkv) * h), dtype)
+        else:
+            feeds["query"] = rand(rng, (2, s, n * h), dtype)
+            feeds["key"] = rand(rng, (2, s, nkv * h), dtype)
+            feeds["value"] = rand(rng, (2, s, nkv * h), dtype)
+        outs = {}
+        for side, sess in (("ort", pair.ort), ("ours", pair.ours)):
+            pk, pv = caches[side]
+            outs[side] = sess.run(None, {**feeds, "past_key": pk, "past_value": pv})
+            caches[side] = (outs[side][1], outs[side][2])
+        (y_ort, k_ort, v_ort), (y, k, v) = outs["ort"], outs["ours"]
+        assert y.dtype == y_ort.dtype == dtype and y.shape == y_ort.shape
+        # present rows: max(total_sequence_length, past rows) -- the buffer, or exactly the total
+        assert k.shape == k_ort.shape == (2, nkv, cap if layout == "shared" else total, h), k.shape
+        t = tol(dtype)
+        if step == 0:  # rows of row 1 past its length 3 are unspecified in onnxruntime
+            np.testing.assert_allclose(y[0].astype(np.float64), y_ort[0].astype(np.float64), **t)
+            np.testing.assert_allclose(y[1, :3].astype(np.float64), y_ort[1, :3].astype(np.float64), **t)
+        else:
+            np.testing.assert_allclose(y.astype(np.float64), y_ort.astype(np.float64), **t, err_msg=f"step {step}")
+        # rows from the longest row's end on are unspecified (onnxruntime zero-fills, we do not write)
+        for got, ref, what in ((k, k_ort, "present_key"), (v, v_ort, "present_value")):
+            np.testing.assert_allclose(got[:, :, :total].astype(np.float64), ref[:, :, :total].astype(np.float64), **t,
+                                       err_msg=f"{what} {step}")
+
+
+GQA_PROMPT = [
+    ("plain", {}, set()),
+    ("scale", dict(scale=0.2), set()),
+    ("smooth-softmax", dict(smooth_softmax=1), set()),
+    ("head-sink", {}, {"head_sink"}),
+    ("attention-bias", {}, {"attention_bias"}),
+    ("attention-bias-softcap", dict(softcap=1.5), {"attention_bias"}),
+    ("position-ids-rotary", dict(do_rotary=1), {"position_ids"}),
+    ("non-causal", dict(causal=0), set()),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", GQA_PROMPT, ids=[c[0] for c in GQA_PROMPT])
+def test_gqa_options(case, dtype):
+    """Options on a prompt of 4 tokens plus one decode step (past of 4 rows), batch 2."""
+    _, attrs, extra = case
+    rng = np.random.default_rng(11)
+    n, nkv, h = 6, 2, 16
+    consts = {}
+    if attrs.get("do_rotary"):
+        consts["cos_cache"], consts["sin_cache"] = rope_caches(16, h // 2, dtype)
+    for s, p in ((4, 0), (1, 4)):
+        feeds = {
+            "query": rand(rng, (2, s, n * h), dtype), "key": rand(rng, (2, s, nkv * h), dtype),
+            "value": rand(rng, (2, s, nkv * h), dtype),
+            "past_key": rand(rng, (2, nkv, p, h), dtype), "past_value": rand(rng, (2, nkv, p, h), dtype),
+            "seqlens_k": np.full(2, p + s - 1, np.int32), "total_sequence_length": np.array(p + s, np.int32),
+        }
+        if "head_sink" in extra:
+            feeds["head_sink"] = rand(rng, (n,), dtype)
+        if "attention_bias" in extra:
+            feeds["attention_bias"] = rand(rng, (2, 1, s, p + s), dtype, 2.0)
+        if "position_ids" in extra:
+            feeds["position_ids"] = rng.integers(0, 16, (2, s)).astype(np.int64)
+        ins = [k if k in feeds or k in consts else "" for k in GQA_INPUTS]
+        node = mk("GroupQueryAttention", ins, ["y", "present_key", "present_value"], num_heads=n, kv_num_heads=nkv,
+                  **attrs)
+        check_all_paths(node, feeds, consts, tol(dtype))
+
+
+def test_gqa_declines_what_it_does_not_implement_and_checks_lengths():
+    ctx = KernelContext(1, {MS: 1})
+    cls = lookup(MS, "GroupQueryAttention", 1)
+    with pytest.raises(NotImplementedError):
+        cls(mk("GroupQueryAttention", ["q"], ["y"], num_heads=2, kv_num_heads=1, k_quant_type="PER_TENSOR"), ctx)
+    with pytest.raises(InvalidArgument, match="multiple of kv_num_heads"):
+        cls(mk("GroupQueryAttention", ["q"], ["y"], num_heads=3, kv_num_heads=2), ctx)
+    k = cls(mk("GroupQueryAttention", GQA_INPUTS[:7], ["y"], num_heads=2, kv_num_heads=1), ctx)
+    q = np.zeros((1, 1, 8), np.float32)
+    kv = np.zeros((1, 1, 4), np.float32)
+    past = np.zeros((1, 1, 2, 4), np.float32)
+    with pytest.raises(InvalidArgument, match="seqlens_k"):
+        k.run(q, kv, kv, past, past, np.array([5], np.int32), np.array(3, np.int32))
+
+
+# ------------------------------------------------------------------------------------------------
+# A BERT-like graph as onnxruntime's optimizer writes it: packed blobs saved and mapped back
+# ------------------------------------------------------------------------------------------------
+def bert_like_model(dtype, vocab=40, hidden=16, heads=2, ff=32, seq=6):
+    rng = np.random.default_rng(12)
+    w = {
+        "word": rand(rng, (vocab, hidden), dtype), "pos": rand(rng, (seq, hidden), dtype),
+        "seg": rand(rng, (2, hidden), dtype), "g0": rand(rng, (hidden,), dtype), "b0": rand(rng, (hidden,), dtype),
+        "qkv_w": rand(rng, (hidden, 3 * hidden), dtype, 0.3), "qkv_b": rand(rng, (3 * hidden,), dtype, 0.1),
+        "wo_t": rand(rng, (hidden, hidden), dtype, 0.3), "bo": rand(rng, (hidden,), dtype, 0.1),
+        "g1": rand(rng, (hidden,), dtype), "b1": rand(rng, (hidden,), dtype),
+        "w1": rand(rng, (hidden, ff), dtype, 0.3), "bf1": rand(rng, (ff,), dtype, 0.1),
+        "w2": rand(rng, (ff, hidden), dtype, 0.3), "bf2": rand(rng, (hidden,), dtype, 0.1),
+        "g2": rand(rng, (hidden,), dtype), "b2": rand(rng, (hidden,), dtype),
+    }
+    n = helper.make_node
+    nodes = [
+        n("EmbedLayerNormalization", ["ids", "segs", "word", "pos", "seg", "g0", "b0", "mask"], ["emb", "mask_index"],
+          domain=MS, epsilon=1e-5),
+        n("Attention", ["emb", "qkv_w", "qkv_b", "mask_index"], ["att"], domain=MS, num_heads=heads),
+        n("FusedMatMul", ["att", "wo_t"], ["proj"], domain=MS, transB=1, alpha=1.0),
+        n("SkipLayerNormalization", ["proj", "emb", "g1", "b1", "bo"], ["ln1"], domain=MS, epsilon=1e-5),
+        n("MatMul", ["ln1", "w1"], ["f1"]),
+        n("BiasGelu", ["f1", "bf1"], ["act"], domain=MS),
+        n("MatMul", ["act", "w2"], ["f2"]),
+        n("SkipLayerNormalization", ["f2", "ln1", "g2", "b2", "bf2"], ["y"], domain=MS, epsilon=1e-5),
+    ]
+    i32 = TensorProto.INT32
+    graph = helper.make_graph(
+        nodes, "bert_like",
+        [helper.make_tensor_value_info(k, i32, [2, seq]) for k in ("ids", "segs", "mask")],
+        [helper.make_tensor_value_info("y", helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), [2, seq, hidden])],
+        [numpy_helper.from_array(v, k) for k, v in w.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)],
+                              ir_version=9)
+    feeds = {"ids": rng.integers(0, vocab, (2, seq)).astype(np.int32),
+             "segs": rng.integers(0, 2, (2, seq)).astype(np.int32),
+             "mask": np.array([[1] * seq, [1] * (seq - 2) + [0, 0]], np.int32)}
+    return model, feeds
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_bert_like_graph_saved_with_packed_blobs(dtype, tmp_path):
+    """Created once (packs), saved with its packed blobs, loaded again (maps every blob, packs
+    nothing); each run matches onnxruntime, and so does a session with prepacking disabled."""
+    model, feeds = bert_like_model(dtype)
+    src = tmp_path / "bert.onnx"
+    onnx.save(model, str(src))
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    (want,) = ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+    t = tol(dtype)
+    out = tmp_path / "bert.opt.onnx"
+    o = onnxpack.SessionOptions()
+    o.optimized_model_filepath = str(out)
+    o.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+    o.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "0")
+    with onnxpack.InferenceSession(str(src), o) as first:
+        assert not first.get_fallback_nodes()
+        packed = first.get_prepack_stats()["weights_packed"]
+        # Attention weight + bias, FusedMatMul B, 2 MatMul B; float32 also the 5 embedding tables
+        assert packed == (10 if dtype == np.float32 else 5)
+        np.testing.assert_allclose(first.run(None, feeds)[0].astype(np.float64), want.astype(np.float64), **t)
+    with onnxpack.InferenceSession(str(out)) as again:
+        st = again.get_prepack_stats()
+        assert st["weights_packed"] == 0 and st["blobs_from_model"] == packed, st
+        np.testing.assert_allclose(again.run(None, feeds)[0].astype(np.float64), want.astype(np.float64), **t)
+    o2 = onnxpack.SessionOptions()
+    o2.add_session_config_entry("session.disable_prepacking", "1")
+    with onnxpack.InferenceSession(str(src), o2) as plain:
+        np.testing.assert_allclose(plain.run(None, feeds)[0].astype(np.float64), want.astype(np.float64), **t)
