@@ -170,6 +170,8 @@ class _MappedFile:
         self.buffer = mm if mm is not None else b""
 
     def check(self) -> None:
+        if self.fd < 0:  # closed with its model: the number may belong to another file now
+            return
         try:
             now = stat_identity(os.fstat(self.fd))
         except (OSError, ValueError):  # closed: the model was closed, nothing runs from it
@@ -182,10 +184,12 @@ class _MappedFile:
             )
 
     def close(self) -> None:
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 class DataFiles:

@@ -244,6 +244,26 @@ class Model:
                     t.data_location = TensorProto.DEFAULT
                     t.raw_data = raw
 
+    def inlined(self, node: NodeProto) -> NodeProto:
+        """A copy of ``node`` whose nested graphs hold every external tensor inline (read through
+        this model's checked loader): for a runtime that walks the graphs itself (onnx.reference),
+        which would otherwise resolve external locations against the working directory."""
+        copy = NodeProto()
+        copy.CopyFrom(node)
+        stack = [g for _, _, g in subgraphs_of(copy)]
+        while stack:
+            g = stack.pop()
+            tensors = list(g.initializer) + [t for sp in g.sparse_initializer for t in (sp.values, sp.indices)]
+            for t in tensors:
+                if t.data_location == TensorProto.EXTERNAL:
+                    raw = bytes(self.tensor(t).raw())
+                    t.ClearField("external_data")
+                    t.data_location = TensorProto.DEFAULT
+                    t.raw_data = raw
+            for n in g.node:
+                stack.extend(sub for _, _, sub in subgraphs_of(n))
+        return copy
+
     def tensor(self, proto: TensorProto) -> Tensor:
         """Wraps any TensorProto of this model (e.g. a Constant node's ``value``) as a Tensor,
         with the same external-data checks and mappings as initializers."""

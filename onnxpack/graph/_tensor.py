@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 from onnxpack.errors import ExternalDataError, ModelLoadError
 from onnxpack.graph._external import DataFiles, ExternalLocation
 
-__all__ = ["Tensor", "storage_nbytes", "mapped_view"]
+__all__ = ["Tensor", "storage_nbytes", "mapped_view", "shape_fits"]
 
 # Element types stored packed, several per byte: bits per element.  Their raw bytes cannot be a
 # zero-copy numpy view (ml_dtypes' int4 etc. use one byte per element), so numpy() unpacks.
@@ -41,6 +41,16 @@ def storage_nbytes(elem_type: int, dims: tuple[int, ...], dtype: np.dtype) -> in
     if bits is not None:
         return (count * bits + 7) // 8
     return count * dtype.itemsize
+
+
+# numpy refuses any array (even an empty one) whose dims, zeros counted as 1, multiply to more
+# bytes than an intp can hold; a shape is accepted only if it is an array numpy can make.
+_MAX_ARRAY_BYTES = 2**62
+
+
+def shape_fits(shape: tuple[int, ...], itemsize: int) -> bool:
+    """Whether numpy can represent an array of ``shape`` (dims ≥ 0; zeros counted as 1)."""
+    return all(d >= 0 for d in shape) and math.prod(max(int(d), 1) for d in shape) * max(itemsize, 1) <= _MAX_ARRAY_BYTES
 
 
 def mapped_view(buffer, dtype: np.dtype | str, shape: tuple[int, ...], offset: int) -> np.ndarray:
@@ -112,6 +122,8 @@ class Tensor:
         if any(d < 0 for d in self.dims):
             raise ModelLoadError(f"tensor {self.name!r}: negative dimension in {self.dims}")
         self.dtype = _np_dtype(self.elem_type, self.name)
+        if not shape_fits(self.dims, self.dtype.itemsize):
+            raise ModelLoadError(f"tensor {self.name!r}: shape {self.dims} is too large for any array")
         self._array = array
         self._buffer = None
         self.external: ExternalLocation | None = None

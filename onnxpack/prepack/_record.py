@@ -354,7 +354,7 @@ class LoadRecord:
         reason = check(tuple(views))
         if reason is not None:
             raise PrepackFormatError(f"kernel rejects the blob: {reason}")
-        return PrePackedWeights(key, tuple(views), "model")
+        return PrePackedWeights(key, tuple(views), "model", self.model.check_files)
 
     @staticmethod
     def _own_range(spec: Any, external: Any) -> tuple[str, int, int] | None:

@@ -211,7 +211,7 @@ class PackSources:
             self.cache_rejected += 1
             _warn(f"cache entry for weight {weight.name!r} rejected by {label}, re-packing: {reason}")
             return None
-        return PrePackedWeights(key, tuple(buffers), "cache")
+        return PrePackedWeights(key, tuple(buffers), "cache", self.cache.check)
 
     def flush_cache(self) -> None:
         """Append blobs packed by this session to the cache file (nothing new → nothing written)."""

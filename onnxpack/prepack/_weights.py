@@ -120,6 +120,8 @@ class PrePackedWeights:
     key: str
     buffers: tuple[np.ndarray, ...]
     origin: str = "packed"
+    # For mapped buffers: raises if the file they map was truncated or rewritten (one fstat).
+    check_source: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         frozen = tuple(freeze(b) for b in self.buffers)

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from onnxpack.graph import MAX_FILE_POSITION, mapped_view
+from onnxpack.graph import MAX_FILE_POSITION, mapped_view, open_regular_file, shape_fits
 from onnxpack._io import atomic_write
 from onnxpack.errors import CacheFileError, InvalidArgument
 from onnxpack.prepack.entry_format import ALLOWED_DTYPES, MAX_BUFFERS_PER_PACK, MAX_DIMS, crc32
@@ -288,6 +288,8 @@ def _parse_index(data: bytes, count: int, limit: int, path: str) -> dict[str, Ca
             if ndim > MAX_DIMS:
                 raise _fail(bad, path, f"{what} ndim", f"at most {MAX_DIMS}", ndim)
             shape = tuple(take(_DIM, f"{what} shape")[0] for _ in range(ndim))
+            if not shape_fits(shape, np.dtype(dtype).itemsize):
+                raise _fail(bad, path, f"{what} shape", "dims whose product fits an array", list(shape))
             expected = math.prod(shape) * np.dtype(dtype).itemsize
             if length != expected:
                 raise _fail(bad, path, f"{what} length", f"prod{list(shape)} * itemsize = {expected}", length)
@@ -366,31 +368,55 @@ class CacheFile:
     the mapping is released when the last of them dies).
     """
 
-    def __init__(self, path: str, mm: mmap.mmap | None, size: int, state: _State | None) -> None:
+    def __init__(self, path: str, mm: mmap.mmap | None, size: int, state: _State | None,
+                 fd: int | None = None) -> None:
         self.path = path
         self._mm = mm
         self._size = size
         self._state = state
+        self._fd = fd  # kept open while mapped: check() tells with one fstat if it was truncated
         self._entries: dict[str, CacheEntry] = state.entries if state else {}
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> CacheFile:
-        """Map ``path``; raises :class:`CacheFileError` if it is corrupt, foreign or newer."""
+        """Map ``path``; raises :class:`CacheFileError` if it is corrupt, foreign, newer, or not a
+        regular file (a FIFO or a device is refused without blocking or reading)."""
         path = os.fspath(path)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+        if not os.path.lexists(path):
             return cls(path, None, 0, None)
         try:
+            fd, st = open_regular_file(path, "packed-weight cache file", MAX_FILE_POSITION, CacheFileError)
+        except CacheFileError:
+            if not os.path.lexists(path):
+                return cls(path, None, 0, None)
+            raise
+        try:
             header = os.pread(fd, HEADER_SIZE, 0)
-            size = os.fstat(fd).st_size
+            size = st.st_size
             if size == 0:
+                os.close(fd)
                 return cls(path, None, 0, None)
             state = _read_state(fd, header, size, path)
             mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
-        finally:
+        except BaseException:
             os.close(fd)
-        return cls(path, mm, size, state)
+            raise
+        return cls(path, mm, size, state, fd)
+
+    def check(self) -> None:
+        """Raises CacheFileError if the mapped file shrank below what is mapped (reading a
+        truncated mapping kills the process with SIGBUS).  Our own appends only grow it."""
+        if self._fd is None or self._mm is None:
+            return
+        try:
+            size = os.fstat(self._fd).st_size
+        except OSError:
+            return
+        if size < self._size:
+            raise CacheFileError(
+                f"packed-weight cache {self.path!r} was truncated under the live session ({self._size} -> "
+                f"{size} bytes): its packed weights are gone — create the session again"
+            )
 
     def __enter__(self) -> CacheFile:
         return self
@@ -451,6 +477,12 @@ class CacheFile:
         )
 
     def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         mm, self._mm = self._mm, None
         if mm is not None:
             try:
@@ -611,10 +643,14 @@ def append_entries(path: str | os.PathLike[str], entries: Mapping[str, Sequence[
     path = os.fspath(path)
     items = _prepare(entries)
     with _locked(path):
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            fd = None
+        fd = None
+        if os.path.lexists(path):
+            # A regular file only (a FIFO would block the open or the writes), then read-write.
+            rfd, _ = open_regular_file(path, "packed-weight cache file", MAX_FILE_POSITION, CacheFileError)
+            try:
+                fd = os.open(f"/proc/self/fd/{rfd}", os.O_RDWR) if os.path.exists("/proc/self/fd") else os.open(path, os.O_RDWR)
+            finally:
+                os.close(rfd)
         try:
             state: _State | None = None
             rebuilt = False

@@ -39,7 +39,7 @@ from urllib.parse import quote
 
 import numpy as np
 
-from onnxpack.graph import MAX_FILE_POSITION, mapped_view
+from onnxpack.graph import MAX_FILE_POSITION, mapped_view, shape_fits
 from onnxpack.errors import PrepackFormatError
 
 logger = logging.getLogger(__name__)
@@ -208,6 +208,8 @@ class BufferRecord:
             raise _fail("buffer shape", f"at most {MAX_DIMS} dimensions", self.shape)
         for d in self.shape:
             _check_int("buffer shape dimension", d)
+        if not shape_fits(tuple(self.shape), np.dtype(self.dtype).itemsize):
+            raise _fail("buffer shape", "dims whose product fits an array", list(self.shape))
         expected = math.prod(self.shape) * np.dtype(self.dtype).itemsize
         if self.length != expected:
             raise _fail(

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from onnx import NodeProto, TensorProto
 
-from onnxpack.errors import InvalidArgument
+from onnxpack.errors import InvalidArgument, InvalidGraph, OnnxpackError
 from onnxpack.graph import Model, Scope
 from onnxpack.prepack import PackSources, PrepackedWeightsContainer, WeightRef
 from onnxpack.session._fusion import Fusion, apply_fusions, plan_fusions
@@ -108,9 +108,14 @@ class _Compiler:
         root = self.root
         defaults = {n: (self.user[n] if n in self.user else root.initializers[n].numpy()) for n in self.overridable}
         stats = PrepackStats.from_log(self.log, rejected=self.sources.rejected, released=self.released)
+        guards = {id(self.model): self.model.check_files}
+        for e in self.log:
+            if e.entry.check_source is not None:
+                guards.setdefault(id(getattr(e.entry.check_source, "__self__", e.entry.check_source)), e.entry.check_source)
         return Program(
             plans=dict(self.plans), root=self.plans[root.path], overridable=self.overridable, defaults=defaults,
             pack_log=tuple(self.log), fallback_nodes=tuple(self.fallback_nodes), stats=stats,
+            guards=tuple(guards.values()),
         )
 
     # -- names ------------------------------------------------------------------------------------
@@ -214,6 +219,7 @@ class _Compiler:
         ctx = KernelContext(
             opset=self.opsets.get(domain, 1), opsets=self.opsets,
             subgraphs={_subgraph_key(c): self.plans[c.path] for c in child_scopes}, functions=self.functions,
+            inline=self.model.inlined,
         )
         resolved = resolve(node, ctx, local_functions=self.local_functions, fusion=fusion,
                            runnable=self.options.runnable)
@@ -245,11 +251,32 @@ class _Compiler:
         if w.elem_type == TensorProto.STRING:
             return False
         info = TensorInfo(w.name, w.dtype, w.shape, w.elem_type)
-        spec = kernel.pack_spec(i, info)
+        what = f"node {node.name!r} ({node.op_type}) input {i} ({w.name!r})"
+
+        def pack(value: np.ndarray) -> tuple[np.ndarray, ...]:
+            # A kernel's prepack validates the weight as its run would: a bad weight in a hostile
+            # model is that node's InvalidGraph, never a numpy or arithmetic error.
+            try:
+                buffers = tuple(kernel.prepack(i, value))
+            except OnnxpackError:
+                raise
+            except Exception as exc:
+                raise InvalidGraph(f"{what}: cannot be packed: {type(exc).__name__}: {exc}") from exc
+            reason = kernel.check_packed(i, info, buffers)
+            if reason is not None:
+                raise InvalidGraph(f"{what}: the weight does not fit the node: {reason}")
+            return buffers
+
+        try:
+            spec = kernel.pack_spec(i, info)
+        except OnnxpackError:
+            raise
+        except Exception as exc:
+            raise InvalidGraph(f"{what}: {type(exc).__name__}: {exc}") from exc
         if spec is None:
             return False
         got = self.sources.obtain(
-            w, spec, lambda value: kernel.prepack(i, value), lambda buffers: kernel.check_packed(i, info, buffers),
+            w, spec, pack, lambda buffers: kernel.check_packed(i, info, buffers),
             self.container, self.holder, label=node.op_type,
         )
         if got is None:

@@ -13,6 +13,7 @@ from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpFunction, RuntimeContextError
 
 from onnxpack.errors import KernelNotFoundError
+from onnxpack.graph import subgraphs_of
 from onnxpack.session.kernels import Kernel, KernelContext
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ class FallbackKernel(Kernel):
     fallback = True
 
     def __init__(self, node: NodeProto, ctx: KernelContext, functions: list[FunctionProto] | None = None) -> None:
+        if ctx.inline is not None and next(subgraphs_of(node), None) is not None:
+            node = ctx.inline(node)  # external tensors of its graphs through the checked loader
         super().__init__(node, ctx)
         self._opsets = {("" if d == "ai.onnx" else d): v for d, v in ctx.opsets.items()}
         self._opsets.setdefault("", onnx.defs.onnx_opset_version())

@@ -202,6 +202,15 @@ class Program:
     pack_log: tuple[PackEvent, ...]
     fallback_nodes: tuple[str, ...]
     stats: PrepackStats
+    # Checks run before every run: each raises if a file this program maps (the model's data
+    # files, the cache file, another model's blobs shared through the container) was truncated or
+    # rewritten since it was mapped — reading it would kill the process (SIGBUS) or read other
+    # weights.  One fstat each.
+    guards: tuple[Callable[[], None], ...] = ()
+
+    def check_files(self) -> None:
+        for guard in self.guards:
+            guard()
 
 
 # -- running ------------------------------------------------------------------------------------

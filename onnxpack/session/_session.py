@@ -79,7 +79,10 @@ class InferenceSession:
         self._model: Model = load_model(path_or_bytes if isinstance(path_or_bytes, bytes) else os.fspath(path_or_bytes))
         cfg = self._config
         try:
-            sources = PackSources(self._model, verify=bool(cfg["onnxpack.verify_prepacked"]),
+            # Blobs that will be saved again must be proven to match their weights (issue 12): a
+            # session that saves verifies in full, as onnxpack optimize does.
+            saving = bool(self._options.optimized_model_filepath and cfg["session.save_external_prepacked_constant_initializers"])
+            sources = PackSources(self._model, verify=bool(cfg["onnxpack.verify_prepacked"]) or saving,
                                   cache_path=cfg["onnxpack.prepacked_cache_path"] or "")
             options = CompileOptions(prepack=not cfg["session.disable_prepacking"],
                                      initializers=self._options.initializers)
@@ -142,6 +145,7 @@ class InferenceSession:
             self._runs += 1
         try:
             program = self._program
+            program.check_files()
             root = program.root
             feeds = validate_feed(self._model, input_feed, program.overridable, program.defaults)
             all_outputs = root.output_names

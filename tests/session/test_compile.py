@@ -128,8 +128,12 @@ def test_resolver_picks_native_control_flow_fused_epilogue_and_fallback():
     assert type(resolve(helper.make_node("Relu", ["x"], ["y"]), _ctx()).kernel).__name__ == "Relu"
     then = helper.make_graph([], "t", [], [])
     if_node = helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=then)
-    r = resolve(if_node, _ctx(subgraphs={"then_branch": None, "else_branch": None}))
+    branch = type("Branch", (), {"output_names": ("y",), "output_types": (1,)})()
+    r = resolve(if_node, _ctx(subgraphs={"then_branch": branch, "else_branch": branch}))
     assert isinstance(r.kernel, If) and r.kernel.call_mode == "frame" and not r.fallback
+    other = type("Branch", (), {"output_names": ("y",), "output_types": (7,)})()
+    with pytest.raises(InvalidGraph, match="else_branch"):  # branches disagree on the dtype
+        resolve(if_node, _ctx(subgraphs={"then_branch": branch, "else_branch": other}))
     # A node holding a graph whose native kernel does not run graphs goes to the fallback.
     odd = helper.make_node("Relu", ["x"], ["y"], body=then)
     assert resolve(odd, _ctx()).fallback

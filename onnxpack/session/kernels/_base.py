@@ -68,6 +68,9 @@ class KernelContext:
     opsets: dict[str, int]  # every domain's opset ("" for the default domain)
     subgraphs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     functions: Sequence[Any] = ()  # the model's FunctionProtos (for the onnx.reference fallback)
+    # node -> a copy whose nested graphs hold external tensors inline, read through the graph
+    # layer's checked loader (for the fallback, whose onnx.reference walks the graphs itself)
+    inline: Callable[[NodeProto], NodeProto] | None = None
 
 
 def normalize_domain(domain: str) -> str:

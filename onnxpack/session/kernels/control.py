@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from onnx import NodeProto, helper
 
+from onnxpack.errors import InvalidGraph
 from onnxpack.session.kernels._base import Kernel, KernelContext, register
 
 __all__ = ["ControlFlowKernel", "If", "Loop", "Scan"]
@@ -34,6 +35,22 @@ class ControlFlowKernel(Kernel):
 
 @register("If", since=1)
 class If(ControlFlowKernel):
+    def __init__(self, node: NodeProto, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        then, other = self.subgraphs.get("then_branch"), self.subgraphs.get("else_branch")
+        if then is None or other is None:
+            raise InvalidGraph(f"node {node.name!r} (If): needs both then_branch and else_branch graphs")
+        n_out = len(node.output)
+        for label, branch in (("then_branch", then), ("else_branch", other)):
+            if len(branch.output_names) != n_out:
+                raise InvalidGraph(
+                    f"node {node.name!r} (If): {label} has {len(branch.output_names)} outputs, the node {n_out}")
+        for k, (a, b) in enumerate(zip(then.output_types, other.output_types)):
+            if a and b and a != b:
+                raise InvalidGraph(
+                    f"node {node.name!r} (If): output {k} is {helper.tensor_dtype_to_string(a)} in then_branch "
+                    f"but {helper.tensor_dtype_to_string(b)} in else_branch")
+
     def run_in_frame(self, frame: Frame, cond: Any) -> tuple:
         branch = self.subgraphs["then_branch"] if bool(np.asarray(cond).reshape(-1)[0]) else self.subgraphs["else_branch"]
         return tuple(branch.run([], frame))

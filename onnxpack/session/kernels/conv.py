@@ -225,6 +225,8 @@ class Conv(Kernel):
         super().__init__(node, ctx)
         self.sp = _SpatialAttrs(self)
         self.group = int(self.attr("group", 1))
+        if self.group < 1:
+            raise InvalidArgument(f"node {node.name!r} ({node.op_type}): attribute group must be >= 1, got {self.group}")
         self._w: np.ndarray | None = None  # packed (g, M/g, C/g, *kernel)
 
     # pre-packing
@@ -387,6 +389,8 @@ class ConvTranspose(Kernel):
         super().__init__(node, ctx)
         self.sp = _SpatialAttrs(self)
         self.group = int(self.attr("group", 1))
+        if self.group < 1:
+            raise InvalidArgument(f"node {node.name!r} ({node.op_type}): attribute group must be >= 1, got {self.group}")
         self.output_padding = self.attr("output_padding")
         self.output_shape = self.attr("output_shape")
         self._w: np.ndarray | None = None  # packed (g, M/g, *kernel, C/g)
