@@ -37,7 +37,7 @@ def _model(node, inputs: Sequence[np.ndarray | None], opset: int, consts: Iterab
     consts = set(consts)
     feeds, inits, vis = {}, [], []
     for name, value in zip(node.input, inputs):
-        if not name or value is None:
+        if not name or value is None or name in feeds or any(t.name == name for t in inits):
             continue
         if name in consts:
             inits.append(numpy_helper.from_array(np.asarray(value), name))
