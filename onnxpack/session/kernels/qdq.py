@@ -165,10 +165,10 @@ def dequantize(x: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None =
         if zpv is None or not zpv.astype(np.int64).any():
             dx = x.astype(np.float32)
         elif x.dtype.kind in "iu" and x.dtype.itemsize == 1:  # the difference is exact in float32
-            dx = np.subtract(x, _param(zpv, x.shape, axis, block_size, what), dtype=np.float32)
+            dx = np.asarray(np.subtract(x, _param(zpv, x.shape, axis, block_size, what), dtype=np.float32))
         else:  # 16/32-bit: subtract exactly in int64, round once to float32 (int32(x) - zp in onnxruntime)
             zp = _param(zpv.astype(np.int64), x.shape, axis, block_size, what)
-            dx = (x.astype(np.int64) - zp).astype(np.float32)
+            dx = np.asarray(x.astype(np.int64) - zp).astype(np.float32)
     elif is_float_quant(x.dtype) or x.dtype.kind == "f" or x.dtype.name == "bfloat16":
         dx = x.astype(np.float32)  # a fresh array: the product below may write into it
         if zero_point is not None and np.asarray(zero_point).astype(np.float32).any():
@@ -199,7 +199,7 @@ def quantize(x: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None = N
         cd = _F32
     s = _param(scale, x.shape, axis, block_size, what)
     xs = x.astype(cd) if x.dtype != cd else x
-    q = np.divide(xs, s.astype(cd) if s.dtype != cd else s)
+    q = np.asarray(np.divide(xs, s.astype(cd) if s.dtype != cd else s))  # a 0-d array, never a scalar
     if q.dtype != _F32 and cd != np.float64:
         q = q.astype(np.float32)
     zp = None
@@ -242,7 +242,7 @@ def dynamic_qparams(x: np.ndarray) -> tuple[np.float32, np.uint8]:
 
 def quantize_u8(x: np.ndarray, scale: np.float32, zp: np.uint8) -> np.ndarray:
     """Per-tensor uint8 quantization of a float32 tensor (the dynamic-quantization fast path)."""
-    q = np.divide(x, scale, dtype=np.float32)
+    q = np.asarray(np.divide(x, scale, dtype=np.float32))
     np.rint(q, out=q)
     q += np.float32(zp)
     np.fmax(q, 0, out=q)

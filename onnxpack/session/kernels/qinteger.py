@@ -89,7 +89,7 @@ def shift(q: np.ndarray, zero_point: np.ndarray | float | None) -> np.ndarray:
     """``q - zero_point`` as float32 (exact for 8-bit ``q``), a fresh array."""
     if zero_point is None:
         return q.astype(np.float32)
-    return np.subtract(q, zero_point, dtype=np.float32)
+    return np.asarray(np.subtract(q, zero_point, dtype=np.float32))
 
 
 def exact_matmul(a: np.ndarray, b: np.ndarray, bound: int) -> np.ndarray:

@@ -73,7 +73,7 @@ def requantize(acc: np.ndarray, multiplier: np.ndarray | np.float32, zero_point,
     """
     if bias is not None:
         acc = acc.astype(np.float64, copy=False) + bias
-    f = acc.astype(np.float32) if acc.dtype != _F32 else acc
+    f = np.asarray(acc, dtype=np.float32)  # a 0-d array, never a scalar: the ops below write in place
     f *= multiplier
     np.rint(f, out=f)
     if zero_point is not None:
@@ -89,7 +89,7 @@ def _zp_value(zp) -> np.float32 | np.ndarray:
 
 def _quantize_f32(v: np.ndarray, scale: np.float32, zp, dtype: np.dtype) -> np.ndarray:
     """MlasQuantizeLinear: ``saturate(rint(v / scale) + zp)`` in float32."""
-    q = np.divide(v, scale, dtype=np.float32)
+    q = np.asarray(np.divide(v, scale, dtype=np.float32))
     np.rint(q, out=q)
     q += _zp_value(zp)
     lo, hi = int_range(dtype)
@@ -331,9 +331,9 @@ class QLinearAdd(_QBinary):
     def run(self, a, a_scale, a_zero_point=None, b=None, b_scale=None, b_zero_point=None, c_scale=None,
             c_zero_point=None):
         sa, za, sb, zb, sc, zc = self._params(a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale, c_zero_point)
-        va = sa * shift(a, za)
+        va = np.asarray(sa * shift(a, za))
         vb = sb * shift(b, zb)
-        v = np.add(va, vb, out=va if va.shape == np.broadcast_shapes(va.shape, vb.shape) else None)
+        v = np.add(va, vb, out=va if va.ndim and va.shape == np.broadcast_shapes(va.shape, vb.shape) else None)
         return (_quantize_f32(v, sc, zc, a.dtype),)
 
 
@@ -347,7 +347,7 @@ class QLinearMul(_QBinary):
     def run(self, a, a_scale, a_zero_point=None, b=None, b_scale=None, b_zero_point=None, c_scale=None,
             c_zero_point=None):
         sa, za, sb, zb, sc, zc = self._params(a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale, c_zero_point)
-        prod = shift(a, za) * shift(b, zb)  # |product| <= 65025: exact in float32
+        prod = np.asarray(shift(a, za) * shift(b, zb))  # |product| <= 65025: exact in float32
         prod *= np.float32(np.float32(sa * sb) / sc)
         prod += zc
         np.rint(prod, out=prod)
@@ -517,7 +517,7 @@ class QLinearAveragePool(_QKernel):
         yz = per_tensor(y_zero_point, "y_zero_point", what)
         xf = _scalar_f32(x_scale, "x_scale", what) * shift(x, xz)
         (pooled,) = self._pool.run(xf)
-        q = np.divide(pooled, _scalar_f32(y_scale, "y_scale", what), dtype=np.float32)
+        q = np.asarray(np.divide(pooled, _scalar_f32(y_scale, "y_scale", what), dtype=np.float32))
         q += _zp_value(yz)
         np.rint(q, out=q)
         lo, hi = int_range(x.dtype)
