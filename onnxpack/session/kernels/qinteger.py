@@ -6,12 +6,18 @@ Exact integer arithmetic on float BLAS
 --------------------------------------
 numpy has no integer BLAS (an int32 ``np.matmul`` is a scalar loop, ~100x slower than sgemm), so
 8-bit operands are widened to float32 and multiplied by sgemm.  float32 holds every integer up to
-2**24 exactly, so a product of K terms is exact as long as ``K * max|a| * max|b| <= 2**24`` (all
-partial sums are then integers below 2**24, whatever order BLAS adds them in).  For uint8
-activations minus their zero point (|a| <= 255) times int8 weights (|b| <= 128) that is K <= 514.
-Longer sums are cut into K-chunks of that size, one sgemm per chunk, the partial products added in
-float64 (exact below 2**53).  Measured on the dev machine (2 threads, OpenBLAS, median of 21,
-exact chunked sgemm vs plain sgemm vs float64 dgemm):
+2**24 exactly, so the product is exact when no partial sum can exceed 2**24, whatever order BLAS
+adds in.  Two bounds decide it:
+
+* ``max|a| * (largest column L1 norm of the weight)`` bounds every partial sum.  The L1 norm of a
+  packed weight is computed once; real weights (and random ones) are far below ``K * max|w|``,
+  so e.g. a 3x3x64 conv of uint8 activations needs ``sum|w| <= 2**24 / 255 = 65793``: one sgemm.
+* otherwise K is cut into equal chunks of at most ``2**24 // (max|a| * max|w|)`` (514 for uint8
+  minus zero point times int8), one sgemm per chunk, the partial products added in float64
+  (exact below 2**53); the result is then float64.
+
+Measured on the dev machine (2 threads, OpenBLAS, median of 21; ``benchmarks/bench_quant.py``
+repeats this with one thread), exact chunked sgemm vs plain sgemm vs float64 dgemm:
 
 =====================  ===========  ===================  ========================
 M x K x N              sgemm        chunked sgemm (512)  dgemm (+ widening cast)
@@ -22,8 +28,7 @@ M x K x N              sgemm        chunked sgemm (512)  dgemm (+ widening cast)
 2048 x 512 x 128       1.76 ms      1.90-2.49 ms         4.5-4.7 ms (5.1-6.2 ms)
 =====================  ===========  ===================  ========================
 
-so chunked sgemm is exact at 1.1-1.3x the cost of an inexact sgemm, and about 2x faster than
-dgemm.  The result is float32 when one chunk covered K (already exact) and float64 otherwise.
+so even when chunked the exact product costs 1.1-1.3x an inexact sgemm, about half a dgemm.
 
 Zero points: the activation's zero point is subtracted while widening (one pass, needed anyway);
 the weight's is either subtracted from the (small) weight per call or applied afterwards as
@@ -55,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "exact_matmul",
+    "max_l1",
     "int_matmul",
     "int_conv",
     "span",
@@ -92,24 +98,31 @@ def shift(q: np.ndarray, zero_point: np.ndarray | float | None) -> np.ndarray:
     return np.asarray(np.subtract(q, zero_point, dtype=np.float32))
 
 
-def exact_matmul(a: np.ndarray, b: np.ndarray, bound: int) -> np.ndarray:
+def exact_matmul(a: np.ndarray, b: np.ndarray, bound: int, total: float | None = None) -> np.ndarray:
     """``a @ b`` (``np.matmul`` broadcasting) of float32 arrays holding integers, exactly.
 
-    ``bound`` is the largest ``|a_ik * b_kj|``.  K is cut into chunks whose sums stay below
-    2**24; the result is float32 for a single chunk, else float64 (see the module docstring).
+    ``bound`` is the largest ``|a_ik * b_kj|``; ``total``, when known, bounds every
+    ``sum_k |a_ik * b_kj|`` (max |a| times the largest column L1 norm of ``b``).  Every partial
+    sum BLAS forms, in any order, is at most that, so with ``total <= 2**24`` one sgemm is exact;
+    typical weights (L1 norms far below K * max|b|) take this path.  Otherwise K is cut into
+    equal chunks of at most ``2**24 // bound``; the result is then float64.
     """
     k = a.shape[-1]
     kc = max(1, _EXACT // max(int(bound), 1))
-    if k <= kc:
+    if k <= kc or (total is not None and total <= _EXACT):
         return np.matmul(a, b)
-    acc = None
-    for k0 in range(0, k, kc):
-        part = np.matmul(a[..., k0 : k0 + kc], b[..., k0 : k0 + kc, :])
-        if acc is None:
-            acc = part.astype(np.float64)
-        else:
-            acc += part
+    nchunks = -(-k // kc)
+    kc = -(-k // nchunks)  # balanced: 576 -> 288 + 288, not 514 + 62
+    parts = (np.matmul(a[..., k0 : k0 + kc], b[..., k0 : k0 + kc, :]) for k0 in range(0, k, kc))
+    acc = np.add(next(parts), next(parts), dtype=np.float64)
+    for part in parts:
+        acc += part
     return acc
+
+
+def max_l1(w: np.ndarray, axis: int) -> float:
+    """The largest L1 norm along ``axis`` of a float32 integer array (exactly, in float64)."""
+    return float(np.abs(w).sum(axis=axis, dtype=np.float64).max()) if w.size else 0.0
 
 
 def _row_param(zp: np.ndarray | None, what: str) -> np.ndarray | None:
@@ -133,12 +146,13 @@ def _col_param(zp: np.ndarray | None) -> np.ndarray | None:
 
 
 def int_matmul(a: np.ndarray, a_zp, b: np.ndarray, b_dtype: np.dtype, b_zp, *, a_shifted: bool = False,
-               a_span: int | None = None, what: str = "") -> np.ndarray:
+               a_span: int | None = None, b_l1: float | None = None, what: str = "") -> np.ndarray:
     """Exact ``(a - a_zp) @ (b - b_zp)`` with numpy's matmul rules, as float32 or float64.
 
     ``a`` holds integers (or, with ``a_shifted``, float32 values already minus their zero point,
     whose magnitude is at most ``a_span``); ``b`` holds integers of ``b_dtype``, either as that
-    dtype or as packed float32.
+    dtype or as packed float32; ``b_l1`` (optional) is the largest column L1 norm of ``b``
+    itself (zero point not subtracted), see :func:`exact_matmul`.
     """
     if a.ndim == 0 or b.ndim == 0:
         raise InvalidArgument(f"{what}: MatMul operands must not be scalars")
@@ -163,13 +177,14 @@ def int_matmul(a: np.ndarray, a_zp, b: np.ndarray, b_dtype: np.dtype, b_zp, *, a
     if bf.ndim == 2 and af.ndim > 2:  # one large GEMM instead of numpy's loop over the batch
         lead = af.shape[:-1]
         af = af.reshape(-1, af.shape[-1])
+    total = None if b_l1 is None else amax * b_l1
     if zpb is None:
-        acc = exact_matmul(af, bf, amax * span(b_dtype))
+        acc = exact_matmul(af, bf, amax * span(b_dtype), total)
     else:
         rows, k, n = math.prod(af.shape[:-1]), af.shape[-1], bf.shape[-1]
         if rows * (k + n) < k * n or bf.ndim > 2:
             # (a @ b) - rowsum(a) * zp_b: touches the activations, not the weight.
-            acc = exact_matmul(af, bf, amax * span(b_dtype)).astype(np.float64, copy=False)
+            acc = exact_matmul(af, bf, amax * span(b_dtype), total).astype(np.float64, copy=False)
             acc -= af.sum(axis=-1, keepdims=True, dtype=np.float64) * zpb.astype(np.float64)
         else:
             acc = exact_matmul(af, bf - zpb.astype(np.float32), amax * span(b_dtype, zpb))
@@ -182,14 +197,16 @@ def int_matmul(a: np.ndarray, a_zp, b: np.ndarray, b_dtype: np.dtype, b_zp, *, a
     return acc
 
 
-def int_conv(xf: np.ndarray, w: np.ndarray, sp: _SpatialAttrs, group: int, bound: int, what: str) -> np.ndarray:
+def int_conv(xf: np.ndarray, w: np.ndarray, sp: _SpatialAttrs, group: int, x_span: int, w_span: int,
+             w_l1: float, what: str) -> np.ndarray:
     """Exact convolution of float32 integer tensors, (N, M, *out), float32 or float64.
 
     ``xf`` is the input minus its zero point (padding contributes zeros, i.e. the zero point, as
     onnxruntime pads), ``w`` the weight in the packed layout (g, M/g, C/g, *kernel) minus its
-    zero point, ``bound`` the largest ``|x * w|``.  Same shapes as ``Conv``: 1x1 convolutions use
-    the input as the column matrix, depthwise ones ``Conv``'s tap loop (exact while
-    ``prod(kernel) * bound <= 2**24``), the rest ``im2col`` and :func:`exact_matmul`.
+    zero point; ``x_span`` / ``w_span`` bound their magnitudes, ``w_l1`` is the largest L1 norm
+    of one output channel's weights.  Same shapes as ``Conv``: 1x1 convolutions use the input as
+    the column matrix, depthwise ones ``Conv``'s tap loop (exact while ``x_span * w_l1 <=
+    2**24``), the rest ``im2col`` and :func:`exact_matmul`.
     """
     n, c = xf.shape[:2]
     nd = xf.ndim - 2
@@ -210,13 +227,14 @@ def int_conv(xf: np.ndarray, w: np.ndarray, sp: _SpatialAttrs, group: int, bound
         cols = np.ascontiguousarray(xs).reshape(n, g, cg, length)
     else:
         xp = _pad(xf, begin, _padded_extent(xf.shape[2:], begin, out_shape, ks, strides, dils), 0)
-        if cg == 1 and mg == 1 and g > 1 and kprod * bound <= _EXACT:
+        if cg == 1 and mg == 1 and g > 1 and x_span * w_l1 <= _EXACT:
             return Conv._depthwise(xp, wm, ks, out_shape, strides, dils).reshape((n, m) + tuple(out_shape))
         cols = im2col(xp, ks, out_shape, strides, dils).reshape(n, g, cg * kprod, length)
+    bound, total = x_span * w_span, x_span * w_l1
     if g == 1:
-        acc = exact_matmul(wm[0], cols[:, 0], bound)  # (n, M, L)
+        acc = exact_matmul(wm[0], cols[:, 0], bound, total)  # (n, M, L)
     else:
-        acc = exact_matmul(wm, cols, bound)  # (n, g, M/g, L)
+        acc = exact_matmul(wm, cols, bound, total)  # (n, g, M/g, L)
     return acc.reshape((n, m) + tuple(out_shape))
 
 
@@ -262,6 +280,7 @@ class PackedMatMulWeight:
     def _init_weight(self) -> None:
         self._b: np.ndarray | None = None
         self._b_dtype: np.dtype | None = None
+        self._b_l1: float | None = None  # largest column L1 norm of the packed B, computed once
 
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
         if input_index != self.weight_index or len(info.shape) != 2 or np.dtype(info.dtype).name not in _EIGHT_BIT:
@@ -282,6 +301,16 @@ class PackedMatMulWeight:
 
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
         (self._b,) = buffers
+
+    def _packed_l1(self) -> float | None:
+        """The packed B's largest column L1 norm (None when B is not packed): lets
+        ``exact_matmul`` skip the K-chunking for typical weights.  Computed at the first call and
+        kept (the pack is immutable; concurrent first calls compute the same value)."""
+        if self._b is None:
+            return None
+        if self._b_l1 is None:
+            self._b_l1 = max_l1(self._b, axis=0)
+        return self._b_l1
 
     def _weight(self, b: np.ndarray | None, what: str) -> tuple[np.ndarray, np.dtype]:
         """(B as (…, K, N) integers or packed float32, B's integer dtype)."""
@@ -307,6 +336,7 @@ class PackedConvWeight:
     def _init_weight(self) -> None:
         self._w: np.ndarray | None = None
         self._w_dtype: np.dtype | None = None
+        self._w_l1: float | None = None  # largest per-channel L1 norm of the packed weight
 
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
         if input_index != self.weight_index or len(info.shape) < 3 or np.dtype(info.dtype).name not in _EIGHT_BIT:
@@ -329,9 +359,11 @@ class PackedConvWeight:
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
         (self._w,) = buffers
 
-    def _conv_weight(self, w: np.ndarray | None, w_zp: np.ndarray | None, what: str) -> tuple[np.ndarray, int]:
-        """(weight minus its zero point as float32 (g, M/g, C/g, *kernel), max |w - zp|)."""
-        if self._w is not None:
+    def _conv_weight(self, w: np.ndarray | None, w_zp: np.ndarray | None, what: str) -> tuple[np.ndarray, int, float]:
+        """(weight minus its zero point as float32 (g, M/g, C/g, *kernel), max |w - zp|, the
+        largest L1 norm of one output channel's weights minus zero point)."""
+        packed = self._w is not None
+        if packed:
             wf, dtype = self._w, self._w_dtype
         else:
             if w is None:
@@ -345,11 +377,16 @@ class PackedConvWeight:
             dtype = w.dtype
         m = wf.shape[0] * wf.shape[1]
         zp = per_channel(w_zp, m, "w_zero_point", what)
+        per_out = wf.reshape(m, -1)
         if zp is not None and zp.astype(np.int64).any():
             z = zp.astype(np.float32).reshape((wf.shape[0], wf.shape[1]) + (1,) * (wf.ndim - 2)) if zp.ndim else zp.astype(np.float32)
             wf = wf - z
-            return wf, span(dtype, zp)
-        return wf, span(dtype)
+            return wf, span(dtype, zp), max_l1(wf.reshape(m, -1), axis=1)
+        if not packed:
+            return wf, span(dtype), max_l1(per_out, axis=1)
+        if self._w_l1 is None:  # the pack is immutable: computed once, at the first call
+            self._w_l1 = max_l1(per_out, axis=1)
+        return wf, span(dtype), self._w_l1
 
 
 # -- kernels --------------------------------------------------------------------------------------
@@ -374,7 +411,7 @@ class MatMulInteger(PackedMatMulWeight, Kernel):
     def run(self, a, b=None, a_zero_point=None, b_zero_point=None):
         check_eight_bit(a, "A", self.what)
         bw, bdtype = self._weight(b, self.what)
-        acc = int_matmul(a, a_zero_point, bw, bdtype, b_zero_point, what=self.what)
+        acc = int_matmul(a, a_zero_point, bw, bdtype, b_zero_point, b_l1=self._packed_l1(), what=self.what)
         return (acc.astype(np.int32),)
 
 
@@ -400,8 +437,8 @@ class ConvInteger(PackedConvWeight, Kernel):
         if x.ndim < 3:
             raise InvalidArgument(f"{self.what}: x must be (N, C, D1, ...), got shape {list(x.shape)}")
         xz = per_tensor(x_zero_point, "x_zero_point", self.what)
-        wf, wspan = self._conv_weight(w, w_zero_point, self.what)
-        acc = int_conv(shift(x, xz), wf, self.sp, self.group, span(x.dtype, xz) * wspan, self.what)
+        wf, wspan, wl1 = self._conv_weight(w, w_zero_point, self.what)
+        acc = int_conv(shift(x, xz), wf, self.sp, self.group, span(x.dtype, xz), wspan, wl1, self.what)
         return (acc.astype(np.int32),)
 
 
@@ -449,7 +486,7 @@ class DynamicQuantizeMatMul(PackedMatMulWeight, Kernel):
         bs = per_channel(b_scale, n, "b_scale", self.what)
         bz = per_channel(b_zero_point, n, "b_zero_point", self.what)
         af, a_scale, a_span = _dynamic_quantize_shifted(a)
-        acc = int_matmul(af, None, bw, bdtype, bz, a_shifted=True, a_span=a_span, what=self.what)
+        acc = int_matmul(af, None, bw, bdtype, bz, a_shifted=True, a_span=a_span, b_l1=self._packed_l1(), what=self.what)
         return (_scale_bias(acc, np.float32(a_scale) * bs.astype(np.float32), bias),)
 
 
@@ -474,7 +511,7 @@ class MatMulIntegerToFloat(PackedMatMulWeight, Kernel):
         sa = sa.reshape(()) if sa.size == 1 else sa.reshape(-1, 1)  # per tensor or per row
         sb = per_channel(b_scale, n, "b_scale", self.what)
         bz = per_channel(b_zero_point, n, "b_zero_point", self.what)
-        acc = int_matmul(a, a_zero_point, bw, bdtype, bz, what=self.what)
+        acc = int_matmul(a, a_zero_point, bw, bdtype, bz, b_l1=self._packed_l1(), what=self.what)
         y = _scale_bias(acc, sa.astype(np.float32) * sb.astype(np.float32), bias)
         return (y.astype(np.asarray(a_scale).dtype, copy=False),)
 

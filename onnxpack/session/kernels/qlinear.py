@@ -166,10 +166,10 @@ class QLinearConv(PackedConvWeight, _QKernel):
         xz = per_tensor(x_zero_point, "x_zero_point", what)
         yz = per_tensor(y_zero_point, "y_zero_point", what)
         out_dtype = yz.dtype if yz is not None else x.dtype
-        wf, wspan = self._conv_weight(w, w_zero_point, what)
+        wf, wspan, wl1 = self._conv_weight(w, w_zero_point, what)
         m = wf.shape[0] * wf.shape[1]
         ws = per_channel(w_scale, m, "w_scale", what)
-        acc = int_conv(shift(x, xz), wf, self.sp, self.group, span(x.dtype, xz) * wspan, what)
+        acc = int_conv(shift(x, xz), wf, self.sp, self.group, span(x.dtype, xz), wspan, wl1, what)
         cshape = (1, m) + (1,) * (acc.ndim - 2)
         mult = (_scalar_f32(x_scale, "x_scale", what) * ws.astype(np.float32)) / _scalar_f32(y_scale, "y_scale", what)
         b = None
@@ -226,7 +226,8 @@ class QLinearMatMul(PackedMatMulWeight, _QKernel):
         _check_same_type(a, a_zero_point, "a_zero_point", what)
         bw, bdtype = self._weight(b, what)
         out_dtype = np.asarray(y_zero_point).dtype if y_zero_point is not None else a.dtype
-        acc = int_matmul(a, a_zero_point, bw, bdtype, _col_or_scalar(b_zero_point, "b_zero_point", what) if b_zero_point is not None else None, what=what)
+        bz = None if b_zero_point is None else _col_or_scalar(b_zero_point, "b_zero_point", what)
+        acc = int_matmul(a, a_zero_point, bw, bdtype, bz, b_l1=self._packed_l1(), what=what)
         sa = _row_or_scalar(a_scale, "a_scale", what).astype(np.float32)
         sb = _col_or_scalar(b_scale, "b_scale", what).astype(np.float32)
         sy = _row_or_scalar(y_scale, "y_scale", what).astype(np.float32)
@@ -288,7 +289,7 @@ class QGemm(PackedMatMulWeight, _QKernel):
         n = bw.shape[-1]
         az = per_tensor(a_zero_point, "a_zero_point", what)
         bz = per_channel(b_zero_point, n, "b_zero_point", what)
-        acc = int_matmul(a, az, bw, bdtype, bz, what=what)
+        acc = int_matmul(a, az, bw, bdtype, bz, b_l1=self._packed_l1(), what=what)
         if c is not None:
             acc = acc.astype(np.float64, copy=False) + np.asarray(c, dtype=np.float64)
         bs = per_channel(b_scale, n, "b_scale", what).astype(np.float32)
