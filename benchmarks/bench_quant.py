@@ -38,7 +38,7 @@ from onnxpack.session.kernels import KernelContext, TensorInfo, lookup
 from onnxpack.session.kernels.qinteger import exact_matmul
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import blas_info, median_seconds, print_table, write_json  # noqa: E402
+from _common import blas_info, print_table, write_json  # noqa: E402
 
 
 def resnet_like(size: int = 128, width: int = 32, blocks=(2, 2, 2, 2), seed: int = 0) -> onnx.ModelProto:

@@ -125,7 +125,7 @@ def max_l1(w: np.ndarray, axis: int) -> float:
     return float(np.abs(w).sum(axis=axis, dtype=np.float64).max()) if w.size else 0.0
 
 
-def _row_param(zp: np.ndarray | None, what: str) -> np.ndarray | None:
+def _row_param(zp: np.ndarray | None) -> np.ndarray | None:
     """A's zero point (scalar, per row (M,), or N-D (..., M, 1)) shaped to broadcast against A."""
     if zp is None:
         return None
@@ -159,7 +159,7 @@ def int_matmul(a: np.ndarray, a_zp, b: np.ndarray, b_dtype: np.dtype, b_zp, *, a
     if a_shifted:
         af, amax = a, int(a_span)
     else:
-        zpa = _row_param(a_zp, what)
+        zpa = _row_param(a_zp)
         af, amax = shift(a, zpa), span(a.dtype, zpa)
     bf = b if b.dtype == _F32 else b.astype(np.float32)
     squeeze_a = af.ndim == 1

@@ -40,7 +40,7 @@ import numpy as np
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels._base import Kernel, register
 from onnxpack.session.kernels.conv import AveragePool, _SpatialAttrs
-from onnxpack.session.kernels.qdq import dequantize, int_range, quantize
+from onnxpack.session.kernels.qdq import int_range, quantize
 from onnxpack.session.kernels.qinteger import (
     PackedConvWeight,
     PackedMatMulWeight,
@@ -188,7 +188,7 @@ class QLinearConvMS(QLinearConv):
     domain = MS
 
 
-def _row_or_scalar(value, name: str, what: str) -> np.ndarray:
+def _row_or_scalar(value) -> np.ndarray:
     """A per-tensor or per-row (M,) parameter shaped to broadcast against an (…, M, N) result."""
     value = np.asarray(value)
     if value.size == 1:
@@ -198,7 +198,8 @@ def _row_or_scalar(value, name: str, what: str) -> np.ndarray:
     return value
 
 
-def _col_or_scalar(value, name: str, what: str) -> np.ndarray:
+def _col_or_scalar(value) -> np.ndarray:
+    """A per-tensor or per-column (N,) parameter shaped to broadcast against an (…, M, N) result."""
     value = np.asarray(value)
     return value.reshape(()) if value.size == 1 else value
 
@@ -226,13 +227,13 @@ class QLinearMatMul(PackedMatMulWeight, _QKernel):
         _check_same_type(a, a_zero_point, "a_zero_point", what)
         bw, bdtype = self._weight(b, what)
         out_dtype = np.asarray(y_zero_point).dtype if y_zero_point is not None else a.dtype
-        bz = None if b_zero_point is None else _col_or_scalar(b_zero_point, "b_zero_point", what)
+        bz = None if b_zero_point is None else _col_or_scalar(b_zero_point)
         acc = int_matmul(a, a_zero_point, bw, bdtype, bz, b_l1=self._packed_l1(), what=what)
-        sa = _row_or_scalar(a_scale, "a_scale", what).astype(np.float32)
-        sb = _col_or_scalar(b_scale, "b_scale", what).astype(np.float32)
-        sy = _row_or_scalar(y_scale, "y_scale", what).astype(np.float32)
+        sa = _row_or_scalar(a_scale).astype(np.float32)
+        sb = _col_or_scalar(b_scale).astype(np.float32)
+        sy = _row_or_scalar(y_scale).astype(np.float32)
         mult = (sa * sb) / sy
-        yz = None if y_zero_point is None else _row_or_scalar(y_zero_point, "y_zero_point", what)
+        yz = None if y_zero_point is None else _row_or_scalar(y_zero_point)
         return (requantize(acc, mult, yz, out_dtype),)
 
     def _float_path(self, a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp):
@@ -244,8 +245,8 @@ class QLinearMatMul(PackedMatMulWeight, _QKernel):
         def deq(t, s, zp, shape_fn):
             f = t.astype(np.float32)
             if zp is not None:
-                f = f - shape_fn(zp, "", what).astype(np.float32)
-            return f * shape_fn(s, "", what).astype(np.float32)
+                f = f - shape_fn(zp).astype(np.float32)
+            return f * shape_fn(s).astype(np.float32)
 
         y = np.matmul(deq(a, a_scale, a_zp, _row_or_scalar), deq(b, b_scale, b_zp, _col_or_scalar))
         out = np.asarray(y_zp).dtype if y_zp is not None else a.dtype
