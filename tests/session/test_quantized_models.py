@@ -203,3 +203,30 @@ def test_prepacked_quantized_weights_are_saved_and_mapped_back(quantized, tmp_pa
     assert stats["weights_packed"] == 0 and stats["blobs_from_model"] >= 4
     for a, b in zip(warm.run(None, feeds), cold_out):
         np.testing.assert_array_equal(a, b)
+
+
+def test_concurrent_runs_share_one_session(quantized):
+    """Integer kernels keep no per-call state (the lazily computed weight norms are idempotent):
+    four threads running one session give the single-threaded outputs."""
+    import threading
+
+    path, feeds = quantized("small_cnn", "qop-channel")
+    sess = onnxpack.InferenceSession(str(path))
+    rng = np.random.default_rng(5)
+    inputs = [{"x": rng.standard_normal((1, 3, 12, 12)).astype(np.float32)} for _ in range(4)]
+    want = [onnxpack.InferenceSession(str(path)).run(None, f)[0] for f in inputs]
+    errors = []
+
+    def work(k):
+        try:
+            for _ in range(5):
+                np.testing.assert_array_equal(sess.run(None, inputs[k])[0], want[k])
+        except BaseException as exc:  # collected and re-raised in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
