@@ -251,12 +251,21 @@ class LSTM(_RNNBase):
         return np.ascontiguousarray(b[:, :g] + b[:, g:], dtype=np.float32)
 
     def run(self, x, w=None, r=None, b=None, seq_lens=None, h0=None, c0=None, p=None):
+        return self._run(x, w, r, b, seq_lens, h0, c0, p)
+
+    def _project(self, a: np.ndarray, weight: np.ndarray, d: int, which: int, q) -> np.ndarray:
+        """``a @ weight`` for direction ``d``: ``which`` 0 is the input projection (all timesteps),
+        1 the recurrence.  A subclass computing these products another way (e.g. quantized:
+        ``qinteger.DynamicQuantizeLSTM``) overrides this; ``q`` is what its ``run`` passed."""
+        return a @ weight
+
+    def _run(self, x, w, r, b, seq_lens, h0, c0, p, q=None):
         out_dtype, xs, wt, rt, bias, (hs, cs), lens, seq, batch, H = self._prepare(x, w, r, b, seq_lens, (h0, c0))
         y = np.zeros((seq, self.num_dir, batch, H), np.float32)
         finals_h, finals_c = [], []
         for d in range(self.num_dir):
             f, g, hact = self.acts[d]
-            xw = (xs.reshape(seq * batch, -1) @ wt[d]).reshape(seq, batch, 4 * H)
+            xw = self._project(xs.reshape(seq * batch, -1), wt[d], d, 0, q).reshape(seq, batch, 4 * H)
             xw += bias[d]
             h = hs[d].copy()
             c = cs[d].copy()
@@ -265,7 +274,7 @@ class LSTM(_RNNBase):
                 pp = _as_f(p)[d]
                 pi, po, pf = pp[:H], pp[H : 2 * H], pp[2 * H :]
             for t in self._steps(d, seq):
-                gates = xw[t] + h @ rt[d]
+                gates = xw[t] + self._project(h, rt[d], d, 1, q)
                 self._clip(gates)
                 if pi is None:
                     # i, o, f are adjacent: one activation call for the three gates.

@@ -1,0 +1,582 @@
+"""Integer matrix products: MatMulInteger, ConvInteger and onnxruntime's dynamic-quantization ops
+(com.microsoft DynamicQuantizeMatMul, MatMulIntegerToFloat, DynamicQuantizeLSTM), plus the exact
+integer GEMM and convolution that the QLinear family (``qlinear.py``) shares.
+
+Exact integer arithmetic on float BLAS
+--------------------------------------
+numpy has no integer BLAS (an int32 ``np.matmul`` is a scalar loop, ~100x slower than sgemm), so
+8-bit operands are widened to float32 and multiplied by sgemm.  float32 holds every integer up to
+2**24 exactly, so the product is exact when no partial sum can exceed 2**24, whatever order BLAS
+adds in.  Two bounds decide it:
+
+* ``max|a| * (largest column L1 norm of the weight)`` bounds every partial sum.  The L1 norm of a
+  packed weight is computed once; real weights (and random ones) are far below ``K * max|w|``,
+  so e.g. a 3x3x64 conv of uint8 activations needs ``sum|w| <= 2**24 / 255 = 65793``: one sgemm.
+* otherwise K is cut into equal chunks of at most ``2**24 // (max|a| * max|w|)`` (514 for uint8
+  minus zero point times int8), one sgemm per chunk, the partial products added in float64
+  (exact below 2**53); the result is then float64.
+
+Measured on the dev machine (2 threads, OpenBLAS, median of 21; ``benchmarks/bench_quant.py``
+repeats this with one thread), exact chunked sgemm vs plain sgemm vs float64 dgemm:
+
+=====================  ===========  ===================  ========================
+M x K x N              sgemm        chunked sgemm (512)  dgemm (+ widening cast)
+=====================  ===========  ===================  ========================
+64 x 576 x 3136        1.97 ms      2.36-2.51 ms         3.5 ms (4.6 ms)
+128 x 1152 x 784       1.58 ms      1.74-1.87 ms         2.9-3.1 ms (3.5-4.0 ms)
+256 x 2304 x 196       1.38-1.73    1.63-2.23 ms         3.4-3.6 ms (4.3-5.8 ms)
+2048 x 512 x 128       1.76 ms      1.90-2.49 ms         4.5-4.7 ms (5.1-6.2 ms)
+=====================  ===========  ===================  ========================
+
+so even when chunked the exact product costs 1.1-1.3x an inexact sgemm, about half a dgemm.
+
+Zero points: the activation's zero point is subtracted while widening (one pass, needed anyway);
+the weight's is either subtracted from the (small) weight per call or applied afterwards as
+``rowsum(a) * zp_b``, whichever touches fewer elements.  Both are exact.
+
+Pre-packing: a constant weight becomes its integers as float32 in the GEMM layout: MatMul-like
+``B`` as C-contiguous (K, N) (family ``qmatmul``), conv weights as (g, M/g, C/g, *kernel) like
+``Conv`` (family ``qconv``), DynamicQuantizeLSTM's W/R as (num_dir, K, 4H).  The zero point is
+*not* folded in: the pre-packing contract keys a pack by its own input only, so a pack that baked
+in another input (the zero point) could be handed to a node with the same weight and another
+zero point.  The cost is 4 bytes per weight instead of 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+
+import numpy as np
+
+from onnxpack.errors import InvalidArgument
+from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
+from onnxpack.session.kernels.conv import Conv, _pad, _padded_extent, _SpatialAttrs, conv_geometry, im2col
+from onnxpack.session.kernels.qdq import dynamic_qparams, int_range
+from onnxpack.session.kernels.rnn import LSTM
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "exact_matmul",
+    "max_l1",
+    "int_matmul",
+    "int_conv",
+    "span",
+    "shift",
+    "MatMulInteger",
+    "ConvInteger",
+    "DynamicQuantizeMatMul",
+    "MatMulIntegerToFloat",
+    "DynamicQuantizeLSTM",
+]
+
+# Every integer of magnitude <= 2**24 is a float32.
+_EXACT = 1 << 24
+_PACK_VERSION = 1
+_EIGHT_BIT = ("int8", "uint8")
+_F32 = np.dtype(np.float32)
+
+
+# -- exact integer arithmetic -------------------------------------------------------------------
+
+
+def span(dtype: np.dtype, zero_point: np.ndarray | None = None) -> int:
+    """Largest ``|q - zero_point|`` over the values ``q`` of an integer ``dtype``."""
+    lo, hi = int_range(dtype)
+    if zero_point is None or np.size(zero_point) == 0:
+        return max(-lo, hi)
+    z = np.asarray(zero_point).astype(np.int64)
+    return int(max(int(z.max()) - lo, hi - int(z.min())))
+
+
+def shift(q: np.ndarray, zero_point: np.ndarray | float | None) -> np.ndarray:
+    """``q - zero_point`` as float32 (exact for 8-bit ``q``), a fresh array."""
+    if zero_point is None:
+        return q.astype(np.float32)
+    return np.asarray(np.subtract(q, zero_point, dtype=np.float32))
+
+
+def exact_matmul(a: np.ndarray, b: np.ndarray, bound: int, total: float | None = None) -> np.ndarray:
+    """``a @ b`` (``np.matmul`` broadcasting) of float32 arrays holding integers, exactly.
+
+    ``bound`` is the largest ``|a_ik * b_kj|``; ``total``, when known, bounds every
+    ``sum_k |a_ik * b_kj|`` (max |a| times the largest column L1 norm of ``b``).  Every partial
+    sum BLAS forms, in any order, is at most that, so with ``total <= 2**24`` one sgemm is exact;
+    typical weights (L1 norms far below K * max|b|) take this path.  Otherwise K is cut into
+    equal chunks of at most ``2**24 // bound``; the result is then float64.
+    """
+    k = a.shape[-1]
+    kc = max(1, _EXACT // max(int(bound), 1))
+    if k <= kc or (total is not None and total <= _EXACT):
+        return np.matmul(a, b)
+    nchunks = -(-k // kc)
+    kc = -(-k // nchunks)  # balanced: 576 -> 288 + 288, not 514 + 62
+    parts = (np.matmul(a[..., k0 : k0 + kc], b[..., k0 : k0 + kc, :]) for k0 in range(0, k, kc))
+    acc = np.add(next(parts), next(parts), dtype=np.float64)
+    for part in parts:
+        acc += part
+    return acc
+
+
+def max_l1(w: np.ndarray, axis: int) -> float:
+    """The largest L1 norm along ``axis`` of a float32 integer array (exactly, in float64)."""
+    return float(np.abs(w).sum(axis=axis, dtype=np.float64).max()) if w.size else 0.0
+
+
+def _row_param(zp: np.ndarray | None) -> np.ndarray | None:
+    """A's zero point (scalar, per row (M,), or N-D (..., M, 1)) shaped to broadcast against A."""
+    if zp is None:
+        return None
+    zp = np.asarray(zp)
+    if zp.size == 1:
+        return zp.reshape(())
+    if zp.ndim == 1:
+        return zp.reshape(-1, 1)
+    return zp
+
+
+def _col_param(zp: np.ndarray | None) -> np.ndarray | None:
+    """B's zero point (scalar, per column (N,), or N-D (..., 1, N)) shaped to broadcast against B."""
+    if zp is None:
+        return None
+    zp = np.asarray(zp)
+    return zp.reshape(()) if zp.size == 1 else zp
+
+
+def int_matmul(a: np.ndarray, a_zp, b: np.ndarray, b_dtype: np.dtype, b_zp, *, a_shifted: bool = False,
+               a_span: int | None = None, b_l1: float | None = None, what: str = "") -> np.ndarray:
+    """Exact ``(a - a_zp) @ (b - b_zp)`` with numpy's matmul rules, as float32 or float64.
+
+    ``a`` holds integers (or, with ``a_shifted``, float32 values already minus their zero point,
+    whose magnitude is at most ``a_span``); ``b`` holds integers of ``b_dtype``, either as that
+    dtype or as packed float32; ``b_l1`` (optional) is the largest column L1 norm of ``b``
+    itself (zero point not subtracted), see :func:`exact_matmul`.
+    """
+    if a.ndim == 0 or b.ndim == 0:
+        raise InvalidArgument(f"{what}: MatMul operands must not be scalars")
+    if a_shifted:
+        af, amax = a, int(a_span)
+    else:
+        zpa = _row_param(a_zp)
+        af, amax = shift(a, zpa), span(a.dtype, zpa)
+    bf = b if b.dtype == _F32 else b.astype(np.float32)
+    squeeze_a = af.ndim == 1
+    squeeze_b = bf.ndim == 1
+    if squeeze_a:
+        af = af[None, :]
+    if squeeze_b:
+        bf = bf[:, None]
+    if af.shape[-1] != bf.shape[-2]:
+        raise InvalidArgument(f"{what}: inner dimensions differ: A {list(a.shape)}, B {list(b.shape)}")
+    zpb = _col_param(b_zp)
+    if zpb is not None and not zpb.astype(np.int64).any():
+        zpb = None
+    lead = None
+    if bf.ndim == 2 and af.ndim > 2:  # one large GEMM instead of numpy's loop over the batch
+        lead = af.shape[:-1]
+        af = af.reshape(-1, af.shape[-1])
+    total = None if b_l1 is None else amax * b_l1
+    if zpb is None:
+        acc = exact_matmul(af, bf, amax * span(b_dtype), total)
+    else:
+        rows, k, n = math.prod(af.shape[:-1]), af.shape[-1], bf.shape[-1]
+        if rows * (k + n) < k * n or bf.ndim > 2:
+            # (a @ b) - rowsum(a) * zp_b: touches the activations, not the weight.
+            acc = exact_matmul(af, bf, amax * span(b_dtype), total).astype(np.float64, copy=False)
+            acc -= af.sum(axis=-1, keepdims=True, dtype=np.float64) * zpb.astype(np.float64)
+        else:
+            acc = exact_matmul(af, bf - zpb.astype(np.float32), amax * span(b_dtype, zpb))
+    if lead is not None:
+        acc = acc.reshape(*lead, acc.shape[-1])
+    if squeeze_b:
+        acc = acc[..., 0]
+    if squeeze_a:
+        acc = acc[..., 0, :] if not squeeze_b else acc[..., 0]
+    return acc
+
+
+def int_conv(xf: np.ndarray, w: np.ndarray, sp: _SpatialAttrs, group: int, x_span: int, w_span: int,
+             w_l1: float, what: str) -> np.ndarray:
+    """Exact convolution of float32 integer tensors, (N, M, *out), float32 or float64.
+
+    ``xf`` is the input minus its zero point (padding contributes zeros, i.e. the zero point, as
+    onnxruntime pads), ``w`` the weight in the packed layout (g, M/g, C/g, *kernel) minus its
+    zero point; ``x_span`` / ``w_span`` bound their magnitudes, ``w_l1`` is the largest L1 norm
+    of one output channel's weights.  Same shapes as ``Conv``: 1x1 convolutions use the input as
+    the column matrix, depthwise ones ``Conv``'s tap loop (exact while ``x_span * w_l1 <=
+    2**24``), the rest ``im2col`` and :func:`exact_matmul`.
+    """
+    n, c = xf.shape[:2]
+    nd = xf.ndim - 2
+    g, mg, cg = w.shape[:3]
+    m = g * mg
+    ks, strides, dils = sp.resolve(nd, w.shape[3:])
+    if c != cg * g or len(ks) != nd:
+        raise InvalidArgument(
+            f"{what}: input has {c} channels and rank {xf.ndim}, weight expects {cg * g} channels "
+            f"(group {g}) and kernel {list(w.shape[3:])}"
+        )
+    kprod = math.prod(ks)
+    begin, end, out_shape = conv_geometry(xf.shape[2:], ks, strides, dils, sp.pads, sp.auto_pad)
+    length = math.prod(out_shape)
+    wm = w.reshape(g, mg, cg * kprod)
+    if kprod == 1 and not any(begin) and not any(end):
+        xs = xf[(Ellipsis,) + tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(out_shape, strides))]
+        cols = np.ascontiguousarray(xs).reshape(n, g, cg, length)
+    else:
+        xp = _pad(xf, begin, _padded_extent(xf.shape[2:], begin, out_shape, ks, strides, dils), 0)
+        if cg == 1 and mg == 1 and g > 1 and x_span * w_l1 <= _EXACT:
+            return Conv._depthwise(xp, wm, ks, out_shape, strides, dils).reshape((n, m) + tuple(out_shape))
+        cols = im2col(xp, ks, out_shape, strides, dils).reshape(n, g, cg * kprod, length)
+    bound, total = x_span * w_span, x_span * w_l1
+    if g == 1:
+        acc = exact_matmul(wm[0], cols[:, 0], bound, total)  # (n, M, L)
+    else:
+        acc = exact_matmul(wm, cols, bound, total)  # (n, g, M/g, L)
+    return acc.reshape((n, m) + tuple(out_shape))
+
+
+def check_eight_bit(arr: np.ndarray, name: str, what: str) -> None:
+    if arr.dtype.name not in _EIGHT_BIT:
+        raise InvalidArgument(f"{what}: {name} must be int8 or uint8, got {arr.dtype}")
+
+
+def per_tensor(value: np.ndarray | None, name: str, what: str):
+    """The single value of a per-tensor scale or zero point (None stays None)."""
+    if value is None:
+        return None
+    value = np.asarray(value)
+    if value.size != 1:
+        raise InvalidArgument(f"{what}: {name} must be a scalar or a one-element tensor, got shape {list(value.shape)}")
+    return value.reshape(())
+
+
+def per_channel(value: np.ndarray | None, count: int, name: str, what: str) -> np.ndarray | None:
+    """A scale or zero point that is per tensor or has one value per channel, as a 0-d or (count,) array."""
+    if value is None:
+        return None
+    value = np.asarray(value)
+    if value.size == 1:
+        return value.reshape(())
+    if value.size != count or value.ndim > 2:
+        raise InvalidArgument(
+            f"{what}: {name} must be a scalar or have {count} values (one per channel), got shape {list(value.shape)}"
+        )
+    return value.reshape(count)
+
+
+# -- weight packing, shared with qlinear.py -----------------------------------------------------
+
+
+class PackedMatMulWeight:
+    """Mixin: a MatMul-like kernel whose input ``weight_index`` (B, (K, N), 8-bit) may be packed
+    as C-contiguous float32 (K, N); ``trans_b`` (Gemm's transB) is resolved in the pack."""
+
+    weight_index: int = 1
+    trans_b: int = 0
+
+    def _init_weight(self) -> None:
+        self._b: np.ndarray | None = None
+        self._b_dtype: np.dtype | None = None
+        self._b_l1: float | None = None  # largest column L1 norm of the packed B, computed once
+
+    def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
+        if input_index != self.weight_index or len(info.shape) != 2 or np.dtype(info.dtype).name not in _EIGHT_BIT:
+            return None
+        self._b_dtype = np.dtype(info.dtype)  # the pack drops the dtype; the exactness bound needs it
+        family = "qgemm" if self.trans_b else "qmatmul"
+        return PackSpec(family, _PACK_VERSION, struct.pack("<B", int(self.trans_b)), 1)
+
+    def expected_packed(self, input_index: int, info: TensorInfo):
+        if self.pack_spec(input_index, info) is None:
+            return None
+        k, n = info.shape[::-1] if self.trans_b else info.shape
+        return [(_F32, (k, n))]
+
+    def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
+        b = weight.T if self.trans_b else weight
+        return (np.ascontiguousarray(b, dtype=np.float32),)
+
+    def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
+        (self._b,) = buffers
+
+    def _packed_l1(self) -> float | None:
+        """The packed B's largest column L1 norm (None when B is not packed): lets
+        ``exact_matmul`` skip the K-chunking for typical weights.  Computed at the first call and
+        kept (the pack is immutable; concurrent first calls compute the same value)."""
+        if self._b is None:
+            return None
+        if self._b_l1 is None:
+            self._b_l1 = max_l1(self._b, axis=0)
+        return self._b_l1
+
+    def _weight(self, b: np.ndarray | None, what: str) -> tuple[np.ndarray, np.dtype]:
+        """(B as (…, K, N) integers or packed float32, B's integer dtype)."""
+        if self._b is not None:
+            return self._b, self._b_dtype
+        if b is None:
+            raise InvalidArgument(f"{what}: input B is missing")
+        check_eight_bit(b, "B", what)
+        if self.trans_b:
+            if b.ndim != 2:
+                raise InvalidArgument(f"{what}: B must be 2-D, got shape {list(b.shape)}")
+            b = b.T
+        return b, b.dtype
+
+
+class PackedConvWeight:
+    """Mixin: a convolution whose input ``weight_index`` (8-bit, (M, C/g, *kernel)) may be packed
+    as float32 (g, M/g, C/g, *kernel), ``Conv``'s packed layout."""
+
+    weight_index: int = 1
+    group: int = 1
+
+    def _init_weight(self) -> None:
+        self._w: np.ndarray | None = None
+        self._w_dtype: np.dtype | None = None
+        self._w_l1: float | None = None  # largest per-channel L1 norm of the packed weight
+
+    def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
+        if input_index != self.weight_index or len(info.shape) < 3 or np.dtype(info.dtype).name not in _EIGHT_BIT:
+            return None
+        if info.shape[0] % self.group:
+            return None
+        self._w_dtype = np.dtype(info.dtype)
+        return PackSpec("qconv", _PACK_VERSION, struct.pack("<q", self.group), 1)
+
+    def expected_packed(self, input_index: int, info: TensorInfo):
+        if self.pack_spec(input_index, info) is None:
+            return None
+        m, g = info.shape[0], self.group
+        return [(_F32, (g, m // g) + tuple(info.shape[1:]))]
+
+    def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
+        m, g = weight.shape[0], self.group
+        return (np.ascontiguousarray(weight.reshape((g, m // g) + weight.shape[1:]), dtype=np.float32),)
+
+    def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
+        (self._w,) = buffers
+
+    def _conv_weight(self, w: np.ndarray | None, w_zp: np.ndarray | None, what: str) -> tuple[np.ndarray, int, float]:
+        """(weight minus its zero point as float32 (g, M/g, C/g, *kernel), max |w - zp|, the
+        largest L1 norm of one output channel's weights minus zero point)."""
+        packed = self._w is not None
+        if packed:
+            wf, dtype = self._w, self._w_dtype
+        else:
+            if w is None:
+                raise InvalidArgument(f"{what}: input W is missing")
+            check_eight_bit(w, "W", what)
+            if w.ndim < 3 or w.shape[0] % self.group:
+                raise InvalidArgument(
+                    f"{what}: W must be (M, C/group, *kernel) with M divisible by group {self.group}, got {list(w.shape)}"
+                )
+            wf = w.reshape((self.group, w.shape[0] // self.group) + w.shape[1:]).astype(np.float32)
+            dtype = w.dtype
+        m = wf.shape[0] * wf.shape[1]
+        zp = per_channel(w_zp, m, "w_zero_point", what)
+        per_out = wf.reshape(m, -1)
+        if zp is not None and zp.astype(np.int64).any():
+            z = zp.astype(np.float32).reshape((wf.shape[0], wf.shape[1]) + (1,) * (wf.ndim - 2)) if zp.ndim else zp.astype(np.float32)
+            wf = wf - z
+            return wf, span(dtype, zp), max_l1(wf.reshape(m, -1), axis=1)
+        if not packed:
+            return wf, span(dtype), max_l1(per_out, axis=1)
+        if self._w_l1 is None:  # the pack is immutable: computed once, at the first call
+            self._w_l1 = max_l1(per_out, axis=1)
+        return wf, span(dtype), self._w_l1
+
+
+# -- kernels --------------------------------------------------------------------------------------
+
+
+@register("MatMulInteger", since=10)
+class MatMulInteger(PackedMatMulWeight, Kernel):
+    """``Y = (A - a_zero_point) @ (B - b_zero_point)`` as int32, exactly.
+
+    a_zero_point: scalar, per row (M,) or (..., M, 1); b_zero_point: scalar, per column (N,) or
+    (..., 1, N).
+    """
+
+    op_type = "MatMulInteger"
+    weight_index = 1
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self._init_weight()
+        self.what = f"node {node.name!r} (MatMulInteger)"
+
+    def run(self, a, b=None, a_zero_point=None, b_zero_point=None):
+        check_eight_bit(a, "A", self.what)
+        bw, bdtype = self._weight(b, self.what)
+        acc = int_matmul(a, a_zero_point, bw, bdtype, b_zero_point, b_l1=self._packed_l1(), what=self.what)
+        return (acc.astype(np.int32),)
+
+
+@register("ConvInteger", since=10)
+class ConvInteger(PackedConvWeight, Kernel):
+    """``Y = conv(x - x_zero_point, w - w_zero_point)`` as int32, exactly (w_zero_point may be per
+    output channel); padding is the zero point, so it contributes nothing."""
+
+    op_type = "ConvInteger"
+    weight_index = 1
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.sp = _SpatialAttrs(self)
+        self.group = int(self.attr("group", 1))
+        if self.group < 1:
+            raise InvalidArgument(f"node {node.name!r} (ConvInteger): group must be >= 1, got {self.group}")
+        self._init_weight()
+        self.what = f"node {node.name!r} (ConvInteger)"
+
+    def run(self, x, w=None, x_zero_point=None, w_zero_point=None):
+        check_eight_bit(x, "x", self.what)
+        if x.ndim < 3:
+            raise InvalidArgument(f"{self.what}: x must be (N, C, D1, ...), got shape {list(x.shape)}")
+        xz = per_tensor(x_zero_point, "x_zero_point", self.what)
+        wf, wspan, wl1 = self._conv_weight(w, w_zero_point, self.what)
+        acc = int_conv(shift(x, xz), wf, self.sp, self.group, span(x.dtype, xz), wspan, wl1, self.what)
+        return (acc.astype(np.int32),)
+
+
+def _dynamic_quantize_shifted(a: np.ndarray) -> tuple[np.ndarray, np.float32, int]:
+    """uint8 dynamic quantization of a float32 tensor, returned as ``q - zero_point`` (float32),
+    the scale, and max |q - zero_point|: the quantized integers without a uint8 round trip."""
+    scale, zp = dynamic_qparams(a)
+    q = np.divide(a, scale, dtype=np.float32)
+    np.rint(q, out=q)
+    z = np.float32(zp)
+    np.fmax(q, -z, out=q)
+    np.fmin(q, np.float32(255) - z, out=q)
+    return q, scale, max(int(zp), 255 - int(zp))
+
+
+def _scale_bias(acc: np.ndarray, multiplier: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """``float32(acc) * multiplier + bias`` (onnxruntime's scale-bias output processor)."""
+    y = acc.astype(np.float32)
+    y *= multiplier
+    if bias is not None:
+        y += bias.astype(np.float32, copy=False)
+    return y
+
+
+@register("DynamicQuantizeMatMul", domain="com.microsoft", since=1)
+class DynamicQuantizeMatMul(PackedMatMulWeight, Kernel):
+    """``Y = A @ dequantize(B) + bias`` with A quantized on the fly to uint8 (per tensor, as
+    DynamicQuantizeLinear), the integer product exact, scaled by ``a_scale * b_scale`` (per tensor
+    or per column)."""
+
+    op_type = "DynamicQuantizeMatMul"
+    domain = "com.microsoft"
+    weight_index = 1
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self._init_weight()
+        self.what = f"node {node.name!r} (DynamicQuantizeMatMul)"
+
+    def run(self, a, b=None, b_scale=None, b_zero_point=None, bias=None):
+        if a.dtype != _F32:
+            raise InvalidArgument(f"{self.what}: A must be float32, got {a.dtype}")
+        bw, bdtype = self._weight(b, self.what)
+        n = bw.shape[-1]
+        bs = per_channel(b_scale, n, "b_scale", self.what)
+        bz = per_channel(b_zero_point, n, "b_zero_point", self.what)
+        af, a_scale, a_span = _dynamic_quantize_shifted(a)
+        acc = int_matmul(af, None, bw, bdtype, bz, a_shifted=True, a_span=a_span, b_l1=self._packed_l1(), what=self.what)
+        return (_scale_bias(acc, np.float32(a_scale) * bs.astype(np.float32), bias),)
+
+
+@register("MatMulIntegerToFloat", domain="com.microsoft", since=1)
+class MatMulIntegerToFloat(PackedMatMulWeight, Kernel):
+    """``Y = (A - a_zp) @ (B - b_zp) * (a_scale * b_scale) + bias`` in the scales' float type."""
+
+    op_type = "MatMulIntegerToFloat"
+    domain = "com.microsoft"
+    weight_index = 1
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self._init_weight()
+        self.what = f"node {node.name!r} (MatMulIntegerToFloat)"
+
+    def run(self, a, b=None, a_scale=None, b_scale=None, a_zero_point=None, b_zero_point=None, bias=None):
+        check_eight_bit(a, "A", self.what)
+        bw, bdtype = self._weight(b, self.what)
+        n = bw.shape[-1]
+        sa = np.asarray(a_scale)
+        sa = sa.reshape(()) if sa.size == 1 else sa.reshape(-1, 1)  # per tensor or per row
+        sb = per_channel(b_scale, n, "b_scale", self.what)
+        bz = per_channel(b_zero_point, n, "b_zero_point", self.what)
+        acc = int_matmul(a, a_zero_point, bw, bdtype, bz, b_l1=self._packed_l1(), what=self.what)
+        y = _scale_bias(acc, sa.astype(np.float32) * sb.astype(np.float32), bias)
+        return (y.astype(np.asarray(a_scale).dtype, copy=False),)
+
+
+@register("DynamicQuantizeLSTM", domain="com.microsoft", since=1)
+class DynamicQuantizeLSTM(LSTM):
+    """LSTM with 8-bit W (num_dir, input, 4H) and R (num_dir, H, 4H) and per-tensor or per-column
+    scales/zero points (num_dir,) or (num_dir, 4H).  As in onnxruntime, both GEMMs (all timesteps'
+    ``X @ W`` up front, ``h @ R`` per step) quantize their float operand to uint8 per tensor on
+    the fly and multiply exactly in integers; gates and states stay float32."""
+
+    op_type = "DynamicQuantizeLSTM"
+    domain = "com.microsoft"
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.what = f"node {node.name!r} (DynamicQuantizeLSTM)"
+        self._wdtype: dict[int, np.dtype] = {}
+
+    def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
+        if input_index in (1, 2):
+            if len(info.shape) != 3 or np.dtype(info.dtype).name not in _EIGHT_BIT:
+                return None
+            self._wdtype[input_index] = np.dtype(info.dtype)
+            return PackSpec("qlstm", _PACK_VERSION, bytes([input_index]), 1)
+        return super().pack_spec(input_index, info)
+
+    def expected_packed(self, input_index: int, info: TensorInfo):
+        if input_index in (1, 2):
+            return None if self.pack_spec(input_index, info) is None else [(_F32, tuple(info.shape))]
+        return super().expected_packed(input_index, info)
+
+    def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
+        if input_index in (1, 2):  # already (num_dir, K, 4H): the layout the GEMMs read
+            return (np.ascontiguousarray(weight, dtype=np.float32),)
+        return super().prepack(input_index, weight)
+
+    def run(self, x, w=None, r=None, b=None, seq_lens=None, h0=None, c0=None, p=None,
+            w_scale=None, w_zero_point=None, r_scale=None, r_zero_point=None):
+        if x.dtype != _F32:
+            raise InvalidArgument(f"{self.what}: X must be float32, got {x.dtype}")
+        for arr, name in ((w, "W"), (r, "R")):
+            if arr is not None:
+                check_eight_bit(arr, name, self.what)
+                if arr.ndim != 3:
+                    raise InvalidArgument(f"{self.what}: {name} must be 3-D (num_dir, K, 4H), got {list(arr.shape)}")
+        wdt = w.dtype if w is not None else self._wdtype.get(1)
+        rdt = r.dtype if r is not None else self._wdtype.get(2)
+        params = []
+        for scale, zp, dt, name in ((w_scale, w_zero_point, wdt, "W"), (r_scale, r_zero_point, rdt, "R")):
+            if scale is None or zp is None:
+                raise InvalidArgument(f"{self.what}: {name}_scale and {name}_zero_point are required")
+            s = np.asarray(scale, dtype=np.float32).reshape(self.num_dir, -1)
+            z = np.asarray(zp).reshape(self.num_dir, -1)
+            params.append((s, z, dt))
+        # The base class transposes unpacked W/R from ONNX's (num_dir, 4H, K) layout; ours are
+        # already (num_dir, K, 4H), so hand it a transposed view.
+        wv = None if w is None else w.transpose(0, 2, 1)
+        rv = None if r is None else r.transpose(0, 2, 1)
+        return self._run(x, wv, rv, b, seq_lens, h0, c0, p, q=params)
+
+    def _project(self, a: np.ndarray, weight: np.ndarray, d: int, which: int, q) -> np.ndarray:
+        scale, zp, dtype = q[which]
+        af, a_scale, a_span = _dynamic_quantize_shifted(np.ascontiguousarray(a, dtype=np.float32))
+        z = zp[d] if zp.shape[1] > 1 else zp[d, 0]
+        acc = int_matmul(af, None, weight, dtype, z, a_shifted=True, a_span=a_span, what=self.what)
+        s = scale[d] if scale.shape[1] > 1 else scale[d, 0]
+        return acc.astype(np.float32) * (np.float32(a_scale) * s)

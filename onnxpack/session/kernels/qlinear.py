@@ -1,0 +1,598 @@
+"""The QLinear family: QLinearConv, QLinearMatMul (ai.onnx) and onnxruntime's com.microsoft
+QLinearConv, QGemm, QLinearAdd, QLinearMul, QLinearSigmoid, QLinearLeakyRelu, QLinearConcat,
+QLinearWhere, QLinearGlobalAveragePool, QLinearAveragePool, QLinearSoftmax, QLinearReduceMean.
+
+Every op computes on 8-bit tensors (int8 or uint8) with (scale, zero point) pairs.  The arithmetic
+is onnxruntime's x86 CPU arithmetic where that is plain float32 and can be matched bit for bit:
+
+* Convolutions and GEMMs accumulate exactly in integers (``qinteger.int_conv`` /
+  ``int_matmul``), add the int32 bias, convert to float32 (round to nearest even, like
+  ``cvtepi32_ps``), multiply by the float32 ``x_scale * w_scale / y_scale``, round half to even
+  and add the output zero point, saturating (``MlasRequantizeOutput``).
+* QLinearMul: ``float32((a - za) * (b - zb)) * (sa * sb / sc) + zc``, rounded (MLAS' SSE2 kernel).
+* QLinearGlobalAveragePool: ``float32(sum - zp * n) * (sx / (sy * n))``, rounded (MLAS).
+* QLinearSigmoid / QLinearLeakyRelu / QLinearConcat / QLinearWhere: a 256-entry table built like
+  onnxruntime's ``QlinearBuildLookupTable`` (dequantize every code, apply, quantize).
+* QLinearAveragePool: the float AveragePool (``conv.AveragePool``) of the dequantized input,
+  quantized with ``rint(y / sy + zy)`` (onnxruntime's ``quantize_value``).
+
+Where onnxruntime uses fixed-point or approximated arithmetic, we compute the spec's float formula
+instead and agree within one quantization step: QLinearAdd (onnxruntime's AVX2 kernel uses 22-bit
+fixed-point multipliers), QLinearSigmoid (MLAS' logistic approximation; ours is
+``1 / (1 + exp(-x))`` in float32), QLinearSoftmax (onnxruntime floors ``1 / y_scale`` and sums
+table-looked-up exponentials in float; ours is ``quantize(softmax(dequantize(x)))``, which also
+saturates where onnxruntime's int8 kernel wraps around at probability 1), and the symmetric-int8
+QLinearConv kernels that fuse requantization into the GEMM.  QLinearReduceMean has no onnxruntime
+CPU kernel; it is ``quantize(ReduceMean(dequantize(x)))``.
+
+Pre-packing: the constant weight of QLinearConv (input 3), QLinearMatMul (input 3) and QGemm
+(input 3, transB resolved) becomes its integers as float32 in the GEMM layout (see
+``qinteger.py``); scales, zero points and the bias are small and read per call.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+
+from onnxpack.errors import InvalidArgument
+from onnxpack.session.kernels._base import Kernel, register
+from onnxpack.session.kernels.conv import AveragePool, _SpatialAttrs
+from onnxpack.session.kernels.qdq import int_range, quantize
+from onnxpack.session.kernels.qinteger import (
+    PackedConvWeight,
+    PackedMatMulWeight,
+    check_eight_bit,
+    int_conv,
+    int_matmul,
+    per_channel,
+    per_tensor,
+    shift,
+    span,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["requantize", "lookup_table", "QLinearConv", "QLinearMatMul", "QGemm"]
+
+_F32 = np.dtype(np.float32)
+MS = "com.microsoft"
+
+
+# -- shared arithmetic --------------------------------------------------------------------------
+
+
+def requantize(acc: np.ndarray, multiplier: np.ndarray | np.float32, zero_point, dtype: np.dtype,
+               bias: np.ndarray | None = None) -> np.ndarray:
+    """``saturate(rint(float32(acc + bias) * multiplier) + zero_point)`` in ``dtype``.
+
+    ``acc`` holds exact integer accumulators (float32 or float64); the sum with the int32 bias is
+    exact in float64 and rounded once to float32, as onnxruntime converts its int32 accumulator.
+    """
+    if bias is not None:
+        acc = acc.astype(np.float64, copy=False) + bias
+    f = np.asarray(acc, dtype=np.float32)  # a 0-d array, never a scalar: the ops below write in place
+    f *= multiplier
+    np.rint(f, out=f)
+    if zero_point is not None:
+        f += np.float32(zero_point) if np.ndim(zero_point) == 0 else np.asarray(zero_point, dtype=np.float32)
+    lo, hi = int_range(dtype)
+    np.clip(f, lo, hi, out=f)
+    return f.astype(dtype)
+
+
+def _zp_value(zp) -> np.float32 | np.ndarray:
+    return np.float32(0) if zp is None else np.asarray(zp).astype(np.float32)
+
+
+def _quantize_f32(v: np.ndarray, scale: np.float32, zp, dtype: np.dtype) -> np.ndarray:
+    """MlasQuantizeLinear: ``saturate(rint(v / scale) + zp)`` in float32."""
+    q = np.asarray(np.divide(v, scale, dtype=np.float32))
+    np.rint(q, out=q)
+    q += _zp_value(zp)
+    lo, hi = int_range(dtype)
+    np.fmax(q, lo, out=q)
+    np.fmin(q, hi, out=q)
+    return q.astype(dtype)
+
+
+def lookup_table(dtype: np.dtype, x_scale, x_zp, y_scale, y_zp, fn=None) -> np.ndarray:
+    """The 256 output codes of an 8-bit unary op, indexed by the input's byte (``x.view(uint8)``).
+
+    Built like onnxruntime's ``QlinearBuildLookupTable``: every code dequantized as
+    ``x_scale * float(code - x_zp)``, mapped by ``fn`` (identity: a requantization), quantized.
+    """
+    codes = np.arange(256, dtype=np.uint8).view(dtype)
+    deq = np.float32(x_scale) * (codes.astype(np.int32) - int(_zp_value(x_zp))).astype(np.float32)
+    out = deq if fn is None else fn(deq).astype(np.float32)
+    return _quantize_f32(out, np.float32(y_scale), y_zp, dtype)
+
+
+def _apply_table(x: np.ndarray, table: np.ndarray) -> np.ndarray:
+    return table[x.view(np.uint8)]
+
+
+def _check_same_type(x: np.ndarray, zp, name: str, what: str) -> None:
+    if zp is not None and np.asarray(zp).dtype != x.dtype:
+        raise InvalidArgument(f"{what}: {name} must have the input's type {x.dtype}, got {np.asarray(zp).dtype}")
+
+
+def _scalar_f32(value, name: str, what: str) -> np.float32:
+    if value is None:
+        raise InvalidArgument(f"{what}: {name} is required")
+    return np.float32(per_tensor(value, name, what))
+
+
+class _QKernel(Kernel):
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.what = f"node {node.name!r} ({node.op_type})"
+
+
+# -- convolution and GEMMs ------------------------------------------------------------------------
+
+
+@register("QLinearConv", since=10)
+class QLinearConv(PackedConvWeight, _QKernel):
+    """``y = quantize(conv(x - x_zp, w - w_zp) * x_scale * w_scale + bias * x_scale * w_scale)``.
+
+    w_scale / w_zero_point may be per output channel; the bias is int32 with scale
+    ``x_scale * w_scale``.  com.microsoft's version adds ``channels_last`` (NHWC in and out).
+    """
+
+    op_type = "QLinearConv"
+    weight_index = 3
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.sp = _SpatialAttrs(self)
+        self.group = int(self.attr("group", 1))
+        if self.group < 1:
+            raise InvalidArgument(f"{self.what}: group must be >= 1, got {self.group}")
+        self.channels_last = bool(int(self.attr("channels_last", 0)))
+        self._init_weight()
+
+    def run(self, x, x_scale, x_zero_point, w=None, w_scale=None, w_zero_point=None, y_scale=None,
+            y_zero_point=None, bias=None):
+        what = self.what
+        check_eight_bit(x, "x", what)
+        if x.ndim < 3:
+            raise InvalidArgument(f"{what}: x must be (N, C, D1, ...), got shape {list(x.shape)}")
+        if self.channels_last:
+            x = np.moveaxis(x, -1, 1)
+        _check_same_type(x, x_zero_point, "x_zero_point", what)
+        xz = per_tensor(x_zero_point, "x_zero_point", what)
+        yz = per_tensor(y_zero_point, "y_zero_point", what)
+        out_dtype = yz.dtype if yz is not None else x.dtype
+        wf, wspan, wl1 = self._conv_weight(w, w_zero_point, what)
+        m = wf.shape[0] * wf.shape[1]
+        ws = per_channel(w_scale, m, "w_scale", what)
+        acc = int_conv(shift(x, xz), wf, self.sp, self.group, span(x.dtype, xz), wspan, wl1, what)
+        cshape = (1, m) + (1,) * (acc.ndim - 2)
+        mult = (_scalar_f32(x_scale, "x_scale", what) * ws.astype(np.float32)) / _scalar_f32(y_scale, "y_scale", what)
+        b = None
+        if bias is not None:
+            if bias.size != m:
+                raise InvalidArgument(f"{what}: B must have {m} values (one per output channel), got {list(bias.shape)}")
+            b = bias.astype(np.int64).reshape(cshape)
+        y = requantize(acc, mult.reshape(cshape) if mult.ndim else mult, yz, out_dtype, b)
+        if self.channels_last:
+            y = np.ascontiguousarray(np.moveaxis(y, 1, -1))
+        return (y,)
+
+
+@register("QLinearConv", domain=MS, since=1)
+class QLinearConvMS(QLinearConv):
+    domain = MS
+
+
+def _row_or_scalar(value) -> np.ndarray:
+    """A per-tensor or per-row (M,) parameter shaped to broadcast against an (…, M, N) result."""
+    value = np.asarray(value)
+    if value.size == 1:
+        return value.reshape(())
+    if value.ndim == 1:
+        return value.reshape(-1, 1)
+    return value
+
+
+def _col_or_scalar(value) -> np.ndarray:
+    """A per-tensor or per-column (N,) parameter shaped to broadcast against an (…, M, N) result."""
+    value = np.asarray(value)
+    return value.reshape(()) if value.size == 1 else value
+
+
+@register("QLinearMatMul", since=10)
+class QLinearMatMul(PackedMatMulWeight, _QKernel):
+    """``y = quantize((a - a_zp) @ (b - b_zp) * a_scale * b_scale / y_scale + y_zp)``.
+
+    a's and y's parameters are per tensor or per row, b's per tensor or per column; scales may
+    be float16/bfloat16 (opset 21, widened to float32).  Non-8-bit types of opset 21 (float8)
+    are computed as ``quantize(dequantize(a) @ dequantize(b))``.
+    """
+
+    op_type = "QLinearMatMul"
+    weight_index = 3
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self._init_weight()
+
+    def run(self, a, a_scale, a_zero_point, b=None, b_scale=None, b_zero_point=None, y_scale=None, y_zero_point=None):
+        what = self.what
+        if a.dtype.name not in ("int8", "uint8") or (b is not None and b.dtype.name not in ("int8", "uint8")):
+            return (self._float_path(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point),)
+        _check_same_type(a, a_zero_point, "a_zero_point", what)
+        bw, bdtype = self._weight(b, what)
+        out_dtype = np.asarray(y_zero_point).dtype if y_zero_point is not None else a.dtype
+        bz = None if b_zero_point is None else _col_or_scalar(b_zero_point)
+        acc = int_matmul(a, a_zero_point, bw, bdtype, bz, b_l1=self._packed_l1(), what=what)
+        sa = _row_or_scalar(a_scale).astype(np.float32)
+        sb = _col_or_scalar(b_scale).astype(np.float32)
+        sy = _row_or_scalar(y_scale).astype(np.float32)
+        mult = (sa * sb) / sy
+        yz = None if y_zero_point is None else _row_or_scalar(y_zero_point)
+        return (requantize(acc, mult, yz, out_dtype),)
+
+    def _float_path(self, a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp):
+        """``quantize(dequantize(a) @ dequantize(b))`` for opset 21's float8 types."""
+        what = self.what
+        if b is None:
+            raise InvalidArgument(f"{what}: B of type float8 is never packed")
+
+        def deq(t, s, zp, shape_fn):
+            f = t.astype(np.float32)
+            if zp is not None:
+                f = f - shape_fn(zp).astype(np.float32)
+            return f * shape_fn(s).astype(np.float32)
+
+        y = np.matmul(deq(a, a_scale, a_zp, _row_or_scalar), deq(b, b_scale, b_zp, _col_or_scalar))
+        out = np.asarray(y_zp).dtype if y_zp is not None else a.dtype
+        ys = np.asarray(y_scale)
+        if ys.size == 1:
+            return quantize(y, ys.reshape(()), None if y_zp is None else np.asarray(y_zp).reshape(()),
+                            out_dtype=out, what=what)
+        return quantize(y, ys.reshape(-1), None if y_zp is None else np.asarray(y_zp).reshape(-1),
+                        axis=y.ndim - 2, out_dtype=out, what=what)
+
+
+@register("QGemm", domain=MS, since=1)
+class QGemm(PackedMatMulWeight, _QKernel):
+    """``Y = alpha * a_scale * b_scale * ((A' - a_zp) @ (B' - b_zp) + C)``, quantized with
+    (y_scale, y_zero_point) or returned as float32 when y_scale is absent.
+
+    C is int32 (scale ``a_scale * b_scale``) and broadcasts like Gemm's C; b's parameters are per
+    tensor or per column.
+    """
+
+    op_type = "QGemm"
+    domain = MS
+    weight_index = 3
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.alpha = float(self.attr("alpha", 1.0))
+        self.trans_a = int(self.attr("transA", 0))
+        self.trans_b = int(self.attr("transB", 0))
+        self._init_weight()
+
+    def run(self, a, a_scale, a_zero_point, b=None, b_scale=None, b_zero_point=None, c=None, y_scale=None,
+            y_zero_point=None):
+        what = self.what
+        check_eight_bit(a, "A", what)
+        if a.ndim != 2:
+            raise InvalidArgument(f"{what}: A must be 2-D, got shape {list(a.shape)}")
+        if self.trans_a:
+            a = a.T
+        bw, bdtype = self._weight(b, what)
+        n = bw.shape[-1]
+        az = per_tensor(a_zero_point, "a_zero_point", what)
+        bz = per_channel(b_zero_point, n, "b_zero_point", what)
+        acc = int_matmul(a, az, bw, bdtype, bz, b_l1=self._packed_l1(), what=what)
+        if c is not None:
+            acc = acc.astype(np.float64, copy=False) + np.asarray(c, dtype=np.float64)
+        bs = per_channel(b_scale, n, "b_scale", what).astype(np.float32)
+        mult = (np.float32(self.alpha) * _scalar_f32(a_scale, "a_scale", what)) * bs
+        if y_scale is None:
+            y = acc.astype(np.float32)
+            y *= mult
+            return (y,)
+        mult = mult / _scalar_f32(y_scale, "y_scale", what)
+        yz = per_tensor(y_zero_point, "y_zero_point", what)
+        out_dtype = yz.dtype if yz is not None else np.dtype(np.uint8)
+        return (requantize(acc, mult, yz, out_dtype),)
+
+
+# -- elementwise ------------------------------------------------------------------------------------
+
+
+class _QBinary(_QKernel):
+    def _params(self, a, a_scale, a_zp, b, b_scale, b_zp, c_scale, c_zp):
+        what = self.what
+        check_eight_bit(a, "A", what)
+        if b.dtype != a.dtype:
+            raise InvalidArgument(f"{what}: A and B must have the same type, got {a.dtype} and {b.dtype}")
+        for zp, name in ((a_zp, "A_zero_point"), (b_zp, "B_zero_point"), (c_zp, "C_zero_point")):
+            _check_same_type(a, zp, name, what)
+        return (
+            _scalar_f32(a_scale, "A_scale", what), np.float32(_zp_value(per_tensor(a_zp, "A_zero_point", what))),
+            _scalar_f32(b_scale, "B_scale", what), np.float32(_zp_value(per_tensor(b_zp, "B_zero_point", what))),
+            _scalar_f32(c_scale, "C_scale", what), np.float32(_zp_value(per_tensor(c_zp, "C_zero_point", what))),
+        )
+
+
+@register("QLinearAdd", domain=MS, since=1)
+class QLinearAdd(_QBinary):
+    """``C = quantize(dequantize(A) + dequantize(B))`` with numpy broadcasting, in float32."""
+
+    op_type = "QLinearAdd"
+    domain = MS
+
+    def run(self, a, a_scale, a_zero_point=None, b=None, b_scale=None, b_zero_point=None, c_scale=None,
+            c_zero_point=None):
+        sa, za, sb, zb, sc, zc = self._params(a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale, c_zero_point)
+        va = np.asarray(sa * shift(a, za))
+        vb = sb * shift(b, zb)
+        v = np.add(va, vb, out=va if va.ndim and va.shape == np.broadcast_shapes(va.shape, vb.shape) else None)
+        return (_quantize_f32(v, sc, zc, a.dtype),)
+
+
+@register("QLinearMul", domain=MS, since=1)
+class QLinearMul(_QBinary):
+    """``C = rint(float32((A - za) * (B - zb)) * (sa * sb / sc) + zc)``, saturated (MLAS' x86 kernel)."""
+
+    op_type = "QLinearMul"
+    domain = MS
+
+    def run(self, a, a_scale, a_zero_point=None, b=None, b_scale=None, b_zero_point=None, c_scale=None,
+            c_zero_point=None):
+        sa, za, sb, zb, sc, zc = self._params(a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale, c_zero_point)
+        prod = np.asarray(shift(a, za) * shift(b, zb))  # |product| <= 65025: exact in float32
+        prod *= np.float32(np.float32(sa * sb) / sc)
+        prod += zc
+        np.rint(prod, out=prod)
+        lo, hi = int_range(a.dtype)
+        np.clip(prod, lo, hi, out=prod)
+        return (prod.astype(a.dtype),)
+
+
+class _QUnaryTable(_QKernel):
+    """An 8-bit unary op computed through a 256-entry lookup table."""
+
+    def _fn(self, v: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def run(self, x, x_scale, x_zero_point=None, y_scale=None, y_zero_point=None):
+        what = self.what
+        check_eight_bit(x, "X", what)
+        _check_same_type(x, x_zero_point, "X_zero_point", what)
+        _check_same_type(x, y_zero_point, "Y_zero_point", what)
+        table = lookup_table(x.dtype, _scalar_f32(x_scale, "X_scale", what), per_tensor(x_zero_point, "X_zero_point", what),
+                             _scalar_f32(y_scale, "Y_scale", what), per_tensor(y_zero_point, "Y_zero_point", what), self._fn)
+        return (_apply_table(x, table),)
+
+
+@register("QLinearSigmoid", domain=MS, since=1)
+class QLinearSigmoid(_QUnaryTable):
+    op_type = "QLinearSigmoid"
+    domain = MS
+
+    def _fn(self, v):
+        with np.errstate(over="ignore"):
+            return np.float32(1) / (np.float32(1) + np.exp(-v))
+
+
+@register("QLinearLeakyRelu", domain=MS, since=1)
+class QLinearLeakyRelu(_QUnaryTable):
+    op_type = "QLinearLeakyRelu"
+    domain = MS
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.alpha = np.float32(self.attr("alpha", 0.01))
+
+    def _fn(self, v):
+        return np.where(v >= 0, v, v * self.alpha)
+
+
+@register("QLinearConcat", domain=MS, since=1)
+class QLinearConcat(_QKernel):
+    """Inputs ``Y_scale, Y_zero_point, (X_i, X_i_scale, X_i_zero_point)...``: each X_i is
+    requantized to Y's parameters (copied when they are equal), then concatenated on ``axis``."""
+
+    op_type = "QLinearConcat"
+    domain = MS
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        if "axis" not in self.attrs:
+            raise InvalidArgument(f"{self.what}: attribute axis is required")
+        self.axis = int(self.attr("axis"))
+        if len(node.input) < 5 or (len(node.input) - 2) % 3:
+            raise InvalidArgument(
+                f"{self.what}: expected Y_scale, Y_zero_point and (tensor, scale, zero point) triples, "
+                f"got {len(node.input)} inputs"
+            )
+
+    def run(self, y_scale, y_zero_point, *triples):
+        what = self.what
+        sy = _scalar_f32(y_scale, "Y_scale", what)
+        yz = per_tensor(y_zero_point, "Y_zero_point", what)
+        parts = []
+        for k in range(0, len(triples), 3):
+            x, sx, xz = triples[k : k + 3]
+            check_eight_bit(x, f"input {k // 3}", what)
+            if x.dtype != yz.dtype:
+                raise InvalidArgument(f"{what}: input {k // 3} has type {x.dtype}, Y_zero_point {yz.dtype}")
+            sx = _scalar_f32(sx, f"input {k // 3} scale", what)
+            xz = per_tensor(xz, f"input {k // 3} zero point", what)
+            if sx == sy and (xz if xz is not None else 0) == yz:
+                parts.append(x)
+            else:
+                parts.append(_apply_table(x, lookup_table(x.dtype, sx, xz, sy, yz)))
+        rank = parts[0].ndim
+        axis = self.axis + rank if self.axis < 0 else self.axis
+        if not 0 <= axis < rank:
+            raise InvalidArgument(f"{what}: axis {self.axis} out of range for rank {rank}")
+        return (np.concatenate(parts, axis=axis),)
+
+
+@register("QLinearWhere", domain=MS, since=1)
+class QLinearWhere(_QKernel):
+    """``Z = where(condition, requantize(X -> Z), requantize(Y -> Z))``."""
+
+    op_type = "QLinearWhere"
+    domain = MS
+
+    def run(self, condition, x, x_scale, x_zero_point, y, y_scale, y_zero_point, z_scale, z_zero_point):
+        what = self.what
+        check_eight_bit(x, "X", what)
+        sz = _scalar_f32(z_scale, "z_scale", what)
+        zz = per_tensor(z_zero_point, "z_zero_point", what)
+        vals = []
+        for t, s, zp, name in ((x, x_scale, x_zero_point, "x"), (y, y_scale, y_zero_point, "y")):
+            if t.dtype != x.dtype:
+                raise InvalidArgument(f"{what}: X and Y must have the same type, got {x.dtype} and {t.dtype}")
+            s = _scalar_f32(s, f"{name}_scale", what)
+            zp = per_tensor(zp, f"{name}_zero_point", what)
+            if s == sz and (0 if zp is None else zp) == (0 if zz is None else zz):
+                vals.append(t)
+            else:
+                vals.append(_apply_table(t, lookup_table(t.dtype, s, zp, sz, zz)))
+        return (np.where(np.asarray(condition, dtype=bool), vals[0], vals[1]),)
+
+
+# -- pools and reductions ---------------------------------------------------------------------------
+
+
+@register("QLinearGlobalAveragePool", domain=MS, since=1)
+class QLinearGlobalAveragePool(_QKernel):
+    """``y = rint(float32(sum(x) - x_zp * n) * (x_scale / (y_scale * n))) + y_zp`` per (image,
+    channel), saturated; ``channels_last`` reads (N, *spatial, C) and writes (N, 1.., C)."""
+
+    op_type = "QLinearGlobalAveragePool"
+    domain = MS
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.channels_last = bool(int(self.attr("channels_last", 0)))
+
+    def run(self, x, x_scale, x_zero_point, y_scale, y_zero_point):
+        what = self.what
+        check_eight_bit(x, "X", what)
+        if x.ndim < 3:
+            raise InvalidArgument(f"{what}: X must be (N, C, D1, ...), got shape {list(x.shape)}")
+        axes = tuple(range(1, x.ndim - 1)) if self.channels_last else tuple(range(2, x.ndim))
+        n = math.prod(x.shape[a] for a in axes)
+        xz = per_tensor(x_zero_point, "x_zero_point", what)
+        yz = per_tensor(y_zero_point, "y_zero_point", what)
+        acc = x.sum(axis=axes, keepdims=True, dtype=np.int64)
+        if xz is not None:
+            acc -= int(xz) * n
+        sx, sy = _scalar_f32(x_scale, "x_scale", what), _scalar_f32(y_scale, "y_scale", what)
+        mult = np.float32(sx / np.float32(sy * np.float32(n)))
+        out_dtype = yz.dtype if yz is not None else x.dtype
+        return (requantize(acc.astype(np.float64), mult, yz, out_dtype),)
+
+
+@register("QLinearAveragePool", domain=MS, since=1)
+class QLinearAveragePool(_QKernel):
+    """``quantize(AveragePool(dequantize(X)))``: the float pool (pads count as 0.0, i.e. the
+    zero point) is ``conv.AveragePool``; quantized as onnxruntime does, ``rint(y / sy + zy)``."""
+
+    op_type = "QLinearAveragePool"
+    domain = MS
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.channels_last = bool(int(self.attr("channels_last", 0)))
+        self._pool = AveragePool(node, ctx)
+
+    def run(self, x, x_scale, x_zero_point=None, y_scale=None, y_zero_point=None):
+        what = self.what
+        check_eight_bit(x, "X", what)
+        if self.channels_last:
+            x = np.moveaxis(x, -1, 1)
+        xz = per_tensor(x_zero_point, "x_zero_point", what)
+        yz = per_tensor(y_zero_point, "y_zero_point", what)
+        xf = _scalar_f32(x_scale, "x_scale", what) * shift(x, xz)
+        (pooled,) = self._pool.run(xf)
+        q = np.asarray(np.divide(pooled, _scalar_f32(y_scale, "y_scale", what), dtype=np.float32))
+        q += _zp_value(yz)
+        np.rint(q, out=q)
+        lo, hi = int_range(x.dtype)
+        np.clip(q, lo, hi, out=q)
+        y = q.astype(x.dtype)
+        if self.channels_last:
+            y = np.ascontiguousarray(np.moveaxis(y, 1, -1))
+        return (y,)
+
+
+@register("QLinearSoftmax", domain=MS, since=1)
+class QLinearSoftmax(_QKernel):
+    """``quantize(Softmax(dequantize(X)))``; attribute ``opset`` < 13 flattens from ``axis``
+    (default 1) like Softmax-1/11, >= 13 normalizes along ``axis`` only (default -1)."""
+
+    op_type = "QLinearSoftmax"
+    domain = MS
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        if "opset" not in self.attrs:
+            raise InvalidArgument(f"{self.what}: attribute opset is required")
+        self.opset = int(self.attr("opset"))
+        self.axis = int(self.attr("axis", 1 if self.opset < 13 else -1))
+
+    def run(self, x, x_scale, x_zero_point=None, y_scale=None, y_zero_point=None):
+        what = self.what
+        check_eight_bit(x, "X", what)
+        rank = x.ndim
+        axis = self.axis + rank if self.axis < 0 else self.axis
+        if not 0 <= axis < max(rank, 1):
+            raise InvalidArgument(f"{what}: axis {self.axis} out of range for rank {rank}")
+        xz = per_tensor(x_zero_point, "x_zero_point", what)
+        yz = per_tensor(y_zero_point, "y_zero_point", what)
+        v = _scalar_f32(x_scale, "X_scale", what) * shift(x, xz)
+        shape = v.shape
+        if self.opset < 13:
+            v = v.reshape(math.prod(shape[:axis]), -1)
+            red = 1
+        else:
+            red = axis
+        v -= v.max(axis=red, keepdims=True)
+        np.exp(v, out=v)
+        v /= v.sum(axis=red, keepdims=True)
+        out_dtype = yz.dtype if yz is not None else x.dtype
+        return (_quantize_f32(v.reshape(shape), _scalar_f32(y_scale, "y_scale", what), yz, out_dtype),)
+
+
+@register("QLinearReduceMean", domain=MS, since=1)
+class QLinearReduceMean(_QKernel):
+    """``quantize(ReduceMean(dequantize(data), axes, keepdims))`` in float32."""
+
+    op_type = "QLinearReduceMean"
+    domain = MS
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        for required in ("axes", "keepdims"):
+            if required not in self.attrs:
+                raise InvalidArgument(f"{self.what}: attribute {required} is required")
+        self.axes = tuple(int(a) for a in self.attr("axes"))
+        self.keepdims = bool(int(self.attr("keepdims")))
+
+    def run(self, data, data_scale, data_zero_point=None, reduced_scale=None, reduced_zero_point=None):
+        what = self.what
+        check_eight_bit(data, "data", what)
+        rank = data.ndim
+        axes = tuple(sorted({a + rank if a < 0 else a for a in self.axes}))
+        if any(not 0 <= a < rank for a in axes):
+            raise InvalidArgument(f"{what}: axes {list(self.axes)} out of range for rank {rank}")
+        xz = per_tensor(data_zero_point, "data_zero_point", what)
+        yz = per_tensor(reduced_zero_point, "reduced_zero_point", what)
+        v = _scalar_f32(data_scale, "data_scale", what) * shift(data, xz)
+        mean = v.mean(axis=axes or None, keepdims=self.keepdims, dtype=np.float32)
+        out_dtype = yz.dtype if yz is not None else data.dtype
+        return (_quantize_f32(np.asarray(mean, dtype=np.float32), _scalar_f32(reduced_scale, "reduced_scale", what), yz, out_dtype),)

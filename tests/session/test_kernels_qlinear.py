@@ -1,0 +1,455 @@
+"""The QLinear family vs onnxruntime (graph optimizations off; weights as initializers, so
+onnxruntime's pre-packed and symmetric-int8 kernels run too).
+
+Output codes are compared in quantization steps.  Exact (0 steps) where onnxruntime's x86
+arithmetic is plain float32 and ours is the same: QLinearConv, QLinearMatMul, QGemm (exact
+integer accumulation, float32 requantization), QLinearMul, QLinearGlobalAveragePool,
+QLinearConcat, QLinearWhere, QLinearLeakyRelu.  Within one step where onnxruntime approximates
+or sums in another order: QLinearAdd (22-bit fixed-point multipliers in its AVX2 kernel),
+QLinearSigmoid (MLAS' logistic approximation), QLinearSoftmax (table of exponentials,
+``floor(1 / y_scale)``), QLinearAveragePool (it sums dequantized floats window by window, we
+sum separably; a rounding tie can go either way); the fraction of codes that differ is bounded
+too.  QLinearReduceMean has
+no onnxruntime CPU kernel: it is compared with onnx.reference's DequantizeLinear -> ReduceMean ->
+QuantizeLinear (float64 mean there, float32 here: within one step).
+
+Output scales are chosen from the float result's range so that few codes saturate: a test whose
+outputs all clip to 0/255 would compare nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from kernel_util import run_native, run_reference
+from quant_util import MS, assert_steps, onnxpack_node, ort_node
+
+from onnxpack.errors import InvalidArgument
+
+OPSET = 17
+
+
+def ints(rng, dtype, shape):
+    info = np.iinfo(dtype)
+    return np.asarray(rng.integers(info.min, info.max, shape, endpoint=True)).astype(dtype)
+
+
+def out_params(real: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, zero point) covering ``real``'s range with ~2% headroom."""
+    lo, hi = min(float(real.min()), 0.0), max(float(real.max()), 0.0)
+    scale = np.float32((hi - lo) / 250 or 1.0)
+    qmin = np.iinfo(dtype).min
+    zp = np.clip(np.rint(qmin + 2 - lo / scale), np.iinfo(dtype).min, np.iinfo(dtype).max)
+    return np.array(scale, np.float32), np.array(zp).astype(dtype)
+
+
+def check(node, inputs, *, consts, steps=0, max_fraction=1.0, pack=(), opset=OPSET, native_opset=None):
+    """onnxruntime vs run_native (unpacked and packed) vs onnxpack sessions (prepacked, unpacked)."""
+    (want,) = ort_node(node, inputs, opset, consts=consts)
+    nop = native_opset if native_opset is not None else (1 if node.domain else opset)
+    (got,) = run_native(node, inputs, nop)
+    assert_steps(got, want, steps, max_fraction=max_fraction)
+    if pack:
+        (packed,) = run_native(node, inputs, nop, pack=pack)
+        np.testing.assert_array_equal(packed, got)
+    for prepack in (True, False):
+        (out,), sess = onnxpack_node(node, inputs, opset, consts=consts, prepack=prepack)
+        np.testing.assert_array_equal(out, got)
+        assert sess.get_fallback_nodes() == []
+        if pack:
+            assert sess.get_prepack_stats()["weights_packed"] == (len(pack) if prepack else 0)
+    return got, want
+
+
+# -- QLinearConv ----------------------------------------------------------------------------------
+
+CONV_CASES = [
+    ("3x3-pad", (1, 16, 10, 10), (32, 16, 3, 3), dict(pads=[1, 1, 1, 1])),
+    ("3x3-s2-asym", (2, 8, 9, 10), (12, 8, 3, 3), dict(strides=[2, 2], pads=[1, 0, 2, 1])),
+    ("depthwise", (1, 16, 10, 10), (16, 1, 3, 3), dict(group=16, pads=[1, 1, 1, 1])),
+    ("group2-dil", (1, 8, 9, 9), (8, 4, 3, 3), dict(group=2, dilations=[2, 2])),
+    ("1x1", (2, 32, 8, 8), (16, 32, 1, 1), {}),
+    ("1d", (2, 6, 13), (5, 6, 3), dict(pads=[1, 1])),
+    ("large-k", (1, 128, 6, 6), (32, 128, 3, 3), dict(pads=[1, 1, 1, 1])),  # K = 1152: chunked
+]
+CONV_TYPES = [(np.uint8, np.int8), (np.uint8, np.uint8), (np.int8, np.int8)]
+
+
+def qconv_inputs(rng, xshape, wshape, xdt, wdt, per_channel, attrs):
+    x, w = ints(rng, xdt, xshape), ints(rng, wdt, wshape)
+    m = wshape[0]
+    xs, xz = np.array(0.02, np.float32), ints(rng, xdt, ())
+    ws = np.asarray(rng.random(m if per_channel else ()) * 0.01 + 0.001).astype(np.float32)
+    wz = np.zeros(m if per_channel else (), wdt) if wdt == np.int8 else ints(rng, wdt, m if per_channel else ())
+    b = rng.integers(-3000, 3000, m).astype(np.int32)
+    # the float result, for output parameters that do not saturate everything
+    node = helper.make_node("ConvInteger", ["x", "w", "xz", "wz"], ["acc"], **{k: v for k, v in attrs.items()})
+    wz_ref = wz if wz.ndim == 0 else wz.reshape(-1)
+    (acc,) = run_reference(node, [x, w, xz, wz_ref], OPSET) if wz.ndim == 0 else run_native(node, [x, w, xz, wz], OPSET)
+    wsb = ws.reshape(1, -1, *([1] * (acc.ndim - 2))) if ws.ndim else ws
+    real = (acc + b.reshape(1, -1, *([1] * (acc.ndim - 2)))) * xs * wsb
+    ys, yz = out_params(real, xdt)
+    return [x, xs, xz, w, ws, wz, ys, yz, b]
+
+
+QCONV_NAMES = ["x", "xs", "xz", "w", "ws", "wz", "ys", "yz", "b"]
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["tensor", "channel"])
+@pytest.mark.parametrize("types", CONV_TYPES, ids=["u8s8", "u8u8", "s8s8"])
+@pytest.mark.parametrize("case", CONV_CASES, ids=[c[0] for c in CONV_CASES])
+def test_qlinear_conv_matches_onnxruntime(case, types, per_channel):
+    _, xshape, wshape, attrs = case
+    rng = np.random.default_rng(len(case[0]) * 7 + per_channel)
+    inputs = qconv_inputs(rng, xshape, wshape, *types, per_channel, attrs)
+    node = helper.make_node("QLinearConv", QCONV_NAMES, ["y"], **attrs)
+    got, _ = check(node, inputs, consts=QCONV_NAMES[1:], pack=[3])
+    info = np.iinfo(got.dtype)
+    assert ((got > info.min) & (got < info.max)).mean() > 0.5  # mostly unsaturated: a real comparison
+
+
+def test_qlinear_conv_without_bias_and_channels_last():
+    rng = np.random.default_rng(21)
+    attrs = dict(pads=[1, 1, 1, 1], strides=[2, 1])
+    inputs = qconv_inputs(rng, (2, 8, 7, 9), (6, 8, 3, 3), np.uint8, np.int8, True, attrs)
+    node = helper.make_node("QLinearConv", QCONV_NAMES[:8], ["y"], **attrs)
+    check(node, inputs[:8], consts=QCONV_NAMES[1:8], pack=[3])
+    # com.microsoft's channels_last: NHWC in and out, the same codes
+    (nchw,) = run_native(node, inputs[:8], OPSET)
+    ms = helper.make_node("QLinearConv", QCONV_NAMES[:8], ["y"], domain=MS, channels_last=1, **attrs)
+    nhwc = [inputs[0].transpose(0, 2, 3, 1).copy()] + inputs[1:8]
+    got, _ = check(ms, nhwc, consts=QCONV_NAMES[1:8], pack=[3])
+    np.testing.assert_array_equal(got, nchw.transpose(0, 2, 3, 1))
+
+
+def test_qlinear_conv_matches_reference_per_channel_weight_zero_points():
+    """Different uint8 zero points per output channel: spec-valid, onnxruntime rejects them."""
+    rng = np.random.default_rng(22)
+    attrs = dict(pads=[1, 1, 1, 1])
+    inputs = qconv_inputs(rng, (1, 4, 6, 6), (5, 4, 3, 3), np.uint8, np.uint8, True, attrs)
+    node = helper.make_node("QLinearConv", QCONV_NAMES, ["y"], **attrs)
+    (want,) = run_reference(node, inputs, OPSET)
+    (got,) = run_native(node, inputs, OPSET, pack=[3])
+    assert_steps(got, want, 1, max_fraction=0.01)  # the reference requantizes in float64
+
+
+# -- QLinearMatMul / QGemm -----------------------------------------------------------------------------
+
+MM_CASES = [
+    # id, A shape, B shape, A dtype, B dtype, per-column b
+    ("u8s8", (6, 20), (20, 9), np.uint8, np.int8, False),
+    ("u8u8-col", (2, 6, 20), (20, 9), np.uint8, np.uint8, True),
+    ("s8s8-col", (6, 40), (40, 9), np.int8, np.int8, True),
+    ("u8s8-large-k", (3, 2000), (2000, 16), np.uint8, np.int8, False),
+    ("u8u8-batched-b", (2, 4, 8), (2, 8, 5), np.uint8, np.uint8, False),
+]
+
+
+def mm_inputs(rng, ashape, bshape, adt, bdt, per_col):
+    a, b = ints(rng, adt, ashape), ints(rng, bdt, bshape)
+    n = bshape[-1]
+    as_, az = np.array(0.03, np.float32), ints(rng, adt, ())
+    bs = np.asarray(rng.random(n if per_col else ()) * 0.01 + 0.002).astype(np.float32)
+    bz = ints(rng, bdt, n if per_col else ()) if bdt == np.uint8 else np.zeros(n if per_col else (), bdt)
+    real = (np.matmul(a.astype(np.int64) - az, b.astype(np.int64) - bz) * (as_ * bs)).astype(np.float64)
+    ys, yz = out_params(real, adt)
+    return [a, as_, az, b, bs, bz, ys, yz]
+
+
+MM_NAMES = ["a", "as", "az", "b", "bs", "bz", "ys", "yz"]
+
+
+@pytest.mark.parametrize("opset", [10, 21])
+@pytest.mark.parametrize("case", MM_CASES, ids=[c[0] for c in MM_CASES])
+def test_qlinear_matmul_matches_onnxruntime(case, opset):
+    _, ashape, bshape, adt, bdt, per_col = case
+    inputs = mm_inputs(np.random.default_rng(len(case[0])), ashape, bshape, adt, bdt, per_col)
+    node = helper.make_node("QLinearMatMul", MM_NAMES, ["y"])
+    got, _ = check(node, inputs, consts=MM_NAMES[1:], pack=[3] if len(bshape) == 2 else [], opset=max(opset, 10))
+    info = np.iinfo(got.dtype)
+    assert ((got > info.min) & (got < info.max)).mean() > 0.5
+
+
+def test_requantization_ties_round_half_to_even():
+    """x_scale * b_scale / y_scale = 0.5 exactly: every odd accumulator is a tie, which
+    onnxruntime (and we) round to even; rounding half up would differ on half of them."""
+    rng = np.random.default_rng(40)
+    a, b = ints(rng, np.uint8, (8, 3)) // 4, ints(rng, np.int8, (3, 16)) // 4
+    inputs = [a, np.array(1.0, np.float32), np.array(0, np.uint8), b, np.array(0.5, np.float32),
+              np.array(0, np.int8), np.array(1.0, np.float32), np.array(128, np.uint8)]
+    node = helper.make_node("QLinearMatMul", MM_NAMES, ["y"])
+    got, want = check(node, inputs, consts=MM_NAMES[1:], pack=[3])
+    acc = a.astype(np.int64) @ b.astype(np.int64)
+    assert (acc % 2 == 1).mean() > 0.3
+    np.testing.assert_array_equal(got.astype(np.int64), np.clip(np.rint(acc / 2) + 128, 0, 255))
+
+
+def test_qlinear_matmul_float16_scales_opset21():
+    """Opset 21 allows float16 scales; onnxruntime has no kernel: onnx.reference (float64
+    requantization) within one step."""
+    inputs = mm_inputs(np.random.default_rng(5), (6, 20), (20, 9), np.uint8, np.int8, True)
+    for k in (1, 4, 6):
+        inputs[k] = inputs[k].astype(np.float16)
+    node = helper.make_node("QLinearMatMul", MM_NAMES, ["y"])
+    (want,) = run_reference(node, inputs, 21)
+    (got,) = run_native(node, inputs, 21, pack=[3])
+    assert_steps(got, want, 1, max_fraction=0.02)
+
+
+def test_qlinear_matmul_float8_matches_dq_matmul_q_in_onnxruntime():
+    """Opset 21's float8 operands: quantize(dequantize(a) @ dequantize(b)), checked against
+    onnxruntime running exactly that as DequantizeLinear -> MatMul -> QuantizeLinear."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(6)
+    f8 = np.dtype(ml_dtypes.float8_e4m3fn)
+    a = rng.standard_normal((5, 16)).astype(f8)
+    b = rng.standard_normal((16, 7)).astype(f8)
+    s = [np.array(v, np.float32) for v in (0.5, 0.25, 2.0)]
+    z = np.zeros((), f8)
+    node = helper.make_node("QLinearMatMul", MM_NAMES, ["y"])
+    inputs = [a, s[0], z, b, s[1], z, s[2], z]
+    (got,) = run_native(node, inputs, 21)
+    graph = helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["a", "as", "az"], ["fa"]),
+         helper.make_node("DequantizeLinear", ["b", "bs", "bz"], ["fb"]),
+         helper.make_node("MatMul", ["fa", "fb"], ["fy"]),
+         helper.make_node("QuantizeLinear", ["fy", "ys", "yz"], ["y"]),
+         helper.make_node("Cast", ["y"], ["y32"], to=onnx.TensorProto.FLOAT)],
+        "g", [], [helper.make_value_info("y32", onnx.TypeProto())],
+        [numpy_helper.from_array(v, n) for n, v in zip(MM_NAMES, inputs)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    import onnxruntime as ort
+
+    (want,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {})
+    assert got.dtype == f8
+    np.testing.assert_array_equal(got.astype(np.float32), want)
+
+
+QGEMM_CASES = [
+    # id, M, K, N, transA, transB, per-column, C kind, quantized output, alpha
+    ("u8s8-float-out", 5, 24, 7, 0, 0, False, None, False, 1.0),
+    ("u8s8-transB-col-C", 5, 24, 7, 0, 1, True, "row", True, 1.0),
+    ("u8u8-transA-C-full-alpha", 6, 30, 4, 1, 0, False, "full", True, 0.5),
+    ("s8s8-large-k-col", 4, 1500, 9, 0, 1, True, "scalar", True, 1.0),
+]
+
+
+@pytest.mark.parametrize("case", QGEMM_CASES, ids=[c[0] for c in QGEMM_CASES])
+def test_qgemm_matches_onnxruntime(case):
+    _, m, k, n, ta, tb, per_col, ckind, quant_out, alpha = case
+    rng = np.random.default_rng(len(case[0]))
+    adt, bdt = (np.int8, np.int8) if case[0].startswith("s8") else (np.uint8, np.int8 if "s8" in case[0] else np.uint8)
+    a = ints(rng, adt, (k, m) if ta else (m, k))
+    b = ints(rng, bdt, (n, k) if tb else (k, n))
+    as_, az = np.array(0.03, np.float32), ints(rng, adt, ())
+    bs = np.asarray(rng.random(n if per_col else ()) * 0.01 + 0.002).astype(np.float32)
+    bz = ints(rng, bdt, n if per_col else ()) if bdt == np.uint8 else np.zeros(n if per_col else (), bdt)
+    c = {None: None, "row": rng.integers(-5000, 5000, (n,)), "full": rng.integers(-5000, 5000, (m, n)),
+         "scalar": rng.integers(-5000, 5000, ())}[ckind]
+    c = None if c is None else np.asarray(c).astype(np.int32)
+    names = ["a", "as", "az", "b", "bs", "bz", "c" if c is not None else ""]
+    inputs = [a, as_, az, b, bs, bz, c]
+    if quant_out:
+        aa = a.T if ta else a
+        bb = b.T if tb else b
+        acc = (aa.astype(np.int64) - az) @ (bb.astype(np.int64) - bz) + (0 if c is None else c)
+        ys, yz = out_params(alpha * acc * as_ * bs, adt)
+        names += ["ys", "yz"]
+        inputs += [ys, yz]
+    node = helper.make_node("QGemm", names, ["y"], domain=MS, transA=ta, transB=tb, alpha=alpha)
+    consts = [nm for nm in names[1:] if nm]
+    if quant_out:
+        check(node, inputs, consts=consts, pack=[3])
+    else:
+        (want,) = ort_node(node, inputs, OPSET, consts=consts)
+        (got,) = run_native(node, inputs, 1, pack=[3])
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(np.abs(want).max()))
+
+
+# -- elementwise -----------------------------------------------------------------------------------------
+
+BIN_SHAPES = [((3, 4, 5), (3, 4, 5)), ((3, 4, 5), (4, 1)), ((2, 1, 5), (1,)), ((3, 4, 5), ())]
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8], ids=["u8", "s8"])
+@pytest.mark.parametrize("shapes", BIN_SHAPES, ids=["same", "broadcast", "scalar-b-1d", "scalar-b"])
+@pytest.mark.parametrize("op", ["QLinearAdd", "QLinearMul"])
+def test_qlinear_binary_matches_onnxruntime(op, shapes, dtype):
+    rng = np.random.default_rng(len(op) + len(shapes[1]))
+    a, b = ints(rng, dtype, shapes[0]), ints(rng, dtype, shapes[1])
+    sa, sb = np.array(0.05, np.float32), np.array(0.02, np.float32)
+    za, zb = ints(rng, dtype, ()), ints(rng, dtype, ())
+    fa, fb = (a.astype(np.float64) - za) * sa, (b.astype(np.float64) - zb) * sb
+    sc, zc = out_params(fa + fb if op == "QLinearAdd" else fa * fb, dtype)
+    node = helper.make_node(op, ["a", "sa", "za", "b", "sb", "zb", "sc", "zc"], ["c"], domain=MS)
+    inputs = [a, sa, za, b, sb, zb, sc, zc]
+    # QLinearAdd: onnxruntime's AVX2 kernel uses fixed-point multipliers (one step, rare)
+    steps = 1 if op == "QLinearAdd" else 0
+    check(node, inputs, consts=["sa", "za", "sb", "zb", "sc", "zc"], steps=steps, max_fraction=0.05)
+
+
+def test_qlinear_add_omitted_zero_points_are_zero():
+    """onnxruntime cannot type an omitted zero point (its type inference fails), so the omitted
+    case is compared with onnxruntime given explicit zeros."""
+    rng = np.random.default_rng(30)
+    a, b = ints(rng, np.int8, (4, 6)), ints(rng, np.int8, (4, 6))
+    s, s2, z = np.array(0.1, np.float32), np.array(0.2137, np.float32), np.array(0, np.int8)
+    full = helper.make_node("QLinearAdd", ["a", "s", "z", "b", "s", "z", "s2", "z"], ["c"], domain=MS)
+    (want,) = ort_node(full, [a, s, z, b, s, z, s2, z], OPSET, consts=["s", "s2", "z"])
+    node = helper.make_node("QLinearAdd", ["a", "s", "", "b", "s", "", "s2"], ["c"], domain=MS)
+    (got,) = run_native(node, [a, s, None, b, s, None, s2], 1)
+    assert_steps(got, want, 1, max_fraction=0.05)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8], ids=["u8", "s8"])
+@pytest.mark.parametrize("op,attrs", [("QLinearSigmoid", {}), ("QLinearLeakyRelu", {"alpha": 0.1})], ids=["sigmoid", "leakyrelu"])
+def test_qlinear_unary_matches_onnxruntime(op, attrs, dtype):
+    x = np.arange(256, dtype=np.uint8).view(dtype).reshape(4, 64)  # every code
+    xs, xz = np.array(0.05, np.float32), np.array(10, dtype)
+    real = (x.astype(np.float64) - 10) * 0.05
+    real = 1 / (1 + np.exp(-real)) if op == "QLinearSigmoid" else np.where(real >= 0, real, 0.1 * real)
+    ys, yz = out_params(real, dtype)
+    node = helper.make_node(op, ["x", "xs", "xz", "ys", "yz"], ["y"], domain=MS, **attrs)
+    # QLinearSigmoid: MLAS' logistic is an approximation, one step on a few codes
+    steps = 1 if op == "QLinearSigmoid" else 0
+    check(node, [x, xs, xz, ys, yz], consts=["xs", "xz", "ys", "yz"], steps=steps, max_fraction=0.05)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8], ids=["u8", "s8"])
+def test_qlinear_concat_matches_onnxruntime(dtype):
+    rng = np.random.default_rng(31)
+    x1, x2, x3 = ints(rng, dtype, (2, 3, 4)), ints(rng, dtype, (2, 5, 4)), ints(rng, dtype, (2, 1, 4))
+    ys, yz = np.array(0.04, np.float32), np.array(5, dtype)
+    s1, z1 = np.array(0.03, np.float32), np.array(-2 if dtype == np.int8 else 100, dtype)
+    names = ["ys", "yz", "x1", "s1", "z1", "x2", "ys", "yz", "x3", "s3", "z3"]
+    inputs = [ys, yz, x1, s1, z1, x2, ys, yz, x3, np.array(0.1, np.float32), np.array(0, dtype)]
+    node = helper.make_node("QLinearConcat", names, ["y"], domain=MS, axis=1)
+    got, _ = check(node, inputs, consts=["ys", "yz", "s1", "z1", "s3", "z3"])
+    np.testing.assert_array_equal(got[:, 3:8], x2)  # same parameters: copied
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8], ids=["u8", "s8"])
+def test_qlinear_where_matches_onnxruntime(dtype):
+    rng = np.random.default_rng(32)
+    cond = rng.random((3, 1, 6)) < 0.5
+    x, y = ints(rng, dtype, (3, 4, 6)), ints(rng, dtype, (4, 1))
+    names = ["c", "x", "xs", "xz", "y", "ys", "yz", "zs", "zz"]
+    inputs = [cond, x, np.array(0.02, np.float32), np.array(3, dtype), y, np.array(0.07, np.float32),
+              np.array(1, dtype), np.array(0.05, np.float32), np.array(2, dtype)]
+    node = helper.make_node("QLinearWhere", names, ["z"], domain=MS)
+    check(node, inputs, consts=["xs", "xz", "ys", "yz", "zs", "zz"])
+
+
+# -- pools, softmax, reduce ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("channels_last", [0, 1], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8], ids=["u8", "s8"])
+def test_qlinear_global_average_pool_matches_onnxruntime(dtype, channels_last):
+    rng = np.random.default_rng(33)
+    x = ints(rng, dtype, (2, 7, 9, 11) if not channels_last else (2, 9, 11, 7))
+    xs, xz = np.array(0.05, np.float32), np.array(7, dtype)
+    ys, yz = np.array(0.01, np.float32), np.array(-3 if dtype == np.int8 else 120, dtype)
+    node = helper.make_node("QLinearGlobalAveragePool", ["x", "xs", "xz", "ys", "yz"], ["y"], domain=MS,
+                            channels_last=channels_last)
+    try:
+        check(node, [x, xs, xz, ys, yz], consts=["xs", "xz", "ys", "yz"])
+    except Exception as exc:
+        if "NOT_IMPLEMENTED" in str(exc) or "Could not find an implementation" in str(exc):
+            pytest.skip(f"onnxruntime has no {dtype.__name__} kernel: {exc}")
+        raise
+
+
+POOL_CASES = [
+    ("2x2-s2", (2, 3, 8, 9), dict(kernel_shape=[2, 2], strides=[2, 2])),
+    ("3x3-pad-include", (1, 4, 7, 7), dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1], count_include_pad=1)),
+    ("3x3-pad-exclude-ceil", (1, 4, 8, 7), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], ceil_mode=1)),
+    ("1d", (2, 3, 10), dict(kernel_shape=[3], strides=[2])),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8], ids=["u8", "s8"])
+@pytest.mark.parametrize("case", POOL_CASES, ids=[c[0] for c in POOL_CASES])
+def test_qlinear_average_pool_matches_onnxruntime(case, dtype):
+    _, shape, attrs = case
+    rng = np.random.default_rng(len(case[0]))
+    x = ints(rng, dtype, shape)
+    inputs = [x, np.array(0.0513, np.float32), np.array(4, dtype), np.array(0.0417, np.float32),
+              np.array(-1 if dtype == np.int8 else 9, dtype)]
+    node = helper.make_node("QLinearAveragePool", ["x", "xs", "xz", "ys", "yz"], ["y"], domain=MS, **attrs)
+    check(node, inputs, consts=["xs", "xz", "ys", "yz"], steps=1, max_fraction=0.02)
+    if len(shape) == 4:  # channels_last: the same codes, NHWC
+        (nchw,) = run_native(node, inputs, 1)
+        ms = helper.make_node("QLinearAveragePool", ["x", "xs", "xz", "ys", "yz"], ["y"], domain=MS, channels_last=1, **attrs)
+        nhwc = [x.transpose(0, 2, 3, 1).copy()] + inputs[1:]
+        got, _ = check(ms, nhwc, consts=["xs", "xz", "ys", "yz"], steps=1, max_fraction=0.02)
+        np.testing.assert_array_equal(got, nchw.transpose(0, 2, 3, 1))
+
+
+SOFTMAX_CASES = [
+    ("op13-last", (3, 4, 20), 13, -1),
+    ("op13-mid", (3, 7, 5), 13, 1),
+    ("op12-flatten", (2, 3, 8), 12, 1),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8], ids=["u8", "s8"])
+@pytest.mark.parametrize("case", SOFTMAX_CASES, ids=[c[0] for c in SOFTMAX_CASES])
+def test_qlinear_softmax_matches_onnxruntime(case, dtype):
+    """The quantizer's output parameters: scale 1/256, zero point 0 (uint8) / -128 (int8).
+    Inputs keep every probability below 1 - 1/256: onnxruntime's int8 kernel wraps a code of
+    128 around to -128 instead of saturating (ours saturates to 127)."""
+    _, shape, opset, axis = case
+    rng = np.random.default_rng(len(case[0]))
+    x = ints(rng, dtype, shape)
+    xz = np.array(0 if dtype == np.int8 else 128, dtype)
+    inputs = [x, np.array(0.02, np.float32), xz, np.array(1 / 256, np.float32), np.array(0 if dtype == np.uint8 else -128, dtype)]
+    node = helper.make_node("QLinearSoftmax", ["x", "xs", "xz", "ys", "yz"], ["y"], domain=MS, opset=opset, axis=axis)
+    check(node, inputs, consts=["xs", "xz", "ys", "yz"], steps=1, max_fraction=0.2)
+
+
+@pytest.mark.parametrize("keepdims", [0, 1])
+@pytest.mark.parametrize("axes", [[1], [-1, 0]], ids=["ax1", "ax-1,0"])
+def test_qlinear_reduce_mean_matches_reference(axes, keepdims):
+    rng = np.random.default_rng(34)
+    x = ints(rng, np.uint8, (3, 5, 4))
+    s, z, ys, yz = np.array(0.03, np.float32), np.array(100, np.uint8), np.array(0.01, np.float32), np.array(90, np.uint8)
+    node = helper.make_node("QLinearReduceMean", ["x", "s", "z", "ys", "yz"], ["y"], domain=MS, axes=axes, keepdims=keepdims)
+    (got,) = run_native(node, [x, s, z, ys, yz], 1)
+    graph = helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["x", "s", "z"], ["f"]),
+         helper.make_node("ReduceMean", ["f", "axes"], ["m"], keepdims=keepdims),
+         helper.make_node("QuantizeLinear", ["m", "ys", "yz"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", onnx.TensorProto.UINT8, x.shape)],
+        [helper.make_value_info("y", onnx.TypeProto())],
+        [numpy_helper.from_array(v, n) for n, v in (("s", s), ("z", z), ("ys", ys), ("yz", yz),
+                                                     ("axes", np.array(axes, np.int64)))],
+    )
+    (want,) = ReferenceEvaluator(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])).run(None, {"x": x})
+    assert_steps(got, want, 1, max_fraction=0.1)
+
+
+# -- errors ------------------------------------------------------------------------------------------------
+
+
+def test_invalid_inputs_raise_invalid_argument():
+    rng = np.random.default_rng(35)
+    inputs = qconv_inputs(rng, (1, 4, 5, 5), (3, 4, 3, 3), np.uint8, np.int8, True, {})
+    node = helper.make_node("QLinearConv", QCONV_NAMES, ["y"], name="qc")
+    bad = list(inputs)
+    bad[4] = np.ones(5, np.float32)  # w_scale: 5 values for 3 channels
+    with pytest.raises(InvalidArgument, match="w_scale"):
+        run_native(node, bad, OPSET)
+    bad = list(inputs)
+    bad[0] = inputs[0].astype(np.float32)
+    with pytest.raises(InvalidArgument, match="int8 or uint8"):
+        run_native(node, bad, OPSET)
+    with pytest.raises(InvalidArgument, match="axis is required"):
+        run_native(helper.make_node("QLinearConcat", ["a", "b", "c", "d", "e"], ["y"], domain=MS), [None] * 5, 1)
