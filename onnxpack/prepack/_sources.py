@@ -130,7 +130,7 @@ class PackSources:
         self.cache_rejected = 0  # cache entries ignored with a warning
         # (scope path, name, user-given) -> identity: a weight read by several kernels is
         # identified (for in-proto weights: hashed) once.
-        self._identities: dict[tuple[str, str, bool], bytes] = {}
+        self._identities: dict[tuple[str, str, bool, bytes], bytes] = {}
 
     @property
     def rejected(self) -> int:
@@ -166,7 +166,7 @@ class PackSources:
                 entry, _ = container.get_or_create(mapped.key, holder, from_model)
                 return Obtained(entry, made["origin"])
 
-        ident_key = (weight.scope, weight.name, weight.user)
+        ident_key = (weight.scope, weight.name, weight.user, weight.derived.digest if weight.derived else b"")
         identity = self._identities.get(ident_key)
         if identity is None:
             identity = self._identities[ident_key] = weight.identity()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 from onnx import helper
@@ -59,15 +60,31 @@ class PackSpec:
     identity: bool = False
 
 
+class DerivedValue(Protocol):
+    """How a constant value is computed from a stored leaf weight (``session/_derive.py``)."""
+
+    digest: bytes  # the ops, their attributes and their other inputs' bytes
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    elem_type: int
+    is_view: bool  # the value is the leaf's bytes reshaped
+
+    def compute(self, leaf: np.ndarray) -> np.ndarray: ...
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class WeightRef:
-    """A constant a kernel may pack: an initializer of a model scope, or an array the user gave
-    with ``SessionOptions.add_initializer`` (``array`` set, ``tensor`` None)."""
+    """A constant a kernel may pack: an initializer of a model scope (or a ``Constant`` node's
+    tensor), or an array the user gave with ``SessionOptions.add_initializer`` (``array`` set,
+    ``tensor`` None).  With ``derived``, the value is computed from that stored leaf (a
+    dequantized or reshaped weight): dtype, shape, value and identity are the derived value's,
+    ``raw`` stays the leaf's stored bytes (what saved records digest)."""
 
     scope: str  # path of the scope that owns the initializer
     name: str
     tensor: Tensor | None
     array: np.ndarray | None = None
+    derived: DerivedValue | None = None
 
     @property
     def user(self) -> bool:
@@ -75,15 +92,21 @@ class WeightRef:
 
     @property
     def dtype(self) -> np.dtype:
+        if self.derived is not None:
+            return self.derived.dtype
         return self.array.dtype if self.array is not None else self.tensor.dtype
 
     @property
     def shape(self) -> tuple[int, ...]:
+        if self.derived is not None:
+            return self.derived.shape
         return tuple(self.array.shape) if self.array is not None else self.tensor.dims
 
     @property
     def elem_type(self) -> int:
         """ONNX element type (``TensorProto.FLOAT`` …)."""
+        if self.derived is not None:
+            return self.derived.elem_type
         if self.array is not None:
             return helper.np_dtype_to_tensor_dtype(self.array.dtype)
         return self.tensor.elem_type
@@ -93,20 +116,24 @@ class WeightRef:
         return None if self.tensor is None else self.tensor.external
 
     def value(self) -> np.ndarray:
-        return self.array if self.array is not None else self.tensor.numpy()
+        leaf = self.array if self.array is not None else self.tensor.numpy()
+        return leaf if self.derived is None else self.derived.compute(leaf)
 
     def raw(self) -> bytes | memoryview | np.ndarray:
         """The stored bytes (what saved records digest)."""
         return self.array if self.array is not None else self.tensor.raw()
 
     def identity(self) -> bytes:
-        """File identity for a mapped weight (no read), else a digest of the bytes."""
+        """File identity for a mapped weight (no read), else a digest of the bytes; plus the
+        derivation's digest for a derived value."""
         if self.array is not None:
-            return content_identity(self.array)
-        ext = self.tensor.external
-        if ext is not None:
-            return file_identity(ext.file_id, ext.offset, ext.length)
-        return content_identity(self.tensor.raw())
+            base = content_identity(self.array)
+        elif self.tensor.external is not None:
+            ext = self.tensor.external
+            base = file_identity(ext.file_id, ext.offset, ext.length)
+        else:
+            base = content_identity(self.tensor.raw())
+        return base if self.derived is None else base + b"|d:" + self.derived.digest
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-from onnx import NodeProto, TensorProto
+from onnx import AttributeProto, NodeProto, TensorProto
 
 from onnxpack.errors import InvalidArgument, InvalidGraph, OnnxpackError
 from onnxpack.graph import Model, Scope
 from onnxpack.prepack import PackSources, PrepackedWeightsContainer, WeightRef
+from onnxpack.session._derive import derive
 from onnxpack.session._fusion import Fusion, apply_fusions, plan_fusions
 from onnxpack.session._program import PackEvent, Plan, PrepackStats, Program, Step, schedule, topological_order
 from onnxpack.session._resolve import resolve
@@ -101,6 +102,8 @@ class _Compiler:
         self.fallback_nodes: list[str] = []
         self.unpacked: set[tuple[str, str]] = set()  # (owner scope path, name) read unpacked
         self.released = 0
+        # scope path -> node output name -> constant computed from a stored weight (_derive.py)
+        self.derived: dict[str, dict[str, WeightRef]] = {}
 
     def compile(self) -> Program:
         for scope in self.model.scopes():  # bottom-up: children before the node that owns them
@@ -124,6 +127,9 @@ class _Compiler:
         owner = scope.resolve(name)
         if owner is None:
             return None
+        derived = self.derived.get(owner.path)
+        if derived is not None and name in derived:
+            return derived[name]
         if owner is self.root:
             if name in self.overridable:
                 return None
@@ -142,10 +148,6 @@ class _Compiler:
         # What each node's subgraphs read from outside them (the graph layer's free names).
         implicit = {k: tuple(sorted(set().union(*(c.free for c in cs)))) for k, cs in children.items()}
         nodes = list(graph.node)
-        fusions: list[Fusion] = []
-        if self.options.prepack:
-            fusions = self._fusions(scope, nodes, implicit)
-        entries = apply_fusions(nodes, fusions)
         local = {i.name for i in graph.input} | set(scope.initializers)
         if scope is self.root:
             local |= set(self.user)
@@ -153,12 +155,19 @@ class _Compiler:
         def available(n: str) -> bool:
             return n in local or scope.defined_outside(n)
 
+        if self.options.prepack:
+            self.derived[scope.path] = self._derivations(scope, nodes, implicit, available, name)
+        fusions: list[Fusion] = []
+        if self.options.prepack:
+            fusions = self._fusions(scope, nodes, implicit)
+        entries = apply_fusions(nodes, fusions)
         reads = [(*node.input, *implicit.get(k, ())) for k, node, _f in entries]
         order = topological_order([node for _k, node, _f in entries], available, name, reads)
-        steps = []
+        bound = []
         for idx in order:
             k, node, fusion = entries[idx]
-            steps.append(self._bind(scope, node, fusion, children.get(k, []), implicit.get(k, ())))
+            bound.append(self._bind(scope, node, fusion, children.get(k, []), implicit.get(k, ())))
+        steps = self._live(bound, [o.name for o in graph.output])
         # Graph outputs that are constants keep their originals.
         for out in graph.output:
             w = self._weight(scope, out.name)
@@ -224,9 +233,9 @@ class _Compiler:
         resolved = resolve(node, ctx, local_functions=self.local_functions, fusion=fusion,
                            runnable=self.options.runnable)
         kernel = resolved.kernel
-        if resolved.fallback:
-            self.fallback_nodes.append(f"{scope.path or 'main'}:{node.name or '#'}:{node.op_type}")
         packed: set[int] = set()
+        uses: list[tuple[str, str]] = []  # constants this step reads unpacked: (owner path, name)
+        events: list[PackEvent] = []
         pack = self.options.prepack and kernel.call_mode == "plain"
         for i, name in enumerate(node.input):
             if not name:
@@ -234,22 +243,67 @@ class _Compiler:
             w = self._weight(scope, name)
             if w is None:
                 continue
-            if pack and self._pack(scope, node, kernel, i, w):
+            event = self._pack(scope, node, kernel, i, w) if pack else None
+            if event is not None:
                 packed.add(i)
-            elif not w.user:
-                self.unpacked.add((w.scope, name))
+                events.append(event)
+            elif w.derived is None and not w.user:
+                uses.append((w.scope, name))
         if kernel.call_mode == "context":
             # onnx.reference runs this node's graphs itself, reading enclosing values from the
             # frame: the originals they name must stay, whatever the compiled subgraphs packed.
             for name in implicit:
                 w = self._weight(scope, name)
-                if w is not None and not w.user:
-                    self.unpacked.add((w.scope, name))
-        return Step(node, kernel, tuple(node.input), tuple(node.output), frozenset(packed), (), implicit)
+                if w is not None and w.derived is None and not w.user:
+                    uses.append((w.scope, name))
+        step = Step(node, kernel, tuple(node.input), tuple(node.output), frozenset(packed), (), implicit)
+        label = f"{scope.path or 'main'}:{node.name or '#'}:{node.op_type}" if resolved.fallback else None
+        return _Bound(step, tuple(uses), tuple(events), label)
 
-    def _pack(self, scope: Scope, node: NodeProto, kernel: Kernel, i: int, w: WeightRef) -> bool:
+    def _live(self, bound: list[_Bound], outputs: list[str]) -> list[Step]:
+        """The steps something reads (dead-code elimination, last to first): a node whose outputs
+        are read by no kept step — unpacked — nor by a subgraph, nor are graph outputs, drops out
+        (a DequantizeLinear whose weight every consumer packed, a Constant nobody reads).  Only the
+        kept steps' constant reads, packs and fallback nodes count."""
+        needed = set(outputs)
+        kept: list[_Bound] = []
+        for b in reversed(bound):
+            step = b.step
+            if not any(o in needed for o in step.outputs if o):
+                continue
+            kept.append(b)
+            needed.update(n for i, n in enumerate(step.inputs) if n and i not in step.packed)
+            needed.update(step.implicit)
+        kept.reverse()
+        for b in kept:
+            self.unpacked.update(b.uses)
+            self.log.extend(b.events)
+            if b.fallback is not None:
+                self.fallback_nodes.append(b.fallback)
+        return [b.step for b in kept]
+
+    def _derivations(self, scope: Scope, nodes: list[NodeProto], implicit: dict[int, tuple[str, ...]],
+                     available: Callable[[str], bool], name: str) -> dict[str, WeightRef]:
+        """Constants computed from stored weights in this scope: ``Constant`` tensors and chains of
+        cheap ops over them (see ``_derive.py``), in node order."""
+        found: dict[str, WeightRef] = {}
+        self.derived[scope.path] = found  # visible to _weight while the chain is followed
+        reads = [(*node.input, *implicit.get(k, ())) for k, node in enumerate(nodes)]
+        for k in topological_order(nodes, available, name, reads):
+            node = nodes[k]
+            if node.op_type == "Constant" and normalize_domain(node.domain) == "" and node.output and node.output[0]:
+                attr = next((a for a in node.attribute if a.name == "value" and a.type == AttributeProto.TENSOR), None)
+                if attr is not None:
+                    found[node.output[0]] = WeightRef(scope.path, node.output[0], self.model.tensor(attr.t))
+                continue
+            w = derive(node, lambda n: self._weight(scope, n), self.opsets)
+            if w is not None:
+                found[node.output[0]] = w
+        return found
+
+    def _pack(self, scope: Scope, node: NodeProto, kernel: Kernel, i: int, w: WeightRef) -> PackEvent | None:
         if w.elem_type == TensorProto.STRING:
-            return False
+            return None
         info = TensorInfo(w.name, w.dtype, w.shape, w.elem_type)
         what = f"node {node.name!r} ({node.op_type}) input {i} ({w.name!r})"
 
@@ -274,16 +328,30 @@ class _Compiler:
         except Exception as exc:
             raise InvalidGraph(f"{what}: {type(exc).__name__}: {exc}") from exc
         if spec is None:
-            return False
+            return None
+        if w.derived is not None:
+            # The pack of a derived value: keyed by the leaf plus the derivation (saved under the
+            # leaf's record), and still the leaf's own bytes only when the chain only reshapes.
+            spec = dataclasses.replace(spec, attrs=spec.attrs + b"|derived:" + w.derived.digest,
+                                       identity=spec.identity and w.derived.is_view)
         got = self.sources.obtain(
             w, spec, pack, lambda buffers: kernel.check_packed(i, info, buffers),
             self.container, self.holder, label=node.op_type,
         )
         if got is None:
-            return False
+            return None
         kernel.use_prepacked(i, got.entry.buffers)
-        self.log.append(PackEvent(scope.path, node.name, node.op_type, i, w, spec, got.entry, got.origin, got.seconds))
-        return True
+        return PackEvent(scope.path, node.name, node.op_type, i, w, spec, got.entry, got.origin, got.seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bound:
+    """A bound node before dead-code elimination: its step and what it would contribute."""
+
+    step: Step
+    uses: tuple[tuple[str, str], ...]
+    events: tuple[PackEvent, ...]
+    fallback: str | None
 
 
 def _declared_dims(value_info: Any) -> tuple[int | None, ...] | None:

@@ -1,0 +1,176 @@
+"""Constant expressions: weights reached through cheap ops are packed like initializers.
+
+Exporters and quantizers rarely hand a weight straight to its kernel: a QDQ model reads
+``DequantizeLinear(W_int8, scale, zero_point)``, Paddle exports keep weights in ``Constant``
+nodes, others add ``Identity``, ``Transpose``, ``Reshape`` or ``(Un)Squeeze`` in between.  The
+compile step treats the result of such a chain as a constant: the consumer's kernel packs it like
+any weight (a Conv packs the dequantized weight, folded with its BatchNormalization), the chain's
+nodes drop out of the plan once nothing reads them unpacked, and a QDQ model keeps its int8 weights
+on disk while its packs are saved and mapped beside them.
+
+A :class:`Derivation` says how a value comes from one stored *leaf* weight (an initializer or a
+``Constant`` node's tensor) without computing it: the ops applied, their attributes and the bytes
+of their other (small) constant inputs, digested (``digest``), and the result's dtype and shape.
+Keys are therefore computable at a warm start without dequantizing anything: the leaf's identity
+plus the digest, and in saved records the leaf's own record with the digest in the pack spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Callable
+
+import numpy as np
+from onnx import AttributeProto, NodeProto, TensorProto, helper
+
+from onnxpack.prepack import WeightRef
+from onnxpack.session.kernels import KernelContext, lookup, normalize_domain
+
+__all__ = ["Derivation", "derive"]
+
+# (domain, op_type) of the ops a chain may hold; their input 0 is the weight, any other input a
+# small constant (scale, zero point, shape, axes).
+FOLDABLE = frozenset({
+    ("", "Identity"), ("", "DequantizeLinear"), ("com.microsoft", "DequantizeLinear"), ("", "Transpose"),
+    ("", "Reshape"), ("", "Squeeze"), ("", "Unsqueeze"), ("", "Flatten"),
+})
+# Ops whose result is the input's bytes reshaped: a chain of only these keeps a weight's identity
+# pack (the packed buffer is still the stored bytes, recorded at the weight's own offset).
+_VIEWS = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Derivation:
+    """How a constant value comes from a stored leaf weight (see the module docstring)."""
+
+    digest: bytes
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    is_view: bool
+    compute: Callable[[np.ndarray], np.ndarray]  # leaf value -> the value
+
+    @property
+    def elem_type(self) -> int:
+        return helper.np_dtype_to_tensor_dtype(self.dtype)
+
+
+def derive(node: NodeProto, weight_of: Callable[[str], WeightRef | None], opsets: dict[str, int]) -> WeightRef | None:
+    """The constant ``node``'s single output is, or None when it is not a foldable constant.
+
+    ``weight_of(name)`` gives the constant a name refers to (initializer, Constant, or an earlier
+    derived value), or None.
+    """
+    domain = normalize_domain(node.domain)
+    if len([o for o in node.output if o]) != 1 or not node.output[0]:
+        return None
+    if (domain, node.op_type) not in FOLDABLE or not node.input or not node.input[0]:
+        return None
+    src = weight_of(node.input[0])
+    if src is None or src.user or src.elem_type == TensorProto.STRING:
+        return None
+    others = []
+    for name in node.input[1:]:
+        if not name:
+            others.append(None)
+            continue
+        w = weight_of(name)
+        if w is None or w.derived is not None or w.user:
+            return None
+        others.append(w)
+    opset = opsets.get(domain, 1)
+    try:
+        shape, dtype = _infer(node, src.shape, np.dtype(src.dtype), [None if w is None else w.value() for w in others], opset)
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None  # anything unusual: leave the node to run as it is
+    cls = lookup(domain, node.op_type, opset)
+    if cls is None:
+        return None
+    kernel = cls(node, KernelContext(opset=opset, opsets=opsets))
+    values = tuple(others)
+
+    h = hashlib.blake2b(digest_size=16)
+    prev = src.derived
+    if prev is not None:
+        h.update(prev.digest)
+    h.update(f"|{domain}:{node.op_type}:{opset}|".encode())
+    for a in sorted(node.attribute, key=lambda a: a.name):
+        if a.type not in (AttributeProto.GRAPH, AttributeProto.GRAPHS):
+            h.update(a.SerializeToString())
+    for w in others:
+        raw = b"-" if w is None else bytes(memoryview(w.raw()).cast("B"))
+        h.update(len(raw).to_bytes(8, "little") + raw)
+        if w is not None:
+            h.update(f"{w.dtype}{w.shape}".encode())
+
+    def compute(leaf: np.ndarray, _prev=prev) -> np.ndarray:
+        x = _prev.compute(leaf) if _prev is not None else leaf
+        args = [None if w is None else w.value() for w in values]
+        return np.asarray(kernel.run(x, *args)[0])
+
+    is_view = node.op_type in _VIEWS and (prev is None or prev.is_view)
+    derivation = Derivation(h.digest(), dtype, shape, is_view, compute)
+    return dataclasses.replace(src, derived=derivation)
+
+
+def _axes(node: NodeProto, values: list, opset: int, ndim: int) -> list[int] | None:
+    attr = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axes"), None)
+    axes = attr if attr is not None else (values[0].tolist() if values and values[0] is not None else None)
+    if axes is None:
+        return None
+    return [int(a) + ndim if int(a) < 0 else int(a) for a in np.asarray(axes).reshape(-1)]
+
+
+def _infer(node: NodeProto, shape: tuple[int, ...], dtype: np.dtype, values: list, opset: int) -> tuple[tuple[int, ...], np.dtype]:
+    """Result shape and dtype of one foldable op, from the input's and the small constants."""
+    op = node.op_type
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if op == "Identity":
+        return shape, dtype
+    if op == "DequantizeLinear":
+        od = int(attrs.get("output_dtype", 0))
+        if od:
+            return shape, np.dtype(helper.tensor_dtype_to_np_dtype(od))
+        scale = values[0]
+        if normalize_domain(node.domain) == "" and opset < 19:
+            return shape, np.dtype(np.float32)
+        if scale.dtype.name in ("float32", "float16", "bfloat16", "float64"):
+            return shape, scale.dtype
+        return shape, np.dtype(np.float32)
+    if op == "Transpose":
+        perm = attrs.get("perm") or list(range(len(shape)))[::-1]
+        if sorted(perm) != list(range(len(shape))):
+            raise ValueError("bad perm")
+        return tuple(shape[p] for p in perm), dtype
+    if op == "Reshape":
+        target = [int(d) for d in np.asarray(values[0]).reshape(-1)] if opset >= 5 else list(attrs["shape"])
+        allowzero = int(attrs.get("allowzero", 0))
+        out = [shape[i] if d == 0 and not allowzero else d for i, d in enumerate(target)]
+        if out.count(-1) > 1:
+            raise ValueError("two -1")
+        if -1 in out:
+            known = math.prod(d for d in out if d != -1)
+            out[out.index(-1)] = math.prod(shape) // known if known else 0
+        if math.prod(out) != math.prod(shape) or any(d < 0 for d in out):
+            raise ValueError("bad reshape")
+        return tuple(out), dtype
+    if op == "Squeeze":
+        axes = _axes(node, values, opset, len(shape))
+        if axes is None:
+            return tuple(d for d in shape if d != 1), dtype
+        if any(shape[a] != 1 for a in axes):
+            raise ValueError("squeezing a non-1 axis")
+        return tuple(d for i, d in enumerate(shape) if i not in axes), dtype
+    if op == "Unsqueeze":
+        n = len(shape) + len(_axes(node, values, opset, 0) or [])
+        axes = sorted(_axes(node, values, opset, n) or [])
+        out = list(shape)
+        for a in axes:
+            out.insert(a, 1)
+        return tuple(out), dtype
+    if op == "Flatten":
+        axis = int(attrs.get("axis", 1))
+        axis = axis + len(shape) if axis < 0 else axis
+        return (math.prod(shape[:axis]), math.prod(shape[axis:])), dtype
+    raise KeyError(op)
