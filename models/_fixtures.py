@@ -13,6 +13,7 @@ inputs/outputs, sizes, and the feed recipe (:func:`make_feeds`) a test needs to 
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ import onnx
 from onnx import AttributeProto, helper
 
 __all__ = [
-    "FIXTURES_DIR", "SIDECAR_VERSION", "inventory", "make_feeds", "ort_check", "dir_sizes",
+    "FIXTURES_DIR", "SIDECAR_VERSION", "inventory", "make_feeds", "ort_check", "dir_files",
     "write_json", "read_sidecars", "replace_path", "staging_dir", "render_table", "update_readme",
 ]
 
@@ -147,11 +148,19 @@ def inventory(model_path: str) -> dict[str, Any]:
     }
 
 
-def dir_sizes(path: str) -> dict[str, int]:
-    """File name -> bytes for every file of a fixture folder (or the one file given)."""
-    if os.path.isfile(path):
-        return {os.path.basename(path): os.path.getsize(path)}
-    return {n: os.path.getsize(os.path.join(path, n)) for n in sorted(os.listdir(path))}
+def dir_files(path: str) -> dict[str, dict[str, Any]]:
+    """File name -> {"bytes", "sha256"} for every file of a fixture folder.
+
+    The digests make the sidecar a lock on the fixture: a test notices any change of any byte
+    (an edit, a line-ending conversion, a rebuild with other tool versions) that the sidecar does
+    not record.
+    """
+    out = {}
+    for name in sorted(os.listdir(path)):
+        with open(os.path.join(path, name), "rb") as f:
+            data = f.read()
+        out[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return out
 
 
 # -- feeds and the onnxruntime check --------------------------------------------------------------
@@ -168,8 +177,9 @@ def make_feeds(inputs: list[dict], recipe: Mapping[str, Any], seed: int = 0) -> 
     ``recipe["dims"]`` binds every symbolic dimension (``batch_size``, ``sequence_length``, ...);
     ``recipe["int_high"]`` gives integer inputs their exclusive upper bound (token ids < vocab);
     ``recipe["ones"]`` lists inputs that are all ones (attention masks), ``recipe["zeros"]`` all
-    zeros (token types); ``recipe["arange"]`` inputs count 0, 1, ... along the last axis, offset by
-    ``recipe["arange_start"]`` (position ids after a past).  Float inputs are N(0, 1) (past key and
+    zeros (token types); ``recipe["mask_lengths"]`` maps a [batch, sequence] mask to the number of
+    leading ones of each row (right padding); ``recipe["arange"]`` inputs count 0, 1, ... along the
+    last axis, offset by ``recipe["arange_start"]`` (position ids after a past).  Float inputs are N(0, 1) (past key and
     value caches included: a filled cache tests more than an empty one), cast to their dtype.
     """
     rng = np.random.default_rng(seed)
@@ -189,6 +199,11 @@ def make_feeds(inputs: list[dict], recipe: Mapping[str, Any], seed: int = 0) -> 
             feeds[name] = np.ones(shape, dtype)
         elif name in recipe.get("zeros", ()):
             feeds[name] = np.zeros(shape, dtype)
+        elif name in recipe.get("mask_lengths", {}):
+            lengths = recipe["mask_lengths"][name]
+            if len(shape) != 2 or len(lengths) != shape[0]:
+                raise ValueError(f"input {name!r}: mask_lengths {lengths} do not fit shape {shape}")
+            feeds[name] = (np.arange(shape[1])[None, :] < np.asarray(lengths)[:, None]).astype(dtype)
         elif name in recipe.get("arange", ()):
             start = int(recipe.get("arange_start", 0))
             feeds[name] = np.broadcast_to(np.arange(start, start + shape[-1], dtype=dtype), shape).copy()
@@ -315,20 +330,35 @@ def _io(items: list[dict]) -> str:
     return ", ".join(one(s) for s in items)
 
 
+def _ops(counts: Mapping[str, int]) -> str:
+    return " ".join(f"{op}×{n}" for op, n in counts.items()) or "–"
+
+
 def render_table(root: str = FIXTURES_DIR) -> str:
-    """The README's fixture table, generated from the sidecars."""
-    rows = ["| fixture | producer | size | ops (domain::op ×count) | inputs | outputs |",
-            "|---|---|---|---|---|---|"]
-    for path, sc in read_sidecars(root):
-        rel = os.path.relpath(path, os.path.dirname(root))[: -len(".json")]
-        ops = []
-        for domain, counts in sc["inventory"]["ops"].items():
-            short = "" if domain == "ai.onnx" else f"{domain}::"
-            ops.extend(f"{short}{op}×{n}" for op, n in counts.items())
+    """The README's generated section: one row per fixture, then the contrib-op attribute sets."""
+    sidecars = read_sidecars(root)
+    rows = ["| fixture | producer | size | com.microsoft ops | ai.onnx ops | inputs | outputs |",
+            "|---|---|---|---|---|---|---|"]
+    attr_uses: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
+    for path, sc in sidecars:
+        rel = os.path.relpath(path, root)[: -len(".json")]
+        ops = sc["inventory"]["ops"]
         rows.append(
-            f"| `{rel}` | {sc['producer']['tool']} | {_kb(sc['total_bytes'])} | {' '.join(ops)} "
+            f"| `{rel}` | {sc['producer']['tool']} | {_kb(sc['total_bytes'])} "
+            f"| {_ops(ops.get('com.microsoft', {}))} | {_ops(ops.get('ai.onnx', {}))} "
             f"| {_io(sc['inventory']['inputs'])} | {_io(sc['inventory']['outputs'])} |"
         )
+        for op, sets in sc["inventory"]["attrs"].items():
+            if op.startswith("ai.onnx::") and op != "ai.onnx::SimplifiedLayerNormalization":
+                continue  # standard ops: their attributes are in the sidecars
+            for entry in sets:
+                attrs = ", ".join(f"{k}={str(np.float32(v)) if isinstance(v, float) else v}"
+                                  for k, v in entry["attrs"].items()) or "(none)"
+                attr_uses[(op, attrs)].append(f"{rel} ×{entry['count']}")
+    rows += ["", "Attributes of the non-standard ops, per distinct set (from the sidecars):", "",
+             "| op | attributes | fixtures (×nodes) |", "|---|---|---|"]
+    for (op, attrs), uses in sorted(attr_uses.items()):
+        rows.append(f"| `{op}` | {attrs} | {', '.join(uses)} |")
     return "\n".join(rows)
 
 

@@ -239,17 +239,32 @@ def write_tokenizer(arch: Arch, hf_dir: str, vocab_size: int = TINY_VOCAB) -> di
 
 
 def randomize(model, seed: int) -> None:
-    """Give every parameter trained-model-like random values (see the module docstring)."""
+    """Give every parameter trained-model-like random values (see the module docstring).
+
+    Weights N(0, 1/fan_in) (fan_in: the input features of a Linear or Embedding row, in x kh x kw
+    of a Conv, the first axis of a transformers ``Conv1D``, which stores [in, out]); 1-D
+    parameters (norm weights, biases) get N(0, 0.1²) added to their initial value.
+    """
+    import math
+
     import torch
 
     gen = torch.Generator().manual_seed(seed)
+    seen: set[int] = set()
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):  # tied weights appear once
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if p.ndim == 1:
-                p.copy_((p.float() + 0.1 * noise).to(p.dtype))  # norm weight (1 or 0 based) or bias
-            else:
-                fan_in = p.shape[-1]
+        for mod_name, module in sorted(model.named_modules()):
+            for name, p in sorted(module.named_parameters(recurse=False)):
+                if id(p) in seen:  # tied weights are drawn once
+                    continue
+                seen.add(id(p))
+                noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+                if p.ndim == 1:
+                    p.copy_((p.float() + 0.1 * noise).to(p.dtype))  # norm weight (1 or 0 based) or bias
+                    continue
+                if type(module).__name__ == "Conv1D":
+                    fan_in = p.shape[0]
+                else:
+                    fan_in = math.prod(p.shape[1:])
                 p.copy_((noise / fan_in ** 0.5).to(p.dtype))
 
 
@@ -341,14 +356,20 @@ def genai_smoke(model_dir: str, n_tokens: int = 8) -> dict[str, Any]:
 
 
 def llm_feed_recipes(genai: dict[str, Any], hf_config: dict[str, Any], seq: int = 5,
-                     past: int = 4) -> dict[str, dict[str, Any]]:
+                     past: int = 4, capacity: int = 16) -> dict[str, dict[str, Any]]:
     """Feeds of the steps a generation loop runs (batch 1), as :func:`_fixtures.make_feeds` recipes.
 
     ``prefill``: ``seq`` prompt tokens, empty cache.  ``decode``: one token after ``past`` cached
     ones (random cache contents).  ``chunk``: ``seq`` tokens after ``past`` cached ones (chunked
     prefill, or a multi-token step).  ``decode_long``, for LongRoPE models only: one token after
     more than ``original_max_position_embeddings`` cached ones, where the builder's ``If`` switches
-    to the long cos/sin caches.  :func:`build_llm` keeps only the ones onnxruntime runs.
+    to the long cos/sin caches.  ``decode_shared``, for models whose genai_config says
+    ``past_present_share_buffer`` (GroupQueryAttention): one token after ``past`` cached ones held
+    in a cache buffer of ``capacity`` positions, the way onnxruntime-genai runs them (past and
+    present are one max_length buffer; the attention mask gives the valid length).  Its present
+    outputs are meaningful only on their first ``present_valid_length`` positions (onnxruntime
+    zero-fills the rest when it allocates present itself; onnxruntime-genai aliases it to past).
+    :func:`build_llm` keeps only the recipes onnxruntime runs.
     """
     dec = genai["model"]["decoder"]
     inputs = dec["inputs"]
@@ -370,6 +391,11 @@ def llm_feed_recipes(genai: dict[str, Any], hf_config: dict[str, Any], seq: int 
         }
 
     recipes = {"prefill": recipe(seq, 0), "decode": recipe(1, past), "chunk": recipe(seq, past)}
+    if genai["search"].get("past_present_share_buffer"):
+        shared = recipe(1, past)
+        shared["dims"] = dict(shared["dims"], past_sequence_length=capacity)
+        shared["present_valid_length"] = past + 1
+        recipes["decode_shared"] = shared
     original = hf_config.get("original_max_position_embeddings")
     if original and original < hf_config["max_position_embeddings"]:
         recipes["decode_long"] = recipe(1, original + 2)
@@ -415,7 +441,7 @@ def build_llm(arch: Arch, variant: str, out_path: str, *, hf_dir: str, hf_config
                 smoke_result = genai_smoke(staged)
             except Exception as exc:  # onnxruntime-genai raises its own types
                 smoke_result = {"error": " ".join(str(exc).split())[:600]}
-        sizes = _fixtures.dir_sizes(staged)
+        files = _fixtures.dir_files(staged)
         shown = ["python", "-m", "onnxruntime_genai.models.builder", "-m", arch.hf_name, "-i", "<hf_dir>",
                  "-o", "<out>", "-p", precision, "-e", ep, "-c", "<cache>"]
         if extra_options:
@@ -429,8 +455,8 @@ def build_llm(arch: Arch, variant: str, out_path: str, *, hf_dir: str, hf_config
             "command": " ".join(shown),
             "source": {"arch": arch.name, "mirrors": arch.hf_name, "seed": SEED, "hf_config": {
                 k: hf_config[k] for k in sorted(hf_config) if k not in ("transformers_version", "dtype")}},
-            "files": sizes,
-            "total_bytes": sum(sizes.values()),
+            "files": files,
+            "total_bytes": sum(f["bytes"] for f in files.values()),
             "model_file": genai["model"]["decoder"]["filename"],
             "inventory": inv,
             "feeds": feeds,
