@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 from typing import Any
@@ -29,7 +28,7 @@ import _fixtures  # noqa: E402
 
 import onnxpack  # noqa: E402
 from onnxpack.session._fallback import FallbackKernel  # noqa: E402
-from onnxpack.session.kernels import _families  # noqa: E402,F401  (registers every kernel)
+import onnxpack.session.kernels  # noqa: E402,F401  (importing it registers every kernel)
 from onnxpack.session.kernels._base import KernelContext, lookup, normalize_domain  # noqa: E402
 
 
