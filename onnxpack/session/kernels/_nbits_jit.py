@@ -27,13 +27,15 @@ without reassociation, and NaN/Inf in the activations propagate as they do in nu
 
 from __future__ import annotations
 
+import types as types_module
+
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-__all__ = ["gemv4", "gemv8", "dequant4", "dequant8", "threads", "CHUNK"]
+__all__ = ["gemv4", "gemv4_serial", "gemv8", "gemv8_serial", "dequant4", "dequant8", "threads", "CHUNK"]
 
 # Columns one work item covers: 4 AVX-512 vectors of float32; a tile is a multiple of it.
 CHUNK = 128
@@ -114,8 +116,7 @@ def _scale_block(acc, t, sc, zq, zmode, zmid, asum, b, soff, cw):
                 am[c] += _f32(srow[c]) * (tm[c] - s_a)
 
 
-@njit(cache=True, parallel=True, fastmath=_FM)
-def gemv4(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads):
+def _gemv4(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads):
     """``y[m, :] = a[m, :] @ W`` for 4-bit blocks: ``W[k, n] = (q - z) * s`` (few rows of ``a``).
 
     ``a`` (M, K) float32; ``bq`` uint8 tiles (two values per byte, element 2j low nibble);
@@ -172,9 +173,8 @@ def gemv4(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads):
                     y[m, n0 + c] = acc[m, c]
 
 
-@njit(cache=True, parallel=True, fastmath=_FM)
-def gemv8(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads):
-    """:func:`gemv4` for 8-bit blocks (one value per byte, ``blob == block_size``)."""
+def _gemv8(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads):
+    """:func:`_gemv4` for 8-bit blocks (one value per byte, ``blob == block_size``)."""
     m_rows, k = a.shape
     bs = blob
     ade = np.zeros((m_rows, nb, bs), np.float32)
@@ -215,13 +215,37 @@ def gemv8(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads):
                     y[m, n0 + c] = acc[m, c]
 
 
-@njit(cache=True, parallel=True, fastmath=_FM)
+def _compiled(py_func, name: str, parallel: bool):
+    """``py_func`` compiled under its own name: numba names cache files by qualified name, so a
+    parallel and a serial build of one Python function would otherwise share (and clobber) them."""
+    fn = types_module.FunctionType(py_func.__code__, py_func.__globals__, name, py_func.__defaults__,
+                                   py_func.__closure__)
+    fn.__qualname__ = name
+    fn.__doc__ = py_func.__doc__
+    return njit(cache=True, parallel=parallel, fastmath=_FM)(fn)
+
+
+# Parallel over column groups (2 threads here), and serial builds for small products: a fork-join
+# costs ~10-20 us and, when another process holds the second core, a barrier can wait a whole
+# scheduler slice (measured: 40-70 ms per call for a 0.05 ms GEMV while the machine's load was 7).
+gemv4 = _compiled(_gemv4, "gemv4", True)
+gemv4_serial = _compiled(_gemv4, "gemv4_serial", False)
+gemv8 = _compiled(_gemv8, "gemv8", True)
+gemv8_serial = _compiled(_gemv8, "gemv8_serial", False)
+
+
+@njit(cache=True, fastmath=_FM)
 def dequant4(bq, sc, zq, zmode, zmid, out, n, nb, blob, tile, t0, t1):
-    """Dense float32 ``W`` of tiles ``t0 <= t < t1`` into ``out`` (nb * block_size, columns)."""
+    """Dense float32 ``W`` of tiles ``t0 <= t < t1`` into ``out`` (nb * block_size, columns).
+
+    Serial on purpose: the panel it fills goes straight to a multithreaded BLAS call, and an
+    OpenMP team spinning beside OpenBLAS's threads on 2 cores made whole calls 100-1000x slower
+    (measured: 190 ms instead of ~1 ms for 896x4864 at M=1 with a parallel dequant).
+    """
     bs = 2 * blob
     nfull = n // tile
     rem = n - nfull * tile
-    for idx in prange((t1 - t0) * nb):
+    for idx in range((t1 - t0) * nb):
         tl = t0 + idx // nb
         b = idx - (idx // nb) * nb
         width = tile if tl < nfull else rem
@@ -249,12 +273,12 @@ def dequant4(bq, sc, zq, zmode, zmid, out, n, nb, blob, tile, t0, t1):
                     hi[c] = (np.float32(np.uint8(v >> np.uint8(4))) - zmid) * s
 
 
-@njit(cache=True, parallel=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM)
 def dequant8(bq, sc, zq, zmode, zmid, out, n, nb, blob, tile, t0, t1):
     """:func:`dequant4` for 8-bit blocks."""
     nfull = n // tile
     rem = n - nfull * tile
-    for idx in prange((t1 - t0) * nb):
+    for idx in range((t1 - t0) * nb):
         tl = t0 + idx // nb
         b = idx - (idx // nb) * nb
         width = tile if tl < nfull else rem

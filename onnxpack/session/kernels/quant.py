@@ -85,6 +85,10 @@ TILE = 128
 # dequantized panel and BLAS win (measured: see benchmarks/bench_int4.py and the commit message).
 JIT_MAX_ROWS = 16
 
+# Below this many multiply-adds the JIT runs on the calling thread only: a 2-thread fork-join
+# saves at most ~15 us there and risks a scheduler slice when the other core is busy.
+JIT_SERIAL_BELOW = 2_000_000
+
 # Float32 elements of one dequantized panel (per thread, reused across calls): 1 Mi floats (4 MiB)
 # keep a panel within this machine's 2 MiB L2 + shared L3 while BLAS sees wide enough products.
 _PANEL_FLOATS = 1 << 20
@@ -363,8 +367,11 @@ class MatMulNBits(Kernel):
         zmode, zarr, zmid = self._zmode(zq)
         if jit is not None and m <= JIT_MAX_ROWS:
             y = np.empty((m, self.n), np.float32)
-            fn = jit.gemv4 if self.bits == 4 else jit.gemv8
-            fn(a2, bq, _jit_view(sc), _jit_view(zarr), zmode, zmid, y, self.n, self.nblocks, self.blob, TILE, jit.threads())
+            if m * self.k * self.n < JIT_SERIAL_BELOW:
+                fn, threads = (jit.gemv4_serial if self.bits == 4 else jit.gemv8_serial), 1
+            else:
+                fn, threads = (jit.gemv4 if self.bits == 4 else jit.gemv8), jit.threads()
+            fn(a2, bq, _jit_view(sc), _jit_view(zarr), zmode, zmid, y, self.n, self.nblocks, self.blob, TILE, threads)
             return y
         return self._panels(a2, bq, sc, zarr, zmode, zmid, jit)
 
@@ -388,32 +395,35 @@ class MatMulNBits(Kernel):
         return y
 
     def _dequant_numpy(self, bq, sc, zarr, zmode, zmid, t0, t1, out) -> None:
-        """numpy twin of the JIT's dequant: tiles ``t0 <= t < t1`` into ``out`` (K_pad, columns)."""
-        n, nb, bs = self.n, self.nblocks, self.block_size
+        """numpy twin of the JIT's dequant: tiles ``t0 <= t < t1`` into ``out`` (K_pad, columns).
+
+        Tile by tile, straight into ``out`` (splitting out's row axis is always a view): each
+        bit plane is shifted, masked and converted in one assignment, then the zero point is
+        subtracted and the scale applied in place: 2 + 8/bits passes, no temporaries of W's size.
+        """
+        n, nb, bs, bits = self.n, self.nblocks, self.block_size, self.bits
+        per = 8 // bits
+        mask = np.uint8((1 << bits) - 1)
         bfull, blast = _tile_views(bq, n, nb, self.blob)
         sfull, slast = _tile_views(sc, n, nb, 1)
         if zmode:
             zfull, zlast = _tile_views(zarr, n, nb, 1)
         nfull = bfull.shape[0]
-        kpad = nb * bs
-
-        def dense(braw, s, z):  # braw (..., nb, blob, w); s, z (..., nb, 1, w)
-            q = unpack_nbits(np.moveaxis(braw, -1, -2), self.bits, bs)  # (..., nb, w, bs)
-            q = np.moveaxis(q, -1, -2).astype(np.float32)  # (..., nb, bs, w)
-            q -= z if zmode else zmid
-            q *= s.astype(np.float32)
-            return q
-
-        f1 = min(t1, nfull)
-        if f1 > t0:
-            z = zfull[t0:f1].astype(np.float32) if zmode else None
-            w = dense(bfull[t0:f1], sfull[t0:f1], z).reshape(f1 - t0, kpad, TILE)
-            for p in range(f1 - t0):
-                out[:, p * TILE:(p + 1) * TILE] = w[p]
-        if t1 > nfull:  # the last, narrower tile
-            z = zlast.astype(np.float32) if zmode else None
-            w = dense(blast, slast, z)  # (nb, bs, rem)
-            out[:, (nfull - t0) * TILE:] = w.reshape(kpad, -1)
+        for t in range(t0, t1):
+            c0 = (t - t0) * TILE
+            last = t >= nfull
+            braw = blast if last else bfull[t]  # (nb, blob, w)
+            w = braw.shape[-1]
+            dst = out[:, c0:c0 + w]
+            planes = dst.reshape(nb, self.blob, per, w)
+            for p in range(per):
+                planes[:, :, p, :] = (braw >> np.uint8(p * bits)) & mask if per > 1 else braw
+            q = dst.reshape(nb, bs, w)
+            if zmode:
+                q -= (zlast if last else zfull[t]).astype(np.float32)
+            else:
+                q -= zmid
+            q *= (slast if last else sfull[t]).astype(np.float32, copy=False)
 
     def _trivial_g_idx(self, g_idx: np.ndarray) -> bool:
         g = np.asarray(g_idx)
