@@ -20,7 +20,6 @@ from onnx import helper, numpy_helper
 
 from kernel_util import run_native, run_ort
 
-from onnxpack.session.kernels import KernelContext, TensorInfo, lookup
 from onnxpack.session.kernels.quant import dequantize_nbits
 
 TOL = {np.dtype(np.float32): dict(rtol=1e-4, atol=1e-4), np.dtype(np.float16): dict(rtol=1e-2, atol=2e-2)}
@@ -142,25 +141,4 @@ def test_hand_written_nodes_match_onnxruntime(case, m):
     np.testing.assert_allclose(packed.astype(np.float64), got.astype(np.float64), **PACK_TOL)
 
 
-def test_pack_spec_key_attrs_and_layout():
-    node, values = hand_node_case(64, 8, 32, scale_dtype=np.float32, zp_kind="uint8", bias=False)
-    k = lookup(MS, "MatMulNBits", 1)(node, KernelContext(1, {MS: 1, "": 17}))
-    b = values["b"]
-    info = TensorInfo("b", b.dtype, b.shape, onnx.TensorProto.UINT8)
-    spec = k.pack_spec(1, info)
-    assert spec.family == "matmulnbits"
-    other = helper.make_node("MatMulNBits", list(node.input), ["y"], domain=MS, K=64, N=8, bits=4, block_size=16)
-    k2 = lookup(MS, "MatMulNBits", 1)(other, KernelContext(1, {MS: 1, "": 17}))
-    assert k2.pack_spec(1, info).attrs != spec.attrs  # block_size is part of the key
-    (buf,) = k.prepack(1, b)
-    assert buf.dtype == np.float32 and buf.shape == (64, 8) and buf.flags.c_contiguous
-    assert k.expected_packed(1, info) == [(np.dtype(np.float32), (64, 8))]
-    # Integers: low nibble first, column n of W is row n of B.
-    assert buf[0, 0] == b[0, 0, 0] & 0xF and buf[1, 0] == b[0, 0, 0] >> 4
-    assert k.check_packed(1, info, (buf[:32],)) is not None
-
-
-def test_g_idx_is_not_supported():
-    node = helper.make_node("MatMulNBits", ["a", "b", "s", "", "g"], ["y"], domain=MS, K=64, N=8, bits=4, block_size=32)
-    with pytest.raises(NotImplementedError):
-        lookup(MS, "MatMulNBits", 1)(node, KernelContext(1, {MS: 1}))
+# The packed layout, the pack key, g_idx and the byte budget: tests/session/test_kernels_int4.py.

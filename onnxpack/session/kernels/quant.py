@@ -1,42 +1,65 @@
-"""``com.microsoft::MatMulNBits``: block-wise n-bit weight-only quantized MatMul.
+"""Block-quantized weights that stay quantized: ``com.microsoft::MatMulNBits`` and ``GatherBlockQuantized``.
 
-Layout, as onnxruntime's ``MatMulNBitsQuantizer`` writes it (and onnxruntime's kernel reads it):
+MatMulNBits, as onnxruntime's ``MatMulNBitsQuantizer`` (and onnxruntime-genai's builder) write it:
 
-* ``B`` uint8 (N, n_blocks, blob_size): column n of the (K, N) weight, cut into blocks of
+* ``B`` uint8 (N, n_blocks, blob): column n of the (K, N) weight, cut into blocks of
   ``block_size`` rows, each block's values packed little-end-first (4 bits: element 2j in the low
   nibble of byte j); the last block is zero-padded when K is not a multiple of block_size.
 * ``scales`` (N * n_blocks) or (N, n_blocks), float32 / float16 / bfloat16.
 * ``zero_points`` optional: uint8 packed like ``B`` per column (N, ceil(n_blocks*bits/8)), or
   the scales' float type with the scales' shape.  Absent means ``2**(bits-1)``.
-* ``g_idx`` (input 4) is not supported; ``bias`` (input 5, (N,)) is added.
+* ``g_idx`` (input 4, int32 (K,)): row k uses the scale and zero point of block ``g_idx[k]``
+  (act-order); ``bias`` (input 5, (N,)) is added.
 
-Dequantized weight: ``W[k, n] = (q[k, n] - zp[k // bs, n]) * scale[k // bs, n]``.
+Dequantized weight: ``W[k, n] = (q[k, n] - zp[g(k), n]) * scale[g(k), n]``, ``g(k) = k // block_size``
+without g_idx.
 
-Pre-packing choice (measured, OpenBLAS single thread, K = N = 2048, block 32):
+Packed format (pack version 2; ``docs/formats.md`` has the same table).  Every packed buffer is
+1-D and uses one **tiled layout**: the N columns are cut into tiles of ``TILE`` = 128 columns (the
+last tile holds the remaining ``N % 128``), and a tile of width ``w`` stores its per-block data
+column-fastest, ``(n_blocks, r, w)`` in C order, where ``r`` is the bytes per block.
 
-=========================  ========  ===========  ================================
-layout                     M = 1     M = 64       memory vs the 4-bit original
-=========================  ========  ===========  ================================
-dense fp32 W               0.55 ms   21 ms        8x (needs scales in its key)
-integer q as fp32 (ours)   0.70 ms   33 ms        8x
-uint8 q, dequant per call  12-16 ms  29 ms        2x
-=========================  ========  ===========  ================================
+=============  =============================  ===================================================
+input          packed buffer                  bytes vs the model's
+=============  =============================  ===================================================
+B              uint8 (N * n_blocks * blob,)   equal (the same bytes, re-ordered; r = blob)
+scales         float32, or float16 kept as    equal (bfloat16 and float64 are widened to float32)
+               float16 (N * n_blocks,)
+zero_points    uint8 (N * n_blocks,), one     uint8: 2x the packed nibbles (1 byte per block);
+               byte per block; float: like    float: as scales
+               scales
+=============  =============================  ===================================================
 
-The contract packs one input at a time and keys a packed buffer by that input alone, so a
-buffer that bakes in the scales (dense W) would collide in a shared container between two models
-with the same ``B`` and different scales.  We therefore pack ``B`` into its integers widened to
-float32, laid out (K_pad, N) for BLAS, and pack ``scales``/``zero_points`` separately as
-(n_blocks, N) float32.  For few rows (M <= ``_BLOCKED_MAX_ROWS``, the decoding case) the call
-multiplies A block-wise with the integers in one batched GEMM and applies scales and zero
-points to the (n_blocks, M, N) partial products (``zp`` enters as ``sum_k A[m, k]`` per block times
-``zp * scale``), which is within ~1.3x of the dense GEMM; for more rows it rebuilds the
-dense weight once per call (one fused pass) and runs one GEMM.
+So the packed total is at most the model's B + scales + 2x its zero-point bytes (for 4 bits,
+block 32, float32 scales and uint8 zero points: 21 bytes per block of 32 vs the model's 20.5,
+1.02x); the one widening, bfloat16 to float32, stays within 1.25x except for bfloat16 float
+zero points at block size 16 (1.33x).  Why tiles: a decode GEMV then streams each tile front to
+back with the column loop innermost (vectorized, no per-block horizontal sum), 2.7x faster on one
+thread than a dot product per column over the model's own layout (K=896, N=4864: 0.23 ms vs
+0.62 ms); the scales and zero points of a tile sit next to each other the same way.  The pack
+contract keys each buffer by its own input alone (a shared container would otherwise hand one
+model's dense weight, baked with its scales, to another model with the same ``B`` and other
+scales), so scales are never folded into ``B`` or the zero points.
+
+Compute (``W`` is never materialized whole):
+
+* few rows (M <= ``JIT_MAX_ROWS``, decoding) with numba (the ``jit`` extra): one pass over the
+  packed tiles, 2 threads (:mod:`._nbits_jit`); onnxruntime's ``accuracy_level=4`` quantizes A
+  to int8, we always compute in float32.
+* otherwise (prefill, or no numba, or ``ONNXPACK_DISABLE_JIT=1``): dequantize a panel of tiles
+  into a per-thread float32 scratch and multiply it with BLAS, panel by panel.
+
+``GatherBlockQuantized`` gathers rows and dequantizes only those: it never packs, so a tied
+embedding that shares its bytes with the lm_head's ``B`` is read from the model's own bytes (a
+mapped file's untouched pages are never paged in) and no second copy of it is made.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import struct
+import threading
 
 import numpy as np
 
@@ -46,13 +69,71 @@ from onnxpack.session.kernels.linalg import as_compute
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MatMulNBits", "unpack_nbits", "dequantize_nbits"]
+__all__ = [
+    "MatMulNBits", "GatherBlockQuantized", "unpack_nbits", "dequantize_nbits", "to_tiles", "jit_enabled",
+    "TILE", "JIT_MAX_ROWS",
+]
 
-_PACK_VERSION = 1
+# Version of the packed layout; 1 was B's integers widened to float32 (K_pad, N) with
+# (n_blocks, N) float32 scales and zero points, 8x the 4-bit bytes.
+_PACK_VERSION = 2
 
-# Up to this many rows of A, apply scales to block partial products instead of rebuilding the
-# dense weight: the partial products cost n_blocks * M * N, the rebuild K * N.
-_BLOCKED_MAX_ROWS = 16
+# Columns per tile of the packed layout (a multiple of the JIT's 64-column work item).
+TILE = 128
+
+# Up to this many rows of A the JIT streams the packed weight once for all rows; above, a
+# dequantized panel and BLAS win (measured: see benchmarks/bench_int4.py and the commit message).
+JIT_MAX_ROWS = 16
+
+# Below this many multiply-adds the JIT runs on the calling thread only: a 2-thread fork-join
+# saves at most ~15 us there and risks a scheduler slice when the other core is busy.
+JIT_SERIAL_BELOW = 2_000_000
+
+# Float32 elements of one dequantized panel (per thread, reused across calls): 1 Mi floats (4 MiB)
+# keep a panel within this machine's 2 MiB L2 + shared L3 while BLAS sees wide enough products.
+_PANEL_FLOATS = 1 << 20
+
+_ENV_DISABLE = "ONNXPACK_DISABLE_JIT"
+_jit_module = None
+_jit_failed = False
+_jit_lock = threading.Lock()
+_local = threading.local()
+
+
+def jit_enabled() -> bool:
+    """Whether the numba kernels are used (numba importable and ``ONNXPACK_DISABLE_JIT`` not 1)."""
+    return _jit() is not None
+
+
+def _jit():
+    """The numba kernel module, imported on first use; ``None`` without numba or when disabled."""
+    global _jit_module, _jit_failed
+    if os.environ.get(_ENV_DISABLE, "") == "1":
+        return None
+    if _jit_module is not None or _jit_failed:
+        return _jit_module
+    with _jit_lock:
+        if _jit_module is None and not _jit_failed:
+            try:
+                from onnxpack.session.kernels import _nbits_jit
+            except ImportError as exc:  # numba missing, or one that does not fit this numpy
+                _jit_failed = True
+                logger.info("MatMulNBits: numba kernels unavailable (%s); using numpy", exc)
+            else:
+                _jit_module = _nbits_jit
+    return _jit_module
+
+
+def _scratch(count: int) -> np.ndarray:
+    """A float32 scratch of ``count`` elements, reused by later calls in this thread."""
+    buf = getattr(_local, "panel", None)
+    if buf is None or buf.size < count:
+        buf = np.empty(max(count, 1), np.float32)
+        _local.panel = buf
+    return buf[:count]
+
+
+# -- layout helpers ---------------------------------------------------------------------------------
 
 
 def unpack_nbits(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
@@ -65,33 +146,76 @@ def unpack_nbits(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
     return vals[..., :count]
 
 
+def to_tiles(x: np.ndarray) -> np.ndarray:
+    """(N, n_blocks, r) per-column block data -> the 1-D tiled layout (see the module docstring)."""
+    n, nb, r = x.shape
+    nfull = n // TILE
+    parts = []
+    if nfull:
+        parts.append(x[: nfull * TILE].reshape(nfull, TILE, nb, r).transpose(0, 2, 3, 1).reshape(-1))
+    if n - nfull * TILE:
+        parts.append(x[nfull * TILE:].transpose(1, 2, 0).reshape(-1))
+    if not parts:
+        return np.empty(0, x.dtype)
+    return np.ascontiguousarray(np.concatenate(parts) if len(parts) > 1 else parts[0])
+
+
+def _tile_views(flat: np.ndarray, n: int, nb: int, r: int) -> tuple[np.ndarray, np.ndarray]:
+    """Views (full tiles (nfull, nb, r, TILE), last tile (nb, r, N % TILE)) of a tiled buffer."""
+    nfull = n // TILE
+    cut = nfull * TILE * nb * r
+    return flat[:cut].reshape(nfull, nb, r, TILE), flat[cut:].reshape(nb, r, n - nfull * TILE)
+
+
+def _untile(flat: np.ndarray, n: int, nb: int, r: int) -> np.ndarray:
+    """Inverse of :func:`to_tiles`: (N, n_blocks, r)."""
+    full, last = _tile_views(flat, n, nb, r)
+    top = full.transpose(0, 3, 1, 2).reshape(-1, nb, r)
+    return np.concatenate([top, last.transpose(2, 0, 1)]) if last.size or not top.size else top
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    return np.dtype(dtype).kind == "f" or np.dtype(dtype).name == "bfloat16"
+
+
+def _float_storage(dtype: np.dtype) -> np.dtype:
+    """The packed dtype of float scales / zero points: float32 and float16 stay, others widen."""
+    dtype = np.dtype(dtype)
+    return dtype if dtype in (np.dtype(np.float32), np.dtype(np.float16)) else np.dtype(np.float32)
+
+
+def _as_storage(x: np.ndarray) -> np.ndarray:
+    target = _float_storage(x.dtype)
+    if x.dtype == target:
+        return x
+    return np.asarray(x).astype(np.float32).astype(target, copy=False)
+
+
+def _jit_view(x: np.ndarray) -> np.ndarray:
+    """numba has no float16: float16 buffers go in as their uint16 bits (converted in the kernel)."""
+    return x.view(np.uint16) if x.dtype == np.float16 else x
+
+
 def dequantize_nbits(b, scales, zero_points, *, k: int, n: int, bits: int, block_size: int) -> np.ndarray:
     """The (K, N) float32 weight a MatMulNBits node multiplies by (used by tests and the CLI)."""
-    q, s = _integers(b, n, bits, block_size), _scales(scales, n)
-    zp = _zero_points(zero_points, n, s.shape[0], bits)
-    w = (q.reshape(s.shape[0], block_size, n) - zp[:, None, :]) * s[:, None, :]
-    return w.reshape(-1, n)[:k]
+    nb = -(-k // block_size)
+    q = unpack_nbits(np.asarray(b, dtype=np.uint8).reshape(n, nb, -1), bits, block_size)  # (N, nb, bs)
+    s = np.asarray(scales).astype(np.float32).reshape(n, nb)
+    zp = _zero_points_dense(zero_points, n, nb, bits)
+    w = (q.astype(np.float32) - zp[:, :, None]) * s[:, :, None]
+    return np.ascontiguousarray(w.reshape(n, nb * block_size)[:, :k].T)
 
 
-def _integers(b: np.ndarray, n: int, bits: int, block_size: int) -> np.ndarray:
-    """B's integers as float32 (n_blocks * block_size, N), C-contiguous."""
-    nblocks = b.shape[1]
-    q = unpack_nbits(np.asarray(b, dtype=np.uint8).reshape(n, nblocks, -1), bits, block_size)
-    return np.ascontiguousarray(q.reshape(n, nblocks * block_size).T, dtype=np.float32)
-
-
-def _scales(scales: np.ndarray, n: int) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(scales).reshape(n, -1).T, dtype=np.float32)
-
-
-def _zero_points(zp: np.ndarray | None, n: int, nblocks: int, bits: int) -> np.ndarray:
-    """Zero points as float32 (n_blocks, N)."""
+def _zero_points_dense(zp: np.ndarray | None, n: int, nb: int, bits: int) -> np.ndarray:
+    """Zero points as float32 (N, n_blocks)."""
     if zp is None:
-        return np.full((nblocks, n), float(1 << (bits - 1)), dtype=np.float32)
+        return np.full((n, nb), float(1 << (bits - 1)), dtype=np.float32)
     if zp.dtype == np.uint8:
-        vals = unpack_nbits(zp.reshape(n, -1), bits, nblocks)
-        return np.ascontiguousarray(vals.T, dtype=np.float32)
-    return np.ascontiguousarray(np.asarray(zp).reshape(n, -1).T, dtype=np.float32)
+        return unpack_nbits(zp.reshape(n, -1), bits, nb).astype(np.float32)
+    return np.asarray(zp).astype(np.float32).reshape(n, nb)
+
+
+# -- MatMulNBits ------------------------------------------------------------------------------------
 
 
 @register("MatMulNBits", domain="com.microsoft", since=1)
@@ -103,112 +227,327 @@ class MatMulNBits(Kernel):
 
     def __init__(self, node, ctx) -> None:
         super().__init__(node, ctx)
-        missing = [a for a in ("K", "N", "block_size") if a not in self.attrs]
+        missing = [a for a in ("K", "N") if a not in self.attrs]
         if missing:
             raise InvalidArgument(f"node {node.name!r} (MatMulNBits): missing attribute(s) {missing}")
         self.k = int(self.attr("K"))
         self.n = int(self.attr("N"))
         self.bits = int(self.attr("bits", 4))
-        self.block_size = int(self.attr("block_size"))
+        self.block_size = int(self.attr("block_size", 0))
+        self.accuracy_level = int(self.attr("accuracy_level", 0))  # accepted; we compute in float32
         if self.bits not in (2, 4, 8):
-            raise NotImplementedError(f"MatMulNBits bits={self.bits} is not implemented natively")
+            raise InvalidArgument(f"node {node.name!r} (MatMulNBits): bits must be 2, 4 or 8, got {self.bits}")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise InvalidArgument(
                 f"node {node.name!r} (MatMulNBits): block_size must be a power of 2 and >= 16, got {self.block_size}"
             )
-        if len(node.input) > 4 and node.input[4]:
-            raise NotImplementedError("MatMulNBits with g_idx is not implemented natively")
+        if self.k < 0 or self.n < 0:
+            raise InvalidArgument(f"node {node.name!r} (MatMulNBits): K and N must be >= 0, got K={self.k} N={self.n}")
         self.nblocks = -(-self.k // self.block_size)
-        self._q: np.ndarray | None = None  # (K_pad, N) float32 integers
-        self._s: np.ndarray | None = None  # (n_blocks, N) float32
-        self._zp: np.ndarray | None = None  # (n_blocks, N) float32
+        self.blob = self.block_size * self.bits // 8
+        self.has_zp = len(node.input) > 3 and bool(node.input[3])
+        self._packed: dict[int, np.ndarray] = {}  # input index -> tiled buffer
 
     # -- pre-packing ------------------------------------------------------------------------------
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
         if input_index not in (1, 2, 3):
             return None
-        attrs = struct.pack("<qqqqB", self.k, self.n, self.bits, self.block_size, input_index)
+        dtype = np.dtype(info.dtype)
+        if (input_index == 1 and dtype != np.uint8) or (input_index == 2 and not _is_float(dtype)) or (
+                input_index == 3 and dtype != np.uint8 and not _is_float(dtype)):
+            return None  # a wrong type: run() says what is wrong
+        attrs = struct.pack("<qqqqBq", self.k, self.n, self.bits, self.block_size, input_index, TILE)
         return PackSpec("matmulnbits", _PACK_VERSION, attrs, 1)
 
     def expected_packed(self, input_index: int, info: TensorInfo):
         if self.pack_spec(input_index, info) is None:
             return None
+        count = self.n * self.nblocks
         if input_index == 1:
-            return [(np.dtype(np.float32), (self.nblocks * self.block_size, self.n))]
-        return [(np.dtype(np.float32), (self.nblocks, self.n))]
+            return [(np.dtype(np.uint8), (count * self.blob,))]
+        if input_index == 3 and np.dtype(info.dtype) == np.uint8:
+            return [(np.dtype(np.uint8), (count,))]
+        return [(_float_storage(info.dtype), (count,))]
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
-        self._check_input(input_index, weight)
-        if input_index == 1:
-            return (_integers(weight, self.n, self.bits, self.block_size),)
-        if input_index == 2:
-            return (_scales(weight, self.n),)
-        return (_zero_points(weight, self.n, self.nblocks, self.bits),)
+        return (self._pack(input_index, weight),)
 
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
-        (buf,) = buffers
-        if input_index == 1:
-            self._q = buf
-        elif input_index == 2:
-            self._s = buf
-        else:
-            self._zp = buf
+        (self._packed[input_index],) = buffers
 
-    def _check_input(self, i: int, arr: np.ndarray) -> None:
-        blob = self.block_size * self.bits // 8
+    def _pack(self, i: int, arr: np.ndarray) -> np.ndarray:
+        """Input ``i`` in the tiled layout (also used per call for inputs that were not packed)."""
+        self._check_input(i, arr)
+        n, nb = self.n, self.nblocks
         if i == 1:
-            if arr.dtype != np.uint8 or arr.size != self.n * self.nblocks * blob:
+            return to_tiles(np.asarray(arr).reshape(n, nb, self.blob))
+        if i == 3 and arr.dtype == np.uint8:
+            return to_tiles(unpack_nbits(np.asarray(arr).reshape(n, -1), self.bits, nb).reshape(n, nb, 1))
+        return to_tiles(_as_storage(np.asarray(arr)).reshape(n, nb, 1))
+
+    def _check_input(self, i: int, arr: np.ndarray | None) -> None:
+        name = self.node.name
+        if arr is None:
+            raise InvalidArgument(f"node {name!r} (MatMulNBits): input {i} is missing")
+        count = self.n * self.nblocks
+        if i == 1:
+            if arr.dtype != np.uint8 or arr.size != count * self.blob:
                 raise InvalidArgument(
-                    f"node {self.node.name!r} (MatMulNBits): B must be uint8 with "
-                    f"{self.n}x{self.nblocks}x{blob} elements (N, n_blocks, blob), got {arr.dtype}{list(arr.shape)}"
+                    f"node {name!r} (MatMulNBits): B must be uint8 with {self.n}x{self.nblocks}x{self.blob} "
+                    f"elements (N, n_blocks, blob), got {arr.dtype}{list(arr.shape)}"
                 )
-        elif i == 2 and arr.size != self.n * self.nblocks:
-            raise InvalidArgument(
-                f"node {self.node.name!r} (MatMulNBits): scales must have N*n_blocks = "
-                f"{self.n * self.nblocks} elements, got shape {list(arr.shape)}"
-            )
+        elif i == 2:
+            if not _is_float(arr.dtype) or arr.size != count:
+                raise InvalidArgument(
+                    f"node {name!r} (MatMulNBits): scales must be float with N*n_blocks = {count} elements, "
+                    f"got {arr.dtype}{list(arr.shape)}"
+                )
+        elif i == 3:
+            if arr.dtype == np.uint8:
+                per_col = -(-self.nblocks * self.bits // 8)
+                if arr.size != self.n * per_col:
+                    raise InvalidArgument(
+                        f"node {name!r} (MatMulNBits): uint8 zero_points must have N*ceil(n_blocks*bits/8) = "
+                        f"{self.n * per_col} elements, got {list(arr.shape)}"
+                    )
+            elif not _is_float(arr.dtype) or arr.size != count:
+                raise InvalidArgument(
+                    f"node {name!r} (MatMulNBits): zero_points must be uint8 or float with N*n_blocks = "
+                    f"{count} elements, got {arr.dtype}{list(arr.shape)}"
+                )
 
     # -- compute --------------------------------------------------------------------------------
     def run(self, a, b=None, scales=None, zero_points=None, g_idx=None, bias=None):
-        n, bs, nb = self.n, self.block_size, self.nblocks
-        if self._q is not None:
-            q = self._q
-        else:
-            self._check_input(1, b)
-            q = _integers(b.reshape(n, nb, -1), n, self.bits, bs)
-        if self._s is not None:
-            s = self._s
-        else:
-            self._check_input(2, scales)
-            s = _scales(scales, n)
-        if self._zp is not None:
-            zp = self._zp
-        else:
-            zp = _zero_points(zero_points, n, nb, self.bits)
-        if a.shape[-1] != self.k:
+        name = self.node.name
+        if a is None or a.ndim < 1 or a.shape[-1] != self.k:
             raise InvalidArgument(
-                f"node {self.node.name!r} (MatMulNBits): A's last dimension must be K={self.k}, got {list(a.shape)}"
+                f"node {name!r} (MatMulNBits): A's last dimension must be K={self.k}, "
+                f"got {None if a is None else list(a.shape)}"
             )
+        bq = self._packed.get(1)
+        if bq is None:
+            bq = self._pack(1, b)
+        sc = self._packed.get(2)
+        if sc is None:
+            sc = self._pack(2, scales)
+        zq = None
+        if self.has_zp:
+            zq = self._packed.get(3)
+            if zq is None:
+                zq = self._pack(3, zero_points)
         out_dtype = a.dtype
         lead = a.shape[:-1]
-        a2 = as_compute(a).reshape(-1, self.k)
+        a2 = as_compute(a).reshape(int(np.prod(lead, dtype=np.int64)), self.k)
         if a2.dtype != np.float32:
             a2 = a2.astype(np.float32)
-        m = a2.shape[0]
-        kpad = nb * bs
-        if m <= _BLOCKED_MAX_ROWS:
-            if kpad != self.k:
-                a2 = np.concatenate([a2, np.zeros((m, kpad - self.k), np.float32)], axis=1)
-            ab = a2.reshape(m, nb, bs).transpose(1, 0, 2)  # (nb, m, bs)
-            part = np.matmul(ab, q.reshape(nb, bs, n))  # (nb, m, n)
-            part *= s[:, None, :]
-            y = part.sum(axis=0)
-            y -= ab.sum(axis=2).T @ (zp * s)
+        a2 = np.ascontiguousarray(a2)
+        if g_idx is not None and not self._trivial_g_idx(g_idx):
+            y = a2 @ self._dense_g_idx(bq, sc, zq, g_idx)
+        elif self.k == 0 or self.n == 0 or a2.shape[0] == 0:
+            y = np.zeros((a2.shape[0], self.n), np.float32)
         else:
-            w = q.reshape(nb, bs, n) - zp[:, None, :]
-            w *= s[:, None, :]
-            y = a2 @ w.reshape(kpad, n)[: self.k]
+            y = self._matmul(a2, bq, sc, zq)
         if bias is not None:
-            y += as_compute(bias).astype(np.float32, copy=False)
-        y = y.reshape(*lead, n)
+            if bias.size != self.n:
+                raise InvalidArgument(f"node {name!r} (MatMulNBits): bias must have N={self.n} elements, got {list(bias.shape)}")
+            y += as_compute(bias).astype(np.float32, copy=False).reshape(self.n)
+        y = y.reshape(*lead, self.n)
         return (y.astype(out_dtype, copy=False),)
+
+    def _zmode(self, zq):
+        """(zero-point mode for the tiled kernels, per-block zero points, implicit zero point)."""
+        mid = np.float32(1 << (self.bits - 1))
+        if zq is None:
+            return 0, np.empty(0, np.uint8), mid
+        return 1, zq, mid
+
+    def _matmul(self, a2: np.ndarray, bq, sc, zq) -> np.ndarray:
+        m = a2.shape[0]
+        jit = _jit() if self.bits in (4, 8) else None
+        zmode, zarr, zmid = self._zmode(zq)
+        if jit is not None and m <= JIT_MAX_ROWS:
+            y = np.empty((m, self.n), np.float32)
+            if m * self.k * self.n < JIT_SERIAL_BELOW:
+                fn, threads = (jit.gemv4_serial if self.bits == 4 else jit.gemv8_serial), 1
+            else:
+                fn, threads = (jit.gemv4 if self.bits == 4 else jit.gemv8), jit.threads()
+            fn(a2, bq, _jit_view(sc), _jit_view(zarr), zmode, zmid, y, self.n, self.nblocks, self.blob, TILE, threads)
+            return y
+        return self._panels(a2, bq, sc, zarr, zmode, zmid, jit)
+
+    def _panels(self, a2, bq, sc, zarr, zmode, zmid, jit) -> np.ndarray:
+        """``a2 @ W`` by dequantizing panels of whole tiles into a reused scratch, then BLAS."""
+        m = a2.shape[0]
+        kpad = self.nblocks * self.block_size
+        ntiles = -(-self.n // TILE)
+        per = max(1, _PANEL_FLOATS // (kpad * TILE))
+        y = np.empty((m, self.n), np.float32)
+        for t0 in range(0, ntiles, per):
+            t1 = min(ntiles, t0 + per)
+            c0, c1 = t0 * TILE, min(self.n, t1 * TILE)
+            w = _scratch(kpad * (c1 - c0)).reshape(kpad, c1 - c0)
+            if jit is not None:
+                fn = jit.dequant4 if self.bits == 4 else jit.dequant8
+                fn(bq, _jit_view(sc), _jit_view(zarr), zmode, zmid, w, self.n, self.nblocks, self.blob, TILE, t0, t1)
+            else:
+                self._dequant_numpy(bq, sc, zarr, zmode, zmid, t0, t1, w)
+            np.matmul(a2, w[: self.k], out=y[:, c0:c1])
+        return y
+
+    def _dequant_numpy(self, bq, sc, zarr, zmode, zmid, t0, t1, out) -> None:
+        """numpy twin of the JIT's dequant: tiles ``t0 <= t < t1`` into ``out`` (K_pad, columns).
+
+        Tile by tile, straight into ``out`` (splitting out's row axis is always a view): each
+        bit plane is shifted, masked and converted in one assignment, then the zero point is
+        subtracted and the scale applied in place: 2 + 8/bits passes, no temporaries of W's size.
+        """
+        n, nb, bs, bits = self.n, self.nblocks, self.block_size, self.bits
+        per = 8 // bits
+        mask = np.uint8((1 << bits) - 1)
+        bfull, blast = _tile_views(bq, n, nb, self.blob)
+        sfull, slast = _tile_views(sc, n, nb, 1)
+        if zmode:
+            zfull, zlast = _tile_views(zarr, n, nb, 1)
+        nfull = bfull.shape[0]
+        for t in range(t0, t1):
+            c0 = (t - t0) * TILE
+            last = t >= nfull
+            braw = blast if last else bfull[t]  # (nb, blob, w)
+            w = braw.shape[-1]
+            dst = out[:, c0:c0 + w]
+            planes = dst.reshape(nb, self.blob, per, w)
+            for p in range(per):
+                planes[:, :, p, :] = (braw >> np.uint8(p * bits)) & mask if per > 1 else braw
+            q = dst.reshape(nb, bs, w)
+            if zmode:
+                q -= (zlast if last else zfull[t]).astype(np.float32)
+            else:
+                q -= zmid
+            q *= (slast if last else sfull[t]).astype(np.float32, copy=False)
+
+    def _trivial_g_idx(self, g_idx: np.ndarray) -> bool:
+        g = np.asarray(g_idx)
+        if g.size != self.k or g.dtype.kind not in "iu":
+            raise InvalidArgument(
+                f"node {self.node.name!r} (MatMulNBits): g_idx must be integers with K={self.k} elements, "
+                f"got {g.dtype}{list(g.shape)}"
+            )
+        if g.size and (g.min() < 0 or g.max() >= self.nblocks):
+            raise InvalidArgument(
+                f"node {self.node.name!r} (MatMulNBits): g_idx values must be in [0, {self.nblocks}), "
+                f"got [{g.min()}, {g.max()}]"
+            )
+        return bool(np.array_equal(g.reshape(-1), np.arange(self.k) // self.block_size))
+
+    def _dense_g_idx(self, bq, sc, zq, g_idx) -> np.ndarray:
+        """The (K, N) float32 weight with act-order block indices (numpy; correct, not fast)."""
+        n, nb = self.n, self.nblocks
+        q = unpack_nbits(_untile(bq, n, nb, self.blob), self.bits, self.block_size).reshape(n, -1)[:, : self.k]
+        s = _untile(sc, n, nb, 1).reshape(n, nb).astype(np.float32)
+        z = (_untile(zq, n, nb, 1).reshape(n, nb).astype(np.float32) if zq is not None
+             else np.full((n, nb), float(1 << (self.bits - 1)), np.float32))
+        g = np.asarray(g_idx).reshape(-1).astype(np.intp)
+        return np.ascontiguousarray(((q.astype(np.float32) - z[:, g]) * s[:, g]).T)
+
+
+# -- GatherBlockQuantized ---------------------------------------------------------------------------
+
+
+@register("GatherBlockQuantized", domain="com.microsoft", since=1)
+class GatherBlockQuantized(Kernel):
+    """Gather slices of a block-quantized tensor and dequantize only them.
+
+    ``data`` uint8 (values packed ``8 // bits`` per byte, low bits first, like MatMulNBits; absent
+    zero points mean ``2**(bits-1)``; gather_axis 0 and quantize_axis last, as onnxruntime
+    requires) or int4/uint4 (one value per element, any axes, bits 4, absent zero points mean 0).
+    ``scales`` has data's rank with the quantize axis counted in blocks; the output has the
+    scales' dtype.  Nothing is packed: the kernel reads the model's own bytes on every call and
+    touches only the gathered rows.  Out-of-range indices are an error (onnxruntime writes
+    zeros for them).
+    """
+
+    op_type = "GatherBlockQuantized"
+    domain = "com.microsoft"
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.gather_axis = int(self.attr("gather_axis", 0))
+        self.quantize_axis = int(self.attr("quantize_axis", 1))
+        self.block_size = int(self.attr("block_size", 128))
+        self.bits = int(self.attr("bits", 4))
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise InvalidArgument(
+                f"node {node.name!r} (GatherBlockQuantized): block_size must be a power of 2 and >= 16, "
+                f"got {self.block_size}"
+            )
+        if self.bits not in (2, 4, 8):
+            raise InvalidArgument(f"node {node.name!r} (GatherBlockQuantized): bits must be 2, 4 or 8, got {self.bits}")
+
+    def _fail(self, msg: str) -> InvalidArgument:
+        return InvalidArgument(f"node {self.node.name!r} (GatherBlockQuantized): {msg}")
+
+    def run(self, data, indices, scales, zero_points=None):
+        if data is None or indices is None or scales is None:
+            raise self._fail("data, indices and scales are required")
+        r = data.ndim
+        if r < 1:
+            raise self._fail("data must have rank >= 1")
+        ga = self.gather_axis + r if self.gather_axis < 0 else self.gather_axis
+        qa = self.quantize_axis + r if self.quantize_axis < 0 else self.quantize_axis
+        if not (0 <= ga < r and 0 <= qa < r):
+            raise self._fail(f"gather_axis {self.gather_axis} / quantize_axis {self.quantize_axis} out of range for rank {r}")
+        if indices.dtype.kind not in "iu":
+            raise self._fail(f"indices must be int32 or int64, got {indices.dtype}")
+        if not _is_float(scales.dtype):
+            raise self._fail(f"scales must be float, got {scales.dtype}")
+        if scales.ndim != r:
+            raise self._fail(f"data and scales must have the same rank, got {r} and {scales.ndim}")
+        packed = data.dtype == np.uint8
+        if packed:
+            if ga != 0 or qa != r - 1 or r < 2:
+                raise self._fail(f"uint8 data needs gather_axis 0 and quantize_axis {r - 1} (last), got {ga} and {qa}")
+            comp = 8 // self.bits
+        elif data.dtype.name in ("int4", "uint4"):
+            if self.bits != 4:
+                raise self._fail(f"int4/uint4 data needs bits 4, got {self.bits}")
+            comp = 1
+        else:
+            raise self._fail(f"data must be uint8, int4 or uint4, got {data.dtype}")
+        dim = data.shape[ga]
+        idx = np.asarray(indices).astype(np.int64).reshape(-1)
+        if idx.size and (idx.min() < -dim or idx.max() >= dim):
+            raise self._fail(f"indices must be in [-{dim}, {dim - 1}], got [{idx.min()}, {idx.max()}]")
+        idx = np.where(idx < 0, idx + dim, idx)
+        qlen = data.shape[qa] * comp
+        nblk = -(-qlen // self.block_size)
+        want_scales = tuple(nblk if i == qa else d for i, d in enumerate(data.shape))
+        if tuple(scales.shape) != want_scales:
+            raise self._fail(f"scales must have shape {list(want_scales)}, got {list(scales.shape)}")
+        if zero_points is not None:
+            zshape = tuple(-(-nblk // comp) if i == qa else d for i, d in enumerate(want_scales))
+            if tuple(zero_points.shape) != zshape or zero_points.dtype != data.dtype:
+                raise self._fail(f"zero_points must be {data.dtype} with shape {list(zshape)}, "
+                                 f"got {zero_points.dtype}{list(zero_points.shape)}")
+        out_dtype = scales.dtype
+        sel = np.take(data, idx, axis=ga)  # only the gathered slices are read
+        if packed:
+            q = unpack_nbits(sel, self.bits, qlen)
+        else:
+            q = sel.astype(np.int8)
+        # Block index of every position along the quantize axis, as seen after the gather.
+        if ga == qa:
+            blk = idx // self.block_size
+        else:
+            blk = np.arange(qlen) // self.block_size
+        s = np.take(scales, idx, axis=ga) if ga != qa else scales
+        s = np.take(s, blk, axis=qa).astype(np.float32)
+        if zero_points is None:
+            z = np.float32(1 << (self.bits - 1)) if packed else np.float32(0)
+        else:
+            zsel = np.take(zero_points, idx, axis=ga) if ga != qa else zero_points
+            zsel = unpack_nbits(zsel, self.bits, nblk) if packed else zsel.astype(np.int8)
+            z = np.take(zsel, blk, axis=qa).astype(np.float32)
+        w = (q.astype(np.float32) - z) * s
+        out_shape = data.shape[:ga] + tuple(np.shape(indices)) + data.shape[ga + 1:]
+        out_shape = out_shape[:-1] + (out_shape[-1] * comp,) if packed else out_shape
+        return (w.reshape(out_shape).astype(out_dtype, copy=False),)
