@@ -1,4 +1,4 @@
-"""Command line: ``onnxpack optimize | run | inspect | plan | bench | demo | cache``.
+"""Command line: ``onnxpack optimize | run | inspect | plan | bench | demo | cache | generate``.
 
 One module per subcommand, each with ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``;
 :data:`COMMANDS` lists them.  Errors from :mod:`onnxpack.errors` (and OS errors) become one line on
@@ -12,7 +12,7 @@ import logging
 import sys
 from types import ModuleType
 
-from onnxpack.cli import bench, cache, demo, inspect, optimize, plan, run
+from onnxpack.cli import bench, cache, demo, generate, inspect, optimize, plan, run
 from onnxpack.cli._common import EXIT_BAD_INPUT, EXIT_OK, int_at_least
 from onnxpack.cli.optimize import optimize_model
 from onnxpack.errors import OnnxpackError
@@ -27,6 +27,7 @@ COMMANDS: dict[str, ModuleType] = {
     "bench": bench,
     "plan": plan,
     "run": run,
+    "generate": generate,
 }
 
 

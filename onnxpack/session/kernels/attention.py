@@ -569,6 +569,12 @@ class RotaryEmbedding23(Kernel):
         return (y.reshape(x.shape).astype(x.dtype, copy=False),)
 
 
+def _same_buffer(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    """Whether two arrays are the same memory with the same layout (a buffer bound as both)."""
+    return (a is not None and b is not None and a.shape == b.shape and a.strides == b.strides
+            and a.dtype == b.dtype and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
+
+
 @register("GroupQueryAttention", domain="com.microsoft", since=1)
 class GroupQueryAttention(Kernel):
     """Causal grouped-query attention with a KV cache (onnxruntime-genai's decoder layers).
@@ -632,9 +638,23 @@ class GroupQueryAttention(Kernel):
             raise NotImplementedError("GroupQueryAttention k/v scales, q/k norm weights, query_seqlens or output_qk")
         self.n_out = len(node.output)
 
-    def run(self, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None,
-            total_sequence_length=None, cos_cache=None, sin_cache=None, position_ids=None,
-            attention_bias=None, head_sink=None, *unused):
+    def run(self, *inputs):
+        return self._run(*inputs)
+
+    def run_into(self, outs, *inputs) -> bool:
+        """Outputs into given buffers.  A present buffer that *is* the past buffer (the caller
+        bound ``present_*`` to the same array as ``past_*``: the shared KV cache of
+        onnxruntime-genai's ``past_present_share_buffer``) is updated in place: only the new
+        rows are written, so a decode step costs O(new tokens) in cache writes, not O(context)."""
+        outs = tuple(outs) + (None,) * (3 - len(outs))
+        y, pk, pv = (self._run(*inputs, present=(outs[1], outs[2])) + (None, None))[:3]
+        if outs[0] is not None and y is not outs[0]:
+            np.copyto(outs[0], y)
+        return True
+
+    def _run(self, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None,
+             total_sequence_length=None, cos_cache=None, sin_cache=None, position_ids=None,
+             attention_bias=None, head_sink=None, *unused, present=(None, None)):
         n, nkv = self.heads, self.kv_heads
         if query.ndim != 3:
             raise _err(self, f"query must be 3-D (batch, sequence, hidden), got {list(query.shape)}")
@@ -700,13 +720,16 @@ class GroupQueryAttention(Kernel):
         cache_dtype = query.dtype if past_key is None else past_key.dtype
         # Rows at and past the longest row's end are left unwritten (unspecified, as onnxruntime
         # documents them): zero-filling a max-length buffer would cost O(max_seq) per step.
-        pk = np.empty((b, nkv, cap, h), cache_dtype)
-        pv = np.empty((b, nkv, cap, h), cache_dtype)
+        shape = (b, nkv, cap, h)
+        pk, pv = (o if o is not None and o.shape == shape and o.dtype == cache_dtype else np.empty(shape, cache_dtype)
+                  for o in present)
+        # The shared cache: present is the past buffer itself, its past rows are already there.
+        shared = _same_buffer(pk, past_key) and _same_buffer(pv, past_value)
         kt = k.transpose(0, 2, 1, 3)  # (B, Nkv, S, H)
         vt = v.transpose(0, 2, 1, 3)
         if past.min() == past.max():  # every row has the same past: one slice per cache
             p0 = int(past[0])
-            if p0:
+            if p0 and not shared:
                 pk[:, :, :p0] = past_key[:, :, :p0]
                 pv[:, :, :p0] = past_value[:, :, :p0]
             pk[:, :, p0:p0 + s] = kt
@@ -714,8 +737,9 @@ class GroupQueryAttention(Kernel):
         else:  # right-padded batch: a slice per row (a loop over the batch only)
             for r in range(b):
                 p0 = int(past[r])
-                pk[r, :, :p0] = past_key[r, :, :p0]
-                pv[r, :, :p0] = past_value[r, :, :p0]
+                if not shared:
+                    pk[r, :, :p0] = past_key[r, :, :p0]
+                    pv[r, :, :p0] = past_value[r, :, :p0]
                 pk[r, :, p0:p0 + s] = kt[r]
                 pv[r, :, p0:p0 + s] = vt[r]
         t = int((past + s).max())  # keys any query can see

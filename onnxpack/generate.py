@@ -1,0 +1,314 @@
+"""Text generation with a decoder exported by onnxruntime-genai's model builder.
+
+The builder writes a folder with ``model.onnx`` (+ data), ``genai_config.json`` and tokenizer
+files.  :class:`Generator` reads the config (input/output names, layers, KV heads, head size, eos,
+context length, search defaults), creates one :class:`~onnxpack.InferenceSession` and drives it:
+a prefill step for the prompt, then one step per new token.
+
+The KV cache lives in preallocated buffers of the model's full length (onnxruntime-genai's
+``past_present_share_buffer`` layout: ``(batch, kv_heads, max_length, head_size)``).  Each step
+binds every ``present_*`` output to the very buffer it passes as the matching ``past_*`` input
+(``InferenceSession.io_binding``), so GroupQueryAttention writes only the new rows into it: a
+decode step does no copy of the cache and its time stays flat as the context grows.  Models whose
+attention is not GroupQueryAttention (the builder's fp16 CPU graphs use MultiHeadAttention with a
+growing cache) get their ``present_*`` back as new arrays, which become the next ``past_*``.
+
+Tokenization needs the optional ``tokenizers`` package (``pip install onnxpack[genai]``); token ids
+work without it.
+
+    from onnxpack.generate import Generator
+    gen = Generator("qwen2-int4/")
+    for token in gen.generate([1, 2, 3], max_new_tokens=16):
+        print(token)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from onnxpack.errors import InvalidArgument, ModelLoadError
+
+__all__ = ["GenAIConfig", "Generator", "SearchOptions", "sample_token"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_CONFIG_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchOptions:
+    """How the next token is chosen (onnxruntime-genai's ``search`` section)."""
+
+    max_length: int = 2048
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def check(self) -> None:
+        if self.max_length < 1:
+            raise InvalidArgument(f"max_length must be >= 1, got {self.max_length}")
+        if self.temperature <= 0:
+            raise InvalidArgument(f"temperature must be > 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenAIConfig:
+    """What the generate loop needs from ``genai_config.json``."""
+
+    folder: str
+    filename: str
+    input_ids: str
+    attention_mask: str | None
+    position_ids: str | None
+    past_key: str  # name pattern with %d
+    past_value: str
+    logits: str
+    present_key: str
+    present_value: str
+    layers: int
+    kv_heads: int
+    head_size: int
+    eos: tuple[int, ...]
+    pad: int | None
+    bos: int | None
+    context_length: int
+    share_buffer: bool
+    search: SearchOptions
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike) -> GenAIConfig:
+        folder = os.fspath(folder)
+        path = os.path.join(folder, "genai_config.json")
+        try:
+            if os.path.getsize(path) > _MAX_CONFIG_BYTES:
+                raise ModelLoadError(f"{path}: larger than {_MAX_CONFIG_BYTES} bytes: not a genai config")
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except OSError as e:
+            raise ModelLoadError(f"cannot read {path!r}: {e.strerror}") from e
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: not valid JSON ({e})") from e
+        try:
+            model = raw["model"]
+            dec = model["decoder"]
+            ins, outs = dec["inputs"], dec["outputs"]
+            eos = model.get("eos_token_id", [])
+            eos = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+            search = raw.get("search", {})
+            context = int(model.get("context_length", search.get("max_length", 2048)))
+            return cls(
+                folder=folder,
+                filename=str(dec.get("filename", "model.onnx")),
+                input_ids=str(ins.get("input_ids", "input_ids")),
+                attention_mask=ins.get("attention_mask"),
+                position_ids=ins.get("position_ids"),
+                past_key=str(ins["past_key_names"]),
+                past_value=str(ins["past_value_names"]),
+                logits=str(outs.get("logits", "logits")),
+                present_key=str(outs["present_key_names"]),
+                present_value=str(outs["present_value_names"]),
+                layers=int(dec["num_hidden_layers"]),
+                kv_heads=int(dec["num_key_value_heads"]),
+                head_size=int(dec["head_size"]),
+                eos=eos,
+                pad=None if model.get("pad_token_id") is None else int(model["pad_token_id"]),
+                bos=None if model.get("bos_token_id") is None else int(model["bos_token_id"]),
+                context_length=context,
+                share_buffer=bool(search.get("past_present_share_buffer", False)),
+                search=SearchOptions(
+                    max_length=min(int(search.get("max_length", context)), context),
+                    do_sample=bool(search.get("do_sample", False)),
+                    temperature=float(search.get("temperature", 1.0)),
+                    top_k=int(search.get("top_k", 0)),
+                    top_p=float(search.get("top_p", 1.0)),
+                ),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"{path}: missing or invalid field ({type(e).__name__}: {e})") from e
+
+
+def sample_token(logits: np.ndarray, options: SearchOptions, rng: np.random.Generator) -> int:
+    """The next token from one row of logits: argmax, or a sample after temperature, top-k and
+    top-p (nucleus) filtering."""
+    logits = np.asarray(logits, dtype=np.float64).reshape(-1)
+    if not options.do_sample:
+        return int(np.argmax(logits))
+    z = logits / options.temperature
+    if options.top_k and options.top_k < z.size:
+        kth = np.partition(z, -options.top_k)[-options.top_k]
+        z = np.where(z < kth, -np.inf, z)
+    z = z - np.max(z)
+    p = np.exp(z)
+    p /= p.sum()
+    if options.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        cum = np.cumsum(p[order])
+        keep = order[: int(np.searchsorted(cum, options.top_p) + 1)]
+        q = np.zeros_like(p)
+        q[keep] = p[keep]
+        p = q / q.sum()
+    return int(rng.choice(p.size, p=p))
+
+
+class Generator:
+    """A decoder session with its KV cache, driven token by token (see the module docstring).
+
+    Args:
+        folder: the builder's output folder.
+        sess_options: :class:`~onnxpack.SessionOptions` for the session.
+        max_length: prompt + generated tokens at most (default: the config's).
+        prepacked_weights_container: shared with other sessions of the same model.
+    """
+
+    def __init__(self, folder: str | os.PathLike, sess_options: Any = None, *, max_length: int | None = None,
+                 prepacked_weights_container: Any = None) -> None:
+        from onnxpack import InferenceSession
+
+        self.config = cfg = GenAIConfig.load(folder)
+        self.session = InferenceSession(os.path.join(cfg.folder, cfg.filename), sess_options,
+                                        prepacked_weights_container=prepacked_weights_container)
+        inputs = {a.name: a for a in self.session.get_inputs()}
+        self._inputs = inputs
+        key0 = cfg.past_key % 0
+        if key0 not in inputs or cfg.input_ids not in inputs:
+            raise ModelLoadError(f"{cfg.folder}: the model has no input {key0!r} / {cfg.input_ids!r} named in genai_config.json")
+        self._cache_dtype = _np_dtype(inputs[key0].type)
+        self.max_length = min(max_length or cfg.search.max_length, cfg.context_length)
+        if self.max_length < 1:
+            raise InvalidArgument(f"max_length must be >= 1, got {self.max_length}")
+        ops = {n.op_type for n in self.session.model.proto.graph.node}
+        # Shared buffers only where the attention kernel updates a bound cache in place.
+        self.shared = cfg.share_buffer and "GroupQueryAttention" in ops and hasattr(self.session, "io_binding")
+        self._tokenizer = None
+
+    # -- tokenizer (optional) -----------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            try:
+                from tokenizers import Tokenizer
+            except ImportError as e:
+                raise InvalidArgument("text needs the 'tokenizers' package (pip install onnxpack[genai]); "
+                                      "or give token ids") from e
+            path = os.path.join(self.config.folder, "tokenizer.json")
+            if not os.path.isfile(path):
+                raise ModelLoadError(f"{self.config.folder}: no tokenizer.json")
+            self._tokenizer = Tokenizer.from_file(path)
+        return self._tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    # -- the loop -------------------------------------------------------------------------------
+    def generate(self, prompt: Sequence[int], *, max_new_tokens: int | None = None,
+                 search: SearchOptions | None = None, stop: Sequence[int] = (), seed: int = 0,
+                 on_step: Callable[[int, float], None] | None = None) -> Iterator[int]:
+        """Yields new token ids after ``prompt`` until an eos/stop token (yielded too), the
+        maximum length, or ``max_new_tokens``.  ``on_step(token, seconds)`` is called per step."""
+        cfg = self.config
+        options = search or cfg.search
+        options.check()
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise InvalidArgument("generate: the prompt must hold at least one token")
+        limit = self.max_length
+        if len(ids) >= limit:
+            raise InvalidArgument(f"generate: a prompt of {len(ids)} tokens does not fit max_length {limit}")
+        budget = limit - len(ids) if max_new_tokens is None else min(max_new_tokens, limit - len(ids))
+        stops = set(cfg.eos) | {int(t) for t in stop}
+        rng = np.random.default_rng(seed)
+        state = _Cache(self, len(ids) + budget)
+        new = ids
+        for _ in range(budget):
+            t0 = time.perf_counter()
+            logits = state.step(new)
+            token = sample_token(logits[0, -1], options, rng)
+            if on_step is not None:
+                on_step(token, time.perf_counter() - t0)
+            yield token
+            if token in stops:
+                return
+            new = [token]
+
+    def __enter__(self) -> Generator:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.session.close()
+
+
+class _Cache:
+    """The KV cache of one generation and the step that feeds it."""
+
+    def __init__(self, gen: Generator, capacity: int) -> None:
+        self.gen = gen
+        cfg = gen.config
+        self.length = 0
+        self.capacity = capacity
+        self.names = [(cfg.past_key % i, cfg.present_key % i) for i in range(cfg.layers)]
+        self.names += [(cfg.past_value % i, cfg.present_value % i) for i in range(cfg.layers)]
+        if gen.shared:
+            shape = (1, cfg.kv_heads, capacity, cfg.head_size)
+            self.past = {p: np.zeros(shape, gen._cache_dtype) for p, _ in self.names}
+            self.binding = gen.session.io_binding()
+        else:
+            shape = (1, cfg.kv_heads, 0, cfg.head_size)
+            self.past = {p: np.zeros(shape, gen._cache_dtype) for p, _ in self.names}
+            self.binding = None
+
+    def step(self, new: Sequence[int]) -> np.ndarray:
+        gen, cfg = self.gen, self.gen.config
+        s = len(new)
+        total = self.length + s
+        feed: dict[str, np.ndarray] = {cfg.input_ids: np.asarray([new], np.int64)}
+        if cfg.attention_mask and cfg.attention_mask in gen._inputs:
+            feed[cfg.attention_mask] = np.ones((1, total), np.int64)
+        if cfg.position_ids and cfg.position_ids in gen._inputs:
+            feed[cfg.position_ids] = np.arange(self.length, total, dtype=np.int64)[None, :]
+        if self.binding is not None:
+            from onnxpack import OrtValue
+
+            b = self.binding
+            b.clear_binding_inputs()
+            b.clear_binding_outputs()
+            for name, value in feed.items():
+                b.bind_cpu_input(name, value)
+            for past, present in self.names:
+                buf = OrtValue.ortvalue_from_numpy(self.past[past])
+                b.bind_ortvalue_input(past, buf)
+                b.bind_ortvalue_output(present, buf)  # the same buffer: updated in place
+            b.bind_output(cfg.logits)
+            gen.session.run_with_iobinding(b)
+            logits = b.get_outputs()[-1].numpy()
+        else:
+            feed.update(self.past)
+            outs = gen.session.run(None, feed)
+            by_name = dict(zip([o.name for o in gen.session.get_outputs()], outs))
+            for past, present in self.names:
+                self.past[past] = by_name[present]
+            logits = by_name[cfg.logits]
+        self.length = total
+        return logits
+
+
+def _np_dtype(onnx_type: str) -> np.dtype:
+    return np.dtype({"tensor(float16)": np.float16, "tensor(bfloat16)": np.float32}.get(onnx_type, np.float32))

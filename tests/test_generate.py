@@ -1,0 +1,110 @@
+"""The generate loop on the builder's fixtures, against a loop driving onnxruntime."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from onnxpack.cli import main
+from onnxpack.generate import GenAIConfig, Generator, SearchOptions, sample_token
+
+FIXTURES = pathlib.Path(__file__).resolve().parent.parent / "models" / "fixtures" / "llm"
+PROMPT = [3, 17, 42, 7, 99, 5]
+
+
+def _ort_greedy(folder: pathlib.Path, prompt, n, tmp_path) -> list[int]:
+    """A plain onnxruntime loop (growing cache, no IOBinding): the oracle.  MatMulNBits run with
+    accuracy_level 0 (float activations, as onnxpack computes) so int4 logits agree to float
+    rounding instead of to onnxruntime's int8 activation quantization."""
+    cfg = GenAIConfig.load(folder)
+    model = onnx.load(folder / cfg.filename)
+    for node in model.graph.node:
+        for a in node.attribute:
+            if node.op_type == "MatMulNBits" and a.name == "accuracy_level":
+                a.i = 0
+    path = tmp_path / "oracle.onnx"
+    onnx.save(model, path, save_as_external_data=True, location="oracle.data")
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    dtype = np.float16 if "float16" in sess.get_inputs()[2].type else np.float32
+    past = {cfg.past_key % i: np.zeros((1, cfg.kv_heads, 0, cfg.head_size), dtype) for i in range(cfg.layers)}
+    past |= {cfg.past_value % i: np.zeros((1, cfg.kv_heads, 0, cfg.head_size), dtype) for i in range(cfg.layers)}
+    ids, out, length = list(prompt), [], 0
+    declared = {i.name for i in sess.get_inputs()}
+    for _ in range(n):
+        feed = {cfg.input_ids: np.array([ids], np.int64), **past}
+        if cfg.attention_mask in declared:
+            feed[cfg.attention_mask] = np.ones((1, length + len(ids)), np.int64)
+        if cfg.position_ids and cfg.position_ids in declared:
+            feed[cfg.position_ids] = np.arange(length, length + len(ids), dtype=np.int64)[None]
+        res = dict(zip(names, sess.run(None, feed)))
+        length += len(ids)
+        for i in range(cfg.layers):
+            past[cfg.past_key % i] = res[cfg.present_key % i]
+            past[cfg.past_value % i] = res[cfg.present_value % i]
+        tok = int(np.argmax(res[cfg.logits][0, -1]))
+        out.append(tok)
+        ids = [tok]
+    return out
+
+
+@pytest.mark.parametrize("fixture", ["qwen2-fp32", "llama-fp32", "qwen2-int4", "llama-int4", "phi3-int4"])
+def test_greedy_tokens_equal_an_onnxruntime_loop(fixture, tmp_path):
+    folder = FIXTURES / fixture
+    n = 10
+    want = _ort_greedy(folder, PROMPT, n, tmp_path)
+    with Generator(folder) as gen:
+        got = list(gen.generate(PROMPT, max_new_tokens=n, stop=()))
+    # eos may stop us early; the tokens before it are the oracle's.
+    assert got == want[: len(got)] and (len(got) == n or got[-1] in gen.config.eos), (got, want)
+
+
+def test_config_fields_from_the_builder():
+    cfg = GenAIConfig.load(FIXTURES / "qwen2-int4")
+    assert cfg.layers == 2 and cfg.kv_heads >= 1 and cfg.head_size > 0
+    assert cfg.past_key % 1 == "past_key_values.1.key" and cfg.present_value % 0 == "present.0.value"
+    assert cfg.share_buffer and cfg.eos
+
+
+def test_generation_stops_at_max_length_and_rejects_too_long_prompts():
+    with Generator(FIXTURES / "llama-fp32", max_length=len(PROMPT) + 3) as gen:
+        assert len(list(gen.generate(PROMPT, stop=()))) <= 3
+        with pytest.raises(Exception, match="max_length"):
+            list(gen.generate(list(range(len(PROMPT) + 3))))
+
+
+def test_sampling_filters():
+    rng = np.random.default_rng(0)
+    logits = np.array([0.0, 5.0, 4.9, -3.0, 1.0])
+    assert sample_token(logits, SearchOptions(), rng) == 1
+    top2 = SearchOptions(do_sample=True, top_k=2)
+    assert {sample_token(logits, top2, rng) for _ in range(200)} == {1, 2}
+    nucleus = SearchOptions(do_sample=True, top_p=0.5)
+    assert {sample_token(logits, nucleus, rng) for _ in range(200)} == {1}
+    hot = SearchOptions(do_sample=True, temperature=100.0)
+    seen = {sample_token(logits, hot, rng) for _ in range(400)}
+    assert seen == {0, 1, 2, 3, 4}
+    a = [sample_token(logits, hot, np.random.default_rng(7)) for _ in range(5)]
+    b = [sample_token(logits, hot, np.random.default_rng(7)) for _ in range(5)]
+    assert a == b
+    with pytest.raises(Exception):
+        SearchOptions(top_p=0.0).check()
+
+
+def test_cli_generate_with_ids(capsys):
+    assert main(["generate", str(FIXTURES / "qwen2-fp32"), "--ids", ",".join(map(str, PROMPT)),
+                 "--max-new-tokens", "4"]) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.split()) >= 1
+    assert "tokens/s" in captured.err and "time to first token" in captured.err
+
+
+def test_cli_generate_with_text(capsys):
+    pytest.importorskip("tokenizers")
+    assert main(["generate", str(FIXTURES / "qwen2-fp32"), "--prompt", "hello", "--max-new-tokens", "3"]) == 0
+    assert "generated" in capsys.readouterr().err
