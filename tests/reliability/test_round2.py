@@ -542,3 +542,32 @@ def test_if_branches_that_disagree_are_refused(case):
         ort.InferenceSession(data, providers=["CPUExecutionProvider"])
     with pytest.raises(InvalidGraph, match="If"):
         InferenceSession(data)
+
+
+# -- invalid UTF-8 anywhere in a string field --------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["dim_param", "attribute-name", "metadata-key", "node-input", "value-info-name",
+                                   "external-data-value", "opset-domain"])
+def test_invalid_utf8_in_any_string_field_is_a_model_load_error(where):
+    marker = "ZZMARKZZ"
+    w = numpy_helper.from_array(np.ones((2, 2), np.float32), "W")
+    x = helper.make_tensor_value_info("x", F, [marker if where == "dim_param" else 2, 2])
+    node = helper.make_node("Gemm", ["x", marker if where == "node-input" else "W"], ["y"],
+                            **{(marker if where == "attribute-name" else "alpha"): 1.0})
+    g = helper.make_graph([node], "g", [x], [helper.make_tensor_value_info("y", F, None)], [w])
+    if where == "node-input":
+        g.initializer[0].name = marker
+    if where == "value-info-name":
+        g.value_info.append(helper.make_tensor_value_info(marker, F, [2]))
+    if where == "external-data-value":
+        e = g.initializer[0].external_data.add()
+        e.key, e.value = "checksum", marker
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)] +
+                          ([helper.make_opsetid(marker, 1)] if where == "opset-domain" else []))
+    if where == "metadata-key":
+        helper.set_model_props(m, {marker: "v"})
+    raw = m.SerializeToString()
+    assert raw.count(marker.encode()) >= 1
+    bad = raw.replace(marker.encode(), b"ZZ\xffMARKZZ"[:len(marker)])
+    with pytest.raises(ModelLoadError, match="UTF-8"):
+        InferenceSession(bad)
