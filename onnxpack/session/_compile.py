@@ -115,10 +115,16 @@ class _Compiler:
         for e in self.log:
             if e.entry.check_source is not None:
                 guards.setdefault(id(getattr(e.entry.check_source, "__self__", e.entry.check_source)), e.entry.check_source)
+        warm: dict[type, Callable[[], None]] = {}
+        for plan in self.plans.values():
+            for step in plan.steps:
+                k = step.kernel
+                if type(k).warm_up is not Kernel.warm_up:
+                    warm.setdefault(type(k), k.warm_up)
         return Program(
             plans=dict(self.plans), root=self.plans[root.path], overridable=self.overridable, defaults=defaults,
             pack_log=tuple(self.log), fallback_nodes=tuple(self.fallback_nodes), stats=stats,
-            guards=tuple(guards.values()),
+            guards=tuple(guards.values()), warm_ups=tuple(warm.values()),
         )
 
     # -- names ------------------------------------------------------------------------------------

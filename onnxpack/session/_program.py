@@ -207,6 +207,9 @@ class Program:
     # rewritten since it was mapped — reading it would kill the process (SIGBUS) or read other
     # weights.  One fstat each.
     guards: tuple[Callable[[], None], ...] = ()
+    # One kernel per class that has process-wide warm-up work (Kernel.warm_up): the session runs
+    # them in a background thread after creation.
+    warm_ups: tuple[Callable[[], None], ...] = ()
 
     def check_files(self) -> None:
         for guard in self.guards:

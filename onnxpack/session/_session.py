@@ -8,6 +8,7 @@ else here is the onnxruntime facade: options, providers, NodeArgs, feed checks, 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import weakref
@@ -94,6 +95,8 @@ class InferenceSession:
             self._finalizer()
             self._model.close()
             raise
+        if self._program.warm_ups:
+            threading.Thread(target=_warm_up, args=(self._program.warm_ups,), name="onnxpack-warm-up", daemon=True).start()
         planner = cfg["onnxpack.memory_planner"]
         self._arena = None if planner in (None, "none") else ArenaRunner(self._program.root, planner)
         self._closed = False
@@ -196,6 +199,14 @@ class InferenceSession:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _warm_up(tasks) -> None:
+    for task in tasks:
+        try:
+            task()
+        except Exception as exc:  # a warm-up only saves time later; the first run reports real errors
+            logging.getLogger(__name__).debug("warm-up %r failed: %s", task, exc)
 
 
 def _check_providers(providers: Sequence[Any] | None) -> list[str]:

@@ -166,6 +166,11 @@ class Kernel:
         an output to allocate as usual); return False to decline.  Default: decline."""
         return False
 
+    def warm_up(self) -> None:
+        """Work this kernel family can do off the critical path once per process (a JIT's import
+        and compiled-code load), run by the session in a background thread after creation.
+        Kernels that override it are warmed once per class; the default does nothing."""
+
     def run_in_frame(self, frame: Any, *inputs: Any) -> tuple:
         """For ``call_mode == "frame"`` kernels: run with the caller's frame."""
         raise NotImplementedError(f"Bug: {type(self).__name__} declares call_mode 'frame' but has no run_in_frame")

@@ -114,6 +114,10 @@ def _jit():
         return _jit_module
     with _jit_lock:
         if _jit_module is None and not _jit_failed:
+            # numba's workqueue pool waits without spinning; the OpenMP pool's spinning threads
+            # were measured to stall OpenBLAS's between calls on 2 cores (a user's own
+            # NUMBA_THREADING_LAYER wins).
+            os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
             try:
                 from onnxpack.session.kernels import _nbits_jit
             except ImportError as exc:  # numba missing, or one that does not fit this numpy
@@ -317,6 +321,14 @@ class MatMulNBits(Kernel):
                 )
 
     # -- compute --------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Import numba and load its compiled kernels (from the on-disk cache) off the critical
+        path: a decode-sized and a prefill-sized call with this node's packed weights."""
+        if _jit() is None or self.k == 0 or 1 not in self._packed:
+            return
+        for rows in (1, JIT_MAX_ROWS + 1):
+            self.run(np.zeros((rows, self.k), np.float32))
+
     def run(self, a, b=None, scales=None, zero_points=None, g_idx=None, bias=None):
         name = self.node.name
         if a is None or a.ndim < 1 or a.shape[-1] != self.k:
