@@ -20,6 +20,11 @@ __all__ = [
     "ConfigError",
     "PlannerMemoryError",
     "PrepackWarning",
+    # onnxruntime's names (see the section below); onnxpack.capi.onnxruntime_pybind11_state exports them
+    "Fail", "InvalidArgumentStatus", "NoSuchFile", "NoModel", "EngineError", "RuntimeException", "InvalidProtobuf",
+    "ModelLoaded", "NotImplementedStatus", "InvalidGraphStatus", "EPFail", "ModelLoadCanceled",
+    "ModelRequiresCompilation", "NotFound", "DeviceReset", "RuntimeInvalidArgument", "ConfigKeyNotFound",
+    "InvalidArgumentType", "Terminated", "as_onnxruntime_error",
 ]
 
 
@@ -186,12 +191,41 @@ class OrtPlannerMemoryError(PlannerMemoryError, Fail):
     """A :class:`PlannerMemoryError` as onnxruntime's FAIL."""
 
 
+class OrtModelLoadError(InvalidProtobuf):
+    """A :class:`ModelLoadError` (bytes that are not a model) as onnxruntime's INVALID_PROTOBUF."""
+
+
+class OrtModelFileMissing(NoSuchFile):
+    """A :class:`ModelLoadError` for a model file that does not exist, as onnxruntime's NO_SUCHFILE."""
+
+
+class OrtInvalidGraph(InvalidGraphStatus, Fail, InvalidArgumentStatus):
+    """An :class:`InvalidGraph` as onnxruntime reports graph errors: INVALID_GRAPH, FAIL (a duplicate
+    name, a cycle, a bad attribute) or INVALID_ARGUMENT (an undefined input) — catchable as each."""
+
+
+class OrtKernelNotFound(NotImplementedStatus, InvalidGraphStatus):
+    """A :class:`KernelNotFoundError`: onnxruntime's NOT_IMPLEMENTED for an op it knows without a
+    kernel, INVALID_GRAPH for an op it does not know — catchable as both."""
+
+
+# ``type(e).__name__`` of a re-typed error stays the name of our class (code and logs that print or
+# match it keep working); ``__qualname__`` stays the real one, so pickling finds the class.
+for _cls, _name in ((InvalidArgumentStatus, "InvalidArgument"), (InvalidGraphStatus, "InvalidGraph"),
+                    (NotImplementedStatus, "NotImplemented"), (OrtConfigError, "ConfigError"),
+                    (OrtExternalDataError, "ExternalDataError"), (OrtPrepackFormatError, "PrepackFormatError"),
+                    (OrtCacheFileError, "CacheFileError"), (OrtRuntimeFailure, "RuntimeFailure"),
+                    (OrtPlannerMemoryError, "PlannerMemoryError"), (OrtInvalidGraph, "InvalidGraph"),
+                    (OrtKernelNotFound, "KernelNotFoundError"), (OrtModelLoadError, "ModelLoadError"),
+                    (OrtModelFileMissing, "ModelLoadError")):
+    _cls.__name__ = _name
+
 # Our class -> the class that is ours and onnxruntime's (ModelLoadError is decided per instance).
 _AS_ORT: dict[type, type] = {
     OnnxpackError: Fail,
     InvalidArgument: InvalidArgumentStatus,
-    InvalidGraph: InvalidGraphStatus,
-    KernelNotFoundError: NotImplementedStatus,
+    InvalidGraph: OrtInvalidGraph,
+    KernelNotFoundError: OrtKernelNotFound,
     ConfigError: OrtConfigError,
     ExternalDataError: OrtExternalDataError,
     PrepackFormatError: OrtPrepackFormatError,
@@ -214,7 +248,7 @@ def as_onnxruntime_error(exc: BaseException) -> BaseException:
     if not isinstance(exc, OnnxpackError) or isinstance(exc, _ORT_BASES):
         return exc
     if cls is ModelLoadError:
-        target = NoSuchFile if isinstance(exc.__cause__, FileNotFoundError) else InvalidProtobuf
+        target = OrtModelFileMissing if isinstance(exc.__cause__, FileNotFoundError) else OrtModelLoadError
     else:
         target = _AS_ORT.get(cls)
     if target is not None:
