@@ -36,16 +36,18 @@ __all__ = ["Profiler"]
 _PROVIDER = "CPUExecutionProvider"
 
 
-def _type_shape(values: Sequence[Any]) -> list[dict[str, list[int]]]:
-    out = []
-    for v in values:
-        if isinstance(v, np.ndarray):
-            try:
-                name = TensorProto.DataType.Name(elem_type_of(v.dtype)).lower()
-            except Exception:  # a dtype without an ONNX element type: name it as numpy does
-                name = str(v.dtype)
-            out.append({name: [int(d) for d in v.shape]})
-    return out
+_TYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def _type_name(dtype: np.dtype) -> str:
+    name = _TYPE_NAMES.get(dtype)
+    if name is None:
+        try:
+            name = TensorProto.DataType.Name(elem_type_of(dtype)).lower()
+        except Exception:  # a dtype without an ONNX element type: name it as numpy does
+            name = str(dtype)
+        _TYPE_NAMES[dtype] = name
+    return name
 
 
 class Profiler:
@@ -58,42 +60,45 @@ class Profiler:
         self.prefix = prefix
         self.start_ns = time.time_ns() - (now - self._t0)  # onnxruntime reports the start as wall-clock ns
         self._pid = os.getpid()
-        self._events: list[dict[str, Any]] = []
+        # Records are flat tuples of strings and numbers, made into JSON objects only at the end:
+        # tens of thousands of dicts would make every garbage collection walk them during runs.
+        self._records: list[tuple] = []
         self._lock = threading.Lock()
         self.active = True
 
-    def _us(self, t_ns: int) -> float:
-        return round((t_ns - self._t0) / 1e3, 3)
-
-    def event(self, cat: str, name: str, t0_ns: int, t1_ns: int, args: dict[str, Any] | None = None) -> None:
+    def event(self, cat: str, name: str, t0_ns: int, t1_ns: int) -> None:
         """Records one complete event between two ``time.perf_counter_ns()`` readings."""
-        if not self.active:
-            return
-        ev = {"cat": cat, "pid": self._pid, "tid": threading.get_native_id(), "dur": round((t1_ns - t0_ns) / 1e3, 3),
-              "ts": self._us(t0_ns), "ph": "X", "name": name, "args": args or {}}
-        with self._lock:
-            self._events.append(ev)
+        if self.active:
+            self._records.append((cat, name, threading.get_native_id(), t0_ns, t1_ns))  # list.append is atomic
 
     def node(self, k: int, step: Step, args: Sequence[Any], outs: Sequence[Any], start_ns: int, call_ns: int,
              end_ns: int) -> None:
         """One node's event: its step from ``start_ns`` to ``end_ns``, the kernel from ``call_ns``."""
+        if not self.active:
+            return
         node = step.node
-        outs = list(outs)
-        out_bytes = sum(int(v.nbytes) for v in outs if isinstance(v, np.ndarray))
-        self.event("Node", f"{node.name or node.op_type + '_' + str(k)}_kernel_time", start_ns, end_ns, {
-            "op_name": node.op_type,
-            "provider": _PROVIDER,
-            "node_index": str(k),
-            "kernel_dur": round((end_ns - call_ns) / 1e3, 3),
-            "input_type_shape": _type_shape(args),
-            "output_type_shape": _type_shape(outs),
-            "output_size": str(out_bytes),
-            "activation_size": str(sum(int(v.nbytes) for v in args if isinstance(v, np.ndarray))),
-        })
+        ins = tuple((v.dtype, v.shape, v.nbytes) for v in args if isinstance(v, np.ndarray))
+        produced = tuple((v.dtype, v.shape, v.nbytes) for v in outs if isinstance(v, np.ndarray))
+        self._records.append(("Node", f"{node.name or node.op_type + '_' + str(k)}_kernel_time",
+                              threading.get_native_id(), start_ns, end_ns, node.op_type, k, call_ns, ins, produced))
+
+    def _event(self, record: tuple) -> dict[str, Any]:
+        cat, name, tid, t0, t1 = record[:5]
+        args: dict[str, Any] = {}
+        if cat == "Node":
+            op, k, call, ins, produced = record[5:]
+            args = {"op_name": op, "provider": _PROVIDER, "node_index": str(k),
+                    "kernel_dur": round((t1 - call) / 1e3, 3),
+                    "input_type_shape": [{_type_name(d): [int(x) for x in s]} for d, s, _ in ins],
+                    "output_type_shape": [{_type_name(d): [int(x) for x in s]} for d, s, _ in produced],
+                    "output_size": str(sum(n for _, _, n in produced)),
+                    "activation_size": str(sum(n for _, _, n in ins))}
+        return {"cat": cat, "pid": self._pid, "tid": tid, "dur": round((t1 - t0) / 1e3, 3),
+                "ts": round((t0 - self._t0) / 1e3, 3), "ph": "X", "name": name, "args": args}
 
     def events(self) -> list[dict[str, Any]]:
-        with self._lock:
-            return list(self._events)
+        """The events recorded so far, as ``end_profiling()`` writes them."""
+        return [self._event(r) for r in list(self._records)]
 
     def end(self) -> str:
         """Writes the events and stops recording; returns the file name ('' when already ended)."""
@@ -101,7 +106,8 @@ class Profiler:
             if not self.active:
                 return ""
             self.active = False
-            events, self._events = self._events, []
+            records, self._records = self._records, []
+        events = [self._event(r) for r in records]
         stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(self.start_ns / 1e9))
         base = f"{self.prefix}_{stamp}_{(self.start_ns // 1_000_000) % 1000:03d}"
         lines = ["["] + [json.dumps(e, separators=(",", ":")) + ("," if i + 1 < len(events) else "")
