@@ -80,10 +80,15 @@ from onnxpack.session._threads import set_global_thread_pool_sizes
 
 OrtValueVector = list  # onnxruntime's vector of OrtValues; a list here
 
+
+def get_default_session_options() -> SessionOptions:
+    """A new SessionOptions with onnxruntime's defaults."""
+    return SessionOptions()
+
 __all__ = [
     "Fail", "InvalidArgument", "NoSuchFile", "NoModel", "EngineError", "RuntimeException", "InvalidProtobuf",
     "ModelLoaded", "NotImplemented", "InvalidGraph", "EPFail", "ModelLoadCanceled", "ModelRequiresCompilation",
-    "NotFound", "DeviceReset", "OrtValueVector",
+    "NotFound", "DeviceReset", "OrtValueVector", "get_default_session_options",
     "ExecutionMode", "ExecutionOrder", "GraphOptimizationLevel", "InferenceSession", "ModelMetadata", "NodeArg",
     "OrtValue", "RunOptions", "SessionIOBinding", "SessionOptions", "SparseTensor", "OrtDevice", "OrtSparseFormat",
     "OrtAllocatorType", "OrtArenaCfg", "OrtCompileApiFlags", "OrtDeviceMemoryType", "OrtEpAssignedNode",

@@ -19,6 +19,7 @@ over an adapter, a later adapter over an earlier one.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from typing import Any
@@ -107,7 +108,11 @@ def read_adapter_bytes(data: bytes | memoryview) -> tuple[dict[str, int], dict[s
             name = ""
             if 0 in p:
                 s, length = r.vector(p[0], 1, f"parameter {k} name")
-                name = bytes(r.buf[s: s + length]).decode("utf-8", "strict")
+                try:
+                    name = bytes(r.buf[s: s + length]).decode("utf-8", "strict")
+                except UnicodeDecodeError:
+                    raise Fail(f"The buffer fails lora adapter format verification: parameter {k} name is not "
+                               "UTF-8") from None
             dims: list[int] = []
             if 1 in p:
                 s, length = r.vector(p[1], 8, f"parameter {name!r} dims")
@@ -118,7 +123,7 @@ def read_adapter_bytes(data: bytes | memoryview) -> tuple[dict[str, int], dict[s
             except Exception:
                 raise Fail(f"lora parameter {name!r}: unsupported data type {elem}") from None
             raw_start, raw_len = r.vector(p[3], 1, f"parameter {name!r} raw_data") if 3 in p else (0, 0)
-            count = int(np.prod(dims, dtype=np.int64)) if dims else 1
+            count = math.prod(dims)  # Python ints: no overflow from hostile dims
             if any(d < 0 for d in dims) or count * dtype.itemsize != raw_len:
                 raise Fail(f"lora parameter {name!r}: {raw_len} bytes of data do not hold {dtype}{dims}")
             arr = np.frombuffer(r.buf, dtype=dtype.newbyteorder("<"), count=count, offset=raw_start)
@@ -191,7 +196,8 @@ def write_adapter_bytes(params: dict[str, np.ndarray], adapter_version: int, mod
         table_pos, slots = w.table({2: int(elem)}, [0, 1, 3])
         w.patch(vec + 4 + 4 * k, table_pos)
         w.patch(slots[0], w.string(name))
-        w.patch(slots[1], w.vector(struct.pack(f"<{arr.ndim}q", *arr.shape), arr.ndim, 8))
+        dims = arr.shape or (1,)  # onnxruntime's reader needs at least one dim; it writes scalars as [1]
+        w.patch(slots[1], w.vector(struct.pack(f"<{len(dims)}q", *dims), len(dims), 8))
         w.patch(slots[3], w.vector(arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes(), arr.nbytes, 8))
     return bytes(w.out)
 
