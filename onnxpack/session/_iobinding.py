@@ -64,7 +64,7 @@ class IOBinding:
         self._inputs: dict[str, Any] = {}
         self._outputs: dict[str, OrtValue | None] = {}  # name -> preallocated OrtValue, None: allocate
         self._results: list[OrtValue] = []
-        self._seen: dict[int, tuple] = {}  # step index -> (input signature, output shape, dtype)
+        self._seen: dict[int, tuple] = {}  # id(kernel) -> (input signature, output shape, dtype) seen
 
     # -- inputs -----------------------------------------------------------------------------------
     def _input_name(self, name: str) -> str:
@@ -188,7 +188,8 @@ def _sig(args: Sequence[Any]) -> tuple:
 
 
 class _Binder:
-    """Per run: the root steps whose one output is a preallocated buffer (step index -> buffer)."""
+    """Per run: the steps of the plan run whose one output is a preallocated buffer (step index ->
+    buffer), and what the binding has seen each node produce (``seen``, by kernel)."""
 
     __slots__ = ("producers", "seen")
 
@@ -212,25 +213,22 @@ class _BindHook(StepHook):
         if buf is None:
             return call_step(step, frame, args, plan.name)
         sig = _sig(args)
-        if self.binder.seen.get(k) == (sig, buf.shape, buf.dtype):
+        key = id(step.kernel)  # the node, whichever plan (whole or pruned) runs it
+        if self.binder.seen.get(key) == (sig, buf.shape, buf.dtype):
             outs = [buf if o else None for o in step.outputs]
             try:
                 done = step.kernel.run_into(outs, *args)
+            except OnnxpackError:
+                raise
             except Exception as exc:
-                raise_step_failure(step, plan, exc)
+                raise RuntimeFailure(f"{step.label} in graph {plan.name!r} failed: {type(exc).__name__}: {exc}") from exc
             if done is not False:
                 return outs
         outs = call_step(step, frame, args, plan.name)
         value = next((v for o, v in zip(step.outputs, outs) if o), None)
         if isinstance(value, np.ndarray):
-            self.binder.seen[k] = (sig, value.shape, value.dtype)
+            self.binder.seen[key] = (sig, value.shape, value.dtype)
         return outs
-
-
-def raise_step_failure(step: Step, plan: Plan, exc: Exception) -> None:
-    if isinstance(exc, OnnxpackError):
-        raise exc
-    raise RuntimeFailure(f"{step.label} in graph {plan.name!r} failed: {type(exc).__name__}: {exc}") from exc
 
 
 class SessionIOBinding(IOBinding):

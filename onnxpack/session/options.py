@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from onnxpack.errors import ConfigError, ConfigKeyNotFound, Fail, InvalidArgumentType
+from onnxpack.errors import ConfigError, ConfigKeyNotFound, Fail, InvalidArgumentType, RuntimeInvalidArgument
 
 __all__ = ["SessionOptions", "CONFIG_KEYS", "validate_config", "GraphOptimizationLevel", "ExecutionMode",
            "ExecutionOrder", "check_severity"]
@@ -133,8 +133,6 @@ def check_severity(value: Any, what: str, *, allow_default: bool) -> int:
         raise InvalidArgumentType(f"{what}: expected an int, got {type(value).__name__}")
     low = -1 if allow_default else 0
     if not low <= int(value) <= 4:
-        from onnxpack.errors import RuntimeInvalidArgument
-
         raise RuntimeInvalidArgument(
             f"{what}: {value} is not a valid severity; expected {low}..4 (0:Verbose, 1:Info, 2:Warning, 3:Error, 4:Fatal)")
     return int(value)
