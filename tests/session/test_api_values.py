@@ -93,15 +93,27 @@ def test_run_with_ort_values_matches_onnxruntime():
 
 
 # -- IOBinding ------------------------------------------------------------------------------------
-def test_bound_output_written_through_run_into():
+MATMUL_W_INPUT = _model([helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")],
+                        [helper.make_tensor_value_info("x", F, ["n", 8]), helper.make_tensor_value_info("W", F, [8, 8])],
+                        [helper.make_tensor_value_info("y", F, ["n", 8])])
+
+
+@pytest.mark.parametrize("weights", ["packed", "fed", "prepacking-disabled"])
+def test_bound_output_written_through_run_into(weights):
     """Second run with the same shapes: MatMul writes straight into the bound buffer (its plain
-    ``run`` is made to fail to prove it is not called), and the caller's buffer holds the result."""
+    ``run`` is made to fail to prove it is not called), and the caller's buffer holds the result.
+    The weight is a packed initializer, a graph input, or an initializer with pre-packing off."""
     x = np.random.default_rng(2).standard_normal((4, 8)).astype(np.float32)
-    sess = onnxpack.InferenceSession(MATMUL)
+    so = onnxpack.SessionOptions()
+    if weights == "prepacking-disabled":
+        so.add_session_config_entry("session.disable_prepacking", "1")
+    sess = onnxpack.InferenceSession(MATMUL_W_INPUT if weights == "fed" else MATMUL, so)
     out = onnxpack.OrtValue.ortvalue_from_shape_and_type([4, 8], np.float32)
     buf = out.numpy()
     binding = sess.io_binding()
     binding.bind_cpu_input("x", x)
+    if weights == "fed":
+        binding.bind_cpu_input("W", W)
     binding.bind_ortvalue_output("y", out)
     sess.run_with_iobinding(binding)  # first run: computed, then copied in; shapes recorded
     np.testing.assert_allclose(buf, x @ W, **TOL)
