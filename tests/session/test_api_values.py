@@ -149,7 +149,6 @@ def test_kv_cache_decode_loop_reuses_bound_buffers_like_onnxruntime(planner):
                            helper.make_tensor_value_info("q", F, [1, 1, d])],
                    [helper.make_tensor_value_info("present_k", F, [1, "total", d]),
                     helper.make_tensor_value_info("scores", F, [1, 1, "total"])])
-    rng = np.random.default_rng(3)
     so = onnxpack.SessionOptions()
     so.add_session_config_entry("onnxpack.memory_planner", planner)
     results = {}
@@ -159,7 +158,7 @@ def test_kv_cache_decode_loop_reuses_bound_buffers_like_onnxruntime(planner):
         past = rt.OrtValue.ortvalue_from_numpy(np.zeros((1, 0, d), np.float32))
         steps = []
         for t in range(5):
-            inputs = rng if False else np.random.default_rng(100 + t)
+            inputs = np.random.default_rng(100 + t)  # the same step inputs for both runtimes
             present = rt.OrtValue.ortvalue_from_shape_and_type([1, t + 1, d], np.float32)
             binding.bind_ortvalue_input("past_k", past)
             binding.bind_cpu_input("k_new", inputs.standard_normal((1, 1, d)).astype(np.float32))

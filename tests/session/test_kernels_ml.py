@@ -233,3 +233,20 @@ def test_scaler_and_linear_regressor():
                            intercepts=[0.5, -0.5], targets=2)
     _compare(_model(reg, [helper.make_tensor_value_info("x", F, [None, 4])], [helper.make_tensor_value_info("y", F, None)]),
              {"x": X4})
+
+
+@pytest.mark.parametrize("labels", [dict(classlabels_int64s=[5, 9]), dict(classlabels_strings=["no", "yes"])],
+                         ids=["int64-5-9", "strings"])
+@pytest.mark.parametrize("weighted_classes", [1, 2], ids=["one-class-weighted", "both-weighted"])
+def test_tree_ensemble_binary_labels(labels, weighted_classes):
+    """Two classes: onnxruntime's label rules (with both classes weighted and int labels it answers
+    1/0 themselves, not the class labels — and so do we)."""
+    attrs = _forest(np.random.default_rng(5), n_trees=3, depth=2, n_features=4, n_targets=weighted_classes,
+                    classifier=True)
+    if weighted_classes == 1:
+        attrs["class_ids"] = [1] * len(attrs["class_ids"])
+    label_type = TensorProto.STRING if "classlabels_strings" in labels else TensorProto.INT64
+    node = helper.make_node("TreeEnsembleClassifier", ["x"], ["label", "p"], domain=ML, **labels, **attrs)
+    model = _model(node, [helper.make_tensor_value_info("x", F, [None, 4])],
+                   [helper.make_tensor_value_info("label", label_type, [None]), helper.make_tensor_value_info("p", F, None)])
+    _compare(model, {"x": RNG.standard_normal((12, 4)).astype(np.float32)})
