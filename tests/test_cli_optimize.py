@@ -76,3 +76,20 @@ def test_console_entry_point_runs(transformer, tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "cli.onnx").exists()
+
+
+def test_output_directory_is_created_and_said(transformer, tmp_path, capsys):
+    out = tmp_path / "new" / "dir" / "m.onnx"
+    assert main(["optimize", str(transformer), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"created directory {out.parent}" in printed
+    feeds = {"x": np.random.default_rng(1).standard_normal((1, 8, 64)).astype(np.float32)}
+    a = ort.InferenceSession(str(transformer), providers=["CPUExecutionProvider"]).run(None, feeds)
+    b = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, feeds)
+    np.testing.assert_array_equal(a[0], b[0])
+    assert main(["optimize", str(transformer), "-o", str(out)]) == 0  # exists now: nothing to create
+    assert "created directory" not in capsys.readouterr().out
+    (tmp_path / "afile").write_bytes(b"")
+    assert main(["optimize", str(transformer), "-o", str(tmp_path / "afile" / "m.onnx")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not a directory" in err

@@ -85,11 +85,53 @@ def test_symbolic_dims_default_to_one_or_dim_flag(tmp_path, capsys):
     assert main(["run", model]) == 0
     out = capsys.readouterr().out
     assert "input  x: float32 [1, 1, 5] (random)" in out and "input  idx: int64 [1] (random)" in out
+    assert "symbolic or unknown dims set to 1 in random inputs: x ['batch', 'seq']; idx ['?']" in out
     assert _outputs(out)["y"][1] == [1, 1, 3]
     assert main(["run", model, "--dim", "batch=3", "--dim", "seq=7"]) == 0
     out = capsys.readouterr().out
     assert "input  x: float32 [3, 7, 5] (random)" in out
+    assert "in random inputs: idx ['?'] (" in out  # x has no open dim left: only idx is listed
     assert _outputs(out)["y"][1] == [3, 7, 3]
+
+
+def _detector(path: Path) -> str:
+    """Concat of the input with a [1, 4] constant along axis 0: needs width == 4, which the
+    default of 1 for symbolic dims does not give (the issue's "dies deep inside with a Concat")."""
+    g = helper.make_graph([helper.make_node("Concat", ["x", "c"], ["y"], axis=0, name="cat")], "det",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "width"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None])],
+                          [numpy_helper.from_array(np.ones((1, 4), np.float32), "c")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 9
+    path.write_bytes(m.SerializeToString())
+    return str(path)
+
+
+def test_failure_with_defaulted_symbolic_dims_names_them_and_the_fix(tmp_path, capsys):
+    model = _detector(tmp_path / "det.onnx")
+    assert main(["run", model]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("onnxpack run: error:")
+    assert "Concat" in err and "x ['batch', 'width']" in err and "--dim NAME=VALUE" in err and "--input" in err
+    assert main(["run", model, "--dim", "width=4", "--dim", "batch=2"]) == 0
+    out = capsys.readouterr().out
+    assert "input  x: float32 [2, 4] (random)" in out and _outputs(out)["y"][1] == [3, 4]
+    x = np.ones((5, 4), np.float32)
+    np.save(tmp_path / "x.npy", x)
+    assert main(["run", model, "--input", f"x={tmp_path / 'x.npy'}"]) == 0
+    out = capsys.readouterr().out
+    assert "set to 1" not in out and _outputs(out)["y"][1] == [6, 4]
+
+
+def test_dim_flag_is_a_free_dimension_override(tmp_path, capsys):
+    """--dim fixes the session's input shape: a file input of another size is refused, as the API
+    refuses it after add_free_dimension_override_by_name."""
+    model = _detector(tmp_path / "det.onnx")
+    np.save(tmp_path / "x.npy", np.ones((5, 4), np.float32))
+    assert main(["run", model, "--dim", "batch=2", "--input", f"x={tmp_path / 'x.npy'}"]) == 2
+    err = capsys.readouterr().err
+    assert "Got invalid dimensions for input: x" in err and "index: 0 Got: 5 Expected: 2" in err
 
 
 def test_config_entries_reach_the_session(capsys):

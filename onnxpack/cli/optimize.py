@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import mmap
+import os
 import sys
 import time
 
 from onnxpack.cli._common import EXIT_OK, Progress, format_bytes, int_at_least
+from onnxpack.errors import InvalidArgument
 from onnxpack.graph import DEFAULT_ALIGN_THRESHOLD
 
 __all__ = ["HELP", "add_arguments", "run", "optimize_model", "PROGRESS_MIN_BYTES"]
@@ -103,6 +105,12 @@ def optimize_model(input_path: str, output_path: str, *, prepack: bool = True,
 
 
 def run(args: argparse.Namespace) -> int:
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(folder):
+        if os.path.exists(folder):
+            raise InvalidArgument(f"-o {args.output}: {folder} exists and is not a directory")
+        os.makedirs(folder)
+        print(f"created directory {os.path.dirname(args.output) or folder}")
     print(f"optimizing {args.input} -> {args.output}" + (" (no pre-packing)" if args.no_prepack else ""))
     optimize_model(args.input, args.output, prepack=not args.no_prepack, location=args.location,
                    min_size=args.min_size, align_threshold=args.align_threshold,

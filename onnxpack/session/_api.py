@@ -7,7 +7,7 @@ can tools (``onnxpack plan``) that need a validated feed without running a sessi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,9 +16,10 @@ from onnx import TensorProto, helper
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.graph import Model
+from onnxpack.session._ortvalue import OrtValue, SparseTensor
 
 __all__ = ["NodeArg", "ModelMetadata", "model_inputs", "model_outputs", "model_metadata", "type_string",
-           "shape_of", "validate_feed", "to_user"]
+           "shape_of", "validate_feed", "check_required", "coerce_input", "to_user", "override_dims"]
 
 _ELEM_NAMES = {v: k.lower() for k, v in TensorProto.DataType.items() if k not in ("UNDEFINED",)}
 
@@ -60,6 +61,8 @@ def type_string(type_proto: onnx.TypeProto) -> str:
 
 
 def shape_of(type_proto: onnx.TypeProto) -> list[int | str | None] | None:
+    if type_proto.WhichOneof("value") == "optional_type":  # onnxruntime reports the element's shape
+        return shape_of(type_proto.optional_type.elem_type)
     if type_proto.WhichOneof("value") != "tensor_type" or not type_proto.tensor_type.HasField("shape"):
         return None
     out: list[int | str | None] = []
@@ -78,16 +81,70 @@ def _node_arg(vi: onnx.ValueInfoProto) -> NodeArg:
     return NodeArg(vi.name, type_string(vi.type), shape if shape is not None else [])
 
 
-def model_inputs(model: Model, *, overridable: frozenset[str] = frozenset(), only_overridable: bool = False) -> list[NodeArg]:
-    """The feedable inputs (initializers excluded), or only the overridable initializers."""
+def model_inputs(model: Model, *, overridable: frozenset[str] = frozenset(), only_overridable: bool = False,
+                 infos: Sequence[onnx.ValueInfoProto] | None = None) -> list[NodeArg]:
+    """The feedable inputs (initializers excluded), or only the overridable initializers.
+
+    ``infos`` are the graph inputs as compiled (free-dimension overrides applied); default: the
+    model's own.
+    """
     init = model.root.initializers
+    infos = model.proto.graph.input if infos is None else infos
     if only_overridable:
-        return [_node_arg(i) for i in model.proto.graph.input if i.name in overridable]
-    return [_node_arg(i) for i in model.proto.graph.input if i.name not in init]
+        return [_node_arg(i) for i in infos if i.name in overridable]
+    return [_node_arg(i) for i in infos if i.name not in init]
 
 
-def model_outputs(model: Model) -> list[NodeArg]:
-    return [_node_arg(o) for o in model.proto.graph.output]
+def model_outputs(model: Model, infos: Sequence[onnx.ValueInfoProto] | None = None) -> list[NodeArg]:
+    return [_node_arg(o) for o in (model.proto.graph.output if infos is None else infos)]
+
+
+def override_dims(inputs: Sequence[onnx.ValueInfoProto], outputs: Sequence[onnx.ValueInfoProto],
+                  by_name: Mapping[str, int], by_denotation: Mapping[str, int]) -> tuple[tuple, tuple]:
+    """onnxruntime's free-dimension overrides: symbolic dims named in ``by_name``, and input dims
+    whose denotation is in ``by_denotation``, become fixed sizes.  Output dims with the same
+    symbolic names follow (onnxruntime's shape inference does the same).  Returns copies
+    ``(inputs, outputs)``; the model is not changed."""
+    if not by_name and not by_denotation:
+        return tuple(inputs), tuple(outputs)
+    fixed = dict(by_name)
+    new_inputs = []
+    for vi in inputs:
+        vi = _copy(vi)
+        for d in _dims(vi):
+            value = by_denotation.get(d.denotation) if d.denotation else None
+            named = by_name.get(d.dim_param) if d.HasField("dim_param") else None
+            if value is not None and named is not None and value != named:
+                raise InvalidArgument(f"Conflicting free dimension overrides. (input {vi.name!r}: dimension "
+                                      f"{d.dim_param!r} is {named} by name and {value} by denotation {d.denotation!r})")
+            value = named if value is None else value
+            if value is not None:
+                if d.HasField("dim_param"):
+                    fixed.setdefault(d.dim_param, value)
+                if not d.HasField("dim_value"):
+                    d.dim_value = value
+        new_inputs.append(vi)
+    new_outputs = []
+    for vi in outputs:
+        vi = _copy(vi)
+        for d in _dims(vi):
+            if d.HasField("dim_param") and d.dim_param in fixed:
+                d.dim_value = fixed[d.dim_param]
+        new_outputs.append(vi)
+    return tuple(new_inputs), tuple(new_outputs)
+
+
+def _copy(vi: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
+    out = onnx.ValueInfoProto()
+    out.CopyFrom(vi)
+    return out
+
+
+def _dims(vi: onnx.ValueInfoProto) -> Sequence[Any]:
+    t = vi.type
+    if t.WhichOneof("value") == "tensor_type" and t.tensor_type.HasField("shape"):
+        return t.tensor_type.shape.dim
+    return ()
 
 
 def model_metadata(model: Model) -> ModelMetadata:
@@ -103,65 +160,163 @@ def model_metadata(model: Model) -> ModelMetadata:
     )
 
 
-def validate_feed(model: Model, input_feed: Any, overridable: frozenset[str], defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """Checks a run's feed against the model's declared inputs; returns name -> value for every
-    input (overridable initializers not fed take their defaults).
+def validate_feed(model: Model, input_feed: Any, overridable: frozenset[str], defaults: Mapping[str, Any], *,
+                  inputs: Sequence[onnx.ValueInfoProto] | None = None) -> dict[str, Any]:
+    """Checks a run's feed against the model's declared inputs (``inputs``: as compiled, with
+    free-dimension overrides) and coerces it as onnxruntime does; returns name -> value for every
+    input (overridable initializers not fed take their defaults, optional inputs not fed are None).
+
+    Coercion: an OrtValue gives its value; nested lists (and Python scalars) become arrays of the
+    declared element type; ``bytes``/``np.void``/``str`` arrays fed to a string input become
+    object arrays of ``str``; lists fed to a sequence input become lists of arrays.
 
     Raises:
-        InvalidArgument: not a dict, an unknown or missing name, a wrong dtype, rank or fixed dim.
+        InvalidArgument: not a dict, an unknown or missing name, a wrong dtype, rank or fixed dim
+            (onnxruntime's messages, followed by the declared and given shapes).
     """
     if not isinstance(input_feed, dict):
         raise InvalidArgument(f"run: input_feed must be a dict of name -> array, got {type(input_feed).__name__}")
     consts = model.root.initializers
-    declared = {i.name: i for i in model.proto.graph.input if i.name not in consts or i.name in overridable}
+    infos = model.proto.graph.input if inputs is None else inputs
+    declared = {i.name: i for i in infos if i.name not in consts or i.name in overridable}
     unknown = [n for n in input_feed if n not in declared]
     if unknown:
-        required = [i.name for i in model_inputs(model)]
-        raise InvalidArgument(f"run: unknown input name(s) {unknown}; the model's inputs are {required}")
+        feedable = [i.name for i in infos if i.name not in consts]
+        raise InvalidArgument(f"Invalid input name: {unknown[0]} (unknown input name(s) {unknown}; "
+                              f"the model's inputs are {feedable})")
+    check_required(infos, declared, overridable, input_feed)
     feeds: dict[str, Any] = {}
-    for vi in declared.values():
-        name = vi.name
-        if name not in input_feed:
-            if name in overridable:
-                feeds[name] = defaults[name]
-                continue
-            raise InvalidArgument(f"run: missing input {name!r} ({type_string(vi.type)}, shape {shape_of(vi.type)})")
-        feeds[name] = _check_input(name, vi.type, input_feed[name])
+    for name, vi in declared.items():
+        value = input_feed.get(name)
+        if value is None:
+            feeds[name] = defaults[name] if name in overridable else None
+        else:
+            feeds[name] = coerce_input(name, vi.type, value)
     return feeds
 
 
-def to_user(value: Any) -> Any:
-    """Outputs are the user's to keep and modify: never a read-only view of a weight or blob."""
-    if isinstance(value, np.ndarray) and not value.flags.writeable:
-        return np.array(value)
+def check_required(infos: Sequence[onnx.ValueInfoProto], feedable: Collection[str], overridable: Collection[str],
+                   input_feed: Mapping[str, Any]) -> None:
+    """onnxruntime's check that every required input is fed (not optional, not an overridable
+    initializer, and not None); raises its ValueError ("Required inputs ... are missing ...")."""
+    missing = [vi for vi in infos if vi.name in feedable and vi.name not in overridable and input_feed.get(vi.name) is None
+               and vi.type.WhichOneof("value") != "optional_type"]
+    if missing:
+        details = "; ".join(f"{vi.name!r}: {type_string(vi.type)} {shape_of(vi.type)}" for vi in missing)
+        raise InvalidArgument(f"Required inputs ({[vi.name for vi in missing]}) are missing from input feed "
+                              f"({list(input_feed)}). ({details})")
+
+
+def to_user(value: Any, feeds: Sequence[Any] = ()) -> Any:
+    """An output as the user gets it: never a read-only view of a weight or blob, never memory
+    of one of the run's inputs (a graph input passed through is copied, as onnxruntime does),
+    strings as object arrays of ``str``, sequences as lists of such arrays.
+
+    A fresh array is handed out as a view of itself: onnxruntime's outputs are zero-copy views
+    of the buffer the session allocated (``output.base`` is that buffer), and code checks it."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind in "SU":
+            return _as_str_objects(value)
+        if not value.flags.writeable or any(isinstance(f, np.ndarray) and np.may_share_memory(value, f) for f in feeds):
+            return np.array(value).view()
+        return value if value.base is not None else value.view()
+    if isinstance(value, list):
+        return [to_user(v, feeds) for v in value]
     return value
 
 
-def _check_input(name: str, type_proto: onnx.TypeProto, value: Any) -> Any:
-    if type_proto.WhichOneof("value") != "tensor_type":
+def _as_str_objects(arr: np.ndarray) -> np.ndarray:
+    out = np.empty(arr.shape, dtype=object)
+    flat = out.reshape(-1)
+    for i, v in enumerate(arr.reshape(-1).tolist()):
+        flat[i] = v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+    return out
+
+
+def _elem_dtype(elem_type: int) -> np.dtype | None:
+    if elem_type == TensorProto.STRING:
+        return np.dtype(object)
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+    except Exception:  # UNDEFINED or a type numpy cannot hold
+        return None
+
+
+def coerce_input(name: str, type_proto: onnx.TypeProto, value: Any) -> Any:
+    """One fed value as a run takes it (see :func:`validate_feed`)."""
+    if isinstance(value, OrtValue):
+        value = value._value
+    if isinstance(value, SparseTensor):
+        raise InvalidArgument(f"run: input {name!r}: sparse tensors are not taken as inputs (no kernel here "
+                              "computes on sparse data); feed sparse_tensor.to_dense()")
+    kind = type_proto.WhichOneof("value")
+    if kind == "optional_type":
+        return coerce_input(name, type_proto.optional_type.elem_type, value)
+    if kind == "sequence_type":
+        if not isinstance(value, (list, tuple)):
+            raise InvalidArgument(f"run: input {name!r} is a {type_string(type_proto)}: expected a list, "
+                                  f"got {type(value).__name__}")
+        return [coerce_input(name, type_proto.sequence_type.elem_type, v) for v in value]
+    if kind != "tensor_type":
         return value
     tt = type_proto.tensor_type
-    arr = value if isinstance(value, np.ndarray) else np.asarray(value)
-    try:
-        expected = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type))
-    except Exception:
-        expected = None
-    if expected is not None and arr.dtype != expected and not (expected == object and arr.dtype.kind in "USO"):
+    expected = _elem_dtype(tt.elem_type)
+    if isinstance(value, np.ndarray):
+        arr = value
+    elif isinstance(value, (list, tuple, int, float, bool, str, bytes)):
+        try:
+            arr = np.asarray(value, dtype=expected if expected is not None and expected != object else None)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"run: input {name!r}: cannot convert the {type(value).__name__} to "
+                                  f"{type_string(type_proto)} ({exc})") from exc
+    else:
+        arr = np.asarray(value)
+    if expected == object and arr.dtype.kind in "OUSV":
+        if arr.dtype.kind != "O" or any(not isinstance(v, str) for v in arr.reshape(-1).tolist()):
+            arr = _strings(arr)
+    elif expected is not None and arr.dtype != expected:
         raise InvalidArgument(
-            f"run: input {name!r} has the wrong type: expected {type_string(type_proto)} "
-            f"({expected}), got {arr.dtype}"
-        )
+            f"Unexpected input data type. Actual: ({_type_of(arr)}) , expected: ({type_string(type_proto)}) "
+            f"for input {name!r} (numpy {arr.dtype})")
     if tt.HasField("shape"):
-        dims = tt.shape.dim
-        if arr.ndim != len(dims):
-            raise InvalidArgument(
-                f"run: input {name!r} has the wrong rank: expected {len(dims)} "
-                f"(shape {shape_of(type_proto)}), got {arr.ndim} (shape {list(arr.shape)})"
-            )
-        for k, d in enumerate(dims):
-            if d.HasField("dim_value") and d.dim_value != arr.shape[k]:
-                raise InvalidArgument(
-                    f"run: input {name!r} has the wrong shape: dimension {k} expected {d.dim_value}, "
-                    f"got {arr.shape[k]} (expected {shape_of(type_proto)}, got {list(arr.shape)})"
-                )
+        _check_shape(name, type_proto, arr)
     return arr
+
+
+def _strings(arr: np.ndarray) -> np.ndarray:
+    """str/bytes/void/object arrays as object arrays of ``str``: bytes and void items decoded as
+    UTF-8, the items of an object array converted with ``str()`` (as onnxruntime does)."""
+    out = np.empty(arr.shape, dtype=object)
+    flat = out.reshape(-1)
+    decode = arr.dtype.kind in "SV"
+    for i, v in enumerate(arr.reshape(-1)):
+        if isinstance(v, np.void):
+            v = v.tobytes().rstrip(b"\0")
+        flat[i] = bytes(v).decode("utf-8") if decode else str(v)
+    return out
+
+
+def _type_of(arr: np.ndarray) -> str:
+    if arr.dtype.kind in "OUS":
+        return "tensor(string)"
+    try:
+        return f"tensor({_ELEM_NAMES[helper.np_dtype_to_tensor_dtype(arr.dtype)]})"
+    except Exception:  # a dtype with no ONNX element type
+        return f"numpy {arr.dtype}"
+
+
+def _check_shape(name: str, type_proto: onnx.TypeProto, arr: np.ndarray) -> None:
+    dims = type_proto.tensor_type.shape.dim
+    declared, got = shape_of(type_proto), list(arr.shape)
+    if arr.ndim != len(dims):
+        raise InvalidArgument(
+            f"Invalid rank for input: {name} Got: {arr.ndim} Expected: {len(dims)} Please fix either the inputs/outputs "
+            f"or the model. (input {name!r}: declared shape {declared}, got {got})")
+    bad = [(k, arr.shape[k], d.dim_value) for k, d in enumerate(dims)
+           if d.HasField("dim_value") and d.dim_value != arr.shape[k]]
+    if bad:
+        # onnxruntime puts each index on its own line; one line here (CLI errors are one line)
+        lines = "".join(f" index: {k} Got: {g} Expected: {e}" for k, g, e in bad)
+        raise InvalidArgument(
+            f"Got invalid dimensions for input: {name} for the following indices{lines} Please fix either the "
+            f"inputs/outputs or the model. (input {name!r}: declared shape {declared}, got {got})")

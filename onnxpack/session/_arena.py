@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from onnxpack.errors import RuntimeFailure
-from onnxpack.session._program import Frame, Plan, Step, StepHook, call_step, run_plan, store
+from onnxpack.session._program import Frame, Plan, RunControl, Step, StepHook, call_step, run_plan, store
 from onnxpack.session.planner import MemoryConfig, PlanResult, TensorLifetime, compute_lifetimes
 from onnxpack.session.planner import plan as plan_tensors
 
@@ -123,10 +123,11 @@ class _Recorder(StepHook):
         return outs
 
 
-def record(plan: Plan, inputs: Sequence[Any], parent: Frame | None = None) -> tuple[list[Any], Recording]:
+def record(plan: Plan, inputs: Sequence[Any], parent: Frame | None = None,
+           control: RunControl | None = None) -> tuple[list[Any], Recording]:
     """Run ``plan`` unplanned and record what the planner needs; returns (outputs, recording)."""
     recorder = _Recorder()
-    outputs = run_plan(plan, inputs, parent, recorder)
+    outputs = run_plan(plan, inputs, parent, recorder, control)
     return outputs, recorder.rec
 
 
@@ -204,8 +205,10 @@ class _Arena:
 class _SignaturePlan:
     """The plan for one input signature, with its pool of arenas."""
 
-    def __init__(self, plan: Plan, rec: Recording, algorithm: str, config: MemoryConfig, signature: tuple) -> None:
+    def __init__(self, plan: Plan, rec: Recording, algorithm: str, config: MemoryConfig, signature: tuple,
+                 pooled: int = MAX_POOLED_ARENAS) -> None:
         self.signature = signature
+        self.pooled = pooled
         self.lifetimes = recording_lifetimes(plan, rec, only_plannable=True)
         self.result: PlanResult = plan_tensors(self.lifetimes, config, algorithm)
         self.config = config
@@ -257,7 +260,7 @@ class _SignaturePlan:
             return _Arena(self.sizes, self.alignments, self.into)
 
     def release(self, arena: _Arena) -> None:
-        if len(self._pool) < MAX_POOLED_ARENAS:  # a race may keep one or two more: harmless
+        if len(self._pool) < self.pooled:  # a race may keep one or two more: harmless
             self._pool.append(arena)
 
     def as_dict(self, plan: Plan) -> dict[str, Any]:
@@ -320,9 +323,10 @@ class _Planned(StepHook):
         return outs
 
 
-def run_planned(plan: Plan, inputs: Sequence[Any], sp: _SignaturePlan, arena: _Arena) -> list[Any]:
+def run_planned(plan: Plan, inputs: Sequence[Any], sp: _SignaturePlan, arena: _Arena,
+                control: RunControl | None = None) -> list[Any]:
     """Run the root plan with ``run_into`` kernels writing into ``arena``; outputs never alias it."""
-    return [_copy_if_in(arena, v) for v in run_plan(plan, inputs, None, _Planned(sp, arena))]
+    return [_copy_if_in(arena, v) for v in run_plan(plan, inputs, None, _Planned(sp, arena), control)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -333,10 +337,14 @@ class ArenaRunner:
     """Runs a root plan with the memory planner: record, plan and cache per input signature.
 
     Thread-safe: the plan cache is guarded by a lock and each run holds its own arena.
+    ``pool_arenas=False`` (``SessionOptions.enable_cpu_mem_arena = False``) frees each run's
+    arena after the run instead of keeping it for the next.
     """
 
-    def __init__(self, plan: Plan, algorithm: str, config: MemoryConfig | None = None) -> None:
+    def __init__(self, plan: Plan, algorithm: str, config: MemoryConfig | None = None, *,
+                 pool_arenas: bool = True) -> None:
         self.plan = plan
+        self.pooled = MAX_POOLED_ARENAS if pool_arenas else 0
         self.algorithm = algorithm
         self.config = config or MemoryConfig.default()
         self._plans: collections.OrderedDict[tuple, _SignaturePlan | None] = collections.OrderedDict()
@@ -350,16 +358,16 @@ class ArenaRunner:
         except AttributeError:
             return None  # sequences/optionals as graph inputs: run unplanned
 
-    def run(self, inputs: Sequence[Any]) -> list[Any]:
+    def run(self, inputs: Sequence[Any], control: RunControl | None = None) -> list[Any]:
         plan = self.plan
         sig = self.signature(plan, inputs)
         if sig is None:
-            return run_plan(plan, inputs)
+            return run_plan(plan, inputs, control=control)
         sp = self._plans.get(sig, _MISSING)  # a dict read is atomic; writes hold the lock
         if sp is _MISSING:
-            outputs, rec = record(plan, inputs)
+            outputs, rec = record(plan, inputs, control=control)
             try:
-                made: _SignaturePlan | None = _SignaturePlan(plan, rec, self.algorithm, self.config, sig)
+                made: _SignaturePlan | None = _SignaturePlan(plan, rec, self.algorithm, self.config, sig, self.pooled)
             except Exception as exc:  # planning must never break a run: stay unplanned
                 logger.warning("memory planner: no plan for graph %r (%s: %s); running unplanned", plan.name, type(exc).__name__, exc)
                 made = None
@@ -371,12 +379,19 @@ class ArenaRunner:
                     self._last = made
             return outputs
         if sp is None or sp.planned_steps == 0:
-            return run_plan(plan, inputs)
+            return run_plan(plan, inputs, control=control)
         arena = sp.acquire()
         try:
-            return run_planned(plan, inputs, sp, arena)
+            return run_planned(plan, inputs, sp, arena, control)
         finally:
             sp.release(arena)
+
+    def shrink(self) -> None:
+        """Frees the pooled arenas of every plan (``memory.enable_memory_arena_shrinkage``)."""
+        with self._lock:
+            for sp in self._plans.values():
+                if sp is not None:
+                    sp._pool.clear()
 
     def memory_plan(self, input_shapes: dict[str, Sequence[int]] | None = None) -> dict[str, Any] | None:
         """The plan of the last planned signature, or of the one whose input shapes are given."""

@@ -33,6 +33,7 @@ from onnxpack.errors import InvalidArgument, InvalidGraph, OnnxpackError
 from onnxpack.graph import Model, Scope
 from onnxpack.prepack import PackSources, PrepackedWeightsContainer, WeightRef
 from onnxpack.session._derive import derive
+from onnxpack.session._api import override_dims
 from onnxpack.session._fusion import Fusion, apply_fusions, plan_fusions
 from onnxpack.session._program import PackEvent, Plan, PrepackStats, Program, Step, schedule, topological_order
 from onnxpack.session._resolve import resolve
@@ -52,11 +53,19 @@ class CompileOptions:
         runnable: build kernels for every node; ``False`` (``onnxpack optimize``) builds no
             onnx.reference evaluators, since the program will only be saved.
         initializers: arrays given with ``SessionOptions.add_initializer`` (name -> value).
+        fuse: apply the fusions (with ``prepack``); ``GraphOptimizationLevel.ORT_DISABLE_ALL``
+            turns them off.
+        dims_by_name / dims_by_denotation: free-dimension overrides (symbolic dim name or
+            denotation -> size); they fix the compiled inputs' (and outputs') declared shapes,
+            which ``get_inputs()`` reports and runs are checked against.
     """
 
     prepack: bool = True
     runnable: bool = True
     initializers: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    fuse: bool = True
+    dims_by_name: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    dims_by_denotation: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def compile(model: Model, options: CompileOptions, sources: PackSources,  # noqa: A001 - the compile step
@@ -121,10 +130,12 @@ class _Compiler:
                 k = step.kernel
                 if type(k).warm_up is not Kernel.warm_up:
                     warm.setdefault(type(k), k.warm_up)
+        inputs, outputs = override_dims(root.graph.input, root.graph.output, self.options.dims_by_name,
+                                        self.options.dims_by_denotation)
         return Program(
             plans=dict(self.plans), root=self.plans[root.path], overridable=self.overridable, defaults=defaults,
             pack_log=tuple(self.log), fallback_nodes=tuple(self.fallback_nodes), stats=stats,
-            guards=tuple(guards.values()), warm_ups=tuple(warm.values()),
+            inputs=inputs, outputs=outputs, guards=tuple(guards.values()), warm_ups=tuple(warm.values()),
         )
 
     # -- names ------------------------------------------------------------------------------------
@@ -164,7 +175,7 @@ class _Compiler:
         if self.options.prepack:
             self.derived[scope.path] = self._derivations(scope, nodes, implicit, available, name)
         fusions: list[Fusion] = []
-        if self.options.prepack:
+        if self.options.prepack and self.options.fuse:
             fusions = self._fusions(scope, nodes, implicit)
         entries = apply_fusions(nodes, fusions)
         reads = [(*node.input, *implicit.get(k, ())) for k, node, _f in entries]

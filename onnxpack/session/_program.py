@@ -14,6 +14,11 @@ outputs.
 
 Running a plan creates a :class:`Frame` — a dict of values plus the enclosing frame — so
 concurrent runs share nothing mutable.
+
+What a caller asks of one run beyond its outputs — stop when ``RunOptions.terminate`` is set,
+time every node for the profiler, write outputs into bound buffers — is a :class:`RunControl`
+passed to :func:`run_plan`.  It reaches subgraph runs through their frames and wraps each plan's
+hook once per plan run; a run without one takes the plain loop, untouched.
 """
 
 from __future__ import annotations
@@ -36,8 +41,10 @@ __all__ = [
     "Program",
     "PackEvent",
     "PrepackStats",
+    "RunControl",
     "StepHook",
     "call_step",
+    "prune",
     "run_plan",
     "schedule",
     "topological_order",
@@ -49,11 +56,12 @@ _MISSING = object()
 class Frame:
     """Values of one running scope; names not found here are looked up in the parent frame."""
 
-    __slots__ = ("values", "parent")
+    __slots__ = ("values", "parent", "control")
 
-    def __init__(self, values: dict[str, Any], parent: Frame | None) -> None:
+    def __init__(self, values: dict[str, Any], parent: Frame | None, control: RunControl | None = None) -> None:
         self.values = values
         self.parent = parent
+        self.control = control  # the run's control, inherited by subgraph runs
 
     def get(self, name: str) -> Any:
         frame: Frame | None = self
@@ -202,6 +210,8 @@ class Program:
     pack_log: tuple[PackEvent, ...]
     fallback_nodes: tuple[str, ...]
     stats: PrepackStats
+    inputs: tuple[Any, ...] = ()  # the root graph's input ValueInfoProtos as compiled (dims overridden)
+    outputs: tuple[Any, ...] = ()  # its output ValueInfoProtos, likewise
     # Checks run before every run: each raises if a file this program maps (the model's data
     # files, the cache file, another model's blobs shared through the container) was truncated or
     # rewritten since it was mapped — reading it would kill the process (SIGBUS) or read other
@@ -229,6 +239,18 @@ class StepHook:
         return call_step(step, frame, args, plan.name)
 
 
+class RunControl:
+    """What a run asks beyond its outputs (terminate checks, profiling, bound outputs).
+
+    ``hook(plan, inner, root)`` returns the hook that runs ``plan``'s steps: ``inner`` (the
+    memory planner's hook, or ``None`` for the plain call) wrapped as the control needs; ``root``
+    is True for the model's graph, False for a subgraph run.  Called once per plan run.
+    """
+
+    def hook(self, plan: Plan, inner: StepHook | None, root: bool) -> StepHook | None:
+        return inner
+
+
 def call_step(step: Step, frame: Frame, args: Sequence[Any], scope: str) -> Sequence[Any]:
     """Calls the step's kernel the way it asks to be called (see ``Kernel.call_mode``)."""
     kernel = step.kernel
@@ -251,12 +273,20 @@ def store(value: Any) -> Any:
 
 
 def run_plan(plan: Plan, inputs: Sequence[Any], parent: Frame | None = None,
-             hook: StepHook | None = None) -> list[Any]:
-    """Runs ``plan`` on ``inputs`` (in ``plan.input_names`` order); the one step loop."""
+             hook: StepHook | None = None, control: RunControl | None = None) -> list[Any]:
+    """Runs ``plan`` on ``inputs`` (in ``plan.input_names`` order); the one step loop.
+
+    ``control`` (or, for a subgraph, the enclosing frame's) wraps ``hook`` once, here: the loop
+    itself has no per-step check for it.
+    """
+    if control is None and parent is not None:
+        control = parent.control
+    if control is not None:
+        hook = control.hook(plan, hook, parent is None)
     values = dict(plan.constants)
     for name, value in zip(plan.input_names, inputs):
         values[name] = value
-    frame = Frame(values, parent)
+    frame = Frame(values, parent, control)
     get = frame.get
     for k, step in enumerate(plan.steps):
         packed = step.packed
@@ -290,6 +320,24 @@ def run_plan(plan: Plan, inputs: Sequence[Any], parent: Frame | None = None,
 
 
 # -- building (pure) ----------------------------------------------------------------------------
+
+
+def prune(plan: Plan, outputs: Sequence[str]) -> Plan:
+    """``plan`` reduced to the steps ``outputs`` depend on (``RunOptions.only_execute_path_to_fetches``),
+    with release points recomputed; the other steps are not run.  O(steps + reads)."""
+    producer = {o: k for k, step in enumerate(plan.steps) for o in step.outputs if o}
+    keep: set[int] = set()
+    todo = [producer[n] for n in outputs if n in producer]
+    while todo:
+        k = todo.pop()
+        if k in keep:
+            continue
+        keep.add(k)
+        todo.extend(producer[n] for n in plan.steps[k].reads if n in producer)
+    steps = [dataclasses.replace(step, release=()) for k, step in enumerate(plan.steps) if k in keep]
+    return dataclasses.replace(plan, output_names=tuple(outputs), output_types=(), output_dims=(),
+                               steps=schedule(steps, plan.input_names, outputs, plan.constants))
+
 
 
 def topological_order(nodes: Sequence[NodeProto], available: Callable[[str], bool], scope_name: str,

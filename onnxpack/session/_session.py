@@ -1,8 +1,11 @@
 """InferenceSession: onnxruntime's Python API over a compiled :class:`Program`.
 
-Creation is load → :func:`~onnxpack.session._compile.compile` → (optionally) save; running is
-the program's root plan through the one step loop (or the memory planner's hook).  Everything
-else here is the onnxruntime facade: options, providers, NodeArgs, feed checks, close.
+Creation is load → :func:`~onnxpack.session._compile.compile` → (optionally) save; every run API
+goes through :class:`~onnxpack.session._runner.Runner`.  What lives elsewhere: value types
+(``_ortvalue``), bindings (``_iobinding``), run options and controls (``_run_options``), the
+profiler (``_profile``), providers (``_providers``), devices (``_devices``), user-supplied data
+and ``ort_config`` (``_load``), BLAS threads (``_threads``), logging (``_logging``).  Errors of
+every public method are onnxruntime's classes as well as ours (``errors.as_onnxruntime_error``).
 """
 
 from __future__ import annotations
@@ -11,114 +14,122 @@ import itertools
 import logging
 import os
 import threading
+import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
-from onnxpack.errors import InvalidArgument
-from onnxpack.graph import Model, load_model
+from onnxpack.errors import InvalidArgument, ModelLoadCanceled
+from onnxpack.graph import Model
 from onnxpack.prepack import PackSources, PrepackedWeightsContainer
-from onnxpack.session._api import (
-    ModelMetadata,
-    NodeArg,
-    model_inputs,
-    model_metadata,
-    model_outputs,
-    to_user,
-    validate_feed,
-)
-from onnxpack.session._arena import ArenaRunner
-from onnxpack.session._compile import CompileOptions, compile
+from onnxpack.session import _providers
+from onnxpack.session._api import (ModelMetadata, NodeArg, check_required, model_inputs, model_metadata, model_outputs,
+                                   to_user)
+from onnxpack.session._compile import compile
+from onnxpack.session._iobinding import IOBinding
+from onnxpack.session._load import compile_options, load_for_session, options_from_model
+from onnxpack.session._logging import SessionLog
 from onnxpack.session._optimize import save_program
-from onnxpack.session._program import Program, run_plan
-from onnxpack.session.options import SessionOptions, validate_config
+from onnxpack.session._ortvalue import OrtValue
+from onnxpack.session._profile import Profiler
+from onnxpack.session._providers import ProviderAPI, ort_errors as _ort_errors
+from onnxpack.session._program import Program
+from onnxpack.session._runner import Runner
+from onnxpack.session.options import SessionOptions, check_severity, validate_config
 
 __all__ = ["InferenceSession"]
 
 _HOLDER_IDS = itertools.count(1)
-_SUPPORTED_PROVIDERS = ("CPUExecutionProvider",)
 
 
-class InferenceSession:
-    """Runs an ONNX model with numpy; mirrors ``onnxruntime.InferenceSession``.
+class InferenceSession(ProviderAPI):
+    """Runs an ONNX model with numpy; mirrors ``onnxruntime.InferenceSession`` (docs/api.md).
 
     Args:
         path_or_bytes: model file path, or the serialized model.
-        sess_options: :class:`SessionOptions` (config keys, optimized model path, initializers).
-        providers: ``None`` or ``["CPUExecutionProvider"]``.
+        sess_options: :class:`SessionOptions`.
+        providers, provider_options: as onnxruntime's; the session runs on CPUExecutionProvider,
+            other names warn as on a CPU-only onnxruntime.
         prepacked_weights_container: a :class:`PrepackedWeightsContainer` shared with other
             sessions; without one, the session owns a local container shared by its subgraphs.
+        read_config_from_model, enable_fallback: onnxruntime's keyword arguments.
     """
 
-    def __init__(
-        self,
-        path_or_bytes: str | os.PathLike | bytes,
-        sess_options: SessionOptions | None = None,
-        providers: Sequence[Any] | None = None,
-        provider_options: Sequence[dict] | None = None,
-        *,
-        prepacked_weights_container: PrepackedWeightsContainer | None = None,
-    ) -> None:
-        self._closed = True
-        self._runs = 0  # runs in flight: close() waits for them
-        self._lock = threading.Condition()
-        self._options = sess_options if sess_options is not None else SessionOptions()
-        if not isinstance(self._options, SessionOptions):
+    @_ort_errors
+    def __init__(self, path_or_bytes: str | os.PathLike | bytes, sess_options: SessionOptions | None = None,
+                 providers: Sequence[Any] | None = None, provider_options: Sequence[dict] | None = None, *,
+                 prepacked_weights_container: PrepackedWeightsContainer | None = None, **kwargs: Any) -> None:
+        self._closed, self._runs, self._lock = True, 0, threading.Condition()
+        options = sess_options if sess_options is not None else SessionOptions()
+        if not isinstance(options, SessionOptions):
             raise InvalidArgument(f"sess_options: expected onnxpack.SessionOptions, got {type(sess_options).__name__}")
-        self._config = validate_config(self._options.config)
-        self._providers = _check_providers(providers)
+        names, opts = _providers.normalize_providers(providers, provider_options)
+        self._providers, self._provider_options = _providers.session_providers(names, opts)
+        self._fallback = int(kwargs.get("enable_fallback", 1)) == 1
         container = prepacked_weights_container
         if container is not None and not isinstance(container, PrepackedWeightsContainer):
             raise InvalidArgument(
-                f"prepacked_weights_container: expected onnxpack.PrepackedWeightsContainer, got {type(container).__name__}"
-            )
+                f"prepacked_weights_container: expected onnxpack.PrepackedWeightsContainer, got {type(container).__name__}")
+        self._config = validate_config(options.config)
+        if options.load_cancelled:
+            raise ModelLoadCanceled("Model loading was canceled (SessionOptions.set_load_cancellation_flag)")
+        t0 = time.perf_counter_ns()
+        self._model: Model = load_for_session(path_or_bytes, options)
         self._container = container if container is not None else PrepackedWeightsContainer()
         holder = next(_HOLDER_IDS)
         self._finalizer = weakref.finalize(self, self._container.release, holder)
-        self._model: Model = load_model(path_or_bytes if isinstance(path_or_bytes, bytes) else os.fspath(path_or_bytes))
-        cfg = self._config
         try:
-            # Blobs that will be saved again must be proven to match their weights (issue 12): a
-            # session that saves verifies in full, as onnxpack optimize does.
-            saving = bool(self._options.optimized_model_filepath and cfg["session.save_external_prepacked_constant_initializers"])
-            sources = PackSources(self._model, verify=bool(cfg["onnxpack.verify_prepacked"]) or saving,
-                                  cache_path=cfg["onnxpack.prepacked_cache_path"] or "")
-            options = CompileOptions(prepack=not cfg["session.disable_prepacking"],
-                                     initializers=self._options.initializers)
-            self._program: Program = compile(self._model, options, sources, self._container, holder)
-            sources.flush_cache()
-            if self._options.optimized_model_filepath:
-                save_program(self._model, self._program, os.fspath(self._options.optimized_model_filepath), cfg)
+            self._create(options, kwargs, holder, t0, isinstance(path_or_bytes, (bytes, bytearray, memoryview)))
         except BaseException:
             self._finalizer()
             self._model.close()
             raise
+        self._closed = False
+
+    def _create(self, options: SessionOptions, kwargs: dict, holder: int, t_load: int, from_bytes: bool) -> None:
+        read = kwargs.get("read_config_from_model")
+        self._options = options = options_from_model(self._model, options, None if read is None else int(read) == 1)
+        check_severity(options.log_severity_level, "log_severity_level", allow_default=True)
+        self._log = SessionLog(__name__, options.logid, options.log_severity_level)
+        profiler = Profiler(options.profile_file_prefix, t_load) if options.enable_profiling else None
+        t1 = time.perf_counter_ns()
+        cfg = self._config
+        # Blobs that will be saved again must be proven to match their weights (issue 12): a
+        # session that saves verifies in full, as onnxpack optimize does.
+        saving = bool(options.optimized_model_filepath and cfg["session.save_external_prepacked_constant_initializers"])
+        sources = PackSources(self._model, verify=bool(cfg["onnxpack.verify_prepacked"]) or saving,
+                              cache_path=cfg["onnxpack.prepacked_cache_path"] or "")
+        self._program: Program = compile(self._model, compile_options(options, cfg), sources, self._container, holder)
+        sources.flush_cache()
         if self._program.warm_ups:
             threading.Thread(target=_warm_up, args=(self._program.warm_ups,), name="onnxpack-warm-up", daemon=True).start()
-        planner = cfg["onnxpack.memory_planner"]
-        self._arena = None if planner in (None, "none") else ArenaRunner(self._program.root, planner)
-        self._closed = False
+        if options.optimized_model_filepath:
+            save_program(self._model, self._program, os.fspath(options.optimized_model_filepath), cfg)
+        self._runner = Runner(self._model, self._program, options, cfg, profiler)
+        self._feedable = frozenset(i.name for i in self.get_inputs()) | self._program.overridable
+        self._output_types = {a.name: a.type for a in self.get_outputs()}
+        if profiler is not None:
+            profiler.event("Session", "model_loading_array" if from_bytes else "model_loading_uri", t_load, t1)
+            profiler.event("Session", "session_initialization", t1, time.perf_counter_ns())
+        self._log.log(1, "session created: %d nodes, %d run by onnx.reference, %d weights packed",
+                      len(self._program.root.steps), len(self._program.fallback_nodes), len(self._program.pack_log))
 
     # -- description ------------------------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
-        return model_inputs(self._model)
+        return model_inputs(self._model, infos=self._program.inputs)
 
     def get_outputs(self) -> list[NodeArg]:
-        return model_outputs(self._model)
+        return model_outputs(self._model, self._program.outputs)
 
     def get_overridable_initializers(self) -> list[NodeArg]:
-        return model_inputs(self._model, overridable=self._program.overridable, only_overridable=True)
+        return model_inputs(self._model, overridable=self._program.overridable, only_overridable=True,
+                            infos=self._program.inputs)
 
     def get_modelmeta(self) -> ModelMetadata:
         return model_metadata(self._model)
 
     def get_session_options(self) -> SessionOptions:
         return self._options
-
-    def get_providers(self) -> list[str]:
-        return list(self._providers)
 
     def get_prepack_stats(self) -> dict[str, Any]:
         return self._program.stats.as_dict()
@@ -141,45 +152,87 @@ class InferenceSession:
         return self._program
 
     # -- running ----------------------------------------------------------------------------------
-    def run(self, output_names: Sequence[str] | None, input_feed: dict[str, Any], run_options: Any = None) -> list[np.ndarray]:
+    def _enter(self) -> None:
         with self._lock:
             if self._closed:
                 raise InvalidArgument("this InferenceSession is closed")
             self._runs += 1
+
+    def _exit(self) -> None:
+        with self._lock:
+            self._runs -= 1
+            self._lock.notify_all()
+
+    @_ort_errors
+    def run(self, output_names: Sequence[str] | None, input_feed: dict[str, Any], run_options: Any = None) -> list[Any]:
+        self._enter()
         try:
-            program = self._program
-            program.check_files()
-            root = program.root
-            feeds = validate_feed(self._model, input_feed, program.overridable, program.defaults)
-            all_outputs = root.output_names
-            if output_names:
-                missing = [n for n in output_names if n not in all_outputs]
-                if missing:
-                    raise InvalidArgument(
-                        f"run: unknown output name(s) {missing}; the model's outputs are {list(all_outputs)}")
-            inputs = [feeds[n] for n in root.input_names]
-            values = run_plan(root, inputs) if self._arena is None else self._arena.run(inputs)
-            result = dict(zip(all_outputs, values))
-            names = list(output_names) if output_names else all_outputs
-            return [to_user(result[n]) for n in names]
+            _, values, inputs = self._runner.execute(input_feed, output_names, run_options)
+            return [to_user(v, inputs) for v in values]
         finally:
-            with self._lock:
-                self._runs -= 1
-                self._lock.notify_all()
+            self._exit()
+
+    @_ort_errors
+    def run_with_ort_values(self, output_names: Sequence[str] | None, input_dict_ort_values: dict[str, Any],
+                            run_options: Any = None) -> list[OrtValue]:
+        self._enter()
+        try:
+            names, values, inputs = self._runner.execute(input_dict_ort_values, output_names, run_options)
+            return [OrtValue(to_user(v, inputs), self._output_types.get(n)) for n, v in zip(names, values)]
+        finally:
+            self._exit()
+
+    def run_with_ortvaluevector(self, run_options: Any, feed_names: Sequence[str], feeds: Sequence[OrtValue],
+                                fetch_names: Sequence[str], fetches: list, fetch_devices: Any = None) -> None:
+        """Fills ``fetches`` (a list) with the outputs as OrtValues."""
+        fetches[:] = self.run_with_ort_values(list(fetch_names), dict(zip(feed_names, feeds)), run_options)
+
+    @_ort_errors
+    def run_async(self, output_names: Sequence[str] | None, input_feed: dict[str, Any],
+                  callback: Callable[[list, Any, str], None], user_data: Any, run_options: Any = None) -> None:
+        """Runs in a new thread, then calls ``callback(outputs, user_data, error_message)``
+        (``[]`` and the message on failure, the outputs and ``""`` on success)."""
+        check_required(self._program.inputs, self._feedable, self._program.overridable, input_feed)
+
+        def work() -> None:
+            try:
+                outputs = self.run(output_names, input_feed, run_options)
+            except Exception as exc:  # reported to the callback, as onnxruntime does
+                callback([], user_data, str(exc))
+            else:
+                callback(outputs, user_data, "")
+
+        threading.Thread(target=work, name="onnxpack-run-async", daemon=True).start()
+
+    def io_binding(self) -> IOBinding:
+        return IOBinding(self)
+
+    @_ort_errors
+    def run_with_iobinding(self, iobinding: IOBinding, run_options: Any = None) -> None:
+        if not isinstance(iobinding, IOBinding) or iobinding._session is not self:
+            raise InvalidArgument("IOBinding must be used with the session that created it.")
+        self._enter()
+        try:
+            iobinding._run(self._runner, run_options, self._output_types)
+        finally:
+            self._exit()
+
+    # -- profiling --------------------------------------------------------------------------------
+    def end_profiling(self) -> str:
+        """Writes the profile (Chrome trace JSON) and returns its file name; '' if not profiling."""
+        profiler = self._runner.profiler
+        return profiler.end() if profiler is not None else ""
+
+    def get_profiling_start_time_ns(self) -> int:
+        profiler = self._runner.profiler
+        return profiler.start_ns if profiler is not None else 0
 
     def get_memory_plan(self, input_shapes: dict[str, Sequence[int]] | None = None) -> dict[str, Any] | None:
-        """The activation memory plan of the root graph, or ``None`` when there is none yet.
-
-        Plans are made at the first run for a set of input shapes (with
-        ``onnxpack.memory_planner`` set), so this is ``None`` before that run and when the
-        planner is off.  Without ``input_shapes`` the latest plan is returned.  The dict is
-        :meth:`PlanResult.as_dict` (algorithm, totals, lower bound, per memory arena/peak, per
-        tensor name/memory/offset/size/first/last, plus nbytes/dtype/shape/node) with the input
-        ``signature``, ``steps``, ``planned_steps`` and the ``lifetimes`` planned.
-        """
+        """The root graph's activation memory plan (``ArenaRunner.memory_plan``) or ``None``."""
         if self._closed:
             raise InvalidArgument("this InferenceSession is closed")
-        return None if self._arena is None else self._arena.memory_plan(input_shapes)
+        arena = self._runner.arena
+        return None if arena is None else arena.memory_plan(input_shapes)
 
     # -- closing ----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -191,7 +244,7 @@ class InferenceSession:
             while self._runs:
                 self._lock.wait()
         self._finalizer()
-        self._arena = None
+        self._runner.arena = None
         self._model.close()
 
     def __enter__(self) -> InferenceSession:
@@ -201,21 +254,10 @@ class InferenceSession:
         self.close()
 
 
+
 def _warm_up(tasks) -> None:
     for task in tasks:
         try:
             task()
         except Exception as exc:  # a warm-up only saves time later; the first run reports real errors
             logging.getLogger(__name__).debug("warm-up %r failed: %s", task, exc)
-
-
-def _check_providers(providers: Sequence[Any] | None) -> list[str]:
-    if providers is None:
-        return list(_SUPPORTED_PROVIDERS)
-    names = []
-    for p in providers:
-        name = p[0] if isinstance(p, tuple) else p
-        if name not in _SUPPORTED_PROVIDERS:
-            raise InvalidArgument(f"providers: onnxpack runs on {', '.join(_SUPPORTED_PROVIDERS)} only, got {name!r}")
-        names.append(name)
-    return names

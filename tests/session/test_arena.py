@@ -298,7 +298,7 @@ def test_runs_hold_distinct_arenas():
     sess = _session(path, "greedy_by_size")
     feeds = _feeds(sess)
     sess.run(None, feeds)
-    (sp,) = [p for p in sess._arena._plans.values() if isinstance(p, _SignaturePlan)]
+    (sp,) = [p for p in sess._runner.arena._plans.values() if isinstance(p, _SignaturePlan)]
     a, b = sp.acquire(), sp.acquire()  # two runs in flight
     assert not np.shares_memory(a.buffers[0], b.buffers[0])
     sp.release(a)

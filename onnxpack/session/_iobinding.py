@@ -1,0 +1,235 @@
+"""IOBinding on the CPU: inputs used in place, outputs written into the caller's buffers.
+
+``session.io_binding()`` returns an :class:`IOBinding`; ``run_with_iobinding(binding)`` runs it:
+
+* **Inputs** (``bind_cpu_input``, ``bind_ortvalue_input``, ``bind_input`` with a pointer) are
+  the caller's arrays, handed to the kernels without a copy.
+* **Outputs bound to a preallocated OrtValue** (``bind_ortvalue_output``, ``bind_output`` with a
+  pointer) are *written into*: the caller keeps the buffer.  When the node producing such an
+  output has a kernel that can write into a given array (``Kernel.run_into``), and this binding
+  has already seen that node run on inputs of the same shapes and dtypes giving an output of the
+  buffer's shape and dtype, the kernel writes straight into the buffer; otherwise the result is
+  copied in (``np.copyto``) at the end of the run, after checking that it fits (onnxruntime's
+  "Got invalid dimensions for output" / "Unexpected output data type" otherwise).  A buffer that
+  shares memory with one of the run's inputs is never written before the inputs are all read.
+* **Outputs bound by device name only** (``bind_output(name)``) are allocated by the run and
+  returned as OrtValues by ``get_outputs()``.
+
+So an LLM decode loop can bind ``present_*`` outputs to buffers and bind those same OrtValues as
+the next step's ``past_*`` inputs.  Errors of a bound run are onnxruntime's: plain
+``RuntimeError`` subclasses whose message starts "Error in execution: ".
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from onnxpack.errors import OnnxpackError, RuntimeFailure, RuntimeInvalidArgument
+from onnxpack.session._ortvalue import OrtValue, _device_name, elem_dtype, value_type
+from onnxpack.session._program import Frame, Plan, Step, StepHook, call_step
+
+if TYPE_CHECKING:
+    from onnxpack.session._session import InferenceSession
+
+__all__ = ["IOBinding", "SessionIOBinding", "array_at"]
+
+
+def array_at(buffer_ptr: int, element_type: Any, shape: Sequence[int]) -> np.ndarray:
+    """A numpy array over ``shape`` elements at a raw CPU address (the caller guarantees the memory
+    stays valid while bound, as with onnxruntime)."""
+    dtype = elem_dtype(element_type)
+    shape = tuple(int(d) for d in shape)
+    count = int(np.prod(shape, dtype=np.int64))
+    if dtype == object or count < 0:
+        raise RuntimeInvalidArgument("bind by pointer: numeric tensors only")
+    raw = (ctypes.c_byte * (count * dtype.itemsize)).from_address(int(buffer_ptr))
+    return np.frombuffer(raw, dtype=dtype, count=count).reshape(shape)
+
+
+def _require_cpu(device_type: Any, what: str) -> None:
+    if _device_name(device_type) != "cpu":
+        raise RuntimeInvalidArgument(f"{what}: device {device_type!r} is not available; onnxpack computes on the CPU "
+                                     "(bind to 'cpu')")
+
+
+class IOBinding:
+    """Inputs and outputs bound for :meth:`InferenceSession.run_with_iobinding` (see the module)."""
+
+    def __init__(self, session: InferenceSession) -> None:
+        self._session = session
+        self._inputs: dict[str, Any] = {}
+        self._outputs: dict[str, OrtValue | None] = {}  # name -> preallocated OrtValue, None: allocate
+        self._results: list[OrtValue] = []
+        self._seen: dict[int, tuple] = {}  # id(kernel) -> (input signature, output shape, dtype) seen
+
+    # -- inputs -----------------------------------------------------------------------------------
+    def _input_name(self, name: str) -> str:
+        if name not in self._session._feedable:
+            raise RuntimeInvalidArgument(f"Failed to find NodeArg with name: {name} in the def list")
+        return name
+
+    def bind_cpu_input(self, name: str, arr_on_cpu: Any) -> None:
+        self._inputs[self._input_name(name)] = arr_on_cpu
+
+    def bind_input(self, name: str, device_type: str, device_id: int, element_type: Any, shape: Sequence[int],
+                   buffer_ptr: int) -> None:
+        _require_cpu(device_type, f"bind_input({name!r})")
+        self._inputs[self._input_name(name)] = array_at(buffer_ptr, element_type, shape)
+
+    def bind_ortvalue_input(self, name: str, ortvalue: OrtValue) -> None:
+        if not isinstance(ortvalue, OrtValue):
+            raise RuntimeInvalidArgument(f"bind_ortvalue_input({name!r}): expected an OrtValue, got {type(ortvalue).__name__}")
+        self._inputs[self._input_name(name)] = ortvalue._value
+
+    def synchronize_inputs(self) -> None:
+        """Nothing to wait for: CPU memory is written synchronously."""
+
+    def clear_binding_inputs(self) -> None:
+        self._inputs.clear()
+
+    # -- outputs ----------------------------------------------------------------------------------
+    def bind_output(self, name: str, device_type: str = "cpu", device_id: int = 0, element_type: Any = None,
+                    shape: Sequence[int] | None = None, buffer_ptr: int | None = None) -> None:
+        _require_cpu(device_type, f"bind_output({name!r})")
+        if buffer_ptr is None:
+            self._outputs[name] = None
+            return
+        if element_type is None or shape is None:
+            raise RuntimeInvalidArgument("`element_type` and `shape` are to be provided if pre-allocated memory is provided")
+        self._outputs[name] = OrtValue(array_at(buffer_ptr, element_type, shape))
+
+    def bind_ortvalue_output(self, name: str, ortvalue: OrtValue) -> None:
+        if not isinstance(ortvalue, OrtValue) or not ortvalue.is_tensor():
+            raise RuntimeInvalidArgument(f"bind_ortvalue_output({name!r}): expected an OrtValue holding a tensor")
+        self._outputs[name] = ortvalue
+
+    def synchronize_outputs(self) -> None:
+        """Nothing to wait for: the run has written its outputs when it returns."""
+
+    def clear_binding_outputs(self) -> None:
+        self._outputs.clear()
+        self._results = []
+
+    def get_outputs(self) -> list[OrtValue]:
+        """The outputs of the last run, in binding order (preallocated ones are the bound OrtValues)."""
+        return list(self._results)
+
+    get_outputs_as_ortvaluevector = get_outputs
+
+    def copy_outputs_to_cpu(self) -> list[Any]:
+        """Copies of the last run's outputs (numpy arrays; lists/dicts for sequences/maps)."""
+        return [np.array(v._value) if isinstance(v._value, np.ndarray) else v._value for v in self._results]
+
+    # -- running (called by the session) ----------------------------------------------------------
+    def _run(self, runner: Any, run_options: Any, types: dict[str, str]) -> None:
+        """One run of the session's runner with these bindings; errors as onnxruntime's bound
+        runs report them (``RuntimeError``, "Error in execution: ...")."""
+        if not self._outputs:
+            raise RuntimeInvalidArgument("Error in execution: At least one output should be requested.")
+        try:
+            names, values, _ = runner.execute(self._inputs, list(self._outputs), run_options, self._binder)
+            self._finish(names, values, types)
+        except OnnxpackError as exc:
+            if isinstance(exc, RuntimeError):
+                raise
+            raise RuntimeInvalidArgument(f"Error in execution: {exc}") from exc
+
+    def _binder(self, plan: Plan, inputs: Sequence[Any]) -> _Binder | None:
+        targets = {n: ov._value for n, ov in self._outputs.items() if ov is not None}
+        if not targets:
+            return None
+        producers = {}
+        for k, step in enumerate(plan.steps):
+            outs = [o for o in step.outputs if o]
+            if len(outs) == 1 and outs[0] in targets and step.kernel.writes_into and step.kernel.call_mode == "plain":
+                buf = targets[outs[0]]
+                if not any(isinstance(x, np.ndarray) and np.may_share_memory(buf, x) for x in inputs):
+                    producers[k] = buf
+        return _Binder(producers, self._seen) if producers else None
+
+    def _finish(self, names: Sequence[str], values: Sequence[Any], types: dict[str, str]) -> None:
+        results = []
+        for name, value in zip(names, values):
+            bound = self._outputs[name]
+            if bound is None:
+                results.append(OrtValue(value, types.get(name)))
+                continue
+            buf = bound._value
+            if value is not buf:
+                _check_fits(name, buf, value)
+                np.copyto(buf, value)
+            results.append(bound)
+        self._results = results
+
+
+def _check_fits(name: str, buf: np.ndarray, value: Any) -> None:
+    if not isinstance(value, np.ndarray):
+        raise RuntimeInvalidArgument(f"Error in execution: output {name!r} is a {value_type(value)}; it cannot be "
+                                     "written into a preallocated tensor")
+    if buf.dtype != value.dtype:
+        raise RuntimeInvalidArgument(f"Error in execution: Unexpected output data type. Actual: ({value_type(buf)}) , "
+                                     f"expected: ({value_type(value)})")
+    if buf.shape != value.shape:
+        if buf.ndim != value.ndim:
+            raise RuntimeInvalidArgument(f"Error in execution: Invalid rank for output: {name} Got: {buf.ndim} Expected: "
+                                         f"{value.ndim} Please fix either the inputs/outputs or the model.")
+        bad = "".join(f" index: {i} Got: {g} Expected: {e}" for i, (g, e) in enumerate(zip(buf.shape, value.shape))
+                      if g != e)
+        raise RuntimeInvalidArgument(f"Error in execution: Got invalid dimensions for output: {name} for the following "
+                                     f"indices{bad} Please fix either the inputs/outputs or the model.")
+
+
+def _sig(args: Sequence[Any]) -> tuple:
+    return tuple((a.shape, a.dtype) if isinstance(a, np.ndarray) else type(a) for a in args)
+
+
+class _Binder:
+    """Per run: the steps of the plan run whose one output is a preallocated buffer (step index ->
+    buffer), and what the binding has seen each node produce (``seen``, by kernel)."""
+
+    __slots__ = ("producers", "seen")
+
+    def __init__(self, producers: dict[int, np.ndarray], seen: dict[int, tuple]) -> None:
+        self.producers = producers
+        self.seen = seen
+
+    def hook(self, inner: StepHook | None) -> StepHook | None:
+        # With the memory planner's hook in charge, results are copied in at the end instead.
+        return _BindHook(self) if inner is None else inner
+
+
+class _BindHook(StepHook):
+    __slots__ = ("binder",)
+
+    def __init__(self, binder: _Binder) -> None:
+        self.binder = binder
+
+    def step(self, k: int, step: Step, args: list[Any], frame: Frame, plan: Plan) -> Any:
+        buf = self.binder.producers.get(k)
+        if buf is None:
+            return call_step(step, frame, args, plan.name)
+        sig = _sig(args)
+        key = id(step.kernel)  # the node, whichever plan (whole or pruned) runs it
+        if self.binder.seen.get(key) == (sig, buf.shape, buf.dtype):
+            outs = [buf if o else None for o in step.outputs]
+            try:
+                done = step.kernel.run_into(outs, *args)
+            except OnnxpackError:
+                raise
+            except Exception as exc:
+                raise RuntimeFailure(f"{step.label} in graph {plan.name!r} failed: {type(exc).__name__}: {exc}") from exc
+            if done is not False:
+                return outs
+        outs = call_step(step, frame, args, plan.name)
+        value = next((v for o, v in zip(step.outputs, outs) if o), None)
+        if isinstance(value, np.ndarray):
+            self.binder.seen[key] = (sig, value.shape, value.dtype)
+        return outs
+
+
+class SessionIOBinding(IOBinding):
+    """onnxruntime's low-level binding class (``SessionIOBinding(session)``); the same object here."""

@@ -1,0 +1,112 @@
+"""How one run of a session is executed: feed checks, run controls, threads, the step loop.
+
+:class:`Runner` holds what every run of a session shares (the program, the memory planner, the
+profiler, the BLAS thread limit) and :meth:`Runner.execute` is the one path every run API of the
+facade takes — ``run``, ``run_async``, ``run_with_ort_values``, ``run_with_iobinding``:
+
+1. ``RunOptions.terminate`` already set fails at once (onnxruntime's FAIL);
+2. the feed is checked and coerced (:func:`~onnxpack.session._api.validate_feed`) against the
+   compiled inputs; active LoRA adapters' parameters are fed by name;
+3. the output names are checked; with ``only_execute_path_to_fetches`` the root plan is pruned to
+   the steps they need (cached per output set);
+4. a :class:`~onnxpack.session._run_options.SessionControl` is made only if the run needs one
+   (run options, profiling, bound outputs): otherwise the plain loop runs;
+5. the root plan runs — through the memory planner if configured — under the session's BLAS
+   thread limit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from onnxpack.errors import InvalidArgumentStatus
+from onnxpack.graph import Model
+from onnxpack.session._api import validate_feed
+from onnxpack.session._arena import ArenaRunner
+from onnxpack.session._profile import Profiler
+from onnxpack.session._program import Plan, Program, prune, run_plan
+from onnxpack.session._run_options import SessionControl, check_run_options, check_terminate
+from onnxpack.session._threads import blas_threads, global_intra_op_threads
+from onnxpack.session.options import SessionOptions
+
+__all__ = ["Runner"]
+
+# Pruned root plans kept per session (only_execute_path_to_fetches), one per requested output set.
+MAX_PRUNED_PLANS = 16
+
+
+class Runner:
+    """The run path of one session (see the module docstring)."""
+
+    def __init__(self, model: Model, program: Program, options: SessionOptions, config: dict[str, Any],
+                 profiler: Profiler | None) -> None:
+        self.model = model
+        self.program = program
+        planner = config["onnxpack.memory_planner"]
+        use_planner = planner not in (None, "none") and options.enable_mem_pattern
+        self.arena = ArenaRunner(program.root, planner, pool_arenas=options.enable_cpu_mem_arena) if use_planner else None
+        self.per_session_threads = options.use_per_session_threads
+        self.threads = options.intra_op_num_threads
+        self.profiler = profiler
+        self._pruned: OrderedDict[tuple[str, ...], Plan] = OrderedDict()
+
+    def output_names(self, output_names: Sequence[str] | None) -> list[str]:
+        outputs = self.program.root.output_names
+        if not output_names:
+            return list(outputs)
+        for n in output_names:
+            if n not in outputs:
+                raise InvalidArgumentStatus(f"Invalid output name:{n} (the model's outputs are {list(outputs)})")
+        return list(output_names)
+
+    def _plan_for(self, names: list[str]) -> Plan:
+        key = tuple(dict.fromkeys(names))
+        plan = self._pruned.get(key)
+        if plan is None:
+            plan = prune(self.program.root, key)
+            self._pruned[key] = plan
+            while len(self._pruned) > MAX_PRUNED_PLANS:
+                self._pruned.popitem(last=False)
+        return plan
+
+    def execute(self, input_feed: Any, output_names: Sequence[str] | None, run_options: Any = None,
+                bind: Callable[[Plan, list[Any]], Any] | None = None) -> tuple[list[str], list[Any], list[Any]]:
+        """Runs once; returns (output names, their values, the run's input values)."""
+        t0 = time.perf_counter_ns()
+        ro = check_run_options(run_options)
+        check_terminate(ro)
+        program = self.program
+        program.check_files()  # a mapped file truncated or rewritten since load: an error, not SIGBUS
+        feeds = validate_feed(self.model, input_feed, program.overridable, program.defaults, inputs=program.inputs)
+        if ro is not None and ro._adapters:
+            for adapter in ro._adapters:
+                feeds.update({n: v for n, v in adapter.parameters.items() if n in feeds})
+        names = self.output_names(output_names)
+        plan = program.root
+        if ro is not None and ro.only_execute_path_to_fetches:
+            plan = self._plan_for(names)
+        inputs = [feeds[n] for n in plan.input_names]
+        binder = bind(plan, inputs) if bind is not None else None
+        profiler = self.profiler if self.profiler is not None and self.profiler.active else None
+        control = SessionControl(ro, profiler, binder) if ro is not None or profiler or binder else None
+        threads = self.threads if self.per_session_threads else global_intra_op_threads()
+        if threads > 0:
+            with blas_threads(threads):
+                values = self._loop(plan, inputs, control)
+        else:
+            values = self._loop(plan, inputs, control)
+        result = dict(zip(plan.output_names, values))
+        if profiler is not None:
+            profiler.event("Session", "model_run", t0, time.perf_counter_ns())
+        if ro is not None and self.arena is not None and "cpu" in ro._config.get("memory.enable_memory_arena_shrinkage", ""):
+            self.arena.shrink()
+        return names, [result[n] for n in names], inputs
+
+    def _loop(self, plan: Plan, inputs: list[Any], control: SessionControl | None) -> list[Any]:
+        if self.arena is not None and plan is self.program.root:
+            return self.arena.run(inputs, control)
+        return run_plan(plan, inputs, control=control)
+
