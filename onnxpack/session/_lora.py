@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from onnx import helper
 
+from onnxpack.graph import shape_fits
 from onnxpack.errors import Fail, InvalidArgumentType
 
 __all__ = ["AdapterFormat", "LoraAdapter", "read_adapter_bytes", "write_adapter_bytes", "FORMAT_VERSION", "IDENTIFIER"]
@@ -124,7 +125,7 @@ def read_adapter_bytes(data: bytes | memoryview) -> tuple[dict[str, int], dict[s
                 raise Fail(f"lora parameter {name!r}: unsupported data type {elem}") from None
             raw_start, raw_len = r.vector(p[3], 1, f"parameter {name!r} raw_data") if 3 in p else (0, 0)
             count = math.prod(dims)  # Python ints: no overflow from hostile dims
-            if any(d < 0 for d in dims) or count * dtype.itemsize != raw_len:
+            if not shape_fits(tuple(dims), dtype.itemsize) or count * dtype.itemsize != raw_len:
                 raise Fail(f"lora parameter {name!r}: {raw_len} bytes of data do not hold {dtype}{dims}")
             arr = np.frombuffer(r.buf, dtype=dtype.newbyteorder("<"), count=count, offset=raw_start)
             params[name] = arr.reshape(dims)
