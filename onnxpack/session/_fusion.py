@@ -199,6 +199,9 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
         if f.bn is not None:
             bn = nodes[f.bn]
             scale, bias, mean, var = (const_value(n) for n in bn.input[1:5])
+            channels = const_value(nodes[f.conv].input[1]).shape[0]
+            if any(np.ndim(p) != 1 or np.size(p) != channels for p in (scale, bias, mean, var)):
+                continue  # not one statistic per output channel: BatchNormalization decides (or refuses)
             eps = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
             conv = nodes[f.conv]
             cb = const_value(conv.input[2]) if len(conv.input) > 2 and conv.input[2] else None

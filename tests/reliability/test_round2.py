@@ -571,3 +571,22 @@ def test_invalid_utf8_in_any_string_field_is_a_model_load_error(where):
     bad = raw.replace(marker.encode(), b"ZZ\xffMARKZZ"[:len(marker)])
     with pytest.raises(ModelLoadError, match="UTF-8"):
         InferenceSession(bad)
+
+
+def test_batchnorm_statistics_not_one_per_channel_are_not_folded():
+    """A fuzzer-found case: BN variance of shape (C, 1) made the Conv+BN fold's pack raise a raw
+    ValueError.  Such statistics are not folded; the model then runs or is refused with our error."""
+    rng = np.random.default_rng(2)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 2, 3, 3)).astype(np.float32), "W")]
+    for name, shape in (("s", (4,)), ("bb", (4,)), ("m", (4,)), ("v", (4, 1))):
+        inits.append(numpy_helper.from_array(np.abs(rng.standard_normal(shape)).astype(np.float32) + 0.1, name))
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c", "s", "bb", "m", "v"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [1, 2, 5, 5])],
+                          [helper.make_tensor_value_info("y", F, None)], inits)
+    data = helper.make_model(g, opset_imports=[helper.make_opsetid("", 15)], ir_version=8).SerializeToString()
+    try:
+        with InferenceSession(data) as s:
+            s.run(None, {"x": np.ones((1, 2, 5, 5), np.float32)})
+    except OnnxpackError:
+        pass
