@@ -108,3 +108,28 @@ def test_cli_generate_with_text(capsys):
     pytest.importorskip("tokenizers")
     assert main(["generate", str(FIXTURES / "qwen2-fp32"), "--prompt", "hello", "--max-new-tokens", "3"]) == 0
     assert "generated" in capsys.readouterr().err
+
+
+def test_kv_cache_buffers_are_reused_and_updated_in_place():
+    from onnxpack.generate import _Cache
+
+    with Generator(FIXTURES / "qwen2-int4") as gen:
+        assert gen.shared
+        cache = _Cache(gen, 16)
+        ids = {name: buf.ctypes.data for name, buf in cache.past.items()}
+        objs = dict(cache.past)
+        cache.step(PROMPT)
+        for _ in range(3):
+            cache.step([5])
+        assert {name: buf.ctypes.data for name, buf in cache.past.items()} == ids
+        assert all(cache.past[n] is objs[n] for n in objs)
+        total = len(PROMPT) + 3
+        for buf in cache.past.values():
+            assert np.abs(buf[:, :, :total]).sum(axis=-1).all()  # every written row holds a key/value
+        # Each decode step wrote its row into the bound buffer itself: run one more step with a
+        # sentinel in the next row and check the step replaced it.
+        for buf in cache.past.values():
+            buf[:, :, total] = np.nan
+        cache.step([6])
+        for buf in cache.past.values():
+            assert np.isfinite(buf[:, :, total]).all()
