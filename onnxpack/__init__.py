@@ -30,8 +30,8 @@ from onnxpack.session import (
     SessionOptions,
     SparseTensor,
 )
-from onnxpack.session._compiler import ModelCompiler
-from onnxpack.session._devices import (
+from onnxpack.session.ortapi import ModelCompiler
+from onnxpack.session.ortapi import (
     OrtAllocatorType,
     OrtArenaCfg,
     OrtCompileApiFlags,
@@ -51,17 +51,17 @@ from onnxpack.session._devices import (
     create_and_register_allocator_v2,
     get_ep_devices,
 )
-from onnxpack.session._logging import (
+from onnxpack.session.ortapi import (
     set_default_logger_callback,
     set_default_logger_severity,
     set_default_logger_verbosity,
 )
-from onnxpack.session._lora import AdapterFormat, LoraAdapter
-from onnxpack.session._ortvalue import OrtDevice, OrtDeviceVendorId, OrtSparseFormat, copy_tensors
-from onnxpack.session._runtime import (
+from onnxpack.session.ortapi import AdapterFormat, LoraAdapter
+from onnxpack.session.ortapi import OrtDevice, OrtDeviceVendorId, OrtSparseFormat, copy_tensors
+from onnxpack.session.ortapi import (
     PACKAGE_NAME as package_name,
 )
-from onnxpack.session._runtime import (
+from onnxpack.session.ortapi import (
     VERSION,
     disable_telemetry_events,
     enable_telemetry_events,
@@ -77,7 +77,7 @@ from onnxpack.session._runtime import (
     set_seed,
     unregister_execution_provider_library,
 )
-from onnxpack.session._threads import set_global_thread_pool_sizes
+from onnxpack.session.ortapi import set_global_thread_pool_sizes
 
 # onnxruntime's module paths (``onnxpack.capi.onnxruntime_pybind11_state.Fail`` ...), loaded as
 # ``import onnxruntime`` loads them.

@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from onnxpack.session import InferenceSession, IOBinding, OrtValue, SparseTensor
-from onnxpack.session._compiler import ModelCompiler
-from onnxpack.session._lora import AdapterFormat
-from onnxpack.session._ortvalue import OrtDevice, OrtDeviceVendorId, copy_tensors
-from onnxpack.session._providers import normalize_providers
+from onnxpack.session.ortapi import ModelCompiler
+from onnxpack.session.ortapi import AdapterFormat
+from onnxpack.session.ortapi import OrtDevice, OrtDeviceVendorId, copy_tensors
+from onnxpack.session.ortapi import normalize_providers
 
 Session = InferenceSession
 

@@ -37,7 +37,7 @@ from onnxpack.session import (
     SessionOptions,
     SparseTensor,
 )
-from onnxpack.session._devices import (
+from onnxpack.session.ortapi import (
     OrtAllocatorType,
     OrtArenaCfg,
     OrtCompileApiFlags,
@@ -57,13 +57,13 @@ from onnxpack.session._devices import (
     create_and_register_allocator_v2,
     get_ep_devices,
 )
-from onnxpack.session._logging import (
+from onnxpack.session.ortapi import (
     set_default_logger_callback,
     set_default_logger_severity,
     set_default_logger_verbosity,
 )
-from onnxpack.session._ortvalue import OrtDevice, OrtSparseFormat
-from onnxpack.session._runtime import (
+from onnxpack.session.ortapi import OrtDevice, OrtSparseFormat
+from onnxpack.session.ortapi import (
     disable_telemetry_events,
     enable_telemetry_events,
     get_all_providers,
@@ -76,7 +76,7 @@ from onnxpack.session._runtime import (
     set_seed,
     unregister_execution_provider_library,
 )
-from onnxpack.session._threads import set_global_thread_pool_sizes
+from onnxpack.session.ortapi import set_global_thread_pool_sizes
 
 OrtValueVector = list  # onnxruntime's vector of OrtValues; a list here
 

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
     from onnxpack.generate import Generator
     from onnxpack.session import SessionOptions
-    from onnxpack.session._memory import process_memory
+    from onnxpack.session import process_memory
 
     so = SessionOptions()
     for key, value in parse_config(args.config).items():

@@ -11,6 +11,7 @@ from onnxpack.session._api import ModelMetadata, NodeArg, model_inputs, validate
 from onnxpack.session._arena import analyze, recording_lifetimes
 from onnxpack.session._compile import CompileOptions, compile
 from onnxpack.session._iobinding import IOBinding, SessionIOBinding
+from onnxpack.session._memory import process_memory
 from onnxpack.session._optimize import optimize, save_program
 from onnxpack.session._ortvalue import OrtValue, SparseTensor
 from onnxpack.session._program import PackEvent, Plan, PrepackStats, Program, RunControl, Step, run_plan
@@ -44,6 +45,7 @@ __all__ = [
     "run_plan",
     "validate_feed",
     "model_inputs",
+    "process_memory",
     "analyze",
     "recording_lifetimes",
 ]

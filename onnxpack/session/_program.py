@@ -24,6 +24,8 @@ hook once per plan run; a run without one takes the plain loop, untouched.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -49,6 +51,8 @@ __all__ = [
     "schedule",
     "topological_order",
 ]
+
+logger = logging.getLogger(__name__)
 
 _MISSING = object()
 
@@ -224,6 +228,19 @@ class Program:
     def check_files(self) -> None:
         for guard in self.guards:
             guard()
+
+    def start_warm_ups(self) -> None:
+        """Runs the kernels' warm-ups (``Kernel.warm_up``) in one background thread."""
+        if self.warm_ups:
+            threading.Thread(target=_warm_up, args=(self.warm_ups,), name="onnxpack-warm-up", daemon=True).start()
+
+
+def _warm_up(tasks: Sequence[Callable[[], None]]) -> None:
+    for task in tasks:
+        try:
+            task()
+        except Exception as exc:  # a warm-up only saves time later; the first run reports real errors
+            logger.debug("warm-up %r failed: %s", task, exc)
 
 
 # -- running ------------------------------------------------------------------------------------

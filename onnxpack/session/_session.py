@@ -11,7 +11,6 @@ every public method are onnxruntime's classes as well as ours (``errors.as_onnxr
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 import threading
 import time
@@ -101,8 +100,7 @@ class InferenceSession(ProviderAPI):
                               cache_path=cfg["onnxpack.prepacked_cache_path"] or "")
         self._program: Program = compile(self._model, compile_options(options, cfg), sources, self._container, holder)
         sources.flush_cache()
-        if self._program.warm_ups:
-            threading.Thread(target=_warm_up, args=(self._program.warm_ups,), name="onnxpack-warm-up", daemon=True).start()
+        self._program.start_warm_ups()
         if options.optimized_model_filepath:
             save_program(self._model, self._program, os.fspath(options.optimized_model_filepath), cfg)
         self._runner = Runner(self._model, self._program, options, cfg, profiler)
@@ -182,8 +180,7 @@ class InferenceSession(ProviderAPI):
         finally:
             self._exit()
 
-    def run_with_ortvaluevector(self, run_options: Any, feed_names: Sequence[str], feeds: Sequence[OrtValue],
-                                fetch_names: Sequence[str], fetches: list, fetch_devices: Any = None) -> None:
+    def run_with_ortvaluevector(self, run_options, feed_names, feeds, fetch_names, fetches: list, fetch_devices=None) -> None:
         """Fills ``fetches`` (a list) with the outputs as OrtValues."""
         fetches[:] = self.run_with_ort_values(list(fetch_names), dict(zip(feed_names, feeds)), run_options)
 
@@ -224,8 +221,7 @@ class InferenceSession(ProviderAPI):
         return profiler.end() if profiler is not None else ""
 
     def get_profiling_start_time_ns(self) -> int:
-        profiler = self._runner.profiler
-        return profiler.start_ns if profiler is not None else 0
+        return self._runner.profiler.start_ns if self._runner.profiler is not None else 0
 
     def get_memory_plan(self, input_shapes: dict[str, Sequence[int]] | None = None) -> dict[str, Any] | None:
         """The root graph's activation memory plan (``ArenaRunner.memory_plan``) or ``None``."""
@@ -252,12 +248,3 @@ class InferenceSession(ProviderAPI):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-
-def _warm_up(tasks) -> None:
-    for task in tasks:
-        try:
-            task()
-        except Exception as exc:  # a warm-up only saves time later; the first run reports real errors
-            logging.getLogger(__name__).debug("warm-up %r failed: %s", task, exc)
