@@ -18,7 +18,7 @@ from onnxpack.errors import InvalidArgument
 from onnxpack.graph import Model
 
 __all__ = ["NodeArg", "ModelMetadata", "model_inputs", "model_outputs", "model_metadata", "type_string",
-           "shape_of", "validate_feed", "to_user"]
+           "declared_dim", "shape_of", "validate_feed", "to_user"]
 
 _ELEM_NAMES = {v: k.lower() for k, v in TensorProto.DataType.items() if k not in ("UNDEFINED",)}
 
@@ -59,18 +59,27 @@ def type_string(type_proto: onnx.TypeProto) -> str:
     return "unknown"
 
 
+def declared_dim(d: onnx.TensorShapeProto.Dimension) -> int | str | None:
+    """One declared dimension as onnxruntime reads it: a fixed size, a symbol, or ``None`` (unknown).
+
+    A negative ``dim_value`` is a legacy spelling of "unknown" (older Paddle and Caffe2 exports
+    write ``dim_value: -1``, e.g. PP-OCR's ``ch_ppocr_mobile_v2.0_cls_infer.onnx``): onnxruntime
+    1.32 loads such models, reports the dimension as ``None`` and accepts any size there, for every
+    negative value.  So do we, in one place: feed checks, ``get_inputs``/``get_outputs`` and the
+    shapes the compile step records all go through here.
+    """
+    if d.HasField("dim_value"):
+        value = int(d.dim_value)
+        return value if value >= 0 else None
+    if d.HasField("dim_param"):
+        return d.dim_param
+    return None
+
+
 def shape_of(type_proto: onnx.TypeProto) -> list[int | str | None] | None:
     if type_proto.WhichOneof("value") != "tensor_type" or not type_proto.tensor_type.HasField("shape"):
         return None
-    out: list[int | str | None] = []
-    for d in type_proto.tensor_type.shape.dim:
-        if d.HasField("dim_value"):
-            out.append(int(d.dim_value))
-        elif d.HasField("dim_param"):
-            out.append(d.dim_param)
-        else:
-            out.append(None)
-    return out
+    return [declared_dim(d) for d in type_proto.tensor_type.shape.dim]
 
 
 def _node_arg(vi: onnx.ValueInfoProto) -> NodeArg:
@@ -159,9 +168,10 @@ def _check_input(name: str, type_proto: onnx.TypeProto, value: Any) -> Any:
                 f"(shape {shape_of(type_proto)}), got {arr.ndim} (shape {list(arr.shape)})"
             )
         for k, d in enumerate(dims):
-            if d.HasField("dim_value") and d.dim_value != arr.shape[k]:
+            fixed = declared_dim(d)
+            if isinstance(fixed, int) and fixed != arr.shape[k]:
                 raise InvalidArgument(
-                    f"run: input {name!r} has the wrong shape: dimension {k} expected {d.dim_value}, "
+                    f"run: input {name!r} has the wrong shape: dimension {k} expected {fixed}, "
                     f"got {arr.shape[k]} (expected {shape_of(type_proto)}, got {list(arr.shape)})"
                 )
     return arr

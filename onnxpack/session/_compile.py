@@ -32,6 +32,7 @@ from onnx import AttributeProto, NodeProto, TensorProto
 from onnxpack.errors import InvalidArgument, InvalidGraph, OnnxpackError
 from onnxpack.graph import Model, Scope
 from onnxpack.prepack import PackSources, PrepackedWeightsContainer, WeightRef
+from onnxpack.session._api import declared_dim
 from onnxpack.session._derive import derive
 from onnxpack.session._fusion import Fusion, apply_fusions, plan_fusions
 from onnxpack.session._program import PackEvent, Plan, PrepackStats, Program, Step, schedule, topological_order
@@ -358,4 +359,4 @@ def _declared_dims(value_info: Any) -> tuple[int | None, ...] | None:
     t = value_info.type
     if t.WhichOneof("value") != "tensor_type" or not t.tensor_type.HasField("shape"):
         return None
-    return tuple(int(d.dim_value) if d.HasField("dim_value") else None for d in t.tensor_type.shape.dim)
+    return tuple(d if isinstance(d, int) else None for d in map(declared_dim, t.tensor_type.shape.dim))

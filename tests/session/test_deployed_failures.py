@@ -1,0 +1,179 @@
+"""Failures found running onnxruntime's own test data, each reproduced in code and fixed at its cause.
+
+onnxruntime is the oracle (graph optimizations off, so it runs the very graph we run); where ONNX
+is silent its behaviour is the spec.  Every model runs through ``onnxpack.InferenceSession`` with
+its constants as initializers (the pre-packed path), with ``session.disable_prepacking=1``, and —
+where the fix touches packing — fed as graph inputs (the unpacked kernel path) and saved by
+``onnxpack optimize`` and loaded warm.
+
+Tolerances: float32 rtol 1e-5 / atol 1e-6 for the small one-op models here (a handful of terms per
+output; measured worst 3e-7), float16 outputs rtol/atol 1e-3 (one fp16 rounding either side),
+integer and bool outputs exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxpack
+from onnxpack import cli
+from onnxpack.errors import InvalidArgument, OnnxpackError
+
+F, H, I64 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64
+TOL = {np.dtype(np.float32): dict(rtol=1e-5, atol=1e-6), np.dtype(np.float16): dict(rtol=1e-3, atol=1e-3),
+       np.dtype(np.float64): dict(rtol=1e-12, atol=1e-12)}
+
+
+def vi(name: str, elem: int, dims) -> onnx.ValueInfoProto:
+    """A value info whose dims may be ints (negative ones kept: ``make_tensor_value_info`` would
+    too, but being explicit is the point here), strings or None."""
+    v = helper.make_tensor_value_info(name, elem, None)
+    if dims is None:
+        return v
+    shape = v.type.tensor_type.shape
+    shape.SetInParent()
+    for d in dims:
+        dim = shape.dim.add()
+        if isinstance(d, str):
+            dim.dim_param = d
+        elif d is not None:
+            dim.dim_value = d
+    return v
+
+
+def model(nodes, inputs, outputs, inits=(), opset=17) -> bytes:
+    g = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=8).SerializeToString()
+
+
+def ort_run(data: bytes, feeds):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def session(data, *, prepack: bool = True) -> onnxpack.InferenceSession:
+    so = onnxpack.SessionOptions()
+    if not prepack:
+        so.add_session_config_entry("session.disable_prepacking", "1")
+    return onnxpack.InferenceSession(data, so)
+
+
+def assert_same(got, want, what: str = "") -> None:
+    assert len(got) == len(want), what
+    for k, (g, w) in enumerate(zip(got, want)):
+        w = np.asarray(w)
+        assert g.dtype == w.dtype and g.shape == w.shape, (what, k, g.dtype, w.dtype, g.shape, w.shape)
+        if w.dtype.kind == "f":
+            np.testing.assert_allclose(g, w, err_msg=f"{what} output {k}", **TOL[w.dtype])
+        else:
+            np.testing.assert_array_equal(g, w, err_msg=f"{what} output {k}")
+
+
+def check_both(data: bytes, feeds, want=None) -> list[np.ndarray]:
+    """onnxpack with and without pre-packing equals onnxruntime; returns onnxpack's outputs."""
+    want = ort_run(data, feeds) if want is None else want
+    for prepack in (True, False):
+        got = session(data, prepack=prepack).run(None, feeds)
+        assert_same(got, want, f"prepack={prepack}")
+    return got
+
+
+# -- dim_value -1: a legacy spelling of "unknown" ------------------------------------------------
+@pytest.mark.parametrize("dim", [-1, -2], ids=["minus1", "minus2"])
+def test_negative_dim_value_is_unknown_everywhere(dim):
+    """onnxruntime accepts any size for a negative declared dimension and reports it as None."""
+    data = model([helper.make_node("Relu", ["x"], ["y"])], [vi("x", F, [dim, 3])], [vi("y", F, [dim, 3])])
+    ref = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    sess = session(data)
+    assert [a.shape for a in sess.get_inputs()] == [a.shape for a in ref.get_inputs()] == [[None, 3]]
+    assert [a.shape for a in sess.get_outputs()] == [a.shape for a in ref.get_outputs()] == [[None, 3]]
+    for batch in (1, 5):
+        x = np.random.default_rng(batch).standard_normal((batch, 3)).astype(np.float32)
+        assert_same(sess.run(None, {"x": x}), ref.run(None, {"x": x}))
+    # A fixed dimension next to it is still checked.
+    with pytest.raises(InvalidArgument, match="dimension 1 expected 3"):
+        sess.run(None, {"x": np.zeros((2, 4), np.float32)})
+
+
+def test_paddle_style_classifier_with_minus_one_dims(tmp_path):
+    """The shape of PP-OCR's ch_ppocr_mobile_v2.0_cls_infer.onnx: [-1, 3, 48, 192] in, [-1, 2]
+    out, -1 in value_info too; run, optimized, warm, and by the ``onnxpack run`` command."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32)
+    scale, bias = rng.uniform(0.5, 1.5, 8).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+    mean, var = rng.standard_normal(8).astype(np.float32) * 0.1, rng.uniform(0.5, 1.5, 8).astype(np.float32)
+    fc = (rng.standard_normal((8, 2)) * 0.3).astype(np.float32)
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], strides=[2, 2]),
+        helper.make_node("BatchNormalization", ["c", "s", "b", "m", "v"], ["bn"]),
+        helper.make_node("HardSwish", ["bn"], ["hs"]),
+        helper.make_node("GlobalAveragePool", ["hs"], ["gap"]),
+        helper.make_node("Flatten", ["gap"], ["flat"]),
+        helper.make_node("MatMul", ["flat", "fc"], ["logits"]),
+        helper.make_node("Softmax", ["logits"], ["y"], axis=1),
+    ]
+    inits = [numpy_helper.from_array(a, n) for n, a in
+             [("w", w), ("s", scale), ("b", bias), ("m", mean), ("v", var), ("fc", fc)]]
+    g = helper.make_graph(nodes, "cls", [vi("x", F, [-1, 3, 48, 192])], [vi("y", F, [-1, 2])], inits,
+                          value_info=[vi("c", F, [-1, 8, 24, 96]), vi("flat", F, [-1, 8])])
+    src = tmp_path / "cls.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)], ir_version=7), str(src))
+    x = rng.standard_normal((3, 3, 48, 192)).astype(np.float32)
+    want = ort_run(str(src), {"x": x})
+    check_both(str(src), {"x": x}, want)
+    out = tmp_path / "cls.opt.onnx"
+    assert cli.main(["optimize", str(src), "-o", str(out), "--no-progress"]) == 0
+    warm = session(str(out))
+    assert warm.get_prepack_stats()["weights_packed"] == 0
+    assert_same(warm.run(None, {"x": x}), want, "warm")
+    assert cli.main(["run", str(out)]) == 0  # random feeds: unknown dims become 1
+
+
+@pytest.mark.parametrize("declared", [[3, -1], [3, None], [3, "n"]], ids=["minus1", "missing", "symbolic"])
+def test_zero_trip_scan_output_with_unknown_dims_matches_onnxruntime(declared):
+    """A Loop that runs no iteration returns empty scan outputs shaped from the body's declared
+    per-iteration shape, with 0 for an unknown dimension: a -1 is unknown like a missing or
+    symbolic one (onnxruntime: (0, 3, 0) for all three)."""
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["c"], ["c_out"]), helper.make_node("Identity", ["z"], ["scan"])],
+        "body", [vi("i", I64, []), vi("c", TensorProto.BOOL, [])],
+        [vi("c_out", TensorProto.BOOL, []), vi("scan", F, declared)])
+    data = model([helper.make_node("Loop", ["M", ""], ["s"], body=body)],
+                 [vi("M", I64, []), vi("z", F, [3, "k"])], [vi("s", F, None)], opset=13)
+    got = check_both(data, {"M": np.array(0, np.int64), "z": np.ones((3, 5), np.float32)})
+    assert got[0].shape == (0, 3, 0)
+
+
+# -- Loop bodies whose iteration number is a 1-element tensor -----------------------------------
+@pytest.mark.parametrize("iter_rank", [1, 0], ids=["iter-int64[1]", "iter-scalar"])
+def test_loop_body_declaring_iter_num_as_1d(iter_rank):
+    """onnxruntime feeds ``iter_num`` with the rank the body declares; the body squeezes it (as
+    exporters write it) and stops after 3 iterations through its condition."""
+    ax = numpy_helper.from_array(np.array([0], np.int64), "ax")
+    nodes, i_name = [], "i"
+    if iter_rank:
+        nodes.append(helper.make_node("Squeeze", ["i", "ax"], ["i_s"]))
+        i_name = "i_s"
+    nodes += [
+        helper.make_node("Cast", [i_name], ["i_f"], to=F),
+        helper.make_node("Add", ["acc", "i_f"], ["acc_out"]),
+        helper.make_node("Less", [i_name, "two"], ["lt"]),
+        helper.make_node("And", ["c", "lt"], ["c_out"]),
+        helper.make_node("Identity", ["i_f"], ["trace"]),
+    ]
+    body = helper.make_graph(
+        nodes, "body", [vi("i", I64, [1] if iter_rank else []), vi("c", TensorProto.BOOL, []), vi("acc", F, [])],
+        [vi("c_out", TensorProto.BOOL, []), vi("acc_out", F, []), vi("trace", F, [])],
+        [ax, numpy_helper.from_array(np.array(2, np.int64), "two")])
+    data = model([helper.make_node("Loop", ["M", "cond", "a0"], ["a", "t"], body=body)],
+                 [vi("M", I64, []), vi("cond", TensorProto.BOOL, []), vi("a0", F, [])],
+                 [vi("a", F, []), vi("t", F, None)], opset=13)
+    feeds = {"M": np.array(10, np.int64), "cond": np.array(True), "a0": np.array(0.5, np.float32)}
+    got = check_both(data, feeds)
+    assert got[0] == np.float32(3.5) and got[1].tolist() == [0.0, 1.0, 2.0]  # iterations 0, 1, 2
