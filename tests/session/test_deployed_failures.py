@@ -22,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxpack
 from onnxpack import cli
 from onnxpack.errors import InvalidArgument, OnnxpackError
+from onnxpack.session.kernels.rnn import ACTIVATIONS
 
 F, H, I64 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64
 TOL = {np.dtype(np.float32): dict(rtol=1e-5, atol=1e-6), np.dtype(np.float16): dict(rtol=1e-3, atol=1e-3),
@@ -177,3 +178,118 @@ def test_loop_body_declaring_iter_num_as_1d(iter_rank):
     feeds = {"M": np.array(10, np.int64), "cond": np.array(True), "a0": np.array(0.5, np.float32)}
     got = check_both(data, feeds)
     assert got[0] == np.float32(3.5) and got[1].tolist() == [0.0, 1.0, 2.0]  # iterations 0, 1, 2
+
+
+# -- RNN / GRU / LSTM activations --------------------------------------------------------------
+GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
+N_ACTS = {"RNN": 1, "GRU": 2, "LSTM": 3}
+# Moderate parameters and weights: with unbounded activations (Affine, Softplus, LeakyRelu ...) in
+# every gate the states grow step by step, and large states would compare accumulation orders, not
+# kernels.  Measured worst relative difference to onnxruntime with these: 1.2e-6.
+ALPHAS, BETAS = [0.6, 0.8, 0.9], [0.3, 0.2, 0.1]
+
+
+def rnn_model(op: str, acts, *, alphas=None, betas=None, direction="forward", seq_lens=None, clip=None,
+              as_inputs=False, hidden=5, seed=0):
+    rng = np.random.default_rng(seed)
+    nd = 2 if direction == "bidirectional" else 1
+    g = GATES[op]
+    arrays = {
+        "W": (rng.standard_normal((nd, g * hidden, 4)) * 0.3).astype(np.float32),
+        "R": (rng.standard_normal((nd, g * hidden, hidden)) * 0.2).astype(np.float32),
+        "B": (rng.standard_normal((nd, 2 * g * hidden)) * 0.2).astype(np.float32),
+    }
+    x = rng.standard_normal((6, 3, 4)).astype(np.float32)
+    attrs = dict(hidden_size=hidden, direction=direction)
+    if acts is not None:
+        attrs["activations"] = acts
+    if alphas is not None:
+        attrs["activation_alpha"] = alphas
+    if betas is not None:
+        attrs["activation_beta"] = betas
+    if clip is not None:
+        attrs["clip"] = clip
+    names = ["X", "W", "R", "B"]
+    feeds = {"X": x}
+    if seq_lens is not None:
+        names.append("L")
+        feeds["L"] = np.array(seq_lens, np.int32)
+    outputs = ["Y", "Y_h"] + (["Y_c"] if op == "LSTM" else [])
+    node = helper.make_node(op, names, outputs, **attrs)
+    inputs = [vi("X", F, [6, 3, 4])] + ([vi("L", TensorProto.INT32, [3])] if seq_lens is not None else [])
+    if as_inputs:
+        inputs += [vi(n, F, a.shape) for n, a in arrays.items()]
+        feeds.update(arrays)
+        inits = []
+    else:
+        inits = [numpy_helper.from_array(a, n) for n, a in arrays.items()]
+    return model([node], inputs, [vi(o, F, None) for o in outputs], inits, opset=14), feeds
+
+
+DEFAULT_ACTS = {"RNN": ["Tanh"], "GRU": ["Sigmoid", "Tanh"], "LSTM": ["Sigmoid", "Tanh", "Tanh"]}
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("op,position", [("RNN", 0), ("GRU", 0), ("GRU", 1), ("LSTM", 0), ("LSTM", 1), ("LSTM", 2)],
+                         ids=["RNN-f", "GRU-f", "GRU-g", "LSTM-f", "LSTM-g", "LSTM-h"])
+def test_every_activation_in_every_position_matches_onnxruntime(op, position, act):
+    """Each activation in each position (the others the defaults), alpha/beta given so no default
+    is involved (an unbounded function in every LSTM position at once makes the cell grow doubly
+    exponentially: overflow, not a kernel, would be compared)."""
+    acts = list(DEFAULT_ACTS[op])
+    acts[position] = act
+    data, feeds = rnn_model(op, acts, alphas=ALPHAS[: len(acts)], betas=BETAS[: len(acts)])
+    check_both(data, feeds)
+
+
+@pytest.mark.parametrize("as_inputs", [False, True], ids=["initializers", "graph-inputs"])
+@pytest.mark.parametrize("case", [
+    ("relu", dict(acts=["Relu"])),
+    ("relu-bidi", dict(acts=["Relu", "Sigmoid"], direction="bidirectional")),
+    ("default-tanh-reverse", dict(acts=None, direction="reverse")),
+    ("seqlens-clip", dict(acts=["Relu"], seq_lens=[6, 0, 3], clip=0.9)),
+    ("two-for-one-direction", dict(acts=["Relu", "Tanh"])),
+    ("leakyrelu-elu-defaults", dict(acts=["LeakyRelu", "Elu"], direction="bidirectional")),
+    ("hardsigmoid-default", dict(acts=["HardSigmoid"])),
+    ("scaledtanh-default", dict(acts=["ScaledTanh"])),
+], ids=lambda c: c[0])
+def test_rnn_matches_onnxruntime(case, as_inputs):
+    """Plain RNN (onnx.reference knows only Tanh): directions, sequence_lens with a zero length,
+    clip, onnxruntime's defaults where ONNX has none (ScaledTanh: 0, 0), two activations for one
+    direction (onnxruntime ignores the second)."""
+    kwargs = dict(case[1])
+    data, feeds = rnn_model("RNN", kwargs.pop("acts"), as_inputs=as_inputs, **kwargs)
+    check_both(data, feeds)
+
+
+@pytest.mark.parametrize("op", ["RNN", "GRU", "LSTM"])
+def test_spec_defaults_where_onnxruntime_departs_from_them(op):
+    """Affine (alpha 1, beta 0) and ThresholdedRelu (alpha 1) without parameters: ONNX says the
+    defaults of the corresponding operators; onnxruntime uses 0.  We follow the spec, so the
+    result equals the same node with those values given explicitly."""
+    n = N_ACTS[op]
+    for act, alpha, beta in (("Affine", 1.0, 0.0), ("ThresholdedRelu", 1.0, None)):
+        data, feeds = rnn_model(op, [act] * n)
+        explicit, _ = rnn_model(op, [act] * n, alphas=[alpha] * n, betas=None if beta is None else [beta] * n)
+        want = ort_run(explicit, feeds)
+        assert_same(session(data).run(None, feeds), want, act)
+
+
+@pytest.mark.parametrize("op", ["RNN", "GRU", "LSTM"])
+def test_unknown_activation_is_the_nodes_invalid_argument(op):
+    data, _ = rnn_model(op, ["Swish"] * N_ACTS[op])
+    with pytest.raises(InvalidArgument, match="unknown activation 'Swish'"):
+        session(data)
+
+
+def test_rnn_packs_its_weights_and_saves_them(tmp_path):
+    data, feeds = rnn_model("RNN", ["Relu", "Relu"], direction="bidirectional")
+    src, out = tmp_path / "rnn.onnx", tmp_path / "rnn.opt.onnx"
+    src.write_bytes(data)
+    cold = session(str(src))
+    assert {e["op_type"] for e in cold.get_prepack_log()} == {"RNN"} and len(cold.get_prepack_log()) == 3
+    assert cli.main(["optimize", str(src), "-o", str(out), "--no-progress"]) == 0
+    warm = session(str(out))
+    assert warm.get_prepack_stats()["blobs_from_model"] == 3 and warm.get_prepack_stats()["weights_packed"] == 0
+    for a, b in zip(warm.run(None, feeds), cold.run(None, feeds)):
+        np.testing.assert_array_equal(a, b)
