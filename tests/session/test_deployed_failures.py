@@ -293,3 +293,26 @@ def test_rnn_packs_its_weights_and_saves_them(tmp_path):
     assert warm.get_prepack_stats()["blobs_from_model"] == 3 and warm.get_prepack_stats()["weights_packed"] == 0
     for a, b in zip(warm.run(None, feeds), cold.run(None, feeds)):
         np.testing.assert_array_equal(a, b)
+
+
+# -- Constant with sparse_value ----------------------------------------------------------------
+@pytest.mark.parametrize("coo", [False, True], ids=["linear-indices", "coo-indices"])
+def test_constant_sparse_value_matches_onnxruntime(coo):
+    values = numpy_helper.from_array(np.array([1.5, -2.5, 4.0], np.float32), "v")
+    if coo:
+        indices = numpy_helper.from_array(np.array([[0, 1], [1, 0], [2, 3]], np.int64), "i")
+    else:
+        indices = numpy_helper.from_array(np.array([1, 4, 11], np.int64), "i")
+    sp = helper.make_sparse_tensor(values, indices, [3, 4])
+    data = model([helper.make_node("Constant", [], ["c"], sparse_value=sp), helper.make_node("Add", ["x", "c"], ["y"])],
+                 [vi("x", F, [3, 4])], [vi("y", F, [3, 4])], opset=13)
+    check_both(data, {"x": np.arange(12, dtype=np.float32).reshape(3, 4)})
+
+
+def test_constant_sparse_value_out_of_bounds_names_the_node():
+    sp = helper.make_sparse_tensor(numpy_helper.from_array(np.array([1.0], np.float32), "v"),
+                                   numpy_helper.from_array(np.array([12], np.int64), "i"), [3, 4])
+    data = model([helper.make_node("Constant", [], ["c"], name="sparse_c", sparse_value=sp)], [], [vi("c", F, [3, 4])],
+                 opset=13)
+    with pytest.raises(OnnxpackError, match="sparse_c.*sparse_value"):
+        session(data)
