@@ -316,3 +316,31 @@ def test_constant_sparse_value_out_of_bounds_names_the_node():
                  opset=13)
     with pytest.raises(OnnxpackError, match="sparse_c.*sparse_value"):
         session(data)
+
+
+# -- LayerNormalization with mixed input dtypes --------------------------------------------------
+@pytest.mark.parametrize("opset", [13, 16])
+@pytest.mark.parametrize("x_type,p_type", [(H, F), (F, H), (H, H)], ids=["x16-p32", "x32-p16", "x16-p16"])
+def test_layernorm_mixed_dtypes_below_opset_17_as_onnxruntime_runs_it(x_type, p_type, opset):
+    """onnxruntime's own LayerNormalization (opsets 1-16, default domain): Y takes Scale's dtype,
+    Mean and InvStdDev are float32."""
+    rng = np.random.default_rng(opset)
+    pdt = helper.tensor_dtype_to_np_dtype(p_type)
+    inits = [numpy_helper.from_array(rng.standard_normal(16).astype(pdt), "s"),
+             numpy_helper.from_array(rng.standard_normal(16).astype(pdt), "b")]
+    node = helper.make_node("LayerNormalization", ["x", "s", "b"], ["y", "mean", "inv"], axis=-1, epsilon=1e-5)
+    data = model([node], [vi("x", x_type, [2, 3, 16])], [vi("y", p_type, None), vi("mean", F, None), vi("inv", F, None)],
+                 inits, opset=opset)
+    x = rng.standard_normal((2, 3, 16)).astype(helper.tensor_dtype_to_np_dtype(x_type))
+    got = check_both(data, {"x": x})
+    assert got[0].dtype == pdt
+
+
+def test_layernorm_mixed_dtypes_at_opset_17_are_refused_as_onnxruntime_does():
+    inits = [numpy_helper.from_array(np.ones(8, np.float32), "s"), numpy_helper.from_array(np.zeros(8, np.float32), "b")]
+    data = model([helper.make_node("LayerNormalization", ["x", "s", "b"], ["y"], name="ln")], [vi("x", H, [2, 8])],
+                 [vi("y", H, None)], inits, opset=17)
+    with pytest.raises(Exception, match="LayerNormalization"):
+        ort_run(data, {"x": np.ones((2, 8), np.float16)})
+    with pytest.raises(OnnxpackError, match="X is float16 but Scale is float32"):
+        session(data).run(None, {"x": np.ones((2, 8), np.float16)})
