@@ -97,10 +97,11 @@ def test_fp16_weight_packs_to_float32(samples, capsys):
     assert code == 0
     report = json.loads(out)
     packs = report["packs"]
-    # W1h (64x128) and b1h (128) are Cast to fp32 (the Cast of a constant packs its result) and
-    # W2h (128x16) feeds an fp16 MatMul: all packed as fp32, twice the bytes.
+    # W1h (64x128) is Cast to fp32 for fc1, which packs the cast weight itself (a constant
+    # expression); b1h (128) is Cast for an Add, which does not pack, so the Cast packs its
+    # result; W2h (128x16) feeds an fp16 MatMul: all packed as fp32, twice the bytes.
     assert sorted((p["weight"], p["op_type"], p["nbytes"]) for p in packs) == [
-        ("W1h", "Cast", 64 * 128 * 4), ("W2h", "MatMul", 128 * 16 * 4), ("b1h", "Cast", 128 * 4)]
+        ("W1h", "MatMul", 64 * 128 * 4), ("W2h", "MatMul", 128 * 16 * 4), ("b1h", "Cast", 128 * 4)]
 
 
 def test_text_report_has_every_section(samples, capsys):

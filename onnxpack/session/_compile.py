@@ -234,10 +234,32 @@ class _Compiler:
         resolved = resolve(node, ctx, local_functions=self.local_functions, fusion=fusion,
                            runnable=self.options.runnable)
         kernel = resolved.kernel
-        packed: set[int] = set()
-        uses: list[tuple[str, str]] = []  # constants this step reads unpacked: (owner path, name)
-        events: list[PackEvent] = []
         pack = self.options.prepack and kernel.call_mode == "plain"
+        # A node of a constant expression (_derive.py: its output is itself a derived constant)
+        # packs only if dead-code elimination keeps it, i.e. if some reader takes its output
+        # unpacked: packing it first would pack (and, warm, look up and miss) for nothing.
+        derived_here = self.derived.get(scope.path, {})
+        defer = pack and any(o in derived_here for o in node.output if o)
+        packed, uses, events = self._pack_inputs(scope, node, kernel, pack and not defer)
+        if kernel.call_mode == "context":
+            # onnx.reference runs this node's graphs itself, reading enclosing values from the
+            # frame: the originals they name must stay, whatever the compiled subgraphs packed.
+            for name in implicit:
+                w = self._weight(scope, name)
+                if w is not None and w.derived is None and not w.user:
+                    uses.append((w.scope, name))
+        step = Step(node, kernel, tuple(node.input), tuple(node.output), frozenset(packed), (), implicit)
+        label = f"{scope.path or 'main'}:{node.name or '#'}:{node.op_type}" if resolved.fallback else None
+        later = (lambda: self._pack_inputs(scope, node, kernel, True)) if defer else None
+        return _Bound(step, tuple(uses), tuple(events), label, later)
+
+    def _pack_inputs(self, scope: Scope, node: NodeProto, kernel: Kernel,
+                     pack: bool) -> tuple[set[int], list[tuple[str, str]], list[PackEvent]]:
+        """Packs the node's constant inputs (``pack``); returns the packed input indices, the
+        constants read unpacked ((owner path, name)) and the pack events."""
+        packed: set[int] = set()
+        uses: list[tuple[str, str]] = []
+        events: list[PackEvent] = []
         for i, name in enumerate(node.input):
             if not name:
                 continue
@@ -250,16 +272,7 @@ class _Compiler:
                 events.append(event)
             elif w.derived is None and not w.user:
                 uses.append((w.scope, name))
-        if kernel.call_mode == "context":
-            # onnx.reference runs this node's graphs itself, reading enclosing values from the
-            # frame: the originals they name must stay, whatever the compiled subgraphs packed.
-            for name in implicit:
-                w = self._weight(scope, name)
-                if w is not None and w.derived is None and not w.user:
-                    uses.append((w.scope, name))
-        step = Step(node, kernel, tuple(node.input), tuple(node.output), frozenset(packed), (), implicit)
-        label = f"{scope.path or 'main'}:{node.name or '#'}:{node.op_type}" if resolved.fallback else None
-        return _Bound(step, tuple(uses), tuple(events), label)
+        return packed, uses, events
 
     def _live(self, bound: list[_Bound], outputs: list[str]) -> list[Step]:
         """The steps something reads (dead-code elimination, last to first): a node whose outputs
@@ -272,6 +285,10 @@ class _Compiler:
             step = b.step
             if not any(o in needed for o in step.outputs if o):
                 continue
+            if b.later is not None:  # a kept constant-expression node: it packs now (see _bind)
+                packed, uses, events = b.later()
+                step = dataclasses.replace(step, packed=frozenset(packed))
+                b = dataclasses.replace(b, step=step, uses=tuple(uses), events=tuple(events), later=None)
             kept.append(b)
             needed.update(n for i, n in enumerate(step.inputs) if n and i not in step.packed)
             needed.update(step.implicit)
@@ -353,6 +370,7 @@ class _Bound:
     uses: tuple[tuple[str, str], ...]
     events: tuple[PackEvent, ...]
     fallback: str | None
+    later: Callable[[], tuple[set[int], list[tuple[str, str]], list[PackEvent]]] | None = None  # deferred packing
 
 
 def _declared_dims(value_info: Any) -> tuple[int | None, ...] | None:

@@ -8,6 +8,11 @@ any weight (a Conv packs the dequantized weight, folded with its BatchNormalizat
 nodes drop out of the plan once nothing reads them unpacked, and a QDQ model keeps its int8 weights
 on disk while its packs are saved and mapped beside them.
 
+``Cast`` belongs here too: exporters widen fp16 weights with ``Cast(W) -> float32``, and models
+from onnxruntime's test data cast a constant twice (``Cast(Cast(W))``); with Cast in a chain the
+final consumer packs the cast value once and every Cast drops out of the plan, instead of the
+second Cast and its consumer recomputing from the first Cast's pack at every run.
+
 A :class:`Derivation` says how a value comes from one stored *leaf* weight (an initializer or a
 ``Constant`` node's tensor) without computing it: the ops applied, their attributes and the bytes
 of their other (small) constant inputs, digested (``digest``), and the result's dtype and shape.
@@ -34,7 +39,7 @@ __all__ = ["Derivation", "derive"]
 # small constant (scale, zero point, shape, axes).
 FOLDABLE = frozenset({
     ("", "Identity"), ("", "DequantizeLinear"), ("com.microsoft", "DequantizeLinear"), ("", "Transpose"),
-    ("", "Reshape"), ("", "Squeeze"), ("", "Unsqueeze"), ("", "Flatten"),
+    ("", "Reshape"), ("", "Squeeze"), ("", "Unsqueeze"), ("", "Flatten"), ("", "Cast"),
 })
 # Ops whose result is the input's bytes reshaped: a chain of only these keeps a weight's identity
 # pack (the packed buffer is still the stored bytes, recorded at the weight's own offset).
@@ -87,7 +92,10 @@ def derive(node: NodeProto, weight_of: Callable[[str], WeightRef | None], opsets
     cls = lookup(domain, node.op_type, opset)
     if cls is None:
         return None
-    kernel = cls(node, KernelContext(opset=opset, opsets=opsets))
+    try:
+        kernel = cls(node, KernelContext(opset=opset, opsets=opsets))
+    except NotImplementedError:  # the kernel declines this node: it runs as it is (fallback)
+        return None
     values = tuple(others)
 
     h = hashlib.blake2b(digest_size=16)
@@ -122,12 +130,26 @@ def _axes(node: NodeProto, values: list, opset: int, ndim: int) -> list[int] | N
     return [int(a) + ndim if int(a) < 0 else int(a) for a in np.asarray(axes).reshape(-1)]
 
 
+def _plain_cast_type(dtype: np.dtype) -> bool:
+    return (dtype.isbuiltin == 1 and dtype.kind in "biuf") or dtype.name == "bfloat16"
+
+
 def _infer(node: NodeProto, shape: tuple[int, ...], dtype: np.dtype, values: list, opset: int) -> tuple[tuple[int, ...], np.dtype]:
     """Result shape and dtype of one foldable op, from the input's and the small constants."""
     op = node.op_type
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     if op == "Identity":
         return shape, dtype
+    if op == "Cast":
+        to = attrs["to"]
+        if isinstance(to, bytes):  # opset 1 spelled the type as a string
+            to = TensorProto.DataType.Value(to.decode().upper())
+        target = np.dtype(helper.tensor_dtype_to_np_dtype(int(to)))
+        # numpy's own numeric and bool types and bfloat16: their astype is the spec's cast, the
+        # Cast kernel's (float8 and the 4-bit types need saturation/packing, strings are not weights).
+        if not (_plain_cast_type(target) and _plain_cast_type(dtype)):
+            raise ValueError("cast outside numpy's numeric types")
+        return shape, target
     if op == "DequantizeLinear":
         od = int(attrs.get("output_dtype", 0))
         if od:
