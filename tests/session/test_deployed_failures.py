@@ -395,3 +395,75 @@ def test_cast_of_a_cast_of_a_constant(tmp_path, mid, leaf):
     cached = onnxpack.InferenceSession(str(src), so)
     assert cached.get_prepack_stats()["blobs_from_cache"] == 2
     assert_same(cached.run(None, feeds), want, "cache file")
+
+
+# -- Multinomial ---------------------------------------------------------------------------------
+PROBS = np.array([[0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1], [0.25, 0.0, 0.25, 0.5]])
+N_SAMPLES = 20000
+# Each frequency of N_SAMPLES draws has a standard error <= sqrt(0.25 / 20000) = 0.0035; 0.02 is
+# over 5 of them.  With a seed the draws are fixed, so the bound cannot flake.
+FREQ_TOL = 0.02
+
+
+def multinomial_model(dtype: int | None = None, seed: float | None = 3.0, sample_size: int = N_SAMPLES) -> bytes:
+    attrs = dict(sample_size=sample_size)
+    if seed is not None:
+        attrs["seed"] = seed
+    if dtype is not None:
+        attrs["dtype"] = dtype
+    out_type = dtype if dtype is not None else TensorProto.INT32
+    return model([helper.make_node("Multinomial", ["x"], ["y"], **attrs)], [vi("x", F, [3, 4])],
+                 [vi("y", out_type, None)])
+
+
+def _logits() -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.log(PROBS).astype(np.float32)  # log(0) = -inf: probability 0
+
+
+def _freqs(samples: np.ndarray) -> np.ndarray:
+    return np.stack([np.bincount(row, minlength=4) / row.size for row in samples])
+
+
+@pytest.mark.parametrize("dtype", [None, TensorProto.INT64], ids=["int32-default", "int64"])
+def test_multinomial_samples_onnxruntimes_distribution(dtype):
+    data = multinomial_model(dtype)
+    x = {"x": _logits()}
+    (want,) = ort_run(data, x)
+    (got,) = session(data).run(None, x)
+    assert got.dtype == want.dtype and got.shape == want.shape == (3, N_SAMPLES)
+    assert got.min() >= 0 and got.max() < 4
+    assert (got[2] != 1).all()  # a -inf logit is never drawn
+    np.testing.assert_allclose(_freqs(got), PROBS, atol=FREQ_TOL)
+    np.testing.assert_allclose(_freqs(got), _freqs(want), atol=FREQ_TOL)
+
+
+def test_multinomial_seed_fixes_the_sequence_per_session():
+    """With a seed, two sessions draw the same sequence and successive runs of one session draw
+    fresh samples (onnxruntime behaves the same); without one, sessions differ."""
+    x = {"x": _logits()}
+    data = multinomial_model(sample_size=50)
+    a, b = session(data), session(data)
+    first = a.run(None, x)[0]
+    np.testing.assert_array_equal(first, b.run(None, x)[0])
+    assert not np.array_equal(first, a.run(None, x)[0])
+    ref_a, ref_b = (ort.InferenceSession(data, providers=["CPUExecutionProvider"]) for _ in range(2))
+    r1 = ref_a.run(None, x)[0]
+    assert np.array_equal(r1, ref_b.run(None, x)[0]) and not np.array_equal(r1, ref_a.run(None, x)[0])
+    unseeded = multinomial_model(seed=None, sample_size=50)
+    assert not np.array_equal(session(unseeded).run(None, x)[0], session(unseeded).run(None, x)[0])
+
+
+def test_multinomial_row_without_finite_logit_gives_class_count_like_onnxruntime():
+    data = multinomial_model(sample_size=8)
+    x = {"x": np.full((3, 4), -np.inf, np.float32)}
+    (want,) = ort_run(data, x)
+    (got,) = session(data).run(None, x)
+    np.testing.assert_array_equal(got, want)
+    assert (got == 4).all()
+
+
+def test_multinomial_bad_dtype_is_invalid_argument():
+    data = multinomial_model(dtype=TensorProto.FLOAT, sample_size=2)
+    with pytest.raises(InvalidArgument, match="dtype must be int32"):
+        session(data)
