@@ -609,3 +609,41 @@ def test_identity_pack_points_at_its_weight_and_nothing_else_may(saved_mlp, tmp_
     assert len(w.prepack) == 1 and "W1" in w.prepack[0] and "overlaps" in w.prepack[0]
     assert s.get_prepack_stats()["weights_packed"] == 1
     _equal(got, expected)
+
+
+def _one_matmul(typed_fields: bool) -> onnx.ModelProto:
+    w = np.random.default_rng(5).standard_normal((128, 64)).astype(np.float32)
+    init = (helper.make_tensor("W", TensorProto.FLOAT, w.shape, w.reshape(-1).tolist()) if typed_fields
+            else numpy_helper.from_array(w, "W"))
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 128])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])], [init])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("typed_fields", [False, True], ids=["raw_data", "float_data"])
+def test_in_proto_weight_is_not_stored_twice(tmp_path, typed_fields):
+    """A model with its weights inside the .onnx (most shipped models) optimizes to the same data
+    file as the same model saved with external data: the fp32 MatMul weight's identity pack is
+    recorded at the weight's own offset, not written a second time.  (The saver recognises a pack
+    as its weight by buffer address; an in-proto weight handed out a fresh copy of its bytes on
+    every access, so the pack never matched.)"""
+    m = _one_matmul(typed_fields)
+    sizes = {}
+    for layout in ("in-proto", "external"):
+        folder = tmp_path / layout
+        folder.mkdir()
+        src = folder / "m.onnx"
+        if layout == "in-proto":
+            onnx.save(m, str(src))
+        else:
+            onnx.save(m, str(src), save_as_external_data=True, location="m.data", size_threshold=0)
+        out = folder / "m.opt.onnx"
+        _optimize(src, out)
+        sizes[layout] = os.path.getsize(str(out) + ".data")
+        buf = _records(out)[("", "W")].packs[0].buffers[0]
+        assert (buf.location, buf.offset, buf.length) == _external(out, "W"), layout
+        warm = InferenceSession(str(out))
+        assert warm.get_prepack_stats()["blobs_from_model"] == 1 and warm.get_prepack_stats()["weights_packed"] == 0
+    assert sizes["in-proto"] == sizes["external"] < 128 * 64 * 4 + 4096
+
