@@ -647,3 +647,35 @@ def test_in_proto_weight_is_not_stored_twice(tmp_path, typed_fields):
         assert warm.get_prepack_stats()["blobs_from_model"] == 1 and warm.get_prepack_stats()["weights_packed"] == 0
     assert sizes["in-proto"] == sizes["external"] < 128 * 64 * 4 + 4096
 
+
+def test_constant_node_weight_packs_are_saved_under_its_record(tmp_path):
+    """A Constant node's tensor packed by its consumer (Gemm transB: a transposed copy) is saved
+    after the scope's initializers under the Constant output's record and mapped back warm; an
+    identity pack of a Constant tensor (MatMul) is not saved: the tensor stays in the proto, so a
+    blob would store it twice, and viewing it again costs nothing."""
+    rng = np.random.default_rng(6)
+    wg = rng.standard_normal((64, 128)).astype(np.float32)
+    wm = rng.standard_normal((128, 32)).astype(np.float32)
+    nodes = [helper.make_node("Constant", [], ["Wg"], value=numpy_helper.from_array(wg, "Wg")),
+             helper.make_node("Constant", [], ["Wm"], value=numpy_helper.from_array(wm, "Wm")),
+             helper.make_node("Gemm", ["x", "Wg"], ["h"], transB=1),
+             helper.make_node("MatMul", ["x", "Wm"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 128])],
+                          [helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, 64]),
+                           helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 32])])
+    src, out = tmp_path / "c.onnx", tmp_path / "c.opt.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(src))
+    x = {"x": rng.standard_normal((2, 128)).astype(np.float32)}
+    cold = _optimize(src, out)
+    assert set(_records(out)) == {("", "Wg")}
+    assert os.path.getsize(str(out) + ".data") < wg.nbytes + 4096
+    with _Warnings() as w:
+        warm = InferenceSession(str(out))
+    assert w.prepack == []
+    stats = warm.get_prepack_stats()
+    assert stats["blobs_from_model"] == 1 and stats["weights_packed"] == 1  # Wm: a view, again
+    for a, b in zip(warm.run(None, x), cold.run(None, x)):
+        np.testing.assert_array_equal(a, b)
+    ref = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, x)
+    for a, b in zip(warm.run(None, x), ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
