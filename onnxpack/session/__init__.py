@@ -9,6 +9,7 @@ from __future__ import annotations
 from onnxpack.session._api import ModelMetadata, NodeArg, model_inputs, validate_feed
 from onnxpack.session._arena import analyze, recording_lifetimes
 from onnxpack.session._compile import CompileOptions, compile
+from onnxpack.session._coverage import OpCoverage, op_coverage
 from onnxpack.session._optimize import optimize, save_program
 from onnxpack.session._program import PackEvent, Plan, PrepackStats, Program, Step, run_plan
 from onnxpack.session._session import InferenceSession
@@ -33,4 +34,6 @@ __all__ = [
     "model_inputs",
     "analyze",
     "recording_lifetimes",
+    "OpCoverage",
+    "op_coverage",
 ]
