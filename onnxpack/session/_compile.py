@@ -201,7 +201,10 @@ class _Compiler:
             w = self._weight(scope, n)
             return None if w is None else w.value()
 
-        return plan_fusions(nodes, readers, protected, const_value, self.opsets.get("", 1))
+        def is_const(n: str) -> bool:
+            return self._weight(scope, n) is not None
+
+        return plan_fusions(nodes, readers, protected, const_value, self.opsets.get("", 1), is_const)
 
     def _constants(self, scope: Scope, output_names: list[str]) -> dict[str, Any]:
         """The scope's constants: originals still read unpacked (all readers are bound by now:
@@ -224,7 +227,21 @@ class _Compiler:
 
     # -- one node ---------------------------------------------------------------------------------
     def _bind(self, scope: Scope, node: NodeProto, fusion: Fusion | None, child_scopes: list[Scope],
-              implicit: tuple[str, ...]) -> Step:
+              implicit: tuple[str, ...]) -> _Bound:
+        # A node of a constant expression (_derive.py: its outputs are derived constants) is bound
+        # only if dead-code elimination keeps it, i.e. if some reader takes its output unpacked
+        # (see _live): most are dropped (every consumer packed the value), and binding them first
+        # would build kernels and pack their inputs (warm: look the packs up and miss) for nothing.
+        derived_here = self.derived.get(scope.path, {})
+        if (fusion is None and not child_scopes and node.output
+                and all(o in derived_here for o in node.output if o)):
+            placeholder = Step(node, None, tuple(node.input), tuple(node.output), frozenset(), (), implicit)  # type: ignore[arg-type]
+            return _Bound(placeholder, (), (), None,
+                          lambda: self._bind_now(scope, node, fusion, child_scopes, implicit))
+        return self._bind_now(scope, node, fusion, child_scopes, implicit)
+
+    def _bind_now(self, scope: Scope, node: NodeProto, fusion: Fusion | None, child_scopes: list[Scope],
+                  implicit: tuple[str, ...]) -> _Bound:
         domain = normalize_domain(node.domain)
         ctx = KernelContext(
             opset=self.opsets.get(domain, 1), opsets=self.opsets,
@@ -235,12 +252,7 @@ class _Compiler:
                            runnable=self.options.runnable)
         kernel = resolved.kernel
         pack = self.options.prepack and kernel.call_mode == "plain"
-        # A node of a constant expression (_derive.py: its output is itself a derived constant)
-        # packs only if dead-code elimination keeps it, i.e. if some reader takes its output
-        # unpacked: packing it first would pack (and, warm, look up and miss) for nothing.
-        derived_here = self.derived.get(scope.path, {})
-        defer = pack and any(o in derived_here for o in node.output if o)
-        packed, uses, events = self._pack_inputs(scope, node, kernel, pack and not defer)
+        packed, uses, events = self._pack_inputs(scope, node, kernel, pack)
         if kernel.call_mode == "context":
             # onnx.reference runs this node's graphs itself, reading enclosing values from the
             # frame: the originals they name must stay, whatever the compiled subgraphs packed.
@@ -250,8 +262,7 @@ class _Compiler:
                     uses.append((w.scope, name))
         step = Step(node, kernel, tuple(node.input), tuple(node.output), frozenset(packed), (), implicit)
         label = f"{scope.path or 'main'}:{node.name or '#'}:{node.op_type}" if resolved.fallback else None
-        later = (lambda: self._pack_inputs(scope, node, kernel, True)) if defer else None
-        return _Bound(step, tuple(uses), tuple(events), label, later)
+        return _Bound(step, tuple(uses), tuple(events), label)
 
     def _pack_inputs(self, scope: Scope, node: NodeProto, kernel: Kernel,
                      pack: bool) -> tuple[set[int], list[tuple[str, str]], list[PackEvent]]:
@@ -285,10 +296,9 @@ class _Compiler:
             step = b.step
             if not any(o in needed for o in step.outputs if o):
                 continue
-            if b.later is not None:  # a kept constant-expression node: it packs now (see _bind)
-                packed, uses, events = b.later()
-                step = dataclasses.replace(step, packed=frozenset(packed))
-                b = dataclasses.replace(b, step=step, uses=tuple(uses), events=tuple(events), later=None)
+            if b.later is not None:  # a kept constant-expression node: bound (and packs) now, see _bind
+                b = b.later()
+                step = b.step
             kept.append(b)
             needed.update(n for i, n in enumerate(step.inputs) if n and i not in step.packed)
             needed.update(step.implicit)
@@ -370,7 +380,7 @@ class _Bound:
     uses: tuple[tuple[str, str], ...]
     events: tuple[PackEvent, ...]
     fallback: str | None
-    later: Callable[[], tuple[set[int], list[tuple[str, str]], list[PackEvent]]] | None = None  # deferred packing
+    later: Callable[[], _Bound] | None = None  # a constant-expression node, bound if kept (see _bind)
 
 
 def _declared_dims(value_info: Any) -> tuple[int | None, ...] | None:

@@ -176,7 +176,8 @@ def bn_fold(scale: np.ndarray, bias: np.ndarray, mean: np.ndarray, var: np.ndarr
 
 
 def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
-                 const_value: Callable[[str], np.ndarray | None], opset: int) -> list[Fusion]:
+                 const_value: Callable[[str], np.ndarray | None], opset: int,
+                 is_const: Callable[[str], bool] | None = None) -> list[Fusion]:
     """Every fusion of one scope's nodes (pure).
 
     Args:
@@ -185,10 +186,14 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
         protected: names that must stay materialized (graph outputs).
         const_value: the value of a constant of the scope (initializer, not overridable), or None.
         opset: the default domain's opset.
+        is_const: whether a name is such a constant, without computing it (a Conv weight that is
+            a dequantized int8 weight would otherwise be dequantized just to be recognised: at a
+            warm start, where its pack is mapped, that was a QDQ ResNet-50's largest cost);
+            default: ``const_value(n) is not None``.
     """
-
-    def is_const(n: str) -> bool:
-        return const_value(n) is not None
+    if is_const is None:
+        def is_const(n: str) -> bool:
+            return const_value(n) is not None
 
     convs = find_conv_fusions(nodes, readers, protected, is_const, opset)
     taken = {i for f in convs for i in (f.conv, *f.absorbed)}
