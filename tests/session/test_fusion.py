@@ -219,10 +219,16 @@ FQ_CASES = {
 }
 
 
+@pytest.mark.parametrize("jit", ["numba", "numpy"])
 @pytest.mark.parametrize("zp,scale,opset", list(FQ_CASES.values()), ids=list(FQ_CASES))
-def test_fake_quant_pair_is_fused_and_bit_identical(zp, scale, opset):
+def test_fake_quant_pair_is_fused_and_bit_identical(zp, scale, opset, jit, monkeypatch):
     """The fused pair gives the unfused pair's and onnxruntime's bits: rounding ties to even,
-    saturation, NaN to the lowest code, -0.0 after rounding becoming +0.0 as the integer does."""
+    saturation, NaN to the lowest code, -0.0 after rounding becoming +0.0 as the integer does —
+    with the numba kernel and with its numpy twin (``ONNXPACK_DISABLE_JIT=1``)."""
+    if jit == "numba":
+        pytest.importorskip("numba")
+    else:
+        monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
     model = qdq_model(zp, scale, opset=opset)
     x = {"x": _hard_values(float(np.max(scale)))}
     with onnxpack.InferenceSession(model) as s:

@@ -33,6 +33,9 @@ call ``dequantize`` to fold a constant DequantizeLinear into its consumer's pack
 from __future__ import annotations
 
 import logging
+import math
+import os
+import threading
 
 import numpy as np
 from onnx import helper
@@ -331,6 +334,30 @@ class DynamicQuantizeLinear(Kernel):
         return (quantize_u8(x, scale, zp), np.array(scale, dtype=np.float32), np.array(zp, dtype=np.uint8))
 
 
+# The numba twin of FakeQuant (``_qdq_jit``), imported on first use like MatMulNBits' kernels:
+# only with numba installed and ONNXPACK_DISABLE_JIT not 1.
+_ENV_DISABLE = "ONNXPACK_DISABLE_JIT"
+_jit_state: dict[str, object] = {}
+_jit_lock = threading.Lock()
+
+
+def _fq_jit():
+    """The numba fake-quant module, or None (no numba, or disabled)."""
+    if os.environ.get(_ENV_DISABLE, "") == "1":
+        return None
+    if "module" not in _jit_state:
+        with _jit_lock:
+            if "module" not in _jit_state:
+                try:
+                    from onnxpack.session.kernels import _qdq_jit
+                except ImportError as exc:  # numba missing, or one that does not fit this numpy
+                    logger.info("fake-quant: numba kernel unavailable (%s); using numpy", exc)
+                    _jit_state["module"] = None
+                else:
+                    _jit_state["module"] = _qdq_jit
+    return _jit_state["module"]
+
+
 @register_fused("fake_quant")
 class FakeQuant(Kernel):
     """A QuantizeLinear -> DequantizeLinear pair of one scale and zero point (``_fusion.py``),
@@ -341,7 +368,8 @@ class FakeQuant(Kernel):
     subtracting ``zp`` again (integers of at most 16 bits are exact in float32), and NaN clamps
     to the lowest value as the Q's ``fmax`` makes it; the product is the DQ's single rounding.  A
     final ``+ 0.0`` turns ``-0.0`` into ``+0.0``, as the DQ's integer-to-float conversion does.
-    Five passes over one fresh array instead of eight over three, and no integer tensor.
+    Five passes over one fresh array instead of eight over three, and no integer tensor; with
+    numba (the ``jit`` extra) one pass (``_qdq_jit.fake_quant``, the same arithmetic).
     """
 
     op_type = "QuantizeLinear"
@@ -357,6 +385,9 @@ class FakeQuant(Kernel):
         s = _param(scale, x.shape, self.axis, 0, self.what)
         zp = _param(zero_point, x.shape, self.axis, 0, self.what).astype(np.float32)
         xs = x if x.dtype == _F32 else x.astype(np.float32)
+        jit = _fq_jit() if x.size else None
+        if jit is not None:
+            return (self._run_jit(jit, xs, s, zp),)
         t = np.divide(xs, s)
         if t.shape != x.shape:  # a per-axis scale broadcast wider than x (cannot happen: _param checks)
             raise InvalidArgument(f"{self.what}: scale {list(np.shape(scale))} does not fit x {list(x.shape)}")
@@ -366,3 +397,18 @@ class FakeQuant(Kernel):
         t *= s
         t += np.float32(0.0)
         return (t,)
+
+    def _run_jit(self, jit, xs: np.ndarray, s: np.ndarray, zp: np.ndarray) -> np.ndarray:
+        """The numba kernel over ``xs`` seen as (outer, C, inner), C the scale's length."""
+        xs = np.ascontiguousarray(xs)
+        if s.size == 1:
+            shape3 = (1, 1, xs.size)
+        else:
+            ax = self.axis + xs.ndim if self.axis < 0 else self.axis
+            shape3 = (math.prod(xs.shape[:ax]), xs.shape[ax], math.prod(xs.shape[ax + 1:]))
+        scale = np.ascontiguousarray(s, dtype=np.float32).reshape(-1)
+        shift = np.ascontiguousarray(zp, dtype=np.float32).reshape(-1)
+        out = np.empty_like(xs)
+        jit.fake_quant(xs.reshape(shape3), scale, np.float32(self.low) - shift, np.float32(self.high) - shift,
+                       out.reshape(shape3))
+        return out
