@@ -121,7 +121,7 @@ def derive(node: NodeProto, weight_of: Callable[[str], WeightRef | None], opsets
         raw = b"-" if w is None else bytes(memoryview(w.raw()).cast("B"))
         h.update(len(raw).to_bytes(8, "little") + raw)
         if w is not None:
-            h.update(f"{w.dtype}{w.shape}".encode())
+            h.update(f"{_dtype_name(w.dtype)}{w.shape}".encode())
 
     def compute(leaf: np.ndarray, _prev=prev) -> np.ndarray:
         x = _prev.compute(leaf) if _prev is not None else leaf
@@ -130,7 +130,19 @@ def derive(node: NodeProto, weight_of: Callable[[str], WeightRef | None], opsets
 
     is_view = node.op_type in _VIEWS and (prev is None or prev.is_view)
     derivation = Derivation(h.digest(), dtype, shape, is_view, compute)
-    return dataclasses.replace(src, derived=derivation)
+    # (not dataclasses.replace: it re-reads the class's fields at every call, a fifth of derive())
+    return WeightRef(src.scope, src.name, src.tensor, src.array, derivation)
+
+
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """``str(dtype)``, cached: numpy builds the string anew at every call."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
 
 
 def _axes(node: NodeProto, others: list, opset: int, ndim: int) -> list[int] | None:
