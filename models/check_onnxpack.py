@@ -27,49 +27,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _fixtures  # noqa: E402
 
 import onnxpack  # noqa: E402
-from onnxpack.session._fallback import FallbackKernel  # noqa: E402
-import onnxpack.session.kernels  # noqa: E402,F401  (importing it registers every kernel)
-from onnxpack.session.kernels._base import KernelContext, lookup, normalize_domain  # noqa: E402
+from onnxpack.graph import load_model  # noqa: E402
+from onnxpack.session import op_coverage  # noqa: E402
 
 
-def _nodes(graph: onnx.GraphProto):
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _nodes(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    yield from _nodes(g)
-
-
-_CONTROL_FLOW = {"If", "Loop", "Scan"}  # served by the executor itself, not a kernel
-
-
-def classify_ops(model: onnx.ModelProto) -> dict[str, list[str]]:
-    """``{"native": [...], "fallback": [...], "missing": [...]}`` of ``domain::op`` names."""
-    opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
-    seen: dict[str, str] = {}
-    for node in _nodes(model.graph):
-        domain = normalize_domain(node.domain)
-        key = f"{domain or 'ai.onnx'}::{node.op_type}"
-        if key in seen:
-            continue
-        opset = opsets.get(domain, 1)
-        if domain == "" and node.op_type in _CONTROL_FLOW:
-            seen[key] = "native"
-        elif lookup(domain, node.op_type, opset) is not None:
-            seen[key] = "native"
-        else:
-            try:
-                FallbackKernel(node, KernelContext(opset=opset, opsets=opsets))
-                seen[key] = "fallback"
-            except Exception:  # KernelNotFoundError, or onnx.reference failing on the node
-                seen[key] = "missing"
+def classify_ops(model_path: str) -> dict[str, list[str]]:
+    """``{"native": [...], "fallback": [...], "missing": [...]}`` of ``domain::op`` names, from
+    ``onnxpack.session.op_coverage`` (what ``onnxpack inspect`` reports); an op some of whose
+    nodes run differently is listed under its worst status."""
+    with load_model(model_path) as model:
+        rows = op_coverage(model)
     out: dict[str, list[str]] = collections.defaultdict(list)
-    for key, how in sorted(seen.items()):
-        out[how].append(key)
-    return {k: out.get(k, []) for k in ("native", "fallback", "missing")}
+    for r in rows:
+        out[{"unsupported": "missing"}.get(r.status, r.status)].append(f"{r.domain}::{r.op_type}")
+    return {k: sorted(out.get(k, [])) for k in ("native", "fallback", "missing")}
 
 
 def _first_line(exc: BaseException) -> str:
@@ -81,8 +52,7 @@ def check(sidecar_path: str, sidecar: dict[str, Any]) -> dict[str, Any]:
     import onnxruntime as ort
 
     model_path = os.path.join(sidecar_path[: -len(".json")], sidecar["model_file"])
-    model = onnx.load(model_path, load_external_data=False)
-    result: dict[str, Any] = {"ops": classify_ops(model)}
+    result: dict[str, Any] = {"ops": classify_ops(model_path)}
     try:
         sess = onnxpack.InferenceSession(model_path)
     except Exception as exc:  # the point is to see how it fails

@@ -97,10 +97,11 @@ def test_fp16_weight_packs_to_float32(samples, capsys):
     assert code == 0
     report = json.loads(out)
     packs = report["packs"]
-    # W1h (64x128) and b1h (128) are Cast to fp32 (the Cast of a constant packs its result) and
-    # W2h (128x16) feeds an fp16 MatMul: all packed as fp32, twice the bytes.
+    # W1h (64x128) is Cast to fp32 for fc1, which packs the cast weight itself (a constant
+    # expression); b1h (128) is Cast for an Add, which does not pack, so the Cast packs its
+    # result; W2h (128x16) feeds an fp16 MatMul: all packed as fp32, twice the bytes.
     assert sorted((p["weight"], p["op_type"], p["nbytes"]) for p in packs) == [
-        ("W1h", "Cast", 64 * 128 * 4), ("W2h", "MatMul", 128 * 16 * 4), ("b1h", "Cast", 128 * 4)]
+        ("W1h", "MatMul", 64 * 128 * 4), ("W2h", "MatMul", 128 * 16 * 4), ("b1h", "Cast", 128 * 4)]
 
 
 def test_text_report_has_every_section(samples, capsys):
@@ -171,3 +172,91 @@ def test_collect_does_not_modify_the_model(samples):
     report = collect(path)
     assert report["stats"]["weights_packed"] == 3
     assert {p: open(p, "rb").read() for p in before} == before
+
+
+# -- op coverage --------------------------------------------------------------------------------
+def _coverage_model(path) -> str:
+    """Native ops, a fallback op (Det), a node a native kernel declines (BatchNormalization in
+    training mode), a model-local function, an op in a subgraph, and an op nothing runs."""
+    F = TensorProto.FLOAT
+    fn = helper.make_function("local", "Twice", ["a"], ["b"], [helper.make_node("Add", ["a", "a"], ["b"])],
+                              [helper.make_opsetid("", 17)])
+    then = helper.make_graph([helper.make_node("Neg", ["x"], ["t"])], "then", [],
+                             [helper.make_tensor_value_info("t", F, [3, 3])])
+    other = helper.make_graph([helper.make_node("Abs", ["x"], ["e"])], "else", [],
+                              [helper.make_tensor_value_info("e", F, [3, 3])])
+    c = [numpy_helper.from_array(np.ones(3, np.float32), n) for n in ("s", "b", "m", "v")]
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("Relu", ["r"], ["r2"]),
+        helper.make_node("Det", ["x"], ["d"]),
+        helper.make_node("Unsqueeze", ["x", "ax"], ["x4"]),
+        helper.make_node("BatchNormalization", ["x4", "s", "b", "m", "v"], ["bn", "rm", "rv"], training_mode=1),
+        helper.make_node("BatchNormalization", ["x4", "s", "b", "m", "v"], ["bn2"]),
+        helper.make_node("Twice", ["x"], ["tw"], domain="local"),
+        helper.make_node("ReduceMax", ["x"], ["cond0"], keepdims=0),
+        helper.make_node("Cast", ["cond0"], ["cond"], to=TensorProto.BOOL),
+        helper.make_node("If", ["cond"], ["iff"], then_branch=then, else_branch=other),
+        helper.make_node("Frobnicate", ["x"], ["z"], domain="com.example"),
+    ]
+    outs = ["r2", "d", "bn", "bn2", "tw", "iff", "z"]
+    g = helper.make_graph(nodes, "coverage", [helper.make_tensor_value_info("x", F, [3, 3])],
+                          [helper.make_tensor_value_info(o, F, None) for o in outs],
+                          c + [numpy_helper.from_array(np.array([0], np.int64), "ax")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("local", 1),
+                                            helper.make_opsetid("com.example", 1)], functions=[fn], ir_version=8)
+    onnx.save(m, str(path))
+    return str(path)
+
+
+def test_coverage_reports_native_fallback_and_unsupported_without_dying(tmp_path, capsys):
+    """A model with an op nothing runs cannot make a session; inspect says why and still gives
+    every op type's status (JSON and text), computed without running."""
+    path = _coverage_model(tmp_path / "coverage.onnx")
+    code, out, err = _run(["inspect", path, "--json"], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    assert "com.example::Frobnicate" in report["session_error"]
+    rows = {f"{r['domain']}::{r['op_type']}": r for r in report["coverage"]["ops"]}
+    assert {k: r["status"] for k, r in rows.items()} == {
+        "ai.onnx::Abs": "native", "ai.onnx::Neg": "native",  # inside the If's branches
+        "ai.onnx::BatchNormalization": "fallback", "ai.onnx::Cast": "native", "ai.onnx::Det": "fallback",
+        "ai.onnx::If": "native", "ai.onnx::ReduceMax": "native", "ai.onnx::Relu": "native",
+        "ai.onnx::Unsqueeze": "native", "com.example::Frobnicate": "unsupported", "local::Twice": "fallback",
+    }
+    bn = rows["ai.onnx::BatchNormalization"]
+    assert (bn["nodes"], bn["native"], bn["fallback"]) == (2, 1, 1) and "declines" in bn["reason"]
+    assert rows["ai.onnx::Relu"]["nodes"] == 2 and rows["ai.onnx::Relu"]["reason"] is None
+    assert "function defined by the model" in rows["local::Twice"]["reason"]
+    assert report["coverage"]["op_types"] == {"native": 7, "fallback": 3, "unsupported": 1}
+    assert report["coverage"]["runnable"] is False and report["coverage"]["fully_native"] is False
+    assert report["stats"] is None and report["packs"] == []
+    code, out, err = _run(["inspect", path], capsys)
+    assert code == 0, err
+    assert "no session: " in out and "1 op type(s) UNSUPPORTED" in out
+    line = next(ln for ln in out.splitlines() if ln.lstrip().startswith("com.example::Frobnicate"))
+    assert "unsupported" in line and "onnx.reference has no com.example::Frobnicate" in line
+
+
+def test_coverage_of_a_runnable_model_matches_its_sessions_fallback_nodes(tmp_path, capsys):
+    """Without the unsupported op the session is made; the fallback op types are exactly those of
+    the nodes the session runs through onnx.reference."""
+    path = tmp_path / "coverage.onnx"
+    _coverage_model(path)
+    m = onnx.load(str(path))
+    keep = [n for n in m.graph.node if n.op_type != "Frobnicate"]
+    del m.graph.node[:]
+    m.graph.node.extend(keep)
+    del m.graph.output[-1]
+    onnx.save(m, str(path))
+    report = collect(str(path))
+    assert report["session_error"] is None and report["coverage"]["runnable"] is True
+    fallback_ops = {r["op_type"] for r in report["coverage"]["ops"] if r["fallback"]}
+    assert fallback_ops == {n.split(":")[-1] for n in report["fallback_nodes"]} == {"Det", "BatchNormalization", "Twice"}
+
+
+@pytest.mark.parametrize("name", sorted(sample_models.SAMPLES))
+def test_samples_are_fully_native(samples, name):
+    report = collect(samples[name])
+    assert report["coverage"]["fully_native"], [r for r in report["coverage"]["ops"] if r["status"] != "native"]
+    assert sum(r["nodes"] for r in report["coverage"]["ops"]) == sum(s["nodes"] for s in report["scopes"])

@@ -2,6 +2,11 @@
 
 It creates one session (exactly as a user would, with the given config entries) and reports:
 
+* **op coverage** — per op type, how many nodes run natively, through onnx.reference (the
+  fallback), or not at all (unsupported: no native kernel and onnx.reference has none), computed
+  without running anything (:func:`onnxpack.session.op_coverage`), so a user sees before running
+  whether a model is fully covered.  A model with unsupported ops cannot make a session: the
+  report then says why, and gives the coverage, scopes, initializers and layout anyway;
 * **scopes** — every graph, bottom-up, with the node that owns it;
 * **initializers** — name, dtype, shape, bytes, and where the bytes live (external file, offset,
   length, or in the proto);
@@ -32,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["HELP", "add_arguments", "run", "collect", "format_text", "SECTIONS"]
 
-HELP = "print scopes, initializers, packed weights, fallback nodes and prepack stats"
+HELP = "print op coverage, scopes, initializers, packed weights, fallback nodes and prepack stats"
 
 Report = dict[str, Any]
 
@@ -81,6 +86,15 @@ def _initializer_rows(model: Any, packs: list[dict[str, Any]]) -> list[dict[str,
     return rows
 
 
+def _coverage(model: Any) -> dict[str, Any]:
+    from onnxpack.session import op_coverage
+
+    rows = [r.as_dict() for r in op_coverage(model)]
+    counts = {status: sum(1 for r in rows if r["status"] == status) for status in ("native", "fallback", "unsupported")}
+    return {"ops": rows, "op_types": counts, "fully_native": not counts["fallback"] and not counts["unsupported"],
+            "runnable": not counts["unsupported"]}
+
+
 def collect(model_path: str, config: dict[str, str] | None = None) -> Report:
     """Create a session for ``model_path`` and return the inspection report as plain data.
 
@@ -89,33 +103,47 @@ def collect(model_path: str, config: dict[str, str] | None = None) -> Report:
             entry such as ``onnxpack.prepacked_cache_path`` asks the session to).
         config: session config entries (``session.disable_prepacking`` …), validated by the
             session like any user's.
+
+    A model some node of which nothing can run (``KernelNotFoundError``) gets a report without a
+    session: ``session_error`` says why, packs, fallback nodes and stats are empty/None.
     """
+    from onnxpack.errors import KernelNotFoundError
+    from onnxpack.graph import load_model
     from onnxpack.session import InferenceSession, SessionOptions
 
     so = SessionOptions()
     for key, value in (config or {}).items():
         so.add_session_config_entry(key, value)
     t0 = time.perf_counter()
-    session = InferenceSession(model_path, so)
+    try:
+        session = InferenceSession(model_path, so)
+    except KernelNotFoundError as exc:
+        with load_model(os.fspath(model_path)) as model:
+            return _report(model_path, config, model, None, None, str(exc))
     create_seconds = time.perf_counter() - t0
     try:
-        packs = session.get_prepack_log()
-        model = session.model
-        report: Report = {
-            "model": os.fspath(model_path),
-            "opsets": {k or "ai.onnx": v for k, v in sorted(model.opsets.items())},
-            "create_seconds": create_seconds,
-            "config": dict(config or {}),
-            "scopes": _scope_rows(model),
-            "initializers": _initializer_rows(model, packs),
-            "packs": packs,
-            "fallback_nodes": session.get_fallback_nodes(),
-            "stats": session.get_prepack_stats(),
-            "layout": describe_layout(os.fspath(model_path)),
-        }
+        return _report(model_path, config, session.model, session, create_seconds, None)
     finally:
         session.close()
-    return report
+
+
+def _report(model_path: str, config: dict[str, str] | None, model: Any, session: Any,
+            create_seconds: float | None, error: str | None) -> Report:
+    packs = session.get_prepack_log() if session is not None else []
+    return {
+        "model": os.fspath(model_path),
+        "opsets": {k or "ai.onnx": v for k, v in sorted(model.opsets.items())},
+        "create_seconds": create_seconds,
+        "session_error": error,
+        "config": dict(config or {}),
+        "coverage": _coverage(model),
+        "scopes": _scope_rows(model),
+        "initializers": _initializer_rows(model, packs),
+        "packs": packs,
+        "fallback_nodes": session.get_fallback_nodes() if session is not None else [],
+        "stats": session.get_prepack_stats() if session is not None else None,
+        "layout": describe_layout(os.fspath(model_path)),
+    }
 
 
 # -- printing --------------------------------------------------------------------------------------
@@ -131,11 +159,30 @@ def _scope_label(path: str) -> str:
 
 def format_header(report: Report) -> list[str]:
     opsets = ", ".join(f"{d} {v}" for d, v in report["opsets"].items())
-    lines = [f"model: {report['model']}", f"opsets: {opsets}",
-             f"session created in {report['create_seconds'] * 1000:.1f} ms"]
+    lines = [f"model: {report['model']}", f"opsets: {opsets}"]
+    if report.get("session_error"):
+        lines.append(f"no session: {report['session_error']}")
+    else:
+        lines.append(f"session created in {report['create_seconds'] * 1000:.1f} ms")
     if report["config"]:
         lines.append("config: " + ", ".join(f"{k}={v}" for k, v in report["config"].items()))
     return lines
+
+
+def format_coverage(report: Report) -> list[str]:
+    """Per op type: native / fallback (onnx.reference) / unsupported node counts."""
+    cov = report["coverage"]
+    n = cov["op_types"]
+    if cov["fully_native"]:
+        verdict = "every op runs natively"
+    elif cov["runnable"]:
+        verdict = f"{n['fallback']} op type(s) run through onnx.reference (slow), the rest natively"
+    else:
+        verdict = f"{n['unsupported']} op type(s) UNSUPPORTED: no native kernel, no onnx.reference implementation"
+    rows = [[f"{r['domain']}::{r['op_type']}", r["opset"], r["nodes"], r["status"], r["native"], r["fallback"],
+             r["unsupported"], r["reason"] or ""] for r in cov["ops"]]
+    return [f"op coverage ({len(rows)} op types: {verdict}):"] + _table(
+        ["op", "opset", "nodes", "status", "native", "fallback", "unsupported", "why not native"], rows)
 
 
 def format_scopes(report: Report) -> list[str]:
@@ -161,6 +208,8 @@ def format_initializers(report: Report) -> list[str]:
 
 def format_packs(report: Report) -> list[str]:
     packs = report["packs"]
+    if report.get("session_error"):
+        return ["packed weights: (no session)"]
     if not packs:
         return ["packed weights: none"]
     rows = [[_scope_label(p["scope"]), p["node"] or "#", p["op_type"], p["input"], p["weight"], p["nbytes"],
@@ -170,6 +219,8 @@ def format_packs(report: Report) -> list[str]:
 
 
 def format_fallback(report: Report) -> list[str]:
+    if report.get("session_error"):
+        return ["fallback nodes (onnx.reference): (no session)"]
     nodes = report["fallback_nodes"]
     if not nodes:
         return ["fallback nodes (onnx.reference): none"]
@@ -177,6 +228,8 @@ def format_fallback(report: Report) -> list[str]:
 
 
 def format_stats(report: Report) -> list[str]:
+    if report["stats"] is None:
+        return ["prepack stats: (no session)"]
     rows = []
     for key, value in report["stats"].items():
         if isinstance(value, float):
@@ -200,6 +253,7 @@ def format_layout_section(report: Report) -> list[str]:
 # One entry per printed section, in order; a new section is a function taking the report.
 SECTIONS: list[Callable[[Report], list[str]]] = [
     format_header,
+    format_coverage,
     format_scopes,
     format_initializers,
     format_packs,

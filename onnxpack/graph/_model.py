@@ -36,7 +36,7 @@ from onnxpack.errors import InvalidGraph, ModelLoadError
 from onnxpack.graph._external import DataFiles, read_regular_file
 from onnxpack.graph._tensor import Tensor
 
-__all__ = ["Model", "Scope", "load_model", "walk", "subgraphs_of"]
+__all__ = ["Model", "Scope", "load_model", "walk", "subgraphs_of", "sparse_to_dense"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,9 +153,9 @@ def _check_sparse(sparse: onnx.SparseTensorProto, what: str) -> None:
         )
 
 
-def _sparse_to_dense(sparse: onnx.SparseTensorProto, files: DataFiles | None) -> Tensor:
+def _sparse_to_dense(sparse: onnx.SparseTensorProto, files: DataFiles | None, what: str | None = None) -> Tensor:
     name = sparse.values.name
-    what = f"sparse initializer {name!r}"
+    what = what or f"sparse initializer {name!r}"
     _check_sparse(sparse, what)
     dims = tuple(int(d) for d in sparse.dims)
     values = Tensor(sparse.values, files)
@@ -182,9 +182,7 @@ def _sparse_to_dense(sparse: onnx.SparseTensorProto, files: DataFiles | None) ->
             raise ValueError("indices are not strictly increasing (duplicates or out of order)")
         dense[flat] = vals
     except (ValueError, IndexError) as e:
-        raise ModelLoadError(
-            f"sparse initializer {name!r}: indices {idx.shape} do not fit shape {dims}: {e}"
-        ) from e
+        raise ModelLoadError(f"{what}: indices {idx.shape} do not fit shape {dims}: {e}") from e
     dense = dense.reshape(dims)
     dense.flags.writeable = False
     proto = TensorProto()
@@ -192,6 +190,13 @@ def _sparse_to_dense(sparse: onnx.SparseTensorProto, files: DataFiles | None) ->
     proto.data_type = sparse.values.data_type
     proto.dims.extend(dims)
     return Tensor(proto, None, array=dense)
+
+
+def sparse_to_dense(sparse: onnx.SparseTensorProto, what: str) -> np.ndarray:
+    """The dense, read-only array of an in-proto sparse tensor (a node attribute's: those with
+    external data were read in when the model was loaded), with the checks sparse initializers
+    get; ``what`` names it in errors (``ModelLoadError``)."""
+    return _sparse_to_dense(sparse, None, what).numpy()
 
 
 class Model:

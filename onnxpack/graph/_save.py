@@ -3,8 +3,9 @@
 Layout
 ------
 Scopes are visited bottom-up (:func:`walk`); in each, dense initializers in graph order, then
-sparse initializers' values/indices, then external tensors held by node attributes.  Each
-initializer's pre-packed blobs (``SaveExtras.blobs``) follow it directly.  Every tensor and blob
+sparse initializers' values/indices, then external tensors held by node attributes, then the
+blobs of the scope's other packed names (``SaveExtras.names``: Constant-node tensors, which stay
+in the proto).  Each initializer's pre-packed blobs (``SaveExtras.blobs``) follow it directly.  Every tensor and blob
 starts at a multiple of :data:`ALIGNMENT`; those of at least ``align_threshold`` bytes start at
 a multiple of ``allocation_granularity`` so they can be mapped on their own and share no page with
 a neighbour.  Offsets come from the pure :func:`compute_offset`.
@@ -136,6 +137,12 @@ class SaveExtras(Protocol):
 
     def blobs(self, scope_path: str, name: str) -> Sequence[np.ndarray]:
         """Blobs to write right after initializer ``name`` of scope ``scope_path``."""
+        ...
+
+    def names(self, scope_path: str) -> Sequence[str]:
+        """Every name of scope ``scope_path`` that has blobs.  Optional: names that are not
+        initializers of the scope (a ``Constant`` node's output whose tensor a kernel packed) get
+        their blobs after the scope's initializers; without this method they are not saved."""
         ...
 
     def metadata(self, placements: dict[tuple[str, str], list[BlobPlacement]],
@@ -436,6 +443,12 @@ def save_model(
         for s_t, d_t in zip(_graph_tensors(sgraph), _graph_tensors(dgraph), strict=True):
             if s_t.data_location == TensorProto.EXTERNAL:
                 handle(d_t, model.tensor(s_t), only_if_external=True)
+        if extra is not None and hasattr(extra, "names"):
+            # Blobs of weights that are not initializers (Constant-node tensors), after the rest.
+            placed_here = {t.name for t in sgraph.initializer} | {sp.values.name for sp in sgraph.sparse_initializer}
+            for name in extra.names(scope.path):
+                if name not in placed_here:
+                    blobs_for(scope, name)
 
     data_name = None
     data_path = None

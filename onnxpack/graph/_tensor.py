@@ -111,7 +111,7 @@ class Tensor:
     """
 
     __slots__ = ("name", "elem_type", "dims", "dtype", "nbytes", "proto", "external",
-                 "_buffer", "_array")
+                 "_buffer", "_array", "_raw")
 
     def __init__(self, proto: TensorProto, files: DataFiles | None, *,
                  array: np.ndarray | None = None) -> None:
@@ -126,6 +126,7 @@ class Tensor:
             raise ModelLoadError(f"tensor {self.name!r}: shape {self.dims} is too large for any array")
         self._array = array
         self._buffer = None
+        self._raw: bytes | memoryview | None = None
         self.external: ExternalLocation | None = None
         if self.elem_type == TensorProto.STRING:
             if proto.data_location == TensorProto.EXTERNAL:
@@ -184,15 +185,29 @@ class Tensor:
 
     def raw(self) -> memoryview | bytes:
         """The tensor's bytes as stored: little-endian, packed for sub-byte types, no copy when
-        external (a read-only memoryview of the mapping)."""
+        external (a read-only memoryview of the mapping).
+
+        For an in-proto tensor these are the very bytes :meth:`numpy` views (one buffer, kept):
+        protobuf hands out a new ``bytes`` object at every ``raw_data`` access, and a saver that
+        recognises a pack as a view of its weight (an identity pack) compares buffer addresses —
+        two copies would make every in-proto fp32 weight's pack a second copy on disk.
+        """
         if self.external is not None:
             start = self.external.offset
             return memoryview(self._buffer)[start:start + self.external.length]
-        if self.proto.HasField("raw_data"):
-            return self.proto.raw_data
+        if self._raw is not None:
+            return self._raw
+        if self.proto.HasField("raw_data") and self._array is None:
+            self._raw = self.proto.raw_data
+            return self._raw
         if self.elem_type == TensorProto.STRING:
             raise ModelLoadError(f"tensor {self.name!r}: string tensors have no raw bytes")
-        return onnx.numpy_helper.from_array(self.numpy(), self.name).raw_data
+        arr = self.numpy()
+        if self.elem_type in _PACKED_BITS or sys.byteorder == "big" or not arr.flags.c_contiguous:
+            return onnx.numpy_helper.from_array(arr, self.name).raw_data
+        # Typed fields (or a given array): the array's own bytes are the stored little-endian ones.
+        self._raw = memoryview(arr.reshape(-1).view(np.uint8))
+        return self._raw
 
     def numpy(self) -> np.ndarray:
         """The data as a read-only array (zero-copy over the mapping for external data)."""
@@ -211,7 +226,7 @@ class Tensor:
         elif self.external is not None:
             arr = mapped_view(self._buffer, self.dtype, self.dims, self.external.offset)
         else:
-            arr = mapped_view(self.proto.raw_data, self.dtype, self.dims, 0)
+            arr = mapped_view(self.raw(), self.dtype, self.dims, 0)
         arr.flags.writeable = False
         self._array = arr
         return arr

@@ -98,6 +98,9 @@ class SaveRecord:
         return key
 
     # -- SaveExtras -----------------------------------------------------------------------------
+    def names(self, scope_path: str) -> list[str]:
+        return [name for scope, name in self._weights if scope == scope_path]
+
     def blobs(self, scope_path: str, name: str) -> list[np.ndarray]:
         entry = self._weights.get((scope_path, name))
         if entry is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from onnxpack.session._api import ModelMetadata, NodeArg, model_inputs, validate_feed
 from onnxpack.session._arena import analyze, recording_lifetimes
 from onnxpack.session._compile import CompileOptions, compile
+from onnxpack.session._coverage import OpCoverage, op_coverage
 from onnxpack.session._iobinding import IOBinding, SessionIOBinding
 from onnxpack.session._memory import process_memory
 from onnxpack.session._optimize import optimize, save_program
@@ -48,4 +49,6 @@ __all__ = [
     "process_memory",
     "analyze",
     "recording_lifetimes",
+    "OpCoverage",
+    "op_coverage",
 ]

@@ -19,7 +19,7 @@ from onnxpack.graph import Model
 from onnxpack.session._ortvalue import OrtValue, SparseTensor
 
 __all__ = ["NodeArg", "ModelMetadata", "model_inputs", "model_outputs", "model_metadata", "type_string",
-           "shape_of", "validate_feed", "check_required", "coerce_input", "to_user", "override_dims"]
+           "declared_dim", "shape_of", "validate_feed", "check_required", "coerce_input", "to_user", "override_dims"]
 
 _ELEM_NAMES = {v: k.lower() for k, v in TensorProto.DataType.items() if k not in ("UNDEFINED",)}
 
@@ -60,20 +60,29 @@ def type_string(type_proto: onnx.TypeProto) -> str:
     return "unknown"
 
 
+def declared_dim(d: onnx.TensorShapeProto.Dimension) -> int | str | None:
+    """One declared dimension as onnxruntime reads it: a fixed size, a symbol, or ``None`` (unknown).
+
+    A negative ``dim_value`` is a legacy spelling of "unknown" (older Paddle and Caffe2 exports
+    write ``dim_value: -1``, e.g. PP-OCR's ``ch_ppocr_mobile_v2.0_cls_infer.onnx``): onnxruntime
+    1.32 loads such models, reports the dimension as ``None`` and accepts any size there, for every
+    negative value.  So do we, in one place: feed checks, ``get_inputs``/``get_outputs`` and the
+    shapes the compile step records all go through here.
+    """
+    if d.HasField("dim_value"):
+        value = int(d.dim_value)
+        return value if value >= 0 else None
+    if d.HasField("dim_param"):
+        return d.dim_param
+    return None
+
+
 def shape_of(type_proto: onnx.TypeProto) -> list[int | str | None] | None:
     if type_proto.WhichOneof("value") == "optional_type":  # onnxruntime reports the element's shape
         return shape_of(type_proto.optional_type.elem_type)
     if type_proto.WhichOneof("value") != "tensor_type" or not type_proto.tensor_type.HasField("shape"):
         return None
-    out: list[int | str | None] = []
-    for d in type_proto.tensor_type.shape.dim:
-        if d.HasField("dim_value"):
-            out.append(int(d.dim_value))
-        elif d.HasField("dim_param"):
-            out.append(d.dim_param)
-        else:
-            out.append(None)
-    return out
+    return [declared_dim(d) for d in type_proto.tensor_type.shape.dim]
 
 
 def _node_arg(vi: onnx.ValueInfoProto) -> NodeArg:
@@ -121,7 +130,7 @@ def override_dims(inputs: Sequence[onnx.ValueInfoProto], outputs: Sequence[onnx.
             if value is not None:
                 if d.HasField("dim_param"):
                     fixed.setdefault(d.dim_param, value)
-                if not d.HasField("dim_value"):
+                if not isinstance(declared_dim(d), int):  # symbolic, unknown, or a legacy -1
                     d.dim_value = value
         new_inputs.append(vi)
     new_outputs = []
@@ -312,8 +321,8 @@ def _check_shape(name: str, type_proto: onnx.TypeProto, arr: np.ndarray) -> None
         raise InvalidArgument(
             f"Invalid rank for input: {name} Got: {arr.ndim} Expected: {len(dims)} Please fix either the inputs/outputs "
             f"or the model. (input {name!r}: declared shape {declared}, got {got})")
-    bad = [(k, arr.shape[k], d.dim_value) for k, d in enumerate(dims)
-           if d.HasField("dim_value") and d.dim_value != arr.shape[k]]
+    bad = [(k, arr.shape[k], fixed) for k, d in enumerate(dims)
+           if isinstance(fixed := declared_dim(d), int) and fixed != arr.shape[k]]
     if bad:
         # onnxruntime puts each index on its own line; one line here (CLI errors are one line)
         lines = "".join(f" index: {k} Got: {g} Expected: {e}" for k, g, e in bad)

@@ -32,6 +32,7 @@ from onnx import AttributeProto, NodeProto, TensorProto
 from onnxpack.errors import InvalidArgument, InvalidGraph, OnnxpackError
 from onnxpack.graph import Model, Scope
 from onnxpack.prepack import PackSources, PrepackedWeightsContainer, WeightRef
+from onnxpack.session._api import declared_dim
 from onnxpack.session._derive import derive
 from onnxpack.session._api import override_dims
 from onnxpack.session._fusion import Fusion, apply_fusions, plan_fusions
@@ -217,7 +218,10 @@ class _Compiler:
             w = self._weight(scope, n)
             return None if w is None else w.value()
 
-        return plan_fusions(nodes, readers, protected, const_value, self.opsets.get("", 1))
+        def is_const(n: str) -> bool:
+            return self._weight(scope, n) is not None
+
+        return plan_fusions(nodes, readers, protected, const_value, self.opsets.get("", 1), is_const)
 
     def _constants(self, scope: Scope, output_names: list[str]) -> dict[str, Any]:
         """The scope's constants: originals still read unpacked (all readers are bound by now:
@@ -240,7 +244,21 @@ class _Compiler:
 
     # -- one node ---------------------------------------------------------------------------------
     def _bind(self, scope: Scope, node: NodeProto, fusion: Fusion | None, child_scopes: list[Scope],
-              implicit: tuple[str, ...]) -> Step:
+              implicit: tuple[str, ...]) -> _Bound:
+        # A node of a constant expression (_derive.py: its outputs are derived constants) is bound
+        # only if dead-code elimination keeps it, i.e. if some reader takes its output unpacked
+        # (see _live): most are dropped (every consumer packed the value), and binding them first
+        # would build kernels and pack their inputs (warm: look the packs up and miss) for nothing.
+        derived_here = self.derived.get(scope.path, {})
+        if (fusion is None and not child_scopes and node.output
+                and all(o in derived_here for o in node.output if o)):
+            placeholder = Step(node, None, tuple(node.input), tuple(node.output), frozenset(), (), implicit)  # type: ignore[arg-type]
+            return _Bound(placeholder, (), (), None,
+                          lambda: self._bind_now(scope, node, fusion, child_scopes, implicit))
+        return self._bind_now(scope, node, fusion, child_scopes, implicit)
+
+    def _bind_now(self, scope: Scope, node: NodeProto, fusion: Fusion | None, child_scopes: list[Scope],
+                  implicit: tuple[str, ...]) -> _Bound:
         domain = normalize_domain(node.domain)
         ctx = KernelContext(
             opset=self.opsets.get(domain, 1), opsets=self.opsets,
@@ -250,10 +268,26 @@ class _Compiler:
         resolved = resolve(node, ctx, local_functions=self.local_functions, fusion=fusion,
                            runnable=self.options.runnable)
         kernel = resolved.kernel
-        packed: set[int] = set()
-        uses: list[tuple[str, str]] = []  # constants this step reads unpacked: (owner path, name)
-        events: list[PackEvent] = []
         pack = self.options.prepack and kernel.call_mode == "plain"
+        packed, uses, events = self._pack_inputs(scope, node, kernel, pack)
+        if kernel.call_mode == "context":
+            # onnx.reference runs this node's graphs itself, reading enclosing values from the
+            # frame: the originals they name must stay, whatever the compiled subgraphs packed.
+            for name in implicit:
+                w = self._weight(scope, name)
+                if w is not None and w.derived is None and not w.user:
+                    uses.append((w.scope, name))
+        step = Step(node, kernel, tuple(node.input), tuple(node.output), frozenset(packed), (), implicit)
+        label = f"{scope.path or 'main'}:{node.name or '#'}:{node.op_type}" if resolved.fallback else None
+        return _Bound(step, tuple(uses), tuple(events), label)
+
+    def _pack_inputs(self, scope: Scope, node: NodeProto, kernel: Kernel,
+                     pack: bool) -> tuple[set[int], list[tuple[str, str]], list[PackEvent]]:
+        """Packs the node's constant inputs (``pack``); returns the packed input indices, the
+        constants read unpacked ((owner path, name)) and the pack events."""
+        packed: set[int] = set()
+        uses: list[tuple[str, str]] = []
+        events: list[PackEvent] = []
         for i, name in enumerate(node.input):
             if not name:
                 continue
@@ -266,16 +300,7 @@ class _Compiler:
                 events.append(event)
             elif w.derived is None and not w.user:
                 uses.append((w.scope, name))
-        if kernel.call_mode == "context":
-            # onnx.reference runs this node's graphs itself, reading enclosing values from the
-            # frame: the originals they name must stay, whatever the compiled subgraphs packed.
-            for name in implicit:
-                w = self._weight(scope, name)
-                if w is not None and w.derived is None and not w.user:
-                    uses.append((w.scope, name))
-        step = Step(node, kernel, tuple(node.input), tuple(node.output), frozenset(packed), (), implicit)
-        label = f"{scope.path or 'main'}:{node.name or '#'}:{node.op_type}" if resolved.fallback else None
-        return _Bound(step, tuple(uses), tuple(events), label)
+        return packed, uses, events
 
     def _live(self, bound: list[_Bound], outputs: list[str]) -> list[Step]:
         """The steps something reads (dead-code elimination, last to first): a node whose outputs
@@ -288,6 +313,9 @@ class _Compiler:
             step = b.step
             if not any(o in needed for o in step.outputs if o):
                 continue
+            if b.later is not None:  # a kept constant-expression node: bound (and packs) now, see _bind
+                b = b.later()
+                step = b.step
             kept.append(b)
             needed.update(n for i, n in enumerate(step.inputs) if n and i not in step.packed)
             needed.update(step.implicit)
@@ -369,10 +397,11 @@ class _Bound:
     uses: tuple[tuple[str, str], ...]
     events: tuple[PackEvent, ...]
     fallback: str | None
+    later: Callable[[], _Bound] | None = None  # a constant-expression node, bound if kept (see _bind)
 
 
 def _declared_dims(value_info: Any) -> tuple[int | None, ...] | None:
     t = value_info.type
     if t.WhichOneof("value") != "tensor_type" or not t.tensor_type.HasField("shape"):
         return None
-    return tuple(int(d.dim_value) if d.HasField("dim_value") else None for d in t.tensor_type.shape.dim)
+    return tuple(d if isinstance(d, int) else None for d in map(declared_dim, t.tensor_type.shape.dim))

@@ -8,6 +8,11 @@ any weight (a Conv packs the dequantized weight, folded with its BatchNormalizat
 nodes drop out of the plan once nothing reads them unpacked, and a QDQ model keeps its int8 weights
 on disk while its packs are saved and mapped beside them.
 
+``Cast`` belongs here too: exporters widen fp16 weights with ``Cast(W) -> float32``, and models
+from onnxruntime's test data cast a constant twice (``Cast(Cast(W))``); with Cast in a chain the
+final consumer packs the cast value once and every Cast drops out of the plan, instead of the
+second Cast and its consumer recomputing from the first Cast's pack at every run.
+
 A :class:`Derivation` says how a value comes from one stored *leaf* weight (an initializer or a
 ``Constant`` node's tensor) without computing it: the ops applied, their attributes and the bytes
 of their other (small) constant inputs, digested (``digest``), and the result's dtype and shape.
@@ -34,8 +39,9 @@ __all__ = ["Derivation", "derive"]
 # small constant (scale, zero point, shape, axes).
 FOLDABLE = frozenset({
     ("", "Identity"), ("", "DequantizeLinear"), ("com.microsoft", "DequantizeLinear"), ("", "Transpose"),
-    ("", "Reshape"), ("", "Squeeze"), ("", "Unsqueeze"), ("", "Flatten"),
+    ("", "Reshape"), ("", "Squeeze"), ("", "Unsqueeze"), ("", "Flatten"), ("", "Cast"),
 })
+_FOLDABLE_OPS = frozenset(op for _domain, op in FOLDABLE)
 # Ops whose result is the input's bytes reshaped: a chain of only these keeps a weight's identity
 # pack (the packed buffer is still the stored bytes, recorded at the weight's own offset).
 _VIEWS = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
@@ -62,6 +68,8 @@ def derive(node: NodeProto, weight_of: Callable[[str], WeightRef | None], opsets
     ``weight_of(name)`` gives the constant a name refers to (initializer, Constant, or an earlier
     derived value), or None.
     """
+    if node.op_type not in _FOLDABLE_OPS:  # the common case first: one string compare
+        return None
     domain = normalize_domain(node.domain)
     if len([o for o in node.output if o]) != 1 or not node.output[0]:
         return None
@@ -81,13 +89,24 @@ def derive(node: NodeProto, weight_of: Callable[[str], WeightRef | None], opsets
         others.append(w)
     opset = opsets.get(domain, 1)
     try:
-        shape, dtype = _infer(node, src.shape, np.dtype(src.dtype), [None if w is None else w.value() for w in others], opset)
-    except (ValueError, KeyError, TypeError, IndexError):
+        shape, dtype = _infer(node, src.shape, np.dtype(src.dtype), others, opset)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         return None  # anything unusual: leave the node to run as it is
     cls = lookup(domain, node.op_type, opset)
     if cls is None:
         return None
-    kernel = cls(node, KernelContext(opset=opset, opsets=opsets))
+    built: list = []
+
+    def kernel():  # built when the value is first computed: most derived values never are (warm)
+        if not built:
+            built.append(cls(node, KernelContext(opset=opset, opsets=opsets)))
+        return built[0]
+
+    if node.op_type == "Cast":  # the one foldable kernel that may decline a node (its target type)
+        try:
+            kernel()
+        except NotImplementedError:
+            return None
     values = tuple(others)
 
     h = hashlib.blake2b(digest_size=16)
@@ -102,41 +121,68 @@ def derive(node: NodeProto, weight_of: Callable[[str], WeightRef | None], opsets
         raw = b"-" if w is None else bytes(memoryview(w.raw()).cast("B"))
         h.update(len(raw).to_bytes(8, "little") + raw)
         if w is not None:
-            h.update(f"{w.dtype}{w.shape}".encode())
+            h.update(f"{_dtype_name(w.dtype)}{w.shape}".encode())
 
     def compute(leaf: np.ndarray, _prev=prev) -> np.ndarray:
         x = _prev.compute(leaf) if _prev is not None else leaf
         args = [None if w is None else w.value() for w in values]
-        return np.asarray(kernel.run(x, *args)[0])
+        return np.asarray(kernel().run(x, *args)[0])
 
     is_view = node.op_type in _VIEWS and (prev is None or prev.is_view)
     derivation = Derivation(h.digest(), dtype, shape, is_view, compute)
-    return dataclasses.replace(src, derived=derivation)
+    # (not dataclasses.replace: it re-reads the class's fields at every call, a fifth of derive())
+    return WeightRef(src.scope, src.name, src.tensor, src.array, derivation)
 
 
-def _axes(node: NodeProto, values: list, opset: int, ndim: int) -> list[int] | None:
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """``str(dtype)``, cached: numpy builds the string anew at every call."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
+
+
+def _axes(node: NodeProto, others: list, opset: int, ndim: int) -> list[int] | None:
     attr = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axes"), None)
-    axes = attr if attr is not None else (values[0].tolist() if values and values[0] is not None else None)
+    axes = attr if attr is not None else (others[0].value().tolist() if others and others[0] is not None else None)
     if axes is None:
         return None
     return [int(a) + ndim if int(a) < 0 else int(a) for a in np.asarray(axes).reshape(-1)]
 
 
-def _infer(node: NodeProto, shape: tuple[int, ...], dtype: np.dtype, values: list, opset: int) -> tuple[tuple[int, ...], np.dtype]:
-    """Result shape and dtype of one foldable op, from the input's and the small constants."""
+def _plain_cast_type(dtype: np.dtype) -> bool:
+    return (dtype.isbuiltin == 1 and dtype.kind in "biuf") or dtype.name == "bfloat16"
+
+
+def _infer(node: NodeProto, shape: tuple[int, ...], dtype: np.dtype, others: list, opset: int) -> tuple[tuple[int, ...], np.dtype]:
+    """Result shape and dtype of one foldable op, from the input's and the small constants
+    (``others``: their WeightRefs, read only where a value decides the shape)."""
     op = node.op_type
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     if op == "Identity":
         return shape, dtype
+    if op == "Cast":
+        to = attrs["to"]
+        if isinstance(to, bytes):  # opset 1 spelled the type as a string
+            to = TensorProto.DataType.Value(to.decode().upper())
+        target = np.dtype(helper.tensor_dtype_to_np_dtype(int(to)))
+        # numpy's own numeric and bool types and bfloat16: their astype is the spec's cast, the
+        # Cast kernel's (float8 and the 4-bit types need saturation/packing, strings are not weights).
+        if not (_plain_cast_type(target) and _plain_cast_type(dtype)):
+            raise ValueError("cast outside numpy's numeric types")
+        return shape, target
     if op == "DequantizeLinear":
         od = int(attrs.get("output_dtype", 0))
         if od:
             return shape, np.dtype(helper.tensor_dtype_to_np_dtype(od))
-        scale = values[0]
+        scale = others[0]
         if normalize_domain(node.domain) == "" and opset < 19:
             return shape, np.dtype(np.float32)
-        if scale.dtype.name in ("float32", "float16", "bfloat16", "float64"):
-            return shape, scale.dtype
+        if np.dtype(scale.dtype).name in ("float32", "float16", "bfloat16", "float64"):
+            return shape, np.dtype(scale.dtype)
         return shape, np.dtype(np.float32)
     if op == "Transpose":
         perm = attrs.get("perm") or list(range(len(shape)))[::-1]
@@ -144,7 +190,7 @@ def _infer(node: NodeProto, shape: tuple[int, ...], dtype: np.dtype, values: lis
             raise ValueError("bad perm")
         return tuple(shape[p] for p in perm), dtype
     if op == "Reshape":
-        target = [int(d) for d in np.asarray(values[0]).reshape(-1)] if opset >= 5 else list(attrs["shape"])
+        target = [int(d) for d in np.asarray(others[0].value()).reshape(-1)] if opset >= 5 else list(attrs["shape"])
         allowzero = int(attrs.get("allowzero", 0))
         out = [shape[i] if d == 0 and not allowzero else d for i, d in enumerate(target)]
         if out.count(-1) > 1:
@@ -156,15 +202,15 @@ def _infer(node: NodeProto, shape: tuple[int, ...], dtype: np.dtype, values: lis
             raise ValueError("bad reshape")
         return tuple(out), dtype
     if op == "Squeeze":
-        axes = _axes(node, values, opset, len(shape))
+        axes = _axes(node, others, opset, len(shape))
         if axes is None:
             return tuple(d for d in shape if d != 1), dtype
         if any(shape[a] != 1 for a in axes):
             raise ValueError("squeezing a non-1 axis")
         return tuple(d for i, d in enumerate(shape) if i not in axes), dtype
     if op == "Unsqueeze":
-        n = len(shape) + len(_axes(node, values, opset, 0) or [])
-        axes = sorted(_axes(node, values, opset, n) or [])
+        n = len(shape) + len(_axes(node, others, opset, 0) or [])
+        axes = sorted(_axes(node, others, opset, n) or [])
         out = list(shape)
         for a in axes:
             out.insert(a, 1)

@@ -1,4 +1,5 @@
-"""Conv → BatchNormalization → Relu fusion, decided at session creation.
+"""Conv → BatchNormalization → Relu, elementwise → Relu and QuantizeLinear → DequantizeLinear
+fusions, decided at session creation.
 
 ResNet-style models spend a tenth of their time in BatchNormalization and Relu after each Conv.
 With pre-packing on, an inference BatchNormalization whose statistics are constants folds into
@@ -6,6 +7,12 @@ the Conv's packed weight (``W' = W * scale / sqrt(var + eps)``) and a per-channe
 following Relu runs in place on the Conv's fresh output.  The folded weight is an ordinary
 pre-packed weight of ``W``: its key includes a digest of the BatchNormalization constants, so it
 is saved, mapped and shared like any other, and a changed statistic is a different key.
+
+A QDQ model (``onnxruntime.quantization``'s default format) brackets every activation with a
+QuantizeLinear → DequantizeLinear pair of the same scale and zero point ("fake quantization"):
+the float value rounded to the integer grid.  The pair runs as one float kernel
+(``fake_quant``: divide, round, clamp to the integer range shifted by the zero point, multiply,
+never materializing the integers), whose results are the pair's bit for bit.
 
 The graph itself is never rewritten: the saved model is the original one, and each compile
 re-derives the fusions from it.  :func:`plan_fusions` is pure: it returns :class:`Fusion`
@@ -22,8 +29,8 @@ from typing import Any
 import numpy as np
 from onnx import NodeProto, helper
 
-__all__ = ["ConvFusion", "Fusion", "apply_fusions", "bn_fold", "find_conv_fusions", "find_relu_fusions",
-           "fused_node", "plan_fusions"]
+__all__ = ["ConvFusion", "Fusion", "apply_fusions", "bn_fold", "find_conv_fusions", "find_fake_quant_fusions",
+           "find_relu_fusions", "fused_node", "plan_fusions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +144,74 @@ def find_relu_fusions(
     return out
 
 
+# Zero-point types of a fusable pair: integers of at most 16 bits, exact in float32 arithmetic.
+_FAKE_QUANT_TYPES = {"int8": (-128, 127), "uint8": (0, 255), "int16": (-32768, 32767), "uint16": (0, 65535)}
+
+
+def find_fake_quant_fusions(
+    nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
+    const_value: Callable[[str], np.ndarray | None], opset: int, taken: set[int],
+) -> list[Fusion]:
+    """``QuantizeLinear -> DequantizeLinear`` pairs that are one rounding of a float tensor.
+
+    The pair fuses when: both are default-domain nodes at opset >= 13 without ``block_size``,
+    ``output_dtype`` or ``precision``; the Q's output is read by the DQ alone (and is no graph
+    output); the DQ's scale and zero point are the Q's (same constants: equal dtypes and values);
+    the scale is float32 (the DQ's output is float32) and positive; the zero point an integer type
+    of at most 16 bits (both constants; a zero point must be given).  ``params`` carries the
+    integer range.
+    """
+    if opset < 13:
+        return []
+    ops = [n.op_type for n in nodes]
+    # The DequantizeLinear nodes by their input: a Q output read once (``readers``) by one of them.
+    dq_of = {nodes[k].input[0]: k for k, op in enumerate(ops) if op == "DequantizeLinear" and nodes[k].input}
+    out: list[Fusion] = []
+    for k, op in enumerate(ops):
+        if op != "QuantizeLinear" or k in taken:
+            continue
+        q = nodes[k]
+        if q.domain not in ("", "ai.onnx") or len(q.input) != 3:
+            continue
+        name = q.output[0]
+        d = dq_of.get(name)
+        if d is None or readers.get(name, 0) != 1 or name in protected or d in taken:
+            continue
+        users = [d]
+        dq = nodes[d]
+        if dq.domain not in ("", "ai.onnx") or len(dq.input) != 3:
+            continue
+        qa, da = _attrs(q), _attrs(dq)
+        if any(a.get(key) for a in (qa, da) for key in ("block_size", "output_dtype", "precision")):
+            continue
+        scale, zp = const_value(q.input[1]), const_value(q.input[2])
+        if scale is None or zp is None or scale.dtype != np.float32 or zp.dtype.name not in _FAKE_QUANT_TYPES:
+            continue
+        for mine, theirs in ((q.input[1], dq.input[1]), (q.input[2], dq.input[2])):
+            if mine != theirs:  # the quantizer shares one scale and zero point: names match
+                other, value = const_value(theirs), const_value(mine)
+                if other is None or other.dtype != value.dtype or not np.array_equal(other, value):
+                    break
+        else:
+            if not (scale > 0).all() or (scale.size > 1 and int(qa.get("axis", 1)) != int(da.get("axis", 1))):
+                continue
+            node = NodeProto()
+            node.CopyFrom(q)
+            node.name = f"{q.name or f'#{k}'}+{dq.name or f'#{users[0]}'}"
+            del node.output[:]
+            node.output.extend([dq.output[0]])
+            lo, hi = _FAKE_QUANT_TYPES[zp.dtype.name]
+            out.append(Fusion(node, k, (users[0],), kernel="fake_quant",
+                              params={"axis": int(qa.get("axis", 1)), "low": lo, "high": hi}))
+            taken.update((k, users[0]))
+    return out
+
+
+def _attrs(node: NodeProto) -> dict[str, Any]:
+    """The int attributes the fusion looks at (``axis``, ``block_size``, ``output_dtype``, ``precision``)."""
+    return {a.name: a.i for a in node.attribute}
+
+
 def _foldable_bn(node: NodeProto, is_const: Callable[[str], bool], opset: int) -> bool:
     if len(node.input) != 5 or not all(is_const(n) for n in node.input[1:]):
         return False
@@ -176,7 +251,8 @@ def bn_fold(scale: np.ndarray, bias: np.ndarray, mean: np.ndarray, var: np.ndarr
 
 
 def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
-                 const_value: Callable[[str], np.ndarray | None], opset: int) -> list[Fusion]:
+                 const_value: Callable[[str], np.ndarray | None], opset: int,
+                 is_const: Callable[[str], bool] | None = None) -> list[Fusion]:
     """Every fusion of one scope's nodes (pure).
 
     Args:
@@ -185,10 +261,14 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
         protected: names that must stay materialized (graph outputs).
         const_value: the value of a constant of the scope (initializer, not overridable), or None.
         opset: the default domain's opset.
+        is_const: whether a name is such a constant, without computing it (a Conv weight that is
+            a dequantized int8 weight would otherwise be dequantized just to be recognised: at a
+            warm start, where its pack is mapped, that was a QDQ ResNet-50's largest cost);
+            default: ``const_value(n) is not None``.
     """
-
-    def is_const(n: str) -> bool:
-        return const_value(n) is not None
+    if is_const is None:
+        def is_const(n: str) -> bool:
+            return const_value(n) is not None
 
     convs = find_conv_fusions(nodes, readers, protected, is_const, opset)
     taken = {i for f in convs for i in (f.conv, *f.absorbed)}
@@ -210,6 +290,8 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
         out.append(Fusion(node, f.conv, f.absorbed, kernel="conv", params=params))
     for f in find_relu_fusions(nodes, readers, protected, taken):
         out.append(Fusion(fused_node(nodes, f), f.conv, f.absorbed, epilogue="relu"))
+        taken.update((f.conv, *f.absorbed))
+    out.extend(find_fake_quant_fusions(nodes, readers, protected, const_value, opset, taken))
     return out
 
 

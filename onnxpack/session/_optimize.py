@@ -38,10 +38,16 @@ def save_program(model: Model, program: Program | None, path: str, config: dict[
     extra = None
     if program is not None and config["session.save_external_prepacked_constant_initializers"]:
         extra = SaveRecord()
+        initializers = {s.path: s.initializers for s in model.scopes()}
         for e in program.pack_log:
             w = e.weight
-            if not w.user:  # user-given initializers are not part of the saved model's weights
-                extra.add(w.scope, w.name, w.raw(), e.spec, w.dtype, w.shape, e.entry)
+            if w.user:  # user-given initializers are not part of the saved model's weights
+                continue
+            if e.spec.identity and w.name not in initializers.get(w.scope, {}):
+                # An identity pack of a Constant-node tensor: the tensor stays in the proto, so
+                # saving its pack would store the weight twice; viewing it again costs nothing.
+                continue
+            extra.add(w.scope, w.name, w.raw(), e.spec, w.dtype, w.shape, e.entry)
     return save_model(model, os.fspath(path), extra=extra, **kwargs)
 
 

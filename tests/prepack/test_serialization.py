@@ -609,3 +609,73 @@ def test_identity_pack_points_at_its_weight_and_nothing_else_may(saved_mlp, tmp_
     assert len(w.prepack) == 1 and "W1" in w.prepack[0] and "overlaps" in w.prepack[0]
     assert s.get_prepack_stats()["weights_packed"] == 1
     _equal(got, expected)
+
+
+def _one_matmul(typed_fields: bool) -> onnx.ModelProto:
+    w = np.random.default_rng(5).standard_normal((128, 64)).astype(np.float32)
+    init = (helper.make_tensor("W", TensorProto.FLOAT, w.shape, w.reshape(-1).tolist()) if typed_fields
+            else numpy_helper.from_array(w, "W"))
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 128])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])], [init])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("typed_fields", [False, True], ids=["raw_data", "float_data"])
+def test_in_proto_weight_is_not_stored_twice(tmp_path, typed_fields):
+    """A model with its weights inside the .onnx (most shipped models) optimizes to the same data
+    file as the same model saved with external data: the fp32 MatMul weight's identity pack is
+    recorded at the weight's own offset, not written a second time.  (The saver recognises a pack
+    as its weight by buffer address; an in-proto weight handed out a fresh copy of its bytes on
+    every access, so the pack never matched.)"""
+    m = _one_matmul(typed_fields)
+    sizes = {}
+    for layout in ("in-proto", "external"):
+        folder = tmp_path / layout
+        folder.mkdir()
+        src = folder / "m.onnx"
+        if layout == "in-proto":
+            onnx.save(m, str(src))
+        else:
+            onnx.save(m, str(src), save_as_external_data=True, location="m.data", size_threshold=0)
+        out = folder / "m.opt.onnx"
+        _optimize(src, out)
+        sizes[layout] = os.path.getsize(str(out) + ".data")
+        buf = _records(out)[("", "W")].packs[0].buffers[0]
+        assert (buf.location, buf.offset, buf.length) == _external(out, "W"), layout
+        warm = InferenceSession(str(out))
+        assert warm.get_prepack_stats()["blobs_from_model"] == 1 and warm.get_prepack_stats()["weights_packed"] == 0
+    assert sizes["in-proto"] == sizes["external"] < 128 * 64 * 4 + 4096
+
+
+def test_constant_node_weight_packs_are_saved_under_its_record(tmp_path):
+    """A Constant node's tensor packed by its consumer (Gemm transB: a transposed copy) is saved
+    after the scope's initializers under the Constant output's record and mapped back warm; an
+    identity pack of a Constant tensor (MatMul) is not saved: the tensor stays in the proto, so a
+    blob would store it twice, and viewing it again costs nothing."""
+    rng = np.random.default_rng(6)
+    wg = rng.standard_normal((64, 128)).astype(np.float32)
+    wm = rng.standard_normal((128, 32)).astype(np.float32)
+    nodes = [helper.make_node("Constant", [], ["Wg"], value=numpy_helper.from_array(wg, "Wg")),
+             helper.make_node("Constant", [], ["Wm"], value=numpy_helper.from_array(wm, "Wm")),
+             helper.make_node("Gemm", ["x", "Wg"], ["h"], transB=1),
+             helper.make_node("MatMul", ["x", "Wm"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 128])],
+                          [helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, 64]),
+                           helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 32])])
+    src, out = tmp_path / "c.onnx", tmp_path / "c.opt.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(src))
+    x = {"x": rng.standard_normal((2, 128)).astype(np.float32)}
+    cold = _optimize(src, out)
+    assert set(_records(out)) == {("", "Wg")}
+    assert os.path.getsize(str(out) + ".data") < wg.nbytes + 4096
+    with _Warnings() as w:
+        warm = InferenceSession(str(out))
+    assert w.prepack == []
+    stats = warm.get_prepack_stats()
+    assert stats["blobs_from_model"] == 1 and stats["weights_packed"] == 1  # Wm: a view, again
+    for a, b in zip(warm.run(None, x), cold.run(None, x)):
+        np.testing.assert_array_equal(a, b)
+    ref = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, x)
+    for a, b in zip(warm.run(None, x), ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

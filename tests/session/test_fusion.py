@@ -171,3 +171,92 @@ def test_elementwise_then_relu_is_fused_and_never_writes_an_input(op, n_inputs):
     for n in names:
         np.testing.assert_array_equal(feed[n], before[n])  # the caller's arrays are untouched
     np.testing.assert_allclose(got[0], _ort(model, feed)[0], rtol=1e-6, atol=1e-7)
+
+
+# -- QuantizeLinear -> DequantizeLinear ("fake quantization") ----------------------------------
+def qdq_model(zp: np.ndarray, scale: np.ndarray, *, axis: int = 1, opset: int = 17, dq_scale=None,
+              extra_q_reader: bool = False, q_output: bool = False) -> bytes:
+    """x(2,3,5) -> QuantizeLinear -> DequantizeLinear -> Identity -> y."""
+    zt = helper.np_dtype_to_tensor_dtype(zp.dtype)
+    inits = [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zp, "z")]
+    dq_in = ["q", "s", "z"]
+    if dq_scale is not None:
+        inits.append(numpy_helper.from_array(dq_scale, "s2"))
+        dq_in = ["q", "s2", "z"]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], name="q", axis=axis),
+             helper.make_node("DequantizeLinear", dq_in, ["d"], name="dq", axis=axis),
+             helper.make_node("Identity", ["d"], ["y"], name="out")]
+    outputs = [helper.make_tensor_value_info("y", F, None)]
+    if extra_q_reader:
+        nodes.append(helper.make_node("Cast", ["q"], ["qc"], to=F))
+        outputs.append(helper.make_tensor_value_info("qc", F, None))
+    if q_output:
+        outputs.append(helper.make_tensor_value_info("q", zt, None))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [2, 3, 5])], outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9).SerializeToString()
+
+
+def _hard_values(scale: float) -> np.ndarray:
+    """Ties, signed zeros after rounding, saturation both ways, NaN and infinities."""
+    special = np.array([0.5, 1.5, 2.5, -0.5, -1.5, -0.3, 0.3, -0.0, 0.0, 1e9, -1e9, np.nan, np.inf, -np.inf,
+                        126.5, 127.5, -128.5, 254.5, 255.5], np.float32)
+    x = np.concatenate([special * np.float32(scale), RNG.standard_normal(30 - special.size).astype(np.float32) * 3])
+    return x[:30].reshape(2, 3, 5)
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))  # NaN payloads, -0.0 vs +0.0
+
+
+FQ_CASES = {
+    "uint8": (np.array(128, np.uint8), np.array(0.05, np.float32), 17),
+    "int8-zero": (np.array(0, np.int8), np.array(0.03, np.float32), 17),
+    "int8": (np.array(-7, np.int8), np.array(0.02, np.float32), 17),
+    "per-axis": (np.array([3, 0, 250], np.uint8), np.array([0.01, 0.2, 0.05], np.float32), 17),
+    "int16": (np.array(-300, np.int16), np.array(1e-3, np.float32), 21),
+    "uint16": (np.array(40000, np.uint16), np.array(2e-3, np.float32), 21),
+}
+
+
+@pytest.mark.parametrize("jit", ["numba", "numpy"])
+@pytest.mark.parametrize("zp,scale,opset", list(FQ_CASES.values()), ids=list(FQ_CASES))
+def test_fake_quant_pair_is_fused_and_bit_identical(zp, scale, opset, jit, monkeypatch):
+    """The fused pair gives the unfused pair's and onnxruntime's bits: rounding ties to even,
+    saturation, NaN to the lowest code, -0.0 after rounding becoming +0.0 as the integer does —
+    with the numba kernel and with its numpy twin (``ONNXPACK_DISABLE_JIT=1``)."""
+    if jit == "numba":
+        pytest.importorskip("numba")
+    else:
+        monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+    model = qdq_model(zp, scale, opset=opset)
+    x = {"x": _hard_values(float(np.max(scale)))}
+    with onnxpack.InferenceSession(model) as s:
+        got = s.run(None, x)[0]
+        assert [st.node.name for st in s.program.root.steps] == ["q+dq", "out"]
+    opts = onnxpack.SessionOptions()
+    opts.add_session_config_entry("session.disable_prepacking", "1")
+    with onnxpack.InferenceSession(model, opts) as s:
+        unfused = s.run(None, x)[0]
+        assert [st.node.op_type for st in s.program.root.steps] == ["QuantizeLinear", "DequantizeLinear", "Identity"]
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    want = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"]).run(None, x)[0]
+    _same_bits(got, unfused)
+    _same_bits(got, want)
+
+
+@pytest.mark.parametrize("case", ["q-read-twice", "q-is-output", "other-scale"])
+def test_fake_quant_pair_not_fused(case):
+    zp, scale = np.array(128, np.uint8), np.array(0.05, np.float32)
+    kwargs = {"q-read-twice": dict(extra_q_reader=True), "q-is-output": dict(q_output=True),
+              "other-scale": dict(dq_scale=np.array(0.06, np.float32))}[case]
+    model = qdq_model(zp, scale, **kwargs)
+    x = {"x": _hard_values(0.05)}
+    with onnxpack.InferenceSession(model) as s:
+        assert not any("+" in (st.node.name or "") for st in s.program.root.steps)
+        got = s.run(None, x)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    for g, w in zip(got, ort.InferenceSession(model, so, providers=["CPUExecutionProvider"]).run(None, x)):
+        np.testing.assert_array_equal(g, w)

@@ -1,4 +1,4 @@
-"""LSTM and GRU: native vs onnx.reference / onnxruntime, packed (W, R, B) vs unpacked.
+"""RNN, LSTM and GRU: native vs onnx.reference / onnxruntime, packed (W, R, B) vs unpacked.
 
 onnx.reference is the oracle for plain runs (all directions, layouts, initial states, GRU's
 linear_before_reset, LSTM peepholes); it ignores ``sequence_lens``, ``clip`` and custom
@@ -17,7 +17,7 @@ from kernel_util import assert_close, make_node, run_ort, run_native, run_refere
 from onnxpack.session.kernels import KernelContext, TensorInfo, lookup
 
 PACK_TOL = dict(rtol=1e-6, atol=1e-6)
-GATES = {"LSTM": 4, "GRU": 3}
+GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 
 
 def make_case(op, *, direction="forward", layout=0, seq=5, batch=3, inp=4, hidden=6, dtype=np.float32,
@@ -68,7 +68,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
-@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+@pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_rnn_matches_reference_and_packed(case, op, dtype):
     node, values = make_case(op, dtype=dtype, **case[1])
@@ -101,12 +101,12 @@ ORT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+@pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
 @pytest.mark.parametrize("case", ORT_CASES, ids=[c[0] for c in ORT_CASES])
 def test_rnn_matches_onnxruntime(case, op):
     kwargs = dict(case[1])
-    if op == "GRU" and "activations" in kwargs:
-        kwargs["activations"] = kwargs["activations"][:2]
+    if op != "LSTM" and "activations" in kwargs:
+        kwargs["activations"] = kwargs["activations"][: {"GRU": 2, "RNN": 1}[op]]
     node, values = make_case(op, **kwargs)
     got = run_native(node, values, 14)
     assert_close(got, run_ort(node, values, 14), np.float32)

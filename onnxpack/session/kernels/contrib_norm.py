@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["layer_norm_f", "rms_norm_f"]
 
 # onnxruntime's LayerNormalization for opsets 1-16 (a contrib kernel in the default domain) has
-# the same attributes, inputs and outputs as ONNX's LayerNormalization-17.
+# the same attributes, inputs and outputs as ONNX's LayerNormalization-17, but lets Scale/B/Y have
+# another type than X (the kernel reads ctx.opset: see norm.LayerNormalization).
 register("LayerNormalization", since=1)(LayerNormalization)
 
 

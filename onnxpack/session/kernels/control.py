@@ -58,7 +58,20 @@ class If(ControlFlowKernel):
 
 @register("Loop", since=1)
 class Loop(ControlFlowKernel):
-    """Loop (opset 1+): ``M`` trip count and ``cond`` both optional; scan outputs are stacked."""
+    """Loop (opset 1+): ``M`` trip count and ``cond`` both optional; scan outputs are stacked.
+
+    The body's ``iter_num`` input is a scalar by the spec, but exporters (and onnxruntime's own
+    test data) declare it as a 1-element tensor (``int64[1]``) and ``Squeeze`` it in the body.
+    onnxruntime feeds it with the rank the body declares: a declared rank other than 0 gets shape
+    ``[1]``, a scalar or undeclared shape a scalar.  So do we.  (It does the same for ``cond``,
+    but refuses, at shape inference, a body declaring ``cond`` with rank 1: only iter_num matters.)
+    """
+
+    def __init__(self, node: NodeProto, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        body = next((a.g for a in node.attribute if a.name == "body"), None)
+        rank = _declared_rank(body.input[0]) if body is not None and body.input else 0
+        self._iter_shape = (1,) if rank else ()
 
     def run_in_frame(self, frame: Frame, m: Any = None, cond: Any = None, *v_initial: Any) -> tuple:
         body = self.subgraphs["body"]
@@ -71,7 +84,7 @@ class Loop(ControlFlowKernel):
         i = 0
         while keep_going and (max_trips is None or i < max_trips):
             cond_in = np.array(keep_going) if cond is not None else np.array(True)
-            outs = body.run([np.array(i, dtype=np.int64), cond_in, *state], frame)
+            outs = body.run([np.full(self._iter_shape, i, dtype=np.int64), cond_in, *state], frame)
             if cond is not None:
                 keep_going = bool(np.asarray(outs[0]).reshape(-1)[0])
             state = list(outs[1 : 1 + n_state])
@@ -162,11 +175,20 @@ class Scan(ControlFlowKernel):
         return (*state, *results)
 
 
+def _declared_rank(value_info: Any) -> int:
+    """Rank a graph input declares (0 when it declares no shape)."""
+    t = value_info.type
+    if t.WhichOneof("value") != "tensor_type" or not t.tensor_type.HasField("shape"):
+        return 0
+    return len(t.tensor_type.shape.dim)
+
+
 def _empty_output(plan: Plan, index: int) -> np.ndarray:
-    """A zero-trip scan output: shape (0, *declared per-iteration shape) when the body declares
-    it with fixed dims (as onnxruntime gives), else (0,)."""
+    """A zero-trip scan output: shape (0, *declared per-iteration shape) when the body declares a
+    shape, with 0 for each unknown dimension (symbolic, missing or a legacy -1), as onnxruntime
+    gives; (0,) when it declares none."""
     dims = plan.output_dims[index] if index < len(plan.output_dims) else None
-    tail = tuple(dims) if dims is not None and all(isinstance(d, int) for d in dims) else ()
+    tail = () if dims is None else tuple(d if isinstance(d, int) else 0 for d in dims)
     return np.empty((0, *tail), dtype=_output_dtype(plan, index))
 
 

@@ -612,9 +612,10 @@ class Cast(Kernel):
     def pack_spec(self, input_index, info):
         target = np.dtype(self.dtype)
         source = np.dtype(info.dtype)
-        if input_index != 0 or target == source or target.isbuiltin != 1 or source.isbuiltin != 1:
+        if input_index != 0 or target == source or target.isbuiltin != 1 or target.kind not in "iuf":
             return None
-        if target.kind not in "iuf" or source.kind not in "iuf":
+        # bfloat16 (ml_dtypes) sources too: widening a bf16 weight is the same exact astype.
+        if not ((source.isbuiltin == 1 and source.kind in "iuf") or source.name == "bfloat16"):
             return None
         return PackSpec("cast", self._PACK_VERSION, target.str.encode(), 1)
 

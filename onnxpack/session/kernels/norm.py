@@ -76,6 +76,14 @@ class LayerNormalization(Kernel):
     Statistics are computed in float32 (``stash_type=1``, the only value onnxruntime supports);
     Mean and InvStdDev are returned in that stash type as the spec's type constraint U says
     (onnxruntime does the same).
+
+    Input dtypes.  From opset 17 (ONNX's LayerNormalization) X, Scale, B and Y share one type;
+    onnxruntime refuses a model that mixes them, and so do we (``InvalidArgument`` at the first
+    run, naming the dtypes).  Below opset 17 ONNX has no LayerNormalization: what runs is
+    onnxruntime's own op of that name in the default domain (its type constraints are X: T,
+    Scale/B: V, Y: V), which exporters and fp16 converters rely on — e.g. fp16 X with fp32
+    Scale/B gives a float32 Y, float32 X with fp16 Scale/B a float16 Y.  We run it the same way:
+    statistics and the affine step in float32 (float64 for float64 X), Y in Scale's dtype.
     """
 
     op_type = "LayerNormalization"
@@ -84,6 +92,7 @@ class LayerNormalization(Kernel):
         super().__init__(node, ctx)
         self.axis = int(self.attr("axis", -1))
         self.epsilon = float(self.attr("epsilon", 1e-5))
+        self.mixed = ctx.opset < 17  # onnxruntime's contrib typing: Y has Scale's dtype
         if int(self.attr("stash_type", 1)) != 1:
             raise NotImplementedError("LayerNormalization stash_type != 1 is not implemented natively")
 
@@ -93,6 +102,14 @@ class LayerNormalization(Kernel):
             raise InvalidArgument(
                 f"node {self.node.name!r} (LayerNormalization): axis {self.axis} out of range for rank {x.ndim}"
             )
+        if bias is not None and bias.dtype != scale.dtype:
+            raise InvalidArgument(
+                f"node {self.node.name!r} (LayerNormalization): B is {bias.dtype}, expected Scale's {scale.dtype}")
+        if not self.mixed and scale.dtype != x.dtype:
+            raise InvalidArgument(
+                f"node {self.node.name!r} (LayerNormalization): X is {x.dtype} but Scale is {scale.dtype}; "
+                f"opset {self.ctx.opset} requires one type for X, Scale, B and Y (onnxruntime's mixed-type "
+                "LayerNormalization exists only below opset 17)")
         sd = _stat_dtype(x.dtype)
         xs = _f(x, sd)
         axes = tuple(range(axis, x.ndim))
@@ -105,7 +122,7 @@ class LayerNormalization(Kernel):
         d *= _f(scale, sd)
         if bias is not None:
             d += _f(bias, sd)
-        return (_f(d, x.dtype), mean, inv)[: max(1, len(self.node.output))]
+        return (_f(d, scale.dtype), mean, inv)[: max(1, len(self.node.output))]
 
 
 @register("InstanceNormalization", since=1)

@@ -33,12 +33,15 @@ call ``dequantize`` to fold a constant DequantizeLinear into its consumer's pack
 from __future__ import annotations
 
 import logging
+import math
+import os
+import threading
 
 import numpy as np
 from onnx import helper
 
 from onnxpack.errors import InvalidArgument
-from onnxpack.session.kernels._base import Kernel, register
+from onnxpack.session.kernels._base import Kernel, register, register_fused
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +54,7 @@ __all__ = [
     "QuantizeLinear",
     "DequantizeLinear",
     "DynamicQuantizeLinear",
+    "FakeQuant",
 ]
 
 # Integer quantized types: name -> (lowest, highest).  ml_dtypes' int4/uint4/int2/uint2 have
@@ -328,3 +332,83 @@ class DynamicQuantizeLinear(Kernel):
             raise InvalidArgument(f"node {self.node.name!r} (DynamicQuantizeLinear): x must be float32, got {x.dtype}")
         scale, zp = dynamic_qparams(x)
         return (quantize_u8(x, scale, zp), np.array(scale, dtype=np.float32), np.array(zp, dtype=np.uint8))
+
+
+# The numba twin of FakeQuant (``_qdq_jit``), imported on first use like MatMulNBits' kernels:
+# only with numba installed and ONNXPACK_DISABLE_JIT not 1.
+_ENV_DISABLE = "ONNXPACK_DISABLE_JIT"
+_jit_state: dict[str, object] = {}
+_jit_lock = threading.Lock()
+
+
+def _fq_jit():
+    """The numba fake-quant module, or None (no numba, or disabled)."""
+    if os.environ.get(_ENV_DISABLE, "") == "1":
+        return None
+    if "module" not in _jit_state:
+        with _jit_lock:
+            if "module" not in _jit_state:
+                try:
+                    from onnxpack.session.kernels import _qdq_jit
+                except ImportError as exc:  # numba missing, or one that does not fit this numpy
+                    logger.info("fake-quant: numba kernel unavailable (%s); using numpy", exc)
+                    _jit_state["module"] = None
+                else:
+                    _jit_state["module"] = _qdq_jit
+    return _jit_state["module"]
+
+
+@register_fused("fake_quant")
+class FakeQuant(Kernel):
+    """A QuantizeLinear -> DequantizeLinear pair of one scale and zero point (``_fusion.py``),
+    as one float computation: ``y = clamp(rint(x / s), low - zp, high - zp) * s``.
+
+    Bit for bit the pair's result: ``rint(x / s)`` is the Q's rounding in float32; clamping it to
+    the integer range shifted by the zero point equals clamping ``rint(x / s) + zp`` and
+    subtracting ``zp`` again (integers of at most 16 bits are exact in float32), and NaN clamps
+    to the lowest value as the Q's ``fmax`` makes it; the product is the DQ's single rounding.  A
+    final ``+ 0.0`` turns ``-0.0`` into ``+0.0``, as the DQ's integer-to-float conversion does.
+    Five passes over one fresh array instead of eight over three, and no integer tensor; with
+    numba (the ``jit`` extra) one pass (``_qdq_jit.fake_quant``, the same arithmetic).
+    """
+
+    op_type = "QuantizeLinear"
+
+    def __init__(self, node, ctx, *, axis: int, low: int, high: int) -> None:
+        super().__init__(node, ctx)
+        self.axis, self.low, self.high = axis, float(low), float(high)
+        self.what = f"node {node.name!r} (QuantizeLinear+DequantizeLinear)"
+
+    def run(self, x, scale, zero_point):  # type: ignore[override]
+        if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
+            raise InvalidArgument(f"{self.what}: x must be a float tensor, got {x.dtype}")
+        s = _param(scale, x.shape, self.axis, 0, self.what)
+        zp = _param(zero_point, x.shape, self.axis, 0, self.what).astype(np.float32)
+        xs = x if x.dtype == _F32 else x.astype(np.float32)
+        jit = _fq_jit() if x.size else None
+        if jit is not None:
+            return (self._run_jit(jit, xs, s, zp),)
+        t = np.divide(xs, s)
+        if t.shape != x.shape:  # a per-axis scale broadcast wider than x (cannot happen: _param checks)
+            raise InvalidArgument(f"{self.what}: scale {list(np.shape(scale))} does not fit x {list(x.shape)}")
+        np.rint(t, out=t)
+        np.fmax(t, self.low - zp, out=t)
+        np.fmin(t, self.high - zp, out=t)
+        t *= s
+        t += np.float32(0.0)
+        return (t,)
+
+    def _run_jit(self, jit, xs: np.ndarray, s: np.ndarray, zp: np.ndarray) -> np.ndarray:
+        """The numba kernel over ``xs`` seen as (outer, C, inner), C the scale's length."""
+        xs = np.ascontiguousarray(xs)
+        if s.size == 1:
+            shape3 = (1, 1, xs.size)
+        else:
+            ax = self.axis + xs.ndim if self.axis < 0 else self.axis
+            shape3 = (math.prod(xs.shape[:ax]), xs.shape[ax], math.prod(xs.shape[ax + 1:]))
+        scale = np.ascontiguousarray(s, dtype=np.float32).reshape(-1)
+        shift = np.ascontiguousarray(zp, dtype=np.float32).reshape(-1)
+        out = np.empty_like(xs)
+        jit.fake_quant(xs.reshape(shape3), scale, np.float32(self.low) - shift, np.float32(self.high) - shift,
+                       out.reshape(shape3))
+        return out

@@ -1,4 +1,4 @@
-"""LSTM and GRU: one GEMM for every timestep's input projection, one small GEMM per step.
+"""RNN, LSTM and GRU: one GEMM for every timestep's input projection, one small GEMM per step.
 
 The step loop is inherently sequential, so the work per step is kept to one ``h @ R^T`` GEMM
 (two for GRU without ``linear_before_reset``, whose candidate gate needs ``r * h`` first) and a
@@ -11,13 +11,23 @@ Pre-packing (per input, every direction at once):
   right operand of the up-front GEMM.
 * ``R`` (num_dir, G*H, H) -> ``R^T`` per direction, (num_dir, H, G*H) float32, so the per-step
   GEMM reads a contiguous matrix.
-* ``B`` (num_dir, 2*G*H) -> the summed bias.  LSTM: (num_dir, 4H) = Wb + Rb.  GRU:
-  (num_dir, 4H) = [Wb_z+Rb_z, Wb_r+Rb_r, Wb_h, Rb_h]: the candidate gate's two biases must stay
-  apart because with ``linear_before_reset`` Rb_h is multiplied by the reset gate.
+* ``B`` (num_dir, 2*G*H) -> the summed bias.  RNN: (num_dir, H) = Wb + Rb.  LSTM:
+  (num_dir, 4H) = Wb + Rb.  GRU: (num_dir, 4H) = [Wb_z+Rb_z, Wb_r+Rb_r, Wb_h, Rb_h]: the
+  candidate gate's two biases must stay apart because with ``linear_before_reset`` Rb_h is
+  multiplied by the reset gate.
 
-Activations: the spec's defaults and the parameterless/parameterized functions of the spec's
-list are supported; ``input_forget=1`` raises ``NotImplementedError`` from the constructor so the
-session falls back to onnx.reference for that node.
+Activations: every function of the spec's list (Relu, Tanh, Sigmoid, Affine, LeakyRelu,
+ThresholdedRelu, ScaledTanh, HardSigmoid, Elu, Softsign, Softplus), names matched without regard
+to case as onnxruntime's LSTM/GRU do; an unknown name is the node's ``InvalidArgument``.  Their
+``activation_alpha``/``activation_beta`` values are consumed in order by the functions that take
+them.  Defaults when the lists run out: the spec says "the same as of corresponding ONNX
+operators" — LeakyRelu 0.01, ThresholdedRelu 1.0, HardSigmoid 0.2/0.5, Elu 1.0, and Affine 1.0/0.0
+(the experimental Affine op's); ScaledTanh had no defaults in ONNX, so onnxruntime's apply: 0 and
+0 (its output is then 0, as onnxruntime's is).  Where ONNX defines a default and onnxruntime does
+not follow it (it uses 0 for ThresholdedRelu's and Affine's alpha), we keep the spec's.
+
+``input_forget=1`` raises ``NotImplementedError`` from the constructor so the session falls back
+to onnx.reference for that node.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, registe
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LSTM", "GRU"]
+__all__ = ["RNN", "LSTM", "GRU", "ACTIVATIONS"]
 
 _PACK_VERSION = 1
 
@@ -45,8 +55,24 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _activation(name: str, alpha: float | None, beta: float | None) -> Callable[[np.ndarray], np.ndarray]:
-    lname = name.lower()
+# Lower-cased name -> (takes alpha, takes beta): which functions consume activation_alpha/beta.
+_ACT_PARAMS = {
+    "relu": (False, False), "tanh": (False, False), "sigmoid": (False, False), "affine": (True, True),
+    "leakyrelu": (True, False), "thresholdedrelu": (True, False), "scaledtanh": (True, True),
+    "hardsigmoid": (True, True), "elu": (True, False), "softsign": (False, False), "softplus": (False, False),
+}
+ACTIVATIONS = ("Relu", "Tanh", "Sigmoid", "Affine", "LeakyRelu", "ThresholdedRelu", "ScaledTanh", "HardSigmoid",
+               "Elu", "Softsign", "Softplus")
+# (alpha, beta) when the lists run out (see the module docstring for where each comes from).
+_ACT_DEFAULTS = {
+    "leakyrelu": (0.01, 0.0), "thresholdedrelu": (1.0, 0.0), "hardsigmoid": (0.2, 0.5), "elu": (1.0, 0.0),
+    "affine": (1.0, 0.0), "scaledtanh": (0.0, 0.0),
+}
+
+
+def _activation(lname: str, alpha: float, beta: float) -> Callable[[np.ndarray], np.ndarray]:
+    """The function named ``lname`` (lower case, one of :data:`_ACT_PARAMS`) with its parameters."""
+    a, b = np.float32(alpha), np.float32(beta)
     if lname == "sigmoid":
         return _sigmoid
     if lname == "tanh":
@@ -54,28 +80,22 @@ def _activation(name: str, alpha: float | None, beta: float | None) -> Callable[
     if lname == "relu":
         return lambda x: np.maximum(x, 0)
     if lname == "leakyrelu":
-        a = 0.01 if alpha is None else alpha
         return lambda x: np.where(x >= 0, x, a * x)
     if lname == "thresholdedrelu":
-        a = 1.0 if alpha is None else alpha
         return lambda x: np.where(x > a, x, 0).astype(x.dtype)
     if lname == "scaledtanh":
-        a, b = (1.0 if alpha is None else alpha), (1.0 if beta is None else beta)
         return lambda x: a * np.tanh(b * x)
     if lname == "hardsigmoid":
-        a, b = (0.2 if alpha is None else alpha), (0.5 if beta is None else beta)
         return lambda x: np.clip(a * x + b, 0, 1)
     if lname == "elu":
-        a = 1.0 if alpha is None else alpha
         return lambda x: np.where(x >= 0, x, a * (np.exp(np.minimum(x, 0)) - 1))
     if lname == "softsign":
         return lambda x: x / (1 + np.abs(x))
     if lname == "softplus":
         return lambda x: np.logaddexp(x, 0)
     if lname == "affine":
-        a, b = (1.0 if alpha is None else alpha), (0.0 if beta is None else beta)
         return lambda x: a * x + b
-    raise NotImplementedError(f"RNN activation {name!r} is not implemented natively")
+    raise AssertionError(f"Bug: activation {lname!r} not handled")
 
 
 def _as_f(x: np.ndarray, dtype=np.float32) -> np.ndarray:
@@ -103,26 +123,31 @@ class _RNNBase(Kernel):
         per_dir = len(self.default_acts)
         if not names:
             names = list(self.default_acts) * self.num_dir
+        if len(names) == 2 * per_dir and self.num_dir == 1 and self.op_type == "RNN":
+            names = names[:per_dir]  # onnxruntime's RNN defaults to two and drops the second
         if len(names) != per_dir * self.num_dir:
             raise InvalidArgument(
-                f"node {node.name!r} ({node.op_type}): expected {per_dir * self.num_dir} activations, "
-                f"got {len(names)}"
+                f"node {node.name!r} ({node.op_type}): expected {per_dir * self.num_dir} activations "
+                f"for direction {self.direction}, got {len(names)} ({names})"
             )
-        alphas = list(self.attr("activation_alpha") or [])
-        betas = list(self.attr("activation_beta") or [])
-        # Spec: alpha/beta lists are consumed in order by the activations that take them.
-        takes = {"leakyrelu", "thresholdedrelu", "scaledtanh", "hardsigmoid", "elu", "affine"}
-        takes_beta = {"scaledtanh", "hardsigmoid", "affine"}
+        alphas = [float(v) for v in (self.attr("activation_alpha") or [])]
+        betas = [float(v) for v in (self.attr("activation_beta") or [])]
         acts = []
         ai = bi = 0
         for name in names:
-            ln = name.lower()
-            a = b = None
-            if ln in takes and ai < len(alphas):
-                a, ai = float(alphas[ai]), ai + 1
-            if ln in takes_beta and bi < len(betas):
-                b, bi = float(betas[bi]), bi + 1
-            acts.append(_activation(name, a, b))
+            lname = str(name).lower()
+            if lname not in _ACT_PARAMS:
+                raise InvalidArgument(
+                    f"node {node.name!r} ({node.op_type}): unknown activation {name!r}; expected one of "
+                    f"{', '.join(ACTIVATIONS)}"
+                )
+            takes_alpha, takes_beta = _ACT_PARAMS[lname]
+            a, b = _ACT_DEFAULTS.get(lname, (0.0, 0.0))
+            if takes_alpha and ai < len(alphas):
+                a, ai = alphas[ai], ai + 1
+            if takes_beta and bi < len(betas):
+                b, bi = betas[bi], bi + 1
+            acts.append(_activation(lname, a, b))
         self.acts = [acts[d * per_dir : (d + 1) * per_dir] for d in range(self.num_dir)]
         self._wt = self._rt = self._b = None
 
@@ -144,7 +169,7 @@ class _RNNBase(Kernel):
             return [(np.dtype(np.float32), (nd, k, gh))]
         nd, twogh = info.shape
         h = twogh // (2 * self.n_gates)
-        return [(np.dtype(np.float32), (nd, 4 * h))]
+        return [(np.dtype(np.float32), (nd, self._bias_cols(h)))]
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
         if input_index in (1, 2):
@@ -162,6 +187,10 @@ class _RNNBase(Kernel):
 
     def _fuse_bias(self, b: np.ndarray) -> np.ndarray:
         raise NotImplementedError
+
+    def _bias_cols(self, hidden: int) -> int:
+        """Columns of the fused bias (see the module docstring)."""
+        return 4 * hidden
 
     # -- shared plumbing ------------------------------------------------------------------------------
     def _prepare(self, x, w, r, b, seq_lens, init_states):
@@ -188,7 +217,7 @@ class _RNNBase(Kernel):
         elif b is not None:
             bias = self._fuse_bias(_as_f(b))
         else:
-            bias = np.zeros((self.num_dir, 4 * hidden), np.float32)
+            bias = np.zeros((self.num_dir, self._bias_cols(hidden)), np.float32)
         states = []
         for s in init_states:
             if s is None:
@@ -231,6 +260,47 @@ class _RNNBase(Kernel):
         if self.clip is not None:
             np.clip(g, -self.clip, self.clip, out=g)
         return g
+
+
+@register("RNN", since=7)
+class RNN(_RNNBase):
+    """Simple RNN: ``H_t = f(X_t W^T + H_{t-1} R^T + Wb + Rb)``, clip, sequence_lens, layout, directions.
+
+    Opset 1 (``output_sequence``) is left to onnx.reference.  Two activations for one direction
+    are accepted and the second ignored, as onnxruntime does (its default list is two long).
+    """
+
+    op_type = "RNN"
+    n_gates = 1
+    default_acts = ("Tanh",)
+
+    def _fuse_bias(self, b: np.ndarray) -> np.ndarray:
+        h = b.shape[1] // 2
+        return np.ascontiguousarray(b[:, :h] + b[:, h:], dtype=np.float32)
+
+    def _bias_cols(self, hidden: int) -> int:
+        return hidden
+
+    def run(self, x, w=None, r=None, b=None, seq_lens=None, h0=None):
+        out_dtype, xs, wt, rt, bias, (hs,), lens, seq, batch, H = self._prepare(x, w, r, b, seq_lens, (h0,))
+        y = np.zeros((seq, self.num_dir, batch, H), np.float32)
+        finals = []
+        for d in range(self.num_dir):
+            (f,) = self.acts[d]
+            xw = (xs.reshape(seq * batch, -1) @ wt[d]).reshape(seq, batch, H)
+            xw += bias[d]
+            h = hs[d].copy()
+            for t in self._steps(d, seq):
+                h_new = f(self._clip(xw[t] + h @ rt[d]))
+                if lens is not None:
+                    valid = (t < lens)[:, None]
+                    h_new = np.where(valid, h_new, h)
+                    y[t, d] = np.where(valid, h_new, 0)
+                else:
+                    y[t, d] = h_new
+                h = h_new
+            finals.append(self._zero_empty(h, lens))
+        return self._finish(y, [np.stack(finals)], out_dtype)
 
 
 @register("LSTM", since=7)
