@@ -23,6 +23,7 @@ import logging
 import mmap
 import os
 import stat
+import threading
 
 from onnx import TensorProto
 
@@ -158,7 +159,7 @@ class _MappedFile:
     """One opened, read-only mapped data file; its descriptor stays open so that :meth:`check`
     can tell, with one ``fstat``, whether the mapped inode was truncated or rewritten."""
 
-    __slots__ = ("path", "size", "file_id", "buffer", "_mmap", "fd")
+    __slots__ = ("path", "size", "file_id", "buffer", "_mmap", "fd", "_fd_lock")
 
     def __init__(self, path: str, size: int, file_id: tuple[int, ...], mm, fd: int) -> None:
         self.path = path
@@ -166,16 +167,20 @@ class _MappedFile:
         self.file_id = file_id
         self._mmap = mm
         self.fd = fd
+        # check() and close() hold it: a descriptor closed between reading it and fstat could be
+        # another file's by then (sessions sharing blobs check each other's files).
+        self._fd_lock = threading.Lock()
         # mmap of an empty file is impossible; an empty bytes object serves zero-length views.
         self.buffer = mm if mm is not None else b""
 
     def check(self) -> None:
-        if self.fd < 0:  # closed with its model: the number may belong to another file now
-            return
-        try:
-            now = stat_identity(os.fstat(self.fd))
-        except (OSError, ValueError):  # closed: the model was closed, nothing runs from it
-            return
+        with self._fd_lock:
+            if self.fd < 0:  # closed with its model: nothing runs from it any more
+                return
+            try:
+                now = stat_identity(os.fstat(self.fd))
+            except (OSError, ValueError):
+                return
         if now != self.file_id:
             raise ExternalDataError(
                 f"external data file {self.path!r} changed under the live session (was {self.size} "
@@ -184,12 +189,13 @@ class _MappedFile:
             )
 
     def close(self) -> None:
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        with self._fd_lock:
+            fd, self.fd = self.fd, -1
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
 
 class DataFiles:
