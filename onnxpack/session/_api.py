@@ -159,7 +159,9 @@ def _check_input(name: str, type_proto: onnx.TypeProto, value: Any) -> Any:
                 f"(shape {shape_of(type_proto)}), got {arr.ndim} (shape {list(arr.shape)})"
             )
         for k, d in enumerate(dims):
-            if d.HasField("dim_value") and d.dim_value != arr.shape[k]:
+            # A negative dim_value (Paddle exports write -1) is a dynamic dimension, as
+            # onnxruntime reads it.
+            if d.HasField("dim_value") and d.dim_value >= 0 and d.dim_value != arr.shape[k]:
                 raise InvalidArgument(
                     f"run: input {name!r} has the wrong shape: dimension {k} expected {d.dim_value}, "
                     f"got {arr.shape[k]} (expected {shape_of(type_proto)}, got {list(arr.shape)})"
