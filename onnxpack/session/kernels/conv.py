@@ -36,6 +36,8 @@ import numpy as np
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register, register_fused
+from onnxpack.session.kernels import _act
+from onnxpack.session.kernels._act import Activation
 from onnxpack.session.kernels.linalg import as_compute, compute_dtype
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,8 @@ __all__ = [
 
 # Version of the packed layouts written by this module (bump when a layout changes).
 _PACK_VERSION = 1
+_EMPTY1 = np.zeros(0, np.float32)
+_EMPTY3 = np.zeros((0, 0, 0), np.float32)
 
 
 # -- geometry ---------------------------------------------------------------------------------
@@ -260,15 +264,23 @@ class Conv(Kernel):
     def run_into(self, outs, x, w=None, b=None) -> bool:
         """``run`` writing into ``outs[0]`` (the memory planner's arena): only the one-GEMM case
         (batch 1, one group, output already in the compute dtype), so the bits are ``run``'s."""
+        return self._run_into(outs, x, w, b, None)
+
+    def _run_into(self, outs, x, w, b, res) -> bool:
         y = outs[0]
         if self.group != 1 or x.ndim < 3 or x.shape[0] != 1 or y.size == 0:
             return False
         if y.dtype != x.dtype or compute_dtype(x.dtype) != x.dtype:
             return False
-        return self._conv(x, w, b, y) is y
+        return self._conv(x, w, b, y, res) is y
 
-    def _conv(self, x, w, b, out: np.ndarray | None) -> np.ndarray:
-        """The convolution; with ``out`` (batch 1, one group) the GEMM writes there.
+    # The epilogue after the GEMM: per-channel bias, activations, residual, activations.  Conv
+    # has none but its bias; FusedConv sets these from its fusion record.
+    _pre: tuple[Activation, ...] = ()
+    _post: tuple[Activation, ...] = ()
+
+    def _conv(self, x, w, b, out: np.ndarray | None, res: np.ndarray | None = None) -> np.ndarray:
+        """The convolution and its epilogue; with ``out`` (batch 1, one group) the GEMM writes there.
 
         Returns the result: ``out`` itself when it was used, else a fresh array.
         """
@@ -303,6 +315,19 @@ class Conv(Kernel):
         length = math.prod(out_shape)
         if out is not None and (out.shape != (n, m) + tuple(out_shape) or not out.flags.c_contiguous):
             out = None
+        bias = None if b is None else as_compute(b).astype(xc.dtype, copy=False)
+        if bias is not None and bias.shape != (m,):
+            raise InvalidArgument(f"node {self.node.name!r} (Conv): bias must have shape [{m}], got {list(bias.shape)}")
+        pre, post = self._pre, self._post
+        jit = _act.jit() if xc.dtype == np.float32 else None
+        if cg == 1 and mg == 1 and g > 1 and nd == 2 and jit is not None and length > 0:
+            # Depthwise: the JIT folds the padding, bias and activations into one pass.
+            y = np.empty((n, m) + tuple(out_shape), np.float32)
+            codes, params = _act.encode(pre)
+            jit.depthwise2d(np.ascontiguousarray(xc), np.ascontiguousarray(wm.reshape((m,) + tuple(ks))),
+                            bias if bias is not None else np.zeros(m, np.float32), y, strides[0], strides[1],
+                            dils[0], dils[1], begin[0], begin[1], codes, params)
+            return self._finish(y, None, (), res, post, out_dtype)
         if kprod == 1 and not any(begin) and not any(end):
             # 1x1: the (strided) input is the column matrix.
             xs = xc[(Ellipsis,) + tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(out_shape, strides))]
@@ -322,8 +347,30 @@ class Conv(Kernel):
             if cols is not None:
                 y = self._gemm(wm, cols, n, g)
             y = y.reshape((n, m) + tuple(out_shape))
-        if b is not None:
-            y += as_compute(b).astype(y.dtype, copy=False).reshape((1, m) + (1,) * nd)
+        return self._finish(y, bias, pre, res, post, out_dtype)
+
+    @staticmethod
+    def _finish(y, bias, pre, res, post, out_dtype) -> np.ndarray:
+        """The epilogue in place on the fresh ``y`` (n, m, *spatial): ``post(pre(y + bias) + res)``,
+        one JIT pass when possible, then the cast to the output dtype."""
+        n, m = y.shape[:2]
+        if res is not None and res.shape != y.shape:  # a broadcasting residual: numpy's rules
+            y = Conv._finish(y, bias, pre, None, (), y.dtype)
+            y = y + as_compute(res).astype(y.dtype, copy=False)
+            return Conv._finish(y, None, post, None, (), out_dtype)
+        jit = _act.jit() if y.dtype == np.float32 and y.flags.c_contiguous else None
+        if jit is not None and (bias is not None or pre or res is not None) and y.size:
+            codes, params = _act.encode(pre)
+            pcodes, pparams = _act.encode(post)
+            r = _EMPTY3 if res is None else np.ascontiguousarray(res, dtype=np.float32).reshape(n, m, -1)
+            jit.bias_act(y.reshape(n, m, -1), _EMPTY1 if bias is None else bias, codes, params, r, pcodes, pparams)
+        else:
+            if bias is not None:
+                y += bias.reshape((1, m) + (1,) * (y.ndim - 2))
+            _act.apply(y, pre)
+            if res is not None:
+                y += as_compute(res).astype(y.dtype, copy=False)
+                _act.apply(y, post)
         if y.dtype != out_dtype:
             y = y.astype(out_dtype)
         return y
@@ -606,23 +653,31 @@ class GlobalMaxPool(Kernel):
 
 @register_fused("conv")
 class FusedConv(Conv):
-    """A Conv with the BatchNormalization and/or Relu that followed it folded in.
+    """A Conv with the elementwise chain that followed it folded in (``session/_fusion.py``).
 
-    Registered for the fusion kind ``conv``: the resolver builds it for a fused chain (see
-    ``session/_fusion.py``); ``multiplier``/``shift`` come in float64 and are rounded once to the
-    compute dtype.
-    With a BatchNormalization, the packed weight is ``W * multiplier`` per output channel (pack
-    family ``conv_bn``; the key covers a digest of the multiplier and shift, so other statistics
-    are another key) and the shift replaces the Conv's bias; Relu is applied in place on the
-    Conv's fresh output.
+    * ``multiplier``/``shift`` (float64, per output channel): BatchNormalization and per-channel
+      Mul/Add/Sub/Div by constants, folded into the packed weight (``W * multiplier`` per output
+      channel, pack family ``conv_bn``; the key covers a digest of both, so other statistics are
+      another key) and a shift that replaces the Conv's bias; rounded once to the compute dtype.
+    * ``pre``: activations (and scalar affines) applied in place after the bias;
+      ``residual``: the node's input 3 is added next (a residual connection), then ``post``.
+      With the JIT the whole epilogue is one pass over the Conv's fresh output (depthwise convs:
+      inside the convolution itself).
+    * ``relu=True`` is ``pre=(Activation("relu"),)``.
     """
 
     def __init__(self, node, ctx, *, multiplier: np.ndarray | None = None,
-                 shift: np.ndarray | None = None, relu: bool = False) -> None:
+                 shift: np.ndarray | None = None, relu: bool = False,
+                 pre: tuple[Activation, ...] = (), residual: bool = False,
+                 post: tuple[Activation, ...] = ()) -> None:
         super().__init__(node, ctx)
         self.multiplier = multiplier
         self.shift = shift
-        self.relu = relu
+        pre = tuple(pre) + ((Activation("relu"),) if relu and not pre else ())
+        self._pre = pre
+        self._post = tuple(post)
+        self.relu = pre == (Activation("relu"),) and not residual and not post
+        self.residual = residual
         if multiplier is not None:
             h = hashlib.blake2b(digest_size=16)
             h.update(np.ascontiguousarray(multiplier, dtype=np.float64).tobytes())
@@ -642,15 +697,22 @@ class FusedConv(Conv):
         mult = self.multiplier.astype(packed.dtype).reshape(packed.shape[:2] + (1,) * (packed.ndim - 2))
         return (np.ascontiguousarray(packed * mult),)
 
-    def _conv(self, x, w, b, out):
+    def run(self, x, w=None, b=None, r=None):
+        return (self._fused(x, w, b, None, r),)
+
+    def run_into(self, outs, x, w=None, b=None, r=None) -> bool:
+        if self.group != 1 or x.ndim < 3 or x.shape[0] != 1 or outs[0].size == 0:
+            return False
+        if outs[0].dtype != x.dtype or compute_dtype(x.dtype) != x.dtype:
+            return False
+        return self._fused(x, w, b, outs[0], r) is outs[0]
+
+    def _fused(self, x, w, b, out, r):
+        if self.residual and r is None:
+            raise InvalidArgument(f"node {self.node.name!r} (Conv): the fused residual input is missing")
         if self.multiplier is not None:
             if self._w is None:  # not packed (e.g. a weight dtype BLAS cannot take): fold per call
                 w = as_compute(w)
                 w = w * self.multiplier.astype(w.dtype).reshape((-1,) + (1,) * (w.ndim - 1))
-            y = super()._conv(x, w, None, out)
-            y += self.shift.astype(y.dtype, copy=False).reshape((1, -1) + (1,) * (y.ndim - 2))
-        else:
-            y = super()._conv(x, w, b, out)
-        if self.relu:
-            np.maximum(y, 0, out=y)
-        return y
+            b = self.shift.astype(compute_dtype(x.dtype) or np.float32)
+        return self._conv(x, w, b, out, r if self.residual else None)

@@ -1,0 +1,135 @@
+"""Activations applied in place on a kernel's fresh output (fusion epilogues), numba or numpy.
+
+An :class:`Activation` is a small frozen record (kind and up to two float parameters) that a
+fusion record carries to the kernel it builds (``session/_fusion.py``).  :func:`apply` runs it
+in place on a float32/float64 array: through the numba kernels of :mod:`._conv_jit` when they are
+available (one pass, float32 only), else with numpy in-place ufuncs.  Both compute the same
+formulas; they differ by rounding only (SiLU/Sigmoid: the JIT's float32 exp is within 2 ulp of
+numpy's), which the tests bound.
+
+The JIT module is imported on the first call, never at import or session creation, and only when
+numba is importable and ``ONNXPACK_DISABLE_JIT`` is not ``1`` (the switch MatMulNBits uses too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Activation", "apply", "jit"]
+
+# Kind -> code understood by _conv_jit._act_row.
+CODES = {"none": 0, "relu": 1, "clip": 2, "hardswish": 3, "silu": 4, "sigmoid": 5, "leakyrelu": 6,
+         "hardsigmoid": 7, "affine": 8}
+
+_ENV_DISABLE = "ONNXPACK_DISABLE_JIT"
+_jit_module = None
+_jit_failed = False
+_lock = threading.Lock()
+
+
+def jit():
+    """The numba kernel module (imported on first use); ``None`` without numba or when disabled."""
+    global _jit_module, _jit_failed
+    if os.environ.get(_ENV_DISABLE, "") == "1":
+        return None
+    if _jit_module is not None or _jit_failed:
+        return _jit_module
+    with _lock:
+        if _jit_module is None and not _jit_failed:
+            try:
+                from onnxpack.session.kernels import _conv_jit
+            except ImportError as exc:
+                _jit_failed = True
+                logger.info("conv: numba kernels unavailable (%s); using numpy", exc)
+            else:
+                _jit_module = _conv_jit
+    return _jit_module
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """``kind`` with parameters: clip ``[a, b]``; hardswish/hardsigmoid ``a*x + b``; leakyrelu
+    slope ``a``; affine ``a*x + b``."""
+
+    kind: str
+    a: float = 0.0
+    b: float = 0.0
+
+    @property
+    def code(self) -> int:
+        return CODES[self.kind]
+
+    def params(self, dtype) -> tuple[int, np.floating, np.floating]:
+        t = np.dtype(dtype).type
+        return self.code, t(self.a), t(self.b)
+
+
+NONE = Activation("none")
+
+
+def apply_numpy(y: np.ndarray, act: Activation) -> np.ndarray:
+    """``act`` over ``y`` in place with numpy (``y`` a fresh, writable float array)."""
+    kind = act.kind
+    t = y.dtype.type
+    if kind == "none":
+        return y
+    if kind == "relu":
+        np.maximum(y, 0, out=y)
+    elif kind == "clip":
+        np.maximum(y, t(act.a), out=y)
+        np.minimum(y, t(act.b), out=y)
+    elif kind in ("hardswish", "hardsigmoid"):
+        s = y * t(act.a)
+        s += t(act.b)
+        np.clip(s, 0, 1, out=s)
+        if kind == "hardswish":
+            y *= s
+        else:
+            y[...] = s
+    elif kind in ("silu", "sigmoid"):
+        s = np.negative(y)
+        with np.errstate(over="ignore"):
+            np.exp(s, out=s)
+        s += 1
+        if kind == "silu":
+            y /= s
+        else:
+            np.reciprocal(s, out=y)
+    elif kind == "leakyrelu":
+        np.multiply(y, t(act.a), out=y, where=y < 0)
+    elif kind == "affine":
+        y *= t(act.a)
+        y += t(act.b)
+    else:
+        raise RuntimeError(f"Bug: unknown activation {kind!r}")
+    return y
+
+
+def encode(acts, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """``(codes int64 (k,), params (k, 2))`` of a sequence of activations, for the JIT kernels."""
+    codes = np.array([a.code for a in acts], dtype=np.int64)
+    params = np.array([[a.a, a.b] for a in acts], dtype=dtype).reshape(len(acts), 2)
+    return codes, params
+
+
+def apply(y: np.ndarray, acts) -> np.ndarray:
+    """The activations ``acts`` (in order) over ``y`` in place (numba for C-contiguous float32,
+    else numpy); returns ``y``."""
+    acts = [a for a in acts if a.kind != "none"]
+    if not acts:
+        return y
+    j = jit() if y.dtype == np.float32 and y.flags.c_contiguous and y.size >= 1 else None
+    if j is None:
+        for a in acts:
+            apply_numpy(y, a)
+        return y
+    codes, params = encode(acts)
+    j.act_inplace(y.reshape(-1), codes, params)
+    return y

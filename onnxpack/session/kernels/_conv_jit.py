@@ -1,0 +1,242 @@
+"""numba kernels for convolutions and activation epilogues (optional; numpy twins in conv.py).
+
+Imported lazily by :func:`onnxpack.session.kernels._act.jit` on a kernel's first ``run`` — never
+at ``import onnxpack`` nor at session creation — and only when numba is installed (the ``jit``
+extra) and ``ONNXPACK_DISABLE_JIT`` is not ``1``.  ``cache=True``: compiled code is kept in
+numba's cache, so a later process loads it instead of compiling.
+
+* :func:`depthwise2d` — a depthwise 2-D convolution (one input and one output channel per group)
+  with the padding folded in (bounds per kernel row and column, no padded copy), any stride and
+  dilation, and the bias and activation applied to each output row while it is in L1: one pass
+  over the output instead of kh*kw numpy passes plus one per epilogue op.
+* :func:`bias_act` — ``y = act(y + bias[channel] (+ residual))`` in place on a GEMM's fresh
+  output: the epilogue of every other convolution, one pass.
+* :func:`act_inplace` — an activation over a flat array in place (standalone HardSwish, SiLU, ...).
+
+Activations (``act`` codes, see ``_act.py``; a kernel takes a list of them, applied in order to
+each row while it is in L1): identity, Relu, Clip(a, b), HardSwish ``x * clip(a*x + b, 0, 1)``,
+SiLU ``x * sigmoid(x)``, Sigmoid, LeakyRelu(a), HardSigmoid(a, b), affine ``a*x + b``.
+Sigmoid uses :func:`_expf`, a float32 ``exp`` that vectorizes (range reduction to
+``[-ln2/2, ln2/2]``, degree-7 Taylor polynomial, exponent written into the float's bits):
+relative error <= 2 ulp on [-87, 88] (tests compare with numpy's exp), so sigmoid keeps relative
+accuracy in both tails.
+
+All kernels are serial on purpose: they run between OpenBLAS calls, and a numba thread team
+spinning beside OpenBLAS's threads on 2 cores made calls 100-1000x slower (see _nbits_jit.py).
+``fastmath={"contract"}`` only (fused multiply-add; no reassociation, NaN and Inf propagate).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+__all__ = ["depthwise2d", "bias_act", "act_inplace", "expf_array"]
+
+_FM = {"contract"}
+
+_F0 = np.float32(0.0)
+_F1 = np.float32(1.0)
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_LO = np.float32(-87.0)
+_EXP_HI = np.float32(88.0)
+_HALF = np.float32(0.5)
+_C2 = np.float32(1.0 / 2)
+_C3 = np.float32(1.0 / 6)
+_C4 = np.float32(1.0 / 24)
+_C5 = np.float32(1.0 / 120)
+_C6 = np.float32(1.0 / 720)
+_C7 = np.float32(1.0 / 5040)
+
+
+@intrinsic
+def _i32_as_f32(typingctx, i):
+    """The float32 whose bits are the low 32 bits of the integer ``i``."""
+    if not isinstance(i, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = args[0]
+        if i.bitwidth > 32:
+            v = builder.trunc(v, ir.IntType(32))
+        return builder.bitcast(v, ir.FloatType())
+
+    return types.float32(i), codegen
+
+
+@njit(inline="always", fastmath=_FM)
+def _expf(x):
+    x = min(max(x, _EXP_LO), _EXP_HI)
+    n = np.floor(x * _LOG2E + _HALF)
+    r = x - n * _LN2_HI
+    r = r - n * _LN2_LO
+    p = _C7
+    p = p * r + _C6
+    p = p * r + _C5
+    p = p * r + _C4
+    p = p * r + _C3
+    p = p * r + _C2
+    p = p * r + _F1
+    p = p * r + _F1
+    return p * _i32_as_f32((np.int32(n) + 127) << 23)
+
+
+@njit(inline="always", fastmath=_FM)
+def _act_row(row, act, a, b):
+    """Activation ``act`` over a 1-D float32 array in place (a branch per row, not per element)."""
+    n = row.shape[0]
+    if act == 1:
+        for i in range(n):
+            row[i] = max(row[i], _F0)
+    elif act == 2:
+        for i in range(n):
+            row[i] = min(max(row[i], a), b)
+    elif act == 3:
+        for i in range(n):
+            v = row[i]
+            row[i] = v * min(max(v * a + b, _F0), _F1)
+    elif act == 4:
+        for i in range(n):
+            v = row[i]
+            row[i] = v / (_F1 + _expf(-v))
+    elif act == 5:
+        for i in range(n):
+            row[i] = _F1 / (_F1 + _expf(-row[i]))
+    elif act == 6:
+        for i in range(n):
+            v = row[i]
+            row[i] = v if v >= _F0 else v * a
+    elif act == 7:
+        for i in range(n):
+            row[i] = min(max(row[i] * a + b, _F0), _F1)
+    elif act == 8:
+        for i in range(n):
+            row[i] = row[i] * a + b
+
+
+@njit(inline="always", fastmath=_FM)
+def _acts(row, codes, params):
+    for j in range(codes.shape[0]):
+        _act_row(row, codes[j], params[j, 0], params[j, 1])
+
+
+@njit(cache=True, fastmath=_FM, nogil=True)
+def depthwise2d(x, w, bias, y, sh, sw, dh, dw, ph, pw, codes, params):
+    """``y[n, c] = act(bias[c] + sum_{kh,kw} w[c, kh, kw] * xpad[n, c, oh*sh + kh*dh, ow*sw + kw*dw])``.
+
+    ``x`` (N, C, H, W), ``w`` (C, KH, KW), ``bias`` (C,), ``y`` (N, C, OH, OW), all float32
+    C-contiguous; ``xpad`` is ``x`` with ``ph`` rows and ``pw`` columns of zeros in front (and
+    zeros after, as far as the windows reach).
+
+    Each channel's plane is scattered once into a zeroed scratch holding its ``sh * sw`` stride
+    phases (phase ``(r, s)`` = padded rows ``r::sh``, columns ``s::sw``), each flattened with
+    width ``wq = OW + (KW-1)*dw // sw``.  A tap then reads one phase at a fixed shift, so it is
+    one long multiply-add over ``(OH-1)*wq + OW`` contiguous elements (rows keep the scratch
+    width; the extra columns are dropped at the end): the loops vectorize over thousands of
+    elements instead of one output row, and no padded copy of the tensor is made.
+    """
+    n_, c_, h_, w_ = x.shape
+    oh_, ow_ = y.shape[2], y.shape[3]
+    kh_, kw_ = w.shape[1], w.shape[2]
+    hq = oh_ + ((kh_ - 1) * dh) // sh
+    wq = ow_ + ((kw_ - 1) * dw) // sw
+    plane = hq * wq
+    xp = np.zeros(sh * sw * plane, dtype=np.float32)
+    length = (oh_ - 1) * wq + ow_
+    acc = np.empty(length, dtype=np.float32)
+    for nc in range(n_ * c_):
+        n = nc // c_
+        c = nc - n * c_
+        for ih in range(h_):
+            r = ih + ph
+            if r < 0:
+                continue
+            qr = r // sh
+            if qr >= hq:
+                break
+            pr = r - qr * sh
+            for pc in range(sw):
+                # input columns iw with (iw + pw) % sw == pc, from iw0 on, land at qc0, qc0+1, ...
+                iw0 = (pc - pw) % sw
+                if iw0 >= w_:
+                    continue
+                qc0 = (iw0 + pw) // sw
+                cnt = min((w_ - 1 - iw0) // sw + 1, wq - qc0)
+                if cnt <= 0:
+                    continue
+                base = ((pr * sw + pc) * hq + qr) * wq + qc0
+                dst = xp[base:base + cnt]
+                src = x[n, c, ih, iw0:iw0 + (cnt - 1) * sw + 1:sw]
+                for i in range(cnt):
+                    dst[i] = src[i]
+        first = True
+        for kh in range(kh_):
+            rr = kh * dh
+            pr = rr % sh
+            for kw in range(kw_):
+                cc = kw * dw
+                pc = cc % sw
+                start = ((pr * sw + pc) * hq + rr // sh) * wq + cc // sw
+                wv = w[c, kh, kw]
+                xs = xp[start:start + length]
+                if first:
+                    for i in range(length):
+                        acc[i] = wv * xs[i]
+                    first = False
+                else:
+                    for i in range(length):
+                        acc[i] += wv * xs[i]
+        bc = bias[c]
+        for oh in range(oh_):
+            row = y[n, c, oh]
+            src2 = acc[oh * wq:oh * wq + ow_]
+            for i in range(ow_):
+                row[i] = src2[i] + bc
+            _acts(row, codes, params)
+
+
+@njit(cache=True, fastmath=_FM, nogil=True)
+def bias_act(y, bias, codes, params, res, post_codes, post_params):
+    """``y[n, m, :] = post(pre(y[n, m, :] + bias[m]) + res[n, m, :])`` in place, row by row.
+
+    ``y`` (N, M, L) float32; ``bias`` (M,) or empty (no bias); ``codes``/``params`` the
+    activations before the residual, ``res`` like ``y`` or empty (no residual), ``post_*`` the
+    activations after it.
+    """
+    n_, m_, l_ = y.shape
+    has_bias = bias.shape[0] > 0
+    has_res = res.shape[0] > 0
+    for nm in range(n_ * m_):
+        n = nm // m_
+        m = nm - n * m_
+        row = y[n, m]
+        if has_bias:
+            bv = bias[m]
+            for i in range(l_):
+                row[i] += bv
+        _acts(row, codes, params)
+        if has_res:
+            rr = res[n, m]
+            for i in range(l_):
+                row[i] += rr[i]
+            _acts(row, post_codes, post_params)
+
+
+@njit(cache=True, fastmath=_FM, nogil=True)
+def act_inplace(flat, codes, params):
+    """Activations over a flat float32 array in place, in L1-sized pieces."""
+    n = flat.shape[0]
+    step = 4096
+    for s in range(0, n, step):
+        _acts(flat[s:min(s + step, n)], codes, params)
+
+
+@njit(cache=True, fastmath=_FM, nogil=True)
+def expf_array(x, out):
+    """:func:`_expf` over a flat float32 array (for tests of its accuracy)."""
+    for i in range(x.shape[0]):
+        out[i] = _expf(x[i])
