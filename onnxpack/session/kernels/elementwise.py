@@ -158,11 +158,16 @@ class _Unary(Kernel):
     _fn: Callable[[np.ndarray], np.ndarray]
     _quiet = False
 
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self._f = type(self)._fn  # bound once: run is on every model's hot path
+
     def run(self, x):  # type: ignore[override]
         if self._quiet:
             with np.errstate(all="ignore"):
-                return (np.asarray(type(self)._fn(x)),)
-        return (np.asarray(type(self)._fn(x)),)
+                return (np.asarray(self._f(x)),)
+        r = self._f(x)
+        return (r,) if r.__class__ is np.ndarray else (np.asarray(r),)
 
     def run_into(self, outs, x) -> bool:
         """``run`` writing into ``outs[0]`` (the memory planner's arena) with numpy ``out=``.
@@ -187,11 +192,16 @@ class _Binary(Kernel):
     _fn: Callable[[np.ndarray, np.ndarray], np.ndarray]
     _quiet = False
 
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self._f = type(self)._fn
+
     def run(self, a, b):  # type: ignore[override]
         if self._quiet:
             with np.errstate(all="ignore"):
-                return (np.asarray(type(self)._fn(a, b)),)
-        return (np.asarray(type(self)._fn(a, b)),)
+                return (np.asarray(self._f(a, b)),)
+        r = self._f(a, b)
+        return (r,) if r.__class__ is np.ndarray else (np.asarray(r),)
 
     def run_into(self, outs, a, b) -> bool:
         """``run`` writing into ``outs[0]`` with numpy ``out=`` (ufuncs only; Div on floats)."""
