@@ -146,7 +146,7 @@ def bench_one(name: str, factory, runs: int, threads: int) -> dict:
             "all_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()}}
 
 
-def profile(name: str, factory, runs: int = 5, top: int = 15) -> dict:
+def profile(name: str, factory, runs: int = 21, top: int = 15) -> dict:
     path, feeds = factory()
     sess = onnxpack.InferenceSession(path)
     feeds = _feeds_for(sess, feeds)

@@ -22,7 +22,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Activation", "apply", "jit"]
+__all__ = ["Activation", "apply", "jit", "parallel"]
 
 # Kind -> code understood by _conv_jit._act_row.
 CODES = {"none": 0, "relu": 1, "clip": 2, "hardswish": 3, "silu": 4, "sigmoid": 5, "leakyrelu": 6,
@@ -51,6 +51,94 @@ def jit():
             else:
                 _jit_module = _conv_jit
     return _jit_module
+
+
+_pool = None
+_blas_get_threads = None
+
+
+def blas_threads() -> int:
+    """How many threads numpy's BLAS may use now (OpenBLAS's own setting, which
+    ``threadpoolctl.threadpool_limits`` and ``OPENBLAS_NUM_THREADS`` change); the CPU count when
+    it cannot be read.  The JIT kernels split work over as many threads, so a user's limit holds
+    for them too."""
+    global _blas_get_threads
+    if _blas_get_threads is None:
+        _blas_get_threads = _find_blas_get_threads()
+    try:
+        return max(1, int(_blas_get_threads()))
+    except Exception:  # pragma: no cover - exotic BLAS builds
+        return os.cpu_count() or 1
+
+
+def _find_blas_get_threads():
+    import ctypes
+    import glob
+
+    libs = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
+    for path in sorted(glob.glob(os.path.join(libs, "*openblas*.so*"))):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for sym in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads"):
+            fn = getattr(lib, sym, None)
+            if fn is not None:
+                fn.restype = ctypes.c_int
+                return fn
+    return lambda: os.cpu_count() or 1
+
+
+def parallel(fn, count: int, threads: int) -> None:
+    """``fn(start, stop)`` over ``[0, count)`` on up to ``threads`` threads (the caller's and pool
+    threads; the JIT kernels release the GIL).
+
+    Work is cut into ``4 * threads`` chunks taken from a shared counter, and the caller works
+    too: when another process holds the other core and a pool thread is not scheduled, the
+    caller simply takes every chunk instead of waiting for a fixed share (a static split, as
+    OpenBLAS does, waits a whole scheduler slice there).  The caller waits only for chunks a pool
+    thread has started, on a condition variable (no spinning).
+    """
+    global _pool
+    threads = max(1, min(threads, count))
+    if threads == 1:
+        fn(0, count)
+        return
+    if _pool is None:
+        with _lock:
+            if _pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="onnxpack-jit")
+    chunks = min(count, 4 * threads)
+    bounds = [count * k // chunks for k in range(chunks + 1)]
+    state = {"next": 0, "done": 0, "error": None}
+    cond = threading.Condition()
+
+    def work() -> None:
+        while True:
+            with cond:
+                k = state["next"]
+                if k >= chunks:
+                    return
+                state["next"] = k + 1
+            try:
+                fn(bounds[k], bounds[k + 1])
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                state["error"] = exc
+            with cond:
+                state["done"] += 1
+                if state["done"] == chunks:
+                    cond.notify_all()
+
+    for _ in range(threads - 1):
+        _pool.submit(work)
+    work()
+    with cond:
+        while state["done"] < chunks:
+            cond.wait()
+    if state["error"] is not None:
+        raise state["error"]
 
 
 @dataclasses.dataclass(frozen=True)

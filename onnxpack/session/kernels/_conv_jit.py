@@ -125,12 +125,13 @@ def _acts(row, codes, params):
 
 
 @njit(cache=True, fastmath=_FM, nogil=True)
-def depthwise2d(x, w, bias, y, sh, sw, dh, dw, ph, pw, codes, params):
+def depthwise2d(x, w, bias, y, sh, sw, dh, dw, ph, pw, codes, params, nc0, nc1):
     """``y[n, c] = act(bias[c] + sum_{kh,kw} w[c, kh, kw] * xpad[n, c, oh*sh + kh*dh, ow*sw + kw*dw])``.
 
     ``x`` (N, C, H, W), ``w`` (C, KH, KW), ``bias`` (C,), ``y`` (N, C, OH, OW), all float32
     C-contiguous; ``xpad`` is ``x`` with ``ph`` rows and ``pw`` columns of zeros in front (and
-    zeros after, as far as the windows reach).
+    zeros after, as far as the windows reach).  Only planes ``nc0 <= n*C + c < nc1`` are
+    computed (callers split the planes across threads; the GIL is released).
 
     Each channel's plane is scattered once into a zeroed scratch holding its ``sh * sw`` stride
     phases (phase ``(r, s)`` = padded rows ``r::sh``, columns ``s::sw``), each flattened with
@@ -148,7 +149,7 @@ def depthwise2d(x, w, bias, y, sh, sw, dh, dw, ph, pw, codes, params):
     xp = np.zeros(sh * sw * plane, dtype=np.float32)
     length = (oh_ - 1) * wq + ow_
     acc = np.empty(length, dtype=np.float32)
-    for nc in range(n_ * c_):
+    for nc in range(nc0, nc1):
         n = nc // c_
         c = nc - n * c_
         for ih in range(h_):

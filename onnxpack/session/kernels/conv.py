@@ -56,6 +56,9 @@ __all__ = [
 # Version of the packed layouts written by this module (bump when a layout changes).
 _PACK_VERSION = 1
 _EMPTY1 = np.zeros(0, np.float32)
+# Depthwise convs of at least this many multiply-adds split their planes over the BLAS's
+# thread count (below, a thread hand-off costs more than it saves).
+_PARALLEL_MACS = 1 << 18
 # Above this many kernel taps im2col is one strided-window copy, not a copy per tap.
 _WINDOW_TAPS = 32
 _EMPTY3 = np.zeros((0, 0, 0), np.float32)
@@ -340,9 +343,11 @@ class Conv(Kernel):
             # Depthwise: the JIT folds the padding, bias and activations into one pass.
             y = np.empty((n, m) + tuple(out_shape), np.float32)
             codes, params = _act.encode(pre)
-            jit.depthwise2d(np.ascontiguousarray(xc), np.ascontiguousarray(wm.reshape((m,) + tuple(ks))),
-                            bias if bias is not None else np.zeros(m, np.float32), y, strides[0], strides[1],
-                            dils[0], dils[1], begin[0], begin[1], codes, params)
+            args = (np.ascontiguousarray(xc), np.ascontiguousarray(wm.reshape((m,) + tuple(ks))),
+                    bias if bias is not None else np.zeros(m, np.float32), y, strides[0], strides[1],
+                    dils[0], dils[1], begin[0], begin[1], codes, params)
+            threads = _act.blas_threads() if y.size * kprod >= _PARALLEL_MACS else 1
+            _act.parallel(lambda a, b: jit.depthwise2d(*args, a, b), n * m, threads)
             return self._finish(y, None, (), res, post, out_dtype)
         if kprod == 1 and not any(begin) and not any(end):
             # 1x1: the (strided) input is the column matrix.
