@@ -163,7 +163,16 @@ NONE = Activation("none")
 
 
 def apply_numpy(y: np.ndarray, act: Activation) -> np.ndarray:
-    """``act`` over ``y`` in place with numpy (``y`` a fresh, writable float array)."""
+    """``act`` over ``y`` in place with numpy (``y`` a fresh, writable float array).
+
+    Floating-point warnings are silenced (``exp`` overflows where sigmoid is 0, ``-inf * 0`` is
+    NaN as in the op-by-op graph): onnxruntime never warns.
+    """
+    with np.errstate(all="ignore"):
+        return _apply_numpy(y, act)
+
+
+def _apply_numpy(y: np.ndarray, act: Activation) -> np.ndarray:
     kind = act.kind
     t = y.dtype.type
     if kind == "none":

@@ -18,8 +18,8 @@ each row while it is in L1): identity, Relu, Clip(a, b), HardSwish ``x * clip(a*
 SiLU ``x * sigmoid(x)``, Sigmoid, LeakyRelu(a), HardSigmoid(a, b), affine ``a*x + b``.
 Sigmoid uses :func:`_expf`, a float32 ``exp`` that vectorizes (range reduction to
 ``[-ln2/2, ln2/2]``, degree-7 Taylor polynomial, exponent written into the float's bits):
-relative error <= 2 ulp on [-87, 88] (tests compare with numpy's exp), so sigmoid keeps relative
-accuracy in both tails.
+within 1 ulp of the exact value on [-87, 88] (0.91 ulp measured on 2M points; tests check it),
+so sigmoid and SiLU keep relative accuracy in both tails (within 3 ulp of numpy's formula).
 
 All kernels are serial on purpose: they run between OpenBLAS calls, and a numba thread team
 spinning beside OpenBLAS's threads on 2 cores made calls 100-1000x slower (see _nbits_jit.py).
@@ -45,6 +45,7 @@ _LN2_LO = np.float32(-2.12194440e-4)
 _EXP_LO = np.float32(-87.0)
 _EXP_HI = np.float32(88.0)
 _HALF = np.float32(0.5)
+_INF = np.float32(np.inf)
 _C2 = np.float32(1.0 / 2)
 _C3 = np.float32(1.0 / 6)
 _C4 = np.float32(1.0 / 24)
@@ -70,9 +71,10 @@ def _i32_as_f32(typingctx, i):
 
 @njit(inline="always", fastmath=_FM)
 def _expf(x):
-    x = min(max(x, _EXP_LO), _EXP_HI)
-    n = np.floor(x * _LOG2E + _HALF)
-    r = x - n * _LN2_HI
+    """float32 ``exp``: 0 below -87 (numpy gives denormals there), inf above 88, NaN for NaN."""
+    c = min(max(x, _EXP_LO), _EXP_HI)
+    n = np.floor(c * _LOG2E + _HALF)
+    r = c - n * _LN2_HI
     r = r - n * _LN2_LO
     p = _C7
     p = p * r + _C6
@@ -82,7 +84,14 @@ def _expf(x):
     p = p * r + _C2
     p = p * r + _F1
     p = p * r + _F1
-    return p * _i32_as_f32((np.int32(n) + 127) << 23)
+    e = p * _i32_as_f32((np.int32(n) + 127) << 23)
+    if x > _EXP_HI:
+        e = _INF
+    elif x < _EXP_LO:
+        e = _F0
+    elif x != x:
+        e = x
+    return e
 
 
 @njit(inline="always", fastmath=_FM)
