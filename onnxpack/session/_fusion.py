@@ -24,8 +24,8 @@ from onnx import NodeProto, helper
 
 from onnxpack.session.kernels._act import Activation
 
-__all__ = ["ConvFusion", "Fusion", "apply_fusions", "bn_fold", "find_conv_fusions", "find_relu_fusions",
-           "fused_node", "plan_fusions"]
+__all__ = ["ConvFusion", "Fusion", "MatMulFusion", "apply_fusions", "bn_fold", "find_conv_fusions",
+           "find_matmul_fusions", "find_relu_fusions", "fused_node", "match_activation", "plan_fusions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,13 +218,72 @@ def _match_channel_fold(nodes, t, users_of, const_value, m: int, rank: int | Non
     return users[0], node.op_type, other
 
 
+def _match_gelu(nodes, t, users, users_of, const_value):
+    """``Mul(Mul(t, Add(Erf(Div(t, sqrt 2)), 1)), 0.5)`` (torch's exact GELU export; also with
+    ``Mul(t, 1/sqrt 2)`` and the 0.5 applied to ``t`` first)."""
+    ops = [nodes[u] for u in users]
+    scale = next(((u, n) for u, n in zip(users, ops) if n.op_type in ("Div", "Mul") and len(n.input) == 2
+                  and _scalar(const_value(n.input[1] if n.input[0] == t else n.input[0])) is not None
+                  and (n.op_type == "Mul" or n.input[0] == t)), None)
+    if scale is None:
+        return None
+    si, sn = scale
+    k = _scalar(const_value(sn.input[1] if sn.input[0] == t else sn.input[0]))
+    inv = k if sn.op_type == "Mul" else 1.0 / k
+    if abs(inv - 0.7071067811865476) > 1e-6:
+        return None
+    other = [(u, n) for u, n in zip(users, ops) if u != si]
+    if len(other) != 1 or other[0][1].op_type != "Mul":
+        return None
+    mi, mul = other[0]
+
+    def only(name, op):
+        us = users_of(name)
+        if us is None or len(us) != 1 or nodes[us[0]].op_type != op or nodes[us[0]].domain not in ("", "ai.onnx"):
+            return None
+        return us[0]
+
+    ei = only(sn.output[0], "Erf")
+    if ei is None:
+        return None
+    ai = only(nodes[ei].output[0], "Add")
+    if ai is None:
+        return None
+    add = nodes[ai]
+    one = add.input[1] if add.input[0] == nodes[ei].output[0] else add.input[0]
+    if _scalar(const_value(one)) != 1.0:
+        return None
+    e1 = add.output[0]
+    if sorted(mul.input) == sorted([t, e1]):
+        # 0.5 applied last: Mul(Mul(t, e1), 0.5)
+        if users_of(e1) != [mi]:
+            return None
+        hi = only(mul.output[0], "Mul")
+        if hi is None:
+            return None
+        h = nodes[hi]
+        half = h.input[1] if h.input[0] == mul.output[0] else h.input[0]
+        if _scalar(const_value(half)) != 0.5:
+            return None
+        return Activation("gelu"), (si, ei, ai, mi, hi), h.output[0]
+    # 0.5 applied to t first: Mul(Mul(t, 0.5), e1)
+    half = mul.input[1] if mul.input[0] == t else mul.input[0]
+    if _scalar(const_value(half)) != 0.5:
+        return None
+    fi = only(mul.output[0], "Mul")
+    if fi is None or sorted(nodes[fi].input) != sorted([mul.output[0], e1]) or users_of(e1) != [fi]:
+        return None
+    return Activation("gelu"), (si, ei, ai, mi, fi), nodes[fi].output[0]
+
+
 def match_activation(nodes, t, users_of, const_value, opset):
     """The activation reading ``t`` (its only readers), as ``(Activation, node indices, output)``.
 
     Recognized: Relu; Clip with constant bounds (attributes before opset 11); HardSwish;
     HardSigmoid; LeakyRelu; Sigmoid; ``Mul(t, Sigmoid(t))`` (SiLU); ``Div(Mul(t, Clip(Add(t, 3),
     0, 6)), 6)`` (HardSwish as Paddle and TF export it, also with ``Mul(., 1/6)``); and
-    ``Mul/Add/Sub/Div`` by a float scalar constant (an affine step).
+    ``Mul/Add/Sub/Div`` by a float scalar constant (an affine step); torch's exact GELU
+    (``x * (erf(x / sqrt 2) + 1) * 0.5``, see :func:`_match_gelu`).
     """
     users = users_of(t)
     if users is None:
@@ -287,6 +346,9 @@ def match_activation(nodes, t, users_of, const_value, opset):
         if sig.input[0] == t and sorted(mul.input) == sorted([t, s]) and users_of(s) == [mi]:
             return Activation("silu"), (si, mi), mul.output[0]
         return None
+    gelu = _match_gelu(nodes, t, users, users_of, const_value)
+    if gelu is not None:
+        return gelu
     if set(by_op) == {"Add", "Mul"}:
         (ai, add), (mi, mul) = by_op["Add"], by_op["Mul"]
         three = add.input[1] if add.input[0] == t else add.input[0]
@@ -318,6 +380,97 @@ def match_activation(nodes, t, users_of, const_value, opset):
             return None
         return Activation("hardswish", 1.0 / 6.0, 0.5), (ai, cu[0], mi, du[0]), last.output[0]
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class MatMulFusion:
+    """A MatMul by a constant 2-D weight with its bias Add, activations and residual folded in."""
+
+    matmul: int
+    bias: str | None
+    pre: tuple[Activation, ...]
+    residual: str | None
+    post: tuple[Activation, ...]
+    nodes: tuple[int, ...]
+    output: str
+
+
+def find_matmul_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
+                        const_value: Callable[[str], np.ndarray | None], opset: int,
+                        taken: set[int]) -> list[MatMulFusion]:
+    """``MatMul(A, W) [+ bias] [activations] [+ residual [activations]]`` chains (pure).
+
+    ``W`` is a constant float matrix; the bias a float constant along its last axis (shape
+    ``(N,)``, ``(1, ..., N)`` or a scalar); activations as :func:`match_activation` finds them
+    (torch's erf GELU included); the residual a non-constant ``Add`` operand.  Each name in the
+    chain must be read only by the next node and not be a graph output.
+    """
+    by_input: dict[str, list[int]] = {}
+    for k, node in enumerate(nodes):
+        for name in node.input:
+            if name:
+                by_input.setdefault(name, []).append(k)
+    used = set(taken)
+
+    def users_of(name: str) -> list[int] | None:
+        users = sorted(set(by_input.get(name, [])))
+        if not users or name in protected or any(u in used for u in users):
+            return None
+        count = sum(1 for u in users for i in nodes[u].input if i == name)
+        if readers.get(name, 0) != count:
+            return None
+        return users
+
+    out: list[MatMulFusion] = []
+    for k, node in enumerate(nodes):
+        if k in used or node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+            continue
+        w = const_value(node.input[1])
+        if w is None or w.ndim != 2 or w.dtype.kind != "f":
+            continue
+        n = int(w.shape[1])
+        absorbed: list[int] = []
+        t = node.output[0]
+        bias = None
+        users = users_of(t)
+        if users is not None and len(users) == 1:
+            add = nodes[users[0]]
+            if add.op_type == "Add" and add.domain in ("", "ai.onnx") and list(add.input).count(t) == 1:
+                other = add.input[1] if add.input[0] == t else add.input[0]
+                c = const_value(other) if other else None
+                if c is not None and c.dtype.kind == "f" and (c.size == 1 or (c.shape[-1] == n and c.size == n)):
+                    bias = other
+                    absorbed.append(users[0])
+                    t = add.output[0]
+        pre: list[Activation] = []
+        post: list[Activation] = []
+        residual = None
+        while True:
+            got = match_activation(nodes, t, users_of, const_value, opset)
+            if got is not None:
+                act, idxs, t = got
+                (post if residual is not None else pre).append(act)
+                absorbed.extend(idxs)
+                continue
+            if residual is None:
+                users = users_of(t)
+                if users is not None and len(users) == 1:
+                    add = nodes[users[0]]
+                    if (add.op_type in ("Add", "Sum") and add.domain in ("", "ai.onnx") and len(add.input) == 2
+                            and list(add.input).count(t) == 1):
+                        other = add.input[1] if add.input[0] == t else add.input[0]
+                        if other and const_value(other) is None:
+                            residual = other
+                            absorbed.append(users[0])
+                            t = add.output[0]
+                            continue
+            break
+        if not absorbed:
+            continue
+        used.update(absorbed)
+        used.add(k)
+        out.append(MatMulFusion(k, bias, tuple(pre), residual, tuple(post), tuple(absorbed), t))
+    return out
 
 
 # Elementwise producers whose result Relu may clamp in place (a residual Sum -> Relu, ...).
@@ -446,6 +599,19 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
                 node.input.append("")
             node.input.append(f.residual)
         out.append(Fusion(node, f.conv, f.absorbed, kernel="conv", params=params))
+    for f in find_matmul_fusions(nodes, readers, protected, const_value, opset, taken):
+        node = NodeProto()
+        node.CopyFrom(nodes[f.matmul])  # keeps the MatMul's name: reports and logs name the weight's reader
+        del node.output[:]
+        node.output.extend([f.output])
+        if f.residual is not None:
+            node.input.append(f.residual)
+        bias = None
+        if f.bias is not None:
+            bias = np.asarray(const_value(f.bias), dtype=np.float64).reshape(-1)
+        params = {"bias": bias, "pre": f.pre, "residual": f.residual is not None, "post": f.post}
+        out.append(Fusion(node, f.matmul, f.nodes, kernel="matmul", params=params))
+        taken.update((f.matmul, *f.nodes))
     for f in find_relu_fusions(nodes, readers, protected, taken):
         out.append(Fusion(fused_node(nodes, f), f.conv, f.absorbed, epilogue="relu"))
     return out

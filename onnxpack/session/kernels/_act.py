@@ -26,7 +26,7 @@ __all__ = ["Activation", "apply", "jit", "parallel"]
 
 # Kind -> code understood by _conv_jit._act_row.
 CODES = {"none": 0, "relu": 1, "clip": 2, "hardswish": 3, "silu": 4, "sigmoid": 5, "leakyrelu": 6,
-         "hardsigmoid": 7, "affine": 8}
+         "hardsigmoid": 7, "affine": 8, "gelu": 9}
 
 _ENV_DISABLE = "ONNXPACK_DISABLE_JIT"
 _jit_module = None
@@ -204,6 +204,10 @@ def _apply_numpy(y: np.ndarray, act: Activation) -> np.ndarray:
     elif kind == "affine":
         y *= t(act.a)
         y += t(act.b)
+    elif kind == "gelu":
+        from onnxpack.session.kernels.contrib_activation import gelu_inplace
+
+        gelu_inplace(y)
     else:
         raise RuntimeError(f"Bug: unknown activation {kind!r}")
     return y

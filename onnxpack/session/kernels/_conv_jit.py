@@ -11,11 +11,13 @@ numba's cache, so a later process loads it instead of compiling.
   over the output instead of kh*kw numpy passes plus one per epilogue op.
 * :func:`bias_act` — ``y = act(y + bias[channel] (+ residual))`` in place on a GEMM's fresh
   output: the epilogue of every other convolution, one pass.
+* :func:`rows_act` — the same for a MatMul's (rows, N) output with a bias along N.
 * :func:`act_inplace` — an activation over a flat array in place (standalone HardSwish, SiLU, ...).
 
 Activations (``act`` codes, see ``_act.py``; a kernel takes a list of them, applied in order to
 each row while it is in L1): identity, Relu, Clip(a, b), HardSwish ``x * clip(a*x + b, 0, 1)``,
-SiLU ``x * sigmoid(x)``, Sigmoid, LeakyRelu(a), HardSigmoid(a, b), affine ``a*x + b``.
+SiLU ``x * sigmoid(x)``, Sigmoid, LeakyRelu(a), HardSigmoid(a, b), affine ``a*x + b``, exact
+GELU ``x/2 * (1 + erf(x/sqrt(2)))`` (the erf of ``_erf.py``, element by element).
 Sigmoid uses :func:`_expf`, a float32 ``exp`` that vectorizes (range reduction to
 ``[-ln2/2, ln2/2]``, degree-7 Taylor polynomial, exponent written into the float's bits):
 within 1 ulp of the exact value on [-87, 88] (0.91 ulp measured on 2M points; tests check it),
@@ -28,10 +30,14 @@ spinning beside OpenBLAS's threads on 2 cores made calls 100-1000x slower (see _
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
+
+from onnxpack.session.kernels import _erf as _erf_mod
 
 __all__ = ["depthwise2d", "bias_act", "act_inplace", "expf_array"]
 
@@ -94,6 +100,43 @@ def _expf(x):
     return e
 
 
+_P = [np.float32(c) for c in _erf_mod._P]
+_Q = [np.float32(c) for c in _erf_mod._Q]
+_P0, _P1, _P2, _P3, _P4, _P5 = _P
+_Q0, _Q1, _Q2, _Q3, _Q4, _Q5, _Q6, _Q7, _Q8 = _Q
+_ERF_SPLIT = np.float32(_erf_mod.ERF_SPLIT)
+_ERF_CLAMP = np.float32(_erf_mod.ERF_CLAMP)
+_SQRT1_2 = np.float32(0.7071067811865476)
+
+
+@njit(inline="always", fastmath=_FM)
+def _erff(x):
+    """float32 ``erf``: the two pieces of ``_erf.py`` (same coefficients, 1.5 ulp), one element."""
+    a = abs(x)
+    s = min(a, _ERF_SPLIT)
+    t = s * s
+    p = _P5
+    p = p * t + _P4
+    p = p * t + _P3
+    p = p * t + _P2
+    p = p * t + _P1
+    p = p * t + _P0
+    small = s + s * p
+    c = min(a, _ERF_CLAMP)
+    q = _Q8
+    q = q * c + _Q7
+    q = q * c + _Q6
+    q = q * c + _Q5
+    q = q * c + _Q4
+    q = q * c + _Q3
+    q = q * c + _Q2
+    q = q * c + _Q1
+    q = q * c + _Q0
+    large = _F1 - _expf(q)
+    r = small if a < _ERF_SPLIT else large
+    return math.copysign(r, x)
+
+
 @njit(inline="always", fastmath=_FM)
 def _act_row(row, act, a, b):
     """Activation ``act`` over a 1-D float32 array in place (a branch per row, not per element)."""
@@ -125,6 +168,10 @@ def _act_row(row, act, a, b):
     elif act == 8:
         for i in range(n):
             row[i] = row[i] * a + b
+    elif act == 9:
+        for i in range(n):
+            v = row[i]
+            row[i] = _HALF * v * (_F1 + _erff(v * _SQRT1_2))
 
 
 @njit(inline="always", fastmath=_FM)
@@ -234,6 +281,35 @@ def bias_act(y, bias, codes, params, res, post_codes, post_params):
             for i in range(l_):
                 row[i] += rr[i]
             _acts(row, post_codes, post_params)
+
+
+@njit(cache=True, fastmath=_FM, nogil=True)
+def rows_act(y, bias, codes, params, res, post_codes, post_params, r0, r1):
+    """``y[r, :] = post(pre(y[r, :] + bias) + res[r, :])`` in place for rows ``r0 <= r < r1``.
+
+    ``y`` (R, N) float32 (a GEMM's output); ``bias`` (N,) or empty; ``res`` (R, N) or empty.
+    """
+    n = y.shape[1]
+    has_bias = bias.shape[0] > 0
+    has_res = res.shape[0] > 0
+    for r in range(r0, r1):
+        row = y[r]
+        if has_bias:
+            for i in range(n):
+                row[i] += bias[i]
+        _acts(row, codes, params)
+        if has_res:
+            rr = res[r]
+            for i in range(n):
+                row[i] += rr[i]
+            _acts(row, post_codes, post_params)
+
+
+@njit(cache=True, fastmath=_FM, nogil=True)
+def erf_array(x, out):
+    """:func:`_erff` over a flat float32 array (tests compare it with ``erf_f32``)."""
+    for i in range(x.shape[0]):
+        out[i] = _erff(x[i])
 
 
 @njit(cache=True, fastmath=_FM, nogil=True)
