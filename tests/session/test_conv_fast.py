@@ -291,3 +291,70 @@ def test_parallel_reraises():
 
     with pytest.raises(ValueError, match="boom"):
         _act.parallel(boom, 10, 2)
+
+
+# -- Winograd F(2x2, 3x3) -----------------------------------------------------------------------
+WINO = {
+    "odd-map": dict(x_shape=(1, 16, 13, 11), m=24),
+    "batch2-asym-pads": dict(x_shape=(2, 16, 12, 12), m=16, pads=(0, 1, 2, 0)),
+    "no-pad": dict(x_shape=(1, 8, 17, 9), m=8, pads=(0, 0, 0, 0)),
+    "small-map-im2col": dict(x_shape=(1, 32, 5, 5), m=16),  # 9 tiles: im2col from recovered filters
+}
+
+
+def _direct_f64(model_feeds):
+    """float64 direct convolution (the model's Conv + BN only, tail none) as the accuracy yardstick."""
+    import onnx
+
+    model, feeds = model_feeds
+    m = onnx.load_from_string(model)
+    init = {i.name: numpy_helper.to_array(i).astype(np.float64) for i in m.graph.initializer}
+    conv = m.graph.node[0]
+    pads = next(a.ints for a in conv.attribute if a.name == "pads")
+    x = np.pad(feeds["x"].astype(np.float64), ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
+    w = init["W"]
+    oh, ow = x.shape[2] - 2, x.shape[3] - 2
+    y = np.zeros((x.shape[0], w.shape[0], oh, ow))
+    for i in range(3):
+        for j in range(3):
+            y += np.einsum("mc,nchw->nmhw", w[:, :, i, j], x[:, :, i:i + oh, j:j + ow])
+    y += init["B"].reshape(1, -1, 1, 1)
+    a = init["s"] / np.sqrt(init["var"] + 1e-3)
+    return (y - init["mu"].reshape(1, -1, 1, 1)) * a.reshape(1, -1, 1, 1) + init["bb"].reshape(1, -1, 1, 1)
+
+
+@pytest.mark.parametrize("case", list(WINO), ids=list(WINO))
+def test_winograd_matches_direct_convolution(case, jit_mode):
+    mf = conv_model(tail="none", **WINO[case])
+    model, feeds = mf
+    sess = onnxpack.InferenceSession(model)
+    assert any(r["key"].startswith("conv_bn_wino/") for r in sess.get_prepack_log())
+    got = sess.run(None, feeds)[0]
+    want = _direct_f64(mf)
+    # Measured: max |error| / max |output| 5e-7 .. 7e-7 (im2col: 2e-7 .. 4e-7); the transforms
+    # add and halve, so the error stays a few float32 ulp of the output scale.
+    assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
+    np.testing.assert_allclose(got, _ort(model, feeds)[0], **TOL)
+
+
+def test_winograd_pack_is_saved_and_mapped(tmp_path):
+    model, feeds = conv_model(tail="relu", x_shape=(1, 16, 12, 12), m=16)
+    src = tmp_path / "m.onnx"
+    src.write_bytes(model)
+    opts = onnxpack.SessionOptions()
+    opts.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    opts.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+    opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "64")
+    want = onnxpack.InferenceSession(str(src), opts).run(None, feeds)[0]
+    warm = onnxpack.InferenceSession(str(tmp_path / "opt.onnx"))
+    assert warm.get_prepack_stats()["weights_packed"] == 0
+    assert any(r["key"].startswith("conv_bn_wino/") and r["origin"] == "model" for r in warm.get_prepack_log())
+    np.testing.assert_array_equal(warm.run(None, feeds)[0], want)
+
+
+def test_weight_untransform_recovers_the_filters():
+    from onnxpack.session.kernels import _winograd
+
+    w = _rng(8).standard_normal((5, 7, 3, 3)).astype(np.float32)
+    back = _winograd.weight_untransform(_winograd.weight_transform(w))
+    np.testing.assert_allclose(back, w, rtol=1e-6, atol=1e-6)

@@ -11,6 +11,9 @@ numba's cache, so a later process loads it instead of compiling.
   over the output instead of kh*kw numpy passes plus one per epilogue op.
 * :func:`bias_act` — ``y = act(y + bias[channel] (+ residual))`` in place on a GEMM's fresh
   output: the epilogue of every other convolution, one pass.
+* :func:`wino_input` / :func:`wino_output` — Winograd F(2x2, 3x3) transforms of 3x3 stride-1
+  convolutions (padding folded into the input transform, bias and activations into the output
+  transform); the 16 GEMMs between them are one batched ``np.matmul``.
 * :func:`rows_act` — the same for a MatMul's (rows, N) output with a bias along N.
 * :func:`act_inplace` — an activation over a flat array in place (standalone HardSwish, SiLU, ...).
 
@@ -39,7 +42,7 @@ from numba.extending import intrinsic
 
 from onnxpack.session.kernels import _erf as _erf_mod
 
-__all__ = ["depthwise2d", "bias_act", "act_inplace", "expf_array"]
+__all__ = ["depthwise2d", "wino_input", "wino_output", "bias_act", "act_inplace", "expf_array"]
 
 _FM = {"contract"}
 
@@ -303,6 +306,112 @@ def rows_act(y, bias, codes, params, res, post_codes, post_params, r0, r1):
             for i in range(n):
                 row[i] += rr[i]
             _acts(row, post_codes, post_params)
+
+
+@njit(cache=True, fastmath=_FM, nogil=True)
+def wino_input(x, v, ph, pw, th, tw, p0, p1):
+    """Winograd F(2x2, 3x3) input transform ``V = B^T d B`` of every 4x4 tile, planes ``p0..p1``.
+
+    ``x`` (N, C, H, W) float32; ``v`` (16, C, N*th*tw): row ``4a + b`` holds element (a, b) of
+    the transformed tile; tile (i, j) of image n starts at padded row 2i, column 2j (``ph``/``pw``
+    zeros in front).  Each plane is copied once into a zeroed scratch of the padded size; then
+    per tile row four full-width row combinations (``B^T`` on rows) and per tile column the
+    column combinations, all loops over contiguous or stride-2 data.
+    """
+    n_, c_, h_, w_ = x.shape
+    hp = 2 * th + 2
+    wp = 2 * tw + 2
+    pl = np.zeros((hp, wp), dtype=np.float32)
+    t0 = np.empty(wp, dtype=np.float32)
+    t1 = np.empty(wp, dtype=np.float32)
+    t2 = np.empty(wp, dtype=np.float32)
+    t3 = np.empty(wp, dtype=np.float32)
+    rows = min(h_, hp - ph)
+    cols = min(w_, wp - pw)
+    for p in range(p0, p1):
+        n = p // c_
+        c = p - n * c_
+        for r in range(rows):
+            dst = pl[r + ph, pw:pw + cols]
+            src = x[n, c, r, 0:cols]
+            for q in range(cols):
+                dst[q] = src[q]
+        base0 = n * th * tw
+        for i in range(th):
+            r0 = pl[2 * i]
+            r1 = pl[2 * i + 1]
+            r2 = pl[2 * i + 2]
+            r3 = pl[2 * i + 3]
+            for q in range(wp):
+                t0[q] = r0[q] - r2[q]
+                t1[q] = r1[q] + r2[q]
+                t2[q] = r2[q] - r1[q]
+                t3[q] = r1[q] - r3[q]
+            base = base0 + i * tw
+            for a in range(4):
+                t = t0 if a == 0 else (t1 if a == 1 else (t2 if a == 2 else t3))
+                o0 = v[4 * a, c, base:base + tw]
+                o1 = v[4 * a + 1, c, base:base + tw]
+                o2 = v[4 * a + 2, c, base:base + tw]
+                o3 = v[4 * a + 3, c, base:base + tw]
+                for j in range(tw):
+                    e0 = t[2 * j]
+                    e1 = t[2 * j + 1]
+                    e2 = t[2 * j + 2]
+                    e3 = t[2 * j + 3]
+                    o0[j] = e0 - e2
+                    o1[j] = e1 + e2
+                    o2[j] = e2 - e1
+                    o3[j] = e1 - e3
+        # the scratch keeps zeros outside the copied rows/columns; the copied part is rewritten
+        # by the next plane
+
+
+@njit(cache=True, fastmath=_FM, nogil=True)
+def wino_output(mx, y, bias, codes, params, th, tw, p0, p1):
+    """Winograd F(2x2, 3x3) output transform ``Y = A^T M A`` plus bias and activations.
+
+    ``mx`` (16, M, N*th*tw) the batched GEMM's result; ``y`` (N, M, OH, OW); planes
+    ``p0 <= n*M + m < p1``.  Two output rows per tile row are built full width in a scratch,
+    then cropped into ``y`` with the bias and activations applied row by row.
+    """
+    n_, m_, oh_, ow_ = y.shape
+    s0 = np.empty((4, tw), dtype=np.float32)
+    s1 = np.empty((4, tw), dtype=np.float32)
+    row0 = np.empty(2 * tw, dtype=np.float32)
+    row1 = np.empty(2 * tw, dtype=np.float32)
+    for p in range(p0, p1):
+        n = p // m_
+        m = p - n * m_
+        bv = bias[m]
+        base0 = n * th * tw
+        for i in range(th):
+            base = base0 + i * tw
+            for b in range(4):
+                a0 = mx[b, m, base:base + tw]
+                a1 = mx[4 + b, m, base:base + tw]
+                a2 = mx[8 + b, m, base:base + tw]
+                a3 = mx[12 + b, m, base:base + tw]
+                d0 = s0[b]
+                d1 = s1[b]
+                for j in range(tw):
+                    d0[j] = a0[j] + a1[j] + a2[j]
+                    d1[j] = a1[j] - a2[j] - a3[j]
+            for j in range(tw):
+                row0[2 * j] = s0[0, j] + s0[1, j] + s0[2, j] + bv
+                row0[2 * j + 1] = s0[1, j] - s0[2, j] - s0[3, j] + bv
+                row1[2 * j] = s1[0, j] + s1[1, j] + s1[2, j] + bv
+                row1[2 * j + 1] = s1[1, j] - s1[2, j] - s1[3, j] + bv
+            r = 2 * i
+            out = y[n, m, r]
+            for q in range(ow_):
+                out[q] = row0[q]
+            _acts(out, codes, params)
+            if r + 1 < oh_:
+                out = y[n, m, r + 1]
+                for q in range(ow_):
+                    out[q] = row1[q]
+                _acts(out, codes, params)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True)

@@ -30,13 +30,14 @@ import hashlib
 import itertools
 import logging
 import math
+import os
 import struct
 
 import numpy as np
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register, register_fused
-from onnxpack.session.kernels import _act
+from onnxpack.session.kernels import _act, _winograd
 from onnxpack.session.kernels._act import Activation
 from onnxpack.session.kernels.linalg import as_compute, compute_dtype
 
@@ -55,6 +56,12 @@ __all__ = [
 
 # Version of the packed layouts written by this module (bump when a layout changes).
 _PACK_VERSION = 1
+# Version of the Winograd pack (filters transformed to (16, M, C) float32).
+_WINO_VERSION = 1
+# ONNXPACK_WINOGRAD=0 keeps every conv on im2col (to measure what Winograd buys).
+_WINOGRAD = os.environ.get("ONNXPACK_WINOGRAD", "1") != "0"
+# Below this many 2x2 output tiles (batch included) a Winograd conv runs as im2col + one GEMM.
+_WINO_MIN_TILES = 24
 _EMPTY1 = np.zeros(0, np.float32)
 # Depthwise convs of at least this many multiply-adds split their planes over the BLAS's
 # thread count (below, a thread hand-off costs more than it saves).
@@ -251,13 +258,30 @@ class Conv(Kernel):
         if self.group < 1:
             raise InvalidArgument(f"node {node.name!r} ({node.op_type}): attribute group must be >= 1, got {self.group}")
         self._w: np.ndarray | None = None  # packed (g, M/g, C/g, *kernel)
+        self._u: np.ndarray | None = None  # packed Winograd filters (16, M, C)
+        self._w_from_u: np.ndarray | None = None  # (M, C, 3, 3) recovered for small maps, lazily
 
     # pre-packing
+    def _winograd_ok(self, info: TensorInfo) -> bool:
+        """Whether this Conv packs its weight for Winograd F(2x2, 3x3): a float32-computed 3x3
+        kernel, one group, unit strides and dilations, at least ``MIN_CHANNELS`` in and out."""
+        if not _WINOGRAD or len(info.shape) != 4 or tuple(info.shape[2:]) != (3, 3) or self.group != 1:
+            return False
+        if compute_dtype(info.dtype) != np.float32:
+            return False
+        if any(int(s) != 1 for s in (self.sp.strides or ())) or any(int(d) != 1 for d in (self.sp.dilations or ())):
+            return False
+        if self.sp.kernel_shape and tuple(int(k) for k in self.sp.kernel_shape) != (3, 3):
+            return False
+        return min(info.shape[0], info.shape[1]) >= _winograd.MIN_CHANNELS
+
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
         if input_index != 1 or compute_dtype(info.dtype) is None or len(info.shape) < 3:
             return None
         if info.shape[0] % self.group:
             return None
+        if self._winograd_ok(info):
+            return PackSpec("conv_wino", _WINO_VERSION, struct.pack("<q", self.group), 1)
         identity = compute_dtype(info.dtype) == np.dtype(info.dtype)  # the GEMM matrix is a reshape
         return PackSpec("conv", _PACK_VERSION, struct.pack("<q", self.group), 1, identity=identity)
 
@@ -266,16 +290,27 @@ class Conv(Kernel):
             return None
         m = info.shape[0]
         g = self.group
+        if self._winograd_ok(info):
+            return [(np.dtype(np.float32), (16, m, info.shape[1]))]
         return [(compute_dtype(info.dtype), (g, m // g) + tuple(info.shape[1:]))]
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
         m = weight.shape[0]
         g = self.group
+        info = TensorInfo("", weight.dtype, tuple(weight.shape), 0)
+        if self._winograd_ok(info):
+            return (_winograd.weight_transform(weight),)
         w = weight.reshape((g, m // g) + weight.shape[1:])
         return (np.ascontiguousarray(w, dtype=compute_dtype(weight.dtype)),)
 
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
-        (self._w,) = buffers
+        (packed,) = buffers
+        # A (g, M/g, C/g, *kernel) pack has rank >= 4; only the Winograd pack (16, M, C) has rank 3
+        # (check_packed has already matched the buffer against expected_packed).
+        if packed.ndim == 3:
+            self._u = packed
+        else:
+            self._w = packed
 
     def run(self, x, w=None, b=None):
         return (self._conv(x, w, b, None),)
@@ -307,6 +342,8 @@ class Conv(Kernel):
         if compute_dtype(x.dtype) is None:
             raise InvalidArgument(f"node {self.node.name!r}: Conv on {x.dtype} is not supported natively")
         g = self.group
+        if self._u is not None and w is None:
+            return self._conv_winograd(x, b, out, res)
         if self._w is not None:
             m = self._w.shape[0] * self._w.shape[1]
             kernel_shape = self._w.shape[3:]
@@ -369,6 +406,37 @@ class Conv(Kernel):
                 y = self._gemm(wm, cols, n, g)
             y = y.reshape((n, m) + tuple(out_shape))
         return self._finish(y, bias, pre, res, post, out_dtype)
+
+    def _conv_winograd(self, x, b, out, res) -> np.ndarray:
+        """The Winograd path (weight packed as ``U``); the epilogue's activations before a
+        residual run inside the output transform."""
+        out_dtype = x.dtype
+        u = self._u
+        m, c_w = u.shape[1], u.shape[2]
+        xc = as_compute(x)
+        if xc.ndim != 4 or xc.shape[1] != c_w:
+            raise InvalidArgument(
+                f"node {self.node.name!r} (Conv): input of shape {list(x.shape)} does not fit a 3x3 weight of "
+                f"{c_w} input channels")
+        ks, strides, dils = self.sp.resolve(2, (3, 3))
+        begin, end, out_shape = conv_geometry(xc.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad)
+        tiles = xc.shape[0] * (-(-out_shape[0] // 2)) * (-(-out_shape[1] // 2))
+        if tiles < _WINO_MIN_TILES:
+            # Too few tiles for 16 GEMMs to pay (resnet's 7x7 maps: 16 tiles, 2x slower than one
+            # GEMM): im2col with the filters recovered from U once (G's left inverse, float64).
+            w = self._w_from_u
+            if w is None:
+                w = self._w_from_u = _winograd.weight_untransform(u)
+            return self._conv(x, w, b, out, res)
+        bias = None if b is None else as_compute(b).astype(np.float32, copy=False)
+        if bias is not None and bias.shape != (m,):
+            raise InvalidArgument(f"node {self.node.name!r} (Conv): bias must have shape [{m}], got {list(bias.shape)}")
+        y = _winograd.conv3x3(xc, u, bias, begin, out_shape, self._pre)
+        y = self._finish(y, None, (), res, self._post, out_dtype)
+        if out is not None and out.shape == y.shape and out.dtype == y.dtype:
+            out[...] = y
+            return out
+        return y
 
     @staticmethod
     def _finish(y, bias, pre, res, post, out_dtype) -> np.ndarray:
@@ -709,14 +777,18 @@ class FusedConv(Conv):
         spec = super().pack_spec(input_index, info)
         if spec is None or self.multiplier is None:
             return spec
+        if spec.family == "conv_wino":
+            return PackSpec("conv_bn_wino", _WINO_VERSION, spec.attrs + self._fold_digest, 1)
         return PackSpec("conv_bn", _PACK_VERSION, spec.attrs + self._fold_digest, 1)
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
-        (packed,) = super().prepack(input_index, weight)
         if self.multiplier is None:
-            return (packed,)
-        mult = self.multiplier.astype(packed.dtype).reshape(packed.shape[:2] + (1,) * (packed.ndim - 2))
-        return (np.ascontiguousarray(packed * mult),)
+            return super().prepack(input_index, weight)
+        # Folded in float64 before the layout change (the Winograd transform is linear, but
+        # folding first rounds once).
+        w = np.asarray(weight, dtype=np.float64) * self.multiplier.reshape((-1,) + (1,) * (weight.ndim - 1))
+        (packed,) = super().prepack(input_index, w.astype(compute_dtype(weight.dtype) or np.float32))
+        return (np.ascontiguousarray(packed),)
 
     def run(self, x, w=None, b=None, r=None):
         return (self._fused(x, w, b, None, r),)
@@ -732,7 +804,7 @@ class FusedConv(Conv):
         if self.residual and r is None:
             raise InvalidArgument(f"node {self.node.name!r} (Conv): the fused residual input is missing")
         if self.multiplier is not None:
-            if self._w is None:  # not packed (e.g. a weight dtype BLAS cannot take): fold per call
+            if self._w is None and self._u is None:  # not packed (a weight fed at run time): fold per call
                 w = as_compute(w)
                 w = w * self.multiplier.astype(w.dtype).reshape((-1,) + (1,) * (w.ndim - 1))
             b = self.shift.astype(compute_dtype(x.dtype) or np.float32)
