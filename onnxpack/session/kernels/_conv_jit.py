@@ -28,7 +28,10 @@ so sigmoid and SiLU keep relative accuracy in both tails (within 3 ulp of numpy'
 
 All kernels are serial on purpose: they run between OpenBLAS calls, and a numba thread team
 spinning beside OpenBLAS's threads on 2 cores made calls 100-1000x slower (see _nbits_jit.py).
-``fastmath={"contract"}`` only (fused multiply-add; no reassociation, NaN and Inf propagate).
+``fastmath={"contract"}`` only (fused multiply-add; no reassociation, NaN and Inf propagate);
+``error_model="numpy"``: a float division by zero gives inf/NaN as in numpy instead of raising,
+which also lets the loops with a division vectorize (measured: sigmoid over 1M floats 3.9 ms
+with Python's error model, 0.33 ms with numpy's).
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ def _i32_as_f32(typingctx, i):
     return types.float32(i), codegen
 
 
-@njit(inline="always", fastmath=_FM)
+@njit(inline="always", fastmath=_FM, error_model="numpy")
 def _expf(x):
     """float32 ``exp``: 0 below -87 (numpy gives denormals there), inf above 88, NaN for NaN."""
     c = min(max(x, _EXP_LO), _EXP_HI)
@@ -112,7 +115,7 @@ _ERF_CLAMP = np.float32(_erf_mod.ERF_CLAMP)
 _SQRT1_2 = np.float32(0.7071067811865476)
 
 
-@njit(inline="always", fastmath=_FM)
+@njit(inline="always", fastmath=_FM, error_model="numpy")
 def _erff(x):
     """float32 ``erf``: the two pieces of ``_erf.py`` (same coefficients, 1.5 ulp), one element."""
     a = abs(x)
@@ -140,7 +143,7 @@ def _erff(x):
     return math.copysign(r, x)
 
 
-@njit(inline="always", fastmath=_FM)
+@njit(inline="always", fastmath=_FM, error_model="numpy")
 def _act_row(row, act, a, b):
     """Activation ``act`` over a 1-D float32 array in place (a branch per row, not per element)."""
     n = row.shape[0]
@@ -177,13 +180,13 @@ def _act_row(row, act, a, b):
             row[i] = _HALF * v * (_F1 + _erff(v * _SQRT1_2))
 
 
-@njit(inline="always", fastmath=_FM)
+@njit(inline="always", fastmath=_FM, error_model="numpy")
 def _acts(row, codes, params):
     for j in range(codes.shape[0]):
         _act_row(row, codes[j], params[j, 0], params[j, 1])
 
 
-@njit(cache=True, fastmath=_FM, nogil=True)
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
 def depthwise2d(x, w, bias, y, sh, sw, dh, dw, ph, pw, codes, params, nc0, nc1):
     """``y[n, c] = act(bias[c] + sum_{kh,kw} w[c, kh, kw] * xpad[n, c, oh*sh + kh*dh, ow*sw + kw*dw])``.
 
@@ -259,7 +262,7 @@ def depthwise2d(x, w, bias, y, sh, sw, dh, dw, ph, pw, codes, params, nc0, nc1):
             _acts(row, codes, params)
 
 
-@njit(cache=True, fastmath=_FM, nogil=True)
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
 def bias_act(y, bias, codes, params, res, post_codes, post_params):
     """``y[n, m, :] = post(pre(y[n, m, :] + bias[m]) + res[n, m, :])`` in place, row by row.
 
@@ -286,7 +289,7 @@ def bias_act(y, bias, codes, params, res, post_codes, post_params):
             _acts(row, post_codes, post_params)
 
 
-@njit(cache=True, fastmath=_FM, nogil=True)
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
 def rows_act(y, bias, codes, params, res, post_codes, post_params, r0, r1):
     """``y[r, :] = post(pre(y[r, :] + bias) + res[r, :])`` in place for rows ``r0 <= r < r1``.
 
@@ -308,7 +311,7 @@ def rows_act(y, bias, codes, params, res, post_codes, post_params, r0, r1):
             _acts(row, post_codes, post_params)
 
 
-@njit(cache=True, fastmath=_FM, nogil=True)
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
 def wino_input(x, v, ph, pw, th, tw, p0, p1):
     """Winograd F(2x2, 3x3) input transform ``V = B^T d B`` of every 4x4 tile, planes ``p0..p1``.
 
@@ -367,7 +370,7 @@ def wino_input(x, v, ph, pw, th, tw, p0, p1):
         # by the next plane
 
 
-@njit(cache=True, fastmath=_FM, nogil=True)
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
 def wino_output(mx, y, bias, codes, params, th, tw, p0, p1):
     """Winograd F(2x2, 3x3) output transform ``Y = A^T M A`` plus bias and activations.
 
@@ -414,14 +417,14 @@ def wino_output(mx, y, bias, codes, params, th, tw, p0, p1):
                 _acts(out, codes, params)
 
 
-@njit(cache=True, fastmath=_FM, nogil=True)
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
 def erf_array(x, out):
     """:func:`_erff` over a flat float32 array (tests compare it with ``erf_f32``)."""
     for i in range(x.shape[0]):
         out[i] = _erff(x[i])
 
 
-@njit(cache=True, fastmath=_FM, nogil=True)
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
 def act_inplace(flat, codes, params):
     """Activations over a flat float32 array in place, in L1-sized pieces."""
     n = flat.shape[0]
@@ -430,7 +433,7 @@ def act_inplace(flat, codes, params):
         _acts(flat[s:min(s + step, n)], codes, params)
 
 
-@njit(cache=True, fastmath=_FM, nogil=True)
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
 def expf_array(x, out):
     """:func:`_expf` over a flat float32 array (for tests of its accuracy)."""
     for i in range(x.shape[0]):
