@@ -376,3 +376,19 @@ def test_standalone_activation_on_large_tensors(op, jit_mode):
     got = onnxpack.InferenceSession(model).run(None, {"x": x})[0]
     # onnxruntime's own Sigmoid/Gelu use approximations (within ~1e-6 of the true values).
     np.testing.assert_allclose(got, _ort(model, {"x": x})[0], rtol=1e-5, atol=2e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_layer_norm_last_axis(bias, jit_mode):
+    """Transformers' LayerNormalization (last axis, (D,) scale and bias): the JIT row kernel."""
+    rng = _rng(11)
+    d = 384
+    inits = [_const("g", rng.uniform(0.5, 1.5, d))] + ([_const("b", rng.standard_normal(d))] if bias else [])
+    node = helper.make_node("LayerNormalization", ["x", "g"] + (["b"] if bias else []), ["y", "mean", "inv"],
+                            axis=-1, epsilon=1e-12)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", F, [2, 33, d])],
+                              [helper.make_tensor_value_info(n, F, None) for n in ("y", "mean", "inv")], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    x = (rng.standard_normal((2, 33, d)) * 3 + 1).astype(np.float32)
+    for g, w in zip(onnxpack.InferenceSession(model).run(None, {"x": x}), _ort(model, {"x": x})):
+        np.testing.assert_allclose(g, w, **TOL)

@@ -15,6 +15,7 @@ numba's cache, so a later process loads it instead of compiling.
   convolutions (padding folded into the input transform, bias and activations into the output
   transform); the 16 GEMMs between them are one batched ``np.matmul``.
 * :func:`rows_act` — the same for a MatMul's (rows, N) output with a bias along N.
+* :func:`layer_norm_rows` — LayerNormalization over the last axis, one row at a time.
 * :func:`act_inplace` — an activation over a flat array in place (standalone HardSwish, SiLU, ...).
 
 Activations (``act`` codes, see ``_act.py``; a kernel takes a list of them, applied in order to
@@ -415,6 +416,38 @@ def wino_output(mx, y, bias, codes, params, th, tw, p0, p1):
                 for q in range(ow_):
                     out[q] = row1[q]
                 _acts(out, codes, params)
+
+
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def layer_norm_rows(x, scale, bias, eps, y, mean_out, inv_out, r0, r1):
+    """LayerNormalization over the last axis of ``x`` (R, D) float32 into ``y``, rows ``r0..r1``.
+
+    Mean, then the variance of the centred values (two passes, as the numpy kernel computes
+    them, in float32 with float64 sums so long rows lose nothing), then one pass for the scale
+    and bias.  ``bias`` may be empty; ``mean_out``/``inv_out`` (R,) receive the statistics.
+    """
+    d = x.shape[1]
+    has_bias = bias.shape[0] > 0
+    for r in range(r0, r1):
+        xr = x[r]
+        s = 0.0
+        for i in range(d):
+            s += xr[i]
+        mu = np.float32(s / d)
+        q = 0.0
+        for i in range(d):
+            t = xr[i] - mu
+            q += t * t
+        inv = np.float32(1.0 / math.sqrt(np.float32(q / d) + eps))
+        yr = y[r]
+        if has_bias:
+            for i in range(d):
+                yr[i] = (xr[i] - mu) * inv * scale[i] + bias[i]
+        else:
+            for i in range(d):
+                yr[i] = (xr[i] - mu) * inv * scale[i]
+        mean_out[r] = mu
+        inv_out[r] = inv
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
