@@ -282,7 +282,8 @@ def match_activation(nodes, t, users_of, const_value, opset):
     Recognized: Relu; Clip with constant bounds (attributes before opset 11); HardSwish;
     HardSigmoid; LeakyRelu; Sigmoid; ``Mul(t, Sigmoid(t))`` (SiLU); ``Div(Mul(t, Clip(Add(t, 3),
     0, 6)), 6)`` (HardSwish as Paddle and TF export it, also with ``Mul(., 1/6)``); and
-    ``Mul/Add/Sub/Div`` by a float scalar constant (an affine step); torch's exact GELU
+    ``Mul/Add/Sub/Div`` by a float scalar constant (an affine step); ``Max/Min`` with a float
+    scalar constant (a one-sided clip, as TensorFlow exports write it); torch's exact GELU
     (``x * (erf(x / sqrt 2) + 1) * 0.5``, see :func:`_match_gelu`).
     """
     users = users_of(t)
@@ -294,7 +295,7 @@ def match_activation(nodes, t, users_of, const_value, opset):
     attrs = lambda n: {a.name: helper.get_attribute_value(a) for a in n.attribute}  # noqa: E731
     if len(users) == 1:
         n = ops[0]
-        if list(n.input).count(t) != 1 or n.input[0] != t and n.op_type not in ("Mul", "Add"):
+        if list(n.input).count(t) != 1 or n.input[0] != t and n.op_type not in ("Mul", "Add", "Max", "Min"):
             return None
         out = n.output[0] if n.output else ""
         if not out or len([o for o in n.output if o]) != 1:
@@ -323,6 +324,12 @@ def match_activation(nodes, t, users_of, const_value, opset):
             return Activation("leakyrelu", float(attrs(n).get("alpha", 0.01))), (users[0],), out
         if n.op_type == "Sigmoid":
             return Activation("sigmoid"), (users[0],), out
+        if n.op_type in ("Max", "Min") and len(n.input) == 2:  # TF exports' bounds: Max(x, c)
+            other = n.input[1] if n.input[0] == t else n.input[0]
+            k = _scalar(const_value(other)) if other else None
+            if k is None or np.isnan(k):
+                return None
+            return (Activation("clip", k, np.inf) if n.op_type == "Max" else Activation("clip", -np.inf, k)), (users[0],), out
         if n.op_type in ("Mul", "Add", "Sub", "Div") and len(n.input) == 2:
             other = n.input[1] if n.input[0] == t else n.input[0]
             k = _scalar(const_value(other)) if other else None

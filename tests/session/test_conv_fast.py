@@ -74,6 +74,10 @@ def _chain(tail: str, nodes: list, inits: list, t: str, m: int):
     if tail == "hardsigmoid":
         nodes.append(helper.make_node("HardSigmoid", [t], ["a_hsig"], alpha=0.3, beta=0.4))
         return "a_hsig"
+    if tail == "leaky-max":  # TensorFlow's export: LeakyRelu then Max(x, c)
+        inits.append(_const("floor", -0.05))
+        nodes += [helper.make_node("LeakyRelu", [t], ["lm1"], alpha=0.2), helper.make_node("Max", ["lm1", "floor"], ["lm2"])]
+        return "lm2"
     if tail == "lab":  # per-channel affine before, HardSwish, scalar affine after (PP-LCNetV3)
         inits += [_const("ls", _rng(3).uniform(0.5, 1.5, (m, 1, 1))), _const("lb", _rng(4).standard_normal((m, 1, 1))),
                   _const("k", 1.3), _const("kb", -0.2)]
@@ -142,7 +146,8 @@ def _sessions(model):
     return {"prepacked": onnxpack.InferenceSession(model), "disable-prepacking": onnxpack.InferenceSession(model, off)}
 
 
-TAILS = ["none", "relu", "relu6", "hardswish", "hardswish-chain", "silu", "sigmoid", "leakyrelu", "hardsigmoid", "lab"]
+TAILS = ["none", "relu", "relu6", "hardswish", "hardswish-chain", "silu", "sigmoid", "leakyrelu", "hardsigmoid", "lab",
+         "leaky-max"]
 SHAPES = {
     "dense-3x3": dict(),
     "dense-3x3-s2": dict(strides=(2, 2)),
