@@ -397,3 +397,22 @@ def test_layer_norm_last_axis(bias, jit_mode):
     x = (rng.standard_normal((2, 33, d)) * 3 + 1).astype(np.float32)
     for g, w in zip(onnxpack.InferenceSession(model).run(None, {"x": x}), _ort(model, {"x": x})):
         np.testing.assert_allclose(g, w, **TOL)
+
+
+def test_constant_node_weights_fold_like_initializers(jit_mode):
+    """Paddle exports keep Conv weights and BatchNormalization statistics in Constant nodes (and
+    the HardSwish constants too): they fold exactly as initializers do."""
+    import onnx
+
+    model, feeds = conv_model(tail="hardswish-chain", x_shape=(1, 8, 12, 12), m=16)
+    m = onnx.load_from_string(model)
+    consts = [helper.make_node("Constant", [], [i.name], value=i) for i in m.graph.initializer]
+    del m.graph.initializer[:]
+    nodes = consts + list(m.graph.node)
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    model = m.SerializeToString()
+    sess = onnxpack.InferenceSession(model)
+    assert [s.node.op_type for s in sess.program.root.steps] == ["Conv", "Identity"]
+    assert any(r["key"].startswith("conv_bn_wino/") for r in sess.get_prepack_log())
+    np.testing.assert_allclose(sess.run(None, feeds)[0], _ort(model, feeds)[0], **TOL)
