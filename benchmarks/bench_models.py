@@ -20,6 +20,10 @@ one warm-up run each, which also checks agreement (max |difference| per output);
 the rounds.  Ratio = onnxpack median / onnxruntime median; the geometric mean is over every model
 measured.  Goals: every model <= 1.5x, geometric mean <= 1.2x, resnet50 <= 1.2x, BERT-base <= 1.3x.
 
+``--split``: at T > 1 threads, numpy's BLAS runs on one thread and ``ONNXPACK_NUM_THREADS=T``
+makes onnxpack split its GEMMs and JIT kernels over its own threads (dynamic chunks, the caller
+works too) — robust where OpenBLAS's static split waits for a descheduled worker.
+
 ``--profile NAME`` prints where onnxpack's time goes on one model: per op type (kernel calls timed
 by a wrapper), the executor's own overhead (wall minus kernels), the top steps.
 """
@@ -207,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="2,1")
     ap.add_argument("--models", default="")
     ap.add_argument("--profile", default="", help="profile onnxpack on these models (comma-separated) and exit")
+    ap.add_argument("--split", action="store_true",
+                    help="for settings above 1 thread: numpy's BLAS on one thread and ONNXPACK_NUM_THREADS=T "
+                         "(onnxpack splits its GEMMs over its own threads; robust to a descheduled BLAS worker)")
     ap.add_argument("--json", default=str(RESULTS))
     args = ap.parse_args(argv)
     import threadpoolctl
@@ -227,9 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {"machine": machine, "goals": GOALS, "settings": []}
     for threads in (int(t) for t in args.threads.split(",")):
         rows = []
-        print(f"\n== {threads} thread(s)")
+        print(f"\n== {threads} thread(s)" + (" (BLAS on 1 thread, ONNXPACK_NUM_THREADS split)" if args.split and threads > 1 else ""))
         print(f"{'model':20s} {'onnxpack ms':>12s} {'onnxruntime ms':>15s} {'ratio':>7s}  max|diff| (scale)")
-        with threadpoolctl.threadpool_limits(threads):
+        split = args.split and threads > 1
+        if split:
+            os.environ["ONNXPACK_NUM_THREADS"] = str(threads)
+        else:
+            os.environ.pop("ONNXPACK_NUM_THREADS", None)
+        with threadpoolctl.threadpool_limits(1 if split else threads):
             for name, (kind, factory) in models.items():
                 r = bench_one(name, factory, args.runs, threads)
                 r["kind"] = kind
@@ -240,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         g = _geomean([r["ratio"] for r in rows])
         print(f"geometric mean of {len(rows)} ratios: {g:.2f}x; within 1.5x: "
               f"{sum(r['ratio'] <= GOALS['each'] for r in rows)}/{len(rows)}")
-        result["settings"].append({"threads": threads, "rows": rows, "geomean": g, "load_average": os.getloadavg()})
+        result["settings"].append({"threads": threads, "split": split, "rows": rows, "geomean": g,
+                                   "load_average": os.getloadavg()})
     out = write_json(args.json, result)
     print(f"\nwrote {os.path.relpath(out, ROOT)}")
     return 0

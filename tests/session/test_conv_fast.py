@@ -416,3 +416,39 @@ def test_constant_node_weights_fold_like_initializers(jit_mode):
     assert [s.node.op_type for s in sess.program.root.steps] == ["Conv", "Identity"]
     assert any(r["key"].startswith("conv_bn_wino/") for r in sess.get_prepack_log())
     np.testing.assert_allclose(sess.run(None, feeds)[0], _ort(model, feeds)[0], **TOL)
+
+
+SPLIT = {"winograd": dict(m=64), "pointwise": dict(m=64, k=1, pads=(0, 0, 0, 0)),
+         "im2col-s2": dict(m=64, strides=(2, 2)), "depthwise": dict(m=32, group=32)}
+
+
+@pytest.mark.parametrize("shape", list(SPLIT), ids=list(SPLIT))
+def test_gemm_split_over_onnxpack_threads(shape, monkeypatch):
+    """BLAS on one thread and ONNXPACK_NUM_THREADS=2: GEMMs are cut into blocks over onnxpack's
+    own threads (robust to a descheduled worker); same results as one BLAS call."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    model, feeds = conv_model(tail="silu", x_shape=(2, 32, 40, 40), **SPLIT[shape])
+    want = onnxpack.InferenceSession(model).run(None, feeds)[0]
+    calls = []
+    real = np.matmul
+
+    with threadpoolctl.threadpool_limits(1):
+        monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
+        assert _act.threads() == 2 and _act.blas_threads() == 1
+        sess = onnxpack.InferenceSession(model)
+        monkeypatch.setattr(_act.np, "matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+        got = sess.run(None, feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    if shape != "depthwise":
+        assert len(calls) > 2  # the GEMM ran as several blocks
+
+
+def test_matmul_split_shapes(monkeypatch):
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    rng = _rng(12)
+    cases = [((64, 256), (256, 1024)), ((300, 128), (128, 96)), ((16, 64, 32), (16, 32, 200)), ((64, 256), (3, 256, 512))]
+    with threadpoolctl.threadpool_limits(1):
+        monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
+        for sa, sb in cases:
+            a, b = rng.standard_normal(sa).astype(np.float32), rng.standard_normal(sb).astype(np.float32)
+            np.testing.assert_allclose(_act.matmul(a, b), np.matmul(a, b), rtol=1e-5, atol=1e-5)

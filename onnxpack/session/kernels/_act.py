@@ -22,7 +22,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Activation", "apply", "jit", "parallel"]
+__all__ = ["Activation", "apply", "jit", "parallel", "threads", "matmul"]
 
 # Kind -> code understood by _conv_jit._act_row.
 CODES = {"none": 0, "relu": 1, "clip": 2, "hardswish": 3, "silu": 4, "sigmoid": 5, "leakyrelu": 6,
@@ -69,6 +69,71 @@ def blas_threads() -> int:
         return max(1, int(_blas_get_threads()))
     except Exception:  # pragma: no cover - exotic BLAS builds
         return os.cpu_count() or 1
+
+
+_ENV_THREADS = "ONNXPACK_NUM_THREADS"
+
+
+def threads() -> int:
+    """Threads onnxpack's own kernels use: ``ONNXPACK_NUM_THREADS`` when set, else the BLAS's."""
+    v = os.environ.get(_ENV_THREADS, "")
+    if v:
+        try:
+            return max(1, int(v))
+        except ValueError:
+            logger.warning("%s=%r is not an integer; using the BLAS's thread count", _ENV_THREADS, v)
+    return blas_threads()
+
+
+# GEMMs below this many multiply-adds are never split (a thread hand-off costs ~10-20 us).
+_SPLIT_MACS = 1 << 21
+
+
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``np.matmul(a, b)`` (2-D by 2-D, or batched 3-D), split over onnxpack's threads when the
+    BLAS runs single-threaded and ``ONNXPACK_NUM_THREADS`` asks for more.
+
+    Why: OpenBLAS splits each GEMM statically between its threads, so on a machine where another
+    process holds a core every call waits for a descheduled worker (measured on the shared VM: a
+    6 ms GEMM took 24 ms on 2 BLAS threads).  With the BLAS at one thread
+    (``threadpoolctl.threadpool_limits(1)``) and ``ONNXPACK_NUM_THREADS=2``, each GEMM is cut into
+    column (or batch) blocks taken from :func:`parallel`'s shared counter, and the caller computes
+    whatever blocks no other thread took: never slower than one thread.  Otherwise this is
+    ``np.matmul`` itself.
+    """
+    t = threads()
+    if t <= 1 or blas_threads() > 1 or a.ndim not in (2, 3) or b.ndim not in (2, 3):
+        return np.matmul(a, b, out=out)
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
+    batch = max(a.shape[0] if a.ndim == 3 else 1, b.shape[0] if b.ndim == 3 else 1)
+    if batch * m * k * n < _SPLIT_MACS or a.dtype != b.dtype or a.dtype.kind != "f":
+        return np.matmul(a, b, out=out)
+    if out is None:
+        out = np.empty(((batch,) if (a.ndim == 3 or b.ndim == 3) else ()) + (m, n), dtype=np.result_type(a, b))
+    if out.ndim == 3 and batch >= 2 * t:
+        def run(lo, hi):
+            np.matmul(a[lo:hi] if a.ndim == 3 else a, b[lo:hi] if b.ndim == 3 else b, out=out[lo:hi])
+
+        parallel(run, batch, t)
+        return out
+    # Column blocks of at least 64 (a BLAS micro-panel's multiple); rows when N is narrow.
+    if n >= 128 * t:
+        blocks = n // 64
+
+        def run(lo, hi):
+            c0, c1 = lo * n // blocks, hi * n // blocks
+            np.matmul(a, b[..., c0:c1], out=out[..., c0:c1])
+
+        parallel(run, blocks, t)
+        return out
+    if m >= 16 * t:
+        def run(lo, hi):
+            np.matmul(a[..., lo:hi, :], b, out=out[..., lo:hi, :])
+
+        parallel(run, m, t)
+        return out
+    return np.matmul(a, b, out=out)
 
 
 def _find_blas_get_threads():

@@ -61,13 +61,13 @@ def conv3x3(x: np.ndarray, u: np.ndarray, bias: np.ndarray | None, begin: tuple[
     jit = _act.jit()
     x = np.ascontiguousarray(x, dtype=np.float32)
     bias32 = np.zeros(m, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
-    threads = _act.blas_threads() if tiles * c * 16 >= (1 << 17) else 1
+    threads = _act.threads() if tiles * c * 16 >= (1 << 17) else 1
     if jit is not None:
         v = np.empty((16, c, tiles), np.float32)
         _act.parallel(lambda a, b: jit.wino_input(x, v, begin[0], begin[1], th, tw, a, b), n * c, threads)
     else:
         v = _input_numpy(x, begin, th, tw)
-    mx = np.matmul(u, v)  # (16, M, tiles): 16 BLAS GEMMs
+    mx = _act.matmul(u, v)  # (16, M, tiles): 16 BLAS GEMMs
     y = np.empty((n, m, oh, ow), np.float32)
     if jit is not None:
         codes, params = _act.encode(acts)

@@ -383,7 +383,7 @@ class Conv(Kernel):
             args = (np.ascontiguousarray(xc), np.ascontiguousarray(wm.reshape((m,) + tuple(ks))),
                     bias if bias is not None else np.zeros(m, np.float32), y, strides[0], strides[1],
                     dils[0], dils[1], begin[0], begin[1], codes, params)
-            threads = _act.blas_threads() if y.size * kprod >= _PARALLEL_MACS else 1
+            threads = _act.threads() if y.size * kprod >= _PARALLEL_MACS else 1
             _act.parallel(lambda a, b: jit.depthwise2d(*args, a, b), n * m, threads)
             return self._finish(y, None, (), res, post, out_dtype)
         if kprod == 1 and not any(begin) and not any(end):
@@ -399,7 +399,7 @@ class Conv(Kernel):
             else:
                 cols = im2col(xp, ks, out_shape, strides, dils).reshape(n, g, cg * kprod, length)
         if cols is not None and out is not None:
-            np.matmul(wm[0], cols[0, 0], out=out.reshape(m, length))
+            _act.matmul(wm[0], cols[0, 0], out=out.reshape(m, length))
             y = out  # already (n, m, *out_shape): keep the object, run_into checks identity
         else:
             if cols is not None:
@@ -468,8 +468,8 @@ class Conv(Kernel):
     def _gemm(wm: np.ndarray, cols: np.ndarray, n: int, g: int) -> np.ndarray:
         if g == 1:
             if n == 1:
-                return wm[0] @ cols[0, 0]
-            return np.matmul(wm[0], cols[:, 0])
+                return _act.matmul(wm[0], cols[0, 0])
+            return _act.matmul(wm[0], cols[:, 0])
         return np.matmul(wm, cols)
 
     @staticmethod

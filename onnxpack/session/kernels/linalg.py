@@ -63,11 +63,13 @@ def matmul_packed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     Flattening the leading dimensions of ``a`` turns numpy's per-batch GEMM loop into a single
     large GEMM (much faster for a (batch, seq, K) activation).
     """
-    if a.ndim <= 2:
+    if a.ndim <= 1:
         return a @ b
+    if a.ndim == 2:
+        return _act.matmul(a, b)
     lead = a.shape[:-1]
     a2 = a.reshape(-1, a.shape[-1])
-    return (a2 @ b).reshape(*lead, b.shape[1])
+    return _act.matmul(a2, b).reshape(*lead, b.shape[1])
 
 
 @register("MatMul", since=1)
@@ -122,10 +124,12 @@ class MatMul(Kernel):
         if a.ndim == 0 or y.size == 0 or a.dtype != y.dtype or compute_dtype(a.dtype) != a.dtype:
             return False
         if self._b is not None:
-            if a.ndim <= 2:
+            if a.ndim == 2:
+                _act.matmul(a, self._b, out=y)
+            elif a.ndim < 2:
                 np.matmul(a, self._b, out=y)
             else:  # matmul_packed's single flattened GEMM
-                np.matmul(a.reshape(-1, a.shape[-1]), self._b, out=y.reshape(-1, y.shape[-1]))
+                _act.matmul(a.reshape(-1, a.shape[-1]), self._b, out=y.reshape(-1, y.shape[-1]))
             return True
         if b is None or b.dtype != a.dtype:
             return False
@@ -190,7 +194,7 @@ class Gemm(Kernel):
         if self.trans_a:
             a2 = a2.T
         if self._b is not None:
-            y = a2 @ self._b
+            y = _act.matmul(a2, self._b) if a2.ndim == 2 else a2 @ self._b
         else:
             b2 = as_compute(b)
             y = a2 @ (b2.T if self.trans_b else b2)
@@ -274,6 +278,6 @@ class FusedMatMul(MatMul):
         pcodes, pparams = _act.encode(post)
         r2 = _EMPTY2 if res is None else np.ascontiguousarray(res, dtype=np.float32).reshape(y2.shape)
         args = (y2, _EMPTY1 if bias is None else bias, codes, params, r2, pcodes, pparams)
-        threads = _act.blas_threads() if y.size >= _PARALLEL_ELEMENTS else 1
+        threads = _act.threads() if y.size >= _PARALLEL_ELEMENTS else 1
         _act.parallel(lambda lo, hi: jit.rows_act(*args, lo, hi), y2.shape[0], threads)
         return y

@@ -133,7 +133,7 @@ class LayerNormalization(Kernel):
         b = _EMPTY if bias is None else np.ascontiguousarray(bias).reshape(d)
         s = np.ascontiguousarray(scale).reshape(d)
         eps = np.float32(self.epsilon)
-        threads = _act.blas_threads() if x2.size >= (1 << 16) else 1
+        threads = _act.threads() if x2.size >= (1 << 16) else 1
         _act.parallel(lambda a, c: jit.layer_norm_rows(x2, s, b, eps, y, mean, inv, a, c), rows, threads)
         shape = x.shape[:-1] + (1,)
         return (y.reshape(x.shape), mean.reshape(shape), inv.reshape(shape))[: max(1, len(self.node.output))]
