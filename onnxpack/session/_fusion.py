@@ -183,9 +183,8 @@ def find_conv_fusions(
         taken.update(absorbed)
         taken.add(k)
         relu = None
-        if bn is None or True:
-            if pre == [Activation("relu")] and residual is None and not folds:
-                relu = next(i for i in absorbed if nodes[i].op_type == "Relu")
+        if pre == [Activation("relu")] and residual is None and not folds:
+            relu = next(i for i in absorbed if nodes[i].op_type == "Relu")
         out.append(ConvFusion(k, bn, relu, tuple(folds), tuple(pre), residual, tuple(post), tuple(absorbed), t))
     return out
 
