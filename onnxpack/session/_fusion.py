@@ -1,16 +1,25 @@
-"""Conv → BatchNormalization → Relu fusion, decided at session creation.
+"""Fusions decided at session creation: elementwise chains folded into the Conv or MatMul before them.
 
-ResNet-style models spend a tenth of their time in BatchNormalization and Relu after each Conv.
-With pre-packing on, an inference BatchNormalization whose statistics are constants folds into
-the Conv's packed weight (``W' = W * scale / sqrt(var + eps)``) and a per-channel shift, and a
-following Relu runs in place on the Conv's fresh output.  The folded weight is an ordinary
-pre-packed weight of ``W``: its key includes a digest of the BatchNormalization constants, so it
-is saved, mapped and shared like any other, and a changed statistic is a different key.
+Models spend much of their time in the elementwise passes after each Conv or MatMul.  With
+pre-packing on:
 
-The graph itself is never rewritten: the saved model is the original one, and each compile
-re-derives the fusions from it.  :func:`plan_fusions` is pure: it returns :class:`Fusion`
-records (which nodes collapse into which, and the arguments of the kernel that runs them); the
-resolver turns a record into a kernel.
+* a Conv's BatchNormalization and per-channel ``Mul/Add/Sub/Div`` by constants fold into its
+  packed weight (``W' = W * scale / sqrt(var + eps)``) and a per-channel shift; the
+  activations after it (:func:`match_activation`: Relu, Clip, HardSwish in both spellings,
+  HardSigmoid, LeakyRelu, Max/Min by a constant, Sigmoid, SiLU, scalar affines, exact GELU), one
+  residual ``Add`` and the activations after that run in place on the Conv's fresh output, in one
+  pass (``FusedConv``);
+* a MatMul by a constant matrix takes its bias ``Add``, activations and residual the same way
+  (``FusedMatMul``);
+* ``Add/Sum/Sub/Mul -> Relu`` clamps in place.
+
+The folded weight is an ordinary pre-packed weight of ``W``: its key includes a digest of the
+folded constants, so it is saved, mapped and shared like any other, and a changed statistic is a
+different key.  The graph itself is never rewritten: the saved model is the original one, and
+each compile re-derives the fusions from it.  :func:`plan_fusions` is pure: it returns
+:class:`Fusion` records (which nodes collapse into which, and the arguments of the kernel that
+runs them); the resolver turns a record into a kernel.  A chain stops at any name read by
+anything else or that is a graph output.
 """
 
 from __future__ import annotations
