@@ -1,23 +1,29 @@
-"""Conv → BatchNormalization → Relu, elementwise → Relu and QuantizeLinear → DequantizeLinear
-fusions, decided at session creation.
+"""Fusions decided at session creation: elementwise chains folded into the Conv or MatMul before them.
 
-ResNet-style models spend a tenth of their time in BatchNormalization and Relu after each Conv.
-With pre-packing on, an inference BatchNormalization whose statistics are constants folds into
-the Conv's packed weight (``W' = W * scale / sqrt(var + eps)``) and a per-channel shift, and a
-following Relu runs in place on the Conv's fresh output.  The folded weight is an ordinary
-pre-packed weight of ``W``: its key includes a digest of the BatchNormalization constants, so it
-is saved, mapped and shared like any other, and a changed statistic is a different key.
+Models spend much of their time in the elementwise passes after each Conv or MatMul.  With
+pre-packing on:
 
-A QDQ model (``onnxruntime.quantization``'s default format) brackets every activation with a
-QuantizeLinear → DequantizeLinear pair of the same scale and zero point ("fake quantization"):
-the float value rounded to the integer grid.  The pair runs as one float kernel
-(``fake_quant``: divide, round, clamp to the integer range shifted by the zero point, multiply,
-never materializing the integers), whose results are the pair's bit for bit.
+* a Conv's BatchNormalization and per-channel ``Mul/Add/Sub/Div`` by constants fold into its
+  packed weight (``W' = W * scale / sqrt(var + eps)``) and a per-channel shift; the
+  activations after it (:func:`match_activation`: Relu, Clip, HardSwish in both spellings,
+  HardSigmoid, LeakyRelu, Max/Min by a constant, Sigmoid, SiLU, scalar affines, exact GELU), one
+  residual ``Add`` and the activations after that run in place on the Conv's fresh output, in one
+  pass (``FusedConv``);
+* a MatMul by a constant matrix takes its bias ``Add``, activations and residual the same way
+  (``FusedMatMul``);
+* ``Add/Sum/Sub/Mul -> Relu`` clamps in place;
+* a QuantizeLinear → DequantizeLinear pair of the same scale and zero point ("fake quantization",
+  what ``onnxruntime.quantization``'s QDQ format puts around every activation) runs as one float
+  kernel (``fake_quant``: divide, round, clamp to the integer range shifted by the zero point,
+  multiply, never materializing the integers), whose results are the pair's bit for bit.
 
-The graph itself is never rewritten: the saved model is the original one, and each compile
-re-derives the fusions from it.  :func:`plan_fusions` is pure: it returns :class:`Fusion`
-records (which nodes collapse into which, and the arguments of the kernel that runs them); the
-resolver turns a record into a kernel.
+The folded weight is an ordinary pre-packed weight of ``W``: its key includes a digest of the
+folded constants, so it is saved, mapped and shared like any other, and a changed statistic is a
+different key.  The graph itself is never rewritten: the saved model is the original one, and
+each compile re-derives the fusions from it.  :func:`plan_fusions` is pure: it returns
+:class:`Fusion` records (which nodes collapse into which, and the arguments of the kernel that
+runs them); the resolver turns a record into a kernel.  A chain stops at any name read by
+anything else or that is a graph output.
 """
 
 from __future__ import annotations
@@ -29,8 +35,11 @@ from typing import Any
 import numpy as np
 from onnx import NodeProto, helper
 
-__all__ = ["ConvFusion", "Fusion", "apply_fusions", "bn_fold", "find_conv_fusions", "find_fake_quant_fusions",
-           "find_relu_fusions", "fused_node", "plan_fusions"]
+from onnxpack.session.kernels._act import Activation
+
+__all__ = ["ConvFusion", "Fusion", "MatMulFusion", "apply_fusions", "bn_fold", "find_conv_fusions",
+           "find_fake_quant_fusions", "find_matmul_fusions",
+           "find_relu_fusions", "fused_node", "match_activation", "plan_fusions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,14 +62,29 @@ class Fusion:
 
 @dataclasses.dataclass(frozen=True)
 class ConvFusion:
-    """One Conv with the BatchNormalization and/or Relu folded into it (indices into the nodes)."""
+    """One Conv with the chain after it folded in (indices into the nodes).
+
+    ``bn``: a BatchNormalization folded into the weight; ``folds``: per-channel
+    ``(op, constant name)`` Mul/Add/Sub/Div folded the same way (before any activation);
+    ``pre``: activations; ``residual``: the name added next (a residual connection); ``post``:
+    activations after it; ``nodes``: every absorbed node; ``output``: the chain's last output.
+    ``relu`` is the index of a lone Relu (the simple Conv -> BN -> Relu case), for reports.
+    """
 
     conv: int
     bn: int | None
     relu: int | None
+    folds: tuple[tuple[str, str], ...] = ()
+    pre: tuple[Activation, ...] = ()
+    residual: str | None = None
+    post: tuple[Activation, ...] = ()
+    nodes: tuple[int, ...] = ()
+    output: str = ""
 
     @property
     def absorbed(self) -> tuple[int, ...]:
+        if self.nodes:
+            return self.nodes
         return tuple(i for i in (self.bn, self.relu) if i is not None)
 
 
@@ -70,8 +94,16 @@ def find_conv_fusions(
     protected: set[str],
     is_const: Callable[[str], bool],
     opset: int,
+    const_value: Callable[[str], np.ndarray | None] | None = None,
 ) -> list[ConvFusion]:
     """Fusions in ``nodes`` (pure: decided from the graph alone).
+
+    From each Conv whose weight (and bias) are constants, the chain of single-reader nodes after
+    it is followed as far as it matches, in this order: a foldable BatchNormalization;
+    per-channel Mul/Add/Sub/Div by constants (folded into the weight and shift); activations
+    (:func:`match_activation`: Relu, Clip, HardSwish and its Add/Clip/Mul/Div spelling,
+    HardSigmoid, LeakyRelu, Sigmoid, Sigmoid*x = SiLU) and scalar affines; then one residual Add
+    of a non-constant, then activations again.
 
     Args:
         nodes: the scope's nodes.
@@ -79,20 +111,35 @@ def find_conv_fusions(
         protected: names that must stay materialized (graph outputs).
         is_const: whether a name is a constant of the scope (initializer, not overridable).
         opset: the default domain's opset.
+        const_value: the value of a constant (for the shapes and values of folded constants and
+            activation bounds); without it only BatchNormalization and Relu fuse.
     """
     by_input: dict[str, list[int]] = {}
     for k, node in enumerate(nodes):
         for name in node.input:
             if name:
                 by_input.setdefault(name, []).append(k)
+    if const_value is None:
+        const_value = lambda n: None  # noqa: E731
+    taken: set[int] = set()
+
+    def users_of(name: str) -> list[int] | None:
+        """The nodes reading ``name`` when they are all its reads and it is not protected."""
+        users = sorted(set(by_input.get(name, [])))
+        if not users or name in protected or any(u in taken for u in users):
+            return None
+        count = sum(1 for u in users for i in nodes[u].input if i == name)
+        if readers.get(name, 0) != count:
+            return None
+        return users
 
     def sole_reader(name: str, op_type: str) -> int | None:
-        users = by_input.get(name, [])
-        if len(users) != 1 or readers.get(name, 0) != 1 or name in protected:
+        users = users_of(name)
+        if users is None or len(users) != 1:
             return None
         k = users[0]
         node = nodes[k]
-        if node.op_type != op_type or node.domain not in ("", "ai.onnx") or node.input[0] != name:
+        if node.op_type != op_type or node.domain not in ("", "ai.onnx") or list(node.input).count(name) != 1:
             return None
         return k
 
@@ -102,14 +149,347 @@ def find_conv_fusions(
             continue
         if not is_const(node.input[1]) or (len(node.input) > 2 and node.input[2] and not is_const(node.input[2])):
             continue
-        bn = sole_reader(node.output[0], "BatchNormalization")
-        if bn is not None and not _foldable_bn(nodes[bn], is_const, opset):
+        w = const_value(node.input[1])
+        m = None if w is None or w.ndim < 3 else int(w.shape[0])
+        rank = None if w is None else w.ndim
+        absorbed: list[int] = []
+        t = node.output[0]
+        bn = sole_reader(t, "BatchNormalization")
+        if bn is not None and _foldable_bn(nodes[bn], is_const, opset):
+            absorbed.append(bn)
+            t = nodes[bn].output[0]
+        else:
             bn = None
-        tail = nodes[bn].output[0] if bn is not None else node.output[0]
-        relu = sole_reader(tail, "Relu")
-        if bn is None and relu is None:
+        folds: list[tuple[str, str]] = []
+        while m is not None:
+            f = _match_channel_fold(nodes, t, users_of, const_value, m, rank)
+            if f is None:
+                break
+            idx, op, cname = f
+            folds.append((op, cname))
+            absorbed.append(idx)
+            t = nodes[idx].output[0]
+        pre: list[Activation] = []
+        post: list[Activation] = []
+        residual = None
+        while True:
+            got = match_activation(nodes, t, users_of, const_value, opset)
+            if got is not None:
+                act, idxs, t = got
+                (post if residual is not None else pre).append(act)
+                absorbed.extend(idxs)
+                continue
+            if residual is None:
+                users = users_of(t)
+                if users is not None and len(users) == 1:
+                    add = nodes[users[0]]
+                    if (add.op_type in ("Add", "Sum") and add.domain in ("", "ai.onnx") and len(add.input) == 2
+                            and list(add.input).count(t) == 1):
+                        other = add.input[1] if add.input[0] == t else add.input[0]
+                        if other and not is_const(other):
+                            residual = other
+                            absorbed.append(users[0])
+                            t = add.output[0]
+                            continue
+            break
+        if not absorbed:
             continue
-        out.append(ConvFusion(k, bn, relu))
+        taken.update(absorbed)
+        taken.add(k)
+        relu = None
+        if pre == [Activation("relu")] and residual is None and not folds:
+            relu = next(i for i in absorbed if nodes[i].op_type == "Relu")
+        out.append(ConvFusion(k, bn, relu, tuple(folds), tuple(pre), residual, tuple(post), tuple(absorbed), t))
+    return out
+
+
+def _scalar(v: np.ndarray | None) -> float | None:
+    if v is None or v.size != 1 or v.dtype.kind != "f":
+        return None
+    return float(v.reshape(()))
+
+
+def _match_channel_fold(nodes, t, users_of, const_value, m: int, rank: int | None):
+    """``Mul/Add/Sub/Div(t, C)`` (``C`` per output channel or scalar, float): (index, op, C name)."""
+    users = users_of(t)
+    if users is None or len(users) != 1:
+        return None
+    node = nodes[users[0]]
+    if node.op_type not in ("Mul", "Add", "Sub", "Div") or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+        return None
+    if list(node.input).count(t) != 1:
+        return None
+    other = node.input[1] if node.input[0] == t else node.input[0]
+    if node.op_type in ("Sub", "Div") and node.input[0] != t:
+        return None
+    c = const_value(other) if other else None
+    if c is None or c.dtype.kind != "f" or rank is None or c.ndim > rank:
+        return None
+    shape = (1,) * (rank - c.ndim) + tuple(c.shape)
+    if shape[0] != 1 or shape[1] not in (1, m) or any(d != 1 for d in shape[2:]):
+        return None
+    return users[0], node.op_type, other
+
+
+def _match_gelu(nodes, t, users, users_of, const_value):
+    """``Mul(Mul(t, Add(Erf(Div(t, sqrt 2)), 1)), 0.5)`` (torch's exact GELU export; also with
+    ``Mul(t, 1/sqrt 2)`` and the 0.5 applied to ``t`` first)."""
+    ops = [nodes[u] for u in users]
+    scale = next(((u, n) for u, n in zip(users, ops) if n.op_type in ("Div", "Mul") and len(n.input) == 2
+                  and _scalar(const_value(n.input[1] if n.input[0] == t else n.input[0])) is not None
+                  and (n.op_type == "Mul" or n.input[0] == t)), None)
+    if scale is None:
+        return None
+    si, sn = scale
+    k = _scalar(const_value(sn.input[1] if sn.input[0] == t else sn.input[0]))
+    inv = k if sn.op_type == "Mul" else 1.0 / k
+    if abs(inv - 0.7071067811865476) > 1e-6:
+        return None
+    other = [(u, n) for u, n in zip(users, ops) if u != si]
+    if len(other) != 1 or other[0][1].op_type != "Mul":
+        return None
+    mi, mul = other[0]
+
+    def only(name, op):
+        us = users_of(name)
+        if us is None or len(us) != 1 or nodes[us[0]].op_type != op or nodes[us[0]].domain not in ("", "ai.onnx"):
+            return None
+        return us[0]
+
+    ei = only(sn.output[0], "Erf")
+    if ei is None:
+        return None
+    ai = only(nodes[ei].output[0], "Add")
+    if ai is None:
+        return None
+    add = nodes[ai]
+    one = add.input[1] if add.input[0] == nodes[ei].output[0] else add.input[0]
+    if _scalar(const_value(one)) != 1.0:
+        return None
+    e1 = add.output[0]
+    if sorted(mul.input) == sorted([t, e1]):
+        # 0.5 applied last: Mul(Mul(t, e1), 0.5)
+        if users_of(e1) != [mi]:
+            return None
+        hi = only(mul.output[0], "Mul")
+        if hi is None:
+            return None
+        h = nodes[hi]
+        half = h.input[1] if h.input[0] == mul.output[0] else h.input[0]
+        if _scalar(const_value(half)) != 0.5:
+            return None
+        return Activation("gelu"), (si, ei, ai, mi, hi), h.output[0]
+    # 0.5 applied to t first: Mul(Mul(t, 0.5), e1)
+    half = mul.input[1] if mul.input[0] == t else mul.input[0]
+    if _scalar(const_value(half)) != 0.5:
+        return None
+    fi = only(mul.output[0], "Mul")
+    if fi is None or sorted(nodes[fi].input) != sorted([mul.output[0], e1]) or users_of(e1) != [fi]:
+        return None
+    return Activation("gelu"), (si, ei, ai, mi, fi), nodes[fi].output[0]
+
+
+def match_activation(nodes, t, users_of, const_value, opset):
+    """The activation reading ``t`` (its only readers), as ``(Activation, node indices, output)``.
+
+    Recognized: Relu; Clip with constant bounds (attributes before opset 11); HardSwish;
+    HardSigmoid; LeakyRelu; Sigmoid; ``Mul(t, Sigmoid(t))`` (SiLU); ``Div(Mul(t, Clip(Add(t, 3),
+    0, 6)), 6)`` (HardSwish as Paddle and TF export it, also with ``Mul(., 1/6)``); and
+    ``Mul/Add/Sub/Div`` by a float scalar constant (an affine step); ``Max/Min`` with a float
+    scalar constant (a one-sided clip, as TensorFlow exports write it); torch's exact GELU
+    (``x * (erf(x / sqrt 2) + 1) * 0.5``, see :func:`_match_gelu`).
+    """
+    users = users_of(t)
+    if users is None:
+        return None
+    ops = [nodes[u] for u in users]
+    if any(n.domain not in ("", "ai.onnx") for n in ops):
+        return None
+    attrs = lambda n: {a.name: helper.get_attribute_value(a) for a in n.attribute}  # noqa: E731
+    if len(users) == 1:
+        n = ops[0]
+        if list(n.input).count(t) != 1 or n.input[0] != t and n.op_type not in ("Mul", "Add", "Max", "Min"):
+            return None
+        out = n.output[0] if n.output else ""
+        if not out or len([o for o in n.output if o]) != 1:
+            return None
+        if n.op_type == "Relu":
+            return Activation("relu"), (users[0],), out
+        if n.op_type == "Clip":
+            if opset < 11:
+                a = attrs(n)
+                lo, hi = float(a.get("min", -np.inf)), float(a.get("max", np.inf))
+            else:
+                lo, hi = -np.inf, np.inf
+                if len(n.input) > 1 and n.input[1]:
+                    lo = _scalar(const_value(n.input[1]))
+                if len(n.input) > 2 and n.input[2]:
+                    hi = _scalar(const_value(n.input[2]))
+                if lo is None or hi is None:
+                    return None
+            return Activation("clip", lo, hi), (users[0],), out
+        if n.op_type == "HardSwish":
+            return Activation("hardswish", 1.0 / 6.0, 0.5), (users[0],), out
+        if n.op_type == "HardSigmoid":
+            a = attrs(n)
+            return Activation("hardsigmoid", float(a.get("alpha", 0.2)), float(a.get("beta", 0.5))), (users[0],), out
+        if n.op_type == "LeakyRelu":
+            return Activation("leakyrelu", float(attrs(n).get("alpha", 0.01))), (users[0],), out
+        if n.op_type == "Sigmoid":
+            return Activation("sigmoid"), (users[0],), out
+        if n.op_type in ("Max", "Min") and len(n.input) == 2:  # TF exports' bounds: Max(x, c)
+            other = n.input[1] if n.input[0] == t else n.input[0]
+            k = _scalar(const_value(other)) if other else None
+            if k is None or np.isnan(k):
+                return None
+            return (Activation("clip", k, np.inf) if n.op_type == "Max" else Activation("clip", -np.inf, k)), (users[0],), out
+        if n.op_type in ("Mul", "Add", "Sub", "Div") and len(n.input) == 2:
+            other = n.input[1] if n.input[0] == t else n.input[0]
+            k = _scalar(const_value(other)) if other else None
+            if k is None:
+                return None
+            if n.op_type == "Mul":
+                return Activation("affine", k, 0.0), (users[0],), out
+            if n.op_type == "Add":
+                return Activation("affine", 1.0, k), (users[0],), out
+            if n.op_type == "Sub":
+                return Activation("affine", 1.0, -k), (users[0],), out
+            if k != 0.0:
+                return Activation("affine", 1.0 / k, 0.0), (users[0],), out
+        return None
+    if len(users) != 2:
+        return None
+    by_op = {n.op_type: (u, n) for u, n in zip(users, ops)}
+    if set(by_op) == {"Sigmoid", "Mul"}:
+        (si, sig), (mi, mul) = by_op["Sigmoid"], by_op["Mul"]
+        s = sig.output[0]
+        if sig.input[0] == t and sorted(mul.input) == sorted([t, s]) and users_of(s) == [mi]:
+            return Activation("silu"), (si, mi), mul.output[0]
+        return None
+    gelu = _match_gelu(nodes, t, users, users_of, const_value)
+    if gelu is not None:
+        return gelu
+    if set(by_op) == {"Add", "Mul"}:
+        (ai, add), (mi, mul) = by_op["Add"], by_op["Mul"]
+        three = add.input[1] if add.input[0] == t else add.input[0]
+        if _scalar(const_value(three)) != 3.0:
+            return None
+        cu = users_of(add.output[0])
+        if cu is None or len(cu) != 1 or nodes[cu[0]].op_type != "Clip":
+            return None
+        clip = nodes[cu[0]]
+        if opset < 11:
+            a = attrs(clip)
+            lo, hi = float(a.get("min", -np.inf)), float(a.get("max", np.inf))
+        else:
+            lo = _scalar(const_value(clip.input[1])) if len(clip.input) > 1 and clip.input[1] else None
+            hi = _scalar(const_value(clip.input[2])) if len(clip.input) > 2 and clip.input[2] else None
+        if (lo, hi) != (0.0, 6.0) or sorted(mul.input) != sorted([t, clip.output[0]]):
+            return None
+        if users_of(clip.output[0]) != [mi]:
+            return None
+        du = users_of(mul.output[0])
+        if du is None or len(du) != 1:
+            return None
+        last = nodes[du[0]]
+        if last.domain not in ("", "ai.onnx") or len(last.input) != 2 or last.input[0] != mul.output[0]:
+            return None
+        k = _scalar(const_value(last.input[1]))
+        if not ((last.op_type == "Div" and k == 6.0) or (last.op_type == "Mul" and k is not None
+                                                        and abs(k - 1.0 / 6.0) < 1e-7)):
+            return None
+        return Activation("hardswish", 1.0 / 6.0, 0.5), (ai, cu[0], mi, du[0]), last.output[0]
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class MatMulFusion:
+    """A MatMul by a constant 2-D weight with its bias Add, activations and residual folded in."""
+
+    matmul: int
+    bias: str | None
+    pre: tuple[Activation, ...]
+    residual: str | None
+    post: tuple[Activation, ...]
+    nodes: tuple[int, ...]
+    output: str
+
+
+def find_matmul_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
+                        const_value: Callable[[str], np.ndarray | None], opset: int,
+                        taken: set[int]) -> list[MatMulFusion]:
+    """``MatMul(A, W) [+ bias] [activations] [+ residual [activations]]`` chains (pure).
+
+    ``W`` is a constant float matrix; the bias a float constant along its last axis (shape
+    ``(N,)``, ``(1, ..., N)`` or a scalar); activations as :func:`match_activation` finds them
+    (torch's erf GELU included); the residual a non-constant ``Add`` operand.  Each name in the
+    chain must be read only by the next node and not be a graph output.
+    """
+    by_input: dict[str, list[int]] = {}
+    for k, node in enumerate(nodes):
+        for name in node.input:
+            if name:
+                by_input.setdefault(name, []).append(k)
+    used = set(taken)
+
+    def users_of(name: str) -> list[int] | None:
+        users = sorted(set(by_input.get(name, [])))
+        if not users or name in protected or any(u in used for u in users):
+            return None
+        count = sum(1 for u in users for i in nodes[u].input if i == name)
+        if readers.get(name, 0) != count:
+            return None
+        return users
+
+    out: list[MatMulFusion] = []
+    for k, node in enumerate(nodes):
+        if k in used or node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+            continue
+        w = const_value(node.input[1])
+        if w is None or w.ndim != 2 or w.dtype.kind != "f":
+            continue
+        n = int(w.shape[1])
+        absorbed: list[int] = []
+        t = node.output[0]
+        bias = None
+        users = users_of(t)
+        if users is not None and len(users) == 1:
+            add = nodes[users[0]]
+            if add.op_type == "Add" and add.domain in ("", "ai.onnx") and list(add.input).count(t) == 1:
+                other = add.input[1] if add.input[0] == t else add.input[0]
+                c = const_value(other) if other else None
+                if c is not None and c.dtype.kind == "f" and (c.size == 1 or (c.shape[-1] == n and c.size == n)):
+                    bias = other
+                    absorbed.append(users[0])
+                    t = add.output[0]
+        pre: list[Activation] = []
+        post: list[Activation] = []
+        residual = None
+        while True:
+            got = match_activation(nodes, t, users_of, const_value, opset)
+            if got is not None:
+                act, idxs, t = got
+                (post if residual is not None else pre).append(act)
+                absorbed.extend(idxs)
+                continue
+            if residual is None:
+                users = users_of(t)
+                if users is not None and len(users) == 1:
+                    add = nodes[users[0]]
+                    if (add.op_type in ("Add", "Sum") and add.domain in ("", "ai.onnx") and len(add.input) == 2
+                            and list(add.input).count(t) == 1):
+                        other = add.input[1] if add.input[0] == t else add.input[0]
+                        if other and const_value(other) is None:
+                            residual = other
+                            absorbed.append(users[0])
+                            t = add.output[0]
+                            continue
+            break
+        if not absorbed:
+            continue
+        used.update(absorbed)
+        used.add(k)
+        out.append(MatMulFusion(k, bias, tuple(pre), residual, tuple(post), tuple(absorbed), t))
     return out
 
 
@@ -224,15 +604,20 @@ def _foldable_bn(node: NodeProto, is_const: Callable[[str], bool], opset: int) -
 
 
 def fused_node(nodes: Sequence[NodeProto], fusion: ConvFusion) -> NodeProto:
-    """The Conv node standing for the fused chain: its inputs, the chain's last output."""
+    """The node standing for the fused chain: the anchor's inputs (plus the residual as input
+    3 of a Conv), the chain's last output."""
     conv = nodes[fusion.conv]
-    last = nodes[fusion.relu if fusion.relu is not None else fusion.bn]
+    if fusion.output:
+        last_output = fusion.output
+    else:
+        last = nodes[fusion.relu if fusion.relu is not None else fusion.bn]
+        last_output = last.output[0]
     names = [nodes[i].name or f"#{i}" for i in (fusion.conv, *fusion.absorbed)]
     node = NodeProto()
     node.CopyFrom(conv)
     node.name = "+".join(names)
     del node.output[:]
-    node.output.extend([last.output[0]])
+    node.output.extend([last_output])
     return node
 
 
@@ -270,24 +655,58 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
         def is_const(n: str) -> bool:
             return const_value(n) is not None
 
-    convs = find_conv_fusions(nodes, readers, protected, is_const, opset)
+    convs = find_conv_fusions(nodes, readers, protected, is_const, opset, const_value)
     taken = {i for f in convs for i in (f.conv, *f.absorbed)}
     out: list[Fusion] = []
     for f in convs:
         node = fused_node(nodes, f)
-        params: dict[str, Any] = {"multiplier": None, "shift": None, "relu": f.relu is not None}
-        if f.bn is not None:
-            bn = nodes[f.bn]
-            scale, bias, mean, var = (const_value(n) for n in bn.input[1:5])
-            channels = const_value(nodes[f.conv].input[1]).shape[0]
-            if any(np.ndim(p) != 1 or np.size(p) != channels for p in (scale, bias, mean, var)):
-                continue  # not one statistic per output channel: BatchNormalization decides (or refuses)
-            eps = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
-            conv = nodes[f.conv]
+        conv = nodes[f.conv]
+        params: dict[str, Any] = {"multiplier": None, "shift": None, "pre": f.pre, "residual": f.residual is not None,
+                                  "post": f.post}
+        if f.bn is not None or f.folds:
+            w = const_value(conv.input[1])
+            m = int(w.shape[0])
             cb = const_value(conv.input[2]) if len(conv.input) > 2 and conv.input[2] else None
-            params["multiplier"], params["shift"] = bn_fold(scale, bias, mean, var, eps, cb)
+            mult = np.ones(m, np.float64)
+            shift = np.zeros(m, np.float64) if cb is None else cb.astype(np.float64).reshape(m)
+            if f.bn is not None:
+                bn = nodes[f.bn]
+                scale, bias, mean, var = (const_value(n) for n in bn.input[1:5])
+                if any(np.ndim(p) != 1 or np.size(p) != m for p in (scale, bias, mean, var)):
+                    continue  # not one statistic per output channel: BatchNormalization decides (or refuses)
+                eps = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
+                a, b = bn_fold(scale, bias, mean, var, eps, None)
+                mult, shift = mult * a, shift * a + b
+            for op, cname in f.folds:
+                c = np.broadcast_to(const_value(cname).astype(np.float64).reshape(-1), (m,))
+                if op == "Mul":
+                    mult, shift = mult * c, shift * c
+                elif op == "Div":
+                    mult, shift = mult / c, shift / c
+                elif op == "Add":
+                    shift = shift + c
+                else:
+                    shift = shift - c
+            params["multiplier"], params["shift"] = mult, shift
             del node.input[2:]  # the Conv bias is folded into the shift
+        if f.residual is not None:
+            while len(node.input) < 3:
+                node.input.append("")
+            node.input.append(f.residual)
         out.append(Fusion(node, f.conv, f.absorbed, kernel="conv", params=params))
+    for f in find_matmul_fusions(nodes, readers, protected, const_value, opset, taken):
+        node = NodeProto()
+        node.CopyFrom(nodes[f.matmul])  # keeps the MatMul's name: reports and logs name the weight's reader
+        del node.output[:]
+        node.output.extend([f.output])
+        if f.residual is not None:
+            node.input.append(f.residual)
+        bias = None
+        if f.bias is not None:
+            bias = np.asarray(const_value(f.bias), dtype=np.float64).reshape(-1)
+        params = {"bias": bias, "pre": f.pre, "residual": f.residual is not None, "post": f.post}
+        out.append(Fusion(node, f.matmul, f.nodes, kernel="matmul", params=params))
+        taken.update((f.matmul, *f.nodes))
     for f in find_relu_fusions(nodes, readers, protected, taken):
         out.append(Fusion(fused_node(nodes, f), f.conv, f.absorbed, epilogue="relu"))
         taken.update((f.conv, *f.absorbed))

@@ -105,6 +105,12 @@ class Step:
     packed: frozenset[int] = frozenset()
     release: tuple[str, ...] = ()
     implicit: tuple[str, ...] = ()
+    # Derived once, for the step loop: the input names with "" for omitted and packed inputs
+    # (both are fed None), so a run does no set lookups per argument.
+    args: tuple[str, ...] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "args", tuple("" if i in self.packed else n for i, n in enumerate(self.inputs)))
 
     @property
     def label(self) -> str:
@@ -305,12 +311,13 @@ def run_plan(plan: Plan, inputs: Sequence[Any], parent: Frame | None = None,
         values[name] = value
     frame = Frame(values, parent, control)
     get = frame.get
-    for k, step in enumerate(plan.steps):
-        packed = step.packed
-        args = [None if (i in packed or not n) else (values[n] if n in values else get(n))
-                for i, n in enumerate(step.inputs)]
-        if hook is None:
+    if hook is None:
+        # The plain loop (measured on a 1,000-node chain of tiny ops, benchmarks/bench_overhead.py):
+        # arguments from the precomputed ``Step.args``, the kernel's bound method called
+        # directly for ``plain`` kernels, a single output stored without a loop.
+        for step in plan.steps:
             kernel = step.kernel
+            args = [values[n] if n in values else (get(n) if n else None) for n in step.args]
             try:
                 mode = kernel.call_mode
                 if mode == "plain":
@@ -323,13 +330,28 @@ def run_plan(plan: Plan, inputs: Sequence[Any], parent: Frame | None = None,
                 raise
             except Exception as exc:
                 raise RuntimeFailure(f"{step.label} in graph {plan.name!r} failed: {type(exc).__name__}: {exc}") from exc
-        else:
+            names = step.outputs
+            if len(names) == 1:
+                name = names[0]
+                if name:
+                    value = outs[0]
+                    values[name] = value if value.__class__ is np.ndarray or value is None or isinstance(
+                        value, (np.ndarray, list)) else np.asarray(value)
+            else:
+                for name, value in zip(names, outs):
+                    if name:
+                        values[name] = value if isinstance(value, (np.ndarray, list)) or value is None else np.asarray(value)
+            for name in step.release:
+                values.pop(name, None)
+    else:
+        for k, step in enumerate(plan.steps):
+            args = [values[n] if n in values else (get(n) if n else None) for n in step.args]
             outs = hook.step(k, step, args, frame, plan)
-        for name, value in zip(step.outputs, outs):
-            if name:
-                values[name] = value if isinstance(value, (np.ndarray, list)) or value is None else np.asarray(value)
-        for name in step.release:
-            values.pop(name, None)
+            for name, value in zip(step.outputs, outs):
+                if name:
+                    values[name] = value if isinstance(value, (np.ndarray, list)) or value is None else np.asarray(value)
+            for name in step.release:
+                values.pop(name, None)
     try:
         return [values[n] if n in values else get(n) for n in plan.output_names]
     except KeyError as exc:

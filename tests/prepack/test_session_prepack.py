@@ -321,7 +321,9 @@ def test_two_sessions_share_one_container(transformer):
     np.testing.assert_array_equal(s1.run(None, feeds)[0], s2.run(None, feeds)[0])
     s1.close()
     assert len(c) == n_entries  # s2 still holds them
-    np.testing.assert_array_equal(s2.run(None, feeds)[0], InferenceSession(path, _unpacked()).run(None, feeds)[0])
+    # Packed sessions fuse MatMul + bias + GELU (one rounding per step less): close, not equal.
+    np.testing.assert_allclose(s2.run(None, feeds)[0], InferenceSession(path, _unpacked()).run(None, feeds)[0],
+                               rtol=1e-5, atol=1e-6)
     s2.close()
     assert len(c) == 0 and c.nbytes == 0
 

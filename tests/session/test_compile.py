@@ -53,8 +53,9 @@ def test_program_is_frozen_runs_like_the_reference_and_logs_every_pack():
     with pytest.raises(dataclasses.FrozenInstanceError):
         program.root = None  # type: ignore[misc]
     # Cast(W2) is a constant expression (_derive.py): fc2 packs the cast weight itself, and the
-    # Cast node, read by nobody unpacked, is dropped without packing anything.
-    assert [s.node.name for s in program.root.steps] == ["fc1", "relu", "fc2"]
+    # Cast node, read by nobody unpacked, is dropped without packing anything; MatMul -> Relu runs
+    # as one fused step named after the MatMul (session/_fusion.py).
+    assert [s.node.name for s in program.root.steps] == ["fc1", "fc2"]
     assert {(e.node, e.input, e.weight.name, e.origin) for e in program.pack_log} == {
         ("fc1", 1, "W1", "packed"), ("fc2", 1, "W2", "packed")}
     # Both originals are packed and read by nothing else: neither stays a constant.

@@ -30,12 +30,15 @@ import hashlib
 import itertools
 import logging
 import math
+import os
 import struct
 
 import numpy as np
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register, register_fused
+from onnxpack.session.kernels import _act, _winograd
+from onnxpack.session.kernels._act import Activation
 from onnxpack.session.kernels.linalg import as_compute, compute_dtype
 
 logger = logging.getLogger(__name__)
@@ -53,6 +56,19 @@ __all__ = [
 
 # Version of the packed layouts written by this module (bump when a layout changes).
 _PACK_VERSION = 1
+# Version of the Winograd pack (filters transformed to (16, M, C) float32).
+_WINO_VERSION = 1
+# ONNXPACK_WINOGRAD=0 keeps every conv on im2col (to measure what Winograd buys).
+_WINOGRAD = os.environ.get("ONNXPACK_WINOGRAD", "1") != "0"
+# Below this many 2x2 output tiles (batch included) a Winograd conv runs as im2col + one GEMM.
+_WINO_MIN_TILES = 24
+_EMPTY1 = np.zeros(0, np.float32)
+# Depthwise convs of at least this many multiply-adds split their planes over the BLAS's
+# thread count (below, a thread hand-off costs more than it saves).
+_PARALLEL_MACS = 1 << 18
+# Above this many kernel taps im2col is one strided-window copy, not a copy per tap.
+_WINDOW_TAPS = 32
+_EMPTY3 = np.zeros((0, 0, 0), np.float32)
 
 
 # -- geometry ---------------------------------------------------------------------------------
@@ -166,7 +182,21 @@ def im2col(xp: np.ndarray, kernel, out, strides, dilations) -> np.ndarray:
     With strides > 1 the input is first split into its stride phases (``xp[..., r::s]``), so
     every tap reads a unit-stride block of one phase: measured 2.4x faster for resnet's 7x7/2
     stem (0.26 ms vs 0.61 ms) than strided reads.
+
+    Kernels of more than :data:`_WINDOW_TAPS` taps (an STFT as a 1-D Conv: 512 taps) are one
+    strided-window copy instead (``sliding_window_view``): a Python step per tap would cost more
+    than the copy itself (melspectrogram's 2 convs: 19 ms -> well under 1 ms).
     """
+    if math.prod(kernel) > _WINDOW_TAPS:
+        nd = len(kernel)
+        eff = tuple((k - 1) * d + 1 for k, d in zip(kernel, dilations))
+        win = np.lib.stride_tricks.sliding_window_view(xp, eff, axis=tuple(range(2, 2 + nd)))
+        # win: (N, C, *positions, *eff); pick output positions by stride and taps by dilation
+        win = win[(slice(None), slice(None))
+                  + tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(out, strides))
+                  + tuple(slice(None, None, d) for d in dilations)]
+        perm = (0, 1) + tuple(range(2 + nd, 2 + 2 * nd)) + tuple(range(2, 2 + nd))
+        return np.ascontiguousarray(win.transpose(perm))
     cols = np.empty(xp.shape[:2] + tuple(kernel) + tuple(out), dtype=xp.dtype)
     phases: dict[tuple[int, ...], np.ndarray] = {}
     strided = any(s > 1 for s in strides)
@@ -228,13 +258,30 @@ class Conv(Kernel):
         if self.group < 1:
             raise InvalidArgument(f"node {node.name!r} ({node.op_type}): attribute group must be >= 1, got {self.group}")
         self._w: np.ndarray | None = None  # packed (g, M/g, C/g, *kernel)
+        self._u: np.ndarray | None = None  # packed Winograd filters (16, M, C)
+        self._w_from_u: np.ndarray | None = None  # (M, C, 3, 3) recovered for small maps, lazily
 
     # pre-packing
+    def _winograd_ok(self, info: TensorInfo) -> bool:
+        """Whether this Conv packs its weight for Winograd F(2x2, 3x3): a float32-computed 3x3
+        kernel, one group, unit strides and dilations, at least ``MIN_CHANNELS`` in and out."""
+        if not _WINOGRAD or len(info.shape) != 4 or tuple(info.shape[2:]) != (3, 3) or self.group != 1:
+            return False
+        if compute_dtype(info.dtype) != np.float32:
+            return False
+        if any(int(s) != 1 for s in (self.sp.strides or ())) or any(int(d) != 1 for d in (self.sp.dilations or ())):
+            return False
+        if self.sp.kernel_shape and tuple(int(k) for k in self.sp.kernel_shape) != (3, 3):
+            return False
+        return min(info.shape[0], info.shape[1]) >= _winograd.MIN_CHANNELS
+
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
         if input_index != 1 or compute_dtype(info.dtype) is None or len(info.shape) < 3:
             return None
         if info.shape[0] % self.group:
             return None
+        if self._winograd_ok(info):
+            return PackSpec("conv_wino", _WINO_VERSION, struct.pack("<q", self.group), 1)
         identity = compute_dtype(info.dtype) == np.dtype(info.dtype)  # the GEMM matrix is a reshape
         return PackSpec("conv", _PACK_VERSION, struct.pack("<q", self.group), 1, identity=identity)
 
@@ -243,16 +290,27 @@ class Conv(Kernel):
             return None
         m = info.shape[0]
         g = self.group
+        if self._winograd_ok(info):
+            return [(np.dtype(np.float32), (16, m, info.shape[1]))]
         return [(compute_dtype(info.dtype), (g, m // g) + tuple(info.shape[1:]))]
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
         m = weight.shape[0]
         g = self.group
+        info = TensorInfo("", weight.dtype, tuple(weight.shape), 0)
+        if self._winograd_ok(info):
+            return (_winograd.weight_transform(weight),)
         w = weight.reshape((g, m // g) + weight.shape[1:])
         return (np.ascontiguousarray(w, dtype=compute_dtype(weight.dtype)),)
 
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
-        (self._w,) = buffers
+        (packed,) = buffers
+        # A (g, M/g, C/g, *kernel) pack has rank >= 4; only the Winograd pack (16, M, C) has rank 3
+        # (check_packed has already matched the buffer against expected_packed).
+        if packed.ndim == 3:
+            self._u = packed
+        else:
+            self._w = packed
 
     def run(self, x, w=None, b=None):
         return (self._conv(x, w, b, None),)
@@ -260,15 +318,23 @@ class Conv(Kernel):
     def run_into(self, outs, x, w=None, b=None) -> bool:
         """``run`` writing into ``outs[0]`` (the memory planner's arena): only the one-GEMM case
         (batch 1, one group, output already in the compute dtype), so the bits are ``run``'s."""
+        return self._run_into(outs, x, w, b, None)
+
+    def _run_into(self, outs, x, w, b, res) -> bool:
         y = outs[0]
         if self.group != 1 or x.ndim < 3 or x.shape[0] != 1 or y.size == 0:
             return False
         if y.dtype != x.dtype or compute_dtype(x.dtype) != x.dtype:
             return False
-        return self._conv(x, w, b, y) is y
+        return self._conv(x, w, b, y, res) is y
 
-    def _conv(self, x, w, b, out: np.ndarray | None) -> np.ndarray:
-        """The convolution; with ``out`` (batch 1, one group) the GEMM writes there.
+    # The epilogue after the GEMM: per-channel bias, activations, residual, activations.  Conv
+    # has none but its bias; FusedConv sets these from its fusion record.
+    _pre: tuple[Activation, ...] = ()
+    _post: tuple[Activation, ...] = ()
+
+    def _conv(self, x, w, b, out: np.ndarray | None, res: np.ndarray | None = None) -> np.ndarray:
+        """The convolution and its epilogue; with ``out`` (batch 1, one group) the GEMM writes there.
 
         Returns the result: ``out`` itself when it was used, else a fresh array.
         """
@@ -276,6 +342,8 @@ class Conv(Kernel):
         if compute_dtype(x.dtype) is None:
             raise InvalidArgument(f"node {self.node.name!r}: Conv on {x.dtype} is not supported natively")
         g = self.group
+        if self._u is not None and w is None:
+            return self._conv_winograd(x, b, out, res)
         if self._w is not None:
             m = self._w.shape[0] * self._w.shape[1]
             kernel_shape = self._w.shape[3:]
@@ -303,6 +371,21 @@ class Conv(Kernel):
         length = math.prod(out_shape)
         if out is not None and (out.shape != (n, m) + tuple(out_shape) or not out.flags.c_contiguous):
             out = None
+        bias = None if b is None else as_compute(b).astype(xc.dtype, copy=False)
+        if bias is not None and bias.shape != (m,):
+            raise InvalidArgument(f"node {self.node.name!r} (Conv): bias must have shape [{m}], got {list(bias.shape)}")
+        pre, post = self._pre, self._post
+        jit = _act.jit() if xc.dtype == np.float32 else None
+        if cg == 1 and mg == 1 and g > 1 and nd == 2 and jit is not None and length > 0:
+            # Depthwise: the JIT folds the padding, bias and activations into one pass.
+            y = np.empty((n, m) + tuple(out_shape), np.float32)
+            codes, params = _act.encode(pre)
+            args = (np.ascontiguousarray(xc), np.ascontiguousarray(wm.reshape((m,) + tuple(ks))),
+                    bias if bias is not None else np.zeros(m, np.float32), y, strides[0], strides[1],
+                    dils[0], dils[1], begin[0], begin[1], codes, params)
+            threads = _act.threads() if y.size * kprod >= _PARALLEL_MACS else 1
+            _act.parallel(lambda a, b: jit.depthwise2d(*args, a, b), n * m, threads)
+            return self._finish(y, None, (), res, post, out_dtype)
         if kprod == 1 and not any(begin) and not any(end):
             # 1x1: the (strided) input is the column matrix.
             xs = xc[(Ellipsis,) + tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(out_shape, strides))]
@@ -316,14 +399,67 @@ class Conv(Kernel):
             else:
                 cols = im2col(xp, ks, out_shape, strides, dils).reshape(n, g, cg * kprod, length)
         if cols is not None and out is not None:
-            np.matmul(wm[0], cols[0, 0], out=out.reshape(m, length))
+            _act.matmul(wm[0], cols[0, 0], out=out.reshape(m, length))
             y = out  # already (n, m, *out_shape): keep the object, run_into checks identity
         else:
             if cols is not None:
                 y = self._gemm(wm, cols, n, g)
             y = y.reshape((n, m) + tuple(out_shape))
-        if b is not None:
-            y += as_compute(b).astype(y.dtype, copy=False).reshape((1, m) + (1,) * nd)
+        return self._finish(y, bias, pre, res, post, out_dtype)
+
+    def _conv_winograd(self, x, b, out, res) -> np.ndarray:
+        """The Winograd path (weight packed as ``U``); the epilogue's activations before a
+        residual run inside the output transform."""
+        out_dtype = x.dtype
+        u = self._u
+        m, c_w = u.shape[1], u.shape[2]
+        xc = as_compute(x)
+        if xc.ndim != 4 or xc.shape[1] != c_w:
+            raise InvalidArgument(
+                f"node {self.node.name!r} (Conv): input of shape {list(x.shape)} does not fit a 3x3 weight of "
+                f"{c_w} input channels")
+        ks, strides, dils = self.sp.resolve(2, (3, 3))
+        begin, end, out_shape = conv_geometry(xc.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad)
+        tiles = xc.shape[0] * (-(-out_shape[0] // 2)) * (-(-out_shape[1] // 2))
+        if tiles < _WINO_MIN_TILES:
+            # Too few tiles for 16 GEMMs to pay (resnet's 7x7 maps: 16 tiles, 2x slower than one
+            # GEMM): im2col with the filters recovered from U once (G's left inverse, float64).
+            w = self._w_from_u
+            if w is None:
+                w = self._w_from_u = _winograd.weight_untransform(u)
+            return self._conv(x, w, b, out, res)
+        bias = None if b is None else as_compute(b).astype(np.float32, copy=False)
+        if bias is not None and bias.shape != (m,):
+            raise InvalidArgument(f"node {self.node.name!r} (Conv): bias must have shape [{m}], got {list(bias.shape)}")
+        y = _winograd.conv3x3(xc, u, bias, begin, out_shape, self._pre)
+        y = self._finish(y, None, (), res, self._post, out_dtype)
+        if out is not None and out.shape == y.shape and out.dtype == y.dtype:
+            out[...] = y
+            return out
+        return y
+
+    @staticmethod
+    def _finish(y, bias, pre, res, post, out_dtype) -> np.ndarray:
+        """The epilogue in place on the fresh ``y`` (n, m, *spatial): ``post(pre(y + bias) + res)``,
+        one JIT pass when possible, then the cast to the output dtype."""
+        n, m = y.shape[:2]
+        if res is not None and res.shape != y.shape:  # a broadcasting residual: numpy's rules
+            y = Conv._finish(y, bias, pre, None, (), y.dtype)
+            y = y + as_compute(res).astype(y.dtype, copy=False)
+            return Conv._finish(y, None, post, None, (), out_dtype)
+        jit = _act.jit() if y.dtype == np.float32 and y.flags.c_contiguous else None
+        if jit is not None and (bias is not None or pre or res is not None) and y.size:
+            codes, params = _act.encode(pre)
+            pcodes, pparams = _act.encode(post)
+            r = _EMPTY3 if res is None else np.ascontiguousarray(res, dtype=np.float32).reshape(n, m, -1)
+            jit.bias_act(y.reshape(n, m, -1), _EMPTY1 if bias is None else bias, codes, params, r, pcodes, pparams)
+        else:
+            if bias is not None:
+                y += bias.reshape((1, m) + (1,) * (y.ndim - 2))
+            _act.apply(y, pre)
+            if res is not None:
+                y += as_compute(res).astype(y.dtype, copy=False)
+                _act.apply(y, post)
         if y.dtype != out_dtype:
             y = y.astype(out_dtype)
         return y
@@ -332,8 +468,8 @@ class Conv(Kernel):
     def _gemm(wm: np.ndarray, cols: np.ndarray, n: int, g: int) -> np.ndarray:
         if g == 1:
             if n == 1:
-                return wm[0] @ cols[0, 0]
-            return np.matmul(wm[0], cols[:, 0])
+                return _act.matmul(wm[0], cols[0, 0])
+            return _act.matmul(wm[0], cols[:, 0])
         return np.matmul(wm, cols)
 
     @staticmethod
@@ -606,23 +742,31 @@ class GlobalMaxPool(Kernel):
 
 @register_fused("conv")
 class FusedConv(Conv):
-    """A Conv with the BatchNormalization and/or Relu that followed it folded in.
+    """A Conv with the elementwise chain that followed it folded in (``session/_fusion.py``).
 
-    Registered for the fusion kind ``conv``: the resolver builds it for a fused chain (see
-    ``session/_fusion.py``); ``multiplier``/``shift`` come in float64 and are rounded once to the
-    compute dtype.
-    With a BatchNormalization, the packed weight is ``W * multiplier`` per output channel (pack
-    family ``conv_bn``; the key covers a digest of the multiplier and shift, so other statistics
-    are another key) and the shift replaces the Conv's bias; Relu is applied in place on the
-    Conv's fresh output.
+    * ``multiplier``/``shift`` (float64, per output channel): BatchNormalization and per-channel
+      Mul/Add/Sub/Div by constants, folded into the packed weight (``W * multiplier`` per output
+      channel, pack family ``conv_bn``; the key covers a digest of both, so other statistics are
+      another key) and a shift that replaces the Conv's bias; rounded once to the compute dtype.
+    * ``pre``: activations (and scalar affines) applied in place after the bias;
+      ``residual``: the node's input 3 is added next (a residual connection), then ``post``.
+      With the JIT the whole epilogue is one pass over the Conv's fresh output (depthwise convs:
+      inside the convolution itself).
+    * ``relu=True`` is ``pre=(Activation("relu"),)``.
     """
 
     def __init__(self, node, ctx, *, multiplier: np.ndarray | None = None,
-                 shift: np.ndarray | None = None, relu: bool = False) -> None:
+                 shift: np.ndarray | None = None, relu: bool = False,
+                 pre: tuple[Activation, ...] = (), residual: bool = False,
+                 post: tuple[Activation, ...] = ()) -> None:
         super().__init__(node, ctx)
         self.multiplier = multiplier
         self.shift = shift
-        self.relu = relu
+        pre = tuple(pre) + ((Activation("relu"),) if relu and not pre else ())
+        self._pre = pre
+        self._post = tuple(post)
+        self.relu = pre == (Activation("relu"),) and not residual and not post
+        self.residual = residual
         if multiplier is not None:
             h = hashlib.blake2b(digest_size=16)
             h.update(np.ascontiguousarray(multiplier, dtype=np.float64).tobytes())
@@ -633,24 +777,35 @@ class FusedConv(Conv):
         spec = super().pack_spec(input_index, info)
         if spec is None or self.multiplier is None:
             return spec
+        if spec.family == "conv_wino":
+            return PackSpec("conv_bn_wino", _WINO_VERSION, spec.attrs + self._fold_digest, 1)
         return PackSpec("conv_bn", _PACK_VERSION, spec.attrs + self._fold_digest, 1)
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
-        (packed,) = super().prepack(input_index, weight)
         if self.multiplier is None:
-            return (packed,)
-        mult = self.multiplier.astype(packed.dtype).reshape(packed.shape[:2] + (1,) * (packed.ndim - 2))
-        return (np.ascontiguousarray(packed * mult),)
+            return super().prepack(input_index, weight)
+        # Folded in float64 before the layout change (the Winograd transform is linear, but
+        # folding first rounds once).
+        w = np.asarray(weight, dtype=np.float64) * self.multiplier.reshape((-1,) + (1,) * (weight.ndim - 1))
+        (packed,) = super().prepack(input_index, w.astype(compute_dtype(weight.dtype) or np.float32))
+        return (np.ascontiguousarray(packed),)
 
-    def _conv(self, x, w, b, out):
+    def run(self, x, w=None, b=None, r=None):
+        return (self._fused(x, w, b, None, r),)
+
+    def run_into(self, outs, x, w=None, b=None, r=None) -> bool:
+        if self.group != 1 or x.ndim < 3 or x.shape[0] != 1 or outs[0].size == 0:
+            return False
+        if outs[0].dtype != x.dtype or compute_dtype(x.dtype) != x.dtype:
+            return False
+        return self._fused(x, w, b, outs[0], r) is outs[0]
+
+    def _fused(self, x, w, b, out, r):
+        if self.residual and r is None:
+            raise InvalidArgument(f"node {self.node.name!r} (Conv): the fused residual input is missing")
         if self.multiplier is not None:
-            if self._w is None:  # not packed (e.g. a weight dtype BLAS cannot take): fold per call
+            if self._w is None and self._u is None:  # not packed (a weight fed at run time): fold per call
                 w = as_compute(w)
                 w = w * self.multiplier.astype(w.dtype).reshape((-1,) + (1,) * (w.ndim - 1))
-            y = super()._conv(x, w, None, out)
-            y += self.shift.astype(y.dtype, copy=False).reshape((1, -1) + (1,) * (y.ndim - 2))
-        else:
-            y = super()._conv(x, w, b, out)
-        if self.relu:
-            np.maximum(y, 0, out=y)
-        return y
+            b = self.shift.astype(compute_dtype(x.dtype) or np.float32)
+        return self._conv(x, w, b, out, r if self.residual else None)

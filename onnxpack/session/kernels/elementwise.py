@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 from onnx import TensorProto, helper
 
+from onnxpack.session.kernels import _act
 from onnxpack.session.kernels._base import Kernel, KernelContext, PackSpec, register
 from onnxpack.session.kernels._erf import erf_f32
 
@@ -95,7 +96,45 @@ def _same(y: np.ndarray, like: np.ndarray) -> np.ndarray:
     return y if y.dtype == like.dtype else y.astype(like.dtype)
 
 
+# Float32 tensors of at least this many elements run activations through the JIT (one pass);
+# below, numpy's call overhead is smaller than the JIT's.
+_JIT_MIN = 4096
+
+
+def _jit_act(x: np.ndarray, act: _act.Activation) -> np.ndarray | None:
+    """``act(x)`` as a new float32 array through the JIT kernels, or None when they do not
+    apply (other dtypes, small tensors, no numba): the caller's numpy formula then runs."""
+    if x.dtype != np.float32 or x.size < _JIT_MIN:
+        return None
+    jit = _act.jit()
+    if jit is None:
+        return None
+    y = np.array(x, dtype=np.float32, order="C", copy=True)
+    codes, params = _act.encode((act,))
+    jit.act_inplace(y.reshape(-1), codes, params)
+    return y
+
+
+_SIGMOID = _act.Activation("sigmoid")
+_HARDSWISH = _act.Activation("hardswish", 1.0 / 6.0, 0.5)
+_GELU = _act.Activation("gelu")
+
+
 def _sigmoid(x: np.ndarray) -> np.ndarray:
+    y = _jit_act(x, _SIGMOID)
+    if y is not None:
+        return y
+    return _sigmoid_numpy(x)
+
+
+def _hardswish(x: np.ndarray) -> np.ndarray:
+    y = _jit_act(x, _HARDSWISH)
+    if y is not None:
+        return y
+    return x * np.clip(x / 6 + 0.5, 0, 1)
+
+
+def _sigmoid_numpy(x: np.ndarray) -> np.ndarray:
     # 1 / (1 + exp(-x)) keeps full *relative* accuracy in both tails (tanh-based forms lose it
     # for negative x); exp overflows to inf only where the true result is below float range.
     y = np.empty_like(x)  # (not np.negative(x): that is a numpy scalar for 0-d x)
@@ -158,11 +197,16 @@ class _Unary(Kernel):
     _fn: Callable[[np.ndarray], np.ndarray]
     _quiet = False
 
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self._f = type(self)._fn  # bound once: run is on every model's hot path
+
     def run(self, x):  # type: ignore[override]
         if self._quiet:
             with np.errstate(all="ignore"):
-                return (np.asarray(type(self)._fn(x)),)
-        return (np.asarray(type(self)._fn(x)),)
+                return (np.asarray(self._f(x)),)
+        r = self._f(x)
+        return (r,) if r.__class__ is np.ndarray else (np.asarray(r),)
 
     def run_into(self, outs, x) -> bool:
         """``run`` writing into ``outs[0]`` (the memory planner's arena) with numpy ``out=``.
@@ -187,11 +231,16 @@ class _Binary(Kernel):
     _fn: Callable[[np.ndarray, np.ndarray], np.ndarray]
     _quiet = False
 
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self._f = type(self)._fn
+
     def run(self, a, b):  # type: ignore[override]
         if self._quiet:
             with np.errstate(all="ignore"):
-                return (np.asarray(type(self)._fn(a, b)),)
-        return (np.asarray(type(self)._fn(a, b)),)
+                return (np.asarray(self._f(a, b)),)
+        r = self._f(a, b)
+        return (r,) if r.__class__ is np.ndarray else (np.asarray(r),)
 
     def run_into(self, outs, a, b) -> bool:
         """``run`` writing into ``outs[0]`` with numpy ``out=`` (ufuncs only; Div on floats)."""
@@ -257,7 +306,7 @@ _UNARY: tuple[tuple[str, int, Callable, bool], ...] = (
     ("Atanh", 9, np.arctanh, True),
     ("IsNaN", 9, np.isnan, False),
     ("Mish", 18, lambda x: x * np.tanh(np.logaddexp(0, x)), True),
-    ("HardSwish", 14, lambda x: x * np.clip(x / 6 + 0.5, 0, 1), False),
+    ("HardSwish", 14, _hardswish, False),
 )
 
 # Unary ops whose table function is not itself a ufunc but is one ufunc call with ``out=``.
@@ -432,6 +481,9 @@ class HardSigmoid(Kernel):
         self.beta = float(self.attr("beta", 0.5))
 
     def run(self, x):  # type: ignore[override]
+        y = _jit_act(x, _act.Activation("hardsigmoid", self.alpha, self.beta))
+        if y is not None:
+            return (y,)
         return (_same(np.clip(x * self.alpha + self.beta, 0, 1), x),)
 
 
@@ -494,6 +546,10 @@ class Gelu(Kernel):
     def run(self, x):  # type: ignore[override]
         if x.ndim == 0:  # in-place numpy ops need arrays, and 0-d arithmetic gives scalars
             return (self.run(x.reshape(1))[0].reshape(()),)
+        if not self.tanh:
+            y = _jit_act(x, _GELU)
+            if y is not None:
+                return (y,)
         xf = x.astype(np.float32) if x.dtype == np.float16 else x
         if self.tanh:
             inner = xf * xf

@@ -24,11 +24,12 @@ import struct
 import numpy as np
 
 from onnxpack.errors import InvalidArgument
-from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
+from onnxpack.session.kernels import _act
+from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register, register_fused
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MatMul", "Gemm"]
+__all__ = ["MatMul", "Gemm", "FusedMatMul"]
 
 # Version of the packed layout written by this module; bump when the layout changes so saved
 # blobs of an older layout are ignored (their key no longer matches).
@@ -62,11 +63,13 @@ def matmul_packed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     Flattening the leading dimensions of ``a`` turns numpy's per-batch GEMM loop into a single
     large GEMM (much faster for a (batch, seq, K) activation).
     """
-    if a.ndim <= 2:
+    if a.ndim <= 1:
         return a @ b
+    if a.ndim == 2:
+        return _act.matmul(a, b)
     lead = a.shape[:-1]
     a2 = a.reshape(-1, a.shape[-1])
-    return (a2 @ b).reshape(*lead, b.shape[1])
+    return _act.matmul(a2, b).reshape(*lead, b.shape[1])
 
 
 @register("MatMul", since=1)
@@ -121,10 +124,12 @@ class MatMul(Kernel):
         if a.ndim == 0 or y.size == 0 or a.dtype != y.dtype or compute_dtype(a.dtype) != a.dtype:
             return False
         if self._b is not None:
-            if a.ndim <= 2:
+            if a.ndim == 2:
+                _act.matmul(a, self._b, out=y)
+            elif a.ndim < 2:
                 np.matmul(a, self._b, out=y)
             else:  # matmul_packed's single flattened GEMM
-                np.matmul(a.reshape(-1, a.shape[-1]), self._b, out=y.reshape(-1, y.shape[-1]))
+                _act.matmul(a.reshape(-1, a.shape[-1]), self._b, out=y.reshape(-1, y.shape[-1]))
             return True
         if b is None or b.dtype != a.dtype:
             return False
@@ -189,7 +194,7 @@ class Gemm(Kernel):
         if self.trans_a:
             a2 = a2.T
         if self._b is not None:
-            y = a2 @ self._b
+            y = _act.matmul(a2, self._b) if a2.ndim == 2 else a2 @ self._b
         else:
             b2 = as_compute(b)
             y = a2 @ (b2.T if self.trans_b else b2)
@@ -206,3 +211,73 @@ class Gemm(Kernel):
         if y.dtype != out_dtype:
             y = y.astype(out_dtype)
         return (y,)
+
+
+# Rows of a fused MatMul's output below which its epilogue runs on one thread.
+_PARALLEL_ELEMENTS = 1 << 16
+_EMPTY1 = np.zeros(0, np.float32)
+_EMPTY2 = np.zeros((0, 0), np.float32)
+
+
+@register_fused("matmul")
+class FusedMatMul(MatMul):
+    """``MatMul(A, W)`` with the bias Add, activations (GELU, ...) and residual Add after it.
+
+    The epilogue ``post(pre(y + bias) + residual)`` runs in place on the GEMM's fresh output:
+    with the JIT one pass over each row while it is in cache (split over the BLAS's threads for
+    large outputs), else numpy in-place ufuncs.  ``bias`` comes in float64 and is rounded once to
+    the compute dtype; the residual is the node's input 2.
+    """
+
+    def __init__(self, node, ctx, *, bias: np.ndarray | None = None, pre=(), residual: bool = False,
+                 post=()) -> None:
+        super().__init__(node, ctx)
+        self.bias = bias
+        self.pre = tuple(pre)
+        self.post = tuple(post)
+        self.residual = residual
+
+    def run(self, a, b=None, r=None):
+        (y,) = super().run(a, b)
+        return (self._epilogue(y, r, a.dtype),)
+
+    def run_into(self, outs, a, b=None, r=None) -> bool:
+        if not super().run_into(outs, a, b):
+            return False
+        self._epilogue(outs[0], r, a.dtype)
+        return True
+
+    def _epilogue(self, y: np.ndarray, r, out_dtype) -> np.ndarray:
+        if self.residual and r is None:
+            raise InvalidArgument(f"node {self.node.name!r} (MatMul): the fused residual input is missing")
+        yc = y if y.dtype == compute_dtype(y.dtype) else y.astype(compute_dtype(y.dtype) or np.float32)
+        n = yc.shape[-1] if yc.ndim else 1
+        bias = None if self.bias is None else np.broadcast_to(self.bias, (n,)).astype(yc.dtype)
+        res = r if self.residual else None
+        if res is not None and res.shape != yc.shape:  # broadcasting residual: numpy's rules
+            yc = self._apply(yc, bias, self.pre, None, ())
+            yc = yc + as_compute(res).astype(yc.dtype, copy=False)
+            yc = self._apply(yc, None, self.post, None, ())
+        else:
+            yc = self._apply(yc, bias, self.pre, res, self.post)
+        return yc if yc.dtype == out_dtype else yc.astype(out_dtype)
+
+    @staticmethod
+    def _apply(y, bias, pre, res, post):
+        jit = _act.jit() if y.dtype == np.float32 and y.flags.c_contiguous and y.ndim >= 1 and y.size else None
+        if jit is None:
+            if bias is not None:
+                y += bias
+            _act.apply(y, pre)
+            if res is not None:
+                y += as_compute(res).astype(y.dtype, copy=False)
+                _act.apply(y, post)
+            return y
+        y2 = y.reshape(-1, y.shape[-1])
+        codes, params = _act.encode(pre)
+        pcodes, pparams = _act.encode(post)
+        r2 = _EMPTY2 if res is None else np.ascontiguousarray(res, dtype=np.float32).reshape(y2.shape)
+        args = (y2, _EMPTY1 if bias is None else bias, codes, params, r2, pcodes, pparams)
+        threads = _act.threads() if y.size >= _PARALLEL_ELEMENTS else 1
+        _act.parallel(lambda lo, hi: jit.rows_act(*args, lo, hi), y2.shape[0], threads)
+        return y

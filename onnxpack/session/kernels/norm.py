@@ -17,7 +17,10 @@ import logging
 import numpy as np
 
 from onnxpack.errors import InvalidArgument
+from onnxpack.session.kernels import _act
 from onnxpack.session.kernels._base import Kernel, register
+
+_EMPTY = np.zeros(0, np.float32)
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +113,9 @@ class LayerNormalization(Kernel):
                 f"node {self.node.name!r} (LayerNormalization): X is {x.dtype} but Scale is {scale.dtype}; "
                 f"opset {self.ctx.opset} requires one type for X, Scale, B and Y (onnxruntime's mixed-type "
                 "LayerNormalization exists only below opset 17)")
+        fast = self._jit(x, scale, bias, axis)
+        if fast is not None:
+            return fast
         sd = _stat_dtype(x.dtype)
         xs = _f(x, sd)
         axes = tuple(range(axis, x.ndim))
@@ -123,6 +129,31 @@ class LayerNormalization(Kernel):
         if bias is not None:
             d += _f(bias, sd)
         return (_f(d, scale.dtype), mean, inv)[: max(1, len(self.node.output))]
+
+
+    def _jit(self, x, scale, bias, axis):
+        """The JIT kernel for float32 normalized over the last axis with (D,) scale and bias
+        (transformers' case), or None."""
+        if x.dtype != np.float32 or axis != x.ndim - 1 or x.size == 0 or x.shape[-1] == 0:
+            return None
+        d = x.shape[-1]
+        if scale.dtype != np.float32 or scale.size != d or (bias is not None and (bias.dtype != np.float32 or bias.size != d)):
+            return None
+        jit = _act.jit()
+        if jit is None:
+            return None
+        x2 = np.ascontiguousarray(x).reshape(-1, d)
+        y = np.empty_like(x2)
+        rows = x2.shape[0]
+        mean = np.empty(rows, np.float32)
+        inv = np.empty(rows, np.float32)
+        b = _EMPTY if bias is None else np.ascontiguousarray(bias).reshape(d)
+        s = np.ascontiguousarray(scale).reshape(d)
+        eps = np.float32(self.epsilon)
+        threads = _act.threads() if x2.size >= (1 << 16) else 1
+        _act.parallel(lambda a, c: jit.layer_norm_rows(x2, s, b, eps, y, mean, inv, a, c), rows, threads)
+        shape = x.shape[:-1] + (1,)
+        return (y.reshape(x.shape), mean.reshape(shape), inv.reshape(shape))[: max(1, len(self.node.output))]
 
 
 @register("InstanceNormalization", since=1)

@@ -1,0 +1,301 @@
+"""Activations applied in place on a kernel's fresh output (fusion epilogues), numba or numpy.
+
+An :class:`Activation` is a small frozen record (kind and up to two float parameters) that a
+fusion record carries to the kernel it builds (``session/_fusion.py``).  :func:`apply` runs it
+in place on a float32/float64 array: through the numba kernels of :mod:`._conv_jit` when they are
+available (one pass, float32 only), else with numpy in-place ufuncs.  Both compute the same
+formulas; they differ by rounding only (SiLU/Sigmoid: the JIT's float32 exp is within 2 ulp of
+numpy's), which the tests bound.
+
+The JIT module is imported on the first call, never at import or session creation, and only when
+numba is importable and ``ONNXPACK_DISABLE_JIT`` is not ``1`` (the switch MatMulNBits uses too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Activation", "apply", "jit", "parallel", "threads", "matmul"]
+
+# Kind -> code understood by _conv_jit._act_row.
+CODES = {"none": 0, "relu": 1, "clip": 2, "hardswish": 3, "silu": 4, "sigmoid": 5, "leakyrelu": 6,
+         "hardsigmoid": 7, "affine": 8, "gelu": 9}
+
+_ENV_DISABLE = "ONNXPACK_DISABLE_JIT"
+_jit_module = None
+_jit_failed = False
+_lock = threading.Lock()
+
+
+def jit():
+    """The numba kernel module (imported on first use); ``None`` without numba or when disabled."""
+    global _jit_module, _jit_failed
+    if os.environ.get(_ENV_DISABLE, "") == "1":
+        return None
+    if _jit_module is not None or _jit_failed:
+        return _jit_module
+    with _lock:
+        if _jit_module is None and not _jit_failed:
+            try:
+                from onnxpack.session.kernels import _conv_jit
+            except ImportError as exc:
+                _jit_failed = True
+                logger.info("conv: numba kernels unavailable (%s); using numpy", exc)
+            else:
+                _jit_module = _conv_jit
+    return _jit_module
+
+
+_pool = None
+_blas_get_threads = None
+
+
+def blas_threads() -> int:
+    """How many threads numpy's BLAS may use now (OpenBLAS's own setting, which
+    ``threadpoolctl.threadpool_limits`` and ``OPENBLAS_NUM_THREADS`` change); the CPU count when
+    it cannot be read.  The JIT kernels split work over as many threads, so a user's limit holds
+    for them too."""
+    global _blas_get_threads
+    if _blas_get_threads is None:
+        _blas_get_threads = _find_blas_get_threads()
+    try:
+        return max(1, int(_blas_get_threads()))
+    except Exception:  # pragma: no cover - exotic BLAS builds
+        return os.cpu_count() or 1
+
+
+_ENV_THREADS = "ONNXPACK_NUM_THREADS"
+
+
+def threads() -> int:
+    """Threads onnxpack's own kernels use: ``ONNXPACK_NUM_THREADS`` when set, else the BLAS's."""
+    v = os.environ.get(_ENV_THREADS, "")
+    if v:
+        try:
+            return max(1, int(v))
+        except ValueError:
+            logger.warning("%s=%r is not an integer; using the BLAS's thread count", _ENV_THREADS, v)
+    return blas_threads()
+
+
+# GEMMs below this many multiply-adds are never split (a thread hand-off costs ~10-20 us).
+_SPLIT_MACS = 1 << 21
+
+
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``np.matmul(a, b)`` (2-D by 2-D, or batched 3-D), split over onnxpack's threads when the
+    BLAS runs single-threaded and ``ONNXPACK_NUM_THREADS`` asks for more.
+
+    Why: OpenBLAS splits each GEMM statically between its threads, so on a machine where another
+    process holds a core every call waits for a descheduled worker (measured on the shared VM: a
+    6 ms GEMM took 24 ms on 2 BLAS threads).  With the BLAS at one thread
+    (``threadpoolctl.threadpool_limits(1)``) and ``ONNXPACK_NUM_THREADS=2``, each GEMM is cut into
+    column (or batch) blocks taken from :func:`parallel`'s shared counter, and the caller computes
+    whatever blocks no other thread took: never slower than one thread.  Otherwise this is
+    ``np.matmul`` itself.
+    """
+    t = threads()
+    if t <= 1 or blas_threads() > 1 or a.ndim not in (2, 3) or b.ndim not in (2, 3):
+        return np.matmul(a, b, out=out)
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
+    batch = max(a.shape[0] if a.ndim == 3 else 1, b.shape[0] if b.ndim == 3 else 1)
+    if batch * m * k * n < _SPLIT_MACS or a.dtype != b.dtype or a.dtype.kind != "f":
+        return np.matmul(a, b, out=out)
+    if out is None:
+        out = np.empty(((batch,) if (a.ndim == 3 or b.ndim == 3) else ()) + (m, n), dtype=np.result_type(a, b))
+    if out.ndim == 3 and batch >= 2 * t:
+        def run(lo, hi):
+            np.matmul(a[lo:hi] if a.ndim == 3 else a, b[lo:hi] if b.ndim == 3 else b, out=out[lo:hi])
+
+        parallel(run, batch, t)
+        return out
+    # Column blocks of at least 64 (a BLAS micro-panel's multiple); rows when N is narrow.
+    if n >= 128 * t:
+        blocks = n // 64
+
+        def run(lo, hi):
+            c0, c1 = lo * n // blocks, hi * n // blocks
+            np.matmul(a, b[..., c0:c1], out=out[..., c0:c1])
+
+        parallel(run, blocks, t)
+        return out
+    if m >= 16 * t:
+        def run(lo, hi):
+            np.matmul(a[..., lo:hi, :], b, out=out[..., lo:hi, :])
+
+        parallel(run, m, t)
+        return out
+    return np.matmul(a, b, out=out)
+
+
+def _find_blas_get_threads():
+    import ctypes
+    import glob
+
+    libs = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
+    for path in sorted(glob.glob(os.path.join(libs, "*openblas*.so*"))):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for sym in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads"):
+            fn = getattr(lib, sym, None)
+            if fn is not None:
+                fn.restype = ctypes.c_int
+                return fn
+    return lambda: os.cpu_count() or 1
+
+
+def parallel(fn, count: int, threads: int) -> None:
+    """``fn(start, stop)`` over ``[0, count)`` on up to ``threads`` threads (the caller's and pool
+    threads; the JIT kernels release the GIL).
+
+    Work is cut into ``4 * threads`` chunks taken from a shared counter, and the caller works
+    too: when another process holds the other core and a pool thread is not scheduled, the
+    caller simply takes every chunk instead of waiting for a fixed share (a static split, as
+    OpenBLAS does, waits a whole scheduler slice there).  The caller waits only for chunks a pool
+    thread has started, on a condition variable (no spinning).
+    """
+    global _pool
+    threads = max(1, min(threads, count))
+    if threads == 1:
+        fn(0, count)
+        return
+    if _pool is None:
+        with _lock:
+            if _pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="onnxpack-jit")
+    chunks = min(count, 4 * threads)
+    bounds = [count * k // chunks for k in range(chunks + 1)]
+    state = {"next": 0, "done": 0, "error": None}
+    cond = threading.Condition()
+
+    def work() -> None:
+        while True:
+            with cond:
+                k = state["next"]
+                if k >= chunks:
+                    return
+                state["next"] = k + 1
+            try:
+                fn(bounds[k], bounds[k + 1])
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                state["error"] = exc
+            with cond:
+                state["done"] += 1
+                if state["done"] == chunks:
+                    cond.notify_all()
+
+    for _ in range(threads - 1):
+        _pool.submit(work)
+    work()
+    with cond:
+        while state["done"] < chunks:
+            cond.wait()
+    if state["error"] is not None:
+        raise state["error"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """``kind`` with parameters: clip ``[a, b]``; hardswish/hardsigmoid ``a*x + b``; leakyrelu
+    slope ``a``; affine ``a*x + b``."""
+
+    kind: str
+    a: float = 0.0
+    b: float = 0.0
+
+    @property
+    def code(self) -> int:
+        return CODES[self.kind]
+
+    def params(self, dtype) -> tuple[int, np.floating, np.floating]:
+        t = np.dtype(dtype).type
+        return self.code, t(self.a), t(self.b)
+
+
+NONE = Activation("none")
+
+
+def apply_numpy(y: np.ndarray, act: Activation) -> np.ndarray:
+    """``act`` over ``y`` in place with numpy (``y`` a fresh, writable float array).
+
+    Floating-point warnings are silenced (``exp`` overflows where sigmoid is 0, ``-inf * 0`` is
+    NaN as in the op-by-op graph): onnxruntime never warns.
+    """
+    with np.errstate(all="ignore"):
+        return _apply_numpy(y, act)
+
+
+def _apply_numpy(y: np.ndarray, act: Activation) -> np.ndarray:
+    kind = act.kind
+    t = y.dtype.type
+    if kind == "none":
+        return y
+    if kind == "relu":
+        np.maximum(y, 0, out=y)
+    elif kind == "clip":
+        np.maximum(y, t(act.a), out=y)
+        np.minimum(y, t(act.b), out=y)
+    elif kind in ("hardswish", "hardsigmoid"):
+        s = y * t(act.a)
+        s += t(act.b)
+        np.clip(s, 0, 1, out=s)
+        if kind == "hardswish":
+            y *= s
+        else:
+            y[...] = s
+    elif kind in ("silu", "sigmoid"):
+        s = np.negative(y)
+        with np.errstate(over="ignore"):
+            np.exp(s, out=s)
+        s += 1
+        if kind == "silu":
+            y /= s
+        else:
+            np.reciprocal(s, out=y)
+    elif kind == "leakyrelu":
+        np.multiply(y, t(act.a), out=y, where=y < 0)
+    elif kind == "affine":
+        y *= t(act.a)
+        y += t(act.b)
+    elif kind == "gelu":
+        from onnxpack.session.kernels.contrib_activation import gelu_inplace
+
+        gelu_inplace(y)
+    else:
+        raise RuntimeError(f"Bug: unknown activation {kind!r}")
+    return y
+
+
+def encode(acts, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """``(codes int64 (k,), params (k, 2))`` of a sequence of activations, for the JIT kernels."""
+    codes = np.array([a.code for a in acts], dtype=np.int64)
+    params = np.array([[a.a, a.b] for a in acts], dtype=dtype).reshape(len(acts), 2)
+    return codes, params
+
+
+def apply(y: np.ndarray, acts) -> np.ndarray:
+    """The activations ``acts`` (in order) over ``y`` in place (numba for C-contiguous float32,
+    else numpy); returns ``y``."""
+    acts = [a for a in acts if a.kind != "none"]
+    if not acts:
+        return y
+    j = jit() if y.dtype == np.float32 and y.flags.c_contiguous and y.size >= 1 else None
+    if j is None:
+        for a in acts:
+            apply_numpy(y, a)
+        return y
+    codes, params = encode(acts)
+    j.act_inplace(y.reshape(-1), codes, params)
+    return y

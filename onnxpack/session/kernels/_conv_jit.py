@@ -1,0 +1,473 @@
+"""numba kernels for convolutions and activation epilogues (optional; numpy twins in conv.py).
+
+Imported lazily by :func:`onnxpack.session.kernels._act.jit` on a kernel's first ``run`` — never
+at ``import onnxpack`` nor at session creation — and only when numba is installed (the ``jit``
+extra) and ``ONNXPACK_DISABLE_JIT`` is not ``1``.  ``cache=True``: compiled code is kept in
+numba's cache, so a later process loads it instead of compiling.
+
+* :func:`depthwise2d` — a depthwise 2-D convolution (one input and one output channel per group)
+  with the padding folded in (bounds per kernel row and column, no padded copy), any stride and
+  dilation, and the bias and activation applied to each output row while it is in L1: one pass
+  over the output instead of kh*kw numpy passes plus one per epilogue op.
+* :func:`bias_act` — ``y = act(y + bias[channel] (+ residual))`` in place on a GEMM's fresh
+  output: the epilogue of every other convolution, one pass.
+* :func:`wino_input` / :func:`wino_output` — Winograd F(2x2, 3x3) transforms of 3x3 stride-1
+  convolutions (padding folded into the input transform, bias and activations into the output
+  transform); the 16 GEMMs between them are one batched ``np.matmul``.
+* :func:`rows_act` — the same for a MatMul's (rows, N) output with a bias along N.
+* :func:`layer_norm_rows` — LayerNormalization over the last axis, one row at a time.
+* :func:`act_inplace` — an activation over a flat array in place (standalone HardSwish, SiLU, ...).
+
+Activations (``act`` codes, see ``_act.py``; a kernel takes a list of them, applied in order to
+each row while it is in L1): identity, Relu, Clip(a, b), HardSwish ``x * clip(a*x + b, 0, 1)``,
+SiLU ``x * sigmoid(x)``, Sigmoid, LeakyRelu(a), HardSigmoid(a, b), affine ``a*x + b``, exact
+GELU ``x/2 * (1 + erf(x/sqrt(2)))`` (the erf of ``_erf.py``, element by element).
+Sigmoid uses :func:`_expf`, a float32 ``exp`` that vectorizes (range reduction to
+``[-ln2/2, ln2/2]``, degree-7 Taylor polynomial, exponent written into the float's bits):
+within 1 ulp of the exact value on [-87, 88] (0.91 ulp measured on 2M points; tests check it),
+so sigmoid and SiLU keep relative accuracy in both tails (within 3 ulp of numpy's formula).
+
+All kernels are serial on purpose: they run between OpenBLAS calls, and a numba thread team
+spinning beside OpenBLAS's threads on 2 cores made calls 100-1000x slower (see _nbits_jit.py).
+``fastmath={"contract"}`` only (fused multiply-add; no reassociation, NaN and Inf propagate);
+``error_model="numpy"``: a float division by zero gives inf/NaN as in numpy instead of raising,
+which also lets the loops with a division vectorize (measured: sigmoid over 1M floats 3.9 ms
+with Python's error model, 0.33 ms with numpy's).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from onnxpack.session.kernels import _erf as _erf_mod
+
+__all__ = ["depthwise2d", "wino_input", "wino_output", "bias_act", "act_inplace", "expf_array"]
+
+_FM = {"contract"}
+
+_F0 = np.float32(0.0)
+_F1 = np.float32(1.0)
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_LO = np.float32(-87.0)
+_EXP_HI = np.float32(88.0)
+_HALF = np.float32(0.5)
+_INF = np.float32(np.inf)
+_C2 = np.float32(1.0 / 2)
+_C3 = np.float32(1.0 / 6)
+_C4 = np.float32(1.0 / 24)
+_C5 = np.float32(1.0 / 120)
+_C6 = np.float32(1.0 / 720)
+_C7 = np.float32(1.0 / 5040)
+
+
+@intrinsic
+def _i32_as_f32(typingctx, i):
+    """The float32 whose bits are the low 32 bits of the integer ``i``."""
+    if not isinstance(i, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = args[0]
+        if i.bitwidth > 32:
+            v = builder.trunc(v, ir.IntType(32))
+        return builder.bitcast(v, ir.FloatType())
+
+    return types.float32(i), codegen
+
+
+@njit(inline="always", fastmath=_FM, error_model="numpy")
+def _expf(x):
+    """float32 ``exp``: 0 below -87 (numpy gives denormals there), inf above 88, NaN for NaN."""
+    c = min(max(x, _EXP_LO), _EXP_HI)
+    n = np.floor(c * _LOG2E + _HALF)
+    r = c - n * _LN2_HI
+    r = r - n * _LN2_LO
+    p = _C7
+    p = p * r + _C6
+    p = p * r + _C5
+    p = p * r + _C4
+    p = p * r + _C3
+    p = p * r + _C2
+    p = p * r + _F1
+    p = p * r + _F1
+    e = p * _i32_as_f32((np.int32(n) + 127) << 23)
+    if x > _EXP_HI:
+        e = _INF
+    elif x < _EXP_LO:
+        e = _F0
+    elif x != x:
+        e = x
+    return e
+
+
+_P = [np.float32(c) for c in _erf_mod._P]
+_Q = [np.float32(c) for c in _erf_mod._Q]
+_P0, _P1, _P2, _P3, _P4, _P5 = _P
+_Q0, _Q1, _Q2, _Q3, _Q4, _Q5, _Q6, _Q7, _Q8 = _Q
+_ERF_SPLIT = np.float32(_erf_mod.ERF_SPLIT)
+_ERF_CLAMP = np.float32(_erf_mod.ERF_CLAMP)
+_SQRT1_2 = np.float32(0.7071067811865476)
+
+
+@njit(inline="always", fastmath=_FM, error_model="numpy")
+def _erff(x):
+    """float32 ``erf``: the two pieces of ``_erf.py`` (same coefficients, 1.5 ulp), one element."""
+    a = abs(x)
+    s = min(a, _ERF_SPLIT)
+    t = s * s
+    p = _P5
+    p = p * t + _P4
+    p = p * t + _P3
+    p = p * t + _P2
+    p = p * t + _P1
+    p = p * t + _P0
+    small = s + s * p
+    c = min(a, _ERF_CLAMP)
+    q = _Q8
+    q = q * c + _Q7
+    q = q * c + _Q6
+    q = q * c + _Q5
+    q = q * c + _Q4
+    q = q * c + _Q3
+    q = q * c + _Q2
+    q = q * c + _Q1
+    q = q * c + _Q0
+    large = _F1 - _expf(q)
+    r = small if a < _ERF_SPLIT else large
+    return math.copysign(r, x)
+
+
+@njit(inline="always", fastmath=_FM, error_model="numpy")
+def _act_row(row, act, a, b):
+    """Activation ``act`` over a 1-D float32 array in place (a branch per row, not per element)."""
+    n = row.shape[0]
+    if act == 1:
+        for i in range(n):
+            row[i] = max(row[i], _F0)
+    elif act == 2:
+        for i in range(n):
+            row[i] = min(max(row[i], a), b)
+    elif act == 3:
+        for i in range(n):
+            v = row[i]
+            row[i] = v * min(max(v * a + b, _F0), _F1)
+    elif act == 4:
+        for i in range(n):
+            v = row[i]
+            row[i] = v / (_F1 + _expf(-v))
+    elif act == 5:
+        for i in range(n):
+            row[i] = _F1 / (_F1 + _expf(-row[i]))
+    elif act == 6:
+        for i in range(n):
+            v = row[i]
+            row[i] = v if v >= _F0 else v * a
+    elif act == 7:
+        for i in range(n):
+            row[i] = min(max(row[i] * a + b, _F0), _F1)
+    elif act == 8:
+        for i in range(n):
+            row[i] = row[i] * a + b
+    elif act == 9:
+        for i in range(n):
+            v = row[i]
+            row[i] = _HALF * v * (_F1 + _erff(v * _SQRT1_2))
+
+
+@njit(inline="always", fastmath=_FM, error_model="numpy")
+def _acts(row, codes, params):
+    for j in range(codes.shape[0]):
+        _act_row(row, codes[j], params[j, 0], params[j, 1])
+
+
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def depthwise2d(x, w, bias, y, sh, sw, dh, dw, ph, pw, codes, params, nc0, nc1):
+    """``y[n, c] = act(bias[c] + sum_{kh,kw} w[c, kh, kw] * xpad[n, c, oh*sh + kh*dh, ow*sw + kw*dw])``.
+
+    ``x`` (N, C, H, W), ``w`` (C, KH, KW), ``bias`` (C,), ``y`` (N, C, OH, OW), all float32
+    C-contiguous; ``xpad`` is ``x`` with ``ph`` rows and ``pw`` columns of zeros in front (and
+    zeros after, as far as the windows reach).  Only planes ``nc0 <= n*C + c < nc1`` are
+    computed (callers split the planes across threads; the GIL is released).
+
+    Each channel's plane is scattered once into a zeroed scratch holding its ``sh * sw`` stride
+    phases (phase ``(r, s)`` = padded rows ``r::sh``, columns ``s::sw``), each flattened with
+    width ``wq = OW + (KW-1)*dw // sw``.  A tap then reads one phase at a fixed shift, so it is
+    one long multiply-add over ``(OH-1)*wq + OW`` contiguous elements (rows keep the scratch
+    width; the extra columns are dropped at the end): the loops vectorize over thousands of
+    elements instead of one output row, and no padded copy of the tensor is made.
+    """
+    n_, c_, h_, w_ = x.shape
+    oh_, ow_ = y.shape[2], y.shape[3]
+    kh_, kw_ = w.shape[1], w.shape[2]
+    hq = oh_ + ((kh_ - 1) * dh) // sh
+    wq = ow_ + ((kw_ - 1) * dw) // sw
+    plane = hq * wq
+    xp = np.zeros(sh * sw * plane, dtype=np.float32)
+    length = (oh_ - 1) * wq + ow_
+    acc = np.empty(length, dtype=np.float32)
+    for nc in range(nc0, nc1):
+        n = nc // c_
+        c = nc - n * c_
+        for ih in range(h_):
+            r = ih + ph
+            if r < 0:
+                continue
+            qr = r // sh
+            if qr >= hq:
+                break
+            pr = r - qr * sh
+            for pc in range(sw):
+                # input columns iw with (iw + pw) % sw == pc, from iw0 on, land at qc0, qc0+1, ...
+                iw0 = (pc - pw) % sw
+                if iw0 >= w_:
+                    continue
+                qc0 = (iw0 + pw) // sw
+                cnt = min((w_ - 1 - iw0) // sw + 1, wq - qc0)
+                if cnt <= 0:
+                    continue
+                base = ((pr * sw + pc) * hq + qr) * wq + qc0
+                dst = xp[base:base + cnt]
+                src = x[n, c, ih, iw0:iw0 + (cnt - 1) * sw + 1:sw]
+                for i in range(cnt):
+                    dst[i] = src[i]
+        first = True
+        for kh in range(kh_):
+            rr = kh * dh
+            pr = rr % sh
+            for kw in range(kw_):
+                cc = kw * dw
+                pc = cc % sw
+                start = ((pr * sw + pc) * hq + rr // sh) * wq + cc // sw
+                wv = w[c, kh, kw]
+                xs = xp[start:start + length]
+                if first:
+                    for i in range(length):
+                        acc[i] = wv * xs[i]
+                    first = False
+                else:
+                    for i in range(length):
+                        acc[i] += wv * xs[i]
+        bc = bias[c]
+        for oh in range(oh_):
+            row = y[n, c, oh]
+            src2 = acc[oh * wq:oh * wq + ow_]
+            for i in range(ow_):
+                row[i] = src2[i] + bc
+            _acts(row, codes, params)
+
+
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def bias_act(y, bias, codes, params, res, post_codes, post_params):
+    """``y[n, m, :] = post(pre(y[n, m, :] + bias[m]) + res[n, m, :])`` in place, row by row.
+
+    ``y`` (N, M, L) float32; ``bias`` (M,) or empty (no bias); ``codes``/``params`` the
+    activations before the residual, ``res`` like ``y`` or empty (no residual), ``post_*`` the
+    activations after it.
+    """
+    n_, m_, l_ = y.shape
+    has_bias = bias.shape[0] > 0
+    has_res = res.shape[0] > 0
+    for nm in range(n_ * m_):
+        n = nm // m_
+        m = nm - n * m_
+        row = y[n, m]
+        if has_bias:
+            bv = bias[m]
+            for i in range(l_):
+                row[i] += bv
+        _acts(row, codes, params)
+        if has_res:
+            rr = res[n, m]
+            for i in range(l_):
+                row[i] += rr[i]
+            _acts(row, post_codes, post_params)
+
+
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def rows_act(y, bias, codes, params, res, post_codes, post_params, r0, r1):
+    """``y[r, :] = post(pre(y[r, :] + bias) + res[r, :])`` in place for rows ``r0 <= r < r1``.
+
+    ``y`` (R, N) float32 (a GEMM's output); ``bias`` (N,) or empty; ``res`` (R, N) or empty.
+    """
+    n = y.shape[1]
+    has_bias = bias.shape[0] > 0
+    has_res = res.shape[0] > 0
+    for r in range(r0, r1):
+        row = y[r]
+        if has_bias:
+            for i in range(n):
+                row[i] += bias[i]
+        _acts(row, codes, params)
+        if has_res:
+            rr = res[r]
+            for i in range(n):
+                row[i] += rr[i]
+            _acts(row, post_codes, post_params)
+
+
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def wino_input(x, v, ph, pw, th, tw, p0, p1):
+    """Winograd F(2x2, 3x3) input transform ``V = B^T d B`` of every 4x4 tile, planes ``p0..p1``.
+
+    ``x`` (N, C, H, W) float32; ``v`` (16, C, N*th*tw): row ``4a + b`` holds element (a, b) of
+    the transformed tile; tile (i, j) of image n starts at padded row 2i, column 2j (``ph``/``pw``
+    zeros in front).  Each plane is copied once into a zeroed scratch of the padded size; then
+    per tile row four full-width row combinations (``B^T`` on rows) and per tile column the
+    column combinations, all loops over contiguous or stride-2 data.
+    """
+    n_, c_, h_, w_ = x.shape
+    hp = 2 * th + 2
+    wp = 2 * tw + 2
+    pl = np.zeros((hp, wp), dtype=np.float32)
+    t0 = np.empty(wp, dtype=np.float32)
+    t1 = np.empty(wp, dtype=np.float32)
+    t2 = np.empty(wp, dtype=np.float32)
+    t3 = np.empty(wp, dtype=np.float32)
+    rows = min(h_, hp - ph)
+    cols = min(w_, wp - pw)
+    for p in range(p0, p1):
+        n = p // c_
+        c = p - n * c_
+        for r in range(rows):
+            dst = pl[r + ph, pw:pw + cols]
+            src = x[n, c, r, 0:cols]
+            for q in range(cols):
+                dst[q] = src[q]
+        base0 = n * th * tw
+        for i in range(th):
+            r0 = pl[2 * i]
+            r1 = pl[2 * i + 1]
+            r2 = pl[2 * i + 2]
+            r3 = pl[2 * i + 3]
+            for q in range(wp):
+                t0[q] = r0[q] - r2[q]
+                t1[q] = r1[q] + r2[q]
+                t2[q] = r2[q] - r1[q]
+                t3[q] = r1[q] - r3[q]
+            base = base0 + i * tw
+            for a in range(4):
+                t = t0 if a == 0 else (t1 if a == 1 else (t2 if a == 2 else t3))
+                o0 = v[4 * a, c, base:base + tw]
+                o1 = v[4 * a + 1, c, base:base + tw]
+                o2 = v[4 * a + 2, c, base:base + tw]
+                o3 = v[4 * a + 3, c, base:base + tw]
+                for j in range(tw):
+                    e0 = t[2 * j]
+                    e1 = t[2 * j + 1]
+                    e2 = t[2 * j + 2]
+                    e3 = t[2 * j + 3]
+                    o0[j] = e0 - e2
+                    o1[j] = e1 + e2
+                    o2[j] = e2 - e1
+                    o3[j] = e1 - e3
+        # the scratch keeps zeros outside the copied rows/columns; the copied part is rewritten
+        # by the next plane
+
+
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def wino_output(mx, y, bias, codes, params, th, tw, p0, p1):
+    """Winograd F(2x2, 3x3) output transform ``Y = A^T M A`` plus bias and activations.
+
+    ``mx`` (16, M, N*th*tw) the batched GEMM's result; ``y`` (N, M, OH, OW); planes
+    ``p0 <= n*M + m < p1``.  Two output rows per tile row are built full width in a scratch,
+    then cropped into ``y`` with the bias and activations applied row by row.
+    """
+    n_, m_, oh_, ow_ = y.shape
+    s0 = np.empty((4, tw), dtype=np.float32)
+    s1 = np.empty((4, tw), dtype=np.float32)
+    row0 = np.empty(2 * tw, dtype=np.float32)
+    row1 = np.empty(2 * tw, dtype=np.float32)
+    for p in range(p0, p1):
+        n = p // m_
+        m = p - n * m_
+        bv = bias[m]
+        base0 = n * th * tw
+        for i in range(th):
+            base = base0 + i * tw
+            for b in range(4):
+                a0 = mx[b, m, base:base + tw]
+                a1 = mx[4 + b, m, base:base + tw]
+                a2 = mx[8 + b, m, base:base + tw]
+                a3 = mx[12 + b, m, base:base + tw]
+                d0 = s0[b]
+                d1 = s1[b]
+                for j in range(tw):
+                    d0[j] = a0[j] + a1[j] + a2[j]
+                    d1[j] = a1[j] - a2[j] - a3[j]
+            for j in range(tw):
+                row0[2 * j] = s0[0, j] + s0[1, j] + s0[2, j] + bv
+                row0[2 * j + 1] = s0[1, j] - s0[2, j] - s0[3, j] + bv
+                row1[2 * j] = s1[0, j] + s1[1, j] + s1[2, j] + bv
+                row1[2 * j + 1] = s1[1, j] - s1[2, j] - s1[3, j] + bv
+            r = 2 * i
+            out = y[n, m, r]
+            for q in range(ow_):
+                out[q] = row0[q]
+            _acts(out, codes, params)
+            if r + 1 < oh_:
+                out = y[n, m, r + 1]
+                for q in range(ow_):
+                    out[q] = row1[q]
+                _acts(out, codes, params)
+
+
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def layer_norm_rows(x, scale, bias, eps, y, mean_out, inv_out, r0, r1):
+    """LayerNormalization over the last axis of ``x`` (R, D) float32 into ``y``, rows ``r0..r1``.
+
+    Mean, then the variance of the centred values (two passes, as the numpy kernel computes
+    them, in float32 with float64 sums so long rows lose nothing), then one pass for the scale
+    and bias.  ``bias`` may be empty; ``mean_out``/``inv_out`` (R,) receive the statistics.
+    """
+    d = x.shape[1]
+    has_bias = bias.shape[0] > 0
+    for r in range(r0, r1):
+        xr = x[r]
+        s = 0.0
+        for i in range(d):
+            s += xr[i]
+        mu = np.float32(s / d)
+        q = 0.0
+        for i in range(d):
+            t = xr[i] - mu
+            q += t * t
+        inv = np.float32(1.0 / math.sqrt(np.float32(q / d) + eps))
+        yr = y[r]
+        if has_bias:
+            for i in range(d):
+                yr[i] = (xr[i] - mu) * inv * scale[i] + bias[i]
+        else:
+            for i in range(d):
+                yr[i] = (xr[i] - mu) * inv * scale[i]
+        mean_out[r] = mu
+        inv_out[r] = inv
+
+
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def erf_array(x, out):
+    """:func:`_erff` over a flat float32 array (tests compare it with ``erf_f32``)."""
+    for i in range(x.shape[0]):
+        out[i] = _erff(x[i])
+
+
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def act_inplace(flat, codes, params):
+    """Activations over a flat float32 array in place, in L1-sized pieces."""
+    n = flat.shape[0]
+    step = 4096
+    for s in range(0, n, step):
+        _acts(flat[s:min(s + step, n)], codes, params)
+
+
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def expf_array(x, out):
+    """:func:`_expf` over a flat float32 array (for tests of its accuracy)."""
+    for i in range(x.shape[0]):
+        out[i] = _expf(x[i])

