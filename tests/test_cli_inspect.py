@@ -98,10 +98,10 @@ def test_fp16_weight_packs_to_float32(samples, capsys):
     report = json.loads(out)
     packs = report["packs"]
     # W1h (64x128) is Cast to fp32 for fc1, which packs the cast weight itself (a constant
-    # expression); b1h (128) is Cast for an Add, which does not pack, so the Cast packs its
-    # result; W2h (128x16) feeds an fp16 MatMul: all packed as fp32, twice the bytes.
+    # expression); b1h's Cast feeds fc1's bias Add, which fc1 absorbs (its bias is folded into the
+    # fused MatMul, nothing to pack); W2h (128x16) feeds an fp16 MatMul: packed as fp32.
     assert sorted((p["weight"], p["op_type"], p["nbytes"]) for p in packs) == [
-        ("W1h", "MatMul", 64 * 128 * 4), ("W2h", "MatMul", 128 * 16 * 4), ("b1h", "Cast", 128 * 4)]
+        ("W1h", "MatMul", 64 * 128 * 4), ("W2h", "MatMul", 128 * 16 * 4)]
 
 
 def test_text_report_has_every_section(samples, capsys):
