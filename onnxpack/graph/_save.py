@@ -131,11 +131,18 @@ class SaveResult:
 class SaveExtras(Protocol):
     """Hook through which the prepack layer appends blobs after weights.
 
-    ``manifest`` and ``sealed`` are optional: an extra without them writes no seal.
+    ``weights_placed``, ``manifest`` and ``sealed`` are optional: an extra without the last two
+    writes no seal.
     """
 
     def blobs(self, scope_path: str, name: str) -> Sequence[np.ndarray]:
         """Blobs to write right after initializer ``name`` of scope ``scope_path``."""
+        ...
+
+    def weights_placed(self, places: dict[tuple[str, str], BlobPlacement]) -> None:
+        """Where each initializer itself landed in the data file, told before ``metadata``: a
+        record binds its blobs to the weight's bytes at that offset (a model whose initializers
+        were re-pointed at other bytes no longer matches it)."""
         ...
 
     def metadata(self, placements: dict[tuple[str, str], list[BlobPlacement]],
@@ -367,6 +374,7 @@ def save_model(
     items: list[_Item] = []  # in file order
     externalized: list[tuple[TensorProto, list[tuple[str, str]], _Item, int]] = []
     placements: dict[tuple[str, str], list[BlobPlacement]] = {}
+    weight_places: dict[tuple[str, str], BlobPlacement] = {}
     blob_seen: dict[int, BlobPlacement] = {}
     keep_alive: list[np.ndarray] = []
     end = 0
@@ -428,6 +436,8 @@ def save_model(
             if src is None:  # duplicate names (invalid, but keep every copy's bytes)
                 src = model.tensor(s_init)
             item = handle(d_init, src)
+            if item is not None and unique:
+                weight_places[(scope.path, s_init.name)] = BlobPlacement(item.offset, src.nbytes)
             blobs_for(scope, s_init.name, item)
         for s_sp, d_sp in zip(sgraph.sparse_initializer, dgraph.sparse_initializer, strict=True):
             handle(d_sp.values, model.tensor(s_sp.values))
@@ -453,6 +463,8 @@ def save_model(
             entry.key, entry.value = key, value
 
     # Model metadata: drop the prepack layer's records of the old layout, add the new ones.
+    if extra is not None and hasattr(extra, "weights_placed"):
+        extra.weights_placed(weight_places if data_name is not None else {})
     new_meta = dict(extra.metadata(placements, data_name)) if extra is not None else {}
     seal = extra is not None and items and new_meta and hasattr(extra, "manifest") and hasattr(extra, "sealed")
     manifest = extra.manifest(new_meta) if seal else b""

@@ -74,6 +74,7 @@ class SaveRecord:
     def __init__(self) -> None:
         self._weights: dict[tuple[str, str], _SavedWeight] = {}
         self._by_key: dict[str, tuple[np.ndarray, ...]] = {}  # one blob per content key
+        self._places: dict[tuple[str, str], Any] = {}  # where each weight itself was written
 
     def __len__(self) -> int:
         return len(self._weights)
@@ -104,6 +105,9 @@ class SaveRecord:
             return []
         return [b for _key, buffers in entry.packs for b in buffers]
 
+    def weights_placed(self, places: dict[tuple[str, str], Any]) -> None:
+        self._places = dict(places)
+
     def metadata(self, placements: dict[tuple[str, str], list[Any]], location: str | None) -> dict[str, str]:
         out: dict[str, str] = {}
         for (scope, name), entry in self._weights.items():
@@ -118,8 +122,13 @@ class SaveRecord:
                     recs.append(fmt.buffer_record(b, location, placed[k].offset))
                     k += 1
                 packs.append(fmt.PackRecord(key, tuple(recs)))
+            # The weight's own offset in the data file binds the record to those bytes: a model
+            # whose initializer was re-pointed (offsets swapped between equal-length weights,
+            # scopes renamed) no longer matches, even while the file is trusted unread.
+            own = self._places.get((scope, name))
+            source_offset = own.offset if own is not None and own.length == entry.length else None
             record = fmt.WeightRecord(
-                scope=scope, name=name, source_length=entry.length, source_offset=None,
+                scope=scope, name=name, source_length=entry.length, source_offset=source_offset,
                 source_digest=(entry.digest + entry.sample).hex(), packs=tuple(packs),
             )
             rk, value = fmt.format_record(record)
@@ -335,7 +344,13 @@ class LoadRecord:
             if external.length != rec.source_length:
                 raise PrepackFormatError(
                     f"stale: weight has {external.length} bytes, record says {rec.source_length}")
-            if full:
+            if rec.source_offset is not None and rec.source_offset != external.offset:
+                raise PrepackFormatError(
+                    f"the weight's bytes are at offset {external.offset} of {external.location!r}, the record's "
+                    f"were saved at {rec.source_offset}: the initializer was re-pointed at other bytes")
+            # A record without the weight's offset (saved from an in-proto weight, or by an older
+            # onnxpack) is not bound to these bytes: they are digested even in a trusted file.
+            if full or rec.source_offset is None:
                 got = _file_full_digest(external)
                 if got is None:
                     got = full_digest(raw())

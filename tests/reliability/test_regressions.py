@@ -143,3 +143,66 @@ def test_attribute_of_the_wrong_type_is_an_invalid_graph():
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     with pytest.raises((InvalidGraph, ModelLoadError)):
         InferenceSession(m.SerializeToString())
+
+
+# -- issue 12, round two: what the consistent-forgery, live-file and attribute families found ------
+
+
+def _optimized_twin(folder):
+    """fuzztwin optimized into ``folder/m.onnx`` (just saved: its data file is sealed and trusted),
+    its feeds and its outputs."""
+    from onnxpack.session import optimize
+
+    src_dir = os.path.join(folder, "src")
+    os.makedirs(src_dir)
+    src, feeds = harness.build_model(harness.FUZZTWIN, src_dir)
+    out = os.path.join(folder, "m.onnx")
+    optimize(src, out)
+    expected, stats = harness.outputs_of(out, feeds)
+    assert stats["weights_packed"] == 0 and stats["blobs_from_model"] >= 6
+    return out, feeds, expected
+
+
+def _run_warned(path, feeds, config=None):
+    opts = SessionOptions()
+    for k, v in (config or {}).items():
+        opts.add_session_config_entry(k, v)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with InferenceSession(path, opts) as s:
+            got, stats = s.run(None, feeds), s.get_prepack_stats()
+    return got, stats, [str(w.message) for w in caught if issubclass(w.category, PrepackWarning)]
+
+
+def _ort_outputs(path, feeds):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+@pytest.mark.parametrize("how", ["offsets-swapped", "offset-duplicated", "scopes-swapped"])
+def test_record_is_bound_to_its_weights_offset_in_a_trusted_file(tmp_path, how):
+    # Saved records carried no source offset: in a trusted (unchanged, sealed) data file nothing
+    # tied a record to the bytes its weight now points at, so swapping two equal-length weights'
+    # offsets in the model, or the names of two If nodes (their scopes trade places), kept the old
+    # blobs and gave silently wrong outputs (record family, resealed cases).
+    path, feeds, _ = _optimized_twin(str(tmp_path))
+    proto = onnx.load(path, load_external_data=False)
+    if how == "scopes-swapped":
+        a, b = (n for n in proto.graph.node if n.op_type == "If")
+        a.name, b.name = b.name, a.name
+    else:
+        ext = {t.name: {e.key: e for e in t.external_data} for t in proto.graph.initializer}
+        h1, h2 = ext["H1"]["offset"], ext["H2"]["offset"]
+        if how == "offsets-swapped":
+            h1.value, h2.value = h2.value, h1.value
+        else:
+            h1.value = h2.value
+    onnx.save(proto, path)  # the data file is untouched: its seal still holds
+    got, stats, warned = _run_warned(path, feeds)
+    for g, w in zip(got, _ort_outputs(path, feeds)):
+        np.testing.assert_allclose(g, w, rtol=1e-3, atol=2e-3)  # fp16 weights: ort rounds per op
+    assert stats["weights_packed"] >= 1
+    assert any("re-pointed" in m for m in warned), warned
