@@ -206,3 +206,102 @@ def test_record_is_bound_to_its_weights_offset_in_a_trusted_file(tmp_path, how):
         np.testing.assert_allclose(g, w, rtol=1e-3, atol=2e-3)  # fp16 weights: ort rounds per op
     assert stats["weights_packed"] >= 1
     assert any("re-pointed" in m for m in warned), warned
+
+
+def _forge(path, attack):
+    """Rewrites fuzztwin's records consistently (the blob of H2 for H1) and the data file's
+    manifest to seal them: every CRC, the manifest and its digest agree."""
+    proto = onnx.load(path, load_external_data=False)
+    recs, _ = harness._records_of(proto)
+    (k1, p1, b1, buf1), (k2, _p2, _b2, buf2) = [
+        next(item for item in harness._saved_buffers(recs) if item[0].endswith("/" + name)) for name in ("H1", "H2")]
+    binding = {f: buf2[f] for f in harness._BINDING}
+    if attack == "swap":
+        recs[k2][2]["packs"][0]["buffers"][0].update({f: buf1[f] for f in harness._BINDING})
+        harness._store(*recs[k2])
+    else:  # the other record deleted
+        harness._drop_props(proto, {k2})
+        recs, _ = harness._records_of(proto)  # the props were rebuilt
+    recs[k1][2]["packs"][p1]["buffers"][b1].update(binding)
+    harness._store(*recs[k1])
+    loc = harness._data_location(proto)
+    data_path = os.path.join(os.path.dirname(path), loc)
+    with open(data_path, "rb") as f:
+        data = harness._forge_manifest(proto, f.read())
+    with open(data_path, "wb") as f:
+        f.write(data)
+    onnx.save(proto, path)
+
+
+@pytest.mark.parametrize("attack", ["swap", "delete-and-repoint"])
+@pytest.mark.parametrize("mode", ["identity-changed", "verify-on-resealed"])
+def test_consistently_forged_records_are_caught_by_full_verification(tmp_path, attack, mode):
+    # A full verification checked each record against its weight (digest) and each blob against
+    # its record (CRC), but records are rewritable text: swapping two equal-shaped packs' offset,
+    # length and CRC and re-sealing the manifest passed both checks, even with verify_prepacked=1.
+    # Now a full verification compares the blob with the weight's own pack.
+    path, feeds, expected = _optimized_twin(str(tmp_path))
+    _forge(path, attack)
+    config = {}
+    if mode == "verify-on-resealed":  # the seal forged too: trusted unless verify_prepacked
+        harness._reseal(str(tmp_path), "m.onnx")
+        config = {"onnxpack.verify_prepacked": "1"}
+    got, stats, warned = _run_warned(path, feeds, config)
+    for g, w in zip(got, expected):
+        np.testing.assert_array_equal(g, w)
+    assert stats["blobs_rejected"] >= 1 and any("not this weight's pack" in m for m in warned), warned
+
+
+def test_same_content_copy_is_still_mapped_after_the_pack_comparison(tmp_path):
+    import shutil
+
+    path, feeds, expected = _optimized_twin(str(tmp_path))
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for name in os.listdir(tmp_path):
+        if name.startswith("m.onnx"):
+            shutil.copy(tmp_path / name, moved / name)  # new inodes: verified in full
+    got, stats, warned = _run_warned(str(moved / "m.onnx"), feeds)
+    assert warned == [] and stats["weights_packed"] == 0 and stats["blobs_from_model"] >= 6
+    for g, w in zip(got, expected):
+        np.testing.assert_array_equal(g, w)
+
+
+def _twin_with_cache(folder):
+    proto = harness.fuzztwin_model()
+    path = os.path.join(folder, "twin.onnx")
+    onnx.save_model(proto, path)  # in-proto weights: content keys
+    cache = os.path.join(folder, "packed.cache")
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32), "c": np.array(True)}
+    expected, _ = harness.outputs_of(path, feeds, {"onnxpack.prepacked_cache_path": cache})
+    _, stats = harness.outputs_of(path, feeds, {"onnxpack.prepacked_cache_path": cache})
+    assert stats["blobs_from_cache"] >= 6
+    return path, cache, feeds, expected
+
+
+@pytest.mark.parametrize("kind", ["swap", "keys"])
+def test_consistently_forged_cache_commit_is_caught_with_verify(tmp_path, kind):
+    # The same with the cache file: a newer commit (index CRC and slot CRC valid) swapping the
+    # regions or the keys of two equal-shaped entries gave wrong outputs under verify_prepacked=1.
+    import dataclasses
+    import random
+
+    path, cache, feeds, expected = _twin_with_cache(str(tmp_path))
+    with open(cache, "rb") as f:
+        data = f.read()
+    entries = harness._cache_entries(data)
+    big = [i for i, e in enumerate(entries) if e.buffers[0].shape == (256, 256)]
+    assert len(big) == 2
+    i, j = big
+    a, b = entries[i], entries[j]
+    if kind == "swap":
+        entries[i], entries[j] = dataclasses.replace(a, buffers=b.buffers), dataclasses.replace(b, buffers=a.buffers)
+    else:
+        entries[i], entries[j] = dataclasses.replace(a, key=b.key), dataclasses.replace(b, key=a.key)
+    with open(cache, "wb") as f:
+        f.write(harness._cache_commit(random.Random(0), data, entries))
+    opts = {"onnxpack.prepacked_cache_path": cache, "onnxpack.verify_prepacked": "1"}
+    got, stats, warned = _run_warned(path, feeds, opts)
+    for g, w in zip(got, expected):
+        np.testing.assert_array_equal(g, w)
+    assert sum("is not its pack" in m for m in warned) == 2, warned
