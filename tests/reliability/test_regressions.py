@@ -305,3 +305,46 @@ def test_consistently_forged_cache_commit_is_caught_with_verify(tmp_path, kind):
     for g, w in zip(got, expected):
         np.testing.assert_array_equal(g, w)
     assert sum("is not its pack" in m for m in warned) == 2, warned
+
+
+@pytest.mark.parametrize("how", ["cp-same-size", "cp-larger", "write-in-place"])
+def test_cache_rewritten_under_a_live_session_is_an_error(tmp_path, how):
+    # CacheFile.check only looked for a file that shrank (our appends only grow it), so a cache
+    # file rewritten in place (`cp` of another version, a write) fed the live session's mapped
+    # entries other bytes: silently wrong outputs at the next run (live family).
+    from onnxpack.errors import CacheFileError
+
+    path, cache, feeds, expected = _twin_with_cache(str(tmp_path))
+    opts = SessionOptions()
+    opts.add_session_config_entry("onnxpack.prepacked_cache_path", cache)
+    with InferenceSession(path, opts) as s:
+        for g, w in zip(s.run(None, feeds), expected):
+            np.testing.assert_array_equal(g, w)
+        with open(cache, "rb") as f:
+            data = bytearray(f.read())
+        region = max((b for e in harness._cache_entries(bytes(data)) for b in e.buffers), key=lambda b: b.length)
+        data[region.offset:region.offset + 64] = bytes(64)
+        if how == "write-in-place":
+            with open(cache, "r+b") as f:
+                f.seek(region.offset)
+                f.write(bytes(64))
+        else:
+            with open(cache, "r+b") as f:
+                f.truncate(0)
+                f.write(bytes(data) + (bytes(100000) if how == "cp-larger" else b""))
+        with pytest.raises(CacheFileError, match="rewritten under the live session"):
+            s.run(None, feeds)
+
+
+def test_cache_appended_by_another_writer_keeps_the_live_session_running(tmp_path):
+    from onnxpack.prepack import cache_file as cf
+
+    path, cache, feeds, expected = _twin_with_cache(str(tmp_path))
+    opts = SessionOptions()
+    opts.add_session_config_entry("onnxpack.prepacked_cache_path", cache)
+    with InferenceSession(path, opts) as s:
+        s.run(None, feeds)
+        cf.append_entries(cache, {"other/1/" + "ab" * 16: (np.arange(4096, dtype=np.float32),)})
+        for _ in range(2):  # the first run after the append checks the entries' CRCs, once
+            for g, w in zip(s.run(None, feeds), expected):
+                np.testing.assert_array_equal(g, w)
