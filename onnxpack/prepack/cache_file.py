@@ -43,6 +43,7 @@ import logging
 import math
 import mmap
 import os
+import stat
 import struct
 import threading
 import zlib
@@ -554,12 +555,30 @@ def info(path: str | os.PathLike[str]) -> CacheInfo:
 # -- writing ------------------------------------------------------------------------------------
 
 
+# The lock file is opened without following a symlink (O_CREAT through a symlink would create
+# its target, wherever it points) and without blocking (a FIFO put there), and must be a regular
+# file: anything else is refused, and nothing is written.
+_LOCK_FLAGS = (os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+               | getattr(os, "O_CLOEXEC", 0))
+
+
 @contextlib.contextmanager
 def _locked(path: str) -> Iterator[None]:
     if fcntl is None:  # pragma: no cover
         raise CacheFileError(f"cache file {path!r}: writing needs fcntl.flock (POSIX)")
-    fd = os.open(path + LOCK_SUFFIX, os.O_RDWR | os.O_CREAT, 0o644)
+    # The target first: a cache path naming a device, a FIFO or a folder is refused before a lock
+    # file is created next to it (e.g. /dev/zero.lock).
+    if os.path.lexists(path):
+        fd, _ = open_regular_file(path, "packed-weight cache file", MAX_FILE_POSITION, CacheFileError)
+        os.close(fd)
     try:
+        fd = os.open(path + LOCK_SUFFIX, _LOCK_FLAGS, 0o644)
+    except OSError as e:
+        raise CacheFileError(f"cache file {path!r}: cannot open its lock file {path + LOCK_SUFFIX!r}: {e.strerror}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CacheFileError(f"cache file {path!r}: its lock file {path + LOCK_SUFFIX!r} is not a regular file")
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:

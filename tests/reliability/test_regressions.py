@@ -348,3 +348,29 @@ def test_cache_appended_by_another_writer_keeps_the_live_session_running(tmp_pat
         for _ in range(2):  # the first run after the append checks the entries' CRCs, once
             for g, w in zip(s.run(None, feeds), expected):
                 np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("where", ["cache-is-a-fifo", "lock-is-a-dangling-symlink", "lock-is-a-fifo"])
+def test_cache_writer_creates_nothing_beside_special_files(tmp_path, where):
+    # The writer created PATH.lock before checking PATH: a cache path naming /dev/zero made it
+    # create /dev/zero.lock (special family), and the lock was opened with O_CREAT through a
+    # symlink, creating whatever file the symlink named.
+    src = tmp_path / "m.onnx"
+    onnx.save_model(harness.fuzztwin_model(), str(src))
+    cache = tmp_path / "packed.cache"
+    outside = tmp_path / "elsewhere" / "created"
+    (tmp_path / "elsewhere").mkdir()
+    if where == "cache-is-a-fifo":
+        os.mkfifo(cache)
+    elif where == "lock-is-a-fifo":
+        os.mkfifo(str(cache) + ".lock")
+    else:
+        os.symlink(outside, str(cache) + ".lock")
+    feeds = {"x": np.ones((2, 64), np.float32), "c": np.array(True)}
+    got, stats, warned = _run_warned(str(src), feeds, {"onnxpack.prepacked_cache_path": str(cache)})
+    assert warned, "the unusable cache is reported"
+    assert not outside.exists()
+    if where == "cache-is-a-fifo":
+        assert not os.path.lexists(str(cache) + ".lock")
+    else:
+        assert not cache.exists()  # nothing written without the lock
