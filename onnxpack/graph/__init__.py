@@ -7,7 +7,7 @@ See ``_model`` for scope paths, ``_external`` for the external-data security rul
 from __future__ import annotations
 
 from onnxpack.graph._external import MAX_FILE_POSITION, ExternalLocation, open_regular_file, read_regular_file, stat_identity
-from onnxpack.graph._model import Model, Scope, load_model, subgraphs_of, walk
+from onnxpack.graph._model import Model, Scope, load_model, sparse_to_dense, subgraphs_of, walk
 from onnxpack.graph._save import (
     DEFAULT_ALIGN_THRESHOLD,
     BlobPlacement,
@@ -23,6 +23,7 @@ __all__ = [
     "save_model",
     "walk",
     "subgraphs_of",
+    "sparse_to_dense",
     "Model",
     "Scope",
     "Tensor",

@@ -36,7 +36,7 @@ from onnxpack.errors import InvalidGraph, ModelLoadError
 from onnxpack.graph._external import DataFiles, read_regular_file
 from onnxpack.graph._tensor import Tensor
 
-__all__ = ["Model", "Scope", "load_model", "walk", "subgraphs_of"]
+__all__ = ["Model", "Scope", "load_model", "walk", "subgraphs_of", "sparse_to_dense"]
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +192,17 @@ def _sparse_to_dense(sparse: onnx.SparseTensorProto, files: DataFiles | None) ->
     proto.data_type = sparse.values.data_type
     proto.dims.extend(dims)
     return Tensor(proto, None, array=dense)
+
+
+def sparse_to_dense(sparse: onnx.SparseTensorProto, what: str = "sparse tensor") -> np.ndarray:
+    """The dense, read-only array of an in-proto sparse tensor (a Constant's ``sparse_value``),
+    with the same checks as sparse initializers: dims, counts, indices in range and increasing,
+    and the dense size cap, all before anything is allocated (``ModelLoadError`` otherwise)."""
+    for t in (sparse.values, sparse.indices):
+        if t.data_location == TensorProto.EXTERNAL:
+            raise ModelLoadError(f"{what}: external data must be read through the model (Model.tensor)")
+    _check_sparse(sparse, what)
+    return _sparse_to_dense(sparse, None).numpy()
 
 
 class Model:

@@ -374,3 +374,35 @@ def test_cache_writer_creates_nothing_beside_special_files(tmp_path, where):
         assert not os.path.lexists(str(cache) + ".lock")
     else:
         assert not cache.exists()  # nothing written without the lock
+
+
+def test_constant_with_a_sparse_value_gives_the_dense_tensor():
+    # The native Constant declined sparse_value and onnx.reference's Constant handed a
+    # SparseTensor object on, so a valid model onnxruntime runs failed at run (attr family).
+    sp = helper.make_sparse_tensor(numpy_helper.from_array(np.array([2.0, -3.0], np.float32), "v"),
+                                   numpy_helper.from_array(np.array([1, 3], np.int64), "i"), [2, 2])
+    g = helper.make_graph([helper.make_node("Constant", [], ["k"], sparse_value=sp),
+                           helper.make_node("Add", ["x", "k"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])])
+    data = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    x = np.arange(4, dtype=np.float32).reshape(2, 2)
+    with InferenceSession(data) as s:
+        (y,) = s.run(None, {"x": x})
+    import onnxruntime as ort
+
+    (want,) = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_array_equal(y, want)
+    np.testing.assert_array_equal(y, x + np.array([[0, 2], [0, -3]], np.float32))
+
+
+@pytest.mark.parametrize("case", ["index-beyond", "unsorted", "huge-dims"])
+def test_constant_with_a_hostile_sparse_value_is_refused(case):
+    v = np.ones(2, np.float32)
+    idx, dims = {"index-beyond": ([1, 9], [4]), "unsorted": ([2, 1], [4]), "huge-dims": ([0, 1], [2**40, 2**40])}[case]
+    sp = helper.make_sparse_tensor(numpy_helper.from_array(v, "v"), numpy_helper.from_array(np.array(idx, np.int64), "i"), dims)
+    g = helper.make_graph([helper.make_node("Constant", [], ["y"], sparse_value=sp)], "g", [],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    data = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    with pytest.raises(ModelLoadError):
+        InferenceSession(data)

@@ -20,6 +20,7 @@ from typing import ClassVar
 import numpy as np
 from onnx import numpy_helper
 
+from onnxpack.graph import sparse_to_dense
 from onnxpack.session.kernels._base import Kernel, KernelContext, register
 
 logger = logging.getLogger(__name__)
@@ -601,8 +602,12 @@ class Constant(Kernel):
             value = np.array(attrs["value_int"].i, dtype=np.int64)
         elif "value_ints" in attrs:
             value = np.array(list(attrs["value_ints"].ints), dtype=np.int64)
+        elif "sparse_value" in attrs and attrs["sparse_value"].HasField("sparse_tensor"):
+            # The output is dense (as onnxruntime makes it); onnx.reference would hand a
+            # SparseTensor object to the next node.  Checked like a sparse initializer.
+            value = sparse_to_dense(attrs["sparse_value"].sparse_tensor, f"node {node.name!r} (Constant) sparse_value")
         else:
-            # sparse_value, value_string(s), or a reference to a function attribute.
+            # value_string(s), or a reference to a function attribute.
             raise NotImplementedError(f"Constant with attributes {sorted(attrs)}")
         if value.dtype == object:
             raise NotImplementedError("Constant string tensor")
