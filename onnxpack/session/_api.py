@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from onnxpack.errors import InvalidArgument
+from onnxpack.errors import InvalidArgument, RuntimeFailure
 from onnxpack.graph import Model
 
 __all__ = ["NodeArg", "ModelMetadata", "model_inputs", "model_outputs", "model_metadata", "type_string",
@@ -130,10 +130,18 @@ def validate_feed(model: Model, input_feed: Any, overridable: frozenset[str], de
     return feeds
 
 
-def to_user(value: Any) -> Any:
-    """Outputs are the user's to keep and modify: never a read-only view of a weight or blob."""
+def to_user(value: Any, name: str = "") -> Any:
+    """Outputs are the user's to keep and modify: never a read-only view of a weight or blob.
+
+    A read-only output may be a broadcast view (Expand) far larger than any allocation: copying
+    it is then the output's RuntimeFailure, not numpy's MemoryError."""
     if isinstance(value, np.ndarray) and not value.flags.writeable:
-        return np.array(value)
+        try:
+            return np.array(value)
+        except (MemoryError, ValueError) as exc:
+            raise RuntimeFailure(
+                f"run: output {name!r} ({value.dtype}{list(value.shape)}, {value.nbytes} bytes) cannot be "
+                f"allocated: {exc}") from exc
     return value
 
 

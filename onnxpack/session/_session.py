@@ -158,7 +158,7 @@ class InferenceSession:
             values = run_plan(root, inputs) if self._arena is None else self._arena.run(inputs)
             result = dict(zip(all_outputs, values))
             names = list(output_names) if output_names else all_outputs
-            return [to_user(result[n]) for n in names]
+            return [to_user(result[n], n) for n in names]
         finally:
             with self._lock:
                 self._runs -= 1

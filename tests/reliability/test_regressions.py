@@ -406,3 +406,24 @@ def test_constant_with_a_hostile_sparse_value_is_refused(case):
     data = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
     with pytest.raises(ModelLoadError):
         InferenceSession(data)
+
+
+def test_output_broadcast_beyond_any_allocation_is_a_runtime_failure():
+    # Expand returns a broadcast view (no memory); run() copies read-only outputs for the user
+    # with np.array, and numpy's MemoryError for a 9.5 TiB copy escaped run() (huge family).
+    from onnxpack.errors import RuntimeFailure
+
+    shape = numpy_helper.from_array(np.array([19, 4, 8589934595, 4], np.int64), "shape")
+    g = helper.make_graph([helper.make_node("Expand", ["x", "shape"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [shape])
+    data = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    with InferenceSession(data) as s:
+        with pytest.raises(RuntimeFailure, match="output 'y'"):
+            s.run(None, {"x": np.arange(4, dtype=np.float32)})
+        # a broadcast that fits is still the user's own, writable array
+        small = {"x": np.arange(4, dtype=np.float32)}
+    data2 = data.replace(np.array([19, 4, 8589934595, 4], np.int64).tobytes(), np.array([1, 2, 3, 4], np.int64).tobytes())
+    with InferenceSession(data2) as s:
+        (y,) = s.run(None, small)
+    assert y.shape == (1, 2, 3, 4) and y.flags.writeable and y.flags.owndata
