@@ -1420,7 +1420,7 @@ def make_huge(rng: random.Random, bases: dict) -> dict[str, Any]:
             inits += [numpy_helper.from_array(np.zeros(0, np.float32), "e"), numpy_helper.from_array(np.array(dims, np.int64), "shape")]
             nodes = [helper.make_node("Reshape", ["e", "shape"], ["y"], allowzero=1)]
         elif op == "range":
-            inits += [numpy_helper.from_array(np.array(0, np.int64), "a"), numpy_helper.from_array(np.array(math.prod(dims) % (1 << 63), np.int64), "b"),
+            inits += [numpy_helper.from_array(np.array(0, np.int64), "a"), numpy_helper.from_array(np.array(min(math.prod(dims), 2**63 - 1), np.int64), "b"),
                       numpy_helper.from_array(np.array(1, np.int64), "d")]
             nodes = [helper.make_node("Range", ["a", "b", "d"], ["y"])]
         else:
