@@ -427,3 +427,25 @@ def test_output_broadcast_beyond_any_allocation_is_a_runtime_failure():
     with InferenceSession(data2) as s:
         (y,) = s.run(None, small)
     assert y.shape == (1, 2, 3, 4) and y.flags.writeable and y.flags.owndata
+
+
+@pytest.mark.parametrize("args", [(0, 2**63 - 1, 1), (-(2**63), 2**63 - 1, 2**62), (2**62, -(2**63), -(2**61)), (5, -7, -3)],
+                         ids=["2^63-1-elements", "full-span-4", "full-span-negative", "small"])
+def test_range_over_spans_near_2_63_is_exact_or_refused(args):
+    # np.arange computes its length in float64 and then intp: Range(0, 2^63 - 1, 1) came out
+    # empty, and Range(-2^63, 2^63 - 1, 2^62) too, where onnxruntime gives 4 elements (huge family).
+    from onnxpack.errors import RuntimeFailure
+
+    start, limit, delta = args
+    inits = [numpy_helper.from_array(np.array(v, np.int64), n) for v, n in ((start, "a"), (limit, "b"), (delta, "d"))]
+    g = helper.make_graph([helper.make_node("Range", ["a", "b", "d"], ["y"])], "g", [],
+                          [helper.make_tensor_value_info("y", TensorProto.INT64, None)], inits)
+    data = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    count = max(-((start - limit) // delta), 0)
+    with InferenceSession(data) as s:
+        if count > 2**40:
+            with pytest.raises(RuntimeFailure, match="do not fit any array"):
+                s.run(None, {})
+            return
+        (y,) = s.run(None, {})
+    assert y.tolist() == [start + k * delta for k in range(count)]
