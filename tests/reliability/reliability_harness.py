@@ -1368,7 +1368,11 @@ def make_huge(rng: random.Random, bases: dict) -> dict[str, Any]:
                          "w.bin": bytes(64)}
         case.update(oracle="zero", shape=dims, desc=f"zero-size initializer {dims}")
     elif kind == "sparse":
+        from onnxpack.graph._model import MAX_DENSE_SPARSE_BYTES
+
         dims = _giant_dims(rng, 33, 62) if rng.random() < 0.8 else _giant_dims(rng, 36, 40)
+        while math.prod(dims) * 4 <= MAX_DENSE_SPARSE_BYTES:  # above the densify cap: must be refused
+            dims[rng.randrange(len(dims))] *= 2
         count = math.prod(dims)
         nvals = rng.randint(1, 4)
         flat = sorted(rng.sample(range(min(count, 1 << 62)), nvals)) if count < 1 << 62 else list(range(nvals))
