@@ -449,3 +449,51 @@ def test_range_over_spans_near_2_63_is_exact_or_refused(args):
             return
         (y,) = s.run(None, {})
     assert y.tolist() == [start + k * delta for k in range(count)]
+
+
+def test_resave_onto_an_output_that_dies_before_the_model_rename_keeps_the_old_pair(tmp_path, monkeypatch):
+    # Re-saving onto an existing output renamed the new data file over the old output's data file
+    # before renaming the model: a kill in between left the old model reading the new layout
+    # (garbage weights; the campaign's flag-save and optimize kills with a previous output).
+    from onnxpack.graph import _save
+    from onnxpack.session import optimize
+
+    src, feeds = harness.build_model(harness.FUZZMIX, str(tmp_path))
+    out = str(tmp_path / "out.onnx")
+    optimize(src, out, {"session.save_external_prepacked_constant_initializers": "0"})
+    before, _ = harness.outputs_of(out, feeds)
+    data_before = harness.folder_digests(str(tmp_path))
+    real = _save._atomic_write
+
+    def dies_at_the_model(folder, name, write):
+        if name == "out.onnx":
+            raise OSError("killed")
+        return real(folder, name, write)
+
+    monkeypatch.setattr(_save, "_atomic_write", dies_at_the_model)
+    with pytest.raises(Exception):
+        optimize(src, out)
+    monkeypatch.undo()
+    after = harness.folder_digests(str(tmp_path))
+    assert {k: v for k, v in after.items() if k in data_before} == data_before  # nothing replaced
+    got, _ = harness.outputs_of(out, feeds)
+    for g, w in zip(got, before):
+        np.testing.assert_array_equal(g, w)
+    # A save that completes drops the old output's data file: re-saves alternate two names.
+    for _ in range(3):
+        optimize(src, out)
+        names = sorted(n for n in os.listdir(tmp_path) if n.startswith("out.onnx") and n != "out.onnx")
+        assert len(names) <= 2, names  # the one in use, plus the orphan of the save that died
+        got, stats = harness.outputs_of(out, feeds)
+        assert stats["blobs_from_model"] >= 1
+        for g, w in zip(got, before):
+            np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("mode", ["flag", "optimize"])
+def test_kills_around_the_commit_of_a_resave_leave_a_whole_pair(tmp_path, mode):
+    setup = harness.kill_setup(str(tmp_path / "setup"))
+    calls = setup["calls"][mode]
+    for kill_at in range(calls - 12, calls + 1):  # the data rename, the model's write and rename
+        ok, found = harness.kill_trial(setup, mode, kill_at, str(tmp_path / f"k{kill_at}"), previous=True)
+        assert ok, f"{mode}: kill before write call {kill_at} of {calls}: {found}"
