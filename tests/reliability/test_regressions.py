@@ -497,3 +497,29 @@ def test_kills_around_the_commit_of_a_resave_leave_a_whole_pair(tmp_path, mode):
     for kill_at in range(calls - 12, calls + 1):  # the data rename, the model's write and rename
         ok, found = harness.kill_trial(setup, mode, kill_at, str(tmp_path / f"k{kill_at}"), previous=True)
         assert ok, f"{mode}: kill before write call {kill_at} of {calls}: {found}"
+
+
+@pytest.mark.parametrize("wtype", [TensorProto.INT32, TensorProto.INT64, TensorProto.FLOAT16])
+def test_conv_batchnorm_fold_of_a_weight_of_another_type_matches_the_unfused_graph(wtype):
+    # With pre-packing on, Conv+BatchNormalization fuse; an int32 weight is not packed, so the fold
+    # ran per call in the weight's own dtype and truncated the float multiplier: other outputs than
+    # the unfused graph (pre-packing off) gave (proto fuzzer: a Conv weight's data_type set to 6).
+    rng = np.random.default_rng(3)
+    w = rng.integers(-3, 4, (4, 3, 3, 3))
+    inits = [numpy_helper.from_array(w.astype(helper.tensor_dtype_to_np_dtype(wtype)), "W")]
+    for name, v in (("s", rng.uniform(0.5, 1.5, 4)), ("b", rng.standard_normal(4)), ("m", rng.standard_normal(4)),
+                    ("v", rng.uniform(0.5, 2, 4))):
+        inits.append(numpy_helper.from_array(v.astype(np.float32), name))
+    g = helper.make_graph([helper.make_node("Conv", ["x", "W"], ["c"], pads=[1, 1, 1, 1]),
+                           helper.make_node("BatchNormalization", ["c", "s", "b", "m", "v"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 6, 6])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    data = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    x = {"x": rng.standard_normal((1, 3, 6, 6)).astype(np.float32)}
+    outs = []
+    for prepack in ("0", "1"):
+        opts = SessionOptions()
+        opts.add_session_config_entry("session.disable_prepacking", "1" if prepack == "0" else "0")
+        with InferenceSession(data, opts) as s:
+            outs.append(s.run(None, x)[0])
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-4)

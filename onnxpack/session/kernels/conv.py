@@ -645,7 +645,10 @@ class FusedConv(Conv):
     def _conv(self, x, w, b, out):
         if self.multiplier is not None:
             if self._w is None:  # not packed (e.g. a weight dtype BLAS cannot take): fold per call
-                w = as_compute(w)
+                # In the input's compute dtype, as the unfused Conv casts the weight: folding in an
+                # integer weight's own dtype truncated the multiplier (found by the fuzzer).
+                cd = compute_dtype(x.dtype)
+                w = w.astype(cd) if cd is not None and w.dtype != cd else as_compute(w)
                 w = w * self.multiplier.astype(w.dtype).reshape((-1,) + (1,) * (w.ndim - 1))
             y = super()._conv(x, w, None, out)
             y += self.shift.astype(y.dtype, copy=False).reshape((1, -1) + (1,) * (y.ndim - 2))
