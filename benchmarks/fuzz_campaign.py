@@ -39,7 +39,7 @@ def fuzz(bases: dict, cases: int, workers: int, seed: int) -> dict:
     per = -(-cases // len(harness.TARGETS))
     out = {}
     print(f"\n== fuzzing: {per} cases per target, {workers} worker subprocesses ==")
-    print(f"{'target':9} {'cases':>6} {'refused':>8} {'ok':>6} {'ok+warn':>8} {'run-err':>8} "
+    print(f"{'target':9} {'cases':>6} {'refused':>8} {'ok':>6} {'ok+warn':>8} {'run-err':>8} {'live-err':>8} "
           f"{'trusted':>8} {'fail':>5} {'s':>6}")
     for target in harness.TARGETS:
         t0 = time.perf_counter()
@@ -47,21 +47,24 @@ def fuzz(bases: dict, cases: int, workers: int, seed: int) -> dict:
         counts: collections.Counter = collections.Counter()
         oracles: collections.Counter = collections.Counter()
         failures = []
+        resealed = 0
         with harness.Pool(bases, workers) as pool:
             for case, res in pool.run(todo):
                 counts[res["outcome"].split(":")[0]] += 1
                 oracles[case["oracle"]] += 1
+                resealed += bool(case.get("reseal"))
                 if res["verdict"] != "pass":
                     failures.append({"seed": case["seed"], "base": case["base"], "desc": case["desc"],
                                      "config": case["config"], "outcome": res["outcome"],
                                      "detail": res["detail"][-1500:]})
         seconds = time.perf_counter() - t0
-        refused = counts["create-error"]
+        refused = counts["create-error"] + counts["optimize-error"]
         print(f"{target:9} {per:6d} {refused:8d} {counts['ok']:6d} {counts['ok-warned']:8d} "
-              f"{counts['run-error']:8d} {oracles['trusted']:8d} {len(failures):5d} {seconds:6.1f}")
+              f"{counts['run-error']:8d} {counts['ok/live-error']:8d} {oracles['trusted']:8d} {len(failures):5d} "
+              f"{seconds:6.1f}")
         for f in failures[:5]:
             print(f"   FAIL seed {f['seed']} {f['base']} {f['desc']!r}: {f['outcome']} {f['detail'][-300:]}")
-        out[target] = {"cases": per, "outcomes": dict(counts), "oracles": dict(oracles),
+        out[target] = {"cases": per, "outcomes": dict(counts), "oracles": dict(oracles), "resealed": resealed,
                        "failures": len(failures), "failure_examples": failures[:20], "seconds": round(seconds, 1)}
     return out
 

@@ -192,10 +192,14 @@ def _sparse_to_dense(sparse: onnx.SparseTensorProto, files: DataFiles | None, wh
     return Tensor(proto, None, array=dense)
 
 
-def sparse_to_dense(sparse: onnx.SparseTensorProto, what: str) -> np.ndarray:
+def sparse_to_dense(sparse: onnx.SparseTensorProto, what: str = "sparse tensor") -> np.ndarray:
     """The dense, read-only array of an in-proto sparse tensor (a node attribute's: those with
     external data were read in when the model was loaded), with the checks sparse initializers
-    get; ``what`` names it in errors (``ModelLoadError``)."""
+    get: dims, counts, indices in range and increasing, and the dense size cap, all before
+    anything is allocated; ``what`` names it in errors (``ModelLoadError``)."""
+    for t in (sparse.values, sparse.indices):
+        if t.data_location == TensorProto.EXTERNAL:
+            raise ModelLoadError(f"{what}: external data must be read through the model (Model.tensor)")
     return _sparse_to_dense(sparse, None, what).numpy()
 
 

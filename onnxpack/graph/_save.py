@@ -18,13 +18,15 @@ model uses is ever opened for writing.
 
 Replacing a data file that some model references would silently change that model's weights
 (and, after a crash, tear the pair).  So the data file name is chosen among ``location``,
-``<root>.1<ext>``, ``<root>.2<ext>``… : the first name that does not exist, or whose file is a
-data file of the model currently at the output path (re-saving an output replaces its own data)
-and is read by nothing of the input (compared by device+inode, so hard links count; a symlink is
-never replaced).  Optimizing a model in place therefore never replaces a file: every earlier data
-file is left on disk, since another model may share it — :class:`SaveResult` reports the name
-used.  The output model path itself may be the input model (in place) but never one of the
-input's data files.
+``<root>.1<ext>``, ``<root>.2<ext>``… : the first name that does not exist — an existing file is
+never replaced, not even the data file of the model currently at the output path, since that
+model reads it until the new model's rename commits the save.  Once committed, the old output's
+own data files are removed, unless the input reads them (compared by device+inode, so hard links
+count; a symlink is never removed); re-saving an output therefore alternates between two names.
+A crash leaves the old pair or the new one (and, at worst, an unreferenced new data file).
+Optimizing a model in place leaves every earlier data file on disk, since another model may share
+it — :class:`SaveResult` reports the name used.  The output model path itself may be the input
+model (in place) but never one of the input's data files.
 
 After the data file is renamed into place, the prepack layer's ``SaveExtras.sealed`` records the
 file's identity (device, inode, size, mtime, ctime) and the offset of the manifest it appended,
@@ -132,7 +134,8 @@ class SaveResult:
 class SaveExtras(Protocol):
     """Hook through which the prepack layer appends blobs after weights.
 
-    ``manifest`` and ``sealed`` are optional: an extra without them writes no seal.
+    ``weights_placed``, ``manifest`` and ``sealed`` are optional: an extra without the last two
+    writes no seal.
     """
 
     def blobs(self, scope_path: str, name: str) -> Sequence[np.ndarray]:
@@ -143,6 +146,12 @@ class SaveExtras(Protocol):
         """Every name of scope ``scope_path`` that has blobs.  Optional: names that are not
         initializers of the scope (a ``Constant`` node's output whose tensor a kernel packed) get
         their blobs after the scope's initializers; without this method they are not saved."""
+        ...
+
+    def weights_placed(self, places: dict[tuple[str, str], BlobPlacement]) -> None:
+        """Where each initializer itself landed in the data file, told before ``metadata``: a
+        record binds its blobs to the weight's bytes at that offset (a model whose initializers
+        were re-pointed at other bytes no longer matches it)."""
         ...
 
     def metadata(self, placements: dict[tuple[str, str], list[BlobPlacement]],
@@ -245,18 +254,19 @@ def _inode(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _replaceable_inodes(model: Model, out_path: str) -> set[tuple[int, int]]:
-    """Existing files a new data file may replace: the data files of the model currently at
-    ``out_path`` (re-saving an output replaces its own data), minus every file the input reads.
+def _old_output_data(model: Model, out_path: str) -> dict[str, tuple[int, int]]:
+    """Data files the save may remove once the new model is in place: those of the model
+    currently at ``out_path`` (re-saving an output drops its own data), minus every file the input
+    reads; path -> (device, inode) as seen now.
 
-    Nothing else is replaced, whatever its name: a data file the input no longer references after
-    an earlier in-place save may still be another model's, and replacing it would change that
-    model's weights behind its back.
+    Nothing else is removed, whatever its name: a data file the input no longer references after
+    an earlier in-place save may still be another model's, and removing it would take that
+    model's weights away.
     """
     inputs = {i for i in map(_inode, model.data_paths()) if i is not None}
     if model.path is not None and (i := _inode(model.path)) is not None:
         inputs.add(i)
-    replaceable: set[tuple[int, int]] = set()
+    old: dict[str, tuple[int, int]] = {}
     if os.path.isfile(out_path) and _inode(out_path) not in inputs:
         try:
             existing = ModelProto.FromString(read_regular_file(out_path, "model file", (2 << 30) - 1, OSError))
@@ -267,21 +277,39 @@ def _replaceable_inodes(model: Model, out_path: str) -> set[tuple[int, int]]:
             _external_locations(existing.graph, locations)
             folder = os.path.dirname(out_path)
             for loc in locations:
-                if "\x00" not in loc and (i := _inode(os.path.join(folder, loc))) is not None:
-                    replaceable.add(i)
-    return replaceable - inputs
+                if "\x00" in loc:
+                    continue
+                path = os.path.join(folder, loc)
+                if not os.path.islink(path) and os.path.isfile(path) and (i := _inode(path)) is not None and i not in inputs:
+                    old[os.path.normpath(path)] = i
+    return old
 
 
-def _choose_data_name(folder: str, location: str, replaceable: set[tuple[int, int]]) -> str:
+def _choose_data_name(folder: str, location: str) -> str:
+    """``location``, or ``<root>.1<ext>``, ``<root>.2<ext>`` …: the first name not in use.  An
+    existing file is never replaced — not even the old output's own data file, which the old model
+    reads until the new model's rename commits the save (replacing it first would leave the old
+    model reading the new layout if the save died in between)."""
     root, ext = os.path.splitext(location)
     n = 0
     candidate = location
-    while True:
-        path = os.path.join(folder, candidate)
-        if not os.path.lexists(path) or (not os.path.islink(path) and _inode(path) in replaceable):
-            return candidate
+    while os.path.lexists(os.path.join(folder, candidate)):
         n += 1
         candidate = f"{root}.{n}{ext}"
+    return candidate
+
+
+def _remove_old_data(old: dict[str, tuple[int, int]], keep: str | None) -> None:
+    """After the commit: the old output's data files, unless replaced since (another inode) or
+    now ours.  Best effort: a file left behind is only disk space."""
+    for path, inode in old.items():
+        if keep is not None and os.path.normpath(path) == os.path.normpath(keep):
+            continue
+        try:
+            if _inode(path) == inode and not os.path.islink(path):
+                os.unlink(path)
+        except OSError as e:
+            logger.info("old data file %r left in place: %s", path, e)
 
 
 def _check_output_path(model: Model, out_path: str) -> None:
@@ -359,6 +387,7 @@ def save_model(
     if location == os.path.basename(out_path):
         raise InvalidArgument(f"save_model: location {location!r} is the model file itself")
     _check_output_path(model, out_path)
+    old_data = _old_output_data(model, out_path)
 
     dst = ModelProto()
     dst.CopyFrom(model.proto)
@@ -374,6 +403,7 @@ def save_model(
     items: list[_Item] = []  # in file order
     externalized: list[tuple[TensorProto, list[tuple[str, str]], _Item, int]] = []
     placements: dict[tuple[str, str], list[BlobPlacement]] = {}
+    weight_places: dict[tuple[str, str], BlobPlacement] = {}
     blob_seen: dict[int, BlobPlacement] = {}
     keep_alive: list[np.ndarray] = []
     end = 0
@@ -435,6 +465,8 @@ def save_model(
             if src is None:  # duplicate names (invalid, but keep every copy's bytes)
                 src = model.tensor(s_init)
             item = handle(d_init, src)
+            if item is not None and unique:
+                weight_places[(scope.path, s_init.name)] = BlobPlacement(item.offset, src.nbytes)
             blobs_for(scope, s_init.name, item)
         for s_sp, d_sp in zip(sgraph.sparse_initializer, dgraph.sparse_initializer, strict=True):
             handle(d_sp.values, model.tensor(s_sp.values))
@@ -453,7 +485,7 @@ def save_model(
     data_name = None
     data_path = None
     if items:
-        data_name = _choose_data_name(folder, location, _replaceable_inodes(model, out_path))
+        data_name = _choose_data_name(folder, location)
         data_path = os.path.join(folder, data_name)
         if data_name != location:
             logger.info("data file %r is in use; writing %r instead", location, data_name)
@@ -466,6 +498,8 @@ def save_model(
             entry.key, entry.value = key, value
 
     # Model metadata: drop the prepack layer's records of the old layout, add the new ones.
+    if extra is not None and hasattr(extra, "weights_placed"):
+        extra.weights_placed(weight_places if data_name is not None else {})
     new_meta = dict(extra.metadata(placements, data_name)) if extra is not None else {}
     seal = extra is not None and items and new_meta and hasattr(extra, "manifest") and hasattr(extra, "sealed")
     manifest = extra.manifest(new_meta) if seal else b""
@@ -509,6 +543,7 @@ def save_model(
         _atomic_write(folder, os.path.basename(out_path), lambda f: f.write(serialized))
     except OSError as e:
         raise OnnxpackError(f"save_model: cannot write {out_path!r}: {e}") from e
+    _remove_old_data(old_data, data_path)
     return SaveResult(out_path, data_path, data_name, len(externalized), end if items else 0,
                       placements, sum(length for *_rest, length in externalized))
 

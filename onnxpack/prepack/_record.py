@@ -74,6 +74,7 @@ class SaveRecord:
     def __init__(self) -> None:
         self._weights: dict[tuple[str, str], _SavedWeight] = {}
         self._by_key: dict[str, tuple[np.ndarray, ...]] = {}  # one blob per content key
+        self._places: dict[tuple[str, str], Any] = {}  # where each weight itself was written
 
     def __len__(self) -> int:
         return len(self._weights)
@@ -107,6 +108,9 @@ class SaveRecord:
             return []
         return [b for _key, buffers in entry.packs for b in buffers]
 
+    def weights_placed(self, places: dict[tuple[str, str], Any]) -> None:
+        self._places = dict(places)
+
     def metadata(self, placements: dict[tuple[str, str], list[Any]], location: str | None) -> dict[str, str]:
         out: dict[str, str] = {}
         for (scope, name), entry in self._weights.items():
@@ -121,8 +125,13 @@ class SaveRecord:
                     recs.append(fmt.buffer_record(b, location, placed[k].offset))
                     k += 1
                 packs.append(fmt.PackRecord(key, tuple(recs)))
+            # The weight's own offset in the data file binds the record to those bytes: a model
+            # whose initializer was re-pointed (offsets swapped between equal-length weights,
+            # scopes renamed) no longer matches, even while the file is trusted unread.
+            own = self._places.get((scope, name))
+            source_offset = own.offset if own is not None and own.length == entry.length else None
             record = fmt.WeightRecord(
-                scope=scope, name=name, source_length=entry.length, source_offset=None,
+                scope=scope, name=name, source_length=entry.length, source_offset=source_offset,
                 source_digest=(entry.digest + entry.sample).hex(), packs=tuple(packs),
             )
             rk, value = fmt.format_record(record)
@@ -238,18 +247,20 @@ class LoadRecord:
         return (scope, name) in self._records
 
     def find(self, scope: str, name: str, raw: Any, spec: Any, dtype: Any, shape: Sequence[int],
-             check: Any, external: Any = None) -> PrePackedWeights | None:
+             check: Any, external: Any = None, repack: Any = None) -> PrePackedWeights | None:
         """Mapped buffers for this weight and kernel spec, or None (with a warning if unusable).
 
         ``raw`` returns the source weight's bytes (read only when it must be digested);
-        ``check(buffers)`` is the kernel's own validation (None when fine, else a reason).
+        ``check(buffers)`` is the kernel's own validation (None when fine, else a reason);
+        ``repack()`` packs the weight now (the kernel's ``prepack``), called only by a full
+        verification, which compares the blob with it.
         """
         rec = self._records.get((scope, name))
         if rec is None:
             return None
         where = f"pre-packed blob of weight {name!r}" + (f" in scope {scope!r}" if scope else "")
         try:
-            return self._find(rec, where, raw, spec, dtype, shape, check, external)
+            return self._find(rec, where, raw, spec, dtype, shape, check, external, repack)
         except _FileRejected as exc:
             seen = (scope, name, "file")
             if seen not in self._failed:
@@ -302,7 +313,7 @@ class LoadRecord:
         return ("trusted" if trusted else "verify"), fmt.parse_manifest(raw)
 
     def _find(self, rec: fmt.WeightRecord, where: str, raw: Any, spec: Any, dtype: Any,
-              shape: Sequence[int], check: Any, external: Any = None) -> PrePackedWeights | None:
+              shape: Sequence[int], check: Any, external: Any = None, repack: Any = None) -> PrePackedWeights | None:
         digest_hex = rec.source_digest
         if len(digest_hex) != 64:
             raise PrepackFormatError(f"source digest: expected 64 hex digits, got {len(digest_hex)}")
@@ -338,7 +349,13 @@ class LoadRecord:
             if external.length != rec.source_length:
                 raise PrepackFormatError(
                     f"stale: weight has {external.length} bytes, record says {rec.source_length}")
-            if full:
+            if rec.source_offset is not None and rec.source_offset != external.offset:
+                raise PrepackFormatError(
+                    f"the weight's bytes are at offset {external.offset} of {external.location!r}, the record's "
+                    f"were saved at {rec.source_offset}: the initializer was re-pointed at other bytes")
+            # A record without the weight's offset (saved from an in-proto weight, or by an older
+            # onnxpack) is not bound to these bytes: they are digested even in a trusted file.
+            if full or rec.source_offset is None:
                 got = _file_full_digest(external)
                 if got is None:
                     got = full_digest(raw())
@@ -352,11 +369,21 @@ class LoadRecord:
             if full_digest(source) != digest:
                 raise PrepackFormatError("stale: the weight's bytes changed since the blob was saved")
         for i, (b, view) in enumerate(zip(pack.buffers, views)):
+            # The CRC first even when the pack is compared below: it tells corrupt bytes from a
+            # record bound to another blob (and costs a quarter of the comparison).
             if (full or b.length < ALWAYS_VERIFY_BELOW) and fmt.checksum(view) != b.checksum:
                 raise PrepackFormatError(f"buffer {i}: checksum {fmt.checksum(view)} != recorded {b.checksum}")
         reason = check(tuple(views))
         if reason is not None:
             raise PrepackFormatError(f"kernel rejects the blob: {reason}")
+        if full and repack is not None:
+            # Digests and CRCs bind the record to the weight and the blob to the record, but a
+            # record is text anyone can rewrite together with its CRCs and, once the file's identity
+            # is gone, with the manifest: only the weight's own pack proves which blob is its pack.
+            mismatch = pack_differs(repack(), views)
+            if mismatch:
+                raise PrepackFormatError(
+                    f"the blob is not this weight's pack ({mismatch}): the record binds another blob")
         return PrePackedWeights(key, tuple(views), "model", self.model.check_files)
 
     @staticmethod
@@ -407,6 +434,24 @@ class LoadRecord:
                 f"buffer {i} [{b.offset}, {end}) in {b.location!r} overlaps the bytes "
                 f"[{start}, {stop}) of weight {name!r}: the record points at the wrong bytes"
             )
+
+
+def pack_differs(fresh: Any, views: Sequence[np.ndarray]) -> str | None:
+    """Why the buffers ``fresh`` (a pack made now) are not bit-identical to ``views``, or None."""
+    if fresh is None:
+        return "the kernel declines to pack this weight"
+    fresh = tuple(fresh)
+    if len(fresh) != len(views):
+        return f"{len(fresh)} buffers, the blob has {len(views)}"
+    for i, (a, b) in enumerate(zip(fresh, views)):
+        a = np.asarray(a)
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return f"buffer {i} is {a.dtype}{list(a.shape)}, the blob's {b.dtype}{list(b.shape)}"
+        # Bytes, not values: NaN payloads and -0.0 must match too (~8 GB/s; memoryview's == is 0.5).
+        if a.size and not np.array_equal(np.ascontiguousarray(a).reshape(-1).view(np.uint8),
+                                         np.ascontiguousarray(b).reshape(-1).view(np.uint8)):
+            return f"buffer {i} holds other bytes"
+    return None
 
 
 def _occupied_ranges(model: Any, records: Any) -> tuple[dict[str, tuple[list, list]], set]:

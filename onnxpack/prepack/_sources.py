@@ -32,7 +32,7 @@ from onnxpack.errors import CacheFileError, InvalidArgument, PrepackWarning
 from onnxpack.graph import Model, stat_identity
 from onnxpack.prepack import cache_file as cf
 from onnxpack.prepack._container import PrepackedWeightsContainer
-from onnxpack.prepack._record import ALWAYS_VERIFY_BELOW, LoadRecord
+from onnxpack.prepack._record import ALWAYS_VERIFY_BELOW, LoadRecord, pack_differs
 from onnxpack.prepack._weights import PackSpec, PrePackedWeights, WeightRef, make_key
 
 logger = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class PackSources:
         made: dict[str, Any] = {"origin": "container", "seconds": 0.0}
         if not weight.user and self.record.has(weight.scope, weight.name):
             mapped = self.record.find(weight.scope, weight.name, weight.raw, spec, weight.dtype, weight.shape,
-                                      check, weight.external)
+                                      check, weight.external, lambda: pack(weight.value()))
             if mapped is not None:
                 def from_model() -> PrePackedWeights:
                     made["origin"] = "model"
@@ -174,7 +174,7 @@ class PackSources:
 
         def create() -> PrePackedWeights | None:
             if self.cache is not None and key in self.cache:
-                entry = self._from_cache(key, weight, check, label)
+                entry = self._from_cache(key, weight, check, label, pack)
                 if entry is not None:
                     made["origin"] = "cache"
                     return entry
@@ -193,7 +193,8 @@ class PackSources:
             return None
         return Obtained(entry, made["origin"], made["seconds"])
 
-    def _from_cache(self, key: str, weight: WeightRef, check: Callable, label: str) -> PrePackedWeights | None:
+    def _from_cache(self, key: str, weight: WeightRef, check: Callable, label: str,
+                    pack: Callable | None = None) -> PrePackedWeights | None:
         # Small entries are CRC-checked at every load, like small blobs saved in a model
         # (ALWAYS_VERIFY_BELOW): cheap, and a corrupt one would give wrong outputs.
         cached = self.cache.entry(key)
@@ -211,6 +212,14 @@ class PackSources:
             self.cache_rejected += 1
             _warn(f"cache entry for weight {weight.name!r} rejected by {label}, re-packing: {reason}")
             return None
+        if self.verify and pack is not None:
+            # The index's CRCs guard against corruption; a rewritten index (regions or keys
+            # swapped, CRCs and commit recomputed) is told apart only by the weight's own pack.
+            reason = pack_differs(pack(weight.value()), buffers)
+            if reason is not None:
+                self.cache_rejected += 1
+                _warn(f"cache entry for weight {weight.name!r} is not its pack ({reason}), re-packing")
+                return None
         return PrePackedWeights(key, tuple(buffers), "cache", self.cache.check)
 
     def flush_cache(self) -> None:

@@ -43,13 +43,16 @@ import logging
 import math
 import mmap
 import os
+import stat
 import struct
+import threading
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from onnxpack.graph import MAX_FILE_POSITION, mapped_view, open_regular_file, shape_fits
+from onnxpack.graph import MAX_FILE_POSITION, mapped_view, open_regular_file, shape_fits, stat_identity
 from onnxpack._io import atomic_write
 from onnxpack.errors import CacheFileError, InvalidArgument
 from onnxpack.prepack.entry_format import ALLOWED_DTYPES, MAX_BUFFERS_PER_PACK, MAX_DIMS, crc32
@@ -374,8 +377,18 @@ class CacheFile:
         self._mm = mm
         self._size = size
         self._state = state
-        self._fd = fd  # kept open while mapped: check() tells with one fstat if it was truncated
+        self._fd = fd  # kept open while mapped: check() tells with one fstat if it was changed
         self._entries: dict[str, CacheEntry] = state.entries if state else {}
+        # check(): the file's identity when its served entries last matched their CRCs, and the
+        # keys get() handed out (the bytes sessions compute with).
+        self._checked: tuple[int, ...] | None = None
+        self._served: set[str] = set()
+        self._lock = threading.Lock()
+        if fd is not None:
+            try:
+                self._checked = stat_identity(os.fstat(fd))
+            except OSError:
+                pass
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> CacheFile:
@@ -405,18 +418,50 @@ class CacheFile:
 
     def check(self) -> None:
         """Raises CacheFileError if the mapped file shrank below what is mapped (reading a
-        truncated mapping kills the process with SIGBUS).  Our own appends only grow it."""
+        truncated mapping kills the process with SIGBUS) or if an entry :meth:`get` handed out no
+        longer holds its bytes (a ``cp`` over the file, a write in place: the mapping shows the new
+        bytes).  Writers that follow the format only append, which changes the file's mtime too,
+        so a changed identity is not an error by itself: it makes this call check the CRC-32 of
+        every served entry once (read with ``pread``, so a concurrent truncation is a short read,
+        not SIGBUS), and the identity is remembered when they all match."""
+        with self._lock:  # close() takes it too: the fd is never closed (and reused) under a pread
+            self._check_locked()
+
+    def _check_locked(self) -> None:
         if self._fd is None or self._mm is None:
             return
         try:
-            size = os.fstat(self._fd).st_size
+            ident = stat_identity(os.fstat(self._fd))
         except OSError:
             return
-        if size < self._size:
+        if ident[2] < self._size:
             raise CacheFileError(
                 f"packed-weight cache {self.path!r} was truncated under the live session ({self._size} -> "
-                f"{size} bytes): its packed weights are gone — create the session again"
+                f"{ident[2]} bytes): its packed weights are gone — create the session again"
             )
+        if ident == self._checked:
+            return
+        for key in sorted(self._served):
+            for j, b in enumerate(self._entries[key].buffers):
+                if self._pread_crc(b.offset, b.length) != b.crc32:
+                    raise CacheFileError(
+                        f"packed-weight cache {self.path!r} was rewritten under the live session: entry "
+                        f"{key!r} buffer {j} no longer holds its bytes — create the session again"
+                    )
+        self._checked = ident
+
+    def _pread_crc(self, offset: int, length: int) -> int | None:
+        crc, pos, end = 0, offset, offset + length
+        while pos < end:
+            try:
+                chunk = os.pread(self._fd, min(end - pos, 1 << 24), pos)
+            except (OSError, TypeError):
+                return None
+            if not chunk:
+                return None
+            crc = zlib.crc32(chunk, crc)
+            pos += len(chunk)
+        return crc & 0xFFFFFFFF
 
     def __enter__(self) -> CacheFile:
         return self
@@ -447,6 +492,8 @@ class CacheFile:
             return None
         if self._mm is None:
             raise CacheFileError(f"cache file {self.path!r}: closed")
+        with self._lock:
+            self._served.add(key)
         out = []
         for j, b in enumerate(e.buffers):
             arr = mapped_view(self._mm, b.dtype, tuple(b.shape), b.offset)
@@ -477,7 +524,8 @@ class CacheFile:
         )
 
     def close(self) -> None:
-        fd, self._fd = self._fd, None
+        with self._lock:
+            fd, self._fd = self._fd, None
         if fd is not None:
             try:
                 os.close(fd)
@@ -509,12 +557,30 @@ def info(path: str | os.PathLike[str]) -> CacheInfo:
 # -- writing ------------------------------------------------------------------------------------
 
 
+# The lock file is opened without following a symlink (O_CREAT through a symlink would create
+# its target, wherever it points) and without blocking (a FIFO put there), and must be a regular
+# file: anything else is refused, and nothing is written.
+_LOCK_FLAGS = (os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+               | getattr(os, "O_CLOEXEC", 0))
+
+
 @contextlib.contextmanager
 def _locked(path: str) -> Iterator[None]:
     if fcntl is None:  # pragma: no cover
         raise CacheFileError(f"cache file {path!r}: writing needs fcntl.flock (POSIX)")
-    fd = os.open(path + LOCK_SUFFIX, os.O_RDWR | os.O_CREAT, 0o644)
+    # The target first: a cache path naming a device, a FIFO or a folder is refused before a lock
+    # file is created next to it (e.g. /dev/zero.lock).
+    if os.path.lexists(path):
+        fd, _ = open_regular_file(path, "packed-weight cache file", MAX_FILE_POSITION, CacheFileError)
+        os.close(fd)
     try:
+        fd = os.open(path + LOCK_SUFFIX, _LOCK_FLAGS, 0o644)
+    except OSError as e:
+        raise CacheFileError(f"cache file {path!r}: cannot open its lock file {path + LOCK_SUFFIX!r}: {e.strerror}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CacheFileError(f"cache file {path!r}: its lock file {path + LOCK_SUFFIX!r} is not a regular file")
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:

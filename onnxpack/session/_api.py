@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from onnxpack.errors import InvalidArgument
+from onnxpack.errors import InvalidArgument, RuntimeFailure
 from onnxpack.graph import Model
 from onnxpack.session._ortvalue import OrtValue, SparseTensor
 
@@ -216,21 +216,29 @@ def check_required(infos: Sequence[onnx.ValueInfoProto], feedable: Collection[st
                               f"({list(input_feed)}). ({details})")
 
 
-def to_user(value: Any, feeds: Sequence[Any] = ()) -> Any:
+def to_user(value: Any, feeds: Sequence[Any] = (), name: str = "") -> Any:
     """An output as the user gets it: never a read-only view of a weight or blob, never memory
     of one of the run's inputs (a graph input passed through is copied, as onnxruntime does),
     strings as object arrays of ``str``, sequences as lists of such arrays.
 
     A fresh array is handed out as a view of itself: onnxruntime's outputs are zero-copy views
-    of the buffer the session allocated (``output.base`` is that buffer), and code checks it."""
+    of the buffer the session allocated (``output.base`` is that buffer), and code checks it.
+
+    A read-only output may be a broadcast view (Expand) far larger than any allocation: copying
+    it is then the output's RuntimeFailure, not numpy's MemoryError."""
     if isinstance(value, np.ndarray):
         if value.dtype.kind in "SU":
             return _as_str_objects(value)
         if not value.flags.writeable or any(isinstance(f, np.ndarray) and np.may_share_memory(value, f) for f in feeds):
-            return np.array(value).view()
+            try:
+                return np.array(value).view()
+            except (MemoryError, ValueError) as exc:
+                raise RuntimeFailure(
+                    f"run: output {name!r} ({value.dtype}{list(value.shape)}, {value.nbytes} bytes) cannot be "
+                    f"allocated: {exc}") from exc
         return value if value.base is not None else value.view()
     if isinstance(value, list):
-        return [to_user(v, feeds) for v in value]
+        return [to_user(v, feeds, name) for v in value]
     return value
 
 

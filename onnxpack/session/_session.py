@@ -165,8 +165,8 @@ class InferenceSession(ProviderAPI):
     def run(self, output_names: Sequence[str] | None, input_feed: dict[str, Any], run_options: Any = None) -> list[Any]:
         self._enter()
         try:
-            _, values, inputs = self._runner.execute(input_feed, output_names, run_options)
-            return [to_user(v, inputs) for v in values]
+            names, values, inputs = self._runner.execute(input_feed, output_names, run_options)
+            return [to_user(v, inputs, n) for n, v in zip(names, values)]
         finally:
             self._exit()
 
@@ -176,7 +176,7 @@ class InferenceSession(ProviderAPI):
         self._enter()
         try:
             names, values, inputs = self._runner.execute(input_dict_ort_values, output_names, run_options)
-            return [OrtValue(to_user(v, inputs), self._output_types.get(n)) for n, v in zip(names, values)]
+            return [OrtValue(to_user(v, inputs, n), self._output_types.get(n)) for n, v in zip(names, values)]
         finally:
             self._exit()
 

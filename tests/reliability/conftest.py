@@ -15,7 +15,7 @@ import reliability_harness as harness  # noqa: E402
 # on fp32 weights (Gemm transB, an fp16 MatMul weight whose blob is >= 64 KiB, so not CRC-checked
 # at load); the samples add conv, outer-scope weights in subgraphs, fp16 sources and one weight
 # shared by two kernels, with whatever their kernels pack.
-FUZZ_SAMPLES = (harness.FUZZMIX, "mlp", "cnn", "subgraphs", "fp16_mlp", "shared_weight", "transformer")
+FUZZ_SAMPLES = (harness.FUZZMIX, harness.FUZZTWIN, "mlp", "cnn", "subgraphs", "fp16_mlp", "shared_weight", "transformer")
 
 
 @pytest.fixture(scope="session")

@@ -143,3 +143,383 @@ def test_attribute_of_the_wrong_type_is_an_invalid_graph():
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     with pytest.raises((InvalidGraph, ModelLoadError)):
         InferenceSession(m.SerializeToString())
+
+
+# -- issue 12, round two: what the consistent-forgery, live-file and attribute families found ------
+
+
+def _optimized_twin(folder):
+    """fuzztwin optimized into ``folder/m.onnx`` (just saved: its data file is sealed and trusted),
+    its feeds and its outputs."""
+    from onnxpack.session import optimize
+
+    src_dir = os.path.join(folder, "src")
+    os.makedirs(src_dir)
+    src, feeds = harness.build_model(harness.FUZZTWIN, src_dir)
+    out = os.path.join(folder, "m.onnx")
+    optimize(src, out)
+    expected, stats = harness.outputs_of(out, feeds)
+    assert stats["weights_packed"] == 0 and stats["blobs_from_model"] >= 6
+    return out, feeds, expected
+
+
+def _run_warned(path, feeds, config=None):
+    opts = SessionOptions()
+    for k, v in (config or {}).items():
+        opts.add_session_config_entry(k, v)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with InferenceSession(path, opts) as s:
+            got, stats = s.run(None, feeds), s.get_prepack_stats()
+    return got, stats, [str(w.message) for w in caught if issubclass(w.category, PrepackWarning)]
+
+
+def _ort_outputs(path, feeds):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+@pytest.mark.parametrize("how", ["offsets-swapped", "offset-duplicated", "scopes-swapped"])
+def test_record_is_bound_to_its_weights_offset_in_a_trusted_file(tmp_path, how):
+    # Saved records carried no source offset: in a trusted (unchanged, sealed) data file nothing
+    # tied a record to the bytes its weight now points at, so swapping two equal-length weights'
+    # offsets in the model, or the names of two If nodes (their scopes trade places), kept the old
+    # blobs and gave silently wrong outputs (record family, resealed cases).
+    path, feeds, _ = _optimized_twin(str(tmp_path))
+    proto = onnx.load(path, load_external_data=False)
+    if how == "scopes-swapped":
+        a, b = (n for n in proto.graph.node if n.op_type == "If")
+        a.name, b.name = b.name, a.name
+    else:
+        ext = {t.name: {e.key: e for e in t.external_data} for t in proto.graph.initializer}
+        h1, h2 = ext["H1"]["offset"], ext["H2"]["offset"]
+        if how == "offsets-swapped":
+            h1.value, h2.value = h2.value, h1.value
+        else:
+            h1.value = h2.value
+    onnx.save(proto, path)  # the data file is untouched: its seal still holds
+    got, stats, warned = _run_warned(path, feeds)
+    for g, w in zip(got, _ort_outputs(path, feeds)):
+        np.testing.assert_allclose(g, w, rtol=1e-3, atol=2e-3)  # fp16 weights: ort rounds per op
+    assert stats["weights_packed"] >= 1
+    assert any("re-pointed" in m for m in warned), warned
+
+
+def _forge(path, attack):
+    """Rewrites fuzztwin's records consistently (the blob of H2 for H1) and the data file's
+    manifest to seal them: every CRC, the manifest and its digest agree."""
+    proto = onnx.load(path, load_external_data=False)
+    recs, _ = harness._records_of(proto)
+    (k1, p1, b1, buf1), (k2, _p2, _b2, buf2) = [
+        next(item for item in harness._saved_buffers(recs) if item[0].endswith("/" + name)) for name in ("H1", "H2")]
+    binding = {f: buf2[f] for f in harness._BINDING}
+    if attack == "swap":
+        recs[k2][2]["packs"][0]["buffers"][0].update({f: buf1[f] for f in harness._BINDING})
+        harness._store(*recs[k2])
+    else:  # the other record deleted
+        harness._drop_props(proto, {k2})
+        recs, _ = harness._records_of(proto)  # the props were rebuilt
+    recs[k1][2]["packs"][p1]["buffers"][b1].update(binding)
+    harness._store(*recs[k1])
+    loc = harness._data_location(proto)
+    data_path = os.path.join(os.path.dirname(path), loc)
+    with open(data_path, "rb") as f:
+        data = harness._forge_manifest(proto, f.read())
+    with open(data_path, "wb") as f:
+        f.write(data)
+    onnx.save(proto, path)
+
+
+@pytest.mark.parametrize("attack", ["swap", "delete-and-repoint"])
+@pytest.mark.parametrize("mode", ["identity-changed", "verify-on-resealed"])
+def test_consistently_forged_records_are_caught_by_full_verification(tmp_path, attack, mode):
+    # A full verification checked each record against its weight (digest) and each blob against
+    # its record (CRC), but records are rewritable text: swapping two equal-shaped packs' offset,
+    # length and CRC and re-sealing the manifest passed both checks, even with verify_prepacked=1.
+    # Now a full verification compares the blob with the weight's own pack.
+    path, feeds, expected = _optimized_twin(str(tmp_path))
+    _forge(path, attack)
+    config = {}
+    if mode == "verify-on-resealed":  # the seal forged too: trusted unless verify_prepacked
+        harness._reseal(str(tmp_path), "m.onnx")
+        config = {"onnxpack.verify_prepacked": "1"}
+    got, stats, warned = _run_warned(path, feeds, config)
+    for g, w in zip(got, expected):
+        np.testing.assert_array_equal(g, w)
+    assert stats["blobs_rejected"] >= 1 and any("not this weight's pack" in m for m in warned), warned
+
+
+def test_same_content_copy_is_still_mapped_after_the_pack_comparison(tmp_path):
+    import shutil
+
+    path, feeds, expected = _optimized_twin(str(tmp_path))
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for name in os.listdir(tmp_path):
+        if name.startswith("m.onnx"):
+            shutil.copy(tmp_path / name, moved / name)  # new inodes: verified in full
+    got, stats, warned = _run_warned(str(moved / "m.onnx"), feeds)
+    assert warned == [] and stats["weights_packed"] == 0 and stats["blobs_from_model"] >= 6
+    for g, w in zip(got, expected):
+        np.testing.assert_array_equal(g, w)
+
+
+def _twin_with_cache(folder):
+    proto = harness.fuzztwin_model()
+    path = os.path.join(folder, "twin.onnx")
+    onnx.save_model(proto, path)  # in-proto weights: content keys
+    cache = os.path.join(folder, "packed.cache")
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32), "c": np.array(True)}
+    expected, _ = harness.outputs_of(path, feeds, {"onnxpack.prepacked_cache_path": cache})
+    _, stats = harness.outputs_of(path, feeds, {"onnxpack.prepacked_cache_path": cache})
+    assert stats["blobs_from_cache"] >= 6
+    return path, cache, feeds, expected
+
+
+@pytest.mark.parametrize("kind", ["swap", "keys"])
+def test_consistently_forged_cache_commit_is_caught_with_verify(tmp_path, kind):
+    # The same with the cache file: a newer commit (index CRC and slot CRC valid) swapping the
+    # regions or the keys of two equal-shaped entries gave wrong outputs under verify_prepacked=1.
+    import dataclasses
+    import random
+
+    path, cache, feeds, expected = _twin_with_cache(str(tmp_path))
+    with open(cache, "rb") as f:
+        data = f.read()
+    entries = harness._cache_entries(data)
+    big = [i for i, e in enumerate(entries) if e.buffers[0].shape == (256, 256)]
+    assert len(big) == 2
+    i, j = big
+    a, b = entries[i], entries[j]
+    if kind == "swap":
+        entries[i], entries[j] = dataclasses.replace(a, buffers=b.buffers), dataclasses.replace(b, buffers=a.buffers)
+    else:
+        entries[i], entries[j] = dataclasses.replace(a, key=b.key), dataclasses.replace(b, key=a.key)
+    with open(cache, "wb") as f:
+        f.write(harness._cache_commit(random.Random(0), data, entries))
+    opts = {"onnxpack.prepacked_cache_path": cache, "onnxpack.verify_prepacked": "1"}
+    got, stats, warned = _run_warned(path, feeds, opts)
+    for g, w in zip(got, expected):
+        np.testing.assert_array_equal(g, w)
+    assert sum("is not its pack" in m for m in warned) == 2, warned
+
+
+@pytest.mark.parametrize("how", ["cp-same-size", "cp-larger", "write-in-place"])
+def test_cache_rewritten_under_a_live_session_is_an_error(tmp_path, how):
+    # CacheFile.check only looked for a file that shrank (our appends only grow it), so a cache
+    # file rewritten in place (`cp` of another version, a write) fed the live session's mapped
+    # entries other bytes: silently wrong outputs at the next run (live family).
+    from onnxpack.errors import CacheFileError
+
+    path, cache, feeds, expected = _twin_with_cache(str(tmp_path))
+    opts = SessionOptions()
+    opts.add_session_config_entry("onnxpack.prepacked_cache_path", cache)
+    with InferenceSession(path, opts) as s:
+        for g, w in zip(s.run(None, feeds), expected):
+            np.testing.assert_array_equal(g, w)
+        with open(cache, "rb") as f:
+            data = bytearray(f.read())
+        region = max((b for e in harness._cache_entries(bytes(data)) for b in e.buffers), key=lambda b: b.length)
+        data[region.offset:region.offset + 64] = bytes(64)
+        if how == "write-in-place":
+            with open(cache, "r+b") as f:
+                f.seek(region.offset)
+                f.write(bytes(64))
+        else:
+            with open(cache, "r+b") as f:
+                f.truncate(0)
+                f.write(bytes(data) + (bytes(100000) if how == "cp-larger" else b""))
+        with pytest.raises(CacheFileError, match="rewritten under the live session"):
+            s.run(None, feeds)
+
+
+def test_cache_appended_by_another_writer_keeps_the_live_session_running(tmp_path):
+    from onnxpack.prepack import cache_file as cf
+
+    path, cache, feeds, expected = _twin_with_cache(str(tmp_path))
+    opts = SessionOptions()
+    opts.add_session_config_entry("onnxpack.prepacked_cache_path", cache)
+    with InferenceSession(path, opts) as s:
+        s.run(None, feeds)
+        cf.append_entries(cache, {"other/1/" + "ab" * 16: (np.arange(4096, dtype=np.float32),)})
+        for _ in range(2):  # the first run after the append checks the entries' CRCs, once
+            for g, w in zip(s.run(None, feeds), expected):
+                np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("where", ["cache-is-a-fifo", "lock-is-a-dangling-symlink", "lock-is-a-fifo"])
+def test_cache_writer_creates_nothing_beside_special_files(tmp_path, where):
+    # The writer created PATH.lock before checking PATH: a cache path naming /dev/zero made it
+    # create /dev/zero.lock (special family), and the lock was opened with O_CREAT through a
+    # symlink, creating whatever file the symlink named.
+    src = tmp_path / "m.onnx"
+    onnx.save_model(harness.fuzztwin_model(), str(src))
+    cache = tmp_path / "packed.cache"
+    outside = tmp_path / "elsewhere" / "created"
+    (tmp_path / "elsewhere").mkdir()
+    if where == "cache-is-a-fifo":
+        os.mkfifo(cache)
+    elif where == "lock-is-a-fifo":
+        os.mkfifo(str(cache) + ".lock")
+    else:
+        os.symlink(outside, str(cache) + ".lock")
+    feeds = {"x": np.ones((2, 64), np.float32), "c": np.array(True)}
+    got, stats, warned = _run_warned(str(src), feeds, {"onnxpack.prepacked_cache_path": str(cache)})
+    assert warned, "the unusable cache is reported"
+    assert not outside.exists()
+    if where == "cache-is-a-fifo":
+        assert not os.path.lexists(str(cache) + ".lock")
+    else:
+        assert not cache.exists()  # nothing written without the lock
+
+
+def test_constant_with_a_sparse_value_gives_the_dense_tensor():
+    # The native Constant declined sparse_value and onnx.reference's Constant handed a
+    # SparseTensor object on, so a valid model onnxruntime runs failed at run (attr family).
+    sp = helper.make_sparse_tensor(numpy_helper.from_array(np.array([2.0, -3.0], np.float32), "v"),
+                                   numpy_helper.from_array(np.array([1, 3], np.int64), "i"), [2, 2])
+    g = helper.make_graph([helper.make_node("Constant", [], ["k"], sparse_value=sp),
+                           helper.make_node("Add", ["x", "k"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])])
+    data = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    x = np.arange(4, dtype=np.float32).reshape(2, 2)
+    with InferenceSession(data) as s:
+        (y,) = s.run(None, {"x": x})
+    import onnxruntime as ort
+
+    (want,) = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_array_equal(y, want)
+    np.testing.assert_array_equal(y, x + np.array([[0, 2], [0, -3]], np.float32))
+
+
+@pytest.mark.parametrize("case", ["index-beyond", "unsorted", "huge-dims"])
+def test_constant_with_a_hostile_sparse_value_is_refused(case):
+    v = np.ones(2, np.float32)
+    idx, dims = {"index-beyond": ([1, 9], [4]), "unsorted": ([2, 1], [4]), "huge-dims": ([0, 1], [2**40, 2**40])}[case]
+    sp = helper.make_sparse_tensor(numpy_helper.from_array(v, "v"), numpy_helper.from_array(np.array(idx, np.int64), "i"), dims)
+    g = helper.make_graph([helper.make_node("Constant", [], ["y"], sparse_value=sp)], "g", [],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    data = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    with pytest.raises(ModelLoadError):
+        InferenceSession(data)
+
+
+def test_output_broadcast_beyond_any_allocation_is_a_runtime_failure():
+    # Expand returns a broadcast view (no memory); run() copies read-only outputs for the user
+    # with np.array, and numpy's MemoryError for a 9.5 TiB copy escaped run() (huge family).
+    from onnxpack.errors import RuntimeFailure
+
+    shape = numpy_helper.from_array(np.array([19, 4, 8589934595, 4], np.int64), "shape")
+    g = helper.make_graph([helper.make_node("Expand", ["x", "shape"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [shape])
+    data = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    with InferenceSession(data) as s:
+        with pytest.raises(RuntimeFailure, match="output 'y'"):
+            s.run(None, {"x": np.arange(4, dtype=np.float32)})
+        # a broadcast that fits is still the user's own, writable array
+        small = {"x": np.arange(4, dtype=np.float32)}
+    data2 = data.replace(np.array([19, 4, 8589934595, 4], np.int64).tobytes(), np.array([1, 2, 3, 4], np.int64).tobytes())
+    with InferenceSession(data2) as s:
+        (y,) = s.run(None, small)
+    assert y.shape == (1, 2, 3, 4) and y.flags.writeable and y.flags.owndata
+
+
+@pytest.mark.parametrize("args", [(0, 2**63 - 1, 1), (-(2**63), 2**63 - 1, 2**62), (2**62, -(2**63), -(2**61)), (5, -7, -3)],
+                         ids=["2^63-1-elements", "full-span-4", "full-span-negative", "small"])
+def test_range_over_spans_near_2_63_is_exact_or_refused(args):
+    # np.arange computes its length in float64 and then intp: Range(0, 2^63 - 1, 1) came out
+    # empty, and Range(-2^63, 2^63 - 1, 2^62) too, where onnxruntime gives 4 elements (huge family).
+    from onnxpack.errors import RuntimeFailure
+
+    start, limit, delta = args
+    inits = [numpy_helper.from_array(np.array(v, np.int64), n) for v, n in ((start, "a"), (limit, "b"), (delta, "d"))]
+    g = helper.make_graph([helper.make_node("Range", ["a", "b", "d"], ["y"])], "g", [],
+                          [helper.make_tensor_value_info("y", TensorProto.INT64, None)], inits)
+    data = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    count = max(-((start - limit) // delta), 0)
+    with InferenceSession(data) as s:
+        if count > 2**40:
+            with pytest.raises(RuntimeFailure, match="do not fit any array"):
+                s.run(None, {})
+            return
+        (y,) = s.run(None, {})
+    assert y.tolist() == [start + k * delta for k in range(count)]
+
+
+def test_resave_onto_an_output_that_dies_before_the_model_rename_keeps_the_old_pair(tmp_path, monkeypatch):
+    # Re-saving onto an existing output renamed the new data file over the old output's data file
+    # before renaming the model: a kill in between left the old model reading the new layout
+    # (garbage weights; the campaign's flag-save and optimize kills with a previous output).
+    from onnxpack.graph import _save
+    from onnxpack.session import optimize
+
+    src, feeds = harness.build_model(harness.FUZZMIX, str(tmp_path))
+    out = str(tmp_path / "out.onnx")
+    optimize(src, out, {"session.save_external_prepacked_constant_initializers": "0"})
+    before, _ = harness.outputs_of(out, feeds)
+    data_before = harness.folder_digests(str(tmp_path))
+    real = _save._atomic_write
+
+    def dies_at_the_model(folder, name, write):
+        if name == "out.onnx":
+            raise OSError("killed")
+        return real(folder, name, write)
+
+    monkeypatch.setattr(_save, "_atomic_write", dies_at_the_model)
+    with pytest.raises(Exception):
+        optimize(src, out)
+    monkeypatch.undo()
+    after = harness.folder_digests(str(tmp_path))
+    assert {k: v for k, v in after.items() if k in data_before} == data_before  # nothing replaced
+    got, _ = harness.outputs_of(out, feeds)
+    for g, w in zip(got, before):
+        np.testing.assert_array_equal(g, w)
+    # A save that completes drops the old output's data file: re-saves alternate two names.
+    for _ in range(3):
+        optimize(src, out)
+        names = sorted(n for n in os.listdir(tmp_path) if n.startswith("out.onnx") and n != "out.onnx")
+        assert len(names) <= 2, names  # the one in use, plus the orphan of the save that died
+        got, stats = harness.outputs_of(out, feeds)
+        assert stats["blobs_from_model"] >= 1
+        for g, w in zip(got, before):
+            np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("mode", ["flag", "optimize"])
+def test_kills_around_the_commit_of_a_resave_leave_a_whole_pair(tmp_path, mode):
+    setup = harness.kill_setup(str(tmp_path / "setup"))
+    calls = setup["calls"][mode]
+    for kill_at in range(calls - 12, calls + 1):  # the data rename, the model's write and rename
+        ok, found = harness.kill_trial(setup, mode, kill_at, str(tmp_path / f"k{kill_at}"), previous=True)
+        assert ok, f"{mode}: kill before write call {kill_at} of {calls}: {found}"
+
+
+@pytest.mark.parametrize("wtype", [TensorProto.INT32, TensorProto.INT64, TensorProto.FLOAT16])
+def test_conv_batchnorm_fold_of_a_weight_of_another_type_matches_the_unfused_graph(wtype):
+    # With pre-packing on, Conv+BatchNormalization fuse; an int32 weight is not packed, so the fold
+    # ran per call in the weight's own dtype and truncated the float multiplier: other outputs than
+    # the unfused graph (pre-packing off) gave (proto fuzzer: a Conv weight's data_type set to 6).
+    rng = np.random.default_rng(3)
+    w = rng.integers(-3, 4, (4, 3, 3, 3))
+    inits = [numpy_helper.from_array(w.astype(helper.tensor_dtype_to_np_dtype(wtype)), "W")]
+    for name, v in (("s", rng.uniform(0.5, 1.5, 4)), ("b", rng.standard_normal(4)), ("m", rng.standard_normal(4)),
+                    ("v", rng.uniform(0.5, 2, 4))):
+        inits.append(numpy_helper.from_array(v.astype(np.float32), name))
+    g = helper.make_graph([helper.make_node("Conv", ["x", "W"], ["c"], pads=[1, 1, 1, 1]),
+                           helper.make_node("BatchNormalization", ["c", "s", "b", "m", "v"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 6, 6])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    data = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    x = {"x": rng.standard_normal((1, 3, 6, 6)).astype(np.float32)}
+    outs = []
+    for prepack in ("0", "1"):
+        opts = SessionOptions()
+        opts.add_session_config_entry("session.disable_prepacking", "1" if prepack == "0" else "0")
+        with InferenceSession(data, opts) as s:
+            outs.append(s.run(None, x)[0])
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-4)

@@ -804,8 +804,11 @@ class FusedConv(Conv):
         if self.residual and r is None:
             raise InvalidArgument(f"node {self.node.name!r} (Conv): the fused residual input is missing")
         if self.multiplier is not None:
-            if self._w is None and self._u is None:  # not packed (a weight fed at run time): fold per call
-                w = as_compute(w)
+            if self._w is None and self._u is None:  # not packed (a weight fed at run time, or a dtype BLAS cannot take): fold per call
+                # In the input's compute dtype, as the unfused Conv casts the weight: folding in an
+                # integer weight's own dtype truncated the multiplier (found by the fuzzer).
+                cd = compute_dtype(x.dtype)
+                w = w.astype(cd) if cd is not None and w.dtype != cd else as_compute(w)
                 w = w * self.multiplier.astype(w.dtype).reshape((-1,) + (1,) * (w.ndim - 1))
             b = self.shift.astype(compute_dtype(x.dtype) or np.float32)
         return self._conv(x, w, b, out, r if self.residual else None)

@@ -20,7 +20,8 @@ from typing import ClassVar
 import numpy as np
 from onnx import numpy_helper
 
-from onnxpack.graph import sparse_to_dense
+from onnxpack.errors import InvalidArgument
+from onnxpack.graph import shape_fits, sparse_to_dense
 from onnxpack.session.kernels._base import Kernel, KernelContext, register
 
 logger = logging.getLogger(__name__)
@@ -602,9 +603,9 @@ class Constant(Kernel):
             value = np.array(attrs["value_int"].i, dtype=np.int64)
         elif "value_ints" in attrs:
             value = np.array(list(attrs["value_ints"].ints), dtype=np.int64)
-        elif "sparse_value" in attrs:
-            # onnxruntime densifies a sparse constant (its output is a dense tensor); so do we,
-            # with the sparse initializers' checks (index bounds and order, a dense size cap).
+        elif "sparse_value" in attrs and attrs["sparse_value"].HasField("sparse_tensor"):
+            # The output is dense (as onnxruntime makes it); onnx.reference would hand a
+            # SparseTensor object to the next node.  Checked like a sparse initializer.
             value = sparse_to_dense(attrs["sparse_value"].sparse_tensor, f"node {node.name!r} (Constant) sparse_value")
         else:
             # value_string(s), or a reference to a function attribute.
@@ -653,9 +654,31 @@ class Range(Kernel):
         # The inputs are scalars by the spec, but producers (AffineGrid's function body among
         # them) pass 1-element 1-D tensors, which onnx.reference accepts: take the one element.
         start, limit, delta = (_scalar(v, "Range", n) for v, n in zip((start, limit, delta), _RANGE_INPUTS))
+        if dtype.kind in "iu":
+            # Exact, in Python integers: numpy's own length (computed in float64, then in intp)
+            # wraps for spans near 2^63 — np.arange(0, 2**63 - 1) is empty, and so is
+            # np.arange(-2**63, 2**63 - 1, 2**62), silently (found by the reliability fuzzer).
+            s, lim, d = int(start), int(limit), int(delta)
+            if d == 0:
+                raise InvalidArgument(f"node {self.node.name!r} (Range): delta must not be 0")
+            count = max(-((s - lim) // d), 0)  # ceil((limit - start) / delta)
+            self._check_count(count, dtype)
+            wide = np.dtype(np.uint64 if dtype.kind == "u" else np.int64)
+            with np.errstate(over="ignore"):  # i * delta may wrap; start + i * delta fits (< limit)
+                out = np.arange(count, dtype=wide) * wide.type(d) + wide.type(s)
+            return (out.astype(dtype, copy=False),)
         if dtype == np.float16:  # stash_type=1: compute in float32, round once
             start, limit, delta = (np.float32(v) for v in (start, limit, delta))
+        with np.errstate(all="ignore"):
+            span = (np.float64(limit) - np.float64(start)) / np.float64(delta)
+        if np.isfinite(span):
+            self._check_count(max(math.ceil(span), 0), dtype)
         return (np.arange(start, limit, delta).astype(dtype, copy=False),)
+
+    def _check_count(self, count: int, dtype: np.dtype) -> None:
+        if not shape_fits((count,), dtype.itemsize):
+            raise InvalidArgument(
+                f"node {self.node.name!r} (Range): {count} elements of {dtype} do not fit any array")
 
 
 # ------------------------------------------------------------------------------------------------
