@@ -231,7 +231,7 @@ def to_user(value: Any, feeds: Sequence[Any] = (), name: str = "") -> Any:
             return _as_str_objects(value)
         if not value.flags.writeable or any(isinstance(f, np.ndarray) and np.may_share_memory(value, f) for f in feeds):
             try:
-                return np.array(value).view()
+                return np.array(value, order="C").view()
             except (MemoryError, ValueError) as exc:
                 raise RuntimeFailure(
                     f"run: output {name!r} ({value.dtype}{list(value.shape)}, {value.nbytes} bytes) cannot be "

@@ -1828,12 +1828,30 @@ def _audit(event: str, args: tuple) -> None:
                 _WRITES.append(real)
 
 
+def _code_cache_dirs() -> list[str]:
+    """Where caches of onnxpack's own code go: Python's bytecode and numba's compiled kernels
+    (``cache=True``) in the package's ``__pycache__`` folders, or ``NUMBA_CACHE_DIR``.  Writes
+    there are not writes of model data, so they do not count as writes outside the folder."""
+    import onnxpack
+    dirs = [os.path.realpath(os.path.dirname(onnxpack.__file__))]
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        dirs.append(os.path.realpath(os.environ["NUMBA_CACHE_DIR"]))
+    return dirs
+
+
+def _is_code_cache(path: str, dirs: list[str]) -> bool:
+    if path.startswith(dirs[0] + os.sep):
+        return "__pycache__" in path[len(dirs[0]):].split(os.sep)
+    return any(path.startswith(d + os.sep) for d in dirs[1:])
+
+
 def _outside(writes: list[str], roots: list[str]) -> list[str]:
     real = [os.path.realpath(r) for r in roots]
+    caches = _code_cache_dirs()
     bad = []
     for w in writes:
         rw = os.path.realpath(w)
-        if not any(rw == r or rw.startswith(r + os.sep) for r in real):
+        if not any(rw == r or rw.startswith(r + os.sep) for r in real) and not _is_code_cache(rw, caches):
             bad.append(w)
     return bad
 
