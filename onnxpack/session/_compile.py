@@ -35,7 +35,7 @@ from onnxpack.prepack import PackSources, PrepackedWeightsContainer, WeightRef
 from onnxpack.session._api import declared_dim
 from onnxpack.session._derive import derive
 from onnxpack.session._api import override_dims
-from onnxpack.session._fusion import Fusion, apply_fusions, plan_fusions
+from onnxpack.session._fusion import ConstMeta, Fusion, apply_fusions, plan_fusions
 from onnxpack.session._program import PackEvent, Plan, PrepackStats, Program, Step, schedule, topological_order
 from onnxpack.session._resolve import resolve
 from onnxpack.session.kernels import Kernel, KernelContext, TensorInfo, normalize_domain
@@ -221,7 +221,11 @@ class _Compiler:
         def is_const(n: str) -> bool:
             return self._weight(scope, n) is not None
 
-        return plan_fusions(nodes, readers, protected, const_value, self.opsets.get("", 1), is_const)
+        def const_meta(n: str) -> ConstMeta | None:
+            w = self._weight(scope, n)
+            return None if w is None else ConstMeta(tuple(w.shape), np.dtype(w.dtype))
+
+        return plan_fusions(nodes, readers, protected, const_value, self.opsets.get("", 1), is_const, const_meta)
 
     def _constants(self, scope: Scope, output_names: list[str]) -> dict[str, Any]:
         """The scope's constants: originals still read unpacked (all readers are bound by now:

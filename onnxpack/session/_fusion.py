@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from onnx import NodeProto, helper
@@ -88,6 +88,20 @@ class ConvFusion:
         return tuple(i for i in (self.bn, self.relu) if i is not None)
 
 
+class ConstMeta(NamedTuple):
+    """A constant's shape and dtype, known without computing its value."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+def _meta_from(const_value: Callable[[str], np.ndarray | None]) -> Callable[[str], ConstMeta | None]:
+    def meta(name: str) -> ConstMeta | None:
+        v = const_value(name)
+        return None if v is None else ConstMeta(tuple(v.shape), v.dtype)
+    return meta
+
+
 def find_conv_fusions(
     nodes: Sequence[NodeProto],
     readers: dict[str, int],
@@ -95,6 +109,7 @@ def find_conv_fusions(
     is_const: Callable[[str], bool],
     opset: int,
     const_value: Callable[[str], np.ndarray | None] | None = None,
+    const_meta: Callable[[str], ConstMeta | None] | None = None,
 ) -> list[ConvFusion]:
     """Fusions in ``nodes`` (pure: decided from the graph alone).
 
@@ -113,6 +128,8 @@ def find_conv_fusions(
         opset: the default domain's opset.
         const_value: the value of a constant (for the shapes and values of folded constants and
             activation bounds); without it only BatchNormalization and Relu fuse.
+        const_meta: a constant's shape and dtype without computing it (default: from
+            ``const_value``).
     """
     by_input: dict[str, list[int]] = {}
     for k, node in enumerate(nodes):
@@ -121,6 +138,7 @@ def find_conv_fusions(
                 by_input.setdefault(name, []).append(k)
     if const_value is None:
         const_value = lambda n: None  # noqa: E731
+    const_meta = const_meta or _meta_from(const_value)
     taken: set[int] = set()
 
     def users_of(name: str) -> list[int] | None:
@@ -149,9 +167,9 @@ def find_conv_fusions(
             continue
         if not is_const(node.input[1]) or (len(node.input) > 2 and node.input[2] and not is_const(node.input[2])):
             continue
-        w = const_value(node.input[1])
-        m = None if w is None or w.ndim < 3 else int(w.shape[0])
-        rank = None if w is None else w.ndim
+        w = const_meta(node.input[1])
+        m = None if w is None or len(w.shape) < 3 else int(w.shape[0])
+        rank = None if w is None else len(w.shape)
         absorbed: list[int] = []
         t = node.output[0]
         bn = sole_reader(t, "BatchNormalization")
@@ -417,7 +435,8 @@ class MatMulFusion:
 
 def find_matmul_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
                         const_value: Callable[[str], np.ndarray | None], opset: int,
-                        taken: set[int]) -> list[MatMulFusion]:
+                        taken: set[int], const_meta: Callable[[str], ConstMeta | None] | None = None,
+                        ) -> list[MatMulFusion]:
     """``MatMul(A, W) [+ bias] [activations] [+ residual [activations]]`` chains (pure).
 
     ``W`` is a constant float matrix; the bias a float constant along its last axis (shape
@@ -431,6 +450,7 @@ def find_matmul_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], pro
             if name:
                 by_input.setdefault(name, []).append(k)
     used = set(taken)
+    const_meta = const_meta or _meta_from(const_value)
 
     def users_of(name: str) -> list[int] | None:
         users = sorted(set(by_input.get(name, [])))
@@ -445,8 +465,8 @@ def find_matmul_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], pro
     for k, node in enumerate(nodes):
         if k in used or node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
             continue
-        w = const_value(node.input[1])
-        if w is None or w.ndim != 2 or w.dtype.kind != "f":
+        w = const_meta(node.input[1])
+        if w is None or len(w.shape) != 2 or w.dtype.kind != "f":
             continue
         n = int(w.shape[1])
         absorbed: list[int] = []
@@ -637,7 +657,8 @@ def bn_fold(scale: np.ndarray, bias: np.ndarray, mean: np.ndarray, var: np.ndarr
 
 def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
                  const_value: Callable[[str], np.ndarray | None], opset: int,
-                 is_const: Callable[[str], bool] | None = None) -> list[Fusion]:
+                 is_const: Callable[[str], bool] | None = None,
+                 const_meta: Callable[[str], ConstMeta | None] | None = None) -> list[Fusion]:
     """Every fusion of one scope's nodes (pure).
 
     Args:
@@ -650,12 +671,15 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
             a dequantized int8 weight would otherwise be dequantized just to be recognised: at a
             warm start, where its pack is mapped, that was a QDQ ResNet-50's largest cost);
             default: ``const_value(n) is not None``.
+        const_meta: a constant's shape and dtype without computing it (a weight's are known from
+            its declaration; matching a chain needs no more), default: from ``const_value``.
     """
     if is_const is None:
         def is_const(n: str) -> bool:
             return const_value(n) is not None
+    const_meta = const_meta or _meta_from(const_value)
 
-    convs = find_conv_fusions(nodes, readers, protected, is_const, opset, const_value)
+    convs = find_conv_fusions(nodes, readers, protected, is_const, opset, const_value, const_meta)
     taken = {i for f in convs for i in (f.conv, *f.absorbed)}
     out: list[Fusion] = []
     for f in convs:
@@ -664,8 +688,7 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
         params: dict[str, Any] = {"multiplier": None, "shift": None, "pre": f.pre, "residual": f.residual is not None,
                                   "post": f.post}
         if f.bn is not None or f.folds:
-            w = const_value(conv.input[1])
-            m = int(w.shape[0])
+            m = int(const_meta(conv.input[1]).shape[0])
             cb = const_value(conv.input[2]) if len(conv.input) > 2 and conv.input[2] else None
             mult = np.ones(m, np.float64)
             shift = np.zeros(m, np.float64) if cb is None else cb.astype(np.float64).reshape(m)
@@ -694,7 +717,7 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
                 node.input.append("")
             node.input.append(f.residual)
         out.append(Fusion(node, f.conv, f.absorbed, kernel="conv", params=params))
-    for f in find_matmul_fusions(nodes, readers, protected, const_value, opset, taken):
+    for f in find_matmul_fusions(nodes, readers, protected, const_value, opset, taken, const_meta):
         node = NodeProto()
         node.CopyFrom(nodes[f.matmul])  # keeps the MatMul's name: reports and logs name the weight's reader
         del node.output[:]
