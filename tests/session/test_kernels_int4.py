@@ -21,6 +21,10 @@ Tolerances:
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -519,3 +523,50 @@ def test_gather_block_quantized_rejects_bad_inputs():
     with pytest.raises(InvalidArgument, match="block_size"):
         cls(helper.make_node("GatherBlockQuantized", ["d", "i", "s"], ["y"], domain=MS, block_size=8),
             KernelContext(1, {MS: 1}))
+
+
+_FORK_AND_THREADS = r"""
+import os, sys, threading
+import numpy as np
+sys.path[:0] = sys.argv[1:]
+from test_kernels_int4 import nbits_node, nbits_values, single_node_model
+from onnxpack import InferenceSession
+from onnxpack.session.kernels import quant
+
+k, n = 512, 8192  # m*k*n above JIT_SERIAL_BELOW: the parallel GEMV
+assert 1 * k * n >= quant.JIT_SERIAL_BELOW
+vals = nbits_values(k, n, 32, 4, zp="uint8", seed=3)
+node = nbits_node(k, n, 32, 4, vals)
+a = np.random.default_rng(4).standard_normal((1, k)).astype(np.float32)
+s = InferenceSession(single_node_model(node, a, {nm: vals[nm] for nm in ("b", "s", "zp")}).SerializeToString())
+(want,) = s.run(None, {"a": a})
+# Several threads running parallel kernels at once (numba's workqueue layer terminates here).
+outs = [None] * 4
+def work(i):
+    outs[i] = s.run(None, {"a": a})[0]
+ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+[t.start() for t in ts]; [t.join() for t in ts]
+assert all(np.array_equal(o, want) for o in outs)
+# A child forked after the parent ran them (GNU OpenMP is not fork-safe: numba kills such a child).
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    (got,) = s.run(None, {"a": a})
+    os.write(w, b"ok" if np.array_equal(got, want) else b"wrong")
+    os._exit(0)
+os.close(w)
+_, status = os.waitpid(pid, 0)
+print(os.read(r, 16).decode(), os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX")
+def test_parallel_gemv_survives_threads_and_fork():
+    pytest.importorskip("numba")
+    env = {k: v for k, v in os.environ.items() if k not in ("ONNXPACK_DISABLE_JIT", "NUMBA_THREADING_LAYER")}
+    # (Without the guard the child hangs in its first parallel region.)
+    p = subprocess.run([sys.executable, "-c", _FORK_AND_THREADS, os.path.dirname(__file__),
+                        os.path.dirname(os.path.dirname(__file__))], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["ok", "0"], (p.stdout, p.stderr[-3000:])
