@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -241,12 +242,24 @@ class Program:
             threading.Thread(target=_warm_up, args=(self.warm_ups,), name="onnxpack-warm-up", daemon=True).start()
 
 
+# Held while warm-ups run, and taken around fork(): a warm-up loads compiled code under the JIT's
+# own locks, and a child forked while another thread held one would wait for it forever (a
+# session forked into workers right after creation hung so in its first run).
+_WARMING = threading.Lock()
+
+
 def _warm_up(tasks: Sequence[Callable[[], None]]) -> None:
-    for task in tasks:
-        try:
-            task()
-        except Exception as exc:  # a warm-up only saves time later; the first run reports real errors
-            logger.debug("warm-up %r failed: %s", task, exc)
+    with _WARMING:
+        for task in tasks:
+            try:
+                task()
+            except Exception as exc:  # a warm-up only saves time later; the first run reports real errors
+                logger.debug("warm-up %r failed: %s", task, exc)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_WARMING.acquire, after_in_parent=_WARMING.release,
+                        after_in_child=_WARMING.release)
 
 
 # -- running ------------------------------------------------------------------------------------
