@@ -133,3 +133,43 @@ def test_kv_cache_buffers_are_reused_and_updated_in_place():
         cache.step([6])
         for buf in cache.past.values():
             assert np.isfinite(buf[:, :, total]).all()
+
+
+def test_decode_steps_write_the_bound_cache_in_place_without_copying(monkeypatch):
+    """From the second step of a shape on, each GroupQueryAttention writes only its new rows
+    into the bound buffer (run_into with the buffers): no step recomputes a whole present cache
+    (run) and no bound output is copied after the run."""
+    from onnxpack.generate import _Cache
+    from onnxpack.session import _iobinding
+    from onnxpack.session.kernels.attention import GroupQueryAttention
+
+    calls = {"run": 0, "run_into": 0, "copyto": 0}
+    run, run_into, copyto = GroupQueryAttention.run, GroupQueryAttention.run_into, np.copyto
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    monkeypatch.setattr(GroupQueryAttention, "run", counted("run", run))
+    monkeypatch.setattr(GroupQueryAttention, "run_into", counted("run_into", run_into))
+    monkeypatch.setattr(_iobinding.np, "copyto", counted("copyto", copyto))
+    with Generator(FIXTURES / "qwen2-fp32") as gen:
+        layers = gen.config.layers
+        cache = _Cache(gen, 24)
+        first = cache.step(PROMPT)
+        cache.step([5])  # the first decode step learns the shapes
+        calls.update(run=0, run_into=0, copyto=0)
+        for tok in (6, 7):
+            cache.step([tok])
+        assert calls == {"run": 0, "run_into": 2 * layers, "copyto": 0}, calls
+        # and the values are the copying path's: a fresh unbound session on the same ids
+        with Generator(FIXTURES / "qwen2-fp32") as plain:
+            plain.shared = False
+            ref = _Cache(plain, 24)
+            assert np.array_equal(ref.step(PROMPT), first)
+            for tok in (5, 6, 7):
+                ref.step([tok])
+            np.testing.assert_allclose(ref.step([8]), cache.step([8]), rtol=1e-5, atol=1e-5)
+

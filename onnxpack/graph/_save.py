@@ -42,6 +42,8 @@ import logging
 import math
 import mmap
 import os
+import sys
+import time
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -340,6 +342,27 @@ class _Item:
     data: object  # bytes-like
 
 
+def _settled_identity(path: str) -> tuple[int, ...]:
+    """The file's ``stat_identity`` once the clock has moved past its ctime.
+
+    File timestamps come from a coarse clock (one tick: 1-10 ms): a write landing in the same
+    tick as the last one leaves ctime unchanged, so a seal taken at once could miss a write made
+    right after the save (the fuzz campaign's in-place patches did, now and then).  Waiting until
+    the coarse clock is a tick past ctime makes every later write move it.  Costs at most ~2 ticks
+    per save, bounded by 50 ms (a ctime in the future, from clock skew, is not waited for)."""
+    st = os.stat(path)
+    clock = getattr(time, "CLOCK_REALTIME_COARSE", 5 if sys.platform.startswith("linux") else time.CLOCK_REALTIME)
+    try:
+        tick = max(time.clock_getres(clock), 1e-6)
+    except OSError:
+        clock, tick = time.CLOCK_REALTIME, 0.01
+    tick_ns = int(tick * 1e9)
+    deadline = time.monotonic() + 0.05
+    while time.clock_gettime_ns(clock) <= st.st_ctime_ns + tick_ns and time.monotonic() < deadline:
+        time.sleep(tick / 2)
+    return stat_identity(os.stat(path))
+
+
 def save_model(
     model: Model | ModelProto,
     path: str | os.PathLike,
@@ -535,7 +558,7 @@ def save_model(
         if items:
             _atomic_write(folder, data_name, write_data)
             if manifest_item is not None:
-                identity = stat_identity(os.stat(data_path))
+                identity = _settled_identity(data_path)
                 for key, value in extra.sealed(data_name, manifest_item.offset, identity).items():
                     prop = dst.metadata_props.add()
                     prop.key, prop.value = key, value

@@ -179,7 +179,10 @@ class PackSources:
                     made["origin"] = "cache"
                     return entry
             t0 = time.perf_counter()
-            entry = PrePackedWeights(key, tuple(pack(weight.value())), "packed")
+            buffers = pack(weight.value())
+            if buffers is None:  # the kernel declined this value: nothing is stored or cached
+                return None
+            entry = PrePackedWeights(key, tuple(buffers), "packed")
             reason = check(entry.buffers)
             if reason is not None:
                 raise RuntimeError(f"Bug: {label}.prepack output fails its own check: {reason}")

@@ -315,6 +315,8 @@ class _Planned(StepHook):
                 done = step.kernel.run_into(outs, *args)
             except Exception as exc:
                 raise RuntimeFailure(f"{step.label} in graph {plan.name!r} failed: {type(exc).__name__}: {exc}") from exc
+            if isinstance(done, (tuple, list)):  # the outputs, each in its given buffer
+                return list(done)
             if done is not False:
                 return outs
         outs = [store(v) for v in call_step(step, frame, args, plan.name)]

@@ -356,11 +356,14 @@ class _Compiler:
         info = TensorInfo(w.name, w.dtype, w.shape, w.elem_type)
         what = f"node {node.name!r} ({node.op_type}) input {i} ({w.name!r})"
 
-        def pack(value: np.ndarray) -> tuple[np.ndarray, ...]:
+        def pack(value: np.ndarray) -> tuple[np.ndarray, ...] | None:
             # A kernel's prepack validates the weight as its run would: a bad weight in a hostile
             # model is that node's InvalidGraph, never a numpy or arithmetic error.
             try:
-                buffers = tuple(kernel.prepack(i, value))
+                made = kernel.prepack(i, value)
+                if made is None:  # the kernel declines this value (it runs on the weight as it is)
+                    return None
+                buffers = tuple(made)
             except OnnxpackError:
                 raise
             except Exception as exc:

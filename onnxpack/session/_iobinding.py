@@ -22,6 +22,7 @@ the next step's ``past_*`` inputs.  Errors of a bound run are onnxruntime's: pla
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -139,16 +140,38 @@ class IOBinding:
             raise RuntimeInvalidArgument(f"Error in execution: {exc}") from exc
 
     def _binder(self, plan: Plan, inputs: Sequence[Any]) -> _Binder | None:
+        """Which steps write a bound output straight into its buffer (step index -> {output
+        position -> buffer}).  A step qualifies when its kernel writes into given buffers and
+        either has one output, or declares which outputs may be written in place
+        (``Kernel.bound_outputs``: GroupQueryAttention's present caches).  A buffer that is also
+        one of the run's inputs qualifies only as the input the kernel declares for that output
+        (a present cache bound to its own past: onnxruntime-genai's shared KV buffer)."""
         targets = {n: ov._value for n, ov in self._outputs.items() if ov is not None}
         if not targets:
             return None
-        producers = {}
+        spans = _Spans(zip(plan.input_names, inputs))
+        producers: dict[int, dict[int, np.ndarray]] = {}
         for k, step in enumerate(plan.steps):
-            outs = [o for o in step.outputs if o]
-            if len(outs) == 1 and outs[0] in targets and step.kernel.writes_into and step.kernel.call_mode == "plain":
-                buf = targets[outs[0]]
-                if not any(isinstance(x, np.ndarray) and np.may_share_memory(buf, x) for x in inputs):
-                    producers[k] = buf
+            kernel = step.kernel
+            if not kernel.writes_into or kernel.call_mode != "plain":
+                continue
+            named = [i for i, o in enumerate(step.outputs) if o]
+            declared = type(kernel).bound_outputs
+            if declared:
+                positions = [i for i in named if step.outputs[i] in targets and i in declared]
+            elif len(named) == 1 and step.outputs[named[0]] in targets:
+                positions = named
+            else:
+                continue
+            bufs = {}
+            for i in positions:
+                buf = targets[step.outputs[i]]
+                own = declared.get(i)
+                own_name = step.inputs[own] if own is not None and 0 <= own < len(step.inputs) else None
+                if all(n == own_name and x is buf for n, x in spans.touching(buf)):
+                    bufs[i] = buf
+            if bufs:
+                producers[k] = bufs
         return _Binder(producers, self._seen) if producers else None
 
     def _finish(self, names: Sequence[str], values: Sequence[Any], types: dict[str, str]) -> None:
@@ -159,11 +182,57 @@ class IOBinding:
                 results.append(OrtValue(value, types.get(name)))
                 continue
             buf = bound._value
-            if value is not buf:
+            if value is not buf and not _same_memory(value, buf):
                 _check_fits(name, buf, value)
                 np.copyto(buf, value)
             results.append(bound)
         self._results = results
+
+
+def _bounds(x: np.ndarray) -> tuple[int, int]:
+    """The byte range ``[lo, hi)`` an array's elements lie in."""
+    first = last = x.__array_interface__["data"][0]
+    if x.flags.c_contiguous:
+        return first, first + x.nbytes
+    for n, st in zip(x.shape, x.strides):
+        if n > 1:
+            if st < 0:
+                first += (n - 1) * st
+            else:
+                last += (n - 1) * st
+    return first, last + x.itemsize
+
+
+class _Spans:
+    """The run's input arrays by byte range: which of them a buffer may share memory with, in
+    O(log n) per buffer (a KV-cache binding has ~50 inputs and ~50 bound outputs per step)."""
+
+    def __init__(self, named: Any) -> None:
+        items = sorted((*_bounds(x), n, x) for n, x in named if isinstance(x, np.ndarray) and x.size)
+        self.items = items
+        self.starts = [it[0] for it in items]
+        self.widest = max((it[1] - it[0] for it in items), default=0)
+
+    def touching(self, buf: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        if not self.items or buf.size == 0:
+            return []
+        lo, hi = _bounds(buf)
+        j = bisect.bisect_left(self.starts, hi)
+        out = []
+        k = bisect.bisect_left(self.starts, lo - self.widest)
+        for start, end, n, x in self.items[k:j]:
+            if end > lo and np.may_share_memory(buf, x):
+                out.append((n, x))
+        return out
+
+
+def _same_memory(value: Any, buf: np.ndarray) -> bool:
+    """Whether ``value`` is ``buf`` seen through another array object (a kernel that wrote in place
+    and returned a view): then there is nothing to copy (copying a KV cache onto itself cost
+    3 ms per token at 1,024 tokens of context)."""
+    return (isinstance(value, np.ndarray) and value.shape == buf.shape and value.dtype == buf.dtype
+            and value.strides == buf.strides
+            and value.__array_interface__["data"][0] == buf.__array_interface__["data"][0])
 
 
 def _check_fits(name: str, buf: np.ndarray, value: Any) -> None:
@@ -209,25 +278,29 @@ class _BindHook(StepHook):
         self.binder = binder
 
     def step(self, k: int, step: Step, args: list[Any], frame: Frame, plan: Plan) -> Any:
-        buf = self.binder.producers.get(k)
-        if buf is None:
+        bufs = self.binder.producers.get(k)
+        if bufs is None:
             return call_step(step, frame, args, plan.name)
         sig = _sig(args)
         key = id(step.kernel)  # the node, whichever plan (whole or pruned) runs it
-        if self.binder.seen.get(key) == (sig, buf.shape, buf.dtype):
-            outs = [buf if o else None for o in step.outputs]
+        # Written in place only once this node was seen making outputs of the buffers' shapes
+        # from inputs of these shapes (the first run with a signature computes as usual).
+        if self.binder.seen.get(key) == (sig, tuple((i, b.shape, b.dtype) for i, b in bufs.items())):
+            outs = [bufs.get(i) for i in range(len(step.outputs))]
             try:
                 done = step.kernel.run_into(outs, *args)
             except OnnxpackError:
                 raise
             except Exception as exc:
                 raise RuntimeFailure(f"{step.label} in graph {plan.name!r} failed: {type(exc).__name__}: {exc}") from exc
+            if isinstance(done, (tuple, list)):  # the outputs, bound ones in their buffers
+                return list(done)
             if done is not False:
                 return outs
         outs = call_step(step, frame, args, plan.name)
-        value = next((v for o, v in zip(step.outputs, outs) if o), None)
-        if isinstance(value, np.ndarray):
-            self.binder.seen[key] = (sig, value.shape, value.dtype)
+        made = [(i, outs[i]) for i in bufs if i < len(outs)]
+        if all(isinstance(v, np.ndarray) for _, v in made):
+            self.binder.seen[key] = (sig, tuple((i, v.shape, v.dtype) for i, v in made))
         return outs
 
 

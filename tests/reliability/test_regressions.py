@@ -523,3 +523,40 @@ def test_conv_batchnorm_fold_of_a_weight_of_another_type_matches_the_unfused_gra
         with InferenceSession(data, opts) as s:
             outs.append(s.run(None, x)[0])
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("outlier", [2e24, -3e14, 5e3], ids=["huge", "large-negative", "moderate"])
+def test_conv_filter_with_an_outlier_is_not_run_by_winograd(outlier):
+    # Found by the inplace family: bytes patched into a 3x3 filter made one entry 2e24 among
+    # 0.1s.  Winograd's rounding is relative to the largest products of a whole input tile, so
+    # outputs whose own terms were small (the outlier's tap on the zero padding) got ~1e17 of
+    # noise; direct convolution (onnxruntime's, and ours by im2col) computes them exactly.
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((16, 16, 3, 3)) * 0.1).astype(np.float32)
+    w[9, 4, 0, 0] = outlier
+    x = rng.standard_normal((1, 16, 16, 16)).astype(np.float32)
+    g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(w, "w")])
+    data = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    import onnxruntime as ort
+
+    want = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    with InferenceSession(data) as s:
+        got = s.run(None, {"x": x})[0]
+    # every output within float32 rounding of its own magnitude (the padded border included)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4, equal_nan=True)
+    clean = np.delete(np.arange(16), 9)
+    np.testing.assert_allclose(got[:, clean], want[:, clean], rtol=1e-5, atol=1e-5)
+
+
+def test_winograd_still_packs_ordinary_and_pruned_filters():
+    from onnxpack.session.kernels import _winograd
+
+    rng = np.random.default_rng(8)
+    w = (rng.standard_normal((32, 16, 3, 3)) * 0.05).astype(np.float32)
+    assert _winograd.weight_is_tame(w)
+    w[:, ::2] = 0  # half the filters pruned to zero
+    assert _winograd.weight_is_tame(w)
+    w[3, 1, 1, 1] = 1e6
+    assert not _winograd.weight_is_tame(w)

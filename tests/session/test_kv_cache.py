@@ -33,7 +33,8 @@ def test_in_place_cache_equals_copying_cache_over_steps(window):
         want = k.run(qkv, None, None, copy_k, copy_v, sk, tot)
         before = (shared_k.ctypes.data, shared_v.ctypes.data)
         y = np.empty((1, s, N * H), np.float32)
-        assert k.run_into((y, shared_k, shared_v), qkv, None, None, shared_k, shared_v, sk, tot) is True
+        got = k.run_into((y, shared_k, shared_v), qkv, None, None, shared_k, shared_v, sk, tot)
+        assert got[0] is y and got[1] is shared_k and got[2] is shared_v
         assert (shared_k.ctypes.data, shared_v.ctypes.data) == before
         np.testing.assert_allclose(y, want[0], rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(shared_k[:, :, :total], want[1][:, :, :total])

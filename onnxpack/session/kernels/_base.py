@@ -100,6 +100,11 @@ class Kernel:
     since: ClassVar[int] = 1
     call_mode: str = "plain"
     writes_into: ClassVar[bool] = False
+    # For kernels with several outputs that ``run_into`` can write in place when a caller binds
+    # them (IOBinding): output position -> the input position that output may share memory with
+    # (the same array bound as both), or -1 for none.  ``run_into`` then gets ``None`` for
+    # outputs not given and returns every output (a tuple), given ones in their buffers.
+    bound_outputs: ClassVar[dict[int, int]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -127,8 +132,9 @@ class Kernel:
         """Whether and how input ``input_index`` (a constant) would be packed. Default: never."""
         return None
 
-    def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Pack a constant input; only called when ``pack_spec`` returned a spec."""
+    def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...] | None:
+        """Pack a constant input; only called when ``pack_spec`` returned a spec.  ``None``
+        declines this value: nothing is stored, and the kernel gets the weight itself at run."""
         raise NotImplementedError(f"Bug: {type(self).__name__} has a pack_spec but no prepack")
 
     def check_packed(self, input_index: int, info: TensorInfo, buffers: Sequence[np.ndarray]) -> str | None:

@@ -33,6 +33,29 @@ _BT = np.array([[1.0, 0.0, -1.0, 0.0], [0.0, 1.0, 1.0, 0.0], [0.0, -1.0, 1.0, 0.
 _AT = np.array([[1.0, 1.0, 1.0, 0.0], [0.0, 1.0, -1.0, -1.0]])
 
 
+# Winograd's error in an output is relative to the largest products of its 4x4 input tile, not to
+# that output's own terms (the transforms add and then cancel them): a filter whose largest entry
+# dwarfs the rest (a corrupted weight, found by the fuzz campaign: one 2e29 among 0.1s) spreads
+# rounding of its size into neighbouring outputs that direct convolution computes exactly.
+# Such filters, and non-finite ones, are declined and run by im2col.
+MAX_FILTER_RANGE = 1024.0
+
+
+def weight_is_tame(w: np.ndarray) -> bool:
+    """Whether Winograd keeps its stated accuracy on filter ``w`` (M, C, 3, 3): finite, and in
+    every output channel the largest magnitude at most ``MAX_FILTER_RANGE`` times the median of
+    the channel's nonzero magnitudes (a median, so that a few outliers cannot hide themselves in
+    the scale they are compared with; nonzero, so that pruned filters are not penalised)."""
+    a = np.abs(np.asarray(w, dtype=np.float64).reshape(w.shape[0], -1))
+    if not np.isfinite(a).all():
+        return False
+    for row in a:
+        nz = row[row > 0]
+        if nz.size and nz.max() > MAX_FILTER_RANGE * np.median(nz):
+            return False
+    return True
+
+
 def weight_transform(w: np.ndarray) -> np.ndarray:
     """``U = G g G^T`` of every (M, C) 3x3 filter, as a C-contiguous float32 ``(16, M, C)``
     (row ``4a + b`` is element (a, b)); computed in float64 and rounded once."""

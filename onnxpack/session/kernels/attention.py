@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import ClassVar
 
 import numpy as np
 
@@ -638,19 +639,24 @@ class GroupQueryAttention(Kernel):
             raise NotImplementedError("GroupQueryAttention k/v scales, q/k norm weights, query_seqlens or output_qk")
         self.n_out = len(node.output)
 
+    # present_key / present_value may be the past_key / past_value buffers themselves.
+    bound_outputs: ClassVar[dict[int, int]] = {1: 3, 2: 4}
+
     def run(self, *inputs):
         return self._run(*inputs)
 
-    def run_into(self, outs, *inputs) -> bool:
+    def run_into(self, outs, *inputs) -> tuple:
         """Outputs into given buffers.  A present buffer that *is* the past buffer (the caller
         bound ``present_*`` to the same array as ``past_*``: the shared KV cache of
         onnxruntime-genai's ``past_present_share_buffer``) is updated in place: only the new
         rows are written, so a decode step costs O(new tokens) in cache writes, not O(context)."""
         outs = tuple(outs) + (None,) * (3 - len(outs))
-        y, pk, pv = (self._run(*inputs, present=(outs[1], outs[2])) + (None, None))[:3]
-        if outs[0] is not None and y is not outs[0]:
-            np.copyto(outs[0], y)
-        return True
+        got = list(self._run(*inputs, present=(outs[1], outs[2])))
+        for i, given in enumerate(outs[:len(got)]):
+            if given is not None and got[i] is not given:
+                np.copyto(given, got[i])
+                got[i] = given
+        return tuple(got)
 
     def _run(self, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None,
              total_sequence_length=None, cos_cache=None, sin_cache=None, position_ids=None,

@@ -299,6 +299,8 @@ class Conv(Kernel):
         g = self.group
         info = TensorInfo("", weight.dtype, tuple(weight.shape), 0)
         if self._winograd_ok(info):
+            if not _winograd.weight_is_tame(weight):
+                return None  # runs on the weight itself (im2col), see weight_is_tame
             return (_winograd.weight_transform(weight),)
         w = weight.reshape((g, m // g) + weight.shape[1:])
         return (np.ascontiguousarray(w, dtype=compute_dtype(weight.dtype)),)
@@ -787,7 +789,10 @@ class FusedConv(Conv):
         # Folded in float64 before the layout change (the Winograd transform is linear, but
         # folding first rounds once).
         w = np.asarray(weight, dtype=np.float64) * self.multiplier.reshape((-1,) + (1,) * (weight.ndim - 1))
-        (packed,) = super().prepack(input_index, w.astype(compute_dtype(weight.dtype) or np.float32))
+        made = super().prepack(input_index, w.astype(compute_dtype(weight.dtype) or np.float32))
+        if made is None:
+            return None
+        (packed,) = made
         return (np.ascontiguousarray(packed),)
 
     def run(self, x, w=None, b=None, r=None):
