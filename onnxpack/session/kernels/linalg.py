@@ -264,7 +264,8 @@ class FusedMatMul(MatMul):
 
     @staticmethod
     def _apply(y, bias, pre, res, post):
-        jit = _act.jit() if y.dtype == np.float32 and y.flags.c_contiguous and y.ndim >= 1 and y.size else None
+        jit = (_act.jit() if y.dtype == np.float32 and y.flags.c_contiguous and y.ndim >= 1 and y.size
+               and not _act.numpy_suffices(pre, post) else None)
         if jit is None:
             if bias is not None:
                 y += bias
