@@ -247,11 +247,15 @@ class Model:
             else:
                 continue
             for t in tensors:
-                if t.data_location == TensorProto.EXTERNAL:
-                    raw = bytes(self.tensor(t).raw())
-                    t.ClearField("external_data")
-                    t.data_location = TensorProto.DEFAULT
-                    t.raw_data = raw
+                self._inline(t)
+
+    def _inline(self, t: TensorProto) -> None:
+        """Puts an external tensor's bytes (read through the checked loader) into the proto."""
+        if t.data_location == TensorProto.EXTERNAL:
+            raw = bytes(self.tensor(t).raw())
+            t.ClearField("external_data")
+            t.data_location = TensorProto.DEFAULT
+            t.raw_data = raw
 
     def inlined(self, node: NodeProto) -> NodeProto:
         """A copy of ``node`` whose nested graphs hold every external tensor inline (read through
@@ -264,11 +268,7 @@ class Model:
             g = stack.pop()
             tensors = list(g.initializer) + [t for sp in g.sparse_initializer for t in (sp.values, sp.indices)]
             for t in tensors:
-                if t.data_location == TensorProto.EXTERNAL:
-                    raw = bytes(self.tensor(t).raw())
-                    t.ClearField("external_data")
-                    t.data_location = TensorProto.DEFAULT
-                    t.raw_data = raw
+                self._inline(t)
             for n in g.node:
                 stack.extend(sub for _, _, sub in subgraphs_of(n))
         return copy

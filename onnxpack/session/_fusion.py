@@ -102,6 +102,67 @@ def _meta_from(const_value: Callable[[str], np.ndarray | None]) -> Callable[[str
     return meta
 
 
+def _by_input(nodes: Sequence[NodeProto]) -> dict[str, list[int]]:
+    """name -> indices of the nodes reading it (a node once per input slot)."""
+    by_input: dict[str, list[int]] = {}
+    for k, node in enumerate(nodes):
+        for name in node.input:
+            if name:
+                by_input.setdefault(name, []).append(k)
+    return by_input
+
+
+def _sole_users(nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
+                taken: set[int]) -> Callable[[str], list[int] | None]:
+    """``users_of(name)``: the nodes reading ``name`` when they are all its reads (``readers``
+    counts subgraph and graph-output reads too), it is not protected and none of them is in
+    ``taken`` (read at each call: the finder adds to it as it goes); else None."""
+    by_input = _by_input(nodes)
+
+    def users_of(name: str) -> list[int] | None:
+        users = sorted(set(by_input.get(name, [])))
+        if not users or name in protected or any(u in taken for u in users):
+            return None
+        count = sum(1 for u in users for i in nodes[u].input if i == name)
+        if readers.get(name, 0) != count:
+            return None
+        return users
+
+    return users_of
+
+
+def _match_epilogue(nodes, t: str, users_of, const_value, opset: int, is_const: Callable[[str], bool],
+                    absorbed: list[int]) -> tuple[list[Activation], str | None, list[Activation], str]:
+    """After a GEMM or conv output ``t``: activations, one residual ``Add``/``Sum`` of a
+    non-constant, activations again.  Appends the matched nodes to ``absorbed``; returns
+    (activations before the residual, the residual name or None, activations after, the chain's
+    last output)."""
+    pre: list[Activation] = []
+    post: list[Activation] = []
+    residual = None
+    while True:
+        got = match_activation(nodes, t, users_of, const_value, opset)
+        if got is not None:
+            act, idxs, t = got
+            (post if residual is not None else pre).append(act)
+            absorbed.extend(idxs)
+            continue
+        if residual is None:
+            users = users_of(t)
+            if users is not None and len(users) == 1:
+                add = nodes[users[0]]
+                if (add.op_type in ("Add", "Sum") and add.domain in ("", "ai.onnx") and len(add.input) == 2
+                        and list(add.input).count(t) == 1):
+                    other = add.input[1] if add.input[0] == t else add.input[0]
+                    if other and not is_const(other):
+                        residual = other
+                        absorbed.append(users[0])
+                        t = add.output[0]
+                        continue
+        break
+    return pre, residual, post, t
+
+
 def find_conv_fusions(
     nodes: Sequence[NodeProto],
     readers: dict[str, int],
@@ -131,25 +192,11 @@ def find_conv_fusions(
         const_meta: a constant's shape and dtype without computing it (default: from
             ``const_value``).
     """
-    by_input: dict[str, list[int]] = {}
-    for k, node in enumerate(nodes):
-        for name in node.input:
-            if name:
-                by_input.setdefault(name, []).append(k)
     if const_value is None:
         const_value = lambda n: None  # noqa: E731
     const_meta = const_meta or _meta_from(const_value)
     taken: set[int] = set()
-
-    def users_of(name: str) -> list[int] | None:
-        """The nodes reading ``name`` when they are all its reads and it is not protected."""
-        users = sorted(set(by_input.get(name, [])))
-        if not users or name in protected or any(u in taken for u in users):
-            return None
-        count = sum(1 for u in users for i in nodes[u].input if i == name)
-        if readers.get(name, 0) != count:
-            return None
-        return users
+    users_of = _sole_users(nodes, readers, protected, taken)
 
     def sole_reader(name: str, op_type: str) -> int | None:
         users = users_of(name)
@@ -187,29 +234,7 @@ def find_conv_fusions(
             folds.append((op, cname))
             absorbed.append(idx)
             t = nodes[idx].output[0]
-        pre: list[Activation] = []
-        post: list[Activation] = []
-        residual = None
-        while True:
-            got = match_activation(nodes, t, users_of, const_value, opset)
-            if got is not None:
-                act, idxs, t = got
-                (post if residual is not None else pre).append(act)
-                absorbed.extend(idxs)
-                continue
-            if residual is None:
-                users = users_of(t)
-                if users is not None and len(users) == 1:
-                    add = nodes[users[0]]
-                    if (add.op_type in ("Add", "Sum") and add.domain in ("", "ai.onnx") and len(add.input) == 2
-                            and list(add.input).count(t) == 1):
-                        other = add.input[1] if add.input[0] == t else add.input[0]
-                        if other and not is_const(other):
-                            residual = other
-                            absorbed.append(users[0])
-                            t = add.output[0]
-                            continue
-            break
+        pre, residual, post, t = _match_epilogue(nodes, t, users_of, const_value, opset, is_const, absorbed)
         if not absorbed:
             continue
         taken.update(absorbed)
@@ -444,22 +469,9 @@ def find_matmul_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], pro
     (torch's erf GELU included); the residual a non-constant ``Add`` operand.  Each name in the
     chain must be read only by the next node and not be a graph output.
     """
-    by_input: dict[str, list[int]] = {}
-    for k, node in enumerate(nodes):
-        for name in node.input:
-            if name:
-                by_input.setdefault(name, []).append(k)
     used = set(taken)
     const_meta = const_meta or _meta_from(const_value)
-
-    def users_of(name: str) -> list[int] | None:
-        users = sorted(set(by_input.get(name, [])))
-        if not users or name in protected or any(u in used for u in users):
-            return None
-        count = sum(1 for u in users for i in nodes[u].input if i == name)
-        if readers.get(name, 0) != count:
-            return None
-        return users
+    users_of = _sole_users(nodes, readers, protected, used)
 
     out: list[MatMulFusion] = []
     for k, node in enumerate(nodes):
@@ -482,29 +494,8 @@ def find_matmul_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], pro
                     bias = other
                     absorbed.append(users[0])
                     t = add.output[0]
-        pre: list[Activation] = []
-        post: list[Activation] = []
-        residual = None
-        while True:
-            got = match_activation(nodes, t, users_of, const_value, opset)
-            if got is not None:
-                act, idxs, t = got
-                (post if residual is not None else pre).append(act)
-                absorbed.extend(idxs)
-                continue
-            if residual is None:
-                users = users_of(t)
-                if users is not None and len(users) == 1:
-                    add = nodes[users[0]]
-                    if (add.op_type in ("Add", "Sum") and add.domain in ("", "ai.onnx") and len(add.input) == 2
-                            and list(add.input).count(t) == 1):
-                        other = add.input[1] if add.input[0] == t else add.input[0]
-                        if other and const_value(other) is None:
-                            residual = other
-                            absorbed.append(users[0])
-                            t = add.output[0]
-                            continue
-            break
+        pre, residual, post, t = _match_epilogue(nodes, t, users_of, const_value, opset,
+                                                 lambda n: const_meta(n) is not None, absorbed)
         if not absorbed:
             continue
         used.update(absorbed)
@@ -525,11 +516,7 @@ def find_relu_fusions(
     Returned as :class:`ConvFusion` with ``conv`` the producer and ``bn`` None; ``taken`` holds
     node indices already part of another fusion.
     """
-    by_input: dict[str, list[int]] = {}
-    for k, node in enumerate(nodes):
-        for name in node.input:
-            if name:
-                by_input.setdefault(name, []).append(k)
+    by_input = _by_input(nodes)
     out = []
     for k, node in enumerate(nodes):
         if k in taken or node.op_type not in _RELU_PRODUCERS or node.domain not in ("", "ai.onnx"):

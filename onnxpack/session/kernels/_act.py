@@ -14,9 +14,12 @@ numba is importable and ``ONNXPACK_DISABLE_JIT`` is not ``1`` (the switch MatMul
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import os
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -29,28 +32,36 @@ CODES = {"none": 0, "relu": 1, "clip": 2, "hardswish": 3, "silu": 4, "sigmoid": 
          "hardsigmoid": 7, "affine": 8, "gelu": 9}
 
 _ENV_DISABLE = "ONNXPACK_DISABLE_JIT"
-_jit_module = None
-_jit_failed = False
+_jit_modules: dict[str, Any] = {}  # module name -> the module, or None when it cannot be imported
 _lock = threading.Lock()
 
 
-def jit():
-    """The numba kernel module (imported on first use); ``None`` without numba or when disabled."""
-    global _jit_module, _jit_failed
+def load_jit(name: str, what: str, on_load: Callable[[], None] | None = None):
+    """The numba kernel module ``onnxpack.session.kernels.<name>``, imported on first use (never
+    at ``import onnxpack`` nor at session creation); ``None`` when numba is missing, does not fit
+    this numpy, or ``ONNXPACK_DISABLE_JIT=1`` (then the numpy twins compute the same).  ``what``
+    names the kernels in the log line; ``on_load`` runs once after a successful import."""
     if os.environ.get(_ENV_DISABLE, "") == "1":
         return None
-    if _jit_module is not None or _jit_failed:
-        return _jit_module
+    if name in _jit_modules:
+        return _jit_modules[name]
     with _lock:
-        if _jit_module is None and not _jit_failed:
+        if name not in _jit_modules:
             try:
-                from onnxpack.session.kernels import _conv_jit
+                module = importlib.import_module(f"onnxpack.session.kernels.{name}")
             except ImportError as exc:
-                _jit_failed = True
-                logger.info("conv: numba kernels unavailable (%s); using numpy", exc)
+                logger.info("%s: numba kernels unavailable (%s); using numpy", what, exc)
+                module = None
             else:
-                _jit_module = _conv_jit
-    return _jit_module
+                if on_load is not None:
+                    on_load()
+            _jit_modules[name] = module
+    return _jit_modules[name]
+
+
+def jit():
+    """The conv / activation numba kernels (:mod:`._conv_jit`), or ``None`` (see :func:`load_jit`)."""
+    return load_jit("_conv_jit", "conv")
 
 
 _pool = None

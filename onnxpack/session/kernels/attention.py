@@ -508,17 +508,9 @@ class MsRotaryEmbedding(Kernel):
             pos = int(pos.reshape(-1)[0]) + np.arange(s)[None, :]
         elif pos.shape != (b, s):
             raise _err(self, f"position_ids must have shape (1,) or {[b, s]}, got {list(pos.shape)}")
-        fd = _fd(x.dtype)
-        cos = _f(_gather_cache(self, cos_cache, pos, half, "cos_cache"), fd)  # (B|1, S, half)
-        sin = _f(_gather_cache(self, sin_cache, pos, half, "sin_cache"), fd)
-        if x.ndim == 3:
-            xh = _f(x, fd).reshape(b, s, -1, head)
-            cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-        else:
-            xh = _f(x, fd)
-            cos, sin = cos[:, None], sin[:, None]
-        y = apply_rotary(xh, cos, sin, self.interleaved, rot)
-        return (y.reshape(x.shape).astype(x.dtype, copy=False),)
+        cos = _gather_cache(self, cos_cache, pos, half, "cos_cache")  # (B|1, S, half)
+        sin = _gather_cache(self, sin_cache, pos, half, "sin_cache")
+        return (_rotate(x, cos, sin, b, s, -1, head, self.interleaved, rot),)
 
 
 @register("RotaryEmbedding", since=23)
@@ -549,7 +541,6 @@ class RotaryEmbedding23(Kernel):
         rot = self.rot if self.rot > 0 else head
         if rot > head or rot % 2 or rot // 2 != half:
             raise _err(self, f"rotary dimension {rot} (cache width {half}) does not fit head size {head}")
-        fd = _fd(x.dtype)
         if position_ids is not None:
             if position_ids.shape != (b, s):
                 raise _err(self, f"position_ids must have shape {[b, s]}, got {list(position_ids.shape)}")
@@ -559,15 +550,23 @@ class RotaryEmbedding23(Kernel):
             if cos_cache.shape != (b, s, half) or sin_cache.shape != (b, s, half):
                 raise _err(self, f"without position_ids the caches must be {[b, s, half]}, got {list(cos_cache.shape)}")
             cos, sin = cos_cache, sin_cache
-        cos, sin = _f(cos, fd), _f(sin, fd)
-        if x.ndim == 3:
-            xh = _f(x, fd).reshape(b, s, self.heads, head)
-            cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-        else:
-            xh = _f(x, fd)
-            cos, sin = cos[:, None], sin[:, None]
-        y = apply_rotary(xh, cos, sin, self.interleaved, rot)
-        return (y.reshape(x.shape).astype(x.dtype, copy=False),)
+        return (_rotate(x, cos, sin, b, s, self.heads, head, self.interleaved, rot),)
+
+
+def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, b: int, s: int, heads: int, head: int,
+            interleaved: bool, rot: int) -> np.ndarray:
+    """Rotary embedding of ``x`` — (B, S, heads*head), or (B, heads, S, head) when 4-D — with
+    per-position ``cos``/``sin`` of shape (B|1, S, half), in ``x``'s float compute type."""
+    fd = _fd(x.dtype)
+    cos, sin = _f(cos, fd), _f(sin, fd)
+    if x.ndim == 3:
+        xh = _f(x, fd).reshape(b, s, heads, head)
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    else:
+        xh = _f(x, fd)
+        cos, sin = cos[:, None], sin[:, None]
+    y = apply_rotary(xh, cos, sin, interleaved, rot)
+    return y.reshape(x.shape).astype(x.dtype, copy=False)
 
 
 def _same_buffer(a: np.ndarray | None, b: np.ndarray | None) -> bool:

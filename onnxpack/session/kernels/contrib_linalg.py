@@ -20,7 +20,7 @@ import numpy as np
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
-from onnxpack.session.kernels.linalg import as_compute, compute_dtype, matmul_packed
+from onnxpack.session.kernels.linalg import as_compute, compute_dtype, matmul_packed, pack_scaled_b
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +62,7 @@ class FusedMatMul(Kernel):
         return [(compute_dtype(info.dtype), (k, n))]
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
-        cd = compute_dtype(weight.dtype)
-        packed = np.ascontiguousarray(weight.T if self.trans_b else weight, dtype=cd)
-        if self.alpha != 1.0:
-            if np.shares_memory(packed, weight):
-                packed = packed.copy()
-            packed *= cd.type(self.alpha)
-        return (packed,)
+        return (pack_scaled_b(weight, self.trans_b, self.alpha),)
 
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
         (self._b,) = buffers

@@ -137,6 +137,19 @@ class MatMul(Kernel):
         return True
 
 
+def pack_scaled_b(weight: np.ndarray, trans_b: bool, alpha: float) -> np.ndarray:
+    """``alpha * B'`` as a C-contiguous (K, N) matrix in the compute dtype (``B' = B.T`` with
+    ``trans_b``): the pack of Gemm's and FusedMatMul's constant B.  Never a view of ``weight``
+    when scaled."""
+    cd = compute_dtype(weight.dtype)
+    packed = np.ascontiguousarray(weight.T if trans_b else weight, dtype=cd)
+    if alpha != 1.0:
+        if np.shares_memory(packed, weight):
+            packed = packed.copy()
+        packed *= cd.type(alpha)
+    return packed
+
+
 @register("Gemm", since=1)
 class Gemm(Kernel):
     """``Y = alpha * A' @ B' + beta * C`` (A' = A or A^T per transA, likewise B').
@@ -169,14 +182,7 @@ class Gemm(Kernel):
         return [(compute_dtype(info.dtype), (k, n))]
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
-        cd = compute_dtype(weight.dtype)
-        b = weight.T if self.trans_b else weight
-        packed = np.ascontiguousarray(b, dtype=cd)
-        if self.alpha != 1.0:
-            if np.shares_memory(packed, weight):
-                packed = packed.copy()
-            packed *= cd.type(self.alpha)
-        return (packed,)
+        return (pack_scaled_b(weight, self.trans_b, self.alpha),)
 
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
         (self._b,) = buffers

@@ -32,18 +32,15 @@ call ``dequantize`` to fold a constant DequantizeLinear into its consumer's pack
 
 from __future__ import annotations
 
-import logging
 import math
-import os
-import threading
 
 import numpy as np
 from onnx import helper
 
 from onnxpack.errors import InvalidArgument
+from onnxpack.session.kernels import _act
 from onnxpack.session.kernels._base import Kernel, register, register_fused
 
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "dequantize",
@@ -334,28 +331,9 @@ class DynamicQuantizeLinear(Kernel):
         return (quantize_u8(x, scale, zp), np.array(scale, dtype=np.float32), np.array(zp, dtype=np.uint8))
 
 
-# The numba twin of FakeQuant (``_qdq_jit``), imported on first use like MatMulNBits' kernels:
-# only with numba installed and ONNXPACK_DISABLE_JIT not 1.
-_ENV_DISABLE = "ONNXPACK_DISABLE_JIT"
-_jit_state: dict[str, object] = {}
-_jit_lock = threading.Lock()
-
-
 def _fq_jit():
-    """The numba fake-quant module, or None (no numba, or disabled)."""
-    if os.environ.get(_ENV_DISABLE, "") == "1":
-        return None
-    if "module" not in _jit_state:
-        with _jit_lock:
-            if "module" not in _jit_state:
-                try:
-                    from onnxpack.session.kernels import _qdq_jit
-                except ImportError as exc:  # numba missing, or one that does not fit this numpy
-                    logger.info("fake-quant: numba kernel unavailable (%s); using numpy", exc)
-                    _jit_state["module"] = None
-                else:
-                    _jit_state["module"] = _qdq_jit
-    return _jit_state["module"]
+    """The numba twin of FakeQuant (:mod:`._qdq_jit`), or ``None`` (see ``_act.load_jit``)."""
+    return _act.load_jit("_qdq_jit", "fake-quant")
 
 
 @register_fused("fake_quant")

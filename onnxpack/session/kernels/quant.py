@@ -66,6 +66,7 @@ from typing import Any
 import numpy as np
 
 from onnxpack.errors import InvalidArgument
+from onnxpack.session.kernels import _act
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
 from onnxpack.session.kernels.linalg import as_compute
 
@@ -95,10 +96,6 @@ JIT_SERIAL_BELOW = 2_000_000
 # keep a panel within this machine's 2 MiB L2 + shared L3 while BLAS sees wide enough products.
 _PANEL_FLOATS = 1 << 20
 
-_ENV_DISABLE = "ONNXPACK_DISABLE_JIT"
-_jit_module = None
-_jit_failed = False
-_jit_lock = threading.Lock()
 _local = threading.local()
 
 
@@ -108,23 +105,8 @@ def jit_enabled() -> bool:
 
 
 def _jit():
-    """The numba kernel module, imported on first use; ``None`` without numba or when disabled."""
-    global _jit_module, _jit_failed
-    if os.environ.get(_ENV_DISABLE, "") == "1":
-        return None
-    if _jit_module is not None or _jit_failed:
-        return _jit_module
-    with _jit_lock:
-        if _jit_module is None and not _jit_failed:
-            try:
-                from onnxpack.session.kernels import _nbits_jit
-            except ImportError as exc:  # numba missing, or one that does not fit this numpy
-                _jit_failed = True
-                logger.info("MatMulNBits: numba kernels unavailable (%s); using numpy", exc)
-            else:
-                _prefer_openmp()
-                _jit_module = _nbits_jit
-    return _jit_module
+    """The MatMulNBits numba kernels (:mod:`._nbits_jit`), or ``None`` (see ``_act.load_jit``)."""
+    return _act.load_jit("_nbits_jit", "MatMulNBits", _prefer_openmp)
 
 
 def _prefer_openmp() -> None:
@@ -151,7 +133,7 @@ _forked_after_parallel = False
 
 def _after_fork_in_child() -> None:
     global _forked_after_parallel
-    if _jit_module is not None:
+    if _act._jit_modules.get("_nbits_jit") is not None:
         from numba.np.ufunc import parallel as nparallel
 
         _forked_after_parallel = _forked_after_parallel or bool(getattr(nparallel, "_is_initialized", False))
