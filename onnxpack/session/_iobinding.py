@@ -32,6 +32,7 @@ import numpy as np
 from onnxpack.errors import OnnxpackError, RuntimeFailure, RuntimeInvalidArgument
 from onnxpack.session._ortvalue import OrtValue, _device_name, elem_dtype, value_type
 from onnxpack.session._program import Frame, Plan, Step, StepHook, call_step
+from onnxpack.session.kernels import same_view
 
 if TYPE_CHECKING:
     from onnxpack.session._session import InferenceSession
@@ -182,7 +183,7 @@ class IOBinding:
                 results.append(OrtValue(value, types.get(name)))
                 continue
             buf = bound._value
-            if value is not buf and not _same_memory(value, buf):
+            if value is not buf and not same_view(value, buf):  # written in place: nothing to copy
                 _check_fits(name, buf, value)
                 np.copyto(buf, value)
             results.append(bound)
@@ -224,15 +225,6 @@ class _Spans:
             if end > lo and np.may_share_memory(buf, x):
                 out.append((n, x))
         return out
-
-
-def _same_memory(value: Any, buf: np.ndarray) -> bool:
-    """Whether ``value`` is ``buf`` seen through another array object (a kernel that wrote in place
-    and returned a view): then there is nothing to copy (copying a KV cache onto itself cost
-    3 ms per token at 1,024 tokens of context)."""
-    return (isinstance(value, np.ndarray) and value.shape == buf.shape and value.dtype == buf.dtype
-            and value.strides == buf.strides
-            and value.__array_interface__["data"][0] == buf.__array_interface__["data"][0])
 
 
 def _check_fits(name: str, buf: np.ndarray, value: Any) -> None:

@@ -13,10 +13,11 @@ from onnxpack.session.kernels._base import (
     register_fused,
     register,
     registered_ops,
+    same_view,
 )
 
 # Importing the family modules registers their kernels.
 from onnxpack.session.kernels import _families  # noqa: F401,E402
 
 __all__ = ["Kernel", "KernelContext", "PackSpec", "TensorInfo", "fused_kernel", "lookup", "normalize_domain",
-           "register", "register_fused", "registered_ops"]
+           "register", "register_fused", "registered_ops", "same_view"]

@@ -28,7 +28,7 @@ from typing import ClassVar
 import numpy as np
 
 from onnxpack.errors import InvalidArgument
-from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
+from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register, same_view
 from onnxpack.session.kernels.linalg import compute_dtype, matmul_packed
 
 logger = logging.getLogger(__name__)
@@ -569,12 +569,6 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, b: int, s: int, hea
     return y.reshape(x.shape).astype(x.dtype, copy=False)
 
 
-def _same_buffer(a: np.ndarray | None, b: np.ndarray | None) -> bool:
-    """Whether two arrays are the same memory with the same layout (a buffer bound as both)."""
-    return (a is not None and b is not None and a.shape == b.shape and a.strides == b.strides
-            and a.dtype == b.dtype and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
-
-
 @register("GroupQueryAttention", domain="com.microsoft", since=1)
 class GroupQueryAttention(Kernel):
     """Causal grouped-query attention with a KV cache (onnxruntime-genai's decoder layers).
@@ -729,7 +723,7 @@ class GroupQueryAttention(Kernel):
         pk, pv = (o if o is not None and o.shape == shape and o.dtype == cache_dtype else np.empty(shape, cache_dtype)
                   for o in present)
         # The shared cache: present is the past buffer itself, its past rows are already there.
-        shared = _same_buffer(pk, past_key) and _same_buffer(pv, past_value)
+        shared = same_view(pk, past_key) and same_view(pv, past_value)
         kt = k.transpose(0, 2, 1, 3)  # (B, Nkv, S, H)
         vt = v.transpose(0, 2, 1, 3)
         if past.min() == past.max():  # every row has the same past: one slice per cache
