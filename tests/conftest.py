@@ -7,6 +7,9 @@
   PyPI package ``build`` (whichever comes first on the path wins), and loading the file once per
   test module made several module objects with their own state.
 * hypothesis is kept bounded (no deadline: the 2-core CI machine is often busy).
+* The native code cache (``session/kernels/_native.py``) is a fresh temp folder for the test
+  session and never built in the background (``ONNXPACK_NATIVE_BUILD=0``): tests that want the
+  native kernels build them once through the ``native_cache`` fixture.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import tempfile
 from types import ModuleType
+
+import pytest
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS_DIR)
@@ -22,6 +28,9 @@ BUILD_PY = os.path.join(ROOT, "models", "build.py")
 SAMPLE_MODELS_MODULE = "onnxpack_sample_models"
 
 sys.path.insert(0, TESTS_DIR)
+
+os.environ["ONNXPACK_NATIVE_BUILD"] = "0"
+os.environ["ONNXPACK_CODE_CACHE"] = tempfile.mkdtemp(prefix="onnxpack-code-cache-")
 
 
 def load_sample_models() -> ModuleType:
@@ -48,3 +57,18 @@ try:
     settings.load_profile("ci")
 except ImportError:  # pragma: no cover - hypothesis is in the test extra
     pass
+
+
+@pytest.fixture(scope="session")
+def native_cache() -> str:
+    """The code cache folder with this machine's native JIT kernels built (skips without numba or
+    GNU OpenMP); tests point ``ONNXPACK_CODE_CACHE`` at it."""
+    pytest.importorskip("numba")
+    import ctypes.util
+
+    if not ctypes.util.find_library("gomp"):
+        pytest.skip("GNU OpenMP (libgomp) is not installed")
+    from onnxpack.session.kernels import _jit_native
+
+    assert _jit_native.build() is not None
+    return os.environ["ONNXPACK_CODE_CACHE"]

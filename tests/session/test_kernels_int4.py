@@ -37,7 +37,7 @@ import onnxpack
 from onnxpack import InferenceSession, PrepackedWeightsContainer, SessionOptions
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import KernelContext, TensorInfo, lookup
-from onnxpack.session.kernels import quant
+from onnxpack.session.kernels import _act, quant
 from onnxpack.session.kernels.quant import TILE, dequantize_nbits, to_tiles, unpack_nbits
 
 MS = "com.microsoft"
@@ -47,12 +47,22 @@ SAME_TOL = dict(rtol=1e-5, atol=1e-5)
 FLAG = "session.save_external_prepacked_constant_initializers"
 
 
-@pytest.fixture(params=["jit", "numpy"])
+@pytest.fixture(params=["jit", "native", "numpy"])
 def path(request, monkeypatch):
-    """Which compute path the kernels take; the name is also what the test asserts it got."""
-    if request.param == "jit":
+    """Which compute path the kernels take; the name is also what the test asserts it got:
+    numba's kernels, the same kernels loaded from the native code cache without numba
+    (``_jit_native``), or the numpy twins."""
+    monkeypatch.setattr(_act, "_native_kernels", [])  # looked up again under this test's settings
+    if request.param in ("jit", "native"):
         pytest.importorskip("numba")
         monkeypatch.delenv("ONNXPACK_DISABLE_JIT", raising=False)
+        if request.param == "native":
+            request.getfixturevalue("native_cache")
+            monkeypatch.delenv("ONNXPACK_DISABLE_NATIVE", raising=False)
+            assert getattr(quant._jit(), "native", False)
+        else:
+            monkeypatch.setenv("ONNXPACK_DISABLE_NATIVE", "1")
+            assert not getattr(quant._jit(), "native", False)
         assert quant.jit_enabled()
     else:
         monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
@@ -557,16 +567,24 @@ if pid == 0:
 os.close(w)
 _, status = os.waitpid(pid, 0)
 print(os.read(r, 16).decode(), os.waitstatus_to_exitcode(status))
+print("native" if getattr(quant._jit(), "native", False) else "numba", "numba" in sys.modules)
 """
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX")
-def test_parallel_gemv_survives_threads_and_fork():
+@pytest.mark.parametrize("kernels", ["numba", "native"])
+def test_parallel_gemv_survives_threads_and_fork(kernels, request):
     pytest.importorskip("numba")
-    env = {k: v for k, v in os.environ.items() if k not in ("ONNXPACK_DISABLE_JIT", "NUMBA_THREADING_LAYER")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ONNXPACK_DISABLE_JIT", "NUMBA_THREADING_LAYER", "ONNXPACK_DISABLE_NATIVE")}
+    if kernels == "native":  # GNU OpenMP teams started through the native code cache's entries
+        env["ONNXPACK_CODE_CACHE"] = request.getfixturevalue("native_cache")
+    else:
+        env["ONNXPACK_DISABLE_NATIVE"] = "1"
     # (Without the guard the child hangs in its first parallel region.)
     p = subprocess.run([sys.executable, "-c", _FORK_AND_THREADS, os.path.dirname(__file__),
                         os.path.dirname(os.path.dirname(__file__))], capture_output=True,
                        text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.split() == ["ok", "0"], (p.stdout, p.stderr[-3000:])
+    # the native kernels run without numba in the process
+    assert p.stdout.split() == ["ok", "0", kernels, str(kernels == "numba")], (p.stdout, p.stderr[-3000:])

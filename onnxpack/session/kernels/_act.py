@@ -55,13 +55,63 @@ def load_jit(name: str, what: str, on_load: Callable[[], None] | None = None):
             else:
                 if on_load is not None:
                     on_load()
+                _build_native_soon()
             _jit_modules[name] = module
     return _jit_modules[name]
+
+
+_native_kernels: list = []  # [the _jit_native stand-in or None] once looked up
+_ENV_BUILD = "ONNXPACK_NATIVE_BUILD"
+
+
+def native():
+    """The JIT kernels loaded from the native code cache without numba (see
+    :mod:`._jit_native`), or None: no cache for this machine yet, llvmlite missing, or
+    ``ONNXPACK_DISABLE_JIT=1``."""
+    if os.environ.get(_ENV_DISABLE, "") == "1":
+        return None
+    if not _native_kernels:
+        with _lock:
+            if not _native_kernels:
+                try:
+                    from onnxpack.session.kernels import _jit_native
+
+                    kernels = _jit_native.load()
+                except Exception as exc:  # noqa: BLE001 - never fatal: numba or numpy compute the same
+                    logger.info("native code cache unavailable (%s); using numba", exc)
+                    kernels = None
+                _native_kernels.append(kernels)
+    return _native_kernels[0]
+
+
+_build_started = False
+
+
+def _build_native_soon() -> None:
+    """After numba served a kernel in this process: write the native code cache for the next
+    processes, once, in a detached low-priority child process (it compiles for ~20 s of CPU;
+    this process neither waits nor holds its memory).  ``ONNXPACK_NATIVE_BUILD=0`` turns it off."""
+    global _build_started
+    if _build_started or os.environ.get(_ENV_BUILD, "1") == "0" or _native_kernels[:1] != [None]:
+        return
+    _build_started = True
+    try:
+        from onnxpack.session.kernels import _jit_native
+
+        _jit_native.build_in_background()
+    except Exception as exc:  # noqa: BLE001 - an optimization only
+        logger.info("could not start the native code cache build (%s)", exc)
 
 
 def jit():
     """The conv / activation numba kernels (:mod:`._conv_jit`), or ``None`` (see :func:`load_jit`)."""
     return load_jit("_conv_jit", "conv")
+
+
+def act_kernels():
+    """What runs ``act_inplace(flat, codes, params)``: the native code cache's kernels when this
+    machine has them (no numba in the process), else :func:`jit`'s module, else None."""
+    return native() or jit()
 
 
 _pool = None

@@ -471,3 +471,51 @@ def expf_array(x, out):
     """:func:`_expf` over a flat float32 array (for tests of its accuracy)."""
     for i in range(x.shape[0]):
         out[i] = _expf(x[i])
+
+
+
+# -- native entry points (see :mod:`._native` and :mod:`._jit_native`) ----------------------------
+@intrinsic
+def as_ptr(typingctx, addr, marker):
+    """A pointer to ``marker``'s dtype (any array of it) at the int64 address ``addr``: native
+    entries read their argument blocks' addresses with it."""
+    if addr != types.int64 or not isinstance(marker, types.Array):
+        return None
+    ptr = types.CPointer(marker.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+    return ptr(types.int64, marker), codegen
+
+
+@intrinsic
+def address(typingctx, p):
+    """A void pointer as an int64."""
+    if p != types.voidptr:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.ptrtoint(args[0], context.get_value_type(types.int64))
+
+    return types.int64(types.voidptr), codegen
+
+
+# dtype markers for :func:`as_ptr` (frozen as constants in compiled code)
+F32, U8, U16, I64 = (np.zeros(0, t) for t in (np.float32, np.uint8, np.uint16, np.int64))
+
+
+def native_entries() -> dict:
+    """name -> numba cfunc of this module's native entries (see :mod:`._jit_native`):
+    ``act_f32`` runs :func:`act_inplace` over the block (address, length, codes address, code
+    count, params address)."""
+    from numba import carray, cfunc
+
+    def act_f32(blk):
+        b = carray(blk, (5,), np.int64)
+        flat = carray(as_ptr(b[0], F32), (b[1],))
+        codes = carray(as_ptr(b[2], I64), (b[3],))
+        params = carray(as_ptr(b[4], F32), (b[3], 2))
+        act_inplace(flat, codes, params)
+
+    return {"act_f32": cfunc(types.void(types.voidptr), nopython=True, error_model="numpy", fastmath=_FM)(act_f32)}

@@ -116,6 +116,57 @@ def _scale_block(acc, t, sc, zq, zmode, zmid, asum, b, soff, cw):
                 am[c] += _f32(srow[c]) * (tm[c] - s_a)
 
 
+@njit(cache=True, fastmath=_FM)
+def _prep4(a, ade, asum, blob):
+    """The activations re-ordered for 4-bit blocks: ``ade[m, b, 0 | 1, j]`` = element ``2j`` | ``2j+1``
+    of block ``b`` of row ``m`` (zero past K), ``asum[m, b]`` = the block's sum."""
+    m_rows, k = a.shape
+    nb = asum.shape[1]
+    bs = 2 * blob
+    for m in range(m_rows):
+        for b in range(nb):
+            s = np.float32(0.0)
+            for r in range(bs):
+                v = a[m, b * bs + r] if b * bs + r < k else np.float32(0.0)
+                ade[m, b, r & 1, r >> 1] = v
+                s += v
+            asum[m, b] = s
+
+
+@njit(cache=True, fastmath=_FM)
+def _items4(ade, asum, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, it0, it1, t, acc):
+    """Work items ``it0 <= it < it1`` (CHUNK columns each) of the 4-bit GEMV, with the caller's
+    (rows, CHUNK) scratch ``t`` and ``acc``: allocates nothing."""
+    m_rows = ade.shape[0]
+    total, nfull, rem = _items(n, tile)
+    for it in range(it0, it1):
+        tl, c0, width, cw = _item(it, nfull, rem, tile)
+        bbase = tl * tile * nb * blob + c0
+        sbase = tl * tile * nb + c0
+        acc[:, :cw] = 0
+        for b in range(nb):
+            t[:, :cw] = 0
+            # Rows of A outermost: the block's bytes (blob x 128) stay in L1 for the next row.
+            for m in range(m_rows):
+                tm = t[m]
+                even = ade[m, b, 0]
+                odd = ade[m, b, 1]
+                for j in range(blob):
+                    off = bbase + (b * blob + j) * width
+                    row = bq[off:off + cw]  # a slice: range() indices need no wraparound check
+                    e = even[j]
+                    o = odd[j]
+                    for c in range(cw):
+                        v = row[c]
+                        tm[c] += e * np.float32(np.uint8(v & np.uint8(15))) + o * np.float32(
+                            np.uint8(v >> np.uint8(4)))
+            _scale_block(acc, t, sc, zq, zmode, zmid, asum, b, sbase + b * width, cw)
+        n0 = tl * tile + c0
+        for m in range(m_rows):
+            for c in range(cw):
+                y[m, n0 + c] = acc[m, c]
+
+
 def _gemv4(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads):
     """``y[m, :] = a[m, :] @ W`` for 4-bit blocks: ``W[k, n] = (q - z) * s`` (few rows of ``a``).
 
@@ -128,91 +179,75 @@ def _gemv4(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads):
     planes of ``a`` (even and odd positions of the block), and the zero point enters per block as
     ``z * sum(a over the block)``.
     """
-    m_rows, k = a.shape
-    bs = 2 * blob
-    ade = np.zeros((m_rows, nb, 2, blob), np.float32)
-    asum = np.zeros((m_rows, nb), np.float32)
-    for m in range(m_rows):
-        for b in range(nb):
-            s = np.float32(0.0)
-            for r in range(min(bs, k - b * bs)):
-                v = a[m, b * bs + r]
-                ade[m, b, r & 1, r >> 1] = v
-                s += v
-            asum[m, b] = s
+    m_rows = a.shape[0]
+    ade = np.empty((m_rows, nb, 2, blob), np.float32)
+    asum = np.empty((m_rows, nb), np.float32)
+    _prep4(a, ade, asum, blob)
     total, nfull, rem = _items(n, tile)
     nth = max(1, min(threads, total))
     for th in prange(nth):
         t = np.empty((m_rows, CHUNK), np.float32)
         acc = np.empty((m_rows, CHUNK), np.float32)
-        for it in range(th * total // nth, (th + 1) * total // nth):
-            tl, c0, width, cw = _item(it, nfull, rem, tile)
-            bbase = tl * tile * nb * blob + c0
-            sbase = tl * tile * nb + c0
-            acc[:, :cw] = 0
-            for b in range(nb):
-                t[:, :cw] = 0
-                # Rows of A outermost: the block's bytes (blob x 128) stay in L1 for the next row.
-                for m in range(m_rows):
-                    tm = t[m]
-                    even = ade[m, b, 0]
-                    odd = ade[m, b, 1]
-                    for j in range(blob):
-                        off = bbase + (b * blob + j) * width
-                        row = bq[off:off + cw]  # a slice: range() indices need no wraparound check
-                        e = even[j]
-                        o = odd[j]
-                        for c in range(cw):
-                            v = row[c]
-                            tm[c] += e * np.float32(np.uint8(v & np.uint8(15))) + o * np.float32(
-                                np.uint8(v >> np.uint8(4)))
-                _scale_block(acc, t, sc, zq, zmode, zmid, asum, b, sbase + b * width, cw)
-            n0 = tl * tile + c0
+        _items4(ade, asum, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, th * total // nth,
+                (th + 1) * total // nth, t, acc)
+
+
+@njit(cache=True, fastmath=_FM)
+def _prep8(a, ade, asum, blob):
+    """:func:`_prep4` for 8-bit blocks: ``ade[m, b, 0, j]`` = element j of block b (zero past K)."""
+    m_rows, k = a.shape
+    nb = asum.shape[1]
+    for m in range(m_rows):
+        for b in range(nb):
+            s = np.float32(0.0)
+            for r in range(blob):
+                v = a[m, b * blob + r] if b * blob + r < k else np.float32(0.0)
+                ade[m, b, 0, r] = v
+                s += v
+            asum[m, b] = s
+
+
+@njit(cache=True, fastmath=_FM)
+def _items8(ade, asum, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, it0, it1, t, acc):
+    """:func:`_items4` for 8-bit blocks (one value per byte, ``blob == block_size``)."""
+    m_rows = ade.shape[0]
+    total, nfull, rem = _items(n, tile)
+    for it in range(it0, it1):
+        tl, c0, width, cw = _item(it, nfull, rem, tile)
+        bbase = tl * tile * nb * blob + c0
+        sbase = tl * tile * nb + c0
+        acc[:, :cw] = 0
+        for b in range(nb):
+            t[:, :cw] = 0
             for m in range(m_rows):
-                for c in range(cw):
-                    y[m, n0 + c] = acc[m, c]
+                tm = t[m]
+                am = ade[m, b, 0]
+                for j in range(blob):
+                    off = bbase + (b * blob + j) * width
+                    row = bq[off:off + cw]
+                    e = am[j]
+                    for c in range(cw):
+                        tm[c] += e * np.float32(row[c])
+            _scale_block(acc, t, sc, zq, zmode, zmid, asum, b, sbase + b * width, cw)
+        n0 = tl * tile + c0
+        for m in range(m_rows):
+            for c in range(cw):
+                y[m, n0 + c] = acc[m, c]
 
 
 def _gemv8(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads):
     """:func:`_gemv4` for 8-bit blocks (one value per byte, ``blob == block_size``)."""
-    m_rows, k = a.shape
-    bs = blob
-    ade = np.zeros((m_rows, nb, bs), np.float32)
-    asum = np.zeros((m_rows, nb), np.float32)
-    for m in range(m_rows):
-        for b in range(nb):
-            s = np.float32(0.0)
-            for r in range(min(bs, k - b * bs)):
-                v = a[m, b * bs + r]
-                ade[m, b, r] = v
-                s += v
-            asum[m, b] = s
+    m_rows = a.shape[0]
+    ade = np.empty((m_rows, nb, 1, blob), np.float32)
+    asum = np.empty((m_rows, nb), np.float32)
+    _prep8(a, ade, asum, blob)
     total, nfull, rem = _items(n, tile)
     nth = max(1, min(threads, total))
     for th in prange(nth):
         t = np.empty((m_rows, CHUNK), np.float32)
         acc = np.empty((m_rows, CHUNK), np.float32)
-        for it in range(th * total // nth, (th + 1) * total // nth):
-            tl, c0, width, cw = _item(it, nfull, rem, tile)
-            bbase = tl * tile * nb * blob + c0
-            sbase = tl * tile * nb + c0
-            acc[:, :cw] = 0
-            for b in range(nb):
-                t[:, :cw] = 0
-                for m in range(m_rows):
-                    tm = t[m]
-                    am = ade[m, b]
-                    for j in range(blob):
-                        off = bbase + (b * blob + j) * width
-                        row = bq[off:off + cw]
-                        e = am[j]
-                        for c in range(cw):
-                            tm[c] += e * np.float32(row[c])
-                _scale_block(acc, t, sc, zq, zmode, zmid, asum, b, sbase + b * width, cw)
-            n0 = tl * tile + c0
-            for m in range(m_rows):
-                for c in range(cw):
-                    y[m, n0 + c] = acc[m, c]
+        _items8(ade, asum, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, th * total // nth,
+                (th + 1) * total // nth, t, acc)
 
 
 def _compiled(py_func, name: str, parallel: bool):
@@ -296,3 +331,106 @@ def dequant8(bq, sc, zq, zmode, zmid, out, n, nb, blob, tile, t0, t1):
             else:
                 for c in range(width):
                     dst[c] = (np.float32(row[c]) - zmid) * _f32(srow[c])
+
+
+# -- native entry points (see :mod:`._native` and :mod:`._jit_native`) ----------------------------
+# C-ABI functions taking one int64 argument block (layout: ``_jit_native.G_*`` / ``D_*``), built
+# only when a process writes the native code cache.  They allocate nothing: the Python side
+# passes every scratch buffer, so the object code never calls numba's runtime.
+
+def native_entries() -> dict:
+    """name -> numba cfunc of every native entry (compiles them: seconds, in the writing process).
+
+    For each weight layout the models use — scales float32 or float16 bits (``u16``), per-block
+    zero points uint8 (an empty array when the implicit middle value is used) — and for 4 and 8
+    bits: ``gemv{bits}_{sc}`` (serial), ``gemv{bits}_{sc}_omp`` (an OpenMP worker for
+    ``GOMP_parallel``: thread 0 re-orders the activations, a barrier, then every thread takes
+    work items from a dynamic loop) and ``dequant{bits}_{sc}``.
+    """
+    import ctypes.util
+
+    import llvmlite.binding as llvm
+    from numba import carray, cfunc
+
+    from onnxpack.session.kernels import _jit_native as L
+    from onnxpack.session.kernels._conv_jit import F32, U8, U16, address, as_ptr
+
+    # The OpenMP workers call GNU OpenMP's loop and barrier functions: numba's JIT must resolve them.
+    llvm.load_library_permanently(ctypes.util.find_library("gomp") or "libgomp.so.1")
+
+    i64 = types.int64
+    loop_start = types.ExternalFunction("GOMP_loop_nonmonotonic_dynamic_start", types.uint8(i64, i64, i64, i64, i64, i64))
+    loop_next = types.ExternalFunction("GOMP_loop_nonmonotonic_dynamic_next", types.uint8(i64, i64))
+    loop_end = types.ExternalFunction("GOMP_loop_end_nowait", types.void())
+    barrier = types.ExternalFunction("GOMP_barrier", types.void())
+    thread_num = types.ExternalFunction("omp_get_thread_num", types.int32())
+    sig = types.void(types.voidptr)
+    out = {}
+
+    def make(sck, bits):
+        scm = F32 if sck == "f32" else U16
+        prep, items, deq = (_prep4, _items4, dequant4) if bits == 4 else (_prep8, _items8, dequant8)
+        per = 8 // bits  # values per byte: the activations' planes (``_prep4`` / ``_prep8``)
+
+        @njit(inline="always")
+        def views(blk):
+            g = carray(blk, (L.G_HEADER,), np.int64)
+            gf = carray(blk, (L.G_HEADER,), np.float64)
+            m, k, nb, blob = g[L.G_M], g[L.G_K], g[L.G_NB], g[L.G_BLOB]
+            a = carray(as_ptr(g[L.G_A], F32), (m, k))
+            bq = carray(as_ptr(g[L.G_BQ], U8), (g[L.G_BQ_LEN],))
+            sc = carray(as_ptr(g[L.G_SC], scm), (g[L.G_SC_LEN],))
+            zq = carray(as_ptr(g[L.G_ZQ], U8), (g[L.G_ZQ_LEN],))
+            y = carray(as_ptr(g[L.G_Y], F32), (m, g[L.G_N]))
+            ade = carray(as_ptr(g[L.G_ADE], F32), (m, nb, per, blob))
+            asum = carray(as_ptr(g[L.G_ASUM], F32), (m, nb))
+            return g, a, bq, sc, zq, y, ade, asum, np.float32(gf[L.G_ZMID])
+
+        def serial(blk):
+            g, a, bq, sc, zq, y, ade, asum, zmid = views(blk)
+            scratch = carray(as_ptr(g[L.G_SCRATCH], F32), (2, g[L.G_M], CHUNK))
+            prep(a, ade, asum, g[L.G_BLOB])
+            total, nfull, rem = _items(g[L.G_N], g[L.G_TILE])
+            items(ade, asum, bq, sc, zq, g[L.G_ZMODE], zmid, y, g[L.G_N], g[L.G_NB], g[L.G_BLOB], g[L.G_TILE],
+                  0, total, scratch[0], scratch[1])
+
+        def worker(blk):
+            g, a, bq, sc, zq, y, ade, asum, zmid = views(blk)
+            m = g[L.G_M]
+            tid = np.int64(thread_num())
+            if tid == 0:
+                prep(a, ade, asum, g[L.G_BLOB])
+            barrier()
+            scratch = carray(as_ptr(g[L.G_SCRATCH] + tid * 8 * m * CHUNK, F32), (2, m, CHUNK))
+            total, nfull, rem = _items(g[L.G_N], g[L.G_TILE])
+            slot = address(blk) + 8 * (L.G_HEADER + 2 * tid)  # this thread's (start, end) pair
+            bounds = carray(blk, (L.G_HEADER + 2 * tid + 2,), np.int64)[L.G_HEADER + 2 * tid:]
+            if loop_start(0, total, 1, g[L.G_CHUNK], slot, slot + 8):
+                while True:
+                    items(ade, asum, bq, sc, zq, g[L.G_ZMODE], zmid, y, g[L.G_N], g[L.G_NB], g[L.G_BLOB],
+                          g[L.G_TILE], bounds[0], bounds[1], scratch[0], scratch[1])
+                    if not loop_next(slot, slot + 8):
+                        break
+            loop_end()
+
+        def dequant(blk):
+            d = carray(blk, (L.D_HEADER,), np.int64)
+            df = carray(blk, (L.D_HEADER,), np.float64)
+            bq = carray(as_ptr(d[L.D_BQ], U8), (d[L.D_BQ_LEN],))
+            sc = carray(as_ptr(d[L.D_SC], scm), (d[L.D_SC_LEN],))
+            zq = carray(as_ptr(d[L.D_ZQ], U8), (d[L.D_ZQ_LEN],))
+            w = carray(as_ptr(d[L.D_OUT], F32), (d[L.D_ROWS], d[L.D_COLS]))
+            deq(bq, sc, zq, d[L.D_ZMODE], np.float32(df[L.D_ZMID]), w, d[L.D_N], d[L.D_NB], d[L.D_BLOB],
+                d[L.D_TILE], d[L.D_T0], d[L.D_T1])
+
+        made = {}
+        for name, fn in ((f"gemv{bits}_{sck}", serial), (f"gemv{bits}_{sck}_omp", worker),
+                         (f"dequant{bits}_{sck}", dequant)):
+            fn = types_module.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+            made[name] = cfunc(sig, nopython=True, error_model="numpy", fastmath=_FM)(fn)
+        return made
+
+    for sck in ("f32", "u16"):
+        for bits in (4, 8):
+            out.update(make(sck, bits))
+    return out

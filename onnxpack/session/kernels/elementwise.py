@@ -119,7 +119,7 @@ def _jit_act(x: np.ndarray, act: _act.Activation) -> np.ndarray | None:
     apply (other dtypes, small tensors, no numba): the caller's numpy formula then runs."""
     if x.dtype != np.float32 or x.size < _JIT_MIN:
         return None
-    jit = _act.jit()
+    jit = _act.act_kernels()
     if jit is None:
         return None
     y = np.array(x, dtype=np.float32, order="C", copy=True)

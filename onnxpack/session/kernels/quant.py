@@ -105,8 +105,10 @@ def jit_enabled() -> bool:
 
 
 def _jit():
-    """The MatMulNBits numba kernels (:mod:`._nbits_jit`), or ``None`` (see ``_act.load_jit``)."""
-    return _act.load_jit("_nbits_jit", "MatMulNBits", _prefer_openmp)
+    """The MatMulNBits JIT kernels: from the native code cache when this machine has it (no numba
+    in the process: see :mod:`._jit_native`), else numba's (:mod:`._nbits_jit`), else ``None``
+    (see ``_act.load_jit``)."""
+    return _act.native() or _act.load_jit("_nbits_jit", "MatMulNBits", _prefer_openmp)
 
 
 def _prefer_openmp() -> None:
@@ -133,6 +135,9 @@ _forked_after_parallel = False
 
 def _after_fork_in_child() -> None:
     global _forked_after_parallel
+    native = _act._native_kernels[0] if _act._native_kernels else None
+    if native is not None and native.used_openmp:
+        _forked_after_parallel = True
     if _act._jit_modules.get("_nbits_jit") is not None:
         from numba.np.ufunc import parallel as nparallel
 
@@ -342,8 +347,9 @@ class MatMulNBits(Kernel):
 
     # -- compute --------------------------------------------------------------------------------
     def warm_up(self) -> None:
-        """Import numba and load its compiled kernels (from the on-disk cache) off the critical
-        path, for a decode-sized and a prefill-sized call with this node's packed weights.
+        """Load the JIT kernels off the critical path — from the native code cache (no numba:
+        see :mod:`._jit_native`), else numba's from its on-disk cache, for a decode-sized and a
+        prefill-sized call with this node's packed weights.
 
         The parallel GEMV is loaded, never run, here: an OpenMP runtime gives each thread that
         starts a parallel region its own team, so a first call from this background thread left
@@ -354,10 +360,11 @@ class MatMulNBits(Kernel):
         zq = self._packed.get(3) if self.has_zp else None
         if jit is None or self.k == 0 or self.n == 0 or bq is None or sc is None or (self.has_zp and zq is None):
             return
-        import numba
+        if not getattr(jit, "native", False):  # native code is loaded already: nothing to compile
+            import numba
 
-        fn, args = self._gemv_call(jit, np.zeros((1, self.k), np.float32), bq, sc, zq)
-        fn.compile(tuple(numba.typeof(x) for x in args))
+            fn, args = self._gemv_call(jit, np.zeros((1, self.k), np.float32), bq, sc, zq)
+            fn.compile(tuple(numba.typeof(x) for x in args))
         zmode, zarr, zmid = self._zmode(zq)
         self._panels(np.zeros((JIT_MAX_ROWS + 1, self.k), np.float32), bq, sc, zarr, zmode, zmid, jit)
 

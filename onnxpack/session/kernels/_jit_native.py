@@ -1,0 +1,222 @@
+"""JIT kernels through the native code cache (:mod:`._native`): no numba in the process.
+
+:func:`load` returns a stand-in for the ``_nbits_jit`` module — the same ``gemv4`` / ``gemv4_serial``
+/ ``gemv8`` / ``gemv8_serial`` / ``dequant4`` / ``dequant8`` calls on the same arrays — plus
+``act_inplace`` of ``_conv_jit`` (the elementwise activations).  Its functions fill an int64
+argument block (the layouts below, read by the entries that ``_nbits_jit.native_entries`` and
+``_conv_jit.native_entries`` compile) and call the cached object code through ctypes, so the
+process never imports numba.  A weight layout the cache has no entry for (float zero points)
+is handed to the numba module, imported then.  :func:`build` writes the cache from a process
+that has numba.
+
+This module imports neither numba nor llvmlite at import time.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+import numpy as np
+
+from onnxpack.session.kernels import _act, _native
+
+__all__ = ["load", "build", "MODULE"]
+
+MODULE = "jit"
+CHUNK = 128  # columns per work item (``_nbits_jit.CHUNK``; checked by :func:`build`)
+
+# GEMV argument block: int64 slots (``G_ZMID`` holds a float64), then two loop slots per thread.
+(G_A, G_M, G_K, G_BQ, G_BQ_LEN, G_SC, G_SC_LEN, G_ZQ, G_ZQ_LEN, G_ZMODE, G_ZMID, G_Y, G_N, G_NB, G_BLOB,
+ G_TILE, G_ADE, G_ASUM, G_SCRATCH, G_CHUNK) = range(20)
+G_HEADER = 20
+# Dequantization argument block.
+(D_BQ, D_BQ_LEN, D_SC, D_SC_LEN, D_ZQ, D_ZQ_LEN, D_ZMODE, D_ZMID, D_OUT, D_ROWS, D_COLS, D_N, D_NB, D_BLOB,
+ D_TILE, D_T0, D_T1) = range(17)
+D_HEADER = 17
+
+_SCALES = {np.dtype(np.float32): "f32", np.dtype(np.uint16): "u16"}
+_local = threading.local()
+_EMPTY_U8 = np.zeros(1, np.uint8)
+
+
+def _sources() -> list[str]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    return [os.path.join(here, f"{name}.py") for name in ("_nbits_jit", "_conv_jit", "_erf", "_jit_native")]
+
+
+def _f64_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _addr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _scratch(name: str, count: int, dtype) -> np.ndarray:
+    """A per-thread buffer of at least ``count`` elements, reused across calls."""
+    buf = getattr(_local, name, None)
+    if buf is None or buf.size < count:
+        buf = np.empty(max(count, 1), dtype)
+        setattr(_local, name, buf)
+    return buf
+
+
+class _Kernels:
+    """The stand-in for ``_nbits_jit`` (see the module docstring)."""
+
+    native = True
+    CHUNK = CHUNK
+
+    def __init__(self, lib: _native.Native) -> None:
+        self._lib = lib
+        self._numba = None
+
+    # numba's kernels, for layouts the cache has no entry for
+    def _fallback(self):
+        if self._numba is None:
+            from onnxpack.session.kernels import _nbits_jit
+
+            self._numba = _nbits_jit
+        return self._numba
+
+    @staticmethod
+    def threads() -> int:
+        return _act.threads()
+
+    @property
+    def used_openmp(self) -> bool:
+        return self._lib.used_openmp
+
+    def _key(self, bits: int, sc: np.ndarray, zq: np.ndarray, zmode: int) -> str | None:
+        sck = _SCALES.get(sc.dtype)
+        if sck is None or (zmode and zq.dtype != np.uint8):
+            return None
+        return f"{bits}_{sck}"
+
+    def _gemv(self, bits, parallel, a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads):
+        key = self._key(bits, sc, zq, zmode)
+        if key is None:
+            fb = self._fallback()
+            name = f"gemv{bits}" + ("" if parallel else "_serial")
+            return getattr(fb, name)(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads)
+        m, k = a.shape
+        if not zmode or zq.size == 0:
+            zq = _EMPTY_U8
+        threads = max(1, int(threads)) if parallel else 1
+        ade = _scratch("ade", m * nb * (8 // bits) * blob, np.float32)
+        asum = _scratch("asum", m * nb, np.float32)
+        work = _scratch("work", threads * 2 * m * CHUNK, np.float32)
+        block = np.empty(G_HEADER + 2 * threads, np.int64)
+        block[:G_HEADER] = (_addr(a), m, k, _addr(bq), bq.size, _addr(sc), sc.size, _addr(zq), zq.size, zmode,
+                            _f64_bits(zmid), _addr(y), n, nb, blob, tile, _addr(ade), _addr(asum), _addr(work), 1)
+        if threads > 1:
+            self._lib.parallel(f"gemv{key}_omp", _addr(block), threads)
+        else:
+            self._lib.call(f"gemv{key}", _addr(block))
+
+    def gemv4(self, *args):
+        self._gemv(4, True, *args)
+
+    def gemv4_serial(self, *args):
+        self._gemv(4, False, *args)
+
+    def gemv8(self, *args):
+        self._gemv(8, True, *args)
+
+    def gemv8_serial(self, *args):
+        self._gemv(8, False, *args)
+
+    def _dequant(self, bits, bq, sc, zq, zmode, zmid, out, n, nb, blob, tile, t0, t1):
+        key = self._key(bits, sc, zq, zmode)
+        if key is None or not out.flags.c_contiguous:
+            return getattr(self._fallback(), f"dequant{bits}")(bq, sc, zq, zmode, zmid, out, n, nb, blob, tile, t0, t1)
+        if not zmode or zq.size == 0:
+            zq = _EMPTY_U8
+        block = np.array((_addr(bq), bq.size, _addr(sc), sc.size, _addr(zq), zq.size, zmode, _f64_bits(zmid),
+                          _addr(out), out.shape[0], out.shape[1], n, nb, blob, tile, t0, t1), np.int64)
+        self._lib.call(f"dequant{key}", _addr(block))
+
+    def dequant4(self, *args):
+        self._dequant(4, *args)
+
+    def dequant8(self, *args):
+        self._dequant(8, *args)
+
+    def act_inplace(self, flat: np.ndarray, codes: np.ndarray, params: np.ndarray) -> None:
+        """``_conv_jit.act_inplace``: float32 ``flat`` (C-contiguous, 1-D), int64 ``codes``,
+        float32 ``params`` (len(codes), 2)."""
+        codes = np.ascontiguousarray(codes, np.int64)
+        params = np.ascontiguousarray(params, np.float32)
+        block = np.array((_addr(flat), flat.size, _addr(codes), codes.size, _addr(params)), np.int64)
+        self._lib.call("act_f32", _addr(block))
+
+
+def load() -> _Kernels | None:
+    """The native stand-in when the code cache has this machine's build, else None."""
+    addresses = _native.load(MODULE, _sources())
+    return None if addresses is None else _Kernels(_native.Native(addresses))
+
+
+def build() -> str | None:
+    """Compile the native entries with numba and write the code cache; the file written or None."""
+    from onnxpack.session.kernels import _conv_jit, _nbits_jit
+
+    if _nbits_jit.CHUNK != CHUNK:  # pragma: no cover - the two modules must agree
+        raise RuntimeError(f"Bug: _nbits_jit.CHUNK {_nbits_jit.CHUNK} != {CHUNK}")
+    return _native.save(MODULE, _sources(), {**_nbits_jit.native_entries(), **_conv_jit.native_entries()})
+
+
+
+_LOCK_STALE_S = 15 * 60
+
+
+def build_in_background() -> subprocess.Popen | None:
+    """Start ``python -m onnxpack.session.kernels._jit_native`` detached (its own session, low
+    priority, output discarded); a thread reaps it.  Returns the process, or None when this
+    machine's cache already exists (intact)."""
+    path = _native.path_for(MODULE, _sources())
+    if path is None or _native.intact(path):
+        return None
+    proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    threading.Thread(target=proc.wait, name="onnxpack-native-build", daemon=True).start()
+    return proc
+
+
+def _main() -> int:
+    """The background build: one builder per machine at a time (an exclusive lock file next to
+    the cache file; a lock older than 15 minutes is a dead builder's and is taken over)."""
+    if hasattr(os, "nice"):
+        os.nice(10)
+    path = _native.path_for(MODULE, _sources())
+    if path is None or _native.intact(path):
+        return 0
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    lock = path + ".building"
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        try:
+            if time.time() - os.stat(lock).st_mtime < _LOCK_STALE_S:
+                return 0
+            os.unlink(lock)
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except OSError:
+            return 0
+    try:
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return 0 if build() else 1
+    finally:
+        try:
+            os.unlink(lock)
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

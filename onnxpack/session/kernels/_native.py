@@ -1,0 +1,291 @@
+"""Native code cache: JIT kernels compiled once by numba, loaded later with llvmlite alone.
+
+Why: a process that imports numba and loads even one cached kernel pays ~23 MB of private memory
+for numba's modules and ~27 MB more for its runtime (typing registries, the NRT module compiled
+at start-up), and ~0.8 s of CPU (measured, numba 0.68 / Python 3.11).  Four processes serving one
+int4 LLM pay it four times: that, not the weights (mapped once), is most of what they do not
+share.  llvmlite alone — the LLVM binding numba itself uses — loads an object file and hands out
+its functions' addresses for ~5 MB and ~50 ms.
+
+How: kernel modules that support it (:mod:`._nbits_jit`) define C-ABI entry points with
+``numba.cfunc`` taking one pointer to an int64 *argument block* (addresses, sizes and float
+parameters, laid out by their Python-side twin) and never allocating (the caller passes every
+scratch buffer, so the code never calls numba's runtime).  A process that has numba compiles
+them and writes their object code here (:func:`save`); a later process loads it (:func:`load`)
+and calls the entries through ctypes, which releases the GIL.  Parallel entries are OpenMP
+workers run by ``GOMP_parallel`` of the system's GNU OpenMP (the library numba's own ``omp``
+threading layer uses), each taking work items from a dynamic loop: a thread that the OS
+deschedules while another process holds its core leaves its items to the others instead of
+stalling the call.
+
+The file (one per kernel module) lives in the code cache folder — ``ONNXPACK_CODE_CACHE``, else
+``$XDG_CACHE_HOME/onnxpack/native``, else ``~/.cache/onnxpack/native`` — named by a fingerprint
+of everything the code depends on: the kernel module's and this module's source, the numba,
+llvmlite and Python versions, the CPU's name and features.  Any change picks another name, so a
+stale file is never loaded.  Layout: :data:`MAGIC`, an 8-byte little-endian header length, a
+JSON header (entries -> symbols, undefined symbols, object length and SHA-256), the object code.
+A file that does not verify is reported once (a warning) and ignored; the kernels then run
+through numba and the file is rewritten.  Like numba's own cache and Python's ``__pycache__``,
+the folder is trusted: whoever can write it can run code as the user.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import platform
+import struct
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from onnxpack._io import atomic_write
+
+__all__ = ["cache_dir", "fingerprint", "path_for", "save", "load", "intact", "Native", "GOMP"]
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"onnxpack-native-v1\n"
+GOMP = "libgomp.so.1"
+_ENV_DIR = "ONNXPACK_CODE_CACHE"
+_lock = threading.Lock()
+_engines: list[Any] = []  # llvmlite execution engines kept alive for the process's lifetime
+_warned: set[str] = set()
+
+
+def cache_dir() -> str:
+    """The code cache folder (not created here)."""
+    env = os.environ.get(_ENV_DIR, "")
+    if env:
+        return env
+    base = os.environ.get("XDG_CACHE_HOME", "") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "onnxpack", "native")
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def _llvm():
+    """llvmlite's binding, initialized for the host (None when llvmlite is missing)."""
+    try:
+        import llvmlite.binding as llvm
+    except ImportError:
+        return None
+    with _lock:
+        if not getattr(_llvm, "done", False):
+            try:  # llvmlite >= 0.44 initializes LLVM itself and rejects the call
+                llvm.initialize()
+            except RuntimeError:
+                pass
+            llvm.initialize_native_target()
+            llvm.initialize_native_asmprinter()
+            _llvm.done = True  # type: ignore[attr-defined]
+    return llvm
+
+
+def fingerprint(sources: Sequence[str]) -> str | None:
+    """Hex digest naming the cache file of the kernels compiled from ``sources`` (file paths);
+    None when llvmlite is missing."""
+    llvm = _llvm()
+    if llvm is None:
+        return None
+    h = hashlib.sha256(MAGIC)
+    for path in (*sources, __file__):
+        with open(path, "rb") as f:
+            h.update(hashlib.sha256(f.read()).digest())
+    h.update(json.dumps([_version("numba"), _version("llvmlite"), sys.version, platform.machine(),
+                         llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()]).encode())
+    return h.hexdigest()[:32]
+
+
+def path_for(module: str, sources: Sequence[str]) -> str | None:
+    """The cache file of ``module`` compiled from ``sources`` on this machine (None: no llvmlite)."""
+    fp = fingerprint(sources)
+    return None if fp is None else os.path.join(cache_dir(), f"{module}-{fp}.bin")
+
+
+def save(module: str, sources: Sequence[str], entries: Mapping[str, Any]) -> str | None:
+    """Write the object code of the numba cfuncs ``entries`` (name -> cfunc) for ``module``.
+
+    Runs in a process that has numba.  Returns the file written, or None when the folder cannot
+    be written (logged; the kernels keep running through numba)."""
+    path = path_for(module, sources)
+    if path is None:
+        return None
+    objects, symbols, undefined = [], {}, set()
+    for name, cf in entries.items():
+        lib = cf._library  # numba's CodeLibrary of the cfunc: its object code and its LLVM module
+        _, kind, data = lib.serialize_using_object_code()
+        if kind != "object":  # pragma: no cover - numba changed its serialization
+            logger.info("native cache: numba gave %r code for %s; not cached", kind, name)
+            return None
+        objects.append(data[0])
+        symbols[name] = [len(objects) - 1, cf.native_name]
+        mod = lib._final_module
+        undefined.update(f.name for f in mod.functions if f.is_declaration)
+        undefined.update(g.name for g in mod.global_variables if g.is_declaration)
+    header = json.dumps({"entries": symbols, "undefined": sorted(undefined),
+                         "objects": [[len(o), hashlib.sha256(o).hexdigest()] for o in objects]}).encode()
+
+    def write(f) -> None:
+        f.write(MAGIC)
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        for o in objects:
+            f.write(o)
+
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        atomic_write(path, write)
+    except OSError as exc:
+        logger.info("native cache: cannot write %s (%s); kernels keep running through numba", path, exc)
+        return None
+    return path
+
+
+def _read(path: str) -> tuple[dict, list[bytes]]:
+    """Header and object codes of a cache file; ValueError when it does not verify."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + 8:
+        raise ValueError("not an onnxpack native code file")
+    (hlen,) = struct.unpack_from("<Q", blob, len(MAGIC))
+    start = len(MAGIC) + 8
+    if hlen > len(blob) - start:
+        raise ValueError(f"header length {hlen} exceeds the file")
+    header = json.loads(blob[start:start + hlen])
+    pos, objects = start + hlen, []
+    for length, digest in header["objects"]:
+        obj = blob[pos:pos + int(length)]
+        if len(obj) != int(length) or hashlib.sha256(obj).hexdigest() != digest:
+            raise ValueError("object code does not match its digest (truncated or altered)")
+        objects.append(obj)
+        pos += int(length)
+    if pos != len(blob):
+        raise ValueError(f"{len(blob) - pos} bytes after the last object")
+    for name, (index, symbol) in header["entries"].items():
+        if not (isinstance(index, int) and 0 <= index < len(objects) and isinstance(symbol, str)):
+            raise ValueError(f"entry {name!r} is malformed")
+    return header, objects
+
+
+def intact(path: str) -> bool:
+    """Whether ``path`` is a cache file that verifies (a damaged one is rebuilt over)."""
+    try:
+        _read(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def _helperlib():
+    """numba's C helper library, opened without importing numba (its error-path helpers)."""
+    spec = importlib.util.find_spec("numba")
+    if spec is None or spec.origin is None:
+        return None
+    found = glob.glob(os.path.join(os.path.dirname(spec.origin), "_helperlib*"))
+    try:
+        return ctypes.CDLL(found[0]) if found else None
+    except OSError:
+        return None
+
+
+def _resolve(llvm, names: Sequence[str]) -> bool:
+    """Make every undefined symbol of the object code resolvable.  Process symbols and GNU
+    OpenMP's are looked up; the Python C API and numba's helpers (used only on the error paths
+    that numba's cfunc wrappers always contain) come from ctypes; any other symbol — numba
+    runtime functions these allocation-free kernels never reach — is bound to ``abort``.
+    Returns False when GNU OpenMP is needed but missing."""
+    if any(n.startswith(("GOMP_", "omp_")) for n in names):
+        lib = ctypes.util.find_library("gomp") or GOMP
+        try:
+            llvm.load_library_permanently(lib)
+        except RuntimeError:
+            return False
+    helper = _helperlib()
+    libc = ctypes.CDLL(None)
+    for name in names:
+        if name.startswith("llvm.") or llvm.address_of_symbol(name):
+            continue  # LLVM intrinsics are no symbols
+        addr = None
+        for lib in (ctypes.pythonapi, helper):
+            if lib is not None and hasattr(lib, name):
+                addr = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                break
+        if addr is None:
+            addr = ctypes.cast(libc.abort, ctypes.c_void_p).value
+        llvm.add_symbol(name, addr)
+    return True
+
+
+def load(module: str, sources: Sequence[str]) -> dict[str, int] | None:
+    """Entry name -> function address for ``module``'s cached native code, or None when there is
+    none usable here (no llvmlite, no file, a file that does not verify: warned once)."""
+    if os.environ.get("ONNXPACK_DISABLE_NATIVE", "") == "1":
+        return None
+    llvm = _llvm()
+    path = None if llvm is None else path_for(module, sources)
+    if path is None or not os.path.isfile(path):
+        return None
+    try:
+        header, objects = _read(path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        if path not in _warned:
+            _warned.add(path)
+            logger.warning("native code cache %s is unusable (%s); using numba and rewriting it", path, exc)
+        return None
+    with _lock:
+        if not _resolve(llvm, header["undefined"]):
+            return None
+        target = llvm.Target.from_default_triple().create_target_machine(jit=True)
+        addresses = {}
+        for index, obj in enumerate(objects):
+            engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), target)
+            engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
+            engine.finalize_object()
+            _engines.append(engine)
+            for name, (i, symbol) in header["entries"].items():
+                if i == index:
+                    addresses[name] = engine.get_function_address(symbol)
+    if not all(addresses.values()):
+        return None
+    return addresses
+
+
+class Native:
+    """Callable entries of a loaded native module: ``call(name, block)`` runs an entry on the
+    calling thread, ``parallel(name, block, threads)`` runs an OpenMP worker entry on a team of
+    ``threads`` (the caller included).  ``block`` is a C-contiguous int64 array."""
+
+    _gomp = None
+
+    def __init__(self, addresses: Mapping[str, int]) -> None:
+        proto = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+        self.addresses = dict(addresses)
+        self._fns = {name: proto(addr) for name, addr in addresses.items()}
+        self.used_openmp = False
+
+    def call(self, name: str, block_address: int) -> None:
+        self._fns[name](block_address)
+
+    def parallel(self, name: str, block_address: int, threads: int) -> None:
+        gomp = Native._gomp
+        if gomp is None:
+            gomp = ctypes.CDLL(ctypes.util.find_library("gomp") or GOMP)
+            gomp.GOMP_parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+            gomp.GOMP_parallel.restype = None
+            Native._gomp = gomp
+        self.used_openmp = True
+        gomp.GOMP_parallel(self.addresses[name], block_address, threads, 0)

@@ -1,0 +1,179 @@
+"""The native code cache (``session/kernels/_native.py``, ``_jit_native.py``): JIT kernels that
+numba compiled once, loaded later with llvmlite alone.
+
+Oracles: numpy (the kernels' numpy twins and formulas), the bytes of the cache file, and
+``sys.modules`` of a fresh process (numba must not be imported when the cache serves).
+The kernels' agreement with onnxruntime runs in ``test_kernels_int4.py`` (its ``native`` path).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from onnxpack.session.kernels import _act, _jit_native, _native
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(TESTS)
+
+
+def _cache_file(folder: str) -> str:
+    (name,) = [f for f in os.listdir(folder) if f.startswith(_jit_native.MODULE + "-") and f.endswith(".bin")]
+    return os.path.join(folder, name)
+
+
+@pytest.fixture
+def cache_copy(native_cache, tmp_path, monkeypatch):
+    """A private copy of the built cache folder, made the code cache for this test."""
+    folder = tmp_path / "cache"
+    shutil.copytree(native_cache, folder)
+    monkeypatch.setenv("ONNXPACK_CODE_CACHE", str(folder))
+    monkeypatch.setattr(_act, "_native_kernels", [])
+    return _cache_file(str(folder))
+
+
+def test_fingerprint_names_every_source_and_changes_with_them(tmp_path):
+    pytest.importorskip("llvmlite")
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("x = 1\n")
+    b.write_text("y = 2\n")
+    first = _native.fingerprint([str(a), str(b)])
+    assert first == _native.fingerprint([str(a), str(b)])
+    b.write_text("y = 3\n")
+    assert _native.fingerprint([str(a), str(b)]) != first
+
+
+def test_cache_file_layout(cache_copy):
+    blob = open(cache_copy, "rb").read()
+    assert blob.startswith(_native.MAGIC)
+    header, objects = _native._read(cache_copy)
+    assert sum(len(o) for o in objects) + len(_native.MAGIC) + 8 + struct.unpack_from("<Q", blob, len(_native.MAGIC))[0] \
+        == len(blob)
+    names = set(header["entries"])
+    for sc in ("f32", "u16"):
+        for bits in (4, 8):
+            assert {f"gemv{bits}_{sc}", f"gemv{bits}_{sc}_omp", f"dequant{bits}_{sc}"} <= names
+    assert "act_f32" in names
+
+
+def _tamper(path: str, how: str) -> None:
+    blob = bytearray(open(path, "rb").read())
+    start = len(_native.MAGIC) + 8
+    (hlen,) = struct.unpack_from("<Q", blob, len(_native.MAGIC))
+    if how == "flip-object-byte":
+        blob[start + hlen + 100] ^= 0xFF
+    elif how == "truncated":
+        del blob[len(blob) // 2:]
+    elif how == "magic":
+        blob[0:4] = b"ELF\x7f"
+    elif how == "header-length":
+        struct.pack_into("<Q", blob, len(_native.MAGIC), 1 << 40)
+    elif how == "trailing":
+        blob += b"\0" * 16
+    elif how == "entry-index":
+        header = json.loads(blob[start:start + hlen])
+        header["entries"]["act_f32"][0] = 999
+        new = json.dumps(header).encode()
+        blob[len(_native.MAGIC):start + hlen] = struct.pack("<Q", len(new)) + new
+    elif how == "not-json":
+        blob[start:start + 8] = b"\xff" * 8
+    open(path, "wb").write(bytes(blob))
+
+
+@pytest.mark.parametrize("how", ["flip-object-byte", "truncated", "magic", "header-length", "trailing",
+                                 "entry-index", "not-json"])
+def test_damaged_cache_file_is_ignored_with_a_warning(cache_copy, how, caplog):
+    _tamper(cache_copy, how)
+    with caplog.at_level(logging.WARNING, logger="onnxpack.session.kernels._native"):
+        assert _jit_native.load() is None
+    assert any("unusable" in r.getMessage() for r in caplog.records)
+    # the kernels still run (numba now), and the same
+    jit = _act.act_kernels()
+    assert jit is not None and not getattr(jit, "native", False)
+
+
+def test_a_change_to_the_sources_is_a_cache_miss(cache_copy, monkeypatch, tmp_path):
+    assert _jit_native.load() is not None
+    extra = tmp_path / "changed.py"
+    extra.write_text("# one more source\n")
+    sources = _jit_native._sources()
+    monkeypatch.setattr(_jit_native, "_sources", lambda: [*sources, str(extra)])
+    assert _jit_native.load() is None  # another fingerprint: no file of that name, no warning
+
+
+def test_lock_held_by_a_live_builder_means_no_second_build(cache_copy, monkeypatch):
+    os.unlink(cache_copy)  # no cache: a build would start
+    path = _native.path_for(_jit_native.MODULE, _jit_native._sources())
+    open(path + ".building", "w").write("12345")
+    called = []
+    monkeypatch.setattr(_jit_native, "build", lambda: called.append(1))
+    assert _jit_native._main() == 0
+    assert not called and not os.path.exists(path)
+
+
+_NO_NUMBA = r"""
+import sys
+from onnxpack.session.kernels import _act, elementwise, quant
+assert getattr(quant._jit(), "native", False), "native kernels not loaded"
+x = np.random.default_rng(0).standard_normal(50000).astype(np.float32) * 8
+y = elementwise._sigmoid(x)
+ref = 1 / (1 + np.exp(-x.astype(np.float64)))
+ulp = np.abs(y.astype(np.float64) - ref) / np.spacing(ref.astype(np.float32)).astype(np.float64)
+print(float(ulp.max()), "numba" in sys.modules)
+"""
+
+
+def test_native_kernels_serve_without_importing_numba(native_cache):
+    env = {k: v for k, v in os.environ.items() if k not in ("ONNXPACK_DISABLE_JIT", "ONNXPACK_DISABLE_NATIVE")}
+    env["ONNXPACK_CODE_CACHE"] = native_cache
+    p = subprocess.run([sys.executable, "-c", _NO_NUMBA], capture_output=True, text=True, env=env, timeout=120,
+                       cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ulp, imported = p.stdout.split()
+    assert float(ulp) <= 3.0  # the JIT sigmoid's bound (test_conv_fast.py)
+    assert imported == "False"
+
+
+def test_damaged_cache_file_is_rebuilt_over(cache_copy, monkeypatch):
+    _tamper(cache_copy, "flip-object-byte")
+    called = []
+    monkeypatch.setattr(_jit_native, "build", lambda: called.append(1) or cache_copy)
+    assert _jit_native._main() == 0
+    assert called == [1]
+
+
+_FIRST_PROCESS = r"""
+from onnxpack.session.kernels import quant
+assert not getattr(quant._jit(), "native", False)  # no cache yet: numba serves, and a build starts
+print("numba")
+"""
+
+
+def test_first_process_builds_the_cache_in_the_background(tmp_path):
+    pytest.importorskip("numba")
+    env = {k: v for k, v in os.environ.items() if k not in ("ONNXPACK_DISABLE_JIT", "ONNXPACK_DISABLE_NATIVE")}
+    env.update(ONNXPACK_CODE_CACHE=str(tmp_path), ONNXPACK_NATIVE_BUILD="1")
+    p = subprocess.run([sys.executable, "-c", _FIRST_PROCESS], capture_output=True, text=True, env=env, timeout=120,
+                       cwd=ROOT)
+    assert p.returncode == 0 and p.stdout.split() == ["numba"], p.stderr[-3000:]
+    import time
+
+    deadline = time.monotonic() + 300  # a detached, low-priority build: ~20 s of CPU
+    while time.monotonic() < deadline:
+        files = [f for f in os.listdir(tmp_path) if f.endswith(".bin")]
+        if files and not any(f.endswith(".building") for f in os.listdir(tmp_path)):
+            break
+        time.sleep(0.5)
+    assert files, "no cache file was written"
+    assert _native.intact(os.path.join(tmp_path, files[0]))
+    p = subprocess.run([sys.executable, "-c", _NO_NUMBA], capture_output=True, text=True, env=env, timeout=120,
+                       cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split()[1] == "False"
