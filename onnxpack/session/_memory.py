@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["process_memory"]
+import ctypes
+import sys
+
+__all__ = ["process_memory", "return_freed_heap"]
 
 _STATUS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
 
@@ -21,3 +24,27 @@ def process_memory() -> dict[str, int]:
         except OSError:
             pass
     return out
+
+
+_TRIM: list = []
+
+
+def return_freed_heap() -> None:
+    """Give the C heap's freed pages back to the OS (glibc's ``malloc_trim``; a no-op elsewhere).
+
+    glibc keeps freed blocks below the heap's top, and after a large block is freed it serves
+    later allocations from the heap: a run with large temporaries (an LLM's prompt: its logits
+    alone are tokens x vocabulary floats) leaves that memory private to the process, counted in
+    every process serving a model.
+    """
+    if not _TRIM:
+        fn = None
+        if sys.platform.startswith("linux"):
+            try:
+                fn = ctypes.CDLL(None).malloc_trim
+                fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+            except (OSError, AttributeError):  # musl and others: no malloc_trim
+                fn = None
+        _TRIM.append(fn)
+    if _TRIM[0] is not None:
+        _TRIM[0](0)

@@ -26,10 +26,12 @@ from onnxpack.errors import InvalidArgumentStatus
 from onnxpack.graph import Model
 from onnxpack.session._api import validate_feed
 from onnxpack.session._arena import ArenaRunner
+from onnxpack.session._memory import return_freed_heap
 from onnxpack.session._profile import Profiler
 from onnxpack.session._program import Plan, Program, prune, run_plan
 from onnxpack.session._run_options import SessionControl, check_run_options, check_terminate
 from onnxpack.session._threads import blas_threads, global_intra_op_threads
+from onnxpack.session.kernels import release_scratch
 from onnxpack.session.options import SessionOptions
 
 __all__ = ["Runner"]
@@ -101,8 +103,11 @@ class Runner:
         result = dict(zip(plan.output_names, values))
         if profiler is not None:
             profiler.event("Session", "model_run", t0, time.perf_counter_ns())
-        if ro is not None and self.arena is not None and "cpu" in ro._config.get("memory.enable_memory_arena_shrinkage", ""):
-            self.arena.shrink()
+        if ro is not None and "cpu" in ro._config.get("memory.enable_memory_arena_shrinkage", ""):
+            if self.arena is not None:
+                self.arena.shrink()
+            release_scratch()  # the kernels' reusable buffers (this thread's)
+            return_freed_heap()
         return names, [result[n] for n in names], inputs
 
     def _loop(self, plan: Plan, inputs: list[Any], control: SessionControl | None) -> list[Any]:

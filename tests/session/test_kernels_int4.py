@@ -588,3 +588,20 @@ def test_parallel_gemv_survives_threads_and_fork(kernels, request):
     assert p.returncode == 0, p.stderr[-3000:]
     # the native kernels run without numba in the process
     assert p.stdout.split() == ["ok", "0", kernels, str(kernels == "numba")], (p.stdout, p.stderr[-3000:])
+
+
+def test_arena_shrinkage_run_option_drops_the_dequantization_panel():
+    """``memory.enable_memory_arena_shrinkage`` (onnxruntime's run option) also drops the kernels'
+    reusable scratch: the prompt-sized panel a later decoding step does not need."""
+    k, n = 64, 256
+    vals = nbits_values(k, n, 32, 4, zp="uint8", seed=5)
+    a = np.random.default_rng(6).standard_normal((quant.JIT_MAX_ROWS + 4, k)).astype(np.float32)
+    s = InferenceSession(single_node_model(nbits_node(k, n, 32, 4, vals), a,
+                                           {nm: vals[nm] for nm in ("b", "s", "zp")}).SerializeToString())
+    (want,) = s.run(None, {"a": a})
+    assert getattr(quant._local, "panel", None) is not None  # kept for the next call
+    ro = onnxpack.RunOptions()
+    ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+    (got,) = s.run(None, {"a": a}, ro)
+    assert getattr(quant._local, "panel", None) is None
+    np.testing.assert_array_equal(got, want)

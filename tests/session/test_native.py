@@ -120,6 +120,7 @@ def test_lock_held_by_a_live_builder_means_no_second_build(cache_copy, monkeypat
 
 _NO_NUMBA = r"""
 import sys
+import numpy as np
 from onnxpack.session.kernels import _act, elementwise, quant
 assert getattr(quant._jit(), "native", False), "native kernels not loaded"
 x = np.random.default_rng(0).standard_normal(50000).astype(np.float32) * 8
@@ -150,6 +151,7 @@ def test_damaged_cache_file_is_rebuilt_over(cache_copy, monkeypatch):
 
 
 _FIRST_PROCESS = r"""
+import numpy as np
 from onnxpack.session.kernels import quant
 assert not getattr(quant._jit(), "native", False)  # no cache yet: numba serves, and a build starts
 print("numba")

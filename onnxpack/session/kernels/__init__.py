@@ -13,11 +13,13 @@ from onnxpack.session.kernels._base import (
     register_fused,
     register,
     registered_ops,
+    release_scratch,
     same_view,
+    scratch_releaser,
 )
 
 # Importing the family modules registers their kernels.
 from onnxpack.session.kernels import _families  # noqa: F401,E402
 
 __all__ = ["Kernel", "KernelContext", "PackSpec", "TensorInfo", "fused_kernel", "lookup", "normalize_domain",
-           "register", "register_fused", "registered_ops", "same_view"]
+           "register", "register_fused", "registered_ops", "release_scratch", "same_view", "scratch_releaser"]

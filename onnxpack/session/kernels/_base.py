@@ -44,7 +44,26 @@ __all__ = [
     "registered_ops",
     "normalize_domain",
     "same_view",
+    "scratch_releaser",
+    "release_scratch",
 ]
+
+
+_scratch_releasers: list[Callable[[], None]] = []
+
+
+def scratch_releaser(fn: Callable[[], None]) -> Callable[[], None]:
+    """Register ``fn``: drops a kernel module's reusable per-thread scratch buffers of the calling
+    thread (they are made again on next use).  A decorator."""
+    _scratch_releasers.append(fn)
+    return fn
+
+
+def release_scratch() -> None:
+    """Drop the calling thread's kernel scratch buffers (run option
+    ``memory.enable_memory_arena_shrinkage``)."""
+    for fn in _scratch_releasers:
+        fn()
 
 
 def same_view(a: Any, b: Any) -> bool:

@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from onnxpack.session.kernels import _act, _native
+from onnxpack.session.kernels._base import scratch_releaser
 
 __all__ = ["load", "build", "MODULE"]
 
@@ -54,6 +55,11 @@ def _f64_bits(x: float) -> int:
 
 def _addr(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
+
+
+@scratch_releaser
+def _drop_scratch() -> None:
+    _local.__dict__.clear()
 
 
 def _scratch(name: str, count: int, dtype) -> np.ndarray:

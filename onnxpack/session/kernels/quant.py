@@ -67,7 +67,7 @@ import numpy as np
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import _act
-from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
+from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register, scratch_releaser
 from onnxpack.session.kernels.linalg import as_compute
 
 logger = logging.getLogger(__name__)
@@ -151,6 +151,11 @@ if hasattr(os, "register_at_fork"):
 def _parallel_ok() -> bool:
     """Whether numba's parallel kernels may run in this process (see :func:`_prefer_openmp`)."""
     return not _forked_after_parallel
+
+
+@scratch_releaser
+def _drop_scratch() -> None:
+    _local.__dict__.pop("panel", None)
 
 
 def _scratch(count: int) -> np.ndarray:
