@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from onnxpack.errors import InvalidArgument, ModelLoadError
+from onnxpack.session._memory import return_freed_heap
 
 __all__ = ["GenAIConfig", "Generator", "SearchOptions", "sample_token"]
 
@@ -236,17 +237,23 @@ class Generator:
         rng = np.random.default_rng(seed)
         state = _Cache(self, len(ids) + budget)
         new = ids
-        for _ in range(budget):
-            t0 = time.perf_counter()
-            logits = state.step(new)
-            token = sample_token(logits[0, -1], options, rng)
-            if on_step is not None:
-                on_step(token, time.perf_counter() - t0)
-            del logits  # a prompt's (S, vocab) logits: released before the next step
-            yield token
-            if token in stops:
-                return
-            new = [token]
+        try:
+            for _ in range(budget):
+                t0 = time.perf_counter()
+                logits = state.step(new)
+                token = sample_token(logits[0, -1], options, rng)
+                if on_step is not None:
+                    on_step(token, time.perf_counter() - t0)
+                del logits  # a prompt's (S, vocab) logits: released before the next step
+                yield token
+                if token in stops:
+                    return
+                new = [token]
+        finally:
+            # The generation's KV cache and the steps' garbage go back to the OS: a process that
+            # waits for its next request holds the model's shared pages and little else.
+            del state
+            return_freed_heap()
 
     def __enter__(self) -> Generator:
         return self
