@@ -164,7 +164,9 @@ def _gemv4(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads):
                         o = odd[j]
                         for c in range(cw):
                             v = row[c]
-                            tm[c] += e * np.float32(np.uint8(v & np.uint8(15))) + o * np.float32(
+                            # Left to right: two FMAs into t (``t += (e*lo + o*hi)`` is a multiply,
+                            # an FMA and an add).
+                            tm[c] = tm[c] + e * np.float32(np.uint8(v & np.uint8(15))) + o * np.float32(
                                 np.uint8(v >> np.uint8(4)))
                 _scale_block(acc, t, sc, zq, zmode, zmid, asum, b, sbase + b * width, cw)
             n0 = tl * tile + c0
