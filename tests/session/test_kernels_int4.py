@@ -180,6 +180,30 @@ def test_jit_and_numpy_paths_agree(m, monkeypatch):
 
 
 @pytest.mark.parametrize("bits", [4, 8], ids=["b4", "b8"])
+def test_split_prefill_matches_one_thread_and_restores_blas_threads(bits, path, monkeypatch):
+    """Prefill-sized calls (M > JIT_MAX_ROWS) share the dequantized panels out between onnxpack's
+    threads with BLAS on one thread: same values as one thread, and BLAS's thread count as before."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    k, n, bs = 160, 3 * TILE + 40, 32  # 4 tiles, the last one narrow
+    vals = nbits_values(k, n, bs, bits, zp="uint8", bias=True, seed=11)
+    node = nbits_node(k, n, bs, bits, vals)
+    a = np.random.default_rng(12).standard_normal((quant.JIT_MAX_ROWS + 23, k)).astype(np.float32)
+    feeds = [a] + [vals.get(nm) if nm else None for nm in node.input[1:]]
+    want = a.astype(np.float64) @ dequantize_nbits(vals["b"], vals["s"], vals["zp"], k=k, n=n, bits=bits,
+                                                   block_size=bs) + vals["bias"]
+    with threadpoolctl.threadpool_limits(2, user_api="blas"):
+        before = [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+        monkeypatch.setenv("ONNXPACK_NUM_THREADS", "1")
+        (one,) = run_native(node, feeds, 1, pack=[1, 2, 3])
+        monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
+        (split,) = run_native(node, feeds, 1, pack=[1, 2, 3])
+        after = [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+    assert after == before
+    np.testing.assert_allclose(split, one, **SAME_TOL)
+    np.testing.assert_allclose(split, want, **F32_TOL)
+
+
+@pytest.mark.parametrize("bits", [4, 8], ids=["b4", "b8"])
 def test_accuracy_level_4_within_the_int8_activation_bound(bits, path):
     """onnxruntime's accuracy_level=4 rounds A to int8 per block; we compute A in float32."""
     k, n, bs = 256, 96, 32

@@ -236,13 +236,14 @@ gemv8 = _compiled(_gemv8, "gemv8", True)
 gemv8_serial = _compiled(_gemv8, "gemv8_serial", False)
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM, nogil=True)
 def dequant4(bq, sc, zq, zmode, zmid, out, n, nb, blob, tile, t0, t1):
     """Dense float32 ``W`` of tiles ``t0 <= t < t1`` into ``out`` (nb * block_size, columns).
 
-    Serial on purpose: the panel it fills goes straight to a multithreaded BLAS call, and an
-    OpenMP team spinning beside OpenBLAS's threads on 2 cores made whole calls 100-1000x slower
-    (measured: 190 ms instead of ~1 ms for 896x4864 at M=1 with a parallel dequant).
+    Serial on purpose, and without the GIL: the caller runs it on several Python threads (one
+    panel each, each followed by a one-thread BLAS call).  An OpenMP team here, spinning beside
+    OpenBLAS's threads on 2 cores, made whole calls 100-1000x slower (measured: 190 ms instead of
+    ~1 ms for 896x4864 at M=1 with a parallel dequant).
     """
     bs = 2 * blob
     nfull = n // tile
@@ -275,7 +276,7 @@ def dequant4(bq, sc, zq, zmode, zmid, out, n, nb, blob, tile, t0, t1):
                     hi[c] = (np.float32(np.uint8(v >> np.uint8(4))) - zmid) * s
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM, nogil=True)
 def dequant8(bq, sc, zq, zmode, zmid, out, n, nb, blob, tile, t0, t1):
     """:func:`dequant4` for 8-bit blocks."""
     nfull = n // tile
