@@ -467,7 +467,10 @@ class MatMulNBits(Kernel):
         2 threads, fresh processes, while another process loaded the machine, lm_head
         896x151936 3.5-4.7 s with OpenBLAS's 2 threads vs 0.47-0.90 s split; on a quiet machine
         254 vs 235 ms (gate_up 896x4864: 12.8-13.7 vs 9.4-12.0 ms, down 4864x896 12.3-19.9 vs
-        10.6-11.0 ms).
+        10.6-11.0 ms).  The BLAS limit is process-wide while the call runs (BLAS libraries have
+        no per-thread setting): a BLAS call from another Python thread meanwhile runs on one
+        thread too, and a concurrent prefill-sized call here then sees one thread and does not
+        split.
         """
         m = a2.shape[0]
         kpad = self.nblocks * self.block_size
