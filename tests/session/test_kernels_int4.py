@@ -179,6 +179,44 @@ def test_jit_and_numpy_paths_agree(m, monkeypatch):
     np.testing.assert_allclose(by_jit, want, **SAME_TOL)
 
 
+def test_stall_guard_policy():
+    """A parallel GEMV slower than the threshold turns parallel calls off for SERIAL_FOR_S."""
+    g = quant._StallGuard()
+    assert g.parallel_allowed(100.0)
+    mb = 3_000_000  # 1 ms at SERIAL_BYTES_PER_S
+    g.record(g.STALL_SECONDS + 0.0009, mb, 100.0)  # within the threshold
+    assert g.parallel_allowed(100.0) and g.stalls == 0
+    g.record(g.STALL_SECONDS + 0.0011, mb, 100.0)  # a stall
+    assert g.stalls == 1
+    assert not g.parallel_allowed(100.0 + g.SERIAL_FOR_S - 0.01)
+    assert g.parallel_allowed(100.0 + g.SERIAL_FOR_S)
+
+
+def test_decode_after_a_stall_runs_serial_and_matches(monkeypatch):
+    """After a stall the GEMV takes the serial kernel, with the same values."""
+    pytest.importorskip("numba")
+    monkeypatch.delenv("ONNXPACK_DISABLE_JIT", raising=False)
+    k, n = 512, 8192  # m*k*n above JIT_SERIAL_BELOW: the parallel GEMV
+    vals = nbits_values(k, n, 32, 4, zp="uint8", seed=13)
+    node = nbits_node(k, n, 32, 4, vals)
+    kern = lookup(MS, "MatMulNBits", 1)(node, KernelContext(1, {MS: 1, "": 17}))
+    for i, name in ((1, "b"), (2, "s"), (3, "zp")):
+        kern.use_prepacked(i, kern.prepack(i, vals[name]))
+    a = np.random.default_rng(14).standard_normal((1, k)).astype(np.float32)
+    jit = quant._jit()
+    guard = quant._StallGuard()
+    monkeypatch.setattr(quant, "_stall_guard", guard)
+    if quant._parallel_ok() and jit.threads() > 1:
+        assert kern._gemv_call(jit, a, kern._packed[1], kern._packed[2], kern._packed[3])[0] is jit.gemv4
+    (before,) = kern.run(a)
+    guard.until = float("inf")
+    assert kern._gemv_call(jit, a, kern._packed[1], kern._packed[2], kern._packed[3])[0] is jit.gemv4_serial
+    (after,) = kern.run(a)
+    np.testing.assert_array_equal(after, before)
+    want = a.astype(np.float64) @ dequantize_nbits(vals["b"], vals["s"], vals["zp"], k=k, n=n, bits=4, block_size=32)
+    np.testing.assert_allclose(after, want, **F32_TOL)
+
+
 @pytest.mark.parametrize("bits", [4, 8], ids=["b4", "b8"])
 def test_split_prefill_matches_one_thread_and_restores_blas_threads(bits, path, monkeypatch):
     """Prefill-sized calls (M > JIT_MAX_ROWS) share the dequantized panels out between onnxpack's

@@ -61,6 +61,7 @@ import logging
 import os
 import struct
 import threading
+import time
 
 from typing import Any
 
@@ -152,6 +153,39 @@ def _parallel_ok() -> bool:
     """Whether numba's parallel kernels may run in this process (see :func:`_prefer_openmp`)."""
     return not _forked_after_parallel
 
+
+class _StallGuard:
+    """Serial GEMVs for a while after a parallel one stalled.
+
+    The parallel GEMV splits its columns statically over an OpenMP team and ends on a barrier, so
+    when another process holds a core, every call waits for a descheduled thread: measured on
+    this shared 2-core machine while other processes kept it loaded, gate_up 896x4864 took 36 ms
+    per call on 2 threads vs 0.27 ms on one, and a whole Qwen2.5-0.5B decoding step took 1.4-1.9 s
+    (onnxruntime's 66-83 ms in the same minutes).  A call is a
+    stall when it takes longer than :data:`STALL_SECONDS` plus the time one thread needs at
+    :data:`SERIAL_BYTES_PER_S`; after one, the next :data:`SERIAL_FOR_S` seconds of GEMVs run on the
+    calling thread, then the parallel kernel is tried again.  On a quiet machine no call stalls
+    and nothing changes.  Races between threads only move ``until``: harmless.
+    """
+
+    STALL_SECONDS = 0.002
+    SERIAL_BYTES_PER_S = 3e9  # well below one thread's ~10-14 GB/s: only stalls trip it
+    SERIAL_FOR_S = 1.0
+
+    def __init__(self) -> None:
+        self.until = 0.0
+        self.stalls = 0
+
+    def parallel_allowed(self, now: float) -> bool:
+        return now >= self.until
+
+    def record(self, seconds: float, nbytes: int, now: float) -> None:
+        if seconds > self.STALL_SECONDS + nbytes / self.SERIAL_BYTES_PER_S:
+            self.until = now + self.SERIAL_FOR_S
+            self.stalls += 1
+
+
+_stall_guard = _StallGuard()
 
 _blas_control: Any = None
 
@@ -440,7 +474,13 @@ class MatMulNBits(Kernel):
         zmode, zarr, zmid = self._zmode(zq)
         if jit is not None and m <= JIT_MAX_ROWS:
             fn, args = self._gemv_call(jit, a2, bq, sc, zq)
-            fn(*args)
+            if args[-1] == 1:
+                fn(*args)
+            else:
+                t0 = time.perf_counter()
+                fn(*args)
+                t1 = time.perf_counter()
+                _stall_guard.record(t1 - t0, bq.nbytes + sc.nbytes + (0 if zq is None else zq.nbytes), t1)
             return args[6]
         return self._panels(a2, bq, sc, zarr, zmode, zmid, jit)
 
@@ -449,10 +489,13 @@ class MatMulNBits(Kernel):
         m = a2.shape[0]
         zmode, zarr, zmid = self._zmode(zq)
         y = np.empty((m, self.n), np.float32)
-        if m * self.k * self.n < JIT_SERIAL_BELOW or not _parallel_ok():
-            fn, threads = (jit.gemv4_serial if self.bits == 4 else jit.gemv8_serial), 1
+        threads = 1 if m * self.k * self.n < JIT_SERIAL_BELOW or not _parallel_ok() else jit.threads()
+        if threads > 1 and not _stall_guard.parallel_allowed(time.perf_counter()):
+            threads = 1
+        if threads == 1:
+            fn = jit.gemv4_serial if self.bits == 4 else jit.gemv8_serial
         else:
-            fn, threads = (jit.gemv4 if self.bits == 4 else jit.gemv8), jit.threads()
+            fn = jit.gemv4 if self.bits == 4 else jit.gemv8
         return fn, (a2, bq, _jit_view(sc), _jit_view(zarr), zmode, zmid, y, self.n, self.nblocks, self.blob, TILE,
                     threads)
 
