@@ -519,7 +519,7 @@ class MatMulNBits(Kernel):
         kpad = self.nblocks * self.block_size
         ntiles = -(-self.n // TILE)
         y = np.empty((m, self.n), np.float32)
-        threads = _act.threads() if ntiles > 1 else 1
+        threads = _act.threads()  # one tile: the caller alone, still with a one-thread BLAS
         split = threads > 1 and _blas_threads_control() is not None
         per = 1 if split else max(1, _PANEL_FLOATS // (kpad * TILE))
 
