@@ -189,6 +189,68 @@ def test_jit_and_numpy_paths_agree(m, monkeypatch):
     np.testing.assert_allclose(by_jit, want, **SAME_TOL)
 
 
+def test_stall_guard_policy():
+    """A parallel GEMV slower than the threshold turns parallel calls off for SERIAL_FOR_S."""
+    g = quant._StallGuard()
+    assert g.parallel_allowed(100.0)
+    mb = 3_000_000  # 1 ms at SERIAL_BYTES_PER_S
+    g.record(g.STALL_SECONDS + 0.0009, mb, 100.0)  # within the threshold
+    assert g.parallel_allowed(100.0) and g.stalls == 0
+    g.record(g.STALL_SECONDS + 0.0011, mb, 100.0)  # a stall
+    assert g.stalls == 1
+    assert not g.parallel_allowed(100.0 + g.SERIAL_FOR_S - 0.01)
+    assert g.parallel_allowed(100.0 + g.SERIAL_FOR_S)
+
+
+def test_decode_after_a_stall_runs_serial_and_matches(monkeypatch):
+    """After a stall the GEMV takes the serial kernel, with the same values."""
+    pytest.importorskip("numba")
+    monkeypatch.delenv("ONNXPACK_DISABLE_JIT", raising=False)
+    k, n = 512, 8192  # m*k*n above JIT_SERIAL_BELOW: the parallel GEMV
+    vals = nbits_values(k, n, 32, 4, zp="uint8", seed=13)
+    node = nbits_node(k, n, 32, 4, vals)
+    kern = lookup(MS, "MatMulNBits", 1)(node, KernelContext(1, {MS: 1, "": 17}))
+    for i, name in ((1, "b"), (2, "s"), (3, "zp")):
+        kern.use_prepacked(i, kern.prepack(i, vals[name]))
+    a = np.random.default_rng(14).standard_normal((1, k)).astype(np.float32)
+    jit = quant._jit()
+    guard = quant._StallGuard()
+    monkeypatch.setattr(quant, "_stall_guard", guard)
+    if quant._parallel_ok() and jit.threads() > 1:
+        assert kern._gemv_call(jit, a, kern._packed[1], kern._packed[2], kern._packed[3])[0] == jit.gemv4
+    (before,) = kern.run(a)
+    guard.until = float("inf")
+    assert kern._gemv_call(jit, a, kern._packed[1], kern._packed[2], kern._packed[3])[0] == jit.gemv4_serial
+    (after,) = kern.run(a)
+    np.testing.assert_array_equal(after, before)
+    want = a.astype(np.float64) @ dequantize_nbits(vals["b"], vals["s"], vals["zp"], k=k, n=n, bits=4, block_size=32)
+    np.testing.assert_allclose(after, want, **F32_TOL)
+
+
+@pytest.mark.parametrize("bits", [4, 8], ids=["b4", "b8"])
+def test_split_prefill_matches_one_thread_and_restores_blas_threads(bits, path, monkeypatch):
+    """Prefill-sized calls (M > JIT_MAX_ROWS) share the dequantized panels out between onnxpack's
+    threads with BLAS on one thread: same values as one thread, and BLAS's thread count as before."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    k, n, bs = 160, 3 * TILE + 40, 32  # 4 tiles, the last one narrow
+    vals = nbits_values(k, n, bs, bits, zp="uint8", bias=True, seed=11)
+    node = nbits_node(k, n, bs, bits, vals)
+    a = np.random.default_rng(12).standard_normal((quant.JIT_MAX_ROWS + 23, k)).astype(np.float32)
+    feeds = [a] + [vals.get(nm) if nm else None for nm in node.input[1:]]
+    want = a.astype(np.float64) @ dequantize_nbits(vals["b"], vals["s"], vals["zp"], k=k, n=n, bits=bits,
+                                                   block_size=bs) + vals["bias"]
+    with threadpoolctl.threadpool_limits(2, user_api="blas"):
+        before = [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+        monkeypatch.setenv("ONNXPACK_NUM_THREADS", "1")
+        (one,) = run_native(node, feeds, 1, pack=[1, 2, 3])
+        monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
+        (split,) = run_native(node, feeds, 1, pack=[1, 2, 3])
+        after = [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+    assert after == before
+    np.testing.assert_allclose(split, one, **SAME_TOL)
+    np.testing.assert_allclose(split, want, **F32_TOL)
+
+
 @pytest.mark.parametrize("bits", [4, 8], ids=["b4", "b8"])
 def test_accuracy_level_4_within_the_int8_activation_bound(bits, path):
     """onnxruntime's accuracy_level=4 rounds A to int8 per block; we compute A in float32."""
@@ -599,9 +661,9 @@ def test_arena_shrinkage_run_option_drops_the_dequantization_panel():
     s = InferenceSession(single_node_model(nbits_node(k, n, 32, 4, vals), a,
                                            {nm: vals[nm] for nm in ("b", "s", "zp")}).SerializeToString())
     (want,) = s.run(None, {"a": a})
-    assert getattr(quant._local, "panel", None) is not None  # kept for the next call
+    assert quant._panels  # kept for the next call
     ro = onnxpack.RunOptions()
     ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
     (got,) = s.run(None, {"a": a}, ro)
-    assert getattr(quant._local, "panel", None) is None
+    assert not quant._panels
     np.testing.assert_array_equal(got, want)

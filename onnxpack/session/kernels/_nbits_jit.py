@@ -158,7 +158,9 @@ def _items4(ade, asum, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, it0, it1, 
                     o = odd[j]
                     for c in range(cw):
                         v = row[c]
-                        tm[c] += e * np.float32(np.uint8(v & np.uint8(15))) + o * np.float32(
+                        # Left to right: two FMAs into t (``t += (e*lo + o*hi)`` is a multiply,
+                        # an FMA and an add).
+                        tm[c] = tm[c] + e * np.float32(np.uint8(v & np.uint8(15))) + o * np.float32(
                             np.uint8(v >> np.uint8(4)))
             _scale_block(acc, t, sc, zq, zmode, zmid, asum, b, sbase + b * width, cw)
         n0 = tl * tile + c0
@@ -269,13 +271,14 @@ gemv8 = _compiled(_gemv8, "gemv8", True)
 gemv8_serial = _compiled(_gemv8, "gemv8_serial", False)
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM, nogil=True)
 def dequant4(bq, sc, zq, zmode, zmid, out, n, nb, blob, tile, t0, t1):
     """Dense float32 ``W`` of tiles ``t0 <= t < t1`` into ``out`` (nb * block_size, columns).
 
-    Serial on purpose: the panel it fills goes straight to a multithreaded BLAS call, and an
-    OpenMP team spinning beside OpenBLAS's threads on 2 cores made whole calls 100-1000x slower
-    (measured: 190 ms instead of ~1 ms for 896x4864 at M=1 with a parallel dequant).
+    Serial on purpose, and without the GIL: the caller runs it on several Python threads (one
+    panel each, each followed by a one-thread BLAS call).  An OpenMP team here, spinning beside
+    OpenBLAS's threads on 2 cores, made whole calls 100-1000x slower (measured: 190 ms instead of
+    ~1 ms for 896x4864 at M=1 with a parallel dequant).
     """
     bs = 2 * blob
     nfull = n // tile
@@ -308,7 +311,7 @@ def dequant4(bq, sc, zq, zmode, zmid, out, n, nb, blob, tile, t0, t1):
                     hi[c] = (np.float32(np.uint8(v >> np.uint8(4))) - zmid) * s
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM, nogil=True)
 def dequant8(bq, sc, zq, zmode, zmid, out, n, nb, blob, tile, t0, t1):
     """:func:`dequant4` for 8-bit blocks."""
     nfull = n // tile

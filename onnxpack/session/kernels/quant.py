@@ -47,7 +47,8 @@ Compute (``W`` is never materialized whole):
   packed tiles, 2 threads (:mod:`._nbits_jit`); onnxruntime's ``accuracy_level=4`` quantizes A
   to int8, we always compute in float32.
 * otherwise (prefill, or no numba, or ``ONNXPACK_DISABLE_JIT=1``): dequantize a panel of tiles
-  into a per-thread float32 scratch and multiply it with BLAS, panel by panel.
+  into a per-thread float32 scratch and multiply it with BLAS, panel by panel; with 2 threads
+  the panels are shared out between onnxpack's threads, each with a one-thread BLAS call.
 
 ``GatherBlockQuantized`` gathers rows and dequantizes only those: it never packs, so a tied
 embedding that shares its bytes with the lm_head's ``B`` is read from the model's own bytes (a
@@ -60,6 +61,7 @@ import logging
 import os
 import struct
 import threading
+import time
 
 from typing import Any
 
@@ -92,11 +94,14 @@ JIT_MAX_ROWS = 16
 # saves at most ~15 us there and risks a scheduler slice when the other core is busy.
 JIT_SERIAL_BELOW = 2_000_000
 
-# Float32 elements of one dequantized panel (per thread, reused across calls): 1 Mi floats (4 MiB)
-# keep a panel within this machine's 2 MiB L2 + shared L3 while BLAS sees wide enough products.
+# Float32 elements of one dequantized panel (per thread, reused across calls) when one BLAS call
+# uses every thread: 1 Mi floats (4 MiB) keep a panel within this machine's 2 MiB L2 + shared L3
+# while BLAS sees wide enough products.  When the panels are split over onnxpack's threads (BLAS
+# on one thread each, see ``MatMulNBits._panels``) a panel is one tile: measured M=128, 2 threads,
+# fresh processes: lm_head 896x151936 235 ms with 1-tile panels, 2 tiles 229-637 ms, 4 tiles
+# 315-530 ms; gate_up 896x4864 9.4-15 ms vs 12.6-15 ms with 4 tiles.
 _PANEL_FLOATS = 1 << 20
 
-_local = threading.local()
 
 
 def jit_enabled() -> bool:
@@ -153,17 +158,80 @@ def _parallel_ok() -> bool:
     return not _forked_after_parallel
 
 
+# Dequantization panels: thread ident -> float32 scratch reused by that thread's later calls
+# (the caller's and, for split prefill panels, the pool threads').
+_panels: dict[int, np.ndarray] = {}
+
+
 @scratch_releaser
 def _drop_scratch() -> None:
-    _local.__dict__.pop("panel", None)
+    """Every thread's panel (a thread still using one keeps its own reference)."""
+    _panels.clear()
+
+
+class _StallGuard:
+    """Serial GEMVs for a while after a parallel one stalled.
+
+    The parallel GEMV splits its columns statically over an OpenMP team and ends on a barrier, so
+    when another process holds a core, every call waits for a descheduled thread: measured on
+    this shared 2-core machine while other processes kept it loaded, gate_up 896x4864 took 36 ms
+    per call on 2 threads vs 0.27 ms on one, and a whole Qwen2.5-0.5B decoding step took 1.4-1.9 s
+    (onnxruntime's 66-83 ms in the same minutes).  A call is a
+    stall when it takes longer than :data:`STALL_SECONDS` plus the time one thread needs at
+    :data:`SERIAL_BYTES_PER_S`; after one, the next :data:`SERIAL_FOR_S` seconds of GEMVs run on the
+    calling thread, then the parallel kernel is tried again.  On a quiet machine no call stalls
+    and nothing changes.  Races between threads only move ``until``: harmless.
+    """
+
+    STALL_SECONDS = 0.002
+    SERIAL_BYTES_PER_S = 3e9  # well below one thread's ~10-14 GB/s: only stalls trip it
+    SERIAL_FOR_S = 1.0
+
+    def __init__(self) -> None:
+        self.until = 0.0
+        self.stalls = 0
+
+    def parallel_allowed(self, now: float) -> bool:
+        return now >= self.until
+
+    def record(self, seconds: float, nbytes: int, now: float) -> None:
+        if seconds > self.STALL_SECONDS + nbytes / self.SERIAL_BYTES_PER_S:
+            self.until = now + self.SERIAL_FOR_S
+            self.stalls += 1
+
+
+_stall_guard = _StallGuard()
+
+_blas_control: Any = None
+
+
+def _blas_threads_control():
+    """``onnxpack.session._threads.blas_threads`` (a ref-counted BLAS thread limit that nests with
+    the runner's ``intra_op_num_threads``), or ``None`` without threadpoolctl."""
+    global _blas_control
+    if _blas_control is None:
+        try:
+            import threadpoolctl  # noqa: F401
+        except ImportError:
+            _blas_control = False
+        else:
+            from onnxpack.session._threads import blas_threads
+
+            _blas_control = blas_threads
+    return _blas_control or None
 
 
 def _scratch(count: int) -> np.ndarray:
     """A float32 scratch of ``count`` elements, reused by later calls in this thread."""
-    buf = getattr(_local, "panel", None)
+    key = threading.get_ident()
+    buf = _panels.get(key)
     if buf is None or buf.size < count:
+        if buf is None and len(_panels) >= 4:  # threads that ended leave their panel: drop those
+            alive = {t.ident for t in threading.enumerate()}
+            for k in [k for k in _panels if k not in alive]:
+                _panels.pop(k, None)
         buf = np.empty(max(count, 1), np.float32)
-        _local.panel = buf
+        _panels[key] = buf
     return buf[:count]
 
 
@@ -359,7 +427,8 @@ class MatMulNBits(Kernel):
         The parallel GEMV is loaded, never run, here: an OpenMP runtime gives each thread that
         starts a parallel region its own team, so a first call from this background thread left
         a second team spinning beside the caller's (measured on Qwen2.5-0.5B int4, 2 cores:
-        40 ms per token instead of 28).  The prefill path's dequantization is serial and runs."""
+        40 ms per token instead of 28).  The prefill path's dequantization runs on one tile (a
+        whole prefill-sized call would also set BLAS's thread count from this thread)."""
         jit = _jit()
         bq, sc = self._packed.get(1), self._packed.get(2)
         zq = self._packed.get(3) if self.has_zp else None
@@ -371,7 +440,11 @@ class MatMulNBits(Kernel):
             fn, args = self._gemv_call(jit, np.zeros((1, self.k), np.float32), bq, sc, zq)
             fn.compile(tuple(numba.typeof(x) for x in args))
         zmode, zarr, zmid = self._zmode(zq)
-        self._panels(np.zeros((JIT_MAX_ROWS + 1, self.k), np.float32), bq, sc, zarr, zmode, zmid, jit)
+        # One tile, no BLAS: loads the dequantization kernel without touching BLAS's thread count.
+        kpad = self.nblocks * self.block_size
+        w = np.empty((kpad, min(self.n, TILE)), np.float32)
+        dq = jit.dequant4 if self.bits == 4 else jit.dequant8
+        dq(bq, _jit_view(sc), _jit_view(zarr), zmode, zmid, w, self.n, self.nblocks, self.blob, TILE, 0, 1)
 
     def run(self, a, b=None, scales=None, zero_points=None, g_idx=None, bias=None):
         name = self.node.name
@@ -423,7 +496,13 @@ class MatMulNBits(Kernel):
         zmode, zarr, zmid = self._zmode(zq)
         if jit is not None and m <= JIT_MAX_ROWS:
             fn, args = self._gemv_call(jit, a2, bq, sc, zq)
-            fn(*args)
+            if args[-1] == 1:
+                fn(*args)
+            else:
+                t0 = time.perf_counter()
+                fn(*args)
+                t1 = time.perf_counter()
+                _stall_guard.record(t1 - t0, bq.nbytes + sc.nbytes + (0 if zq is None else zq.nbytes), t1)
             return args[6]
         return self._panels(a2, bq, sc, zarr, zmode, zmid, jit)
 
@@ -432,30 +511,59 @@ class MatMulNBits(Kernel):
         m = a2.shape[0]
         zmode, zarr, zmid = self._zmode(zq)
         y = np.empty((m, self.n), np.float32)
-        if m * self.k * self.n < JIT_SERIAL_BELOW or not _parallel_ok():
-            fn, threads = (jit.gemv4_serial if self.bits == 4 else jit.gemv8_serial), 1
+        threads = 1 if m * self.k * self.n < JIT_SERIAL_BELOW or not _parallel_ok() else jit.threads()
+        if threads > 1 and not _stall_guard.parallel_allowed(time.perf_counter()):
+            threads = 1
+        if threads == 1:
+            fn = jit.gemv4_serial if self.bits == 4 else jit.gemv8_serial
         else:
-            fn, threads = (jit.gemv4 if self.bits == 4 else jit.gemv8), jit.threads()
+            fn = jit.gemv4 if self.bits == 4 else jit.gemv8
         return fn, (a2, bq, _jit_view(sc), _jit_view(zarr), zmode, zmid, y, self.n, self.nblocks, self.blob, TILE,
                     threads)
 
     def _panels(self, a2, bq, sc, zarr, zmode, zmid, jit) -> np.ndarray:
-        """``a2 @ W`` by dequantizing panels of whole tiles into a reused scratch, then BLAS."""
+        """``a2 @ W`` by dequantizing panels of whole tiles into a reused scratch, then BLAS.
+
+        With more than one thread (:func:`._act.threads`) and threadpoolctl installed, the panels
+        are split over onnxpack's threads (:func:`._act.parallel`: chunks from a shared counter,
+        the caller works too) and BLAS runs on one thread for the call, so the dequantization
+        runs in parallel too and a descheduled thread never stalls the others.  OpenBLAS splits
+        each call statically between its threads and waits for the slowest: measured M=128,
+        2 threads, fresh processes, while another process loaded the machine, lm_head
+        896x151936 3.5-4.7 s with OpenBLAS's 2 threads vs 0.47-0.90 s split; on a quiet machine
+        254 vs 235 ms (gate_up 896x4864: 12.8-13.7 vs 9.4-12.0 ms, down 4864x896 12.3-19.9 vs
+        10.6-11.0 ms).  The BLAS limit is process-wide while the call runs (BLAS libraries have
+        no per-thread setting): a BLAS call from another Python thread meanwhile runs on one
+        thread too, and a concurrent prefill-sized call here then sees one thread and does not
+        split.
+        """
         m = a2.shape[0]
         kpad = self.nblocks * self.block_size
         ntiles = -(-self.n // TILE)
-        per = max(1, _PANEL_FLOATS // (kpad * TILE))
         y = np.empty((m, self.n), np.float32)
-        for t0 in range(0, ntiles, per):
-            t1 = min(ntiles, t0 + per)
-            c0, c1 = t0 * TILE, min(self.n, t1 * TILE)
-            w = _scratch(kpad * (c1 - c0)).reshape(kpad, c1 - c0)
-            if jit is not None:
-                fn = jit.dequant4 if self.bits == 4 else jit.dequant8
-                fn(bq, _jit_view(sc), _jit_view(zarr), zmode, zmid, w, self.n, self.nblocks, self.blob, TILE, t0, t1)
-            else:
-                self._dequant_numpy(bq, sc, zarr, zmode, zmid, t0, t1, w)
-            np.matmul(a2, w[: self.k], out=y[:, c0:c1])
+        threads = _act.threads()  # one tile: the caller alone, still with a one-thread BLAS
+        split = threads > 1 and _blas_threads_control() is not None
+        per = 1 if split else max(1, _PANEL_FLOATS // (kpad * TILE))
+
+        def run(p0: int, p1: int) -> None:
+            for t0 in range(p0 * per, min(ntiles, p1 * per), per):
+                t1 = min(ntiles, t0 + per)
+                c0, c1 = t0 * TILE, min(self.n, t1 * TILE)
+                w = _scratch(kpad * (c1 - c0)).reshape(kpad, c1 - c0)
+                if jit is not None:
+                    fn = jit.dequant4 if self.bits == 4 else jit.dequant8
+                    fn(bq, _jit_view(sc), _jit_view(zarr), zmode, zmid, w, self.n, self.nblocks, self.blob, TILE,
+                       t0, t1)
+                else:
+                    self._dequant_numpy(bq, sc, zarr, zmode, zmid, t0, t1, w)
+                np.matmul(a2, w[: self.k], out=y[:, c0:c1])
+
+        npanels = -(-ntiles // per)
+        if split:
+            with _blas_threads_control()(1):
+                _act.parallel(run, npanels, threads)
+        else:
+            run(0, npanels)
         return y
 
     def _dequant_numpy(self, bq, sc, zarr, zmode, zmid, t0, t1, out) -> None:
