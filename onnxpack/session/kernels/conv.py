@@ -378,7 +378,7 @@ class Conv(Kernel):
             raise InvalidArgument(f"node {self.node.name!r} (Conv): bias must have shape [{m}], got {list(bias.shape)}")
         pre, post = self._pre, self._post
         jit = _act.jit() if xc.dtype == np.float32 else None
-        if cg == 1 and mg == 1 and g > 1 and nd == 2 and jit is not None and length > 0:
+        if cg == 1 and mg == 1 and g > 1 and nd == 2 and jit is not None and length > 0 and min(begin) >= 0:
             # Depthwise: the JIT folds the padding, bias and activations into one pass.
             y = np.empty((n, m) + tuple(out_shape), np.float32)
             codes, params = _act.encode(pre)
