@@ -20,7 +20,9 @@ import math
 import numpy as np
 import onnxruntime as ort
 import pytest
+import onnx
 from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
 
 import onnxpack
 from onnxpack.session.kernels import _act
@@ -458,3 +460,17 @@ def test_matmul_split_shapes(monkeypatch):
         for sa, sb in cases:
             a, b = rng.standard_normal(sa).astype(np.float32), rng.standard_normal(sb).astype(np.float32)
             np.testing.assert_allclose(_act.matmul(a, b), np.matmul(a, b), rtol=1e-5, atol=1e-5)
+
+
+def test_geometry_cache_follows_the_input_shape(jit_mode):
+    """Conv resolves its geometry once per input shape: runs alternating shapes on one session
+    match onnx.reference every time."""
+    model, _ = conv_model(x_shape=(1, 8, 11, 13), strides=(2, 2), bn=False, tail="none")
+    proto = onnx.load_from_string(model)
+    proto.graph.input[0].type.tensor_type.ClearField("shape")
+    model = proto.SerializeToString()
+    sess = onnxpack.InferenceSession(model)
+    ref = ReferenceEvaluator(proto)
+    for shape in [(1, 8, 11, 13), (2, 8, 6, 9), (1, 8, 11, 13), (1, 8, 4, 17)]:
+        x = _rng(1).standard_normal(shape).astype(np.float32)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], ref.run(None, {"x": x})[0], **TOL)

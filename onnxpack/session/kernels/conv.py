@@ -260,6 +260,7 @@ class Conv(Kernel):
         self._w: np.ndarray | None = None  # packed (g, M/g, C/g, *kernel)
         self._u: np.ndarray | None = None  # packed Winograd filters (16, M, C)
         self._w_from_u: np.ndarray | None = None  # (M, C, 3, 3) recovered for small maps, lazily
+        self._geo: dict[tuple, tuple] = {}  # (spatial shape, kernel) -> resolved geometry (_conv)
 
     # pre-packing
     def _winograd_ok(self, info: TensorInfo) -> bool:
@@ -359,8 +360,14 @@ class Conv(Kernel):
         xc = as_compute(x)
         n, c = xc.shape[:2]
         nd = xc.ndim - 2
-        ks, strides, dils = self.sp.resolve(nd, kernel_shape)
-        kprod = math.prod(ks)
+        # The geometry depends only on the spatial shape and the kernel: computed once per shape
+        # (~10 us of Python per call, most of a small Conv1d's time in Silero VAD).
+        key = (xc.shape[2:], tuple(kernel_shape))
+        geo = self._geo.get(key)
+        if geo is None:
+            ks, strides, dils = self.sp.resolve(nd, kernel_shape)
+            geo = (ks, strides, dils, math.prod(ks), None)
+        ks, strides, dils, kprod, placed = geo
         if c % g or wm.shape[2] != (c // g) * kprod:
             raise InvalidArgument(
                 f"node {self.node.name!r} (Conv): input has {c} channels, weight expects "
@@ -368,7 +375,11 @@ class Conv(Kernel):
             )
         if wm.dtype != xc.dtype:
             wm = wm.astype(xc.dtype)
-        begin, end, out_shape = conv_geometry(xc.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad)
+        if placed is None:
+            placed = conv_geometry(xc.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad)
+            if len(self._geo) < 64:  # bounded: a model fed ever new shapes
+                self._geo[key] = (ks, strides, dils, kprod, placed)
+        begin, end, out_shape = placed
         cg, mg = c // g, m // g
         length = math.prod(out_shape)
         if out is not None and (out.shape != (n, m) + tuple(out_shape) or not out.flags.c_contiguous):
