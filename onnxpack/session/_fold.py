@@ -55,8 +55,8 @@ def fold_constants(steps: Sequence[Step], lookup: Callable[[str], Any | None],
                    max_bytes: int = MAX_BYTES) -> dict[str, Callable[[], np.ndarray]]:
     """Name -> value of every step output that folds, for ``steps`` in execution order.
 
-    ``lookup(name)`` gives the constant a name refers to (an object with ``shape``, ``dtype``
-    and ``value()``: a :class:`~onnxpack.prepack.WeightRef`), or None.  A step whose kernel is
+    ``lookup(name)`` gives the constant a name refers to (an object with ``shape``, ``dtype``,
+    ``derived`` and ``value()``: a :class:`~onnxpack.prepack.WeightRef`), or None.  A step whose kernel is
     ``None`` is a constant expression the compile step has not bound (a ``Constant`` node or a
     derived chain): its outputs fold through ``lookup`` when small.  Each value comes as a
     function computing it once: most constant expressions are packed by their readers and never
@@ -82,13 +82,15 @@ def fold_constants(steps: Sequence[Step], lookup: Callable[[str], Any | None],
         if not outs:
             continue
         if step.kernel is None:  # an unbound constant expression: its value is the lookup's, later
+            # Only Constant tensors and reshaping chains over a weight (Unsqueeze of a Constant
+            # axis list...): a computing chain (Cast, DequantizeLinear) keeps its step where a
+            # step reads it, whose kernel packs the value and so maps it at a warm start instead
+            # of computing it; steps that fold read it through ``lookup`` all the same.
             refs = [lookup(o) for o in outs]
-            if all(w is not None and _nbytes(w.shape, w.dtype) <= max_bytes and np.dtype(w.dtype).kind in "biuf"
-                   for w in refs):
+            if all(w is not None and (w.derived is None or w.derived.is_view)
+                   and _nbytes(w.shape, w.dtype) <= max_bytes and np.dtype(w.dtype).kind in "biuf" for w in refs):
                 for o, w in zip(outs, refs):
                     folded[o] = _once(lambda w=w: np.array(w.value(), copy=True))
-                continue
-            produced.update(outs)
             continue
         got = _fold_step(step, value, max_bytes)
         if got is None:

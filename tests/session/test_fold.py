@@ -134,3 +134,25 @@ def test_folded_values_are_owned_copies():
     ws = sess.program.root.constants["ws"]
     assert ws.flags.owndata and _ops(sess) == ["Add"]
     np.testing.assert_array_equal(sess.run(None, {"x": np.zeros(4, np.float32)})[0], w[2:6])
+
+
+def test_steps_fold_through_a_cast_chain_that_keeps_its_pack():
+    """A Cast of a constant is a derived chain whose step packs its value (mapped at a warm
+    start): it is not folded itself, but a foldable step reading it folds through it."""
+    nodes = [_const("c", np.array([2, 3], np.int32)),
+             helper.make_node("Cast", ["c"], ["c64"], to=I64),
+             _const("m1", np.array([-1], np.int64)),
+             helper.make_node("Concat", ["c64", "m1"], ["shape"], axis=0),
+             helper.make_node("Reshape", ["x", "shape"], ["r"]),
+             helper.make_node("Cast", ["bias"], ["b32"], to=F),
+             helper.make_node("Add", ["r", "b32"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [12])],
+                              [helper.make_tensor_value_info("y", F, None)],
+                              [numpy_helper.from_array(np.arange(2, dtype=np.float16), "bias")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    sess = onnxpack.InferenceSession(model)
+    assert _ops(sess) == ["Reshape", "Cast", "Add"]  # the bias Cast packs its result
+    assert [e["op_type"] for e in sess.get_prepack_log()] == ["Cast"]
+    x = np.arange(12, dtype=np.float32)
+    (want,) = ReferenceEvaluator(onnx.load_from_string(model)).run(None, {"x": x})
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], want)
