@@ -14,7 +14,8 @@
    reads unpacked; the mapped pages of the others are dropped (nothing will read them);
 5. the statistics, derived from the pack log.
 
-Nothing here runs a model, and nothing reaches back into a session: the caller gets the program,
+Nothing here runs a model (only :func:`~onnxpack.session._fold.fold_constants` runs a few
+shape-arithmetic kernels on constants), and nothing reaches back into a session: the caller gets the program,
 and its counters come from the log.  Creation is O(nodes + edges): names are resolved through
 the graph layer's scope chain, never by building the set of every outer name per scope.
 """
