@@ -165,6 +165,11 @@ SHAPES = {
     "depthwise-4x4-s3": dict(group=8, m=8, k=4, strides=(3, 3), pads=(1, 2, 0, 1)),
     "depthwise-4x4-s2-p3": dict(group=8, m=8, k=4, x_shape=(1, 8, 9, 10), strides=(2, 2), pads=(3, 3, 1, 0)),
     "grouped-2": dict(group=2, m=8),
+    # The JIT's direct kernel (one group, C * KH * KW <= 27): an RGB stem, stride 2 and 1, a
+    # 2-channel 3x3 with dilation and asymmetric pads, batch 2.
+    "direct-rgb-s2": dict(x_shape=(1, 3, 15, 16), m=16, strides=(2, 2)),
+    "direct-rgb-s1": dict(x_shape=(2, 3, 9, 11), m=5),
+    "direct-2ch-dil-asym": dict(x_shape=(1, 2, 12, 13), m=4, dilations=(2, 1), pads=(2, 0, 1, 2)),
 }
 
 

@@ -46,7 +46,7 @@ from numba.extending import intrinsic
 
 from onnxpack.session.kernels import _erf as _erf_mod
 
-__all__ = ["depthwise2d", "wino_input", "wino_output", "bias_act", "act_inplace", "expf_array"]
+__all__ = ["depthwise2d", "conv2d_small", "wino_input", "wino_output", "bias_act", "act_inplace", "expf_array"]
 
 _FM = {"contract"}
 
@@ -187,6 +187,94 @@ def _acts(row, codes, params):
         _act_row(row, codes[j], params[j, 0], params[j, 1])
 
 
+@njit(inline="always", fastmath=_FM, error_model="numpy")
+def _scatter(xf, xbase, h_, w_, xp, sh, sw, ph, pw, hq, wq):
+    """One (H, W) plane of ``xf`` (flat, from ``xbase``) into ``xp``'s ``sh * sw`` stride
+    phases of ``hq x wq`` (zeros elsewhere stay zeros): whole rows at stride 1, a one-pass
+    de-interleave at stride 2."""
+    for ih in range(h_):
+        r = ih + ph
+        if r < 0:
+            continue
+        qr = r // sh
+        if qr >= hq:
+            break
+        pr = r - qr * sh
+        srow = xbase + ih * w_
+        if sw == 1:
+            cnt = min(w_, wq - pw)
+            if cnt > 0:
+                dst = xp[(pr * hq + qr) * wq + pw:]
+                src = xf[srow:srow + cnt]
+                for i in range(cnt):
+                    dst[i] = src[i]
+        elif sw == 2:
+            # Both column phases in one pass over the row: input column 2i lands in phase
+            # a = pw % 2 at qa + i, column 2i + 1 in phase 1 - a at qb + i.
+            a = pw % 2
+            qa = pw // 2
+            qb = (1 + pw) // 2
+            na = min((w_ + 1) // 2, wq - qa)
+            nb = min(w_ // 2, wq - qb)
+            da = xp[((pr * 2 + a) * hq + qr) * wq + qa:]
+            db = xp[((pr * 2 + 1 - a) * hq + qr) * wq + qb:]
+            src = xf[srow:srow + w_]
+            m2 = min(na, nb)
+            for i in range(m2):
+                da[i] = src[2 * i]
+                db[i] = src[2 * i + 1]
+            for i in range(m2, na):
+                da[i] = src[2 * i]
+            for i in range(m2, nb):
+                db[i] = src[2 * i + 1]
+        else:
+            for pc in range(sw):
+                # input columns iw with (iw + pw) % sw == pc, from iw0 on, land at qc0, qc0+1, ...
+                iw0 = (pc - pw) % sw
+                if iw0 >= w_:
+                    continue
+                qc0 = (iw0 + pw) // sw
+                cnt = min((w_ - 1 - iw0) // sw + 1, wq - qc0)
+                if cnt <= 0:
+                    continue
+                dst = xp[((pr * sw + pc) * hq + qr) * wq + qc0:]
+                src = xf[srow + iw0:srow + iw0 + (cnt - 1) * sw + 1]
+                for i in range(cnt):
+                    dst[i] = src[i * sw]
+
+
+@njit(inline="always", fastmath=_FM, error_model="numpy")
+def _taps(acc, xp, starts, wc, bc, length):
+    """``acc[:length] = bc + sum_t wc[t] * xp[starts[t]:starts[t] + length]``, three taps per pass."""
+    taps = wc.shape[0]
+    t = 0
+    while t < taps:
+        if t + 3 <= taps:
+            w0 = wc[t]
+            w1 = wc[t + 1]
+            w2 = wc[t + 2]
+            x0 = xp[starts[t]:starts[t] + length]
+            x1 = xp[starts[t + 1]:starts[t + 1] + length]
+            x2 = xp[starts[t + 2]:starts[t + 2] + length]
+            if t == 0:
+                for i in range(length):
+                    acc[i] = bc + w0 * x0[i] + w1 * x1[i] + w2 * x2[i]
+            else:
+                for i in range(length):
+                    acc[i] += w0 * x0[i] + w1 * x1[i] + w2 * x2[i]
+            t += 3
+        else:
+            w0 = wc[t]
+            x0 = xp[starts[t]:starts[t] + length]
+            if t == 0:
+                for i in range(length):
+                    acc[i] = bc + w0 * x0[i]
+            else:
+                for i in range(length):
+                    acc[i] += w0 * x0[i]
+            t += 1
+
+
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
 def depthwise2d(x, w, bias, y, sh, sw, dh, dw, ph, pw, codes, params, nc0, nc1):
     """``y[n, c] = act(bias[c] + sum_{kh,kw} w[c, kh, kw] * xpad[n, c, oh*sh + kh*dh, ow*sw + kw*dw])``.
@@ -234,85 +322,63 @@ def depthwise2d(x, w, bias, y, sh, sw, dh, dw, ph, pw, codes, params, nc0, nc1):
     for nc in range(nc0, nc1):
         c = nc % c_
         xbase = nc * hw
-        for ih in range(h_):
-            r = ih + ph
-            if r < 0:
-                continue
-            qr = r // sh
-            if qr >= hq:
-                break
-            pr = r - qr * sh
-            srow = xbase + ih * w_
-            if sw == 1:
-                cnt = min(w_, wq - pw)
-                if cnt > 0:
-                    dst = xp[(pr * hq + qr) * wq + pw:]
-                    src = xf[srow:srow + cnt]
-                    for i in range(cnt):
-                        dst[i] = src[i]
-            elif sw == 2:
-                # Both column phases in one pass over the row: input column 2i lands in phase
-                # a = pw % 2 at qa + i, column 2i + 1 in phase 1 - a at qb + i.
-                a = pw % 2
-                qa = pw // 2
-                qb = (1 + pw) // 2
-                na = min((w_ + 1) // 2, wq - qa)
-                nb = min(w_ // 2, wq - qb)
-                da = xp[((pr * 2 + a) * hq + qr) * wq + qa:]
-                db = xp[((pr * 2 + 1 - a) * hq + qr) * wq + qb:]
-                src = xf[srow:srow + w_]
-                m2 = min(na, nb)
-                for i in range(m2):
-                    da[i] = src[2 * i]
-                    db[i] = src[2 * i + 1]
-                for i in range(m2, na):
-                    da[i] = src[2 * i]
-                for i in range(m2, nb):
-                    db[i] = src[2 * i + 1]
-            else:
-                for pc in range(sw):
-                    # input columns iw with (iw + pw) % sw == pc, from iw0 on, land at qc0, qc0+1, ...
-                    iw0 = (pc - pw) % sw
-                    if iw0 >= w_:
-                        continue
-                    qc0 = (iw0 + pw) // sw
-                    cnt = min((w_ - 1 - iw0) // sw + 1, wq - qc0)
-                    if cnt <= 0:
-                        continue
-                    dst = xp[((pr * sw + pc) * hq + qr) * wq + qc0:]
-                    src = xf[srow + iw0:srow + iw0 + (cnt - 1) * sw + 1]
-                    for i in range(cnt):
-                        dst[i] = src[i * sw]
+        _scatter(xf, nc * hw, h_, w_, xp, sh, sw, ph, pw, hq, wq)
         wc = w[c].reshape(-1)
         bc = bias[c]
-        t = 0
-        while t < taps:
-            if t + 3 <= taps:
-                w0 = wc[t]
-                w1 = wc[t + 1]
-                w2 = wc[t + 2]
-                x0 = xp[starts[t]:starts[t] + length]
-                x1 = xp[starts[t + 1]:starts[t + 1] + length]
-                x2 = xp[starts[t + 2]:starts[t + 2] + length]
-                if t == 0:
-                    for i in range(length):
-                        acc[i] = bc + w0 * x0[i] + w1 * x1[i] + w2 * x2[i]
-                else:
-                    for i in range(length):
-                        acc[i] += w0 * x0[i] + w1 * x1[i] + w2 * x2[i]
-                t += 3
-            else:
-                w0 = wc[t]
-                x0 = xp[starts[t]:starts[t] + length]
-                if t == 0:
-                    for i in range(length):
-                        acc[i] = bc + w0 * x0[i]
-                else:
-                    for i in range(length):
-                        acc[i] += w0 * x0[i]
-                t += 1
+        _taps(acc, xp, starts, wc, bc, length)
         _acts(acc, codes, params)  # the extra columns are activated too, and dropped
         ybase = nc * ohw
+        for oh in range(oh_):
+            row = yf[ybase + oh * ow_:ybase + (oh + 1) * ow_]
+            src2 = acc[oh * wq:oh * wq + ow_]
+            for i in range(ow_):
+                row[i] = src2[i]
+
+
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def conv2d_small(x, w, bias, y, sh, sw, dh, dw, ph, pw, codes, params, nc0, nc1):
+    """A one-group convolution with few taps per output (``C * KH * KW`` small: an RGB stem's
+    27, a 1x1 conv from 16 channels), the depthwise kernel's way: each image's ``C`` planes
+    are scattered once into their stride phases, then every output plane is ``C * KH * KW``
+    long multiply-adds (three per pass) plus its bias and activations, written once.
+
+    ``x`` (N, C, H, W), ``w`` (M, C, KH, KW), ``bias`` (M,), ``y`` (N, M, OH, OW), float32
+    C-contiguous, ``ph, pw >= 0``; planes ``nc0 <= n*M + m < nc1``.  An im2col + GEMM of inner
+    size 27 runs far below BLAS speed and makes ``K`` copies of the input plus a pass for the
+    epilogue; here the input is copied once and the output written once.
+    """
+    n_, c_, h_, w_ = x.shape
+    m_, oh_, ow_ = y.shape[1], y.shape[2], y.shape[3]
+    kh_, kw_ = w.shape[2], w.shape[3]
+    hq = oh_ + ((kh_ - 1) * dh) // sh
+    wq = ow_ + ((kw_ - 1) * dw) // sw
+    psize = sh * sw * hq * wq
+    xp = np.zeros(c_ * psize, dtype=np.float32)
+    length = (oh_ - 1) * wq + ow_
+    acc = np.empty(length, dtype=np.float32)
+    starts = np.empty(c_ * kh_ * kw_, dtype=np.int64)
+    for ci in range(c_):
+        for kh in range(kh_):
+            rr = kh * dh
+            for kw in range(kw_):
+                cc = kw * dw
+                starts[(ci * kh_ + kh) * kw_ + kw] = ci * psize + (((rr % sh) * sw + cc % sw) * hq + rr // sh) * wq + cc // sw
+    xf = x.reshape(-1)
+    yf = y.reshape(-1)
+    wf = w.reshape(m_, -1)
+    hw = h_ * w_
+    ohw = oh_ * ow_
+    cur = -1
+    for nm in range(nc0, nc1):
+        n = nm // m_
+        m = nm - n * m_
+        if n != cur:
+            for ci in range(c_):
+                _scatter(xf, (n * c_ + ci) * hw, h_, w_, xp[ci * psize:(ci + 1) * psize], sh, sw, ph, pw, hq, wq)
+            cur = n
+        _taps(acc, xp, starts, wf[m], bias[m], length)
+        _acts(acc, codes, params)
+        ybase = nm * ohw
         for oh in range(oh_):
             row = yf[ybase + oh * ow_:ybase + (oh + 1) * ow_]
             src2 = acc[oh * wq:oh * wq + ow_]
