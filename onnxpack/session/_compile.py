@@ -14,7 +14,8 @@
    reads unpacked; the mapped pages of the others are dropped (nothing will read them);
 5. the statistics, derived from the pack log.
 
-Nothing here runs a model, and nothing reaches back into a session: the caller gets the program,
+Nothing here runs a model (only :func:`~onnxpack.session._fold.fold_constants` runs a few
+shape-arithmetic kernels on constants), and nothing reaches back into a session: the caller gets the program,
 and its counters come from the log.  Creation is O(nodes + edges): names are resolved through
 the graph layer's scope chain, never by building the set of every outer name per scope.
 """
@@ -34,6 +35,7 @@ from onnxpack.graph import Model, Scope
 from onnxpack.prepack import PackSources, PrepackedWeightsContainer, WeightRef
 from onnxpack.session._api import declared_dim
 from onnxpack.session._derive import derive
+from onnxpack.session._fold import fold_constants
 from onnxpack.session._api import override_dims
 from onnxpack.session._fusion import ConstMeta, Fusion, apply_fusions, plan_fusions
 from onnxpack.session._program import PackEvent, Plan, PrepackStats, Program, Step, schedule, topological_order
@@ -185,6 +187,10 @@ class _Compiler:
         for idx in order:
             k, node, fusion = entries[idx]
             bound.append(self._bind(scope, node, fusion, children.get(k, []), implicit.get(k, ())))
+        folded: dict[str, Callable[[], np.ndarray]] = {}
+        if self.options.prepack and self.options.fuse and self.options.runnable:  # see _fold.py
+            folded = fold_constants([b.step for b in bound], lambda n: self._weight(scope, n))
+            bound = [b for b in bound if not _all_folded(b.step, folded)]
         steps = self._live(bound, [o.name for o in graph.output])
         # Graph outputs that are constants keep their originals.
         for out in graph.output:
@@ -196,6 +202,9 @@ class _Compiler:
             input_names = [n for n in input_names if n not in scope.initializers] + sorted(self.overridable)
         output_names = [o.name for o in graph.output]
         constants = self._constants(scope, output_names)
+        if folded:
+            read = {n for step in steps for n in (*step.args, *step.implicit) if n} | set(output_names)
+            constants.update((n, v()) for n, v in folded.items() if n in read)
         return Plan(
             name=name, path=scope.path, input_names=tuple(input_names), output_names=tuple(output_names),
             constants=constants, steps=schedule(steps, input_names, output_names, constants),
@@ -405,6 +414,11 @@ class _Bound:
     events: tuple[PackEvent, ...]
     fallback: str | None
     later: Callable[[], _Bound] | None = None  # a constant-expression node, bound if kept (see _bind)
+
+
+def _all_folded(step: Step, folded: Mapping[str, Any]) -> bool:
+    outs = [o for o in step.outputs if o]
+    return bool(outs) and all(o in folded for o in outs)
 
 
 def _declared_dims(value_info: Any) -> tuple[int | None, ...] | None:

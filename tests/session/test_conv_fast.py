@@ -20,7 +20,9 @@ import math
 import numpy as np
 import onnxruntime as ort
 import pytest
+import onnx
 from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
 
 import onnxpack
 from onnxpack.session.kernels import _act
@@ -156,7 +158,18 @@ SHAPES = {
     "depthwise-5x5-s2": dict(group=8, m=8, k=5, strides=(2, 2), pads=(2, 2, 2, 2)),
     "depthwise-3x3-s21-asym": dict(group=8, m=8, strides=(2, 1), pads=(1, 0, 2, 1)),
     "depthwise-dil2": dict(group=8, m=8, dilations=(2, 2), pads=(2, 2, 2, 2)),
+    # The JIT's row scatter per column stride: 2 with odd/even padding and width, 3 (generic),
+    # and a 4x4 kernel (taps in passes of three plus a remainder).
+    "depthwise-3x3-s2-even": dict(group=8, m=8, x_shape=(1, 8, 12, 14), strides=(2, 2)),
+    "depthwise-3x3-s12-asym": dict(group=8, m=8, strides=(1, 2), pads=(0, 0, 1, 1)),
+    "depthwise-4x4-s3": dict(group=8, m=8, k=4, strides=(3, 3), pads=(1, 2, 0, 1)),
+    "depthwise-4x4-s2-p3": dict(group=8, m=8, k=4, x_shape=(1, 8, 9, 10), strides=(2, 2), pads=(3, 3, 1, 0)),
     "grouped-2": dict(group=2, m=8),
+    # The JIT's direct kernel (one group, C * KH * KW <= 27): an RGB stem, stride 2 and 1, a
+    # 2-channel 3x3 with dilation and asymmetric pads, batch 2.
+    "direct-rgb-s2": dict(x_shape=(1, 3, 15, 16), m=16, strides=(2, 2)),
+    "direct-rgb-s1": dict(x_shape=(2, 3, 9, 11), m=5),
+    "direct-2ch-dil-asym": dict(x_shape=(1, 2, 12, 13), m=4, dilations=(2, 1), pads=(2, 0, 1, 2)),
 }
 
 
@@ -452,3 +465,17 @@ def test_matmul_split_shapes(monkeypatch):
         for sa, sb in cases:
             a, b = rng.standard_normal(sa).astype(np.float32), rng.standard_normal(sb).astype(np.float32)
             np.testing.assert_allclose(_act.matmul(a, b), np.matmul(a, b), rtol=1e-5, atol=1e-5)
+
+
+def test_geometry_cache_follows_the_input_shape(jit_mode):
+    """Conv resolves its geometry once per input shape: runs alternating shapes on one session
+    match onnx.reference every time."""
+    model, _ = conv_model(x_shape=(1, 8, 11, 13), strides=(2, 2), bn=False, tail="none")
+    proto = onnx.load_from_string(model)
+    proto.graph.input[0].type.tensor_type.ClearField("shape")
+    model = proto.SerializeToString()
+    sess = onnxpack.InferenceSession(model)
+    ref = ReferenceEvaluator(proto)
+    for shape in [(1, 8, 11, 13), (2, 8, 6, 9), (1, 8, 11, 13), (1, 8, 4, 17)]:
+        x = _rng(1).standard_normal(shape).astype(np.float32)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], ref.run(None, {"x": x})[0], **TOL)

@@ -374,6 +374,13 @@ def test_pad(mode, pads):
     check(make_node("Pad", ["x", "p", "v"][: len(ins)], ["y"], mode=mode), ins, 13)
 
 
+# One padded axis takes reflect's concatenate path; pads as long as the axis take np.pad's.
+@pytest.mark.parametrize("pads", [[0, 2, 0, 3], [0, 0, 0, 3], [2, 0, 0, 0], [0, 3, 0, 0], [0, 4, 0, 1], [1, 0, 1, 0]],
+                         ids=str)
+def test_pad_reflect_one_axis(pads):
+    check(make_node("Pad", ["x", "p"], ["y"], mode="reflect"), [x_((3, 4)), i64(*pads)], 13)
+
+
 @pytest.mark.parametrize("mode", ["constant", "reflect", "edge"])
 def test_pad_negative_crops(mode):
     # onnx.reference (np.pad) rejects negative pads; the oracle is crop-then-np.pad.

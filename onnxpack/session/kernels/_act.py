@@ -339,11 +339,24 @@ def _apply_numpy(y: np.ndarray, act: Activation) -> np.ndarray:
     return y
 
 
+_encoded: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+
 def encode(acts, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
-    """``(codes int64 (k,), params (k, 2))`` of a sequence of activations, for the JIT kernels."""
-    codes = np.array([a.code for a in acts], dtype=np.int64)
-    params = np.array([[a.a, a.b] for a in acts], dtype=dtype).reshape(len(acts), 2)
-    return codes, params
+    """``(codes int64 (k,), params (k, 2))`` of a sequence of activations, for the JIT kernels.
+
+    Made once per chain and dtype (a kernel's chain is fixed: two small arrays per call cost
+    ~3 us each in every fused Conv/MatMul step); the arrays are shared, and nothing writes them.
+    """
+    key = (tuple(acts), np.dtype(dtype).char)
+    got = _encoded.get(key)
+    if got is None:
+        codes = np.array([a.code for a in acts], dtype=np.int64)
+        params = np.array([[a.a, a.b] for a in acts], dtype=dtype).reshape(len(acts), 2)
+        got = (codes, params)
+        if len(_encoded) < 4096:  # bounded (a NaN parameter never finds its own entry)
+            got = _encoded.setdefault(key, got)
+    return got
 
 
 # Activations numpy computes in place at memory speed (one ufunc pass, no temporary): an

@@ -711,6 +711,13 @@ def _pad(x: np.ndarray, pads: list[int], mode: str, value, axes: list[int] | Non
         out = np.full(out_shape, value, dtype=x.dtype)
         out[tuple(slice(b, b + s) for b, s in zip(before, x.shape))] = x
         return out
+    padded = [d for d in range(rank) if before[d] or after[d]]
+    if mode == "reflect" and len(padded) == 1 and max(before[padded[0]], after[padded[0]]) < x.shape[padded[0]]:
+        # One axis, pads shorter than it (an STFT's reflect padding): the mirrored edges joined
+        # with one concatenate, a few us instead of np.pad's general path (~30 us on 512 samples).
+        d, b, a = padded[0], before[padded[0]], after[padded[0]]
+        lead = (slice(None),) * d
+        return np.concatenate([x[lead + (slice(b, 0, -1),)], x, x[lead + (slice(-2, -2 - a, -1),)]], axis=d)
     return np.pad(x, list(zip(before, after)), mode=mode)
 
 

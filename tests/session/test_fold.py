@@ -1,0 +1,158 @@
+"""Constant folding at compile (session/_fold.py): what folds, what does not, and that folded
+programs compute what onnx.reference computes."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+import onnxpack
+from onnxpack.errors import RuntimeFailure
+from onnxpack.session import _fold
+
+F = TensorProto.FLOAT
+I64 = TensorProto.INT64
+
+
+def _const(name, value):
+    return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.asarray(value), name + "_t"))
+
+
+def _shape_chain_model() -> bytes:
+    """x (2, 12) reshaped to a shape computed from a constant's Shape, Gather, Mul, Unsqueeze and
+    Concat (Silero-style padding arithmetic), plus a padding amount from ConstantOfShape."""
+    nodes = [
+        _const("c", np.zeros((3, 4), np.float32)),
+        helper.make_node("Shape", ["c"], ["s"]),
+        _const("i0", np.int64(0)),
+        _const("i1", np.int64(1)),
+        helper.make_node("Gather", ["s", "i0"], ["d0"]),
+        helper.make_node("Gather", ["s", "i1"], ["d1"]),
+        helper.make_node("Mul", ["d0", "d1"], ["n"]),  # 12
+        _const("ax", np.array([0], np.int64)),
+        helper.make_node("Unsqueeze", ["n", "ax"], ["nu"]),
+        _const("minus1", np.array([-1], np.int64)),
+        helper.make_node("Concat", ["minus1", "nu"], ["shape"], axis=0),
+        helper.make_node("Reshape", ["x", "shape"], ["r"]),
+        helper.make_node("ConstantOfShape", ["nu"], ["ones"], value=numpy_helper.from_array(np.ones(1, np.float32))),
+        helper.make_node("Add", ["r", "ones"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [2, 12])],
+                              [helper.make_tensor_value_info("y", F, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+
+
+def _ops(sess) -> list[str]:
+    return [s.node.op_type for s in sess.program.root.steps]
+
+
+def test_shape_arithmetic_over_constants_folds_and_runs_like_the_reference():
+    model = _shape_chain_model()
+    x = np.random.default_rng(0).standard_normal((2, 12)).astype(np.float32)
+    sess = onnxpack.InferenceSession(model)
+    # Only the steps that read the input are left; every folded value is a plan constant.
+    assert _ops(sess) == ["Reshape", "Add"]
+    assert {"shape", "ones"} <= set(sess.program.root.constants)
+    (want,) = ReferenceEvaluator(onnx.load_from_string(model)).run(None, {"x": x})
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], want)
+
+
+def test_no_folding_without_graph_optimizations():
+    so = onnxpack.SessionOptions()
+    so.graph_optimization_level = onnxpack.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = onnxpack.InferenceSession(_shape_chain_model(), so)
+    assert "Concat" in _ops(sess) and "Shape" in _ops(sess)
+    x = np.ones((2, 12), np.float32)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x + 1)
+
+
+def test_random_and_large_values_keep_their_steps():
+    big = np.arange(_fold.MAX_BYTES // 4 + 1, dtype=np.float32)
+    nodes = [
+        helper.make_node("RandomNormalLike", ["w"], ["noise"], seed=1.0),
+        helper.make_node("Neg", ["big"], ["nbig"]),  # not a folding op
+        helper.make_node("Identity", ["big"], ["ibig"]),  # a folding op, but over MAX_BYTES
+        helper.make_node("Add", ["x", "noise"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", F, [3])],
+        [helper.make_tensor_value_info(n, F, None) for n in ("y", "nbig", "ibig")],
+        [numpy_helper.from_array(np.zeros(3, np.float32), "w"), numpy_helper.from_array(big, "big")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    sess = onnxpack.InferenceSession(model)
+    assert sorted(_ops(sess)) == ["Add", "Identity", "Neg", "RandomNormalLike"]
+    y, nbig, ibig = sess.run(None, {"x": np.zeros(3, np.float32)})
+    np.testing.assert_array_equal(nbig, -big)
+    np.testing.assert_array_equal(ibig, big)
+
+
+def test_a_kernel_error_is_left_to_the_run():
+    nodes = [_const("shape", np.array([5, 5], np.int64)),
+             _const("c", np.zeros(6, np.float32)),
+             helper.make_node("Reshape", ["c", "shape"], ["bad"]),  # 6 elements into 25: invalid
+             helper.make_node("Add", ["x", "bad"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, None)],
+                              [helper.make_tensor_value_info("y", F, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    sess = onnxpack.InferenceSession(model)  # creation does not fail
+    assert "Reshape" in _ops(sess)
+    with pytest.raises(RuntimeFailure):
+        sess.run(None, {"x": np.zeros(1, np.float32)})
+
+
+def test_subgraphs_read_values_folded_in_the_enclosing_graph():
+    then_g = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["t"])], "then", [],
+                               [helper.make_tensor_value_info("t", F, None)])
+    else_g = helper.make_graph([helper.make_node("Neg", ["x"], ["e"])], "else", [],
+                               [helper.make_tensor_value_info("e", F, None)])
+    nodes = [_const("a", np.array([3], np.int64)), _const("b", np.array([-1], np.int64)),
+             helper.make_node("Concat", ["a", "b"], ["shape"], axis=0),
+             helper.make_node("If", ["cond"], ["y"], then_branch=then_g, else_branch=else_g)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [6]),
+                                           helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("y", F, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    sess = onnxpack.InferenceSession(model)
+    assert _ops(sess) == ["If"]
+    x = np.arange(6, dtype=np.float32)
+    np.testing.assert_array_equal(sess.run(None, {"x": x, "cond": np.array(True)})[0], x.reshape(3, 2))
+    np.testing.assert_array_equal(sess.run(None, {"x": x, "cond": np.array(False)})[0], -x)
+
+
+def test_folded_values_are_owned_copies():
+    w = np.arange(8, dtype=np.float32)
+    nodes = [helper.make_node("Slice", ["w", "st", "en"], ["ws"]), helper.make_node("Add", ["x", "ws"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", F, [4])], [helper.make_tensor_value_info("y", F, None)],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array([2], np.int64), "st"),
+         numpy_helper.from_array(np.array([6], np.int64), "en")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    sess = onnxpack.InferenceSession(model)
+    ws = sess.program.root.constants["ws"]
+    assert ws.flags.owndata and _ops(sess) == ["Add"]
+    np.testing.assert_array_equal(sess.run(None, {"x": np.zeros(4, np.float32)})[0], w[2:6])
+
+
+def test_steps_fold_through_a_cast_chain_that_keeps_its_pack():
+    """A Cast of a constant is a derived chain whose step packs its value (mapped at a warm
+    start): it is not folded itself, but a foldable step reading it folds through it."""
+    nodes = [_const("c", np.array([2, 3], np.int32)),
+             helper.make_node("Cast", ["c"], ["c64"], to=I64),
+             _const("m1", np.array([-1], np.int64)),
+             helper.make_node("Concat", ["c64", "m1"], ["shape"], axis=0),
+             helper.make_node("Reshape", ["x", "shape"], ["r"]),
+             helper.make_node("Cast", ["bias"], ["b32"], to=F),
+             helper.make_node("Add", ["r", "b32"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [12])],
+                              [helper.make_tensor_value_info("y", F, None)],
+                              [numpy_helper.from_array(np.arange(2, dtype=np.float16), "bias")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    sess = onnxpack.InferenceSession(model)
+    assert _ops(sess) == ["Reshape", "Cast", "Add"]  # the bias Cast packs its result
+    assert [e["op_type"] for e in sess.get_prepack_log()] == ["Cast"]
+    x = np.arange(12, dtype=np.float32)
+    (want,) = ReferenceEvaluator(onnx.load_from_string(model)).run(None, {"x": x})
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], want)
