@@ -116,9 +116,12 @@ class _Kernels:
         ade = _scratch("ade", m * nb * (8 // bits) * blob, np.float32)
         asum = _scratch("asum", m * nb, np.float32)
         work = _scratch("work", threads * 2 * m * CHUNK, np.float32)
+        # Work items (CHUNK columns) taken a few at a time: each thread then streams runs of
+        # neighbouring columns, and about 4 grabs per thread still even out a slow thread.
+        chunk = max(1, -(-n // CHUNK) // (4 * threads))
         block = np.empty(G_HEADER + 2 * threads, np.int64)
         block[:G_HEADER] = (_addr(a), m, k, _addr(bq), bq.size, _addr(sc), sc.size, _addr(zq), zq.size, zmode,
-                            _f64_bits(zmid), _addr(y), n, nb, blob, tile, _addr(ade), _addr(asum), _addr(work), 1)
+                            _f64_bits(zmid), _addr(y), n, nb, blob, tile, _addr(ade), _addr(asum), _addr(work), chunk)
         if threads > 1:
             self._lib.parallel(f"gemv{key}_omp", _addr(block), threads)
         else:
