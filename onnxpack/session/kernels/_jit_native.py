@@ -14,12 +14,15 @@ This module imports neither numba nor llvmlite at import time.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import struct
 import subprocess
 import sys
 import threading
 import time
+import weakref
+from typing import Any
 import numpy as np
 
 from onnxpack.session.kernels import _act, _native
@@ -49,17 +52,47 @@ def _sources() -> list[str]:
     return [os.path.join(here, f"{name}.py") for name in ("_nbits_jit", "_conv_jit", "_erf", "_jit_native")]
 
 
-def _f64_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+# The GEMV block's header as packed by struct (slot G_ZMID is a float64); the dequantization's.
+_G_PACK = struct.Struct("<" + "".join("d" if i == G_ZMID else "q" for i in range(G_HEADER)))
+_D_PACK = struct.Struct("<" + "".join("d" if i == D_ZMID else "q" for i in range(D_HEADER)))
+_SLOTS = 64  # loop slots of the per-thread block: up to this many OpenMP threads
+_addresses: dict[int, tuple[Any, int]] = {}  # id(array) -> (weakref to it, its data address)
 
 
 def _addr(a: np.ndarray) -> int:
-    return a.__array_interface__["data"][0]
+    """The data address of ``a``, remembered for arrays seen before (the packed weights, the
+    scratch: ``__array_interface__`` costs ~2 us, a kernel call passes nine addresses)."""
+    entry = _addresses.get(id(a))
+    if entry is not None and entry[0]() is a:
+        return entry[1]
+    addr = a.__array_interface__["data"][0]
+    if a.base is not None or a.flags.owndata:
+        try:
+            ref = weakref.ref(a)
+        except TypeError:  # pragma: no cover - ndarrays take weak references
+            return addr
+        if len(_addresses) > 4096:  # arrays that died: forget them
+            for key in [k for k, (r, _) in _addresses.items() if r() is None]:
+                del _addresses[key]
+        _addresses[id(a)] = (ref, addr)
+    return addr
+
+
+def _block() -> tuple[Any, int]:
+    """This thread's argument block (ctypes int64 array) and its address."""
+    blk = getattr(_local, "block", None)
+    if blk is None:
+        buf = (ctypes.c_int64 * (G_HEADER + 2 * _SLOTS))()
+        blk = _local.block = (buf, ctypes.addressof(buf))
+    return blk
 
 
 @scratch_releaser
 def _drop_scratch() -> None:
+    block = getattr(_local, "block", None)
     _local.__dict__.clear()
+    if block is not None:
+        _local.block = block
 
 
 def _scratch(name: str, count: int, dtype) -> np.ndarray:
@@ -112,20 +145,21 @@ class _Kernels:
         m, k = a.shape
         if not zmode or zq.size == 0:
             zq = _EMPTY_U8
-        threads = max(1, int(threads)) if parallel else 1
+        threads = min(max(1, int(threads)), _SLOTS) if parallel else 1
         ade = _scratch("ade", m * nb * (8 // bits) * blob, np.float32)
         asum = _scratch("asum", m * nb, np.float32)
         work = _scratch("work", threads * 2 * m * CHUNK, np.float32)
         # Work items (CHUNK columns) taken a few at a time: each thread then streams runs of
         # neighbouring columns, and about 4 grabs per thread still even out a slow thread.
         chunk = max(1, -(-n // CHUNK) // (4 * threads))
-        block = np.empty(G_HEADER + 2 * threads, np.int64)
-        block[:G_HEADER] = (_addr(a), m, k, _addr(bq), bq.size, _addr(sc), sc.size, _addr(zq), zq.size, zmode,
-                            _f64_bits(zmid), _addr(y), n, nb, blob, tile, _addr(ade), _addr(asum), _addr(work), chunk)
+        buf, address = _block()
+        _G_PACK.pack_into(buf, 0, _addr(a), m, k, _addr(bq), bq.size, _addr(sc), sc.size, _addr(zq), zq.size,
+                          zmode, float(zmid), _addr(y), n, nb, blob, tile, _addr(ade), _addr(asum), _addr(work),
+                          chunk)
         if threads > 1:
-            self._lib.parallel(f"gemv{key}_omp", _addr(block), threads)
+            self._lib.parallel(f"gemv{key}_omp", address, threads)
         else:
-            self._lib.call(f"gemv{key}", _addr(block))
+            self._lib.call(f"gemv{key}", address)
 
     def gemv4(self, *args):
         self._gemv(4, True, *args)
@@ -145,9 +179,10 @@ class _Kernels:
             return getattr(self._fallback(), f"dequant{bits}")(bq, sc, zq, zmode, zmid, out, n, nb, blob, tile, t0, t1)
         if not zmode or zq.size == 0:
             zq = _EMPTY_U8
-        block = np.array((_addr(bq), bq.size, _addr(sc), sc.size, _addr(zq), zq.size, zmode, _f64_bits(zmid),
-                          _addr(out), out.shape[0], out.shape[1], n, nb, blob, tile, t0, t1), np.int64)
-        self._lib.call(f"dequant{key}", _addr(block))
+        buf, address = _block()
+        _D_PACK.pack_into(buf, 0, _addr(bq), bq.size, _addr(sc), sc.size, _addr(zq), zq.size, zmode, float(zmid),
+                          _addr(out), out.shape[0], out.shape[1], n, nb, blob, tile, t0, t1)
+        self._lib.call(f"dequant{key}", address)
 
     def dequant4(self, *args):
         self._dequant(4, *args)
@@ -160,8 +195,9 @@ class _Kernels:
         float32 ``params`` (len(codes), 2)."""
         codes = np.ascontiguousarray(codes, np.int64)
         params = np.ascontiguousarray(params, np.float32)
-        block = np.array((_addr(flat), flat.size, _addr(codes), codes.size, _addr(params)), np.int64)
-        self._lib.call("act_f32", _addr(block))
+        buf, address = _block()
+        struct.pack_into("<5q", buf, 0, _addr(flat), flat.size, _addr(codes), codes.size, _addr(params))
+        self._lib.call("act_f32", address)
 
 
 def load() -> _Kernels | None:
