@@ -200,6 +200,11 @@ def test_stall_guard_policy():
     assert g.stalls == 1
     assert not g.parallel_allowed(100.0 + g.SERIAL_FOR_S - 0.01)
     assert g.parallel_allowed(100.0 + g.SERIAL_FOR_S)
+    # a kernel's first call (first touch of its pages) is not counted; its second is
+    g.record(10.0, mb, 200.0, key="k")
+    assert g.stalls == 1 and g.parallel_allowed(200.0)
+    g.record(10.0, mb, 200.0, key="k")
+    assert g.stalls == 2 and not g.parallel_allowed(200.0)
 
 
 def test_decode_after_a_stall_runs_serial_and_matches(monkeypatch):

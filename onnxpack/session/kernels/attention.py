@@ -801,16 +801,19 @@ class GroupQueryAttention(Kernel):
         vv = _f(pv[0, :, lo:t], fd)
         qg = q.reshape(nkv, g, h)
         scale = self.scale if self.scale != 0.0 else 1.0 / math.sqrt(h)
-        # keys as the left operand: numpy's batched matmul with a transposed right operand is slow
-        scores = np.matmul(kk, np.ascontiguousarray(qg.swapaxes(-1, -2)))  # (Nkv, T, G)
+        # Keys as the left operand (numpy's batched matmul with a transposed right operand is
+        # slow), then the small (Nkv, T, G) product turned to (Nkv, G, T) rows: the softmax runs
+        # along contiguous rows and the value product takes a plain left operand (transposed, it
+        # cost ~0.4 ms per layer at 1,024 keys).
+        scores = np.ascontiguousarray(np.matmul(kk, np.ascontiguousarray(qg.swapaxes(-1, -2))).swapaxes(-1, -2))
         scores *= fd.type(scale)
         if self.softcap > 0:
             scores /= fd.type(self.softcap)
             np.tanh(scores, out=scores)
             scores *= fd.type(self.softcap)
-        scores -= scores.max(axis=1, keepdims=True)
+        scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
-        scores /= scores.sum(axis=1, keepdims=True)
-        out = np.matmul(scores.swapaxes(-1, -2), vv)  # (Nkv, G, H)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        out = np.matmul(scores, vv)  # (Nkv, G, H)
         y = out.reshape(1, 1, n * h).astype(dtype, copy=False)
         return (y, pk, pv)[: self.n_out]
