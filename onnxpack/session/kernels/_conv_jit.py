@@ -321,18 +321,23 @@ def depthwise2d(x, w, bias, y, sh, sw, dh, dw, ph, pw, codes, params, nc0, nc1):
     ohw = oh_ * ow_
     for nc in range(nc0, nc1):
         c = nc % c_
-        xbase = nc * hw
         _scatter(xf, nc * hw, h_, w_, xp, sh, sw, ph, pw, hq, wq)
         wc = w[c].reshape(-1)
         bc = bias[c]
         _taps(acc, xp, starts, wc, bc, length)
         _acts(acc, codes, params)  # the extra columns are activated too, and dropped
-        ybase = nc * ohw
-        for oh in range(oh_):
-            row = yf[ybase + oh * ow_:ybase + (oh + 1) * ow_]
-            src2 = acc[oh * wq:oh * wq + ow_]
-            for i in range(ow_):
-                row[i] = src2[i]
+        _store_plane(yf, nc * ohw, acc, oh_, ow_, wq)
+
+
+@njit(inline="always", fastmath=_FM, error_model="numpy")
+def _store_plane(yf, ybase, acc, oh_, ow_, wq):
+    """The ``oh_ x ow_`` output plane at ``yf[ybase:]`` from the accumulator's rows of ``wq``
+    (whose extra columns are dropped)."""
+    for oh in range(oh_):
+        row = yf[ybase + oh * ow_:ybase + (oh + 1) * ow_]
+        src = acc[oh * wq:oh * wq + ow_]
+        for i in range(ow_):
+            row[i] = src[i]
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
@@ -378,12 +383,7 @@ def conv2d_small(x, w, bias, y, sh, sw, dh, dw, ph, pw, codes, params, nc0, nc1)
             cur = n
         _taps(acc, xp, starts, wf[m], bias[m], length)
         _acts(acc, codes, params)
-        ybase = nm * ohw
-        for oh in range(oh_):
-            row = yf[ybase + oh * ow_:ybase + (oh + 1) * ow_]
-            src2 = acc[oh * wq:oh * wq + ow_]
-            for i in range(ow_):
-                row[i] = src2[i]
+        _store_plane(yf, nm * ohw, acc, oh_, ow_, wq)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")

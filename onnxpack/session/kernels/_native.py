@@ -49,7 +49,7 @@ from typing import Any
 
 from onnxpack._io import atomic_write
 
-__all__ = ["cache_dir", "fingerprint", "path_for", "save", "load", "intact", "Native", "GOMP"]
+__all__ = ["cache_dir", "gomp_library", "fingerprint", "path_for", "save", "load", "intact", "Native", "GOMP"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,11 @@ def cache_dir() -> str:
         return env
     base = os.environ.get("XDG_CACHE_HOME", "") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "onnxpack", "native")
+
+
+def gomp_library() -> str:
+    """What to open for GNU OpenMP (the parallel entries' runtime)."""
+    return ctypes.util.find_library("gomp") or GOMP
 
 
 def _version(dist: str) -> str:
@@ -209,9 +214,8 @@ def _resolve(llvm, names: Sequence[str]) -> bool:
     runtime functions these allocation-free kernels never reach — is bound to ``abort``.
     Returns False when GNU OpenMP is needed but missing."""
     if any(n.startswith(("GOMP_", "omp_")) for n in names):
-        lib = ctypes.util.find_library("gomp") or GOMP
         try:
-            llvm.load_library_permanently(lib)
+            llvm.load_library_permanently(gomp_library())
         except RuntimeError:
             return False
     helper = _helperlib()
@@ -283,7 +287,7 @@ class Native:
     def parallel(self, name: str, block_address: int, threads: int) -> None:
         gomp = Native._gomp
         if gomp is None:
-            gomp = ctypes.CDLL(ctypes.util.find_library("gomp") or GOMP)
+            gomp = ctypes.CDLL(gomp_library())
             gomp.GOMP_parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
             gomp.GOMP_parallel.restype = None
             Native._gomp = gomp

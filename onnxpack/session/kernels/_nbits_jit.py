@@ -350,16 +350,15 @@ def native_entries() -> dict:
     ``GOMP_parallel``: thread 0 re-orders the activations, a barrier, then every thread takes
     work items from a dynamic loop) and ``dequant{bits}_{sc}``.
     """
-    import ctypes.util
-
     import llvmlite.binding as llvm
     from numba import carray, cfunc
 
     from onnxpack.session.kernels import _jit_native as L
+    from onnxpack.session.kernels._native import gomp_library
     from onnxpack.session.kernels._conv_jit import F32, U8, U16, address, as_ptr
 
     # The OpenMP workers call GNU OpenMP's loop and barrier functions: numba's JIT must resolve them.
-    llvm.load_library_permanently(ctypes.util.find_library("gomp") or "libgomp.so.1")
+    llvm.load_library_permanently(gomp_library())
 
     i64 = types.int64
     loop_start = types.ExternalFunction("GOMP_loop_nonmonotonic_dynamic_start", types.uint8(i64, i64, i64, i64, i64, i64))
