@@ -72,3 +72,27 @@ def native_cache() -> str:
 
     assert _jit_native.build() is not None
     return os.environ["ONNXPACK_CODE_CACHE"]
+
+
+@pytest.fixture(params=["jit", "native", "numpy"])
+def jit_path(request, monkeypatch):
+    """Which compute path the JIT-backed kernels take (activations, RMS norm, the decoding step
+    of GroupQueryAttention): numba's kernels, the same kernels from the native code cache without
+    numba, or the numpy twins (``ONNXPACK_DISABLE_JIT=1``).  Returns the name."""
+    from onnxpack.session.kernels import _act
+
+    monkeypatch.setattr(_act, "_native_kernels", [])  # looked up again under this test's settings
+    if request.param == "numpy":
+        monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+        assert _act.act_kernels() is None
+        return request.param
+    pytest.importorskip("numba")
+    monkeypatch.delenv("ONNXPACK_DISABLE_JIT", raising=False)
+    if request.param == "native":
+        request.getfixturevalue("native_cache")
+        monkeypatch.delenv("ONNXPACK_DISABLE_NATIVE", raising=False)
+        assert getattr(_act.act_kernels(), "native", False)
+    else:
+        monkeypatch.setenv("ONNXPACK_DISABLE_NATIVE", "1")
+        assert not getattr(_act.act_kernels(), "native", False)
+    return request.param

@@ -22,6 +22,7 @@ from contrib_util import MS, check_all_paths, run_ort_model, single_node_model
 import onnxpack
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import KernelContext, lookup
+from onnxpack.session.kernels.attention import GroupQueryAttention
 
 F32 = dict(rtol=1e-4, atol=1e-5)
 F16 = dict(rtol=1e-2, atol=1e-2)
@@ -333,10 +334,21 @@ GQA_LOOP = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("case", GQA_LOOP, ids=[c[0] for c in GQA_LOOP])
 @pytest.mark.parametrize("batch", [2, 1], ids=["batch2", "batch1"])
-def test_gqa_prompt_then_decode_steps(case, dtype, batch):
+def test_gqa_prompt_then_decode_steps(case, dtype, batch, jit_path, monkeypatch):
     """A right-padded batch-2 prompt (lengths 5 and 3), then 4 decode steps each feeding its own
     present back as past.  "exact": past holds exactly the cached rows (P = past length, empty
-    for the prompt); "shared": past is a max-length buffer (12 rows) that present keeps."""
+    for the prompt); "shared": past is a max-length buffer (12 rows) that present keeps.  Batch 1
+    float32 decode steps take the JIT kernel (``_attn_jit.gqa_decode``) unless numpy is asked for:
+    checked, so a silent fall back to numpy fails the test."""
+    took = []
+    decode_jit = GroupQueryAttention._decode_jit
+
+    def spy(self, *args):
+        got = decode_jit(self, *args)
+        took.append(got is not None)
+        return got
+
+    monkeypatch.setattr(GroupQueryAttention, "_decode_jit", spy)
     _, layout, packed, rotary, attrs = case
     rng = np.random.default_rng(10)
     n, nkv, h, cap = 4, 2, 16, 12  # onnxruntime rotates only head sizes that are multiples of 16
@@ -384,6 +396,7 @@ def test_gqa_prompt_then_decode_steps(case, dtype, batch):
         for got, ref, what in ((k, k_ort, "present_key"), (v, v_ort, "present_value")):
             np.testing.assert_allclose(got[:, :, :total].astype(np.float64), ref[:, :, :total].astype(np.float64), **t,
                                        err_msg=f"{what} {step}")
+    assert any(took) == (jit_path != "numpy" and batch == 1 and dtype == np.float32), took
 
 
 GQA_PROMPT = [

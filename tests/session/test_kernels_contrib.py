@@ -69,7 +69,7 @@ from onnx import helper  # noqa: E402
 from contrib_util import MS, check_all_paths  # noqa: E402
 
 from onnxpack.errors import InvalidArgument  # noqa: E402
-from onnxpack.session.kernels import KernelContext, lookup  # noqa: E402
+from onnxpack.session.kernels import KernelContext, contrib_norm, lookup  # noqa: E402
 
 F32 = dict(rtol=1e-4, atol=1e-5)
 F16 = dict(rtol=1e-2, atol=1e-2)
@@ -214,7 +214,9 @@ def test_skip_layer_norm(case, outputs, dtype):
 @pytest.mark.parametrize("outputs", [["y"], ["y", "", "inv", "sum"], ["y", "mean", "inv", "sum"]],
                          ids=["y", "inv-sum", "all-outputs"])  # onnxruntime's mean output: zeros
 @pytest.mark.parametrize("case", SKIP_CASES, ids=[c[0] for c in SKIP_CASES])
-def test_skip_simplified_layer_norm(case, outputs, dtype):
+def test_skip_simplified_layer_norm(case, outputs, dtype, jit_path):
+    """Every path (float32 with a skip of the input's shape runs ``_conv_jit.rms_rows`` unless
+    numpy is asked for) against onnxruntime."""
     _, xs, ss, _, bias = case
     rng = np.random.default_rng(5)
     feeds = {"x": rand(rng, xs, dtype, 2, 0.5), "s": rand(rng, ss, dtype)}
@@ -226,11 +228,39 @@ def test_skip_simplified_layer_norm(case, outputs, dtype):
     check_all_paths(node("SkipSimplifiedLayerNormalization", ins, outputs, epsilon=1e-6), feeds, consts, tol(dtype))
 
 
+@pytest.mark.parametrize("rows", [1, 7])
+def test_rms_kernel_matches_numpy_twin(rows, jit_path):
+    """``_rms_jit`` (the JIT kernel) against the numpy formula in float64: the sum output is the
+    float32 sum exactly, y and inv_std_var within a few float32 ulps; without a JIT it declines."""
+    rng = np.random.default_rng(12)
+    d = 896
+    x = (rng.standard_normal((1, rows, d)) * 3).astype(np.float32)
+    skip = rng.standard_normal((1, rows, d)).astype(np.float32)
+    bias = rng.standard_normal(d).astype(np.float32)
+    gamma = rng.standard_normal(d).astype(np.float32)
+    got = contrib_norm._rms_jit(x, skip, gamma, bias, 1e-6, True)
+    if jit_path == "numpy":
+        assert got is None
+        return
+    y, inv, total = got
+    s = (x + skip) + bias
+    np.testing.assert_array_equal(total, s)
+    ref_inv = 1.0 / np.sqrt(np.mean(s.astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(inv, ref_inv, rtol=3e-7)
+    np.testing.assert_allclose(y, s * ref_inv * gamma, rtol=1e-6, atol=1e-6)
+    y2, inv2, none = contrib_norm._rms_jit(x, None, gamma, None, 1e-6, False)
+    assert none is None
+    np.testing.assert_allclose(y2, x / np.sqrt(np.mean(x.astype(np.float64) ** 2, -1, keepdims=True) + 1e-6) * gamma,
+                               rtol=1e-6, atol=1e-6)
+    # dtypes the kernel does not take: the numpy path runs instead
+    assert contrib_norm._rms_jit(x.astype(np.float64), None, gamma, None, 1e-6, False) is None
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("opset", [1, 17, 23], ids=["op1", "op17", "op23"])
 @pytest.mark.parametrize("axis,shape", [(-1, (2, 3, 16)), (2, (2, 3, 4, 8)), (0, (3, 8))],
                          ids=["last", "axis2", "axis0"])
-def test_simplified_layer_norm_default_domain(axis, shape, opset, dtype):
+def test_simplified_layer_norm_default_domain(axis, shape, opset, dtype, jit_path):
     """onnxruntime registers SimplifiedLayerNormalization in the default domain at version 1, so
     any opset of the default domain resolves to it."""
     rng = np.random.default_rng(6)

@@ -114,6 +114,12 @@ def act_kernels():
     return native() or jit()
 
 
+def attn_kernels():
+    """What runs ``gqa_decode`` (:mod:`._attn_jit`): the native code cache's kernels, else the
+    numba module, else None."""
+    return native() or load_jit("_attn_jit", "attention")
+
+
 _pool = None
 _blas_get_threads = None
 

@@ -16,6 +16,7 @@ numba's cache, so a later process loads it instead of compiling.
   transform); the 16 GEMMs between them are one batched ``np.matmul``.
 * :func:`rows_act` — the same for a MatMul's (rows, N) output with a bias along N.
 * :func:`layer_norm_rows` — LayerNormalization over the last axis, one row at a time.
+* :func:`rms_rows` — RMS normalization (with skip and bias: SkipSimplifiedLayerNormalization) the same way.
 * :func:`act_inplace` — an activation over a flat array in place (standalone HardSwish, SiLU, ...).
 
 Activations (``act`` codes, see ``_act.py``; a kernel takes a list of them, applied in order to
@@ -49,6 +50,8 @@ from onnxpack.session.kernels import _erf as _erf_mod
 __all__ = ["depthwise2d", "conv2d_small", "wino_input", "wino_output", "bias_act", "act_inplace", "expf_array"]
 
 _FM = {"contract"}
+# For kernels whose only reduction is a float64 sum of squares: reassociation lets it vectorize.
+_FM_SUM = {"contract", "reassoc"}
 
 _F0 = np.float32(0.0)
 _F1 = np.float32(1.0)
@@ -573,6 +576,43 @@ def layer_norm_rows(x, scale, bias, eps, y, mean_out, inv_out, r0, r1):
         inv_out[r] = inv
 
 
+@njit(cache=True, fastmath=_FM_SUM, nogil=True, error_model="numpy")
+def rms_rows(x, skip, bias, gamma, eps, y, total, inv_out, r0, r1):
+    """RMS normalization of ``x + skip + bias`` over the last axis, float32 rows ``r0..r1``.
+
+    ``x``, ``y`` (R, D); ``skip`` (R, D) or (0, D) for none; ``bias`` (D,) or empty; ``gamma``
+    (D,); ``total`` (R, D) receives ``x + skip + bias`` unless it has no rows; ``inv_out`` (R,)
+    the reciprocal RMS.  The sum rounds as numpy's ``(x + skip) + bias``; the mean square is
+    summed in float64 in any order (``reassoc``: the sum vectorizes; numpy sums float32 pairwise:
+    the two agree to an ulp of ``inv``); then
+    ``y = (s * inv) * gamma`` as the numpy kernel's two in-place products.  ``y`` may be ``x``.
+    """
+    d = x.shape[1]
+    has_skip = skip.shape[0] > 0
+    has_bias = bias.shape[0] > 0
+    want_sum = total.shape[0] > 0
+    for r in range(r0, r1):
+        xr = x[r]
+        yr = y[r]
+        q = 0.0
+        for i in range(d):
+            v = xr[i]
+            if has_skip:
+                v = v + skip[r, i]
+            if has_bias:
+                v = v + bias[i]
+            yr[i] = v
+            q += np.float64(v) * np.float64(v)
+        if want_sum:
+            tr = total[r]
+            for i in range(d):
+                tr[i] = yr[i]
+        inv = np.float32(1.0) / np.float32(math.sqrt(np.float32(np.float32(q / d) + eps)))
+        for i in range(d):
+            yr[i] = yr[i] * inv * gamma[i]
+        inv_out[r] = inv
+
+
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
 def erf_array(x, out):
     """:func:`_erff` over a flat float32 array (tests compare it with ``erf_f32``)."""
@@ -631,8 +671,12 @@ F32, U8, U16, I64 = (np.zeros(0, t) for t in (np.float32, np.uint8, np.uint16, n
 def native_entries() -> dict:
     """name -> numba cfunc of this module's native entries (see :mod:`._jit_native`):
     ``act_f32`` runs :func:`act_inplace` over the block (address, length, codes address, code
-    count, params address)."""
+    count, params address); ``rms_f32`` runs :func:`rms_rows` over every row (block: rows, D,
+    then the addresses and row counts of x, skip, bias, gamma, y, total and inv as
+    :meth:`._jit_native._Kernels.rms_rows` packs them, eps a float64 in slot 12)."""
     from numba import carray, cfunc
+
+    from onnxpack.session.kernels import _jit_native as L
 
     def act_f32(blk):
         b = carray(blk, (5,), np.int64)
@@ -641,4 +685,19 @@ def native_entries() -> dict:
         params = carray(as_ptr(b[4], F32), (b[3], 2))
         act_inplace(flat, codes, params)
 
-    return {"act_f32": cfunc(types.void(types.voidptr), nopython=True, error_model="numpy", fastmath=_FM)(act_f32)}
+    def rms_f32(blk):
+        b = carray(blk, (L.RMS_SLOTS,), np.int64)
+        rows, d = b[0], b[1]
+        x = carray(as_ptr(b[2], F32), (rows, d))
+        skip = carray(as_ptr(b[3], F32), (b[4], d))
+        bias = carray(as_ptr(b[5], F32), (b[6],))
+        gamma = carray(as_ptr(b[7], F32), (d,))
+        y = carray(as_ptr(b[8], F32), (rows, d))
+        total = carray(as_ptr(b[9], F32), (b[10], d))
+        inv = carray(as_ptr(b[11], F32), (rows,))
+        eps = np.float32(carray(blk, (L.RMS_SLOTS,), np.float64)[12])
+        rms_rows(x, skip, bias, gamma, eps, y, total, inv, 0, rows)
+
+    sig = types.void(types.voidptr)
+    return {name: cfunc(sig, nopython=True, error_model="numpy", fastmath=_FM)(fn)
+            for name, fn in (("act_f32", act_f32), ("rms_f32", rms_f32))}

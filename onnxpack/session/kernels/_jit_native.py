@@ -2,7 +2,8 @@
 
 :func:`load` returns a stand-in for the ``_nbits_jit`` module — the same ``gemv4`` / ``gemv4_serial``
 / ``gemv8`` / ``gemv8_serial`` / ``dequant4`` / ``dequant8`` calls on the same arrays — plus
-``act_inplace`` of ``_conv_jit`` (the elementwise activations).  Its functions fill an int64
+``act_inplace`` and ``rms_rows`` of ``_conv_jit`` (elementwise activations, RMS normalization)
+and ``gqa_decode`` of ``_attn_jit``.  Its functions fill an int64
 argument block (the layouts below, read by the entries that ``_nbits_jit.native_entries`` and
 ``_conv_jit.native_entries`` compile) and call the cached object code through ctypes, so the
 process never imports numba.  A weight layout the cache has no entry for (float zero points)
@@ -41,6 +42,16 @@ G_HEADER = 20
 (D_BQ, D_BQ_LEN, D_SC, D_SC_LEN, D_ZQ, D_ZQ_LEN, D_ZMODE, D_ZMID, D_OUT, D_ROWS, D_COLS, D_N, D_NB, D_BLOB,
  D_TILE, D_T0, D_T1) = range(17)
 D_HEADER = 17
+# RMS normalization argument block (``_conv_jit.native_entries``' ``rms_f32``): rows, D, then
+# x, skip, skip rows, bias, bias length, gamma, y, total, total rows, inv; eps a float64.
+RMS_SLOTS = 13
+_RMS_PACK = struct.Struct("<12qd")
+# One GroupQueryAttention decoding step (``_attn_jit.native_entries``' ``gqa_f32``): int64 slots,
+# then scale and softcap as float64.
+(Q_N, Q_NKV, Q_H, Q_CAP, Q_HALF, Q_POS, Q_LO, Q_Q, Q_K, Q_V, Q_PK, Q_PV, Q_COS, Q_SIN, Q_OUT, Q_QR, Q_SCORES,
+ Q_SCORES_LEN, Q_INTERLEAVED, Q_SCALE, Q_SOFTCAP) = range(21)
+Q_SLOTS = 21
+_Q_PACK = struct.Struct("<19q2d")
 
 _SCALES = {np.dtype(np.float32): "f32", np.dtype(np.uint16): "u16"}
 _local = threading.local()
@@ -49,7 +60,7 @@ _EMPTY_U8 = np.zeros(1, np.uint8)
 
 def _sources() -> list[str]:
     here = os.path.dirname(os.path.abspath(__file__))
-    return [os.path.join(here, f"{name}.py") for name in ("_nbits_jit", "_conv_jit", "_erf", "_jit_native")]
+    return [os.path.join(here, f"{name}.py") for name in ("_nbits_jit", "_conv_jit", "_attn_jit", "_erf", "_jit_native")]
 
 
 # The GEMV block's header as packed by struct (slot G_ZMID is a float64); the dequantization's.
@@ -65,6 +76,13 @@ def _addr(a: np.ndarray) -> int:
     entry = _addresses.get(id(a))
     if entry is not None and entry[0]() is a:
         return entry[1]
+    if a.flags.writeable and a.size:
+        # A fresh output or view (most calls' arrays): its buffer's address, ~4x cheaper than
+        # ``__array_interface__``; read-only arrays (mapped weights) are remembered below.
+        try:
+            return ctypes.addressof(ctypes.c_char.from_buffer(a))
+        except (TypeError, ValueError, BufferError):
+            pass
     addr = a.__array_interface__["data"][0]
     if a.base is not None or a.flags.owndata:
         try:
@@ -200,6 +218,29 @@ class _Kernels:
         self._lib.call("act_f32", address)
 
 
+    def rms_rows(self, x, skip, bias, gamma, eps, y, total, inv_out, r0, r1) -> None:
+        """``_conv_jit.rms_rows`` over all rows (``r0 == 0``, ``r1`` the row count): float32,
+        C-contiguous arrays of the shapes it documents."""
+        rows, d = x.shape
+        if (r0, r1) != (0, rows):  # pragma: no cover - callers pass every row
+            raise ValueError(f"Bug: rms_rows rows {r0}..{r1} of {rows}")
+        buf, address = _block()
+        _RMS_PACK.pack_into(buf, 0, rows, d, _addr(x), _addr(skip), skip.shape[0], _addr(bias), bias.shape[0],
+                            _addr(gamma), _addr(y), _addr(total), total.shape[0], _addr(inv_out), float(eps))
+        self._lib.call("rms_f32", address)
+
+
+    def gqa_decode(self, q, k, v, pk, pv, pos, lo, cos, sin, half, interleaved, scale, softcap, out, qr,
+                   scores) -> None:
+        """``_attn_jit.gqa_decode`` on C-contiguous float32 arrays of the shapes it documents."""
+        nkv, cap, h = pk.shape
+        buf, address = _block()
+        _Q_PACK.pack_into(buf, 0, q.shape[0], nkv, h, cap, int(half), int(pos), int(lo), _addr(q), _addr(k),
+                          _addr(v), _addr(pk), _addr(pv), _addr(cos), _addr(sin), _addr(out), _addr(qr),
+                          _addr(scores), scores.shape[0], int(bool(interleaved)), float(scale), float(softcap))
+        self._lib.call("gqa_f32", address)
+
+
 def load() -> _Kernels | None:
     """The native stand-in when the code cache has this machine's build, else None."""
     addresses = _native.load(MODULE, _sources())
@@ -208,11 +249,13 @@ def load() -> _Kernels | None:
 
 def build() -> str | None:
     """Compile the native entries with numba and write the code cache; the file written or None."""
-    from onnxpack.session.kernels import _conv_jit, _nbits_jit
+    expected = _native.path_for(MODULE, _sources())  # named before the sources are imported
+    from onnxpack.session.kernels import _attn_jit, _conv_jit, _nbits_jit
 
     if _nbits_jit.CHUNK != CHUNK:  # pragma: no cover - the two modules must agree
         raise RuntimeError(f"Bug: _nbits_jit.CHUNK {_nbits_jit.CHUNK} != {CHUNK}")
-    return _native.save(MODULE, _sources(), {**_nbits_jit.native_entries(), **_conv_jit.native_entries()})
+    return _native.save(MODULE, _sources(), {**_nbits_jit.native_entries(), **_conv_jit.native_entries(),
+                                                   **_attn_jit.native_entries()}, expected)
 
 
 

@@ -121,13 +121,19 @@ def path_for(module: str, sources: Sequence[str]) -> str | None:
     return None if fp is None else os.path.join(cache_dir(), f"{module}-{fp}.bin")
 
 
-def save(module: str, sources: Sequence[str], entries: Mapping[str, Any]) -> str | None:
+def save(module: str, sources: Sequence[str], entries: Mapping[str, Any], expected: str | None = None) -> str | None:
     """Write the object code of the numba cfuncs ``entries`` (name -> cfunc) for ``module``.
 
-    Runs in a process that has numba.  Returns the file written, or None when the folder cannot
-    be written (logged; the kernels keep running through numba)."""
+    Runs in a process that has numba.  ``expected``: the cache file named before the sources
+    were imported and compiled; when the sources changed since (an upgrade or an edit while a
+    background build ran), the code compiled is not what the file name promises and nothing is
+    written.  Returns the file written, or None when the folder cannot be written or the sources
+    changed (logged; the kernels keep running through numba)."""
     path = path_for(module, sources)
     if path is None:
+        return None
+    if expected is not None and path != expected:
+        logger.info("native code cache not written: %s's sources changed while it was compiled", module)
         return None
     objects, symbols, undefined = [], {}, set()
     for name, cf in entries.items():

@@ -24,6 +24,7 @@ import logging
 import numpy as np
 
 from onnxpack.errors import InvalidArgument
+from onnxpack.session.kernels import _act
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
 from onnxpack.session.kernels.norm import LayerNormalization
 
@@ -77,6 +78,34 @@ def rms_norm_f(x: np.ndarray, gamma, eps: float, axis: int = -1):
     return x, inv
 
 
+def _rms_jit(x, skip, gamma, bias, eps: float, want_sum: bool):
+    """``(y, inv_std_var, input_skip_bias_sum or None)`` of RMS normalization over the last axis
+    by the JIT kernel (``_conv_jit.rms_rows``: native code cache or numba) for float32 ``x``,
+    ``skip`` (``x``'s shape or None), ``gamma`` and ``bias`` (D values or None); None when a
+    dtype differs or no JIT is available (then the numpy path computes the same)."""
+    d = x.shape[-1] if x.ndim else 0
+    if (x.dtype != np.float32 or x.size == 0 or gamma.dtype != np.float32 or gamma.size != d
+            or any(v is not None and v.dtype != np.float32 for v in (skip, bias))
+            or (bias is not None and bias.size != d)):
+        return None
+    k = _act.act_kernels()
+    if k is None:
+        return None
+    x2 = np.ascontiguousarray(x).reshape(-1, d)
+    rows = x2.shape[0]
+    sk = np.empty((0, d), np.float32) if skip is None else np.ascontiguousarray(skip).reshape(rows, d)
+    y = np.empty((rows, d), np.float32)
+    total = np.empty((rows, d), np.float32) if want_sum else np.empty((0, d), np.float32)
+    inv = np.empty(rows, np.float32)
+    k.rms_rows(x2, sk, _NO_VALUES if bias is None else np.ascontiguousarray(bias).reshape(d),
+               np.ascontiguousarray(gamma).reshape(d), np.float32(eps), y, total, inv, 0, rows)
+    stat = x.shape[:-1] + (1,)
+    return y.reshape(x.shape), inv.reshape(stat), (total.reshape(x.shape) if want_sum else None)
+
+
+_NO_VALUES = np.zeros(0, np.float32)
+
+
 def _to(y: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return y if y.dtype == dtype else y.astype(dtype)
 
@@ -118,6 +147,12 @@ class _SkipNorm(Kernel):
 
     def _run(self, x, skip, gamma, beta, bias):
         self._check(x, skip, gamma, beta, bias)
+        if self._simplified and skip.shape == x.shape:
+            got = _rms_jit(x, skip, gamma, bias, self.epsilon, self.want_sum)
+            if got is not None:
+                y, inv, total = got
+                mean = np.zeros_like(inv) if self.want_mean else None
+                return (y, mean, inv if self.want_inv else None, total)[: self.n_out]
         fd = _float(x.dtype)
         s = x.astype(fd)
         s += skip
@@ -183,6 +218,10 @@ class SimplifiedLayerNormalization(Kernel):
                 f"node {self.node.name!r} (SimplifiedLayerNormalization): axis {self.axis} out of range for "
                 f"rank {x.ndim}"
             )
+        if axis == x.ndim - 1:
+            got = _rms_jit(x, None, scale, None, self.epsilon, False)
+            if got is not None:
+                return got[:2][: self.n_out]
         fd = _float(np.result_type(x.dtype, scale.dtype) if np.float64 in (x.dtype, scale.dtype) else x.dtype)
         y, inv = rms_norm_f(x.astype(fd), scale, self.epsilon, axis)
         sd = fd if fd == np.float64 else np.dtype(np.float32)
