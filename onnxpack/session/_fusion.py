@@ -11,6 +11,8 @@ pre-packing on:
   pass (``FusedConv``);
 * a MatMul by a constant matrix takes its bias ``Add``, activations and residual the same way
   (``FusedMatMul``);
+* a ``MatMulNBits`` takes its bias ``Add`` as its bias input and the activations after it (the
+  SiLU of a gate projection) as an in-place epilogue;
 * ``Add/Sum/Sub/Mul -> Relu`` clamps in place;
 * a QuantizeLinear → DequantizeLinear pair of the same scale and zero point ("fake quantization",
   what ``onnxruntime.quantization``'s QDQ format puts around every activation) runs as one float
@@ -38,7 +40,7 @@ from onnx import NodeProto, helper
 from onnxpack.session.kernels._act import Activation
 
 __all__ = ["ConvFusion", "Fusion", "MatMulFusion", "apply_fusions", "bn_fold", "find_conv_fusions",
-           "find_fake_quant_fusions", "find_matmul_fusions",
+           "find_fake_quant_fusions", "find_matmul_fusions", "find_nbits_fusions",
            "find_relu_fusions", "fused_node", "match_activation", "plan_fusions"]
 
 
@@ -49,7 +51,7 @@ class Fusion:
     ``node`` stands for the chain (the anchor's inputs, the chain's last output); it replaces the
     node at index ``anchor`` and the nodes at ``absorbed`` are dropped.  ``kernel`` names the
     fused kernel (``register_fused``) built with ``params``; ``None`` keeps the anchor's own
-    kernel.  ``epilogue`` ``"relu"`` clamps that kernel's fresh output in place.
+    kernel, and ``epilogue`` (activations) then runs on that kernel's fresh output in place.
     """
 
     node: NodeProto
@@ -57,7 +59,7 @@ class Fusion:
     absorbed: tuple[int, ...]
     kernel: str | None = None
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    epilogue: str | None = None
+    epilogue: tuple[Activation, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -543,6 +545,63 @@ def find_relu_fusions(
     return out
 
 
+def find_nbits_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
+                       const_value: Callable[[str], np.ndarray | None], opset: int, taken: set[int],
+                       const_meta: Callable[[str], ConstMeta | None]) -> list[Fusion]:
+    """``MatMulNBits [+ bias] [activations]`` chains (pure; onnxruntime-genai's layers: the
+    QKV bias ``Add``, ``Sigmoid`` and ``Mul`` spelling SiLU on the gate projection).
+
+    A bias ``Add`` of a float constant of N values becomes the node's own bias input (when it has
+    none; onnxruntime's kernel adds it the same way); the activations (:func:`match_activation`)
+    become the fusion's epilogue, run in place on the kernel's fresh output.  Each name in the
+    chain must be read only by the next node and not be a graph output.
+    """
+    used = set(taken)
+    users_of = _sole_users(nodes, readers, protected, used)
+    out: list[Fusion] = []
+    for k, node in enumerate(nodes):
+        if k in used or node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or len(node.output) != 1:
+            continue
+        n = next((a.i for a in node.attribute if a.name == "N"), None)
+        absorbed: list[int] = []
+        t = node.output[0]
+        bias = None
+        users = users_of(t)
+        if (users is not None and len(users) == 1 and n is not None
+                and (len(node.input) < 6 or not node.input[5])):
+            add = nodes[users[0]]
+            if add.op_type == "Add" and add.domain in ("", "ai.onnx") and list(add.input).count(t) == 1:
+                other = add.input[1] if add.input[0] == t else add.input[0]
+                meta = const_meta(other) if other else None
+                if meta is not None and meta.dtype.kind == "f" and int(np.prod(meta.shape)) == n and (
+                        len(meta.shape) == 1 or all(d == 1 for d in meta.shape[:-1])):
+                    bias = other
+                    absorbed.append(users[0])
+                    t = add.output[0]
+        acts: list[Activation] = []
+        while True:
+            got = match_activation(nodes, t, users_of, const_value, opset)
+            if got is None:
+                break
+            act, idxs, t = got
+            acts.append(act)
+            absorbed.extend(idxs)
+        if not absorbed:
+            continue
+        fused = NodeProto()
+        fused.CopyFrom(node)
+        del fused.output[:]
+        fused.output.extend([t])
+        if bias is not None:
+            while len(fused.input) < 6:
+                fused.input.append("")
+            fused.input[5] = bias
+        used.update(absorbed)
+        used.add(k)
+        out.append(Fusion(fused, k, tuple(absorbed), epilogue=tuple(acts)))
+    return out
+
+
 # Zero-point types of a fusable pair: integers of at most 16 bits, exact in float32 arithmetic.
 _FAKE_QUANT_TYPES = {"int8": (-128, 127), "uint8": (0, 255), "int16": (-32768, 32767), "uint16": (0, 65535)}
 
@@ -730,8 +789,11 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
         params = {"bias": bias, "pre": f.pre, "residual": f.residual is not None, "post": f.post}
         out.append(Fusion(node, f.matmul, f.nodes, kernel="matmul", params=params))
         taken.update((f.matmul, *f.nodes))
+    for f in find_nbits_fusions(nodes, readers, protected, const_value, opset, taken, const_meta):
+        out.append(f)
+        taken.update((f.anchor, *f.absorbed))
     for f in find_relu_fusions(nodes, readers, protected, taken):
-        out.append(Fusion(fused_node(nodes, f), f.conv, f.absorbed, epilogue="relu"))
+        out.append(Fusion(fused_node(nodes, f), f.conv, f.absorbed, epilogue=(Activation("relu"),)))
         taken.update((f.conv, *f.absorbed))
     out.extend(find_fake_quant_fusions(nodes, readers, protected, const_value, opset, taken))
     return out

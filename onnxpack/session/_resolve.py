@@ -25,7 +25,7 @@ from onnxpack.errors import InvalidGraph, OnnxpackError
 from onnxpack.graph import subgraphs_of
 from onnxpack.session._fusion import Fusion
 from onnxpack.session.kernels import Kernel, KernelContext, fused_kernel, lookup, normalize_domain
-from onnxpack.session.kernels.elementwise import ReluAfter
+from onnxpack.session.kernels.elementwise import ActAfter
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +77,8 @@ def resolve(node: NodeProto, ctx: KernelContext, *, local_functions: Collection[
     fallback = kernel is None
     if kernel is None:
         kernel = _fallback(node, ctx, runnable)
-    if fusion is not None and fusion.epilogue == "relu":
-        kernel = ReluAfter(kernel)
+    if fusion is not None and fusion.epilogue:
+        kernel = ActAfter(kernel, fusion.epilogue)
     return Resolved(kernel, fallback)
 
 

@@ -20,7 +20,8 @@ from onnxpack.session._resolve import Deferred, resolve
 from onnxpack.session.kernels import KernelContext
 from onnxpack.session.kernels.control import If
 from onnxpack.session.kernels.conv import FusedConv
-from onnxpack.session.kernels.elementwise import ReluAfter
+from onnxpack.session.kernels._act import Activation
+from onnxpack.session.kernels.elementwise import ActAfter
 
 F = TensorProto.FLOAT
 RNG = np.random.default_rng(3)
@@ -147,8 +148,9 @@ def test_resolver_picks_native_control_flow_fused_epilogue_and_fallback():
                                                 params={"multiplier": None, "shift": None, "relu": True}))
     assert isinstance(fused.kernel, FusedConv) and fused.kernel.relu
     add = helper.make_node("Add", ["a", "b"], ["y"], name="add+relu")
-    epi = resolve(add, _ctx(), fusion=Fusion(add, 0, (1,), epilogue="relu"))
-    assert isinstance(epi.kernel, ReluAfter) and epi.kernel.writes_into == epi.kernel.inner.writes_into
+    epi = resolve(add, _ctx(), fusion=Fusion(add, 0, (1,), epilogue=(Activation("relu"),)))
+    assert isinstance(epi.kernel, ActAfter) and epi.kernel.writes_into == epi.kernel.inner.writes_into
+    assert epi.kernel.acts == (Activation("relu"),)
     with pytest.raises(KernelNotFoundError):
         resolve(helper.make_node("NoSuchOp", ["x"], ["y"], domain="nowhere"), KernelContext(17, {"": 17, "nowhere": 1}))
 

@@ -260,3 +260,85 @@ def test_fake_quant_pair_not_fused(case):
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     for g, w in zip(got, ort.InferenceSession(model, so, providers=["CPUExecutionProvider"]).run(None, x)):
         np.testing.assert_array_equal(g, w)
+
+
+# -- MatMulNBits -> bias Add -> activations ------------------------------------------------------
+def nbits_model(dtype, *, bias: bool, act: str | None, extra_reader: bool = False, own_bias: bool = False) -> bytes:
+    """``MatMulNBits`` (K 64, N 48, 4 bits, block 32, zero points) then optionally an ``Add`` of a
+    constant bias and an activation: ``silu`` (Sigmoid + Mul, onnxruntime-genai's gate) or
+    ``relu``; ``extra_reader`` makes the product a second graph output; ``own_bias`` gives the
+    MatMulNBits its own bias input."""
+    rng = np.random.default_rng(21)
+    k, n, bs = 64, 48, 32
+    t = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    inits = [numpy_helper.from_array(rng.integers(0, 256, (n, k // bs, bs // 2), dtype=np.uint8), "B"),
+             numpy_helper.from_array((rng.random(n * k // bs) * 0.05 + 0.01).astype(dtype), "S"),
+             numpy_helper.from_array(rng.integers(0, 256, (n, 1), dtype=np.uint8), "Z"),
+             numpy_helper.from_array(rng.standard_normal(n).astype(dtype), "bias")]
+    ins = ["x", "B", "S", "Z"] + (["", "bias"] if own_bias else [])
+    nodes = [helper.make_node("MatMulNBits", ins, ["p"], name="mm", domain="com.microsoft", K=k, N=n, bits=4,
+                              block_size=bs, accuracy_level=4)]
+    last = "p"
+    if bias:
+        nodes.append(helper.make_node("Add", [last, "bias"], ["pb"], name="add"))
+        last = "pb"
+    if act == "silu":
+        nodes += [helper.make_node("Sigmoid", [last], ["sg"], name="sig"),
+                  helper.make_node("Mul", [last, "sg"], ["y"], name="mul")]
+        last = "y"
+    elif act == "relu":
+        nodes.append(helper.make_node("Relu", [last], ["y"], name="relu"))
+        last = "y"
+    outs = [helper.make_tensor_value_info(last, t, None)]
+    if extra_reader:
+        outs.append(helper.make_tensor_value_info("p", t, None))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", t, [3, k])], outs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                              ir_version=9)
+    return model.SerializeToString()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("bias,act", [(True, None), (True, "silu"), (False, "silu"), (False, "relu")],
+                         ids=["bias", "bias-silu", "silu", "relu"])
+def test_nbits_bias_and_activation_fuse_and_equal_onnxruntime(bias, act, dtype, jit_path):
+    """The chain runs as one MatMulNBits step (bias as its input, activations in place) on every
+    compute path and equals the unfused chain (prepacking off: each node its own kernel) --
+    float32 to 1e-6, float16 to a float16 ulp (the fused chain rounds once) -- and onnxruntime
+    within 2 % of the output's scale (its accuracy_level 4 rounds A to int8)."""
+    model = nbits_model(dtype, bias=bias, act=act)
+    feed = {"x": np.random.default_rng(22).standard_normal((3, 64)).astype(dtype)}
+    with onnxpack.InferenceSession(model) as s:
+        names = [st.node.name for st in s.program.root.steps]
+        got = s.run(None, feed)[0]
+    assert len(names) == 1 and names[0].startswith("mm"), names
+    so = onnxpack.SessionOptions()
+    so.add_session_config_entry("session.disable_prepacking", "1")  # no prepacking: no fusion
+    with onnxpack.InferenceSession(model, so) as s:
+        assert len(s.program.root.steps) > 1
+        unfused = s.run(None, feed)[0]
+    ort_y = _ort(model, feed)[0]
+    assert got.dtype == unfused.dtype == np.dtype(dtype)
+    if dtype == np.float32:
+        np.testing.assert_allclose(got, unfused, rtol=1e-6, atol=1e-6)
+    else:
+        np.testing.assert_allclose(got.astype(np.float32), unfused.astype(np.float32), rtol=2e-3, atol=2e-3)
+    scale = float(np.abs(ort_y.astype(np.float32)).max())
+    np.testing.assert_allclose(got.astype(np.float32), ort_y.astype(np.float32), rtol=0, atol=2e-2 * scale)
+
+
+@pytest.mark.parametrize("case", ["product-read-elsewhere", "has-own-bias"])
+def test_nbits_chain_not_fused(case):
+    """A product that is also a graph output is not fused away; a MatMulNBits with its own bias
+    input keeps the Add (there is no slot for a second bias)."""
+    if case == "product-read-elsewhere":
+        model = nbits_model(np.float32, bias=True, act="silu", extra_reader=True)
+    else:
+        model = nbits_model(np.float32, bias=True, act=None, own_bias=True)
+    feed = {"x": np.random.default_rng(23).standard_normal((3, 64)).astype(np.float32)}
+    with onnxpack.InferenceSession(model) as s:
+        names = [st.node.name for st in s.program.root.steps]
+        got = s.run(None, feed)
+    assert len(names) >= 2, names
+    for a, b in zip(got, _ort(model, feed)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-2 * float(np.abs(b).max()))

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 from onnx import TensorProto, helper
 
+from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import _act
 from onnxpack.session.kernels._base import Kernel, KernelContext, PackSpec, register
 from onnxpack.session.kernels._erf import erf_f32
@@ -761,16 +762,22 @@ class Dropout(Kernel):
         return (x, np.ones(x.shape, dtype=bool if self.mask_bool else x.dtype))
 
 
-class ReluAfter(Kernel):
-    """A kernel whose single output Relu clamps in place (the ``relu`` fusion epilogue).
+class ActAfter(Kernel):
+    """A kernel whose single output the activations ``acts`` (:class:`._act.Activation`, in
+    order) transform in place: the epilogue of a fusion that keeps the producer's own kernel
+    (``Add/Sum/Sub/Mul -> Relu``, ``MatMulNBits -> SiLU``, ...).
 
     The producer's result is a fresh array unless it returned one of its inputs (Sum of one
-    input): then Relu allocates as usual, so no caller's value is ever written.
+    input): then the activations work on a copy, so no caller's value is ever written.  float16
+    and bfloat16 results are widened to float32 for the activations and rounded once, as the
+    standalone kernels compute them (Relu and Clip, exact in any dtype, stay in place).
     """
 
-    def __init__(self, inner: Kernel) -> None:
+    def __init__(self, inner: Kernel, acts) -> None:
         super().__init__(inner.node, inner.ctx)
         self.inner = inner
+        self.acts = tuple(acts)
+        self._exact = _act.numpy_suffices(self.acts)
         self.writes_into = inner.writes_into  # type: ignore[misc]
         self.call_mode = inner.call_mode
 
@@ -789,16 +796,26 @@ class ReluAfter(Kernel):
     def use_prepacked(self, input_index, buffers) -> None:
         self.inner.use_prepacked(input_index, buffers)
 
+    def _apply(self, y: np.ndarray) -> np.ndarray:
+        """The activations over ``y`` (fresh and writable) in place; returns it."""
+        if y.dtype.kind != "f" and not self._exact:
+            raise InvalidArgument(f"node {self.node.name!r} ({self.op_type}): fused activations need a float "
+                                  f"result, got {y.dtype}")
+        if y.dtype in (np.float32, np.float64) or self._exact:
+            return _act.apply(y, self.acts)
+        wide = _act.apply(y.astype(np.float32), self.acts)
+        np.copyto(y, wide, casting="unsafe")
+        return y
+
     def run_into(self, outs, *inputs) -> bool:
-        """The producer's ``run_into`` (the planner's arena), then Relu in place on ``outs[0]``."""
+        """The producer's ``run_into`` (the planner's arena), then the activations in place on ``outs[0]``."""
         if not self.inner.run_into(outs, *inputs):
             return False
-        np.maximum(outs[0], 0, out=outs[0])
+        self._apply(outs[0])
         return True
 
     def run(self, *inputs):
         (y,) = self.inner.run(*inputs)[:1]
-        if isinstance(y, np.ndarray) and y.flags.writeable and y.flags.owndata and not any(y is x for x in inputs):
-            np.maximum(y, 0, out=y)
-            return (y,)
-        return (np.maximum(y, 0).astype(y.dtype, copy=False),)
+        if not (isinstance(y, np.ndarray) and y.flags.writeable and y.flags.owndata and not any(y is x for x in inputs)):
+            y = np.array(y, copy=True)
+        return (self._apply(y),)
