@@ -21,6 +21,7 @@ float32 vector.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from typing import ClassVar
@@ -111,6 +112,31 @@ def _attend(q, k, v, scale: float, bias=None, *, exclude=None, softcap: float = 
     not attended) then takes keys out of the softmax.  ``sink``: see :func:`softmax_rows`.  Returns
     (B, N, S, Hv) and, with ``qk_out``, the scaled scores plus bias (before softcap and mask).
     """
+    b, n, s, h = q.shape
+    nkv = k.shape[1]
+    g = n // nkv
+    t = k.shape[2]
+    with _one_blas_thread(b * n * s * t * (h + v.shape[-1])):
+        return _attend_products(q, k, v, scale, bias, exclude, softcap, post_bias, sink, qk_out)
+
+
+def _one_blas_thread(macs: int):
+    """BLAS limited to one thread for an attention whose products total fewer than
+    ``_SMALL_ATTENTION_MACS`` multiply-adds, else nothing.  OpenBLAS splits each of numpy's
+    per-head GEMMs statically between its threads and waits for the slowest: on the shared VM a
+    128-token prompt's attention (14 heads, ~30 M multiply-adds) took 17 ms per layer on 2 BLAS
+    threads while another process ran, against 3.6 ms of CPU on one."""
+    if macs >= _SMALL_ATTENTION_MACS:
+        return contextlib.nullcontext()
+    from onnxpack.session._threads import blas_threads
+
+    return blas_threads(1)
+
+
+_SMALL_ATTENTION_MACS = 1 << 26
+
+
+def _attend_products(q, k, v, scale, bias, exclude, softcap, post_bias, sink, qk_out):
     b, n, s, h = q.shape
     nkv = k.shape[1]
     g = n // nkv
