@@ -250,7 +250,11 @@ class _Compiler:
             w = self._weight(scope, n)
             return None if w is None else ConstMeta(tuple(w.shape), np.dtype(w.dtype))
 
-        return plan_fusions(nodes, readers, protected, const_value, self.opsets.get("", 1), is_const, const_meta)
+        def const_lazy(n: str) -> Callable[[], np.ndarray]:
+            return self._weight(scope, n).value  # the WeightRef alone, not this compiler
+
+        return plan_fusions(nodes, readers, protected, const_value, self.opsets.get("", 1), is_const, const_meta,
+                            const_lazy)
 
     def _constants(self, scope: Scope, output_names: list[str]) -> dict[str, Any]:
         """The scope's constants: originals still read unpacked (all readers are bound by now:
@@ -379,6 +383,15 @@ class _Compiler:
         if w.elem_type == TensorProto.STRING:
             return None
         info = TensorInfo(w.name, w.dtype, w.shape, w.elem_type)
+        try:
+            spec = kernel.pack_spec(i, info)
+        except OnnxpackError:
+            raise
+        except Exception as exc:
+            raise InvalidGraph(f"node {node.name!r} ({node.op_type}) input {i} ({w.name!r}): "
+                               f"{type(exc).__name__}: {exc}") from exc
+        if spec is None:  # most constant inputs (scales, shapes, ...): nothing more to do
+            return None
         what = f"node {node.name!r} ({node.op_type}) input {i} ({w.name!r})"
 
         def pack(value: np.ndarray) -> tuple[np.ndarray, ...] | None:
@@ -398,14 +411,6 @@ class _Compiler:
                 raise InvalidGraph(f"{what}: the weight does not fit the node: {reason}")
             return buffers
 
-        try:
-            spec = kernel.pack_spec(i, info)
-        except OnnxpackError:
-            raise
-        except Exception as exc:
-            raise InvalidGraph(f"{what}: {type(exc).__name__}: {exc}") from exc
-        if spec is None:
-            return None
         if w.derived is not None:
             # The pack of a derived value: keyed by the leaf plus the derivation (saved under the
             # leaf's record), and still the leaf's own bytes only when the chain only reshapes.

@@ -703,7 +703,8 @@ def bn_fold(scale: np.ndarray, bias: np.ndarray, mean: np.ndarray, var: np.ndarr
 def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
                  const_value: Callable[[str], np.ndarray | None], opset: int,
                  is_const: Callable[[str], bool] | None = None,
-                 const_meta: Callable[[str], ConstMeta | None] | None = None) -> list[Fusion]:
+                 const_meta: Callable[[str], ConstMeta | None] | None = None,
+                 const_lazy: Callable[[str], Callable[[], np.ndarray]] | None = None) -> list[Fusion]:
     """Every fusion of one scope's nodes (pure).
 
     Args:
@@ -718,7 +719,12 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
             default: ``const_value(n) is not None``.
         const_meta: a constant's shape and dtype without computing it (a weight's are known from
             its declaration; matching a chain needs no more), default: from ``const_value``.
+        const_lazy: a constant's value as a function a kernel calls when it first needs it
+            (per-channel statistics of a Conv epilogue), default: ``const_value`` deferred.
     """
+    if const_lazy is None:
+        def const_lazy(n: str) -> Callable[[], np.ndarray]:
+            return lambda: const_value(n)
     if is_const is None:
         def is_const(n: str) -> bool:
             return const_value(n) is not None
@@ -734,15 +740,17 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
         params: dict[str, Any] = {"multiplier": None, "shift": None, "pre": f.pre, "residual": f.residual is not None,
                                   "post": f.post}
         if f.channels:
+            # Decided from shapes and dtypes; the values are computed by the kernel at its first
+            # run (a QDQ model's statistics are dequantized int8: a warm start computes none).
             m = int(const_meta(conv.input[1]).shape[0])
             stats = []
             for i in f.channels:
                 bn = nodes[i]
-                values = [const_value(n) for n in bn.input[1:5]]
-                if any(v is None or np.ndim(v) != 1 or np.size(v) != m or v.dtype.kind != "f" for v in values):
+                metas = [const_meta(n) for n in bn.input[1:5]]
+                if any(c is None or c.shape != (m,) or c.dtype.kind != "f" for c in metas):
                     break
                 eps = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
-                stats.append((*values, eps))
+                stats.append((*(const_lazy(n) for n in bn.input[1:5]), eps))
             if len(stats) != len(f.channels):
                 continue  # not one float statistic per output channel: the nodes run as they are
             params["channels"] = tuple(stats)

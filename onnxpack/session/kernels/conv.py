@@ -803,7 +803,8 @@ class FusedConv(Conv):
       inside the convolution itself).
     * ``channels``: the BatchNormalizations after an activation (a QDQ model's
       ``Conv -> Q -> DQ -> BatchNormalization -> Q -> DQ``), one ``(scale, bias, mean, var,
-      epsilon)`` per ``Activation("channel", k)`` of the chain: ``x * A + B`` per channel with
+      epsilon)`` per ``Activation("channel", k)`` of the chain (the statistics as arrays, or
+      functions returning them, called at the first run): ``x * A + B`` per channel with
       ``A``, ``B`` computed as the BatchNormalization kernel computes them, and applied as it
       applies them (a product, then a sum), so the bits are the unfused nodes'.
     * ``relu=True`` is ``pre=(Activation("relu"),)``.
@@ -857,7 +858,9 @@ class FusedConv(Conv):
             if not self._stats:
                 got = ((), _EMPTY_CHAN)
             else:
-                arrays = tuple(batch_norm_affine(*st, dtype) for st in self._stats)
+                # Statistics may come as functions (computed at the first run, see _fusion.py).
+                stats = [tuple(v() if callable(v) else v for v in st[:4]) + (st[4],) for st in self._stats]
+                arrays = tuple(batch_norm_affine(*st, dtype) for st in stats)
                 table = None
                 if np.dtype(dtype) == np.float32:
                     table = np.ascontiguousarray(np.stack([np.stack(ab, axis=-1) for ab in arrays]), np.float32)
