@@ -424,75 +424,35 @@ def _check_text_fields(proto: ModelProto, where: str) -> None:
     of ``str``, so a corrupt name or external-data location would otherwise surface much later as
     a ``TypeError`` deep inside the loader (found by the reliability fuzzer).  Every string field
     of every message is checked, through a per-message-type plan of its string and message fields
-    (``"".join`` refuses a bytes item at C speed), so the walk costs little next to the parse.
+    (``"".join`` refuses a bytes item at C speed).  The walk goes by field, not by message: all
+    messages reached through one field path (every node of a graph, every attribute of those
+    nodes, every initializer's external-data entries, ...) are one batch of one type, each of
+    whose fields is checked for the whole batch at once — the cost per message is a few list
+    items, not a Python loop over its fields.
     """
-    stack: list[tuple[Message, str]] = [(proto, "model")]
+    stack: list[tuple[list[Message], str]] = [([proto], "model")]
     while stack:
-        msg, at = stack.pop()
-        singles, repeats, messages, message_lists = _text_plan(msg.DESCRIPTOR)
+        msgs, at = stack.pop()
+        singles, repeats, messages, message_lists = _text_plan(msgs[0].DESCRIPTOR)
         for name in singles:
-            if type(getattr(msg, name)) is not str:
-                raise ModelLoadError(f"cannot parse model {where}: field {at}.{name} is not valid UTF-8 text")
+            try:
+                "".join([getattr(m, name) for m in msgs])
+            except TypeError:
+                raise ModelLoadError(f"cannot parse model {where}: field {at}.{name} is not valid UTF-8 text") from None
         for name in repeats:
             try:
-                "".join(getattr(msg, name))
+                "".join([x for m in msgs for x in getattr(m, name)])
             except TypeError:
                 raise ModelLoadError(f"cannot parse model {where}: field {at}.{name} is not valid UTF-8 text") from None
         for name in messages:
-            if msg.HasField(name):
-                stack.append((getattr(msg, name), f"{at}.{name}"))
+            subs = [getattr(m, name) for m in msgs if m.HasField(name)]
+            if subs:
+                stack.append((subs, f"{at}.{name}"))
         for name in message_lists:
-            items = getattr(msg, name)
-            if not items:
-                continue
-            kind = items[0].DESCRIPTOR.name
-            if kind in _FAST_LISTS:
-                # The bulk of a model (value_info, plain attributes): their strings at once, only
-                # the unusual entries (nested types, tensor or graph attributes) walked one by one.
-                rest = _FAST_LISTS[kind](items, where, f"{at}.{name}")
-                stack.extend((m, f"{at}.{name}[?]") for m in rest)
-                continue
-            sub = _text_plan(items[0].DESCRIPTOR)
-            if not sub[1] and not sub[2] and not sub[3]:
-                # Leaf messages (key/value entries, shape dims, opset ids): all their strings at once.
-                try:
-                    "".join(getattr(m, f) for m in items for f in sub[0])
-                except TypeError:
-                    raise ModelLoadError(f"cannot parse model {where}: a field under {at}.{name} is not valid UTF-8 text") from None
-                continue
-            stack.extend((m, f"{at}.{name}[{k}]") for k, m in enumerate(items))
+            subs = [x for m in msgs for x in getattr(m, name)]
+            if subs:
+                stack.append((subs, f"{at}.{name}[?]"))
 
-
-def _join_or_fail(parts, where: str, at: str) -> None:
-    try:
-        "".join(parts)
-    except TypeError:
-        raise ModelLoadError(f"cannot parse model {where}: a field under {at} is not valid UTF-8 text") from None
-
-
-def _fast_value_infos(items, where: str, at: str) -> list:
-    plain, rest = [], []
-    for vi in items:
-        (plain if vi.type.WhichOneof("value") == "tensor_type" and not vi.metadata_props else rest).append(vi)
-    _join_or_fail((x for vi in plain for x in (vi.name, vi.doc_string, vi.type.denotation)), where, at)
-    _join_or_fail((x for vi in plain for d in vi.type.tensor_type.shape.dim for x in (d.dim_param, d.denotation)),
-                  where, at)
-    return rest
-
-
-_PLAIN_ATTRIBUTES = frozenset({AttributeProto.INT, AttributeProto.FLOAT, AttributeProto.INTS, AttributeProto.FLOATS,
-                               AttributeProto.STRING, AttributeProto.STRINGS})
-
-
-def _fast_attributes(items, where: str, at: str) -> list:
-    plain, rest = [], []
-    for a in items:
-        (plain if a.type in _PLAIN_ATTRIBUTES else rest).append(a)
-    _join_or_fail((x for a in plain for x in (a.name, a.ref_attr_name, a.doc_string)), where, at)
-    return rest
-
-
-_FAST_LISTS = {"ValueInfoProto": _fast_value_infos, "AttributeProto": _fast_attributes}
 
 _TEXT_PLANS: dict[object, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {}
 

@@ -27,11 +27,19 @@ for _name, _bits in (("INT2", 2), ("UINT2", 2), ("FLOAT6E2M3", 6), ("FLOAT6E3M2"
         _PACKED_BITS[getattr(TensorProto, _name)] = _bits
 
 
+_DTYPES: dict[int, np.dtype] = {}
+
+
 def _np_dtype(elem_type: int, name: str) -> np.dtype:
+    dtype = _DTYPES.get(elem_type)
+    if dtype is not None:
+        return dtype
     try:
-        return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
     except (KeyError, ValueError, TypeError) as e:
         raise ModelLoadError(f"tensor {name!r}: unsupported element type {elem_type}") from e
+    _DTYPES[elem_type] = dtype
+    return dtype
 
 
 def storage_nbytes(elem_type: int, dims: tuple[int, ...], dtype: np.dtype) -> int:
@@ -77,6 +85,18 @@ _TYPED_FIELD = {
     TensorProto.INT64: ("int64_data", 1),
     TensorProto.UINT32: ("uint64_data", 1),
     TensorProto.UINT64: ("uint64_data", 1),
+}
+
+
+# Element types whose typed field numpy_helper.to_array converts with one ``astype``: elem type ->
+# (field, storage dtype).
+_TYPED_NUMPY = {
+    TensorProto.FLOAT: ("float_data", np.float32),
+    TensorProto.DOUBLE: ("double_data", np.float64),
+    TensorProto.INT64: ("int64_data", np.int64),
+    TensorProto.INT32: ("int32_data", np.int32),
+    TensorProto.INT8: ("int32_data", np.int32),
+    TensorProto.UINT8: ("int32_data", np.int32),
 }
 
 
@@ -216,7 +236,15 @@ class Tensor:
         if self.elem_type == TensorProto.STRING or (
             self.external is None and not self.proto.HasField("raw_data")
         ):
-            arr = onnx.numpy_helper.to_array(self.proto)  # typed fields: a copy is unavoidable
+            # Typed fields: a copy is unavoidable.  The common numeric types directly, as
+            # numpy_helper.to_array converts them (its generic path costs ~25 us a tensor, and a
+            # QDQ model stores every scale and zero point this way).
+            typed = _TYPED_NUMPY.get(self.elem_type)
+            if typed is not None and not self.proto.HasField("segment"):
+                field, storage = typed
+                arr = np.asarray(getattr(self.proto, field), dtype=storage).astype(self.dtype).reshape(self.dims)
+            else:
+                arr = onnx.numpy_helper.to_array(self.proto)
         elif self.elem_type in _PACKED_BITS or sys.byteorder == "big":
             proto = TensorProto()
             proto.data_type = self.elem_type

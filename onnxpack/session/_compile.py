@@ -116,6 +116,10 @@ class _Compiler:
         self.released = 0
         # scope path -> node output name -> constant computed from a stored weight (_derive.py)
         self.derived: dict[str, dict[str, WeightRef]] = {}
+        # (scope path, name) -> what _weight answered, once a scope's derivations are complete
+        # (every phase asks again about the same few names: ~2,000 look-ups per QDQ ResNet-50)
+        self._weights: dict[tuple[str, str], WeightRef | None] = {}
+        self._settled: set[str] = set()  # scope paths whose answers may be kept
 
     def compile(self) -> Program:
         for scope in self.model.scopes():  # bottom-up: children before the node that owns them
@@ -144,9 +148,20 @@ class _Compiler:
     # -- names ------------------------------------------------------------------------------------
     def _weight(self, scope: Scope, name: str) -> WeightRef | None:
         """The constant ``name`` refers to from ``scope``, or None if it is not a constant."""
+        key = (scope.path, name)
+        got = self._weights.get(key, _UNKNOWN)
+        if got is not _UNKNOWN:
+            return got
         owner = scope.resolve(name)
         if owner is None:
+            self._weights[key] = None
             return None
+        got = self._lookup(owner, name)
+        if owner.path in self._settled:  # the owner's derived values are all known
+            self._weights[key] = got
+        return got
+
+    def _lookup(self, owner: Scope, name: str) -> WeightRef | None:
         derived = self.derived.get(owner.path)
         if derived is not None and name in derived:
             return derived[name]
@@ -177,6 +192,7 @@ class _Compiler:
 
         if self.options.prepack:
             self.derived[scope.path] = self._derivations(scope, nodes, implicit, available, name)
+        self._settled.add(scope.path)  # its derived values are known: _weight's answers hold
         fusions: list[Fusion] = []
         if self.options.prepack and self.options.fuse:
             fusions = self._fusions(scope, nodes, implicit)
@@ -234,7 +250,11 @@ class _Compiler:
             w = self._weight(scope, n)
             return None if w is None else ConstMeta(tuple(w.shape), np.dtype(w.dtype))
 
-        return plan_fusions(nodes, readers, protected, const_value, self.opsets.get("", 1), is_const, const_meta)
+        def const_lazy(n: str) -> Callable[[], np.ndarray]:
+            return self._weight(scope, n).value  # the WeightRef alone, not this compiler
+
+        return plan_fusions(nodes, readers, protected, const_value, self.opsets.get("", 1), is_const, const_meta,
+                            const_lazy)
 
     def _constants(self, scope: Scope, output_names: list[str]) -> dict[str, Any]:
         """The scope's constants: originals still read unpacked (all readers are bound by now:
@@ -363,6 +383,15 @@ class _Compiler:
         if w.elem_type == TensorProto.STRING:
             return None
         info = TensorInfo(w.name, w.dtype, w.shape, w.elem_type)
+        try:
+            spec = kernel.pack_spec(i, info)
+        except OnnxpackError:
+            raise
+        except Exception as exc:
+            raise InvalidGraph(f"node {node.name!r} ({node.op_type}) input {i} ({w.name!r}): "
+                               f"{type(exc).__name__}: {exc}") from exc
+        if spec is None:  # most constant inputs (scales, shapes, ...): nothing more to do
+            return None
         what = f"node {node.name!r} ({node.op_type}) input {i} ({w.name!r})"
 
         def pack(value: np.ndarray) -> tuple[np.ndarray, ...] | None:
@@ -382,14 +411,6 @@ class _Compiler:
                 raise InvalidGraph(f"{what}: the weight does not fit the node: {reason}")
             return buffers
 
-        try:
-            spec = kernel.pack_spec(i, info)
-        except OnnxpackError:
-            raise
-        except Exception as exc:
-            raise InvalidGraph(f"{what}: {type(exc).__name__}: {exc}") from exc
-        if spec is None:
-            return None
         if w.derived is not None:
             # The pack of a derived value: keyed by the leaf plus the derivation (saved under the
             # leaf's record), and still the leaf's own bytes only when the chain only reshapes.
@@ -403,6 +424,9 @@ class _Compiler:
             return None
         kernel.use_prepacked(i, got.entry.buffers)
         return PackEvent(scope.path, node.name, node.op_type, i, w, spec, got.entry, got.origin, got.seconds)
+
+
+_UNKNOWN = object()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,6 @@ plus the digest, and in saved records the leaf's own record with the digest in t
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 from collections.abc import Callable
@@ -47,15 +46,31 @@ _FOLDABLE_OPS = frozenset(op for _domain, op in FOLDABLE)
 _VIEWS = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 
 
-@dataclasses.dataclass(frozen=True)
 class Derivation:
-    """How a constant value comes from a stored leaf weight (see the module docstring)."""
+    """How a constant value comes from a stored leaf weight (see the module docstring).
 
-    digest: bytes
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    is_view: bool
-    compute: Callable[[np.ndarray], np.ndarray]  # leaf value -> the value
+    ``digest`` is computed on first use: only a value some kernel packs needs its key, and most
+    derived values are not packed (a QDQ model's BatchNormalization statistics, fake-quant
+    scales) — hashing each one's small constants at every session creation cost more than
+    deriving it.
+    """
+
+    __slots__ = ("dtype", "shape", "is_view", "compute", "_digest", "_make_digest")
+
+    def __init__(self, digest: bytes | Callable[[], bytes], dtype: np.dtype, shape: tuple[int, ...], is_view: bool,
+                 compute: Callable[[np.ndarray], np.ndarray]) -> None:
+        self.dtype = dtype
+        self.shape = shape
+        self.is_view = is_view
+        self.compute = compute  # leaf value -> the value
+        self._digest, self._make_digest = (digest, None) if isinstance(digest, bytes) else (None, digest)
+
+    @property
+    def digest(self) -> bytes:
+        if self._digest is None:
+            self._digest = self._make_digest()
+            self._make_digest = None
+        return self._digest
 
     @property
     def elem_type(self) -> int:
@@ -108,20 +123,22 @@ def derive(node: NodeProto, weight_of: Callable[[str], WeightRef | None], opsets
         except NotImplementedError:
             return None
     values = tuple(others)
-
-    h = hashlib.blake2b(digest_size=16)
     prev = src.derived
-    if prev is not None:
-        h.update(prev.digest)
-    h.update(f"|{domain}:{node.op_type}:{opset}|".encode())
-    for a in sorted(node.attribute, key=lambda a: a.name):
-        if a.type not in (AttributeProto.GRAPH, AttributeProto.GRAPHS):
-            h.update(a.SerializeToString())
-    for w in others:
-        raw = b"-" if w is None else bytes(memoryview(w.raw()).cast("B"))
-        h.update(len(raw).to_bytes(8, "little") + raw)
-        if w is not None:
-            h.update(f"{_dtype_name(w.dtype)}{w.shape}".encode())
+
+    def digest() -> bytes:
+        h = hashlib.blake2b(digest_size=16)
+        if prev is not None:
+            h.update(prev.digest)
+        h.update(f"|{domain}:{node.op_type}:{opset}|".encode())
+        for a in sorted(node.attribute, key=lambda a: a.name):
+            if a.type not in (AttributeProto.GRAPH, AttributeProto.GRAPHS):
+                h.update(a.SerializeToString())
+        for w in values:
+            raw = b"-" if w is None else bytes(memoryview(w.raw()).cast("B"))
+            h.update(len(raw).to_bytes(8, "little") + raw)
+            if w is not None:
+                h.update(f"{_dtype_name(w.dtype)}{w.shape}".encode())
+        return h.digest()
 
     def compute(leaf: np.ndarray, _prev=prev) -> np.ndarray:
         x = _prev.compute(leaf) if _prev is not None else leaf
@@ -129,7 +146,7 @@ def derive(node: NodeProto, weight_of: Callable[[str], WeightRef | None], opsets
         return np.asarray(kernel().run(x, *args)[0])
 
     is_view = node.op_type in _VIEWS and (prev is None or prev.is_view)
-    derivation = Derivation(h.digest(), dtype, shape, is_view, compute)
+    derivation = Derivation(digest, dtype, shape, is_view, compute)
     # (not dataclasses.replace: it re-reads the class's fields at every call, a fifth of derive())
     return WeightRef(src.scope, src.name, src.tensor, src.array, derivation)
 

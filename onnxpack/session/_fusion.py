@@ -17,7 +17,12 @@ pre-packing on:
 * a QuantizeLinear → DequantizeLinear pair of the same scale and zero point ("fake quantization",
   what ``onnxruntime.quantization``'s QDQ format puts around every activation) runs as one float
   kernel (``fake_quant``: divide, round, clamp to the integer range shifted by the zero point,
-  multiply, never materializing the integers), whose results are the pair's bit for bit.
+  multiply, never materializing the integers), whose results are the pair's bit for bit;
+* in a Conv or MatMul chain, a per-tensor pair is an activation like the others
+  (:func:`match_activation`), and in a Conv chain a BatchNormalization after an activation (a QDQ
+  model's ``Conv → Q → DQ → BatchNormalization → Q → DQ``, which cannot fold into the weight) is
+  a per-channel step ``x * A + B`` of the epilogue: a QDQ ResNet block runs as its Convs'
+  epilogues, one pass each, as the float model does, with the unfused nodes' bits.
 
 The folded weight is an ordinary pre-packed weight of ``W``: its key includes a digest of the
 folded constants, so it is saved, mapped and shared like any other, and a changed statistic is a
@@ -71,6 +76,9 @@ class ConvFusion:
     ``pre``: activations; ``residual``: the name added next (a residual connection); ``post``:
     activations after it; ``nodes``: every absorbed node; ``output``: the chain's last output.
     ``relu`` is the index of a lone Relu (the simple Conv -> BN -> Relu case), for reports.
+    ``channels``: the BatchNormalizations met after an activation (a fake-quant pair, ...),
+    which cannot fold into the weight; ``Activation("channel", k)`` in ``pre``/``post`` stands
+    for ``channels[k]``.
     """
 
     conv: int
@@ -82,6 +90,7 @@ class ConvFusion:
     post: tuple[Activation, ...] = ()
     nodes: tuple[int, ...] = ()
     output: str = ""
+    channels: tuple[int, ...] = ()
 
     @property
     def absorbed(self) -> tuple[int, ...]:
@@ -146,16 +155,20 @@ def _sole_users(nodes: Sequence[NodeProto], readers: dict[str, int], protected: 
 
 
 def _match_epilogue(nodes, t: str, users_of, const_value, opset: int, is_const: Callable[[str], bool],
-                    absorbed: list[int]) -> tuple[list[Activation], str | None, list[Activation], str]:
+                    absorbed: list[int], channel: Callable[[str], tuple[Activation, tuple[int, ...], str] | None]
+                    | None = None) -> tuple[list[Activation], str | None, list[Activation], str]:
     """After a GEMM or conv output ``t``: activations, one residual ``Add``/``Sum`` of a
     non-constant, activations again.  Appends the matched nodes to ``absorbed``; returns
     (activations before the residual, the residual name or None, activations after, the chain's
-    last output)."""
+    last output).  ``channel(t)``, when given (a Conv's chain), matches a per-channel step
+    reading ``t`` where no activation does."""
     pre: list[Activation] = []
     post: list[Activation] = []
     residual = None
     while True:
         got = match_activation(nodes, t, users_of, const_value, opset)
+        if got is None and channel is not None:
+            got = channel(t)
         if got is not None:
             act, idxs, t = got
             (post if residual is not None else pre).append(act)
@@ -248,7 +261,17 @@ def find_conv_fusions(
             folds.append((op, cname))
             absorbed.append(idx)
             t = nodes[idx].output[0]
-        pre, residual, post, t = _match_epilogue(nodes, t, users_of, const_value, opset, is_const, absorbed)
+        channels: list[int] = []
+
+        def channel(name: str) -> tuple[Activation, tuple[int, ...], str] | None:
+            # A BatchNormalization after an activation: per-channel x * A + B in the epilogue.
+            i = sole_reader(name, "BatchNormalization")
+            if i is None or m is None or not _foldable_bn(nodes[i], is_const, opset):
+                return None
+            channels.append(i)
+            return Activation("channel", float(len(channels) - 1)), (i,), nodes[i].output[0]
+
+        pre, residual, post, t = _match_epilogue(nodes, t, users_of, const_value, opset, is_const, absorbed, channel)
         if not absorbed:
             continue
         taken.update(absorbed)
@@ -256,7 +279,8 @@ def find_conv_fusions(
         relu = None
         if pre == [Activation("relu")] and residual is None and not folds:
             relu = next(i for i in absorbed if nodes[i].op_type == "Relu")
-        out.append(ConvFusion(k, bn, relu, tuple(folds), tuple(pre), residual, tuple(post), tuple(absorbed), t))
+        out.append(ConvFusion(k, bn, relu, tuple(folds), tuple(pre), residual, tuple(post), tuple(absorbed), t,
+                              tuple(channels)))
     return out
 
 
@@ -372,6 +396,17 @@ def match_activation(nodes, t, users_of, const_value, opset):
             return None
         if n.op_type == "Relu":
             return Activation("relu"), (users[0],), out
+        if n.op_type == "QuantizeLinear":
+            dq = users_of(out)
+            if dq is None or len(dq) != 1:
+                return None
+            got = _fake_quant_pair(n, nodes[dq[0]], const_value, opset)
+            if got is None or got[3].size != 1 or got[4].size != 1:  # per tensor: scalar parameters
+                return None
+            _axis, lo, hi, scale, zp = got
+            z = float(zp.reshape(-1)[0])
+            return (Activation("fakequant", float(scale.reshape(-1)[0]), lo - z, hi - z), (users[0], dq[0]),
+                    nodes[dq[0]].output[0])
         if n.op_type == "Clip":
             if opset < 11:
                 a = attrs(n)
@@ -629,40 +664,51 @@ def find_fake_quant_fusions(
         if op != "QuantizeLinear" or k in taken:
             continue
         q = nodes[k]
-        if q.domain not in ("", "ai.onnx") or len(q.input) != 3:
-            continue
-        name = q.output[0]
+        name = q.output[0] if q.output else ""
         d = dq_of.get(name)
         if d is None or readers.get(name, 0) != 1 or name in protected or d in taken:
             continue
-        users = [d]
         dq = nodes[d]
-        if dq.domain not in ("", "ai.onnx") or len(dq.input) != 3:
+        got = _fake_quant_pair(q, dq, const_value, opset)
+        if got is None:
             continue
-        qa, da = _attrs(q), _attrs(dq)
-        if any(a.get(key) for a in (qa, da) for key in ("block_size", "output_dtype", "precision")):
-            continue
-        scale, zp = const_value(q.input[1]), const_value(q.input[2])
-        if scale is None or zp is None or scale.dtype != np.float32 or zp.dtype.name not in _FAKE_QUANT_TYPES:
-            continue
-        for mine, theirs in ((q.input[1], dq.input[1]), (q.input[2], dq.input[2])):
-            if mine != theirs:  # the quantizer shares one scale and zero point: names match
-                other, value = const_value(theirs), const_value(mine)
-                if other is None or other.dtype != value.dtype or not np.array_equal(other, value):
-                    break
-        else:
-            if not (scale > 0).all() or (scale.size > 1 and int(qa.get("axis", 1)) != int(da.get("axis", 1))):
-                continue
-            node = NodeProto()
-            node.CopyFrom(q)
-            node.name = f"{q.name or f'#{k}'}+{dq.name or f'#{users[0]}'}"
-            del node.output[:]
-            node.output.extend([dq.output[0]])
-            lo, hi = _FAKE_QUANT_TYPES[zp.dtype.name]
-            out.append(Fusion(node, k, (users[0],), kernel="fake_quant",
-                              params={"axis": int(qa.get("axis", 1)), "low": lo, "high": hi}))
-            taken.update((k, users[0]))
+        axis, lo, hi, _scale, _zp = got
+        node = NodeProto()
+        node.CopyFrom(q)
+        node.name = f"{q.name or f'#{k}'}+{dq.name or f'#{d}'}"
+        del node.output[:]
+        node.output.extend([dq.output[0]])
+        out.append(Fusion(node, k, (d,), kernel="fake_quant", params={"axis": axis, "low": lo, "high": hi}))
+        taken.update((k, d))
     return out
+
+
+def _fake_quant_pair(q: NodeProto, dq: NodeProto, const_value: Callable[[str], np.ndarray | None],
+                     opset: int) -> tuple[int, int, int, np.ndarray, np.ndarray] | None:
+    """``(axis, low, high, scale, zero point)`` when ``dq`` reading ``q``'s output makes the
+    pair one rounding of a float tensor (the conditions of :func:`find_fake_quant_fusions`,
+    except who reads what, which the caller checks), else None."""
+    if opset < 13 or q.domain not in ("", "ai.onnx") or dq.domain not in ("", "ai.onnx"):
+        return None
+    if len(q.input) != 3 or len(dq.input) != 3 or dq.op_type != "DequantizeLinear" or not q.output:
+        return None
+    if dq.input[0] != q.output[0] or len([o for o in dq.output if o]) != 1 or not dq.output[0]:
+        return None
+    qa, da = _attrs(q), _attrs(dq)
+    if any(a.get(key) for a in (qa, da) for key in ("block_size", "output_dtype", "precision")):
+        return None
+    scale, zp = const_value(q.input[1]), const_value(q.input[2])
+    if scale is None or zp is None or scale.dtype != np.float32 or zp.dtype.name not in _FAKE_QUANT_TYPES:
+        return None
+    for mine, theirs in ((q.input[1], dq.input[1]), (q.input[2], dq.input[2])):
+        if mine != theirs:  # the quantizer shares one scale and zero point: names match
+            other, value = const_value(theirs), const_value(mine)
+            if other is None or other.dtype != value.dtype or not np.array_equal(other, value):
+                return None
+    if not (scale > 0).all() or (scale.size > 1 and int(qa.get("axis", 1)) != int(da.get("axis", 1))):
+        return None
+    lo, hi = _FAKE_QUANT_TYPES[zp.dtype.name]
+    return int(qa.get("axis", 1)), lo, hi, scale, zp
 
 
 def _attrs(node: NodeProto) -> dict[str, Any]:
@@ -716,7 +762,8 @@ def bn_fold(scale: np.ndarray, bias: np.ndarray, mean: np.ndarray, var: np.ndarr
 def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
                  const_value: Callable[[str], np.ndarray | None], opset: int,
                  is_const: Callable[[str], bool] | None = None,
-                 const_meta: Callable[[str], ConstMeta | None] | None = None) -> list[Fusion]:
+                 const_meta: Callable[[str], ConstMeta | None] | None = None,
+                 const_lazy: Callable[[str], Callable[[], np.ndarray]] | None = None) -> list[Fusion]:
     """Every fusion of one scope's nodes (pure).
 
     Args:
@@ -731,7 +778,12 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
             default: ``const_value(n) is not None``.
         const_meta: a constant's shape and dtype without computing it (a weight's are known from
             its declaration; matching a chain needs no more), default: from ``const_value``.
+        const_lazy: a constant's value as a function a kernel calls when it first needs it
+            (per-channel statistics of a Conv epilogue), default: ``const_value`` deferred.
     """
+    if const_lazy is None:
+        def const_lazy(n: str) -> Callable[[], np.ndarray]:
+            return lambda: const_value(n)
     if is_const is None:
         def is_const(n: str) -> bool:
             return const_value(n) is not None
@@ -746,6 +798,21 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
         conv = nodes[f.conv]
         params: dict[str, Any] = {"multiplier": None, "shift": None, "pre": f.pre, "residual": f.residual is not None,
                                   "post": f.post}
+        if f.channels:
+            # Decided from shapes and dtypes; the values are computed by the kernel at its first
+            # run (a QDQ model's statistics are dequantized int8: a warm start computes none).
+            m = int(const_meta(conv.input[1]).shape[0])
+            stats = []
+            for i in f.channels:
+                bn = nodes[i]
+                metas = [const_meta(n) for n in bn.input[1:5]]
+                if any(c is None or c.shape != (m,) or c.dtype.kind != "f" for c in metas):
+                    break
+                eps = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
+                stats.append((*(const_lazy(n) for n in bn.input[1:5]), eps))
+            if len(stats) != len(f.channels):
+                continue  # not one float statistic per output channel: the nodes run as they are
+            params["channels"] = tuple(stats)
         if f.bn is not None or f.folds:
             m = int(const_meta(conv.input[1]).shape[0])
             cb = const_value(conv.input[2]) if len(conv.input) > 2 and conv.input[2] else None

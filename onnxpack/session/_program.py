@@ -411,6 +411,28 @@ def topological_order(nodes: Sequence[NodeProto], available: Callable[[str], boo
                         f"({nodes[producers[out]].name!r} and {node.name!r})"
                     )
                 producers[out] = i
+    # Most graphs list their nodes in an order that already works (ONNX asks for it): then that
+    # order is the answer — the depth-first pass below would return it too, since every node's
+    # producers come first — and one look-up per read decides it.
+    for i, node in enumerate(nodes):
+        for name in (reads[i] if reads is not None else node.input):
+            if not name:
+                continue
+            p = producers.get(name)
+            if p is None:
+                if available(name):
+                    continue
+                raise InvalidGraph(
+                    f"graph {scope_name!r}: node {node.name!r} ({node.op_type}) uses {name!r}, "
+                    "which is not a graph input, an initializer, or any node's output"
+                )
+            if p >= i:
+                break
+        else:
+            continue
+        break
+    else:
+        return list(range(len(nodes)))
     deps: list[list[int]] = []
     for i, node in enumerate(nodes):
         d: set[int] = set()

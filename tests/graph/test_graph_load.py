@@ -264,3 +264,20 @@ def test_sparse_initializer_dense():
     model = Model(helper.make_model(g))
     np.testing.assert_array_equal(model.root.initializers["S"].numpy(),
                                   [[0, 1.5, 0], [0, 0, 2.5]])
+
+
+@pytest.mark.parametrize("elem_type,values", [
+    (TensorProto.FLOAT, [1.5, -2.25, 3e-8]), (TensorProto.DOUBLE, [1.5, 2.0, -1e300]),
+    (TensorProto.INT64, [1, -2, 2**40]), (TensorProto.INT32, [3, -4, 2**30]),
+    (TensorProto.INT8, [-128, 0, 127]), (TensorProto.UINT8, [0, 7, 255]),
+])
+@pytest.mark.parametrize("dims", [[3], [1, 3]])
+def test_typed_field_tensors_read_as_numpy_helper_reads_them(elem_type, values, dims):
+    from onnxpack.graph._tensor import Tensor
+
+    t = helper.make_tensor("t", elem_type, dims, values)
+    assert not t.HasField("raw_data")
+    got, want = Tensor(t, None).numpy(), numpy_helper.to_array(t)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+    assert not got.flags.writeable

@@ -342,3 +342,107 @@ def test_nbits_chain_not_fused(case):
     assert len(names) >= 2, names
     for a, b in zip(got, _ort(model, feed)):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-2 * float(np.abs(b).max()))
+
+
+# -- fake-quant pairs and BatchNormalization in a Conv's epilogue (QDQ models) ----------------------
+def _fq(nodes, inits, x, name, scale, zp):
+    """x -> QuantizeLinear -> DequantizeLinear (per tensor) -> returns the DQ output name."""
+    inits += [numpy_helper.from_array(np.array(scale, np.float32), f"{name}_s"), numpy_helper.from_array(zp, f"{name}_z")]
+    nodes += [helper.make_node("QuantizeLinear", [x, f"{name}_s", f"{name}_z"], [f"{name}_q"], name=f"{name}_q"),
+              helper.make_node("DequantizeLinear", [f"{name}_q", f"{name}_s", f"{name}_z"], [f"{name}_d"],
+                               name=f"{name}_dq")]
+    return f"{name}_d"
+
+
+def qdq_conv_block_model(kind: str) -> tuple[bytes, dict, float]:
+    """A QDQ residual block as onnxruntime.quantization writes it: every activation through a
+    Q -> DQ pair, int8 per-channel weights through DequantizeLinear, BatchNormalization after the
+    Conv's pair (so it cannot fold into the weight), a Sum of two such branches, Relu, a last
+    pair.  ``kind`` picks the Conv path of the 3x3 branch: im2col, direct (RGB-stem sized),
+    depthwise, Winograd.  Returns the model, a feed and the last pair's scale."""
+    cin, cout, hw, group = {"im2col": (4, 6, 8, 1), "direct": (3, 6, 8, 1), "depthwise": (6, 6, 8, 6),
+                            "winograd": (8, 8, 16, 1)}[kind]
+    nodes: list = []
+    inits: list = []
+    u8, i8 = np.array(128, np.uint8), np.array(0, np.int8)
+    x = _fq(nodes, inits, "x", "in", 0.02, u8)
+
+    def branch(tag, src, c_in, k, group=1):
+        w = RNG.standard_normal((cout, c_in // group, k, k)).astype(np.float32)
+        ws = (np.abs(w).reshape(cout, -1).max(axis=1) / 127).astype(np.float32)
+        wq = np.clip(np.rint(w / ws.reshape(-1, 1, 1, 1)), -127, 127).astype(np.int8)
+        inits.extend([numpy_helper.from_array(wq, f"{tag}_wq"), numpy_helper.from_array(ws, f"{tag}_ws"),
+                      numpy_helper.from_array(np.zeros(cout, np.int8), f"{tag}_wz")])
+        nodes.append(helper.make_node("DequantizeLinear", [f"{tag}_wq", f"{tag}_ws", f"{tag}_wz"], [f"{tag}_w"],
+                                      name=f"{tag}_wdq", axis=0))
+        nodes.append(helper.make_node("Conv", [src, f"{tag}_w"], [f"{tag}_c"], name=f"{tag}_conv",
+                                      pads=[k // 2] * 4, group=group))
+        c = _fq(nodes, inits, f"{tag}_c", f"{tag}_cq", 0.05, u8)
+        stats = (_w(cout), _w(cout), _w(cout), _w(cout, positive=True))
+        for n, arr in zip(("s", "b", "m", "v"), stats):
+            inits.append(numpy_helper.from_array(arr, f"{tag}_bn{n}"))
+        nodes.append(helper.make_node("BatchNormalization", [c, *(f"{tag}_bn{n}" for n in "sbmv")], [f"{tag}_n"],
+                                      name=f"{tag}_bn", epsilon=1e-3))
+        return _fq(nodes, inits, f"{tag}_n", f"{tag}_nq", 0.04, i8)
+
+    a = branch("a", x, cin, 3, group)
+    b = branch("b", x, cin, 1)
+    nodes.append(helper.make_node("Sum", [a, b], ["sum"], name="sum"))
+    nodes.append(helper.make_node("Relu", ["sum"], ["relu"], name="relu"))
+    y = _fq(nodes, inits, "relu", "out", 0.03, np.array(0, np.uint8))
+    nodes.append(helper.make_node("Identity", [y], ["y"], name="y"))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [1, cin, hw, hw])],
+                              [helper.make_tensor_value_info("y", F, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    feed = {"x": (RNG.standard_normal((1, cin, hw, hw)) * 0.8).astype(np.float32)}
+    return model.SerializeToString(), feed, 0.03
+
+
+@pytest.mark.parametrize("jit", ["numba", "numpy"])
+@pytest.mark.parametrize("kind", ["im2col", "direct", "depthwise", "winograd"])
+def test_qdq_conv_block_fuses_pairs_and_batchnorm_bit_identically(kind, jit, monkeypatch):
+    """Conv -> Q -> DQ -> BatchNormalization -> Q -> DQ, the residual Sum, Relu and the last pair
+    run as the Conv's epilogue (one pass): the bits of the same session's unfused nodes
+    (``ORT_DISABLE_ALL``: packs kept, fusions off), and onnxruntime's within a quantization step
+    per rounding that float order may flip."""
+    if jit == "numba":
+        pytest.importorskip("numba")
+    else:
+        monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+    model, feed, out_scale = qdq_conv_block_model(kind)
+    with onnxpack.InferenceSession(model) as s:
+        got = s.run(None, feed)[0]
+        ops = [type(st.kernel).__name__ for st in s.program.root.steps]
+    assert ops == ["FakeQuant", "FusedConv", "FusedConv", "Identity"], ops  # the input's pair stays
+    opts = onnxpack.SessionOptions()
+    opts.graph_optimization_level = onnxpack.GraphOptimizationLevel.ORT_DISABLE_ALL
+    with onnxpack.InferenceSession(model, opts) as s:
+        unfused = s.run(None, feed)[0]
+        assert "BatchNormalization" in [st.node.op_type for st in s.program.root.steps]
+    _same_bits(got, unfused)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    want = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    np.testing.assert_allclose(got, want, rtol=0, atol=3 * out_scale + 1e-6)
+    assert np.mean(got == want) > 0.9
+
+
+def test_fake_quant_pair_after_matmul_is_its_epilogue():
+    """MatMul -> bias Add -> Q -> DQ: the pair runs in the fused MatMul's epilogue, same bits."""
+    w = RNG.standard_normal((16, 8)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["mm"], name="mm"),
+             helper.make_node("Add", ["mm", "B"], ["add"], name="add")]
+    inits = [numpy_helper.from_array(w, "W"), numpy_helper.from_array(_w(8), "B")]
+    y = _fq(nodes, inits, "add", "o", 0.07, np.array(-3, np.int8))
+    nodes.append(helper.make_node("Identity", [y], ["y"], name="y"))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [5, 16])],
+                              [helper.make_tensor_value_info("y", F, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    feed = {"x": RNG.standard_normal((5, 16)).astype(np.float32)}
+    with onnxpack.InferenceSession(model) as s:
+        got = s.run(None, feed)[0]
+        assert [type(st.kernel).__name__ for st in s.program.root.steps] == ["FusedMatMul", "Identity"]
+    opts = onnxpack.SessionOptions()
+    opts.graph_optimization_level = onnxpack.GraphOptimizationLevel.ORT_DISABLE_ALL
+    with onnxpack.InferenceSession(model, opts) as s:
+        _same_bits(got, s.run(None, feed)[0])

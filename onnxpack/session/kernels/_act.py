@@ -29,7 +29,7 @@ __all__ = ["Activation", "apply", "jit", "parallel", "threads", "matmul"]
 
 # Kind -> code understood by _conv_jit._act_row.
 CODES = {"none": 0, "relu": 1, "clip": 2, "hardswish": 3, "silu": 4, "sigmoid": 5, "leakyrelu": 6,
-         "hardsigmoid": 7, "affine": 8, "gelu": 9}
+         "hardsigmoid": 7, "affine": 8, "gelu": 9, "fakequant": 10, "channel": 11}
 
 _ENV_DISABLE = "ONNXPACK_DISABLE_JIT"
 _jit_modules: dict[str, Any] = {}  # module name -> the module, or None when it cannot be imported
@@ -276,19 +276,24 @@ def parallel(fn, count: int, threads: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class Activation:
     """``kind`` with parameters: clip ``[a, b]``; hardswish/hardsigmoid ``a*x + b``; leakyrelu
-    slope ``a``; affine ``a*x + b``."""
+    slope ``a``; affine ``a*x + b``; fakequant (a QuantizeLinear -> DequantizeLinear pair of one
+    per-tensor scale ``a``): ``clamp(rint(x / a), b, c) * a`` with ``[b, c]`` the integer range
+    shifted by the zero point (NaN goes to ``b``, ``-0`` to ``+0``: the pair's bits); channel:
+    ``x * A[m] + B[m]`` per channel ``m`` of a Conv's output, ``(A, B)`` the kernel's table
+    ``int(a)`` (:func:`apply_channels`; only a Conv epilogue carries it)."""
 
     kind: str
     a: float = 0.0
     b: float = 0.0
+    c: float = 0.0
 
     @property
     def code(self) -> int:
         return CODES[self.kind]
 
-    def params(self, dtype) -> tuple[int, np.floating, np.floating]:
+    def params(self, dtype) -> tuple[int, np.floating, np.floating, np.floating]:
         t = np.dtype(dtype).type
-        return self.code, t(self.a), t(self.b)
+        return self.code, t(self.a), t(self.b), t(self.c)
 
 
 NONE = Activation("none")
@@ -340,6 +345,14 @@ def _apply_numpy(y: np.ndarray, act: Activation) -> np.ndarray:
         from onnxpack.session.kernels.contrib_activation import gelu_inplace
 
         gelu_inplace(y)
+    elif kind == "fakequant":  # FakeQuant's numpy arithmetic (qdq.py), in place
+        s = t(act.a)
+        np.divide(y, s, out=y)
+        np.rint(y, out=y)
+        np.fmax(y, t(act.b), out=y)
+        np.fmin(y, t(act.c), out=y)
+        y *= s
+        y += t(0.0)
     else:
         raise RuntimeError(f"Bug: unknown activation {kind!r}")
     return y
@@ -349,7 +362,7 @@ _encoded: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
 
 def encode(acts, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
-    """``(codes int64 (k,), params (k, 2))`` of a sequence of activations, for the JIT kernels.
+    """``(codes int64 (k,), params (k, 3))`` of a sequence of activations, for the JIT kernels.
 
     Made once per chain and dtype (a kernel's chain is fixed: two small arrays per call cost
     ~3 us each in every fused Conv/MatMul step); the arrays are shared, and nothing writes them.
@@ -358,7 +371,7 @@ def encode(acts, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
     got = _encoded.get(key)
     if got is None:
         codes = np.array([a.code for a in acts], dtype=np.int64)
-        params = np.array([[a.a, a.b] for a in acts], dtype=dtype).reshape(len(acts), 2)
+        params = np.array([[a.a, a.b, a.c] for a in acts], dtype=dtype).reshape(len(acts), 3)
         got = (codes, params)
         if len(_encoded) < 4096:  # bounded (a NaN parameter never finds its own entry)
             got = _encoded.setdefault(key, got)
@@ -376,6 +389,24 @@ def numpy_suffices(*chains) -> bool:
     """Whether every activation in ``chains`` (sequences of Activation) is one numpy does as
     fast as the JIT (:data:`_NUMPY_SPEED`)."""
     return all(a.kind in _NUMPY_SPEED for chain in chains for a in chain)
+
+
+def apply_channels(y: np.ndarray, acts, channels) -> np.ndarray:
+    """:func:`apply` with per-channel steps: an ``Activation("channel", k)`` is
+    ``y * channels[k][0] + channels[k][1]`` along axis 1 (a product, then a sum: two roundings,
+    as BatchNormalization's numpy computes it), the others as :func:`apply` runs them."""
+    run: list[Activation] = []
+    for act in acts:
+        if act.kind != "channel":
+            run.append(act)
+            continue
+        apply(y, run)
+        run = []
+        a, b = channels[int(act.a)]
+        shape = (1, a.shape[0]) + (1,) * (y.ndim - 2)
+        y *= a.astype(y.dtype, copy=False).reshape(shape)
+        y += b.astype(y.dtype, copy=False).reshape(shape)
+    return apply(y, run)
 
 
 def apply(y: np.ndarray, acts) -> np.ndarray:

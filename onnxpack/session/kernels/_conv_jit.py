@@ -22,7 +22,10 @@ numba's cache, so a later process loads it instead of compiling.
 Activations (``act`` codes, see ``_act.py``; a kernel takes a list of them, applied in order to
 each row while it is in L1): identity, Relu, Clip(a, b), HardSwish ``x * clip(a*x + b, 0, 1)``,
 SiLU ``x * sigmoid(x)``, Sigmoid, LeakyRelu(a), HardSigmoid(a, b), affine ``a*x + b``, exact
-GELU ``x/2 * (1 + erf(x/sqrt(2)))`` (the erf of ``_erf.py``, element by element).
+GELU ``x/2 * (1 + erf(x/sqrt(2)))`` (the erf of ``_erf.py``, element by element), fake-quant
+``clamp(rint(x / a), b, c) * a`` (a QuantizeLinear -> DequantizeLinear pair, FakeQuant's bits), and
+in :func:`bias_act` only a per-channel ``x * A[m] + B[m]`` (code 11, uncontracted: the bits of
+BatchNormalization's numpy).
 Sigmoid uses :func:`_expf`, a float32 ``exp`` that vectorizes (range reduction to
 ``[-ln2/2, ln2/2]``, degree-7 Taylor polynomial, exponent written into the float's bits):
 within 1 ulp of the exact value on [-87, 88] (0.91 ulp measured on 2M points; tests check it),
@@ -148,7 +151,7 @@ def _erff(x):
 
 
 @njit(inline="always", fastmath=_FM, error_model="numpy")
-def _act_row(row, act, a, b):
+def _act_row(row, act, a, b, c):
     """Activation ``act`` over a 1-D float32 array in place (a branch per row, not per element)."""
     n = row.shape[0]
     if act == 1:
@@ -182,12 +185,42 @@ def _act_row(row, act, a, b):
         for i in range(n):
             v = row[i]
             row[i] = _HALF * v * (_F1 + _erff(v * _SQRT1_2))
+    elif act == 10:
+        # QuantizeLinear -> DequantizeLinear (per tensor), FakeQuant's arithmetic (_qdq_jit): the
+        # division is not contracted, and ``q * a + 0`` rounds once either way.
+        for i in range(n):
+            q = np.rint(row[i] / a)
+            if not (q >= b):  # NaN too: the Q's fmax makes it the lowest code
+                q = b
+            if q > c:
+                q = c
+            row[i] = q * a + _F0
 
 
 @njit(inline="always", fastmath=_FM, error_model="numpy")
 def _acts(row, codes, params):
     for j in range(codes.shape[0]):
-        _act_row(row, codes[j], params[j, 0], params[j, 1])
+        _act_row(row, codes[j], params[j, 0], params[j, 1], params[j, 2])
+
+
+@njit(error_model="numpy")
+def _channel_affine(row, a, b):
+    """``row * a + b`` without ``contract``: a product, then a sum (two roundings), the bits of
+    BatchNormalization's numpy ``y = x * a; y += b``."""
+    for i in range(row.shape[0]):
+        row[i] = row[i] * a + b
+
+
+@njit(inline="always", fastmath=_FM, error_model="numpy")
+def _acts_ch(row, codes, params, chan, m):
+    """:func:`_acts` over a row of output channel ``m``, where code 11 (channel) is
+    ``row * chan[k, m, 0] + chan[k, m, 1]`` with ``k = params[j, 0]``."""
+    for j in range(codes.shape[0]):
+        if codes[j] == 11:
+            k = int(params[j, 0])
+            _channel_affine(row, chan[k, m, 0], chan[k, m, 1])
+        else:
+            _act_row(row, codes[j], params[j, 0], params[j, 1], params[j, 2])
 
 
 @njit(inline="always", fastmath=_FM, error_model="numpy")
@@ -390,12 +423,12 @@ def conv2d_small(x, w, bias, y, sh, sw, dh, dw, ph, pw, codes, params, nc0, nc1)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
-def bias_act(y, bias, codes, params, res, post_codes, post_params):
+def bias_act(y, bias, codes, params, res, post_codes, post_params, chan):
     """``y[n, m, :] = post(pre(y[n, m, :] + bias[m]) + res[n, m, :])`` in place, row by row.
 
     ``y`` (N, M, L) float32; ``bias`` (M,) or empty (no bias); ``codes``/``params`` the
     activations before the residual, ``res`` like ``y`` or empty (no residual), ``post_*`` the
-    activations after it.
+    activations after it; ``chan`` (K, M, 2) the per-channel steps' tables (code 11).
     """
     n_, m_, l_ = y.shape
     has_bias = bias.shape[0] > 0
@@ -408,12 +441,12 @@ def bias_act(y, bias, codes, params, res, post_codes, post_params):
             bv = bias[m]
             for i in range(l_):
                 row[i] += bv
-        _acts(row, codes, params)
+        _acts_ch(row, codes, params, chan, m)
         if has_res:
             rr = res[n, m]
             for i in range(l_):
                 row[i] += rr[i]
-            _acts(row, post_codes, post_params)
+            _acts_ch(row, post_codes, post_params, chan, m)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
@@ -671,8 +704,8 @@ F32, U8, U16, I64 = (np.zeros(0, t) for t in (np.float32, np.uint8, np.uint16, n
 def native_entries() -> dict:
     """name -> numba cfunc of this module's native entries (see :mod:`._jit_native`):
     ``act_f32`` runs :func:`act_inplace` over the block (address, length, codes address, code
-    count, params address); ``rms_f32`` runs :func:`rms_rows` over every row (block: rows, D,
-    then the addresses and row counts of x, skip, bias, gamma, y, total and inv as
+    count, params address: float32 (count, 3)); ``rms_f32`` runs :func:`rms_rows` over every row
+    (block: rows, D, then the addresses and row counts of x, skip, bias, gamma, y, total and inv as
     :meth:`._jit_native._Kernels.rms_rows` packs them, eps a float64 in slot 12)."""
     from numba import carray, cfunc
 
@@ -682,7 +715,7 @@ def native_entries() -> dict:
         b = carray(blk, (5,), np.int64)
         flat = carray(as_ptr(b[0], F32), (b[1],))
         codes = carray(as_ptr(b[2], I64), (b[3],))
-        params = carray(as_ptr(b[4], F32), (b[3], 2))
+        params = carray(as_ptr(b[4], F32), (b[3], 3))
         act_inplace(flat, codes, params)
 
     def rms_f32(blk):

@@ -210,7 +210,7 @@ class _Kernels:
 
     def act_inplace(self, flat: np.ndarray, codes: np.ndarray, params: np.ndarray) -> None:
         """``_conv_jit.act_inplace``: float32 ``flat`` (C-contiguous, 1-D), int64 ``codes``,
-        float32 ``params`` (len(codes), 2)."""
+        float32 ``params`` (len(codes), 3)."""
         codes = np.ascontiguousarray(codes, np.int64)
         params = np.ascontiguousarray(params, np.float32)
         buf, address = _block()

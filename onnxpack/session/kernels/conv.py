@@ -40,6 +40,7 @@ from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, registe
 from onnxpack.session.kernels import _act, _winograd
 from onnxpack.session.kernels._act import Activation
 from onnxpack.session.kernels.linalg import as_compute, compute_dtype
+from onnxpack.session.kernels.norm import batch_norm_affine
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ _DIRECT_MAX_OUT = 16
 # Above this many kernel taps im2col is one strided-window copy, not a copy per tap.
 _WINDOW_TAPS = 32
 _EMPTY3 = np.zeros((0, 0, 0), np.float32)
+_EMPTY_CHAN = np.zeros((0, 0, 2), np.float32)  # bias_act's per-channel tables when there are none
 
 
 # -- geometry ---------------------------------------------------------------------------------
@@ -345,6 +347,12 @@ class Conv(Kernel):
     # has none but its bias; FusedConv sets these from its fusion record.
     _pre: tuple[Activation, ...] = ()
     _post: tuple[Activation, ...] = ()
+    _has_channel = False  # an Activation("channel", k) in the epilogue (FusedConv)
+
+    def _channels(self, dtype) -> tuple[tuple[tuple[np.ndarray, np.ndarray], ...], np.ndarray]:
+        """The epilogue's per-channel steps in ``dtype``: ``(A, B)`` per table, and the JIT's
+        (K, M, 2) float32 table; none for a plain Conv."""
+        return (), _EMPTY_CHAN
 
     def _conv(self, x, w, b, out: np.ndarray | None, res: np.ndarray | None = None) -> np.ndarray:
         """The convolution and its epilogue; with ``out`` (batch 1, one group) the GEMM writes there.
@@ -398,28 +406,31 @@ class Conv(Kernel):
         if bias is not None and bias.shape != (m,):
             raise InvalidArgument(f"node {self.node.name!r} (Conv): bias must have shape [{m}], got {list(bias.shape)}")
         pre, post = self._pre, self._post
+        # Per-channel steps run only in _finish's row pass (bias_act), not inside the depthwise,
+        # direct or Winograd kernels: with one, the whole pre-residual chain goes there.
+        inner, outer = ((), pre) if self._has_channel else (pre, ())
         jit = _act.jit() if xc.dtype == np.float32 else None
         if cg == 1 and mg == 1 and g > 1 and nd == 2 and jit is not None and length > 0 and min(begin) >= 0:
             # Depthwise: the JIT folds the padding, bias and activations into one pass.
             y = np.empty((n, m) + tuple(out_shape), np.float32)
-            codes, params = _act.encode(pre)
+            codes, params = _act.encode(inner)
             args = (np.ascontiguousarray(xc), np.ascontiguousarray(wm.reshape((m,) + tuple(ks))),
                     bias if bias is not None else np.zeros(m, np.float32), y, strides[0], strides[1],
                     dils[0], dils[1], begin[0], begin[1], codes, params)
             threads = _act.threads() if y.size * kprod >= _PARALLEL_MACS else 1
             _act.parallel(lambda a, b: jit.depthwise2d(*args, a, b), n * m, threads)
-            return self._finish(y, None, (), res, post, out_dtype)
+            return self._finish(y, None, outer, res, post, out_dtype, self._channels(y.dtype))
         if (g == 1 and nd == 2 and jit is not None and length > 0 and kprod > 1 and c * kprod <= _DIRECT_TAPS
                 and m <= _DIRECT_MAX_OUT and min(begin) >= 0):
             # Few taps per output (an RGB stem): the JIT's direct kernel, no im2col (see conv2d_small).
             y = np.empty((n, m) + tuple(out_shape), np.float32)
-            codes, params = _act.encode(pre)
+            codes, params = _act.encode(inner)
             args = (np.ascontiguousarray(xc), np.ascontiguousarray(wm.reshape((m, c) + tuple(ks))),
                     bias if bias is not None else np.zeros(m, np.float32), y, strides[0], strides[1],
                     dils[0], dils[1], begin[0], begin[1], codes, params)
             threads = _act.threads() if y.size * c * kprod >= _PARALLEL_MACS else 1
             _act.parallel(lambda a, b: jit.conv2d_small(*args, a, b), n * m, threads)
-            return self._finish(y, None, (), res, post, out_dtype)
+            return self._finish(y, None, outer, res, post, out_dtype, self._channels(y.dtype))
         if kprod == 1 and not any(begin) and not any(end):
             # 1x1: the (strided) input is the column matrix.
             xs = xc[(Ellipsis,) + tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(out_shape, strides))]
@@ -439,7 +450,7 @@ class Conv(Kernel):
             if cols is not None:
                 y = self._gemm(wm, cols, n, g)
             y = y.reshape((n, m) + tuple(out_shape))
-        return self._finish(y, bias, pre, res, post, out_dtype)
+        return self._finish(y, bias, pre, res, post, out_dtype, self._channels(y.dtype))
 
     def _conv_winograd(self, x, b, out, res) -> np.ndarray:
         """The Winograd path (weight packed as ``U``); the epilogue's activations before a
@@ -465,35 +476,39 @@ class Conv(Kernel):
         bias = None if b is None else as_compute(b).astype(np.float32, copy=False)
         if bias is not None and bias.shape != (m,):
             raise InvalidArgument(f"node {self.node.name!r} (Conv): bias must have shape [{m}], got {list(bias.shape)}")
-        y = _winograd.conv3x3(xc, u, bias, begin, out_shape, self._pre)
-        y = self._finish(y, None, (), res, self._post, out_dtype)
+        inner, outer = ((), self._pre) if self._has_channel else (self._pre, ())
+        y = _winograd.conv3x3(xc, u, bias, begin, out_shape, inner)
+        y = self._finish(y, None, outer, res, self._post, out_dtype, self._channels(y.dtype))
         if out is not None and out.shape == y.shape and out.dtype == y.dtype:
             out[...] = y
             return out
         return y
 
     @staticmethod
-    def _finish(y, bias, pre, res, post, out_dtype) -> np.ndarray:
+    def _finish(y, bias, pre, res, post, out_dtype, channels=((), None)) -> np.ndarray:
         """The epilogue in place on the fresh ``y`` (n, m, *spatial): ``post(pre(y + bias) + res)``,
-        one JIT pass when possible, then the cast to the output dtype."""
+        one JIT pass when possible, then the cast to the output dtype.  ``channels``: the
+        per-channel steps' tables (:meth:`_channels`)."""
         n, m = y.shape[:2]
         if res is not None and res.shape != y.shape:  # a broadcasting residual: numpy's rules
-            y = Conv._finish(y, bias, pre, None, (), y.dtype)
+            y = Conv._finish(y, bias, pre, None, (), y.dtype, channels)
             y = y + as_compute(res).astype(y.dtype, copy=False)
-            return Conv._finish(y, None, post, None, (), out_dtype)
+            return Conv._finish(y, None, post, None, (), out_dtype, channels)
         jit = _act.jit() if y.dtype == np.float32 and y.flags.c_contiguous else None
         if jit is not None and (bias is not None or pre or res is not None) and y.size:
             codes, params = _act.encode(pre)
             pcodes, pparams = _act.encode(post)
             r = _EMPTY3 if res is None else np.ascontiguousarray(res, dtype=np.float32).reshape(n, m, -1)
-            jit.bias_act(y.reshape(n, m, -1), _EMPTY1 if bias is None else bias, codes, params, r, pcodes, pparams)
+            table = channels[1] if channels[1] is not None else _EMPTY_CHAN
+            jit.bias_act(y.reshape(n, m, -1), _EMPTY1 if bias is None else bias, codes, params, r, pcodes, pparams,
+                         table)
         else:
             if bias is not None:
                 y += bias.reshape((1, m) + (1,) * (y.ndim - 2))
-            _act.apply(y, pre)
+            _act.apply_channels(y, pre, channels[0])
             if res is not None:
                 y += as_compute(res).astype(y.dtype, copy=False)
-                _act.apply(y, post)
+                _act.apply_channels(y, post, channels[0])
         if y.dtype != out_dtype:
             y = y.astype(out_dtype)
         return y
@@ -786,13 +801,19 @@ class FusedConv(Conv):
       ``residual``: the node's input 3 is added next (a residual connection), then ``post``.
       With the JIT the whole epilogue is one pass over the Conv's fresh output (depthwise convs:
       inside the convolution itself).
+    * ``channels``: the BatchNormalizations after an activation (a QDQ model's
+      ``Conv -> Q -> DQ -> BatchNormalization -> Q -> DQ``), one ``(scale, bias, mean, var,
+      epsilon)`` per ``Activation("channel", k)`` of the chain (the statistics as arrays, or
+      functions returning them, called at the first run): ``x * A + B`` per channel with
+      ``A``, ``B`` computed as the BatchNormalization kernel computes them, and applied as it
+      applies them (a product, then a sum), so the bits are the unfused nodes'.
     * ``relu=True`` is ``pre=(Activation("relu"),)``.
     """
 
     def __init__(self, node, ctx, *, multiplier: np.ndarray | None = None,
                  shift: np.ndarray | None = None, relu: bool = False,
                  pre: tuple[Activation, ...] = (), residual: bool = False,
-                 post: tuple[Activation, ...] = ()) -> None:
+                 post: tuple[Activation, ...] = (), channels: tuple = ()) -> None:
         super().__init__(node, ctx)
         self.multiplier = multiplier
         self.shift = shift
@@ -801,6 +822,10 @@ class FusedConv(Conv):
         self._post = tuple(post)
         self.relu = pre == (Activation("relu"),) and not residual and not post
         self.residual = residual
+        self._stats = tuple(channels)
+        self._has_channel = any(a.kind == "channel" for a in (*self._pre, *self._post))
+        self._fakequant = any(a.kind == "fakequant" for a in (*self._pre, *self._post))
+        self._by_dtype: dict = {}
         if multiplier is not None:
             h = hashlib.blake2b(digest_size=16)
             h.update(np.ascontiguousarray(multiplier, dtype=np.float64).tobytes())
@@ -827,6 +852,22 @@ class FusedConv(Conv):
         (packed,) = made
         return (np.ascontiguousarray(packed),)
 
+    def _channels(self, dtype):
+        got = self._by_dtype.get(dtype)
+        if got is None:
+            if not self._stats:
+                got = ((), _EMPTY_CHAN)
+            else:
+                # Statistics may come as functions (computed at the first run, see _fusion.py).
+                stats = [tuple(v() if callable(v) else v for v in st[:4]) + (st[4],) for st in self._stats]
+                arrays = tuple(batch_norm_affine(*st, dtype) for st in stats)
+                table = None
+                if np.dtype(dtype) == np.float32:
+                    table = np.ascontiguousarray(np.stack([np.stack(ab, axis=-1) for ab in arrays]), np.float32)
+                got = (arrays, table)
+            self._by_dtype[dtype] = got
+        return got
+
     def run(self, x, w=None, b=None, r=None):
         return (self._fused(x, w, b, None, r),)
 
@@ -840,6 +881,10 @@ class FusedConv(Conv):
     def _fused(self, x, w, b, out, r):
         if self.residual and r is None:
             raise InvalidArgument(f"node {self.node.name!r} (Conv): the fused residual input is missing")
+        if self._fakequant and x.dtype != np.float32:
+            # A fused Q -> DQ pair has a float32 scale, which QuantizeLinear's x must share.
+            raise InvalidArgument(f"node {self.node.name!r} (Conv): the QuantizeLinear after it takes float32, "
+                                  f"got {x.dtype}")
         if self.multiplier is not None:
             if self._w is None and self._u is None:  # not packed (a weight fed at run time, or a dtype BLAS cannot take): fold per call
                 # In the input's compute dtype, as the unfused Conv casts the weight: folding in an

@@ -242,6 +242,7 @@ class FusedMatMul(MatMul):
         self.pre = tuple(pre)
         self.post = tuple(post)
         self.residual = residual
+        self._fakequant = any(act.kind == "fakequant" for act in (*self.pre, *self.post))
 
     def run(self, a, b=None, r=None):
         (y,) = super().run(a, b)
@@ -256,6 +257,10 @@ class FusedMatMul(MatMul):
     def _epilogue(self, y: np.ndarray, r, out_dtype) -> np.ndarray:
         if self.residual and r is None:
             raise InvalidArgument(f"node {self.node.name!r} (MatMul): the fused residual input is missing")
+        if self._fakequant and out_dtype != np.float32:
+            # A fused Q -> DQ pair has a float32 scale, which QuantizeLinear's x must share.
+            raise InvalidArgument(f"node {self.node.name!r} (MatMul): the QuantizeLinear after it takes float32, "
+                                  f"got {np.dtype(out_dtype)}")
         yc = y if y.dtype == compute_dtype(y.dtype) else y.astype(compute_dtype(y.dtype) or np.float32)
         n = yc.shape[-1] if yc.ndim else 1
         bias = None if self.bias is None else np.broadcast_to(self.bias, (n,)).astype(yc.dtype)

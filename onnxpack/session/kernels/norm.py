@@ -35,6 +35,16 @@ def _f(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return x if x.dtype == dtype else x.astype(dtype)
 
 
+def batch_norm_affine(scale, bias, mean, var, epsilon: float, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """``(A, B)`` with ``BatchNormalization(x) = x * A + B`` for an ``x`` of ``dtype``, in the
+    statistics' dtype (float64 for float64 ``x``, else float32): the kernel's own arithmetic,
+    which a fused Conv epilogue repeats (``FusedConv``'s ``channels``)."""
+    sd = _stat_dtype(np.dtype(dtype))
+    a = _f(scale, sd) / np.sqrt(_f(var, sd) + sd.type(epsilon))
+    b = _f(bias, sd) - _f(mean, sd) * a
+    return a, b
+
+
 @register("BatchNormalization", since=1)
 class BatchNormalization(Kernel):
     """Inference-mode batch normalization for every opset.
@@ -60,8 +70,7 @@ class BatchNormalization(Kernel):
     def run(self, x, scale, bias, mean, var):
         sd = _stat_dtype(x.dtype)
         nd = x.ndim - 2
-        a = _f(scale, sd) / np.sqrt(_f(var, sd) + sd.type(self.epsilon))
-        b = _f(bias, sd) - _f(mean, sd) * a
+        a, b = batch_norm_affine(scale, bias, mean, var, self.epsilon, x.dtype)
         if a.ndim == 1:
             shape = (1, a.shape[0]) + (1,) * nd
         else:  # spatial=0: statistics per activation, shape (C, D1, ...)
