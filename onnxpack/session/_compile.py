@@ -220,7 +220,15 @@ class _Compiler:
         constants = self._constants(scope, output_names)
         if folded:
             read = {n for step in steps for n in (*step.args, *step.implicit) if n} | set(output_names)
-            constants.update((n, v()) for n, v in folded.items() if n in read)
+            for n, v in folded.items():
+                if n in read:
+                    try:
+                        constants[n] = v()
+                    except OnnxpackError:
+                        raise
+                    except Exception as exc:  # e.g. a Reshape of a weight to a shape numpy cannot hold
+                        raise InvalidGraph(f"graph {name!r}: constant {n!r} (computed from the model's weights) "
+                                           f"cannot be computed: {type(exc).__name__}: {exc}") from exc
         return Plan(
             name=name, path=scope.path, input_names=tuple(input_names), output_names=tuple(output_names),
             constants=constants, steps=schedule(steps, input_names, output_names, constants),

@@ -176,3 +176,26 @@ def test_stats_are_derived_from_the_log_alone():
     assert (s.weights_packed, s.blobs_from_model, s.blobs_from_cache, s.blobs_from_container) == (1, 1, 1, 1)
     assert (s.bytes_packed, s.bytes_mapped, s.bytes_held, s.seconds_packing) == (10, 50, 60, 0.5)
     assert (s.blobs_rejected, s.originals_released) == (2, 1)
+
+
+def test_constant_that_numpy_cannot_hold_is_a_clear_error():
+    """A Reshape of an empty weight to dimensions whose product overflows numpy's size limit (a
+    valid ONNX shape of 0 elements; found by the reliability fuzzer) is folded at creation: the
+    failure is an onnxpack error naming the value, not numpy's ValueError."""
+    from onnxpack.errors import OnnxpackError
+
+    w = numpy_helper.from_array(np.zeros((0, 4), np.float32), "w")
+    shape = numpy_helper.from_array(np.array([19, 562949953421312, 0, 1025], np.int64), "shape")
+    nodes = [helper.make_node("Reshape", ["w", "shape"], ["r"], allowzero=1),
+             helper.make_node("Identity", ["r"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [], [helper.make_tensor_value_info("y", F, None)], [w, shape])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    import onnxpack
+
+    try:
+        with onnxpack.InferenceSession(model.SerializeToString()) as s:
+            s.run(None, {})
+    except OnnxpackError as exc:
+        assert "cannot" in str(exc) or "failed" in str(exc)
+    else:
+        raise AssertionError("an array numpy cannot hold was accepted")
