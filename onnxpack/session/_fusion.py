@@ -359,7 +359,7 @@ def _match_gelu(nodes, t, users, users_of, const_value):
         half = h.input[1] if h.input[0] == mul.output[0] else h.input[0]
         if _scalar(const_value(half)) != 0.5:
             return None
-        return Activation("gelu"), (si, ei, ai, mi, hi), h.output[0]
+        return Activation("gelu", 1.0), (si, ei, ai, mi, hi), h.output[0]  # a = 1: the 0.5 last
     # 0.5 applied to t first: Mul(Mul(t, 0.5), e1)
     half = mul.input[1] if mul.input[0] == t else mul.input[0]
     if _scalar(const_value(half)) != 0.5:

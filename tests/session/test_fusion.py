@@ -446,3 +446,31 @@ def test_fake_quant_pair_after_matmul_is_its_epilogue():
     opts.graph_optimization_level = onnxpack.GraphOptimizationLevel.ORT_DISABLE_ALL
     with onnxpack.InferenceSession(model, opts) as s:
         _same_bits(got, s.run(None, feed)[0])
+
+
+@pytest.mark.parametrize("half_last", [True, False], ids=["half-last", "half-first"])
+def test_fused_gelu_overflows_where_the_graph_does(half_last, jit_path):
+    """torch's exact GELU fused after a MatMul keeps the graph's order of products: with the 0.5
+    applied last, ``x * (1 + erf)`` overflows to inf for x above half the float32 maximum, as the
+    op-by-op graph (and onnxruntime) computes; with the 0.5 first it stays finite.  (The
+    reliability fuzzer found the fused chain finite where onnxruntime gave inf.)"""
+    w = numpy_helper.from_array(np.diag([1.0, 1.0, 1.0, 1.0]).astype(np.float32), "W")
+    consts = [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in
+              (("rsqrt2", 0.70710677), ("one", 1.0), ("half", 0.5))]
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
+             helper.make_node("Mul", ["m", "rsqrt2"], ["g0"]), helper.make_node("Erf", ["g0"], ["g1"]),
+             helper.make_node("Add", ["g1", "one"], ["g2"])]
+    if half_last:
+        nodes += [helper.make_node("Mul", ["m", "g2"], ["g3"]), helper.make_node("Mul", ["g3", "half"], ["y"])]
+    else:
+        nodes += [helper.make_node("Mul", ["m", "half"], ["g3"]), helper.make_node("Mul", ["g3", "g2"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [2, 4])],
+                              [helper.make_tensor_value_info("y", F, None)], [w, *consts])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    feed = {"x": np.array([[3e38, -3e38, 1e38, 2.0], [-1.0, 0.5, 2.5e38, -2.5e38]], np.float32)}
+    with onnxpack.InferenceSession(model) as s:
+        assert len(s.program.root.steps) == 1  # the whole chain is one fused MatMul
+        got = s.run(None, feed)[0]
+    want = _ort(model, feed)[0]
+    assert np.array_equal(np.isinf(got), np.isinf(want)) and np.isinf(want).any() == half_last
+    np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-6)

@@ -344,7 +344,7 @@ def _apply_numpy(y: np.ndarray, act: Activation) -> np.ndarray:
     elif kind == "gelu":
         from onnxpack.session.kernels.contrib_activation import gelu_inplace
 
-        gelu_inplace(y)
+        gelu_inplace(y, half_last=act.a == 1.0)
     elif kind == "fakequant":  # FakeQuant's numpy arithmetic (qdq.py), in place
         s = t(act.a)
         np.divide(y, s, out=y)

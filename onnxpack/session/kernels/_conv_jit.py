@@ -182,9 +182,16 @@ def _act_row(row, act, a, b, c):
         for i in range(n):
             row[i] = row[i] * a + b
     elif act == 9:
-        for i in range(n):
-            v = row[i]
-            row[i] = _HALF * v * (_F1 + _erff(v * _SQRT1_2))
+        # In the graph's order: ``x * (1 + erf) * 0.5`` (a = 1: the 0.5 last, which overflows
+        # for |x| near the float32 maximum as the op-by-op graph does) or ``0.5 * x * (1 + erf)``.
+        if a == _F1:
+            for i in range(n):
+                v = row[i]
+                row[i] = v * (_F1 + _erff(v * _SQRT1_2)) * _HALF
+        else:
+            for i in range(n):
+                v = row[i]
+                row[i] = _HALF * v * (_F1 + _erff(v * _SQRT1_2))
     elif act == 10:
         # QuantizeLinear -> DequantizeLinear (per tensor), FakeQuant's arithmetic (_qdq_jit): the
         # division is not contracted, and ``q * a + 0`` rounds once either way.

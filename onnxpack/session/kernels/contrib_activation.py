@@ -37,8 +37,10 @@ def compute_float(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float64 if x.dtype == np.float64 else np.float32)
 
 
-def gelu_inplace(xf: np.ndarray) -> np.ndarray:
-    """``xf = 0.5 * xf * (1 + erf(xf / sqrt(2)))`` in place on a fresh float array."""
+def gelu_inplace(xf: np.ndarray, half_last: bool = False) -> np.ndarray:
+    """``xf = 0.5 * xf * (1 + erf(xf / sqrt(2)))`` in place on a fresh float array; with
+    ``half_last``, ``(xf * (1 + erf)) * 0.5`` (torch's export order, whose product overflows to
+    inf for |x| above half the dtype's maximum, as the op-by-op graph does)."""
     if xf.dtype == np.float64:
         from onnxpack.session.kernels.elementwise import _erf  # float64 erf (scipy or series)
 
@@ -46,6 +48,10 @@ def gelu_inplace(xf: np.ndarray) -> np.ndarray:
     else:
         e = erf_f32(xf * np.float32(_SQRT1_2))
     e += 1
+    if half_last:
+        xf *= e
+        xf *= 0.5
+        return xf
     e *= 0.5
     xf *= e
     return xf
