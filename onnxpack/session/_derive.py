@@ -125,10 +125,17 @@ def derive(node: NodeProto, weight_of: Callable[[str], WeightRef | None], opsets
     values = tuple(others)
     prev = src.derived
 
+    src_type = f"{_dtype_name(src.dtype)}{tuple(src.shape)}"
+
     def digest() -> bytes:
         h = hashlib.blake2b(digest_size=16)
         if prev is not None:
             h.update(prev.digest)
+        else:
+            # The leaf's declared type and shape: the same bytes read as another dtype (a model
+            # whose weight now says bfloat16 where it said float16) derive another value, and a
+            # pack of the old value must not be found under the new one's key.
+            h.update(b"leaf:" + src_type.encode())
         h.update(f"|{domain}:{node.op_type}:{opset}|".encode())
         for a in sorted(node.attribute, key=lambda a: a.name):
             if a.type not in (AttributeProto.GRAPH, AttributeProto.GRAPHS):

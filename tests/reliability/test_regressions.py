@@ -560,3 +560,34 @@ def test_winograd_still_packs_ordinary_and_pruned_filters():
     assert _winograd.weight_is_tame(w)
     w[3, 1, 1, 1] = 1e6
     assert not _winograd.weight_is_tame(w)
+
+
+def test_leaf_dtype_change_invalidates_a_derived_pack_in_a_trusted_file(tmp_path):
+    """A float16 weight widened by ``Cast`` is packed as a derived value; the same bytes relabelled
+    bfloat16 in the proto (the data file untouched and resealed, so the trusted path reads no
+    byte) derive another value.  Its key must differ: the pack is re-made with a warning and the
+    output is onnxruntime's (found by the fuzzer: proto target, seed 1173, a silently wrong
+    output from the old pack)."""
+    from onnxpack.session import optimize
+
+    rng = np.random.default_rng(31)
+    w = numpy_helper.from_array((rng.standard_normal((8, 16)) * 0.5).astype(np.float16), "Wh")
+    nodes = [helper.make_node("Cast", ["Wh"], ["W"], to=TensorProto.FLOAT),
+             helper.make_node("MatMul", ["x", "W"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w])
+    src = tmp_path / "src.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(src))
+    out = str(tmp_path / "m.onnx")
+    optimize(str(src), out, {"session.optimized_model_external_initializers_min_size_in_bytes": "0"})
+    feeds = {"x": rng.standard_normal((2, 8)).astype(np.float32)}
+    _, stats, _ = _run_warned(out, feeds)
+    assert stats["blobs_from_model"] >= 1, stats
+    proto = onnx.load(out, load_external_data=False)
+    (t,) = [t for t in proto.graph.initializer if t.name == "Wh"]
+    t.data_type = TensorProto.BFLOAT16
+    onnx.save(proto, out)
+    harness._reseal(str(tmp_path), "m.onnx")
+    got, stats, warned = _run_warned(out, feeds)
+    assert warned and stats["blobs_from_model"] == 0, (warned, stats)
+    np.testing.assert_allclose(got[0], _ort_outputs(out, feeds)[0], rtol=1e-5, atol=1e-5)
