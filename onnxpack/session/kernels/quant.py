@@ -58,6 +58,7 @@ mapped file's untouched pages are never paged in) and no second copy of it is ma
 from __future__ import annotations
 
 import logging
+import math
 import os
 import struct
 import threading
@@ -78,6 +79,8 @@ __all__ = [
     "MatMulNBits", "GatherBlockQuantized", "unpack_nbits", "dequantize_nbits", "to_tiles", "jit_enabled",
     "TILE", "JIT_MAX_ROWS",
 ]
+
+_NO_ZERO_POINTS = np.empty(0, np.uint8)  # the kernels' zero-point argument when the model has none
 
 # Version of the packed layout; 1 was B's integers widened to float32 (K_pad, N) with
 # (n_blocks, N) float32 scales and zero points, 8x the 4-bit bytes.
@@ -475,7 +478,7 @@ class MatMulNBits(Kernel):
                 zq = self._pack(3, zero_points)
         out_dtype = a.dtype
         lead = a.shape[:-1]
-        a2 = as_compute(a).reshape(int(np.prod(lead, dtype=np.int64)), self.k)
+        a2 = as_compute(a).reshape(math.prod(lead), self.k)
         if a2.dtype != np.float32:
             a2 = a2.astype(np.float32)
         a2 = np.ascontiguousarray(a2)
@@ -494,15 +497,13 @@ class MatMulNBits(Kernel):
 
     def _zmode(self, zq):
         """(zero-point mode for the tiled kernels, per-block zero points, implicit zero point)."""
-        mid = np.float32(1 << (self.bits - 1))
         if zq is None:
-            return 0, np.empty(0, np.uint8), mid
-        return 1, zq, mid
+            return 0, _NO_ZERO_POINTS, np.float32(1 << (self.bits - 1))
+        return 1, zq, np.float32(1 << (self.bits - 1))
 
     def _matmul(self, a2: np.ndarray, bq, sc, zq) -> np.ndarray:
         m = a2.shape[0]
         jit = _jit() if self.bits in (4, 8) else None
-        zmode, zarr, zmid = self._zmode(zq)
         if jit is not None and m <= JIT_MAX_ROWS:
             fn, args = self._gemv_call(jit, a2, bq, sc, zq)
             if args[-1] == 1:
@@ -513,6 +514,7 @@ class MatMulNBits(Kernel):
                 t1 = time.perf_counter()
                 _stall_guard.record(t1 - t0, bq.nbytes + sc.nbytes + (0 if zq is None else zq.nbytes), t1, id(self))
             return args[6]
+        zmode, zarr, zmid = self._zmode(zq)
         return self._panels(a2, bq, sc, zarr, zmode, zmid, jit)
 
     def _gemv_call(self, jit, a2: np.ndarray, bq, sc, zq) -> tuple[Any, tuple]:
