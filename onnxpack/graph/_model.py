@@ -450,8 +450,47 @@ def _check_text_fields(proto: ModelProto, where: str) -> None:
                 stack.append((subs, f"{at}.{name}"))
         for name in message_lists:
             subs = [x for m in msgs for x in getattr(m, name)]
+            kind = subs[0].DESCRIPTOR.name if subs else ""
+            if kind == "ValueInfoProto":
+                subs = _tensor_value_infos(subs, where, f"{at}.{name}[?]")
+            elif kind == "AttributeProto":
+                subs = _plain_attributes(subs, where, f"{at}.{name}[?]")
             if subs:
                 stack.append((subs, f"{at}.{name}[?]"))
+
+
+_PLAIN_ATTRIBUTES = frozenset({AttributeProto.INT, AttributeProto.FLOAT, AttributeProto.INTS, AttributeProto.FLOATS,
+                               AttributeProto.STRING, AttributeProto.STRINGS})
+
+
+def _plain_attributes(items: list, where: str, at: str) -> list:
+    """Checks the text of attributes of a number or bytes type (their name, ref_attr_name and
+    doc_string: nothing reads their message fields, every reader dispatches on ``type``) in one
+    join; returns the others (tensors, graphs, types) for the generic walk."""
+    plain, rest = [], []
+    for a in items:
+        (plain if a.type in _PLAIN_ATTRIBUTES else rest).append(a)
+    try:
+        "".join([x for a in plain for x in (a.name, a.ref_attr_name, a.doc_string)])
+    except TypeError:
+        raise ModelLoadError(f"cannot parse model {where}: a field under {at} is not valid UTF-8 text") from None
+    return rest
+
+
+def _tensor_value_infos(items: list, where: str, at: str) -> list:
+    """Checks the value infos of plain tensor type (name, doc string, denotation, each dim's
+    dim_param and denotation) in two joins; returns the others for the generic walk.  A builder's
+    LLM declares hundreds of intermediate values (Qwen2.5-0.5B: 664, two thirds of its messages):
+    walked generically, level by level through TypeProto's oneof, they took 5 of the 11 ms."""
+    plain, rest = [], []
+    for vi in items:
+        (plain if vi.type.WhichOneof("value") == "tensor_type" and not vi.metadata_props else rest).append(vi)
+    try:
+        "".join([x for vi in plain for x in (vi.name, vi.doc_string, vi.type.denotation)])
+        "".join([x for vi in plain for d in vi.type.tensor_type.shape.dim for x in (d.dim_param, d.denotation)])
+    except TypeError:
+        raise ModelLoadError(f"cannot parse model {where}: a field under {at} is not valid UTF-8 text") from None
+    return rest
 
 
 _TEXT_PLANS: dict[object, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {}
