@@ -127,6 +127,13 @@ x = np.random.default_rng(0).standard_normal(50000).astype(np.float32) * 8
 y = elementwise._sigmoid(x)
 ref = 1 / (1 + np.exp(-x.astype(np.float64)))
 ulp = np.abs(y.astype(np.float64) - ref) / np.spacing(ref.astype(np.float32)).astype(np.float64)
+# the other kernels a decoding LLM runs: a fused epilogue (SiLU), RMS norm, the GQA step
+from onnxpack.session.kernels import contrib_norm
+z = x.copy()
+_act.apply(z, [_act.Activation("silu")])
+assert np.allclose(z, x * ref, rtol=1e-5, atol=1e-6)
+assert contrib_norm._rms_jit(x.reshape(50, 1000), None, np.ones(1000, np.float32), None, 1e-6, False) is not None
+assert getattr(_act.attn_kernels(), "native", False)
 print(float(ulp.max()), "numba" in sys.modules)
 """
 

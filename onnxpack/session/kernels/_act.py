@@ -410,12 +410,13 @@ def apply_channels(y: np.ndarray, acts, channels) -> np.ndarray:
 
 
 def apply(y: np.ndarray, acts) -> np.ndarray:
-    """The activations ``acts`` (in order) over ``y`` in place (numba for C-contiguous float32,
+    """The activations ``acts`` (in order) over ``y`` in place (the JIT kernel for C-contiguous
+    float32 -- from the native code cache when this machine has it, so numba is not imported --
     else numpy); returns ``y``."""
     acts = [a for a in acts if a.kind != "none"]
     if not acts:
         return y
-    j = jit() if y.dtype == np.float32 and y.flags.c_contiguous and y.size >= 1 and not numpy_suffices(acts) else None
+    j = act_kernels() if y.dtype == np.float32 and y.flags.c_contiguous and y.size >= 1 and not numpy_suffices(acts) else None
     if j is None:
         for a in acts:
             apply_numpy(y, a)
