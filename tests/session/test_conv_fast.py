@@ -156,6 +156,12 @@ SHAPES = {
     "pointwise": dict(k=1, pads=(0, 0, 0, 0), m=12),
     "depthwise-3x3": dict(group=8, m=8),
     "depthwise-5x5-s2": dict(group=8, m=8, k=5, strides=(2, 2), pads=(2, 2, 2, 2)),
+    # The JIT's one-pass "same" kernels (3x3 / 5x5, stride 1, (K-1)/2 padding): planes wider
+    # and narrower than the kernel, one row, one column.
+    "depthwise-5x5-same": dict(group=8, m=8, k=5, pads=(2, 2, 2, 2)),
+    "depthwise-5x5-same-tiny": dict(group=8, m=8, k=5, x_shape=(2, 8, 3, 2), pads=(2, 2, 2, 2)),
+    "depthwise-3x3-same-row": dict(group=8, m=8, x_shape=(1, 8, 1, 7)),
+    "depthwise-3x3-same-col": dict(group=8, m=8, x_shape=(1, 8, 6, 1)),
     "depthwise-3x3-s21-asym": dict(group=8, m=8, strides=(2, 1), pads=(1, 0, 2, 1)),
     "depthwise-dil2": dict(group=8, m=8, dilations=(2, 2), pads=(2, 2, 2, 2)),
     # The JIT's row scatter per column stride: 2 with odd/even padding and width, 3 (generic),
@@ -193,6 +199,24 @@ def test_fused_chain_matches_onnxruntime(shape, tail, jit_mode):
     # The whole chain is one step when packing is on.
     steps = [s.node.op_type for s in onnxpack.InferenceSession(model).program.root.steps]
     assert steps == ["Conv", "Identity"], steps
+
+
+@pytest.mark.parametrize("k", [3, 5])
+def test_same_depthwise_keeps_non_finite_values_in_their_columns(k, jit_mode):
+    """The one-pass "same" depthwise kernels read a neighbouring row's element for a tap whose
+    column falls outside the row and drop it by a select: an Inf or NaN there must not leak into
+    outputs whose windows do not cover it (a multiply by a 0/1 mask would make NaN)."""
+    model, feeds = conv_model(group=8, m=8, k=k, pads=((k - 1) // 2,) * 4, bn=False, tail="none",
+                              x_shape=(1, 8, 7, 9))
+    x = feeds["x"].copy()
+    x[0, :, 3, 0] = np.inf  # first column: read (and dropped) by the previous row's last outputs
+    x[0, :, 5, 8] = np.nan  # last column: likewise for the next row's first outputs
+    feeds = {"x": x}
+    want = _ort(model, feeds)[0]
+    for how, sess in _sessions(model).items():
+        got = sess.run(None, feeds)[0]
+        assert np.array_equal(np.isnan(got), np.isnan(want)), how
+        np.testing.assert_allclose(got, want, **TOL, err_msg=how)
 
 
 @pytest.mark.parametrize("shape", ["dense-3x3", "depthwise-3x3", "pointwise"], ids=str)

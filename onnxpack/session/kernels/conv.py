@@ -226,6 +226,18 @@ def im2col(xp: np.ndarray, kernel, out, strides, dilations) -> np.ndarray:
     return cols
 
 
+def _same_depthwise(ks, strides, dils, begin, end) -> int | None:
+    """3 or 5 when a depthwise conv is a 3x3 / 5x5 one with unit strides and dilations and
+    ``(K - 1) / 2`` zeros of padding on every side (output plane = input plane): the JIT's
+    ``depthwise3_same`` / ``depthwise5_same`` compute it in one pass per plane."""
+    if len(ks) != 2 or ks[0] != ks[1] or ks[0] not in (3, 5) or strides != (1, 1) or dils != (1, 1):
+        return None
+    p = (ks[0] - 1) // 2
+    if tuple(begin) != (p, p) or tuple(end) != (p, p):
+        return None
+    return ks[0]
+
+
 def _ints(value, n: int, default: int) -> tuple[int, ...]:
     if value is None or len(value) == 0:
         return (default,) * n
@@ -407,7 +419,13 @@ class Conv(Kernel):
                     bias if bias is not None else np.zeros(m, np.float32), y, strides[0], strides[1],
                     dils[0], dils[1], begin[0], begin[1], codes, params)
             threads = _act.threads() if y.size * kprod >= _PARALLEL_MACS else 1
-            _act.parallel(lambda a, b: jit.depthwise2d(*args, a, b), n * m, threads)
+            same = _same_depthwise(ks, strides, dils, begin, end)
+            if same is not None:
+                fn = jit.depthwise3_same if same == 3 else jit.depthwise5_same
+                args = args[:4] + args[10:]
+                _act.parallel(lambda a, b: fn(*args, a, b), n * m, threads)
+            else:
+                _act.parallel(lambda a, b: jit.depthwise2d(*args, a, b), n * m, threads)
             return self._finish(y, None, (), res, post, out_dtype)
         if (g == 1 and nd == 2 and jit is not None and length > 0 and kprod > 1 and c * kprod <= _DIRECT_TAPS
                 and m <= _DIRECT_MAX_OUT and min(begin) >= 0):
