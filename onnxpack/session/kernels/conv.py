@@ -79,6 +79,11 @@ _DIRECT_MAX_OUT = 16
 # Above this many kernel taps im2col is one strided-window copy, not a copy per tap.
 _WINDOW_TAPS = 32
 _EMPTY3 = np.zeros((0, 0, 0), np.float32)
+# Column matrices of at most this many elements are built by one gather through precomputed
+# indices (an index per element: 8 bytes each, made once per input shape).  Silero VAD's convs
+# (1-D, 3 taps over 3 positions; an STFT of 256 taps over 3 frames): ~10-20 us of per-tap Python
+# each, most of their run.
+_GATHER_MAX = 1 << 15
 
 
 # -- geometry ---------------------------------------------------------------------------------
@@ -226,6 +231,28 @@ def im2col(xp: np.ndarray, kernel, out, strides, dilations) -> np.ndarray:
     return cols
 
 
+def _gather_index(in_shape, ks, out, strides, dils, begin) -> np.ndarray:
+    """Indices ``(C * prod(ks), prod(out))`` into one image flattened as (C, *in_spatial) plus
+    one appended zero: ``x_flat_with_zero[idx]`` is :func:`im2col` of the padded image, rows in
+    its order (channel, kernel offsets), padding reading the zero at ``C * prod(in_spatial)``."""
+    c, spatial = in_shape[0], tuple(in_shape[1:])
+    nd = len(spatial)
+    size = c * math.prod(spatial)
+    flat = np.zeros((1,) * (2 * nd), dtype=np.int64)
+    valid = np.ones((1,) * (2 * nd), dtype=bool)
+    step = 1
+    for i in reversed(range(nd)):
+        k = np.arange(ks[i]).reshape((1,) * i + (-1,) + (1,) * (2 * nd - i - 1))
+        o = np.arange(out[i]).reshape((1,) * (nd + i) + (-1,) + (1,) * (nd - i - 1))
+        pos = o * strides[i] + k * dils[i] - begin[i]
+        valid = valid & (pos >= 0) & (pos < spatial[i])
+        flat = flat + pos * step
+        step *= spatial[i]
+    chan = (np.arange(c) * step).reshape((-1,) + (1,) * (2 * nd))
+    idx = np.where(valid[None], flat[None] + chan, size)
+    return np.ascontiguousarray(idx.reshape(c * math.prod(ks), math.prod(out)), dtype=np.intp)
+
+
 def _same_depthwise(ks, strides, dils, begin, end) -> int | None:
     """3 or 5 when a depthwise conv is a 3x3 / 5x5 one with unit strides and dilations and
     ``(K - 1) / 2`` zeros of padding on every side (output plane = input plane): the JIT's
@@ -283,6 +310,7 @@ class Conv(Kernel):
         self._u: np.ndarray | None = None  # packed Winograd filters (16, M, C)
         self._w_from_u: np.ndarray | None = None  # (M, C, 3, 3) recovered for small maps, lazily
         self._geo: dict[tuple, tuple] = {}  # (spatial shape, kernel) -> resolved geometry (_conv)
+        self._gather: dict[tuple, np.ndarray] = {}  # same key -> im2col gather indices (small convs)
 
     # pre-packing
     def _winograd_ok(self, info: TensorInfo) -> bool:
@@ -442,6 +470,19 @@ class Conv(Kernel):
             # 1x1: the (strided) input is the column matrix.
             xs = xc[(Ellipsis,) + tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(out_shape, strides))]
             cols = np.ascontiguousarray(xs).reshape(n, g, cg, length)
+        elif not (cg == 1 and mg == 1 and g > 1) and c * kprod * length <= _GATHER_MAX:
+            # A small column matrix: one gather through indices made once per input shape (the
+            # padding reads an appended zero), instead of a padded copy and a copy per tap.
+            idx = self._gather.get(key)
+            if idx is None:
+                idx = _gather_index(xc.shape[1:], ks, out_shape, strides, dils, begin)
+                if len(self._gather) < 16:
+                    self._gather[key] = idx
+            size = math.prod(xc.shape[1:])
+            xz = np.empty((n, size + 1), dtype=xc.dtype)
+            xz[:, :size] = xc.reshape(n, size)
+            xz[:, size] = 0
+            cols = xz[:, idx].reshape(n, g, cg * kprod, length)
         else:
             xp = _pad(xc, begin, _padded_extent(xc.shape[2:], begin, out_shape, ks, strides, dils), 0)
             if cg == 1 and mg == 1 and g > 1:
