@@ -821,6 +821,15 @@ class GlobalAveragePool(Kernel):
     def run(self, x):
         axes = tuple(range(2, x.ndim))
         xc = as_compute(x) if x.dtype != np.float64 else x
+        hw = math.prod(x.shape[2:])
+        if xc.dtype == np.float32 and x.ndim >= 3 and hw > 0 and x.shape[0] * x.shape[1] > 0:
+            # One GEMV with a ones vector: numpy's mean over short rows costs ~80 ns per row
+            # (MobileNetV2's 1280 x 7x7: 100 us; onnxruntime 10 us).  Summation order differs
+            # from numpy's pairwise sum by float32 rounding only.
+            rows = np.ascontiguousarray(xc).reshape(-1, hw)
+            y = rows @ np.ones(hw, np.float32)
+            y *= np.float32(1.0 / hw)
+            return (y.reshape(x.shape[:2] + (1,) * (x.ndim - 2)).astype(x.dtype, copy=False),)
         return (xc.mean(axis=axes, keepdims=True).astype(x.dtype, copy=False),)
 
 
