@@ -503,3 +503,36 @@ def test_geometry_cache_follows_the_input_shape(jit_mode):
     for shape in [(1, 8, 11, 13), (2, 8, 6, 9), (1, 8, 11, 13), (1, 8, 4, 17)]:
         x = _rng(1).standard_normal(shape).astype(np.float32)
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], ref.run(None, {"x": x})[0], **TOL)
+
+
+def test_conv_scratch_is_per_thread():
+    """im2col convs build their padded copy and column matrix in per-thread scratch buffers
+    (conv._scratch) reused by later calls: two convs of different sizes in one model, run from
+    several threads at once, give every thread the single-threaded result."""
+    import threading
+
+    model, feeds = conv_model(x_shape=(2, 8, 40, 44), m=8, k=3, strides=(2, 2), bn=False, tail="relu")  # not Winograd
+    big, big_feeds = conv_model(x_shape=(1, 8, 90, 70), m=12, k=5, pads=(2, 2, 2, 2), bn=False, tail="none", seed=3)
+    small_sess, big_sess = onnxpack.InferenceSession(model), onnxpack.InferenceSession(big)
+    want_small = small_sess.run(None, feeds)[0]
+    want_big = big_sess.run(None, big_feeds)[0]
+    np.testing.assert_allclose(want_small, _ort(model, feeds)[0], **TOL)
+    np.testing.assert_allclose(want_big, _ort(big, big_feeds)[0], **TOL)
+    errors = []
+
+    def worker(k):
+        try:
+            for i in range(15):
+                if (i + k) % 2:
+                    assert np.array_equal(small_sess.run(None, feeds)[0], want_small)
+                else:
+                    assert np.array_equal(big_sess.run(None, big_feeds)[0], want_big)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
