@@ -162,6 +162,11 @@ SHAPES = {
     "depthwise-5x5-same-tiny": dict(group=8, m=8, k=5, x_shape=(2, 8, 3, 2), pads=(2, 2, 2, 2)),
     "depthwise-3x3-same-row": dict(group=8, m=8, x_shape=(1, 8, 1, 7)),
     "depthwise-3x3-same-col": dict(group=8, m=8, x_shape=(1, 8, 6, 1)),
+    # ... and subsampled: strided, or with less padding at the end (outputs cut short).
+    "depthwise-3x3-s21-same": dict(group=8, m=8, strides=(2, 1)),
+    "depthwise-5x5-s12-same": dict(group=8, m=8, k=5, strides=(1, 2), pads=(2, 2, 2, 2)),
+    "depthwise-3x3-s3-same": dict(group=8, m=8, strides=(3, 3)),
+    "depthwise-3x3-endcut": dict(group=8, m=8, pads=(1, 1, 0, 0)),
     "depthwise-3x3-s21-asym": dict(group=8, m=8, strides=(2, 1), pads=(1, 0, 2, 1)),
     "depthwise-dil2": dict(group=8, m=8, dilations=(2, 2), pads=(2, 2, 2, 2)),
     # The JIT's row scatter per column stride: 2 with odd/even padding and width, 3 (generic),

@@ -77,6 +77,13 @@ _DIRECT_TAPS = 27
 # PP-OCR rec/cls, YOLOv8n, orientation); 24 outputs on 74x30 planes (wake-word) 0.53 -> 0.74 ms
 # slower, 32 outputs (MobileNetV2) even.
 _DIRECT_MAX_OUT = 16
+# A strided (or end-cut) 3x3 / 5x5 depthwise conv on planes of at most this many H * W * taps
+# runs as the one-pass "same" kernel over the whole plane, then keeps every stride-th output:
+# up to 4x the multiply-adds, but on small planes the phase-scatter kernel's per-row work costs
+# more (3x3 + Clip, stride 2, one thread, phase kernel vs same + subsample: 576 x 14x14 269 ->
+# 133 us, 192 x 28x28 179 -> 112, 5x5 576 x 14x14 358 -> 226; even at 3x3 40x40 and 5x5 20x20;
+# 3x3 112x112 505 -> 909, so large planes keep the phase kernel).
+_SUBSAMPLE_MAX = 9 * 1024
 # Above this many kernel taps im2col is one strided-window copy, not a copy per tap.
 _WINDOW_TAPS = 32
 _EMPTY3 = np.zeros((0, 0, 0), np.float32)
@@ -305,14 +312,19 @@ def _gather_index(in_shape, ks, out, strides, dils, begin) -> np.ndarray:
     return np.ascontiguousarray(idx.reshape(c * math.prod(ks), math.prod(out)), dtype=np.intp)
 
 
-def _same_depthwise(ks, strides, dils, begin, end) -> int | None:
-    """3 or 5 when a depthwise conv is a 3x3 / 5x5 one with unit strides and dilations and
-    ``(K - 1) / 2`` zeros of padding on every side (output plane = input plane): the JIT's
-    ``depthwise3_same`` / ``depthwise5_same`` compute it in one pass per plane."""
-    if len(ks) != 2 or ks[0] != ks[1] or ks[0] not in (3, 5) or strides != (1, 1) or dils != (1, 1):
+def _same_depthwise(ks, dils, begin, in_shape, out_shape, strides) -> int | None:
+    """3 or 5 when a depthwise conv's outputs are those of the 3x3 / 5x5 "same" conv (unit
+    strides and dilations, ``(K - 1) / 2`` zeros of padding on every side), which the JIT's
+    ``depthwise3_same`` / ``depthwise5_same`` compute in one pass per plane, at rows
+    ``oh * sh`` and columns ``ow * sw``: the same kernel and padding in front, any stride, and
+    no output past the input's last row or column (less padding at the end only cuts it short).
+    """
+    if len(ks) != 2 or ks[0] != ks[1] or ks[0] not in (3, 5) or tuple(dils) != (1, 1):
         return None
     p = (ks[0] - 1) // 2
-    if tuple(begin) != (p, p) or tuple(end) != (p, p):
+    if tuple(begin) != (p, p):
+        return None
+    if any(o < 1 or (o - 1) * s > i - 1 for o, s, i in zip(out_shape, strides, in_shape)):
         return None
     return ks[0]
 
@@ -499,11 +511,17 @@ class Conv(Kernel):
                     bias if bias is not None else np.zeros(m, np.float32), y, strides[0], strides[1],
                     dils[0], dils[1], begin[0], begin[1], codes, params)
             threads = _act.threads() if y.size * kprod >= _PARALLEL_MACS else 1
-            same = _same_depthwise(ks, strides, dils, begin, end)
-            if same is not None:
+            same = _same_depthwise(ks, dils, begin, xc.shape[2:], out_shape, strides)
+            if same is not None and (tuple(out_shape) == tuple(xc.shape[2:]) or xc.shape[2] * xc.shape[3] * kprod <= _SUBSAMPLE_MAX):
                 fn = jit.depthwise3_same if same == 3 else jit.depthwise5_same
-                args = args[:4] + args[10:]
+                full = y if tuple(out_shape) == tuple(xc.shape[2:]) else np.empty((n, m) + tuple(xc.shape[2:]), np.float32)
+                args = args[:3] + (full,) + args[10:]
+                threads = _act.threads() if full.size * kprod >= _PARALLEL_MACS else 1
                 _act.parallel(lambda a, b: fn(*args, a, b), n * m, threads)
+                if full is not y:
+                    # Strided (or cut short): every output is the "same" conv's at (oh*sh, ow*sw).
+                    y[...] = full[:, :, :(out_shape[0] - 1) * strides[0] + 1:strides[0],
+                                  :(out_shape[1] - 1) * strides[1] + 1:strides[1]]
             else:
                 _act.parallel(lambda a, b: jit.depthwise2d(*args, a, b), n * m, threads)
             return self._finish(y, None, (), res, post, out_dtype)
