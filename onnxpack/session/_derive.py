@@ -105,6 +105,10 @@ def derive(node: NodeProto, weight_of: Callable[[str], WeightRef | None], opsets
     opset = opsets.get(domain, 1)
     try:
         shape, dtype = _infer(node, src.shape, np.dtype(src.dtype), others, opset)
+        # numpy refuses a shape whose nonzero dims multiply past its index range, even with a 0
+        # dim (an empty weight reshaped to [2**61 + 3, 0]): such a value is never derived.
+        if math.prod(d for d in shape if d) * max(np.dtype(dtype).itemsize, 1) > np.iinfo(np.intp).max:
+            raise ValueError("shape too large for numpy")
     except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         return None  # anything unusual: leave the node to run as it is
     cls = lookup(domain, node.op_type, opset)

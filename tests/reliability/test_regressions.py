@@ -591,3 +591,24 @@ def test_leaf_dtype_change_invalidates_a_derived_pack_in_a_trusted_file(tmp_path
     got, stats, warned = _run_warned(out, feeds)
     assert warned and stats["blobs_from_model"] == 0, (warned, stats)
     np.testing.assert_allclose(got[0], _ort_outputs(out, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_empty_weight_reshaped_past_numpys_index_range_is_not_derived(tmp_path):
+    # An empty initializer Reshape'd (allowzero; a constant expression over a weight) to [2**61 + 3, 0]:
+    # the product is 0, so the derivation took it, and numpy's reshape then refused the shape at
+    # compile ("array is too big"), a ValueError out of InferenceSession (huge family, seed 1162).
+    # Such a value is not derived; the Reshape runs, and fails as the run's error.
+    w = numpy_helper.from_array(np.zeros((0,), np.float32), "w")
+    shape = numpy_helper.from_array(np.array([2**61 + 3, 0], np.int64), "s")
+    g = helper.make_graph([helper.make_node("Reshape", ["w", "s"], ["y"], allowzero=1)],
+                          "g", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w, shape])
+    path = str(tmp_path / "m.onnx")
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    from onnxpack.errors import OnnxpackError
+
+    try:
+        sess = InferenceSession(path)
+    except OnnxpackError:
+        return  # refused at creation as ours: fine too
+    with pytest.raises(OnnxpackError):
+        sess.run(None, {})

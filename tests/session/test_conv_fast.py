@@ -156,6 +156,17 @@ SHAPES = {
     "pointwise": dict(k=1, pads=(0, 0, 0, 0), m=12),
     "depthwise-3x3": dict(group=8, m=8),
     "depthwise-5x5-s2": dict(group=8, m=8, k=5, strides=(2, 2), pads=(2, 2, 2, 2)),
+    # The JIT's one-pass "same" kernels (3x3 / 5x5, stride 1, (K-1)/2 padding): planes wider
+    # and narrower than the kernel, one row, one column.
+    "depthwise-5x5-same": dict(group=8, m=8, k=5, pads=(2, 2, 2, 2)),
+    "depthwise-5x5-same-tiny": dict(group=8, m=8, k=5, x_shape=(2, 8, 3, 2), pads=(2, 2, 2, 2)),
+    "depthwise-3x3-same-row": dict(group=8, m=8, x_shape=(1, 8, 1, 7)),
+    "depthwise-3x3-same-col": dict(group=8, m=8, x_shape=(1, 8, 6, 1)),
+    # ... and subsampled: strided, or with less padding at the end (outputs cut short).
+    "depthwise-3x3-s21-same": dict(group=8, m=8, strides=(2, 1)),
+    "depthwise-5x5-s12-same": dict(group=8, m=8, k=5, strides=(1, 2), pads=(2, 2, 2, 2)),
+    "depthwise-3x3-s3-same": dict(group=8, m=8, strides=(3, 3)),
+    "depthwise-3x3-endcut": dict(group=8, m=8, pads=(1, 1, 0, 0)),
     "depthwise-3x3-s21-asym": dict(group=8, m=8, strides=(2, 1), pads=(1, 0, 2, 1)),
     "depthwise-dil2": dict(group=8, m=8, dilations=(2, 2), pads=(2, 2, 2, 2)),
     # The JIT's row scatter per column stride: 2 with odd/even padding and width, 3 (generic),
@@ -193,6 +204,24 @@ def test_fused_chain_matches_onnxruntime(shape, tail, jit_mode):
     # The whole chain is one step when packing is on.
     steps = [s.node.op_type for s in onnxpack.InferenceSession(model).program.root.steps]
     assert steps == ["Conv", "Identity"], steps
+
+
+@pytest.mark.parametrize("k", [3, 5])
+def test_same_depthwise_keeps_non_finite_values_in_their_columns(k, jit_mode):
+    """The one-pass "same" depthwise kernels read a neighbouring row's element for a tap whose
+    column falls outside the row and drop it by a select: an Inf or NaN there must not leak into
+    outputs whose windows do not cover it (a multiply by a 0/1 mask would make NaN)."""
+    model, feeds = conv_model(group=8, m=8, k=k, pads=((k - 1) // 2,) * 4, bn=False, tail="none",
+                              x_shape=(1, 8, 7, 9))
+    x = feeds["x"].copy()
+    x[0, :, 3, 0] = np.inf  # first column: read (and dropped) by the previous row's last outputs
+    x[0, :, 5, 8] = np.nan  # last column: likewise for the next row's first outputs
+    feeds = {"x": x}
+    want = _ort(model, feeds)[0]
+    for how, sess in _sessions(model).items():
+        got = sess.run(None, feeds)[0]
+        assert np.array_equal(np.isnan(got), np.isnan(want)), how
+        np.testing.assert_allclose(got, want, **TOL, err_msg=how)
 
 
 @pytest.mark.parametrize("shape", ["dense-3x3", "depthwise-3x3", "pointwise"], ids=str)
@@ -479,3 +508,36 @@ def test_geometry_cache_follows_the_input_shape(jit_mode):
     for shape in [(1, 8, 11, 13), (2, 8, 6, 9), (1, 8, 11, 13), (1, 8, 4, 17)]:
         x = _rng(1).standard_normal(shape).astype(np.float32)
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], ref.run(None, {"x": x})[0], **TOL)
+
+
+def test_conv_scratch_is_per_thread():
+    """im2col convs build their padded copy and column matrix in per-thread scratch buffers
+    (conv._scratch) reused by later calls: two convs of different sizes in one model, run from
+    several threads at once, give every thread the single-threaded result."""
+    import threading
+
+    model, feeds = conv_model(x_shape=(2, 8, 40, 44), m=8, k=3, strides=(2, 2), bn=False, tail="relu")  # not Winograd
+    big, big_feeds = conv_model(x_shape=(1, 8, 90, 70), m=12, k=5, pads=(2, 2, 2, 2), bn=False, tail="none", seed=3)
+    small_sess, big_sess = onnxpack.InferenceSession(model), onnxpack.InferenceSession(big)
+    want_small = small_sess.run(None, feeds)[0]
+    want_big = big_sess.run(None, big_feeds)[0]
+    np.testing.assert_allclose(want_small, _ort(model, feeds)[0], **TOL)
+    np.testing.assert_allclose(want_big, _ort(big, big_feeds)[0], **TOL)
+    errors = []
+
+    def worker(k):
+        try:
+            for i in range(15):
+                if (i + k) % 2:
+                    assert np.array_equal(small_sess.run(None, feeds)[0], want_small)
+                else:
+                    assert np.array_equal(big_sess.run(None, big_feeds)[0], want_big)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]

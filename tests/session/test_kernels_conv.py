@@ -213,3 +213,27 @@ def test_global_pools(shape, op, dtype):
     else:
         want = x.astype(np.float64).mean(axis=axes, keepdims=True).astype(dtype)
     assert_close(run_native(node, [x], OPSET), [want], dtype)
+
+
+@pytest.mark.parametrize(
+    "shape,ks,strides,dils,pads",
+    [((3, 9), (3,), (1,), (1,), (1, 1)),  # Silero VAD's encoder convs
+     ((1, 576), (256,), (128,), (1,), (0, 0)),  # its STFT
+     ((4, 5, 7), (3, 2), (2, 1), (1, 2), (1, 0, 2, 1)),
+     ((2, 4, 4, 5), (2, 3, 2), (1, 2, 1), (1, 1, 2), (0, 1, 1, 1, 0, 2))],
+    ids=["1d-3tap", "stft", "2d-asym", "3d"])
+def test_gather_index_is_im2col_of_the_padded_input(shape, ks, strides, dils, pads):
+    """Small convs build their column matrix by one gather (conv._gather_index): the same matrix
+    as im2col over the padded copy, padding read from one appended zero."""
+    import math
+
+    from onnxpack.session.kernels import conv as C
+
+    x = np.random.default_rng(0).standard_normal((2,) + shape).astype(np.float32)
+    begin, _, out = C.conv_geometry(shape[1:], ks, strides, dils, pads, "NOTSET")
+    xp = C._pad(x, begin, C._padded_extent(shape[1:], begin, out, ks, strides, dils), 0)
+    want = C.im2col(xp, ks, out, strides, dils).reshape(2, shape[0] * math.prod(ks), -1)
+    idx = C._gather_index(shape, ks, out, strides, dils, begin)
+    size = math.prod(shape)
+    xz = np.concatenate([x.reshape(2, size), np.zeros((2, 1), np.float32)], 1)
+    assert np.array_equal(xz[:, idx], want)

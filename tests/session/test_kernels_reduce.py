@@ -185,3 +185,26 @@ def test_hardmax_first_maximum_wins():
 def test_registry_picks_version(op, opset, name):
     cls = lookup("", op, opset)
     assert cls is not None and cls.__name__ == name
+
+
+@pytest.mark.parametrize("jit", ["jit", "numpy"])
+@pytest.mark.parametrize("shape", [(2, 12, 16, 16), (3, 40), (5, 7), (1, 1), (2, 3, 1)], ids=str)
+def test_softmax_last_axis_jit_equals_reference(shape, jit, monkeypatch):
+    """float32 Softmax over the last axis runs the JIT's softmax_rows (rows shorter and longer
+    than its 16 lanes, with a tail); rows holding NaN, +Inf or only -Inf give NaN as numpy's
+    formula does, and a row with some -Inf gives 0 there."""
+    from onnxpack.session.kernels import _act
+
+    if jit == "numpy":
+        monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+    elif _act.jit() is None:
+        pytest.skip("numba not installed")
+    x = rng.normal(0, 4, size=shape).astype(np.float32)
+    if x.shape[-1] >= 3 and x.size // x.shape[-1] >= 4:
+        rows = x.reshape(-1, x.shape[-1])
+        rows[0, 1] = np.nan
+        rows[1, 2] = np.inf
+        rows[2, :] = -np.inf
+        rows[3, 0] = -np.inf
+    with np.errstate(all="ignore"):
+        check(make_node("Softmax", ["x"], ["y"]), [x], 13)

@@ -307,6 +307,20 @@ def test_bad_inputs_raise_invalid_argument(feed, words):
         np.testing.assert_allclose(s.run(None, GOOD)[0], GOOD["a"] + GOOD["b"])
 
 
+@pytest.mark.parametrize("feed,words", [pytest.param(f, w, id=i) for i, f, w in BAD_FEEDS])
+def test_bad_inputs_raise_after_good_runs(feed, words):
+    """A good run caches each plain tensor input's declared dtype and dims (the feed checks
+    then skip the proto); a bad feed afterwards still gets the full checks and messages, and a
+    symbolic dim still takes any size."""
+    with onnxpack.InferenceSession(_validation_model()) as s:
+        s.run(None, GOOD)
+        s.run(None, {"a": np.ones((5, 3), np.float32), "b": GOOD["b"]})
+        with pytest.raises(InvalidArgument) as e:
+            s.run(None, feed)
+        for w in words:
+            assert w in str(e.value), f"{w!r} not in {str(e.value)!r}"
+
+
 def test_input_feed_must_be_a_dict():
     with onnxpack.InferenceSession(_validation_model()) as s:
         with pytest.raises(InvalidArgument, match="dict"):

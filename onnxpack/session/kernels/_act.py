@@ -36,12 +36,33 @@ _jit_modules: dict[str, Any] = {}  # module name -> the module, or None when it 
 _lock = threading.Lock()
 
 
+# os.environ.get costs ~1.5 us (key encoding, a Mapping method): read on every kernel call
+# (a fused Conv read it three times), it was ~5 % of a small model's run (Silero VAD).  On POSIX
+# os.environ keeps its bytes mirror in ``_data``, updated by every assignment and deletion
+# (monkeypatch.setenv included), so one dict lookup reads the current value.
+_ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
+if not isinstance(_ENV_DATA, dict):  # pragma: no cover - other platforms / interpreters
+    _ENV_DATA = None
+
+
+def getenv(name: str, key: bytes) -> str:
+    """``os.environ.get(name, "")``, in one dict lookup where possible (``key`` = ``name``
+    encoded)."""
+    if _ENV_DATA is None:  # pragma: no cover
+        return os.environ.get(name, "")
+    v = _ENV_DATA.get(key)
+    return "" if v is None else os.fsdecode(v)
+
+
+_KEY_DISABLE = _ENV_DISABLE.encode()
+
+
 def load_jit(name: str, what: str, on_load: Callable[[], None] | None = None):
     """The numba kernel module ``onnxpack.session.kernels.<name>``, imported on first use (never
     at ``import onnxpack`` nor at session creation); ``None`` when numba is missing, does not fit
     this numpy, or ``ONNXPACK_DISABLE_JIT=1`` (then the numpy twins compute the same).  ``what``
     names the kernels in the log line; ``on_load`` runs once after a successful import."""
-    if os.environ.get(_ENV_DISABLE, "") == "1":
+    if getenv(_ENV_DISABLE, _KEY_DISABLE) == "1":
         return None
     if name in _jit_modules:
         return _jit_modules[name]
@@ -68,7 +89,7 @@ def native():
     """The JIT kernels loaded from the native code cache without numba (see
     :mod:`._jit_native`), or None: no cache for this machine yet, llvmlite missing, or
     ``ONNXPACK_DISABLE_JIT=1``."""
-    if os.environ.get(_ENV_DISABLE, "") == "1":
+    if getenv(_ENV_DISABLE, _KEY_DISABLE) == "1":
         return None
     if not _native_kernels:
         with _lock:
@@ -139,11 +160,12 @@ def blas_threads() -> int:
 
 
 _ENV_THREADS = "ONNXPACK_NUM_THREADS"
+_KEY_THREADS = _ENV_THREADS.encode()
 
 
 def threads() -> int:
     """Threads onnxpack's own kernels use: ``ONNXPACK_NUM_THREADS`` when set, else the BLAS's."""
-    v = os.environ.get(_ENV_THREADS, "")
+    v = getenv(_ENV_THREADS, _KEY_THREADS)
     if v:
         try:
             return max(1, int(v))

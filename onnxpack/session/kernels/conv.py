@@ -32,11 +32,12 @@ import logging
 import math
 import os
 import struct
+import threading
 
 import numpy as np
 
 from onnxpack.errors import InvalidArgument
-from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register, register_fused
+from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register, register_fused, scratch_releaser
 from onnxpack.session.kernels import _act, _winograd
 from onnxpack.session.kernels._act import Activation
 from onnxpack.session.kernels.linalg import as_compute, compute_dtype
@@ -77,10 +78,22 @@ _DIRECT_TAPS = 27
 # PP-OCR rec/cls, YOLOv8n, orientation); 24 outputs on 74x30 planes (wake-word) 0.53 -> 0.74 ms
 # slower, 32 outputs (MobileNetV2) even.
 _DIRECT_MAX_OUT = 16
+# A strided (or end-cut) 3x3 / 5x5 depthwise conv on planes of at most this many H * W * taps
+# runs as the one-pass "same" kernel over the whole plane, then keeps every stride-th output:
+# up to 4x the multiply-adds, but on small planes the phase-scatter kernel's per-row work costs
+# more (3x3 + Clip, stride 2, one thread, phase kernel vs same + subsample: 576 x 14x14 269 ->
+# 133 us, 192 x 28x28 179 -> 112, 5x5 576 x 14x14 358 -> 226; even at 3x3 40x40 and 5x5 20x20;
+# 3x3 112x112 505 -> 909, so large planes keep the phase kernel).
+_SUBSAMPLE_MAX = 9 * 1024
 # Above this many kernel taps im2col is one strided-window copy, not a copy per tap.
 _WINDOW_TAPS = 32
 _EMPTY3 = np.zeros((0, 0, 0), np.float32)
 _EMPTY_CHAN = np.zeros((0, 0, 2), np.float32)  # bias_act's per-channel tables when there are none
+# Column matrices of at most this many elements are built by one gather through precomputed
+# indices (an index per element: 8 bytes each, made once per input shape).  Silero VAD's convs
+# (1-D, 3 taps over 3 positions; an STFT of 256 taps over 3 frames): ~10-20 us of per-tap Python
+# each, most of their run.
+_GATHER_MAX = 1 << 15
 
 
 # -- geometry ---------------------------------------------------------------------------------
@@ -137,14 +150,57 @@ def conv_geometry(
     return tuple(begin), tuple(end), tuple(out)
 
 
-def _pad(x: np.ndarray, begin, extent, value) -> np.ndarray:
-    """``x`` placed at ``begin`` inside a (N, C, *extent) array filled with ``value``.
+# Per-thread scratch of the conv's transient buffers (the padded input and the im2col matrix):
+# thread ident -> {name: flat uint8 buffer}.  Fresh multi-megabyte arrays on every call cost a
+# page fault per 4 KiB (glibc maps large blocks and unmaps them on free): measured on the wake-word
+# embedding CNN (batch 16, 10.9 MB column matrices) 44-48 ms per run, 32 ms with glibc told to
+# keep freed memory (MALLOC_MMAP_THRESHOLD_), which reusing the buffers gives without touching
+# the process's allocator.  Buffers above _SCRATCH_MAX are not kept.
+_conv_scratch: dict[int, dict[str, np.ndarray]] = {}
+_SCRATCH_MAX = 64 << 20
+
+
+@scratch_releaser
+def _drop_conv_scratch() -> None:
+    _conv_scratch.clear()
+
+
+def _scratch(name: str, shape: tuple[int, ...], dtype) -> np.ndarray | None:
+    """An uninitialized C-contiguous array of ``shape`` reused by this thread's later calls
+    (the caller is done with it before its next call under ``name``), or None when too large."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > _SCRATCH_MAX or nbytes == 0:
+        return None
+    key = threading.get_ident()
+    bufs = _conv_scratch.get(key)
+    if bufs is None:
+        if len(_conv_scratch) >= 8:  # threads that ended leave their buffers: drop those
+            alive = {t.ident for t in threading.enumerate()}
+            for k in [k for k in _conv_scratch if k not in alive]:
+                _conv_scratch.pop(k, None)
+        bufs = _conv_scratch.setdefault(key, {})
+    buf = bufs.get(name)
+    if buf is None or buf.size < nbytes:
+        buf = bufs[name] = np.empty(nbytes + 64, np.uint8)
+    start = -buf.ctypes.data % 64  # 64-byte aligned, as a fresh large numpy array is
+    return buf[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def _pad(x: np.ndarray, begin, extent, value, scratch: str | None = None) -> np.ndarray:
+    """``x`` placed at ``begin`` inside a (N, C, *extent) array filled with ``value`` (the
+    thread's scratch buffer ``scratch`` when given: valid until this thread's next use of it).
 
     ``extent`` may cut the input short (ceil_mode windows are computed on what they need).
     """
     if all(b == 0 for b in begin) and tuple(extent) == x.shape[2:]:
         return x
-    xp = np.full(x.shape[:2] + tuple(extent), value, dtype=x.dtype)
+    shape = x.shape[:2] + tuple(extent)
+    xp = _scratch(scratch, shape, x.dtype) if scratch else None
+    if xp is None:
+        xp = np.full(shape, value, dtype=x.dtype)
+    else:
+        xp.fill(value)
     dst, src = [slice(None), slice(None)], [slice(None), slice(None)]
     for b, n, e in zip(begin, x.shape[2:], extent):
         lo, hi = max(b, 0), min(b + n, e)
@@ -188,7 +244,7 @@ def _separable_reduce(xp: np.ndarray, kernel, out, strides, dilations, op) -> np
     return cur
 
 
-def im2col(xp: np.ndarray, kernel, out, strides, dilations) -> np.ndarray:
+def im2col(xp: np.ndarray, kernel, out, strides, dilations, scratch: str | None = None) -> np.ndarray:
     """Column tensor (N, C, *kernel, *out) of a padded input, one copy per kernel offset.
 
     With strides > 1 the input is first split into its stride phases (``xp[..., r::s]``), so
@@ -208,8 +264,16 @@ def im2col(xp: np.ndarray, kernel, out, strides, dilations) -> np.ndarray:
                   + tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(out, strides))
                   + tuple(slice(None, None, d) for d in dilations)]
         perm = (0, 1) + tuple(range(2 + nd, 2 + 2 * nd)) + tuple(range(2, 2 + nd))
-        return np.ascontiguousarray(win.transpose(perm))
-    cols = np.empty(xp.shape[:2] + tuple(kernel) + tuple(out), dtype=xp.dtype)
+        win = win.transpose(perm)
+        cols = _scratch(scratch, win.shape, xp.dtype) if scratch else None
+        if cols is None:
+            return np.ascontiguousarray(win)
+        np.copyto(cols, win)
+        return cols
+    shape = xp.shape[:2] + tuple(kernel) + tuple(out)
+    cols = _scratch(scratch, shape, xp.dtype) if scratch else None
+    if cols is None:
+        cols = np.empty(shape, dtype=xp.dtype)
     phases: dict[tuple[int, ...], np.ndarray] = {}
     strided = any(s > 1 for s in strides)
     for offset in itertools.product(*(range(k) for k in kernel)):
@@ -226,6 +290,45 @@ def im2col(xp: np.ndarray, kernel, out, strides, dilations) -> np.ndarray:
             )
         cols[dst] = phase[(Ellipsis,) + tuple(slice(p // s, p // s + o) for p, s, o in zip(pos, strides, out))]
     return cols
+
+
+def _gather_index(in_shape, ks, out, strides, dils, begin) -> np.ndarray:
+    """Indices ``(C * prod(ks), prod(out))`` into one image flattened as (C, *in_spatial) plus
+    one appended zero: ``x_flat_with_zero[idx]`` is :func:`im2col` of the padded image, rows in
+    its order (channel, kernel offsets), padding reading the zero at ``C * prod(in_spatial)``."""
+    c, spatial = in_shape[0], tuple(in_shape[1:])
+    nd = len(spatial)
+    size = c * math.prod(spatial)
+    flat = np.zeros((1,) * (2 * nd), dtype=np.int64)
+    valid = np.ones((1,) * (2 * nd), dtype=bool)
+    step = 1
+    for i in reversed(range(nd)):
+        k = np.arange(ks[i]).reshape((1,) * i + (-1,) + (1,) * (2 * nd - i - 1))
+        o = np.arange(out[i]).reshape((1,) * (nd + i) + (-1,) + (1,) * (nd - i - 1))
+        pos = o * strides[i] + k * dils[i] - begin[i]
+        valid = valid & (pos >= 0) & (pos < spatial[i])
+        flat = flat + pos * step
+        step *= spatial[i]
+    chan = (np.arange(c) * step).reshape((-1,) + (1,) * (2 * nd))
+    idx = np.where(valid[None], flat[None] + chan, size)
+    return np.ascontiguousarray(idx.reshape(c * math.prod(ks), math.prod(out)), dtype=np.intp)
+
+
+def _same_depthwise(ks, dils, begin, in_shape, out_shape, strides) -> int | None:
+    """3 or 5 when a depthwise conv's outputs are those of the 3x3 / 5x5 "same" conv (unit
+    strides and dilations, ``(K - 1) / 2`` zeros of padding on every side), which the JIT's
+    ``depthwise3_same`` / ``depthwise5_same`` compute in one pass per plane, at rows
+    ``oh * sh`` and columns ``ow * sw``: the same kernel and padding in front, any stride, and
+    no output past the input's last row or column (less padding at the end only cuts it short).
+    """
+    if len(ks) != 2 or ks[0] != ks[1] or ks[0] not in (3, 5) or tuple(dils) != (1, 1):
+        return None
+    p = (ks[0] - 1) // 2
+    if tuple(begin) != (p, p):
+        return None
+    if any(o < 1 or (o - 1) * s > i - 1 for o, s, i in zip(out_shape, strides, in_shape)):
+        return None
+    return ks[0]
 
 
 def _ints(value, n: int, default: int) -> tuple[int, ...]:
@@ -273,6 +376,7 @@ class Conv(Kernel):
         self._u: np.ndarray | None = None  # packed Winograd filters (16, M, C)
         self._w_from_u: np.ndarray | None = None  # (M, C, 3, 3) recovered for small maps, lazily
         self._geo: dict[tuple, tuple] = {}  # (spatial shape, kernel) -> resolved geometry (_conv)
+        self._gather: dict[tuple, np.ndarray] = {}  # same key -> im2col gather indices (small convs)
 
     # pre-packing
     def _winograd_ok(self, info: TensorInfo) -> bool:
@@ -418,7 +522,19 @@ class Conv(Kernel):
                     bias if bias is not None else np.zeros(m, np.float32), y, strides[0], strides[1],
                     dils[0], dils[1], begin[0], begin[1], codes, params)
             threads = _act.threads() if y.size * kprod >= _PARALLEL_MACS else 1
-            _act.parallel(lambda a, b: jit.depthwise2d(*args, a, b), n * m, threads)
+            same = _same_depthwise(ks, dils, begin, xc.shape[2:], out_shape, strides)
+            if same is not None and (tuple(out_shape) == tuple(xc.shape[2:]) or xc.shape[2] * xc.shape[3] * kprod <= _SUBSAMPLE_MAX):
+                fn = jit.depthwise3_same if same == 3 else jit.depthwise5_same
+                full = y if tuple(out_shape) == tuple(xc.shape[2:]) else np.empty((n, m) + tuple(xc.shape[2:]), np.float32)
+                args = args[:3] + (full,) + args[10:]
+                threads = _act.threads() if full.size * kprod >= _PARALLEL_MACS else 1
+                _act.parallel(lambda a, b: fn(*args, a, b), n * m, threads)
+                if full is not y:
+                    # Strided (or cut short): every output is the "same" conv's at (oh*sh, ow*sw).
+                    y[...] = full[:, :, :(out_shape[0] - 1) * strides[0] + 1:strides[0],
+                                  :(out_shape[1] - 1) * strides[1] + 1:strides[1]]
+            else:
+                _act.parallel(lambda a, b: jit.depthwise2d(*args, a, b), n * m, threads)
             return self._finish(y, None, outer, res, post, out_dtype, self._channels(y.dtype))
         if (g == 1 and nd == 2 and jit is not None and length > 0 and kprod > 1 and c * kprod <= _DIRECT_TAPS
                 and m <= _DIRECT_MAX_OUT and min(begin) >= 0):
@@ -435,14 +551,29 @@ class Conv(Kernel):
             # 1x1: the (strided) input is the column matrix.
             xs = xc[(Ellipsis,) + tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(out_shape, strides))]
             cols = np.ascontiguousarray(xs).reshape(n, g, cg, length)
+        elif not (cg == 1 and mg == 1 and g > 1) and c * kprod * length <= _GATHER_MAX:
+            # A small column matrix: one gather through indices made once per input shape (the
+            # padding reads an appended zero), instead of a padded copy and a copy per tap.
+            idx = self._gather.get(key)
+            if idx is None:
+                idx = _gather_index(xc.shape[1:], ks, out_shape, strides, dils, begin)
+                if len(self._gather) < 16:
+                    self._gather[key] = idx
+            size = math.prod(xc.shape[1:])
+            xz = np.empty((n, size + 1), dtype=xc.dtype)
+            xz[:, :size] = xc.reshape(n, size)
+            xz[:, size] = 0
+            cols = xz[:, idx].reshape(n, g, cg * kprod, length)
         else:
-            xp = _pad(xc, begin, _padded_extent(xc.shape[2:], begin, out_shape, ks, strides, dils), 0)
+            # The padded copy and the column matrix live in this thread's scratch: both are
+            # read only before this call returns (the GEMM's result is a fresh array).
+            xp = _pad(xc, begin, _padded_extent(xc.shape[2:], begin, out_shape, ks, strides, dils), 0, "pad")
             if cg == 1 and mg == 1 and g > 1:
                 cols = None
                 y = self._depthwise(xp, wm, ks, out_shape, strides, dils)
                 out = None
             else:
-                cols = im2col(xp, ks, out_shape, strides, dils).reshape(n, g, cg * kprod, length)
+                cols = im2col(xp, ks, out_shape, strides, dils, "cols").reshape(n, g, cg * kprod, length)
         if cols is not None and out is not None:
             _act.matmul(wm[0], cols[0, 0], out=out.reshape(m, length))
             y = out  # already (n, m, *out_shape): keep the object, run_into checks identity
@@ -777,6 +908,15 @@ class GlobalAveragePool(Kernel):
     def run(self, x):
         axes = tuple(range(2, x.ndim))
         xc = as_compute(x) if x.dtype != np.float64 else x
+        hw = math.prod(x.shape[2:])
+        if xc.dtype == np.float32 and x.ndim >= 3 and hw > 0 and x.shape[0] * x.shape[1] > 0:
+            # One GEMV with a ones vector: numpy's mean over short rows costs ~80 ns per row
+            # (MobileNetV2's 1280 x 7x7: 100 us; onnxruntime 10 us).  Summation order differs
+            # from numpy's pairwise sum by float32 rounding only.
+            rows = np.ascontiguousarray(xc).reshape(-1, hw)
+            y = rows @ np.ones(hw, np.float32)
+            y *= np.float32(1.0 / hw)
+            return (y.reshape(x.shape[:2] + (1,) * (x.ndim - 2)).astype(x.dtype, copy=False),)
         return (xc.mean(axis=axes, keepdims=True).astype(x.dtype, copy=False),)
 
 

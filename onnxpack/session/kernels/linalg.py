@@ -39,8 +39,25 @@ _PACK_VERSION = 2
 _HALF_KINDS = ("float16", "bfloat16")
 
 
+_COMPUTE: dict = {}  # dtype (or type) -> compute_dtype's answer: kernels ask on every call
+
+
 def compute_dtype(dtype: np.dtype) -> np.dtype | None:
     """The dtype BLAS computes in for operands of ``dtype``; ``None`` when BLAS does not apply."""
+    try:
+        return _COMPUTE[dtype]
+    except (KeyError, TypeError):
+        pass
+    got = _compute_dtype(dtype)
+    try:
+        if len(_COMPUTE) < 256:
+            _COMPUTE[dtype] = got
+    except TypeError:  # pragma: no cover - an unhashable dtype-like
+        pass
+    return got
+
+
+def _compute_dtype(dtype) -> np.dtype | None:
     dtype = np.dtype(dtype)
     if dtype == np.float64:
         return np.dtype(np.float64)

@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from onnxpack.session.kernels import _act
 from onnxpack.session.kernels._base import Kernel, KernelContext, register
 
 logger = logging.getLogger(__name__)
@@ -197,10 +198,33 @@ def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
     """
     if x.size == 0:
         return x.copy()
+    fast = _softmax_jit(x, axis, None)
+    if fast is not None:
+        return fast
     y = np.asarray(x - np.max(x, axis=axis, keepdims=True))
     np.exp(y, out=y)
     y /= np.sum(y, axis=axis, keepdims=True)
     return _same(y, x)
+
+
+def _softmax_jit(x: np.ndarray, axis: int, out: np.ndarray | None) -> np.ndarray | None:
+    """float32 softmax over the last axis by the JIT's ``softmax_rows`` (into ``out`` when
+    given, C-contiguous); None when it does not apply (other dtypes or axes, no numba)."""
+    if x.dtype != np.float32 or x.ndim == 0 or x.size == 0 or axis not in (-1, x.ndim - 1):
+        return None
+    if out is not None and (out.dtype != np.float32 or out.shape != x.shape or not out.flags.c_contiguous):
+        return None
+    jit = _act.jit()
+    if jit is None:
+        return None
+    d = x.shape[-1]
+    x2 = np.ascontiguousarray(x).reshape(-1, d)
+    y = np.empty(x.shape, np.float32) if out is None else out
+    y2 = y.reshape(x2.shape)
+    rows = x2.shape[0]
+    threads = _act.threads() if x2.size >= (1 << 16) else 1
+    _act.parallel(lambda a, b: jit.softmax_rows(x2, y2, a, b), rows, threads)
+    return y
 
 
 def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
@@ -239,6 +263,8 @@ class _SoftmaxAxis(Kernel):
         if type(self)._fn is not _softmax or x.size == 0 or x.ndim == 0:
             return False
         y = outs[0]
+        if _softmax_jit(x, self.axis, y) is not None:
+            return True
         np.subtract(x, np.max(x, axis=self.axis, keepdims=True), out=y)
         np.exp(y, out=y)
         y /= np.sum(y, axis=self.axis, keepdims=True)

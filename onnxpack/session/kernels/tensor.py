@@ -34,6 +34,9 @@ def _ints(x: np.ndarray | None) -> list[int] | None:
     """A 0-d or 1-d integer tensor input as Python ints (``None`` stays ``None``)."""
     if x is None:
         return None
+    if x.__class__ is np.ndarray and x.dtype.kind in "iu" and x.ndim <= 1:
+        v = x.tolist()  # Python ints already (~0.3 us; the generic way below ~2 us)
+        return v if v.__class__ is list else [v]
     return [int(v) for v in np.asarray(x).reshape(-1).tolist()]
 
 
@@ -113,7 +116,16 @@ def _squeeze(x: np.ndarray, axes: list[int] | None) -> np.ndarray:
 
 
 def _unsqueeze(x: np.ndarray, axes: list[int]) -> np.ndarray:
-    return np.expand_dims(x, tuple(axes))  # negative axes count from the output's rank
+    """``np.expand_dims(x, axes)`` (negative axes count from the output's rank) as one reshape
+    when the axes are plain (~0.5 us instead of ~5 us)."""
+    rank = x.ndim + len(axes)
+    norm = sorted(a + rank if a < 0 else a for a in axes)
+    if x.__class__ is not np.ndarray or len(set(norm)) != len(norm) or not all(0 <= a < rank for a in norm):
+        return np.expand_dims(x, tuple(axes))  # numpy's errors for bad axes
+    shape = list(x.shape)
+    for a in norm:
+        shape.insert(a, 1)
+    return x.reshape(shape)
 
 
 @register("Squeeze", since=1)
