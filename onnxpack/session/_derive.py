@@ -14,8 +14,9 @@ final consumer packs the cast value once and every Cast drops out of the plan, i
 second Cast and its consumer recomputing from the first Cast's pack at every run.
 
 A :class:`Derivation` says how a value comes from one stored *leaf* weight (an initializer or a
-``Constant`` node's tensor) without computing it: the ops applied, their attributes and the bytes
-of their other (small) constant inputs, digested (``digest``), and the result's dtype and shape.
+``Constant`` node's tensor) without computing it: the leaf's declared dtype and shape, the ops
+applied, their attributes and the bytes of their other (small) constant inputs, digested
+(``digest``), and the result's dtype and shape.
 Keys are therefore computable at a warm start without dequantizing anything: the leaf's identity
 plus the digest, and in saved records the leaf's own record with the digest in the pack spec.
 """
