@@ -67,10 +67,11 @@ def gqa_decode(q, k, v, pk, pv, pos, lo, cos, sin, half, interleaved, scale, sof
     ``scores`` (at least ``pos + 1 - lo``).  Query head i reads KV head ``i // (N / Nkv)``.
     ``softcap`` > 0 caps the scaled scores as ``softcap * tanh(s / softcap)``.
 
-    One head at a time: a dot product per key (vectorized over the head dimension), the
-    softmax, then the value rows weighted into the output (measured one thread, 14 heads over 2
-    KV heads of 64: ~15 us at 40 keys, ~40 us at 200; all query heads of a KV head per key row
-    instead ran 2x slower).
+    One head at a time: dot products four keys at a time (vectorized over the head dimension),
+    the softmax, then the value rows weighted into the output four at a time (measured one
+    thread, 14 heads over 2 KV heads of 64: 7 us at 40 keys, 28 us at 200, 133 us at 1,000,
+    against 12, 51 and 250 us one key at a time; all query heads of a KV head per key row ran
+    slower still).
     """
     n, h = q.shape
     nkv = k.shape[0]
@@ -86,13 +87,39 @@ def gqa_decode(q, k, v, pk, pv, pos, lo, cos, sin, half, interleaved, scale, sof
         g = i // group
         _rotate(q[i], cos, sin, half, interleaved, qr)
         kg = pk[g]
-        m = -np.inf
-        for j in range(count):
+        # Four keys per pass: each element of the rotated query is loaded once for four dot
+        # products (four independent vectorized sums), then the scores are scaled (and capped).
+        j = 0
+        while j + 4 <= count:
+            k0 = kg[lo + j]
+            k1 = kg[lo + j + 1]
+            k2 = kg[lo + j + 2]
+            k3 = kg[lo + j + 3]
+            s0 = np.float32(0.0)
+            s1 = np.float32(0.0)
+            s2 = np.float32(0.0)
+            s3 = np.float32(0.0)
+            for d in range(h):
+                qd = qr[d]
+                s0 += qd * k0[d]
+                s1 += qd * k1[d]
+                s2 += qd * k2[d]
+                s3 += qd * k3[d]
+            scores[j] = s0
+            scores[j + 1] = s1
+            scores[j + 2] = s2
+            scores[j + 3] = s3
+            j += 4
+        while j < count:
             kj = kg[lo + j]
             s = np.float32(0.0)
             for d in range(h):
                 s += qr[d] * kj[d]
-            s = s * scale
+            scores[j] = s
+            j += 1
+        m = -np.inf
+        for j in range(count):
+            s = scores[j] * scale
             if softcap > 0:
                 s = softcap * np.float32(math.tanh(s / softcap))
             scores[j] = s
@@ -101,15 +128,32 @@ def gqa_decode(q, k, v, pk, pv, pos, lo, cos, sin, half, interleaved, scale, sof
         total = np.float32(0.0)
         for j in range(count):
             total += scores[j]
+        for j in range(count):
+            scores[j] = scores[j] / total
         o = out[i]
         for d in range(h):
             o[d] = 0
         vg = pv[g]
-        for j in range(count):
-            p = scores[j] / total
+        # Four value rows per pass: the output row is loaded and stored once for four keys.
+        j = 0
+        while j + 4 <= count:
+            p0 = scores[j]
+            p1 = scores[j + 1]
+            p2 = scores[j + 2]
+            p3 = scores[j + 3]
+            v0 = vg[lo + j]
+            v1 = vg[lo + j + 1]
+            v2 = vg[lo + j + 2]
+            v3 = vg[lo + j + 3]
+            for d in range(h):
+                o[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d]
+            j += 4
+        while j < count:
+            p = scores[j]
             vj = vg[lo + j]
             for d in range(h):
                 o[d] += p * vj[d]
+            j += 1
 
 
 def native_entries() -> dict:

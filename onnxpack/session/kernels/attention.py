@@ -42,9 +42,10 @@ _LOWEST = np.finfo(np.float32).min
 _NO_ROTARY = np.zeros(0, np.float32)
 # Up to this many keys a decoding step runs as one JIT call (rotary, cache row, attention);
 # beyond, numpy's batched BLAS products read each cache row once for all the query heads that
-# share it and win (measured one thread, Qwen2.5-0.5B's 14 heads over 2 KV heads of 64, whole
-# step: 48 keys 100-134 us JIT vs 163-300 us numpy; 1,000 keys 295-320 vs 245-257 us).
-_JIT_MAX_KEYS = 256
+# share it and win (measured one thread, Qwen2.5-0.5B's 14 heads over 2 KV heads of 64, the
+# attention alone: 1,000 keys 127 us JIT vs 96 us numpy, 2,000 keys 283 vs 177 us; the numpy
+# path's ~20 other numpy calls per step, ~60-100 us, make the JIT the faster up to ~1,000).
+_JIT_MAX_KEYS = 1024
 
 
 def _fd(dtype: np.dtype) -> np.dtype:
