@@ -411,44 +411,29 @@ def topological_order(nodes: Sequence[NodeProto], available: Callable[[str], boo
                         f"({nodes[producers[out]].name!r} and {node.name!r})"
                     )
                 producers[out] = i
+
+    def read_producers(i: int, node: NodeProto):
+        """Indices of the nodes producing what node ``i`` reads (names defined before any node
+        runs skipped; a name nobody defines is InvalidGraph)."""
+        for name in (reads[i] if reads is not None else node.input):
+            if not name:
+                continue
+            p = producers.get(name)
+            if p is None:
+                if available(name):
+                    continue
+                raise InvalidGraph(
+                    f"graph {scope_name!r}: node {node.name!r} ({node.op_type}) uses {name!r}, "
+                    "which is not a graph input, an initializer, or any node's output"
+                )
+            yield p
+
     # Most graphs list their nodes in an order that already works (ONNX asks for it): then that
-    # order is the answer — the depth-first pass below would return it too, since every node's
-    # producers come first — and one look-up per read decides it.
-    for i, node in enumerate(nodes):
-        for name in (reads[i] if reads is not None else node.input):
-            if not name:
-                continue
-            p = producers.get(name)
-            if p is None:
-                if available(name):
-                    continue
-                raise InvalidGraph(
-                    f"graph {scope_name!r}: node {node.name!r} ({node.op_type}) uses {name!r}, "
-                    "which is not a graph input, an initializer, or any node's output"
-                )
-            if p >= i:
-                break
-        else:
-            continue
-        break
-    else:
+    # order is the answer -- the depth-first pass below would return it too, since every node's
+    # producers come first -- and one look-up per read decides it.
+    if all(p < i for i, node in enumerate(nodes) for p in read_producers(i, node)):
         return list(range(len(nodes)))
-    deps: list[list[int]] = []
-    for i, node in enumerate(nodes):
-        d: set[int] = set()
-        for name in (reads[i] if reads is not None else node.input):
-            if not name:
-                continue
-            p = producers.get(name)
-            if p is None:
-                if available(name):
-                    continue
-                raise InvalidGraph(
-                    f"graph {scope_name!r}: node {node.name!r} ({node.op_type}) uses {name!r}, "
-                    "which is not a graph input, an initializer, or any node's output"
-                )
-            d.add(p)
-        deps.append(sorted(d))
+    deps = [sorted(set(read_producers(i, node))) for i, node in enumerate(nodes)]
     order: list[int] = []
     state = [0] * len(nodes)  # 0 new, 1 on stack, 2 done
     for start in range(len(nodes)):

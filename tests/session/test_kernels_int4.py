@@ -37,7 +37,7 @@ import onnxpack
 from onnxpack import InferenceSession, PrepackedWeightsContainer, SessionOptions
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import KernelContext, TensorInfo, lookup
-from onnxpack.session.kernels import _act, quant
+from onnxpack.session.kernels import quant
 from onnxpack.session.kernels.quant import TILE, dequantize_nbits, to_tiles, unpack_nbits
 
 MS = "com.microsoft"
@@ -47,27 +47,16 @@ SAME_TOL = dict(rtol=1e-5, atol=1e-5)
 FLAG = "session.save_external_prepacked_constant_initializers"
 
 
-@pytest.fixture(params=["jit", "native", "numpy"])
-def path(request, monkeypatch):
-    """Which compute path the kernels take; the name is also what the test asserts it got:
-    numba's kernels, the same kernels loaded from the native code cache without numba
-    (``_jit_native``), or the numpy twins."""
-    monkeypatch.setattr(_act, "_native_kernels", [])  # looked up again under this test's settings
-    if request.param in ("jit", "native"):
-        pytest.importorskip("numba")
-        monkeypatch.delenv("ONNXPACK_DISABLE_JIT", raising=False)
-        if request.param == "native":
-            request.getfixturevalue("native_cache")
-            monkeypatch.delenv("ONNXPACK_DISABLE_NATIVE", raising=False)
-            assert getattr(quant._jit(), "native", False)
-        else:
-            monkeypatch.setenv("ONNXPACK_DISABLE_NATIVE", "1")
-            assert not getattr(quant._jit(), "native", False)
-        assert quant.jit_enabled()
-    else:
-        monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+@pytest.fixture
+def path(jit_path):
+    """Which compute path the kernels take (conftest's ``jit_path``: numba's kernels, the same
+    kernels from the native code cache without numba, or the numpy twins); the int4 kernels are
+    checked to take it too."""
+    if jit_path == "numpy":
         assert not quant.jit_enabled()
-    return request.param
+    else:
+        assert quant.jit_enabled() and getattr(quant._jit(), "native", False) == (jit_path == "native")
+    return jit_path
 
 
 # -- model builders ---------------------------------------------------------------------------------

@@ -746,29 +746,15 @@ class GroupQueryAttention(Kernel):
         if (s == 1 and b == 1 and attention_bias is None and head_sink is None and not self.smooth and self.causal
                 and fd == np.float32 and query.dtype == np.float32
                 and (past_key is None or past_key.dtype == past_value.dtype == np.float32)):
-            got = self._decode_jit(q, k, v, past_key, past_value, int(past[0]), cap, position_ids, cos_cache,
+            got = self._decode_jit(q, k, v, past_key, past_value, past, first_prompt, cap, position_ids, cos_cache,
                                    sin_cache, present)
             if got is not None:
                 return got
         if self.do_rotary:
-            if cos_cache is None or sin_cache is None:
-                raise _err(self, "do_rotary=1 needs cos_cache and sin_cache")
-            if position_ids is not None:
-                if position_ids.shape != (b, s):
-                    raise _err(self, f"position_ids must have shape {[b, s]}, got {list(position_ids.shape)}")
-                pos = position_ids
-                if first_prompt:  # onnxruntime reads only the first element for a first prompt
-                    pos = np.broadcast_to(int(position_ids.reshape(-1)[0]) + np.arange(s), (b, s))
-            else:
-                pos = past[:, None] + np.arange(s)[None, :]
-            half = cos_cache.shape[-1]
-            rot = 2 * half
-            if rot > h:
-                raise _err(self, f"cos_cache width {half} exceeds head_size / 2 = {h // 2}")
-            cos = _f(_gather_cache(self, cos_cache, pos, half, "cos_cache"), fd)[:, :, None, :]
-            sin = _f(_gather_cache(self, sin_cache, pos, half, "sin_cache"), fd)[:, :, None, :]
-            q = apply_rotary(q, cos, sin, self.interleaved, rot)
-            k = apply_rotary(k, cos, sin, self.interleaved, rot)
+            cos, sin = self._rotary_tables(cos_cache, sin_cache, position_ids, first_prompt, past, s, h, fd)
+            rot = 2 * cos.shape[-1]
+            q = apply_rotary(q, cos[:, :, None, :], sin[:, :, None, :], self.interleaved, rot)
+            k = apply_rotary(k, cos[:, :, None, :], sin[:, :, None, :], self.interleaved, rot)
         cache_dtype = query.dtype if past_key is None else past_key.dtype
         # Rows at and past the longest row's end are left unwritten (unspecified, as onnxruntime
         # documents them): zero-filling a max-length buffer would cost O(max_seq) per step.
@@ -830,13 +816,35 @@ class GroupQueryAttention(Kernel):
         y = _bnsh_to_bsd(out).astype(query.dtype, copy=False)
         return (y, pk, pv)[: self.n_out]
 
-    def _decode_jit(self, q, k, v, past_key, past_value, p0: int, cap: int, position_ids, cos_cache, sin_cache,
-                    present) -> tuple | None:
+    def _rotary_tables(self, cos_cache, sin_cache, position_ids, first_prompt: bool, past, s: int, h: int, fd):
+        """(cos, sin) rows, each (B, S, rotary_dim / 2) in ``fd``, at the new tokens' positions:
+        ``position_ids`` (for a first prompt only its first element counts, as in onnxruntime)
+        or else each row's past length onwards."""
+        if cos_cache is None or sin_cache is None:
+            raise _err(self, "do_rotary=1 needs cos_cache and sin_cache")
+        b = past.shape[0]
+        if position_ids is not None:
+            if position_ids.shape != (b, s):
+                raise _err(self, f"position_ids must have shape {[b, s]}, got {list(position_ids.shape)}")
+            pos = position_ids
+            if first_prompt:  # onnxruntime reads only the first element for a first prompt
+                pos = np.broadcast_to(int(position_ids.reshape(-1)[0]) + np.arange(s), (b, s))
+        else:
+            pos = past[:, None] + np.arange(s)[None, :]
+        half = cos_cache.shape[-1]
+        if 2 * half > h:
+            raise _err(self, f"cos_cache width {half} exceeds head_size / 2 = {h // 2}")
+        return (_f(_gather_cache(self, cos_cache, pos, half, "cos_cache"), fd),
+                _f(_gather_cache(self, sin_cache, pos, half, "sin_cache"), fd))
+
+    def _decode_jit(self, q, k, v, past_key, past_value, past, first_prompt: bool, cap: int, position_ids,
+                    cos_cache, sin_cache, present) -> tuple | None:
         """One float32 token of one sequence by the JIT kernel (``_attn_jit.gqa_decode``: rotary,
         the cache row, the attention in one call), or None when no JIT is available or the token
         sees more than ``_JIT_MAX_KEYS`` keys (then the numpy path below computes the same).
-        ``q``/``k``/``v`` are (1, 1, heads, H); the new token sits at cache row ``p0``; past rows
-        are copied into a present buffer that is not the past buffer itself."""
+        ``q``/``k``/``v`` are (1, 1, heads, H); the new token sits at cache row ``past[0]``; past
+        rows are copied into a present buffer that is not the past buffer itself."""
+        p0 = int(past[0])
         lo = max(0, p0 + 1 - self.window) if self.window > 0 else 0
         if p0 + 1 - lo > _JIT_MAX_KEYS:
             return None
@@ -848,20 +856,10 @@ class GroupQueryAttention(Kernel):
         half = 0
         cos = sin = _NO_ROTARY
         if self.do_rotary:
-            if cos_cache is None or sin_cache is None:
-                raise _err(self, "do_rotary=1 needs cos_cache and sin_cache")
-            if position_ids is not None:
-                if position_ids.shape != (1, 1):
-                    raise _err(self, f"position_ids must have shape [1, 1], got {list(position_ids.shape)}")
-                at = int(position_ids.reshape(-1)[0])
-            else:
-                at = p0
-            half = cos_cache.shape[-1]
-            if 2 * half > h:
-                raise _err(self, f"cos_cache width {half} exceeds head_size / 2 = {h // 2}")
-            where = np.array([[at]], np.int64)
-            cos = np.ascontiguousarray(_f(_gather_cache(self, cos_cache, where, half, "cos_cache"), np.float32)[0, 0])
-            sin = np.ascontiguousarray(_f(_gather_cache(self, sin_cache, where, half, "sin_cache"), np.float32)[0, 0])
+            cos2, sin2 = self._rotary_tables(cos_cache, sin_cache, position_ids, first_prompt, past, 1, h,
+                                             np.dtype(np.float32))
+            cos, sin = np.ascontiguousarray(cos2[0, 0]), np.ascontiguousarray(sin2[0, 0])
+            half = cos.shape[0]
         shape = (1, nkv, cap, h)
         pk, pv = (o if o is not None and o.shape == shape and o.dtype == np.float32 and o.flags.c_contiguous
                   and o.flags.writeable else np.empty(shape, np.float32) for o in present)
