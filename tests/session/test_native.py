@@ -134,6 +134,20 @@ _act.apply(z, [_act.Activation("silu")])
 assert np.allclose(z, x * ref, rtol=1e-5, atol=1e-6)
 assert contrib_norm._rms_jit(x.reshape(50, 1000), None, np.ones(1000, np.float32), None, 1e-6, False) is not None
 assert getattr(_act.attn_kernels(), "native", False)
+jit = quant._jit()
+if jit.int8_dot:  # the int8-activation GEMV (accuracy_level 4), serial and parallel, with a tail
+    rng = np.random.default_rng(1)
+    k, n, nb = 256, 200, 8
+    b = rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)
+    s = (rng.random((n, nb)) * 0.05).astype(np.float32)
+    a = rng.standard_normal((2, k)).astype(np.float32)
+    w = quant.dequantize_nbits(b, s, None, k=k, n=n, bits=4, block_size=32)
+    bound = np.abs(a).reshape(2, nb, 32).max(axis=2) / 254 @ np.abs(w).reshape(nb, 32, n).sum(axis=1)
+    for name in ("gemv4_i8", "gemv4_i8_serial"):
+        y = np.full((2, n), np.nan, np.float32)
+        getattr(jit, name)(a, quant.to_tiles(b), quant.to_tiles(s.reshape(n, nb, 1)), quant._NO_ZERO_POINTS, 0,
+                           np.float32(8), y, n, nb, 16, quant.TILE, 2)
+        assert (np.abs(y - a @ w) <= bound * 1.01 + 1e-4).all(), name
 print(float(ulp.max()), "numba" in sys.modules)
 """
 

@@ -1,7 +1,8 @@
 """JIT kernels through the native code cache (:mod:`._native`): no numba in the process.
 
 :func:`load` returns a stand-in for the ``_nbits_jit`` module — the same ``gemv4`` / ``gemv4_serial``
-/ ``gemv8`` / ``gemv8_serial`` / ``dequant4`` / ``dequant8`` calls on the same arrays — plus
+/ ``gemv8`` / ``gemv8_serial`` (and their int8-activation ``_i8`` twins where the cache has them) /
+``dequant4`` / ``dequant8`` calls on the same arrays — plus
 ``act_inplace`` and ``rms_rows`` of ``_conv_jit`` (elementwise activations, RMS normalization)
 and ``gqa_decode`` of ``_attn_jit``.  Its functions fill an int64
 argument block (the layouts below, read by the entries that ``_nbits_jit.native_entries`` and
@@ -154,18 +155,28 @@ class _Kernels:
             return None
         return f"{bits}_{sck}"
 
-    def _gemv(self, bits, parallel, a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads):
+    @property
+    def int8_dot(self) -> bool:
+        """Whether the cache has the int8-activation GEMVs (built on a CPU with VNNI)."""
+        return "gemv4_f32_i8" in self._lib.addresses
+
+    def _gemv(self, bits, parallel, a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads, i8=""):
         key = self._key(bits, sc, zq, zmode)
         if key is None:
             fb = self._fallback()
-            name = f"gemv{bits}" + ("" if parallel else "_serial")
+            name = f"gemv{bits}{i8}" + ("" if parallel else "_serial")
             return getattr(fb, name)(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads)
+        key += i8
         m, k = a.shape
         if not zmode or zq.size == 0:
             zq = _EMPTY_U8
         threads = min(max(1, int(threads)), _SLOTS) if parallel else 1
-        ade = _scratch("ade", m * nb * (8 // bits) * blob, np.float32)
-        asum = _scratch("asum", m * nb, np.float32)
+        if i8:  # int8 activations (m, nb, block_size), then scales and sums (2, m, nb)
+            ade = _scratch("aq", m * nb * blob * 8 // bits, np.int8)
+            asum = _scratch("asc", 2 * m * nb, np.float32)
+        else:
+            ade = _scratch("ade", m * nb * (8 // bits) * blob, np.float32)
+            asum = _scratch("asum", m * nb, np.float32)
         work = _scratch("work", threads * 2 * m * CHUNK, np.float32)
         # Work items (CHUNK columns) taken a few at a time: each thread then streams runs of
         # neighbouring columns, and about 4 grabs per thread still even out a slow thread.
@@ -190,6 +201,18 @@ class _Kernels:
 
     def gemv8_serial(self, *args):
         self._gemv(8, False, *args)
+
+    def gemv4_i8(self, *args):
+        self._gemv(4, True, *args, i8="_i8")
+
+    def gemv4_i8_serial(self, *args):
+        self._gemv(4, False, *args, i8="_i8")
+
+    def gemv8_i8(self, *args):
+        self._gemv(8, True, *args, i8="_i8")
+
+    def gemv8_i8_serial(self, *args):
+        self._gemv(8, False, *args, i8="_i8")
 
     def _dequant(self, bits, bq, sc, zq, zmode, zmid, out, n, nb, blob, tile, t0, t1):
         key = self._key(bits, sc, zq, zmode)
