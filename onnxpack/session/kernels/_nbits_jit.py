@@ -288,26 +288,29 @@ _PAIR = [_lanes([c + 64 * h for c in range(32 * part, 32 * part + 32) for h in (
 _QUAD = [_lanes([2 * c + off for c in range(16 * q, 16 * q + 16) for off in (0, 1, 64, 65)]) for q in (0, 1)]
 
 
-def _dot_codegen(nibbles: bool, halves: int):
-    """Code of :func:`_dot64_4` and friends: ``halves`` runs of 64 columns side by side (128
-    columns read 4 rows of 128 contiguous bytes per group: one sequential stream)."""
+def _dot_codegen(nibbles: bool, halves: int, rows: int):
+    """Code of the ``_dot*`` intrinsics: ``halves`` runs of 64 columns side by side (128 columns
+    read 4 rows of 128 contiguous bytes per group: one sequential stream) for ``rows`` rows of A
+    at once (the weight bytes are loaded and transposed once for all of them)."""
 
     def codegen(context, builder, sig, args):
-        isum, ioff, bq, boff, stride, aq, aoff, ngroups = args
+        isum, ioff, istride, bq, boff, stride, aq, aoff, astride, ngroups = args
 
         def data(ty, val, elt):
             return builder.bitcast(context.make_array(ty)(context, builder, val).data, elt.as_pointer())
 
-        out = builder.gep(data(sig.args[0], isum, _I32), [ioff])
-        wp = builder.gep(data(sig.args[2], bq, _I8), [boff])
-        ap = builder.bitcast(builder.gep(data(sig.args[5], aq, _I8), [aoff]), _I32.as_pointer())
+        def const(v):
+            return ir.Constant(_I64, v)
+
+        outs = [builder.gep(data(sig.args[0], isum, _I32), [builder.add(ioff, builder.mul(const(r), istride))])
+                for r in range(rows)]
+        wp = builder.gep(data(sig.args[3], bq, _I8), [boff])
+        aps = [builder.bitcast(builder.gep(data(sig.args[6], aq, _I8), [builder.add(aoff, builder.mul(const(r), astride))]),
+                               _I32.as_pointer()) for r in range(rows)]
         mod = builder.module
         dp = mod.globals.get("llvm.x86.avx512.vpdpbusd.512") or ir.Function(
             mod, ir.FunctionType(_V16, [_V16, _V16, _V16]), "llvm.x86.avx512.vpdpbusd.512")
         one = ir.VectorType(_I32, 1)
-
-        def const(v):
-            return ir.Constant(_I64, v)
 
         def splat(x):
             v = builder.insert_element(ir.Constant(one, None), x, ir.Constant(_I32, 0))
@@ -320,85 +323,89 @@ def _dot_codegen(nibbles: bool, halves: int):
         builder.cbranch(builder.icmp_signed(">", ngroups, const(0)), loop, done)
         builder.position_at_end(loop)
         g = builder.phi(_I64)
-        accs = [builder.phi(_V16) for _ in range(4 * halves)]
+        accs = [[builder.phi(_V16) for _ in range(4 * halves)] for _ in range(rows)]
         g.add_incoming(const(0), start)
-        for acc in accs:
+        for acc in (a for row in accs for a in row):
             acc.add_incoming(zero, start)
         row0 = builder.mul(builder.mul(g, const(4)), stride)
         quads = []
         for h in range(halves):
-            rows = [builder.load(builder.bitcast(builder.gep(wp, [builder.add(builder.add(row0, builder.mul(const(i), stride)),
-                                                                               const(64 * h))]), _V64.as_pointer()), align=1)
-                    for i in range(4)]
-            pairs01 = [builder.shuffle_vector(rows[0], rows[1], m) for m in _PAIR]
-            pairs23 = [builder.shuffle_vector(rows[2], rows[3], m) for m in _PAIR]
+            loads = [builder.load(builder.bitcast(builder.gep(wp, [builder.add(builder.add(row0, builder.mul(const(i), stride)),
+                                                                                const(64 * h))]), _V64.as_pointer()), align=1)
+                     for i in range(4)]
+            pairs01 = [builder.shuffle_vector(loads[0], loads[1], m) for m in _PAIR]
+            pairs23 = [builder.shuffle_vector(loads[2], loads[3], m) for m in _PAIR]
             quads += [builder.shuffle_vector(pairs01[p], pairs23[p], m) for p in (0, 1) for m in _QUAD]
-        new = []
         if nibbles:
             # Lane bytes hold elements (2j, 2j+1), ..., (2j+6, 2j+7): low nibbles meet the block's
             # 4 even activations, high nibbles its 4 odd ones.
-            even = splat(builder.load(builder.gep(ap, [builder.mul(g, const(2))])))
-            odd = splat(builder.load(builder.gep(ap, [builder.add(builder.mul(g, const(2)), const(1))])))
             low = ir.Constant(_V64, [ir.Constant(_I8, 15)] * 64)
             four = ir.Constant(_V64, [ir.Constant(_I8, 4)] * 64)
-            for acc, v in zip(accs, quads):
-                acc = builder.call(dp, [acc, builder.bitcast(builder.and_(v, low), _V16), even])
-                new.append(builder.call(dp, [acc, builder.bitcast(builder.lshr(v, four), _V16), odd]))
-        else:
-            quad = splat(builder.load(builder.gep(ap, [g])))
-            new = [builder.call(dp, [acc, builder.bitcast(v, _V16), quad]) for acc, v in zip(accs, quads)]
+            parts = [(builder.bitcast(builder.and_(v, low), _V16), builder.bitcast(builder.lshr(v, four), _V16))
+                     for v in quads]
+        new = []
+        for r in range(rows):
+            if nibbles:
+                even = splat(builder.load(builder.gep(aps[r], [builder.mul(g, const(2))])))
+                odd = splat(builder.load(builder.gep(aps[r], [builder.add(builder.mul(g, const(2)), const(1))])))
+                new.append([builder.call(dp, [builder.call(dp, [acc, lo, even]), hi, odd])
+                            for acc, (lo, hi) in zip(accs[r], parts)])
+            else:
+                quad = splat(builder.load(builder.gep(aps[r], [g])))
+                new.append([builder.call(dp, [acc, builder.bitcast(v, _V16), quad]) for acc, v in zip(accs[r], quads)])
         g_next = builder.add(g, const(1))
         end = builder.block
         g.add_incoming(g_next, end)
-        for acc, v in zip(accs, new):
-            acc.add_incoming(v, end)
+        for acc_row, new_row in zip(accs, new):
+            for acc, v in zip(acc_row, new_row):
+                acc.add_incoming(v, end)
         builder.cbranch(builder.icmp_signed("<", g_next, ngroups), loop, done)
         builder.position_at_end(done)
-        results = [builder.phi(_V16) for _ in new]
-        for res, v in zip(results, new):
-            res.add_incoming(zero, start)
-            res.add_incoming(v, end)
-        for i, res in enumerate(results):
-            builder.store(res, builder.bitcast(builder.gep(out, [const(16 * i)]), _V16.as_pointer()), align=4)
+        results = [[builder.phi(_V16) for _ in row] for row in new]
+        for res_row, new_row in zip(results, new):
+            for res, v in zip(res_row, new_row):
+                res.add_incoming(zero, start)
+                res.add_incoming(v, end)
+        for out, res_row in zip(outs, results):
+            for i, res in enumerate(res_row):
+                builder.store(res, builder.bitcast(builder.gep(out, [const(16 * i)]), _V16.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return codegen
 
 
-def _dot_typer(isum, ioff, bq, boff, stride, aq, aoff, ngroups):
-    arrays = (isum, bq, aq)
-    if not all(isinstance(x, types.Array) and x.layout == "C" for x in arrays) or isum.dtype != types.int32 or \
-            bq.dtype != types.uint8 or aq.dtype != types.int8:
-        return None
-    return types.void(isum, types.int64, bq, types.int64, types.int64, aq, types.int64, types.int64)
+def _dot_intrinsic(nibbles: bool, halves: int, rows: int):
+    def impl(typingctx, isum, ioff, istride, bq, boff, stride, aq, aoff, astride, ngroups):
+        if not all(isinstance(x, types.Array) and x.layout == "C" for x in (isum, bq, aq)) or \
+                isum.dtype != types.int32 or bq.dtype != types.uint8 or aq.dtype != types.int8:
+            return None
+        i64 = types.int64
+        sig = types.void(isum, i64, i64, bq, i64, i64, aq, i64, i64, i64)
+        return sig, _dot_codegen(nibbles, halves, rows)
 
-
-def _dot_intrinsic(nibbles: bool, halves: int, doc: str):
-    def impl(typingctx, isum, ioff, bq, boff, stride, aq, aoff, ngroups):
-        sig = _dot_typer(isum, ioff, bq, boff, stride, aq, aoff, ngroups)
-        return None if sig is None else (sig, _dot_codegen(nibbles, halves))
-
-    impl.__name__ = impl.__qualname__ = f"_dot{64 * halves}_{4 if nibbles else 8}"
-    impl.__doc__ = doc
+    impl.__name__ = impl.__qualname__ = f"_dot{64 * halves}x{rows}_{4 if nibbles else 8}"
     return intrinsic(impl)
 
 
-_DOC4 = """``isum[ioff:ioff+{c}]`` = the int32 dot products of {c} columns of a 4-bit block with its
-    int8 activations: ``ngroups`` groups of 4 weight bytes (8 elements) per column, the group's
-    bytes ``stride`` apart starting at ``bq[boff]`` (the tiled layout), activations at
-    ``aq[aoff]``, 8 per group: the 4 even elements, then the 4 odd ones (:func:`_prep_i8`)."""
-_DOC8 = """As the 4-bit one for 8-bit blocks ({c} columns): 4 elements per group, activations in order."""
-_dot64_4 = _dot_intrinsic(True, 1, _DOC4.format(c=64))
-_dot128_4 = _dot_intrinsic(True, 2, _DOC4.format(c=128))
-_dot64_8 = _dot_intrinsic(False, 1, _DOC8.format(c=64))
-_dot128_8 = _dot_intrinsic(False, 2, _DOC8.format(c=128))
+# ``_dot{C}x{R}_{bits}(isum, ioff, istride, bq, boff, stride, aq, aoff, astride, ngroups)``: for R
+# rows r of A, ``isum.flat[ioff + r*istride :][:C]`` = the int32 dot products of C columns of one
+# block with row r's int8 activations (``aq.flat[aoff + r*astride:]``, :func:`_prep_i8`'s order).
+# The block has ``ngroups`` groups of 4 weight bytes per column (8 elements at 4 bits, 4 at 8),
+# each group's bytes ``stride`` apart from ``bq[boff]`` on (the tiled layout).  Arrays of any
+# rank, C-contiguous; offsets in elements.
+_dot128x1_4 = _dot_intrinsic(True, 2, 1)
+_dot64x1_4 = _dot_intrinsic(True, 1, 1)
+_dot64x4_4 = _dot_intrinsic(True, 1, 4)
+_dot128x1_8 = _dot_intrinsic(False, 2, 1)
+_dot64x1_8 = _dot_intrinsic(False, 1, 1)
+_dot64x4_8 = _dot_intrinsic(False, 1, 4)
 
 
 @njit(cache=True, fastmath=_FM)
 def _prep_i8(a, aq, asc, blob, bits):
     """A quantized per block as onnxruntime's accuracy_level 4 does: ``asc[0, m, b]`` the block's
     scale ``max|a| / 127``, ``aq[m, b]`` its values ``round_half_even(a / scale)`` (int8, zero past
-    K) in the order :func:`_dot64_4` / :func:`_dot64_8` read them, ``asc[1, m, b]`` their sum.
+    K) in the order the ``_dot*`` intrinsics read them, ``asc[1, m, b]`` their sum.
 
     A block holding a NaN or an infinity gets scale NaN and values 0: every output it touches is
     NaN (the float kernels give NaN or an infinity there), never a finite wrong number.
@@ -436,9 +443,12 @@ def _prep_i8(a, aq, asc, blob, bits):
 @njit(cache=True, fastmath=_FM)
 def _items_i8(aq, asc, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, bits, it0, it1, isum, acc):
     """Work items ``it0 <= it < it1`` of the int8 GEMV with the caller's (rows, CHUNK) scratch:
-    per block, the integer dot products of 64 columns at a time (:func:`_dot64_4`), then
+    per block, the integer dot products (128 columns of one row, or 64 columns of four rows, at a
+    time: the ``_dot*`` intrinsics), then
     ``acc += scale_w * scale_a * (dot - zero_point * sum(a_q))`` in float32."""
     m_rows = aq.shape[0]
+    bs = aq.shape[2]
+    chunk = isum.shape[1]
     groups = blob // 4
     total, nfull, rem = _items(n, tile)
     for it in range(it0, it1):
@@ -448,23 +458,33 @@ def _items_i8(aq, asc, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, bits, it0,
         acc[:, :cw] = 0
         for b in range(nb):
             boff = bbase + b * blob * width
-            for m in range(m_rows):
-                ab = aq[m, b]  # a view: no reshape (numba's reshape helper is not in native code)
-                im = isum[m]
+            m = 0
+            # Four rows at a time (prefill): the block's bytes are loaded and transposed once.
+            while m + 4 <= m_rows and cw - cw % 64 > 0:
+                for c in range(0, cw - cw % 64, 64):
+                    if bits == 4:
+                        _dot64x4_4(isum, m * chunk + c, chunk, bq, boff + c, width, aq, (m * nb + b) * bs, nb * bs, groups)
+                    else:
+                        _dot64x4_8(isum, m * chunk + c, chunk, bq, boff + c, width, aq, (m * nb + b) * bs, nb * bs, groups)
+                m += 4
+            for r in range(m, m_rows):
                 c = 0
                 if cw == 128:
                     if bits == 4:
-                        _dot128_4(im, 0, bq, boff, width, ab, 0, groups)
+                        _dot128x1_4(isum, r * chunk, 0, bq, boff, width, aq, (r * nb + b) * bs, 0, groups)
                     else:
-                        _dot128_8(im, 0, bq, boff, width, ab, 0, groups)
+                        _dot128x1_8(isum, r * chunk, 0, bq, boff, width, aq, (r * nb + b) * bs, 0, groups)
                     c = 128
                 while c + 64 <= cw:
                     if bits == 4:
-                        _dot64_4(im, c, bq, boff + c, width, ab, 0, groups)
+                        _dot64x1_4(isum, r * chunk + c, 0, bq, boff + c, width, aq, (r * nb + b) * bs, 0, groups)
                     else:
-                        _dot64_8(im, c, bq, boff + c, width, ab, 0, groups)
+                        _dot64x1_8(isum, r * chunk + c, 0, bq, boff + c, width, aq, (r * nb + b) * bs, 0, groups)
                     c += 64
-                for cc in range(c, cw):  # the last tile's odd columns
+            for r in range(m_rows):
+                ab = aq[r, b]
+                im = isum[r]
+                for cc in range(cw - cw % 64, cw):  # the last tile's odd columns
                     s = 0
                     for j in range(blob):
                         v = np.int32(bq[boff + j * width + cc])
