@@ -117,12 +117,14 @@ BUFFER_ALIGNMENT = 64
 ALLOWED_DTYPES = frozenset(
     {"|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8"}
 )
+_ITEMSIZE = {d: np.dtype(d).itemsize for d in ALLOWED_DTYPES}  # a warm load checks ~250 records
 
 # Buffer checksums are CRC-32 (zlib.crc32), as 8 lowercase hex digits.  Why: it runs at ~4 GB/s
 # here (blake2b ~0.9 GB/s, sha256 ~1.7 GB/s), releases the GIL on large buffers, and detects every
 # burst error up to 32 bits; it guards against corruption and wrong offsets, not against an
 # attacker (who could rewrite the record and the checksum together anyway).
 _CHECKSUM_RE = re.compile(r"[0-9a-f]{8}")
+_DRIVE_LETTERS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 
 # Source digests are lowercase hex, 16..128 digits (64..512 bits), even length.  The writer uses
 # digest_bytes (blake2b-128); the length range lets the key derivation's digest be reused.
@@ -170,8 +172,9 @@ def _check_name(what: str, value: Any, *, allow_empty: bool) -> str:
 def _check_location(what: str, value: Any) -> str:
     _check_name(what, value, allow_empty=False)
     # Syntax only: the graph layer resolves the name against the model folder (symlinks etc.).
-    parts = re.split(r"[/\\]", value)
-    if value.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", value) or ".." in parts:
+    parts = value.replace("\\", "/").split("/")
+    drive = len(value) > 1 and value[1] == ":" and value[0] in _DRIVE_LETTERS
+    if value.startswith(("/", "\\")) or drive or ".." in parts:
         raise _fail(what, "a relative file name inside the model folder", value)
     return value
 
@@ -208,9 +211,10 @@ class BufferRecord:
             raise _fail("buffer shape", f"at most {MAX_DIMS} dimensions", self.shape)
         for d in self.shape:
             _check_int("buffer shape dimension", d)
-        if not shape_fits(tuple(self.shape), np.dtype(self.dtype).itemsize):
+        itemsize = _ITEMSIZE[self.dtype]
+        if not shape_fits(self.shape, itemsize):
             raise _fail("buffer shape", "dims whose product fits an array", list(self.shape))
-        expected = math.prod(self.shape) * np.dtype(self.dtype).itemsize
+        expected = math.prod(self.shape) * itemsize
         if self.length != expected:
             raise _fail(
                 "buffer length",
@@ -344,6 +348,10 @@ def record_key(scope: str, name: str) -> str:
     """The metadata_props key of the record of weight ``name`` in scope ``scope``."""
     _check_name("scope path", scope, allow_empty=True)
     _check_name("weight name", name, allow_empty=False)
+    return _key_of(scope, name)
+
+
+def _key_of(scope: str, name: str) -> str:
     return f"{KEY_PREFIX}{quote(scope, safe='')}/{quote(name, safe='')}"
 
 
@@ -537,11 +545,13 @@ def _array(what: str, value: Any, limit: int) -> list[Any]:
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _fail("JSON object", "no duplicate field", k)
-        out[k] = v
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _fail("JSON object", "no duplicate field", k)
+            seen.add(k)
     return out
 
 
@@ -616,7 +626,7 @@ def _parse_record(key: str, value: str) -> WeightRecord:
         source_digest=source["digest"],
         packs=tuple(_parse_pack(p) for p in packs),
     )
-    expected_key = record_key(record.scope, record.name)
+    expected_key = _key_of(record.scope, record.name)  # the names were checked by WeightRecord
     if key != expected_key:
         raise _fail("metadata key", f"{expected_key!r} (from the scope and name in the value)", key)
     return record
