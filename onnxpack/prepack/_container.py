@@ -21,11 +21,19 @@ __all__ = ["PrepackedWeightsContainer"]
 
 
 class _Pending:
-    __slots__ = ("event", "error")
+    """A key being made: its maker holds ``done`` until the entry is in (or failed); a waiter
+    takes and returns the lock.  A plain lock, not an Event: a warm load makes ~250 of these and
+    an Event (a Condition and its lock) costs ~10x more to create."""
+
+    __slots__ = ("done",)
 
     def __init__(self) -> None:
-        self.event = threading.Event()
-        self.error: BaseException | None = None
+        self.done = threading.Lock()
+        self.done.acquire()
+
+    def wait(self) -> None:
+        with self.done:
+            pass
 
 
 class PrepackedWeightsContainer:
@@ -99,21 +107,21 @@ class PrepackedWeightsContainer:
                 else:
                     mine = False
             if not mine:
-                pending.event.wait()
+                pending.wait()
                 continue
             try:
                 made = factory()
             except BaseException:
                 with self._lock:
                     del self._pending[key]
-                pending.event.set()
+                pending.done.release()
                 raise
             with self._lock:
                 del self._pending[key]
                 if made is not None:
                     self._entries[key] = made
                     self._holders[key] = {holder}
-            pending.event.set()
+            pending.done.release()
             return made, made is not None
 
     def release(self, holder: int) -> int:
