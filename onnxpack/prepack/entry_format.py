@@ -528,12 +528,15 @@ def format_record(record: WeightRecord) -> tuple[str, str]:
 def _object(what: str, value: Any, fields: tuple[str, ...]) -> dict[str, Any]:
     if type(value) is not dict:
         raise _fail(what, "a JSON object", value)
-    keys = set(value)
-    if keys != set(fields):
+    if value.keys() != _FIELD_SETS.setdefault(fields, frozenset(fields)):
+        keys = set(value)
         missing = sorted(set(fields) - keys)
         extra = sorted(keys - set(fields))
         raise _fail(what, f"fields {list(fields)}", f"missing {missing}, unknown {extra}")
     return value
+
+
+_FIELD_SETS: dict[tuple[str, ...], frozenset[str]] = {}
 
 
 def _array(what: str, value: Any, limit: int) -> list[Any]:
@@ -557,6 +560,10 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _no_constants(name: str) -> Any:
     raise _fail("JSON number", "a finite number", name)
+
+
+# One decoder for every record (json.loads with options builds a new one per call).
+_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
 
 
 def _parse_buffer(value: Any) -> BufferRecord:
@@ -610,7 +617,7 @@ def _parse_record(key: str, value: str) -> WeightRecord:
     if int(version) != FORMAT_VERSION:
         raise _fail("format version", f"{FORMAT_VERSION} (this onnxpack reads only that)", int(version))
     try:
-        obj = json.loads(body, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+        obj = _DECODER.decode(body)
     except PrepackFormatError:
         raise
     except (ValueError, RecursionError) as e:
