@@ -186,6 +186,7 @@ class _Kernels:
                           zmode, float(zmid), _addr(y), n, nb, blob, tile, _addr(ade), _addr(asum), _addr(work),
                           chunk)
         if threads > 1:
+            self._lib.call(f"gemv{key}_prep", address)  # no barrier in the team: A is ready first
             self._lib.parallel(f"gemv{key}_omp", address, threads)
         else:
             self._lib.call(f"gemv{key}", address)

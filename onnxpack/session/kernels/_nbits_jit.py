@@ -641,10 +641,11 @@ def native_entries() -> dict:
 
     For each weight layout the models use — scales float32 or float16 bits (``u16``), per-block
     zero points uint8 (an empty array when the implicit middle value is used) — and for 4 and 8
-    bits: ``gemv{bits}_{sc}`` (serial), ``gemv{bits}_{sc}_omp`` (an OpenMP worker for
-    ``GOMP_parallel``: thread 0 re-orders the activations, a barrier, then every thread takes
-    work items from a dynamic loop) and ``dequant{bits}_{sc}``; on a CPU with VNNI also
-    ``gemv{bits}_{sc}_i8`` and ``gemv{bits}_{sc}_i8_omp`` (A quantized to int8: the argument block's
+    bits: ``gemv{bits}_{sc}`` (serial), ``gemv{bits}_{sc}_prep`` (re-orders the activations) then
+    ``gemv{bits}_{sc}_omp`` (an OpenMP worker for ``GOMP_parallel``: every thread takes work items
+    from a dynamic loop; no barrier before it) and ``dequant{bits}_{sc}``; on a CPU with VNNI also
+    ``gemv{bits}_{sc}_i8``, ``gemv{bits}_{sc}_i8_prep`` and ``gemv{bits}_{sc}_i8_omp`` (A quantized
+    to int8 by the prep entry, then the OpenMP worker without a barrier: the argument block's
     ``G_ADE`` is then int8 (M, n_blocks, block_size), ``G_ASUM`` float32 (2, M, n_blocks) and each
     thread's scratch an int32 then a float32 (M, CHUNK) half).
     """
@@ -655,14 +656,13 @@ def native_entries() -> dict:
     from onnxpack.session.kernels._native import gomp_library
     from onnxpack.session.kernels._conv_jit import F32, U8, U16, address, as_ptr
 
-    # The OpenMP workers call GNU OpenMP's loop and barrier functions: numba's JIT must resolve them.
+    # The OpenMP workers call GNU OpenMP's loop functions: numba's JIT must resolve them.
     llvm.load_library_permanently(gomp_library())
 
     i64 = types.int64
     loop_start = types.ExternalFunction("GOMP_loop_nonmonotonic_dynamic_start", types.uint8(i64, i64, i64, i64, i64, i64))
     loop_next = types.ExternalFunction("GOMP_loop_nonmonotonic_dynamic_next", types.uint8(i64, i64))
     loop_end = types.ExternalFunction("GOMP_loop_end_nowait", types.void())
-    barrier = types.ExternalFunction("GOMP_barrier", types.void())
     thread_num = types.ExternalFunction("omp_get_thread_num", types.int32())
     sig = types.void(types.voidptr)
     out = {}
@@ -694,13 +694,17 @@ def native_entries() -> dict:
             items(ade, asum, bq, sc, zq, g[L.G_ZMODE], zmid, y, g[L.G_N], g[L.G_NB], g[L.G_BLOB], g[L.G_TILE],
                   0, total, scratch[0], scratch[1])
 
+        def prep_entry(blk):
+            g, a, bq, sc, zq, y, ade, asum, zmid = views(blk)
+            prep(a, ade, asum, g[L.G_BLOB])
+
         def worker(blk):
+            # The activations were re-ordered by the caller (``prep_entry``) before the team
+            # started: no barrier, so the caller takes work items at once even when the other
+            # thread is not scheduled yet.
             g, a, bq, sc, zq, y, ade, asum, zmid = views(blk)
             m = g[L.G_M]
             tid = np.int64(thread_num())
-            if tid == 0:
-                prep(a, ade, asum, g[L.G_BLOB])
-            barrier()
             scratch = carray(as_ptr(g[L.G_SCRATCH] + tid * 8 * m * CHUNK, F32), (2, m, CHUNK))
             total, nfull, rem = _items(g[L.G_N], g[L.G_TILE])
             slot = address(blk) + 8 * (L.G_HEADER + 2 * tid)  # this thread's (start, end) pair
@@ -741,13 +745,16 @@ def native_entries() -> dict:
             _items_i8(aq, asc, bq, sc, zq, g[L.G_ZMODE], zmid, y, g[L.G_N], g[L.G_NB], g[L.G_BLOB], g[L.G_TILE],
                       bits, 0, total, isum, acc)
 
+        def prep_i8(blk):
+            g, a, bq, sc, zq, y, aq, asc, zmid = i8_views(blk)
+            _prep_i8(a, aq, asc, g[L.G_BLOB], bits)
+
         def worker_i8(blk):
+            # A was quantized by the caller (``prep_i8``) before the team started: no barrier, so
+            # the caller takes work items at once even when the other thread is not scheduled yet.
             g, a, bq, sc, zq, y, aq, asc, zmid = i8_views(blk)
             m = g[L.G_M]
             tid = np.int64(thread_num())
-            if tid == 0:
-                _prep_i8(a, aq, asc, g[L.G_BLOB], bits)
-            barrier()
             isum = carray(as_ptr(g[L.G_SCRATCH] + tid * 8 * m * CHUNK, _I32_MARK), (m, CHUNK))
             acc = carray(as_ptr(g[L.G_SCRATCH] + tid * 8 * m * CHUNK + 4 * m * CHUNK, F32), (m, CHUNK))
             total, nfull, rem = _items(g[L.G_N], g[L.G_TILE])
@@ -762,9 +769,10 @@ def native_entries() -> dict:
             loop_end()
 
         made = {}
-        int8 = ((f"gemv{bits}_{sck}_i8", serial_i8), (f"gemv{bits}_{sck}_i8_omp", worker_i8)) if int8_dot else ()
+        int8 = ((f"gemv{bits}_{sck}_i8", serial_i8), (f"gemv{bits}_{sck}_i8_omp", worker_i8),
+                (f"gemv{bits}_{sck}_i8_prep", prep_i8)) if int8_dot else ()
         for name, fn in ((f"gemv{bits}_{sck}", serial), (f"gemv{bits}_{sck}_omp", worker),
-                         (f"dequant{bits}_{sck}", dequant), *int8):
+                         (f"gemv{bits}_{sck}_prep", prep_entry), (f"dequant{bits}_{sck}", dequant), *int8):
             fn = types_module.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
             made[name] = cfunc(sig, nopython=True, error_model="numpy", fastmath=_FM)(fn)
         return made
