@@ -299,3 +299,69 @@ def test_dynamic_quantize_lstm_matches_onnxruntime(case):
         np.testing.assert_allclose(g, w, atol=1e-3)
     assert sess.get_fallback_nodes() == []
     assert sess.get_prepack_stats()["weights_packed"] == 3
+
+
+# -- the int8 lanes pack and the VNNI GEMM -------------------------------------------------------
+
+from onnxpack.session.kernels import qinteger  # noqa: E402
+
+LANE_SHAPES = [(1, 1, 1), (3, 5, 3), (4, 64, 128), (7, 130, 200), (16, 768, 300), (9, 3, 64), (2, 255, 129)]
+
+
+@pytest.mark.parametrize("bdt", [np.int8, np.uint8], ids=["s8", "u8"])
+@pytest.mark.parametrize("k,n", [(1, 1), (5, 3), (64, 128), (130, 300), (3, 129)])
+def test_lanes_round_trip_and_stay_8_bit(k, n, bdt):
+    """The lanes pack holds the weight's integers (uint8 as their signed image) in one byte each,
+    K padded to 4, plus one int32 column sum per column: from_lanes gives the weight back."""
+    b = ints(np.random.default_rng(k * n), bdt, (k, n))
+    lanes, colsum = qinteger.to_lanes(b)
+    assert lanes.dtype == np.int8 and lanes.shape == (-(-k // 4) * 4 * n,)
+    stored = b.astype(np.int64) - (128 if bdt == np.uint8 else 0)
+    np.testing.assert_array_equal(colsum, stored.sum(axis=0))
+    np.testing.assert_array_equal(qinteger.from_lanes(lanes, k, n, bdt == np.uint8), b.astype(np.float32))
+
+
+@pytest.mark.parametrize("shape", LANE_SHAPES, ids=[f"m{m}k{k}n{n}" for m, k, n in LANE_SHAPES])
+@pytest.mark.parametrize("zps", ["none", "scalar", "row-col"])
+@pytest.mark.parametrize("adt,bdt", [(np.uint8, np.int8), (np.uint8, np.uint8), (np.int8, np.int8), (np.int8, np.uint8)],
+                         ids=["u8s8", "u8u8", "s8s8", "s8u8"])
+def test_vnni_gemm_is_exact(adt, bdt, zps, shape):
+    """The int8 GEMM on the lanes (AVX-512 VNNI) against int64 numpy: every dtype pair, zero points
+    none / per tensor / per row and column, 4-row and 1-row passes, K not a multiple of 4, the
+    last tile's odd columns, extreme values."""
+    if qinteger._qjit() is None:
+        pytest.skip("the int8 GEMM needs numba and a CPU with AVX-512 VNNI")
+    m, k, n = shape
+    rng = np.random.default_rng(m * k + n)
+    a, b = ints(rng, adt, (m, k)), ints(rng, bdt, (k, n))
+    if zps == "none":
+        az = bz = None
+    elif zps == "scalar":
+        az, bz = ints(rng, adt, ()), ints(rng, bdt, ())
+    else:
+        az, bz = ints(rng, adt, (m,)), ints(rng, bdt, (n,))
+    lanes, colsum = qinteger.to_lanes(b)
+    got = qinteger.lanes_matmul(a, az, lanes, colsum, k, n, bdt == np.uint8, bz)
+    want = (a.astype(np.int64) - (0 if az is None else np.asarray(az, np.int64).reshape(-1, 1) if zps != "scalar" else int(az))) @ \
+        (b.astype(np.int64) - (0 if bz is None else np.asarray(bz, np.int64)))
+    assert got is not None and got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("jit", ["jit", "numpy"])
+def test_packed_matmul_integer_on_both_paths(jit, monkeypatch):
+    """A pre-packed MatMulInteger / QLinearMatMul equals the int64 formula with the int8 GEMM and
+    with the numpy path (the lanes unpacked to float32 for the exact sgemm), batched A included."""
+    if jit == "numpy":
+        monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+    else:
+        monkeypatch.delenv("ONNXPACK_DISABLE_JIT", raising=False)
+    rng = np.random.default_rng(5)
+    a = ints(rng, np.uint8, (2, 3, 70))
+    b = ints(rng, np.int8, (70, 150))
+    az, bz = np.uint8(7), ints(rng, np.int8, (150,))
+    node = helper.make_node("MatMulInteger", ["a", "b", "az", "bz"], ["y"])
+    (got,) = run_native(node, [a, b, az, bz], OPSET, pack=[1])
+    want = (a.astype(np.int64) - 7) @ (b.astype(np.int64) - bz.astype(np.int64))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)

@@ -225,10 +225,9 @@ class QLinearMatMul(PackedMatMulWeight, _QKernel):
         if a.dtype.name not in ("int8", "uint8") or (b is not None and b.dtype.name not in ("int8", "uint8")):
             return (self._float_path(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point),)
         _check_same_type(a, a_zero_point, "a_zero_point", what)
-        bw, bdtype = self._weight(b, what)
         out_dtype = np.asarray(y_zero_point).dtype if y_zero_point is not None else a.dtype
         bz = None if b_zero_point is None else _col_or_scalar(b_zero_point)
-        acc = int_matmul(a, a_zero_point, bw, bdtype, bz, b_l1=self._packed_l1(), what=what)
+        acc = self._int_matmul(a, a_zero_point, b, bz, what)
         sa = _row_or_scalar(a_scale).astype(np.float32)
         sb = _col_or_scalar(b_scale).astype(np.float32)
         sy = _row_or_scalar(y_scale).astype(np.float32)
@@ -286,11 +285,10 @@ class QGemm(PackedMatMulWeight, _QKernel):
             raise InvalidArgument(f"{what}: A must be 2-D, got shape {list(a.shape)}")
         if self.trans_a:
             a = a.T
-        bw, bdtype = self._weight(b, what)
-        n = bw.shape[-1]
+        n = self._n(b, what)
         az = per_tensor(a_zero_point, "a_zero_point", what)
         bz = per_channel(b_zero_point, n, "b_zero_point", what)
-        acc = int_matmul(a, az, bw, bdtype, bz, b_l1=self._packed_l1(), what=what)
+        acc = self._int_matmul(np.ascontiguousarray(a) if self.trans_a else a, az, b, bz, what)
         if c is not None:
             acc = acc.astype(np.float64, copy=False) + np.asarray(c, dtype=np.float64)
         bs = per_channel(b_scale, n, "b_scale", what).astype(np.float32)
