@@ -138,6 +138,11 @@ POOL_CASES = [
     ("k2-s2", dict(kernel_shape=[2, 2], strides=[2, 2])),
     ("same-upper-s2", dict(kernel_shape=[3, 3], auto_pad="SAME_UPPER", strides=[2, 2])),
     ("same-lower", dict(kernel_shape=[2, 2], auto_pad="SAME_LOWER")),
+    # One tap along an axis: the rows are kept as they are (skipped, not copied), or subsampled.
+    ("k12-s12", dict(kernel_shape=[1, 2], strides=[1, 2])),
+    ("k21-s21", dict(kernel_shape=[2, 1], strides=[2, 1])),
+    ("k12-s22", dict(kernel_shape=[1, 2], strides=[2, 2])),
+    ("k11", dict(kernel_shape=[1, 1])),
 ]
 
 
@@ -163,8 +168,12 @@ def test_pools_match_reference(case, op, dtype):
         dict(kernel_shape=[2, 3], strides=[3, 2], dilations=[2, 1], pads=[1, 1, 0, 1], ceil_mode=1),
         dict(kernel_shape=[3, 2], pads=[1, 1, 0, 1]),
         dict(kernel_shape=[3, 2], pads=[1, 1, 0, 1], count_include_pad=1),
+        # one tap along H over padded rows (onnx.reference's MaxPool fails on these pads)
+        dict(kernel_shape=[1, 3], pads=[0, 1, 0, 1]),
+        dict(kernel_shape=[1, 3], strides=[2, 1], pads=[0, 1, 0, 1], count_include_pad=1),
     ],
-    ids=["ceil", "ceil-pad", "ceil-incl", "ceil-pad-incl", "dilated", "dilated-ceil", "asym-pads", "asym-pads-incl"],
+    ids=["ceil", "ceil-pad", "ceil-incl", "ceil-pad-incl", "dilated", "dilated-ceil", "asym-pads", "asym-pads-incl",
+         "k13-pad", "k13-s21-incl"],
 )
 def test_pools_ceil_mode_match_onnxruntime(attrs, op):
     if op == "MaxPool":

@@ -228,9 +228,20 @@ def _separable_reduce(xp: np.ndarray, kernel, out, strides, dilations, op) -> np
 
     Max and sum over a box are separable: reducing along H then W costs kh + kw strided passes
     instead of kh*kw (measured 0.49 ms vs 0.87 ms for a 3x3/2 max pool of 64x112x112).
+
+    An axis with one tap that keeps every position (the rows of a 1x2/(1,2) pool) is skipped
+    instead of copied: the wake-word embedding's (16, 48, 32, 16) pool 186 -> 159 us (medians,
+    one thread).  The result is always a fresh array (AveragePool divides it in place).
     """
+    # Axes whose one tap keeps every position; all of them when every axis is such (a 1x1 pool):
+    # the first is then copied.
+    same = [k == 1 and o == n and (s == 1 or o == 1) for k, o, s, n in zip(kernel, out, strides, xp.shape[2:])]
+    if all(same):
+        same[0] = False
     cur = xp
     for axis, (k, o, s, d) in enumerate(zip(kernel, out, strides, dilations)):
+        if same[axis]:
+            continue
         res = None
         for tap in range(k):
             sl = [slice(None)] * cur.ndim
