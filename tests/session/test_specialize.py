@@ -237,3 +237,28 @@ def test_a_run_with_run_options_takes_the_generic_plan():
     for _ in range(3):
         _check(sess, model, {"x": x})
         np.testing.assert_array_equal(sess.run(["y"], {"x": x}, ro)[0], sess.run(None, {"x": x})[0])
+
+
+def test_reshaping_steps_become_guarded_reshapes():
+    # Unsqueeze/Reshape with constant axes/shapes run as one reshape for the recorded input
+    # shape; NonZero's output changes shape with the same input shape: the reshape's guard misses.
+    nodes = [helper.make_node("NonZero", ["x"], ["nz"]),
+             _const("ax", np.array([0], np.int64)),
+             helper.make_node("Unsqueeze", ["nz", "ax"], ["u"]),
+             _const("shape", np.array([-1], np.int64)),
+             helper.make_node("Reshape", ["u", "shape"], ["flat"]),
+             helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Reshape", ["r", "s"], ["same"])]
+    model = _model(nodes, [helper.make_tensor_value_info("x", F, [2, 3])],
+                   [helper.make_tensor_value_info("flat", I64, None), helper.make_tensor_value_info("same", F, None)])
+    sess = onnxpack.InferenceSession(model)
+    a = np.array([[1, 0, 2], [0, 0, 3]], np.float32)
+    for _ in range(3):
+        _check(sess, model, {"x": a})
+    (plan,) = _plans(sess).values()
+    kernels = [type(s.kernel).__name__ for s in plan.steps]
+    assert kernels.count("_FixedReshape") == 3 and "Shape" not in [s.node.op_type for s in plan.steps]
+    _check(sess, model, {"x": np.ones((2, 3), np.float32)})  # 6 nonzeros, not 3: the guard misses
+    assert list(_plans(sess).values()) == [_specialize._GENERIC]
+    _check(sess, model, {"x": a})
