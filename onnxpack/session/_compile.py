@@ -223,7 +223,11 @@ class _Compiler:
             for n, v in folded.items():
                 if n in read:
                     try:
-                        constants[n] = v()
+                        value = v()
+                        # Read-only: a graph output that folded is copied for the user (to_user)
+                        # instead of handing out a view that would change every later run.
+                        value.setflags(write=False)
+                        constants[n] = value
                     except OnnxpackError:
                         raise
                     except Exception as exc:  # e.g. a Reshape of a weight to a shape numpy cannot hold

@@ -232,3 +232,15 @@ def test_a_folded_matmul_weight_is_packed_and_integer_constants_are_not():
     x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
     (want,) = ReferenceEvaluator(onnx.load_from_string(model)).run(None, {"x": x})
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_folded_graph_output_is_copied_for_the_user():
+    nodes = [_const("c", np.zeros((2, 3), np.float32)), helper.make_node("Shape", ["c"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [1])],
+                              [helper.make_tensor_value_info("y", I64, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    sess = onnxpack.InferenceSession(model)
+    x = np.zeros(1, np.float32)
+    got = sess.run(None, {"x": x})[0]
+    got[...] = 7  # the user's array: writing it must not change what later runs return
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], [2, 3])
