@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-from onnx import AttributeProto, NodeProto, TensorProto
+from onnx import AttributeProto, NodeProto, TensorProto, helper
 
 from onnxpack.errors import InvalidArgument, InvalidGraph, OnnxpackError
 from onnxpack.graph import Model, Scope
@@ -206,7 +206,7 @@ class _Compiler:
         folded: dict[str, Callable[[], np.ndarray]] = {}
         if self.options.prepack and self.options.fuse and self.options.runnable:  # see _fold.py
             folded = fold_constants([b.step for b in bound], lambda n: self._weight(scope, n))
-            bound = [b for b in bound if not _all_folded(b.step, folded)]
+            bound = [self._pack_folded(b, folded) for b in bound if not _all_folded(b.step, folded)]
         steps = self._live(bound, [o.name for o in graph.output])
         # Graph outputs that are constants keep their originals.
         for out in graph.output:
@@ -223,7 +223,11 @@ class _Compiler:
             for n, v in folded.items():
                 if n in read:
                     try:
-                        constants[n] = v()
+                        value = v()
+                        # Read-only: a graph output that folded is copied for the user (to_user)
+                        # instead of handing out a view that would change every later run.
+                        value.setflags(write=False)
+                        constants[n] = value
                     except OnnxpackError:
                         raise
                     except Exception as exc:  # e.g. a Reshape of a weight to a shape numpy cannot hold
@@ -235,6 +239,43 @@ class _Compiler:
             output_types=tuple(o.type.tensor_type.elem_type for o in graph.output),
             output_dims=tuple(_declared_dims(o) for o in graph.output),
         )
+
+    def _pack_folded(self, b: _Bound, folded: Mapping[str, Callable[[], np.ndarray]]) -> _Bound:
+        """The step with the folded constants its kernel packs taken pre-packed.
+
+        A folded value is a weight the model computes from weights (Silero VAD's LSTM reads W, R
+        and B as Slice + Concat + Unsqueeze of its LSTMCell weights): unpacked, the kernel would
+        re-derive its layout at every run (the LSTM: transposed operands, the summed bias).  The
+        pack is made here and not recorded: a folded value has no stored leaf to save it beside,
+        and it is computed again at each creation anyway."""
+        step = b.step
+        kernel = step.kernel
+        if kernel is None or kernel.call_mode != "plain" or not folded:
+            return b
+        packed = set(step.packed)
+        for i, name in enumerate(step.inputs):
+            if not name or i in packed or name not in folded:
+                continue
+            value = folded[name]()
+            if value.dtype.kind not in "fc":
+                continue  # shapes, axes, indices: nothing to pack
+            info = TensorInfo(name, value.dtype, tuple(value.shape), helper.np_dtype_to_tensor_dtype(value.dtype))
+            try:
+                if kernel.pack_spec(i, info) is None:
+                    continue
+                made = kernel.prepack(i, value)
+                if made is None or kernel.check_packed(i, info, tuple(made)) is not None:
+                    continue
+            except OnnxpackError:
+                raise
+            except Exception as exc:  # the run would fail the same way: let it
+                logger.debug("node %r input %d: folded value not packed (%s)", step.node.name, i, exc)
+                continue
+            kernel.use_prepacked(i, tuple(made))
+            packed.add(i)
+        if packed == set(step.packed):
+            return b
+        return dataclasses.replace(b, step=dataclasses.replace(step, packed=frozenset(packed)))
 
     def _fusions(self, scope: Scope, nodes: list[NodeProto], implicit: dict[int, tuple[str, ...]]) -> list[Fusion]:
         """Conv → BatchNormalization → Relu and elementwise → Relu chains (see ``_fusion.py``)."""

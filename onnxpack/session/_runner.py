@@ -30,6 +30,7 @@ from onnxpack.session._memory import return_freed_heap
 from onnxpack.session._profile import Profiler
 from onnxpack.session._program import Plan, Program, prune, run_plan
 from onnxpack.session._run_options import SessionControl, check_run_options, check_terminate
+from onnxpack.session._specialize import Specializer, worth_specializing
 from onnxpack.session._threads import blas_threads, global_intra_op_threads
 from onnxpack.session.kernels import release_scratch
 from onnxpack.session.options import SessionOptions
@@ -50,6 +51,11 @@ class Runner:
         planner = config["onnxpack.memory_planner"]
         use_planner = planner not in (None, "none") and options.enable_mem_pattern
         self.arena = ArenaRunner(program.root, planner, pool_arenas=options.enable_cpu_mem_arena) if use_planner else None
+        # Plans specialized per set of input shapes (_specialize.py): plain runs only (no memory
+        # planner, run options, profiling or bound outputs), not with graph optimizations off.
+        specialize = (config["onnxpack.specialize_shapes"] and self.arena is None
+                      and int(options.graph_optimization_level) != 0 and worth_specializing(program.root))
+        self.specializer = Specializer(program.root) if specialize else None
         self.per_session_threads = options.use_per_session_threads
         self.threads = options.intra_op_num_threads
         self.profiler = profiler
@@ -113,5 +119,7 @@ class Runner:
     def _loop(self, plan: Plan, inputs: list[Any], control: SessionControl | None) -> list[Any]:
         if self.arena is not None and plan is self.program.root:
             return self.arena.run(inputs, control)
+        if control is None and self.specializer is not None and plan is self.program.root:
+            return self.specializer.run(inputs)
         return run_plan(plan, inputs, control=control)
 

@@ -71,6 +71,8 @@ CONFIG_KEYS: dict[str, tuple[Callable[[str, str], Any], str, str]] = {
     "onnxpack.prepacked_cache_path": (_text, "", "persistent packed-weight cache file (empty = off)"),
     "onnxpack.verify_prepacked": (_bool, "0", "1 verifies every mapped blob's checksum at load"),
     "onnxpack.memory_planner": (_planner, "none", "activation memory planner: " + "|".join(PLANNERS)),
+    "onnxpack.specialize_shapes": (_bool, "1", "1 runs a root plan specialized per set of input shapes "
+                                   "(shape arithmetic folded, If inlined, guarded)"),
 }
 
 

@@ -156,3 +156,91 @@ def test_steps_fold_through_a_cast_chain_that_keeps_its_pack():
     x = np.arange(12, dtype=np.float32)
     (want,) = ReferenceEvaluator(onnx.load_from_string(model)).run(None, {"x": x})
     np.testing.assert_array_equal(sess.run(None, {"x": x})[0], want)
+
+
+def _sliced_lstm_model(hidden: int = 8, inp: int = 5) -> tuple[bytes, dict]:
+    """Silero-style: the LSTM's W, R and B built at run time from LSTMCell-layout weights by
+    Slice + Concat + Unsqueeze of constants (gate blocks reordered i, f, g, o -> i, o, f, c)."""
+    rng = np.random.default_rng(3)
+    h = hidden
+    w_ih = rng.standard_normal((4 * h, inp)).astype(np.float32) * 0.3
+    w_hh = rng.standard_normal((4 * h, h)).astype(np.float32) * 0.3
+    b = rng.standard_normal((8 * h,)).astype(np.float32) * 0.1
+    inits = [numpy_helper.from_array(w_ih, "w_ih"), numpy_helper.from_array(w_hh, "w_hh"),
+             numpy_helper.from_array(b, "b_all")]
+    nodes = []
+
+    def reorder(src, out, block):
+        parts = []
+        for k, (lo, hi) in enumerate([(0, 1), (3, 4), (1, 3)]):  # i, o, (f, g)
+            for nm, v in (("s", lo * block), ("e", hi * block)):
+                nodes.append(_const(f"{out}_{nm}{k}", np.array([v], np.int64)))
+            nodes.append(_const(f"{out}_ax{k}", np.array([0], np.int64)))
+            nodes.append(helper.make_node("Slice", [src, f"{out}_s{k}", f"{out}_e{k}", f"{out}_ax{k}"], [f"{out}_p{k}"]))
+            parts.append(f"{out}_p{k}")
+        nodes.append(helper.make_node("Concat", parts, [f"{out}_cat"], axis=0))
+        nodes.append(_const(f"{out}_u", np.array([0], np.int64)))
+        nodes.append(helper.make_node("Unsqueeze", [f"{out}_cat", f"{out}_u"], [out]))
+
+    reorder("w_ih", "W", h)
+    reorder("w_hh", "R", h)
+    reorder("b_all", "B", 2 * h)  # 8H values in blocks of 2H: the shape is what matters here
+    nodes.append(helper.make_node("LSTM", ["x", "W", "R", "B", "", "h0", "c0"], ["y", "yh", "yc"], hidden_size=h))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [3, 2, inp]),
+                                           helper.make_tensor_value_info("h0", F, [1, 2, h]),
+                                           helper.make_tensor_value_info("c0", F, [1, 2, h])],
+                              [helper.make_tensor_value_info(n, F, None) for n in ("y", "yh", "yc")], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    feeds = {"x": rng.standard_normal((3, 2, inp)).astype(np.float32),
+             "h0": rng.standard_normal((1, 2, h)).astype(np.float32),
+             "c0": rng.standard_normal((1, 2, h)).astype(np.float32)}
+    return model.SerializeToString(), feeds
+
+
+def test_folded_weights_are_packed_by_their_kernel():
+    import onnxruntime as ort
+
+    model, feeds = _sliced_lstm_model()
+    sess = onnxpack.InferenceSession(model)
+    (lstm,) = [s for s in sess.program.root.steps if s.node.op_type == "LSTM"]
+    assert lstm.packed == {1, 2, 3}  # W, R, B: folded, then packed (fed None at run)
+    assert not {"W", "R", "B"} & set(sess.program.root.constants)
+    want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+    for got, ref in zip(sess.run(None, feeds), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    # With packing off nothing is packed, and the result is the same.
+    opts = onnxpack.SessionOptions()
+    opts.add_session_config_entry("session.disable_prepacking", "1")
+    plain = onnxpack.InferenceSession(model, opts)
+    for got, ref in zip(plain.run(None, feeds), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_folded_matmul_weight_is_packed_and_integer_constants_are_not():
+    w = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    nodes = [_const("w_a", w[:, :2]), _const("w_b", w[:, 2:]),
+             helper.make_node("Concat", ["w_a", "w_b"], ["w"], axis=1),
+             helper.make_node("MatMul", ["x", "w"], ["m"]),
+             _const("shape", np.array([-1], np.int64)),
+             helper.make_node("Reshape", ["m", "shape"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [2, 3])],
+                              [helper.make_tensor_value_info("y", F, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    sess = onnxpack.InferenceSession(model)
+    steps = {s.node.op_type: s for s in sess.program.root.steps}
+    assert steps["MatMul"].packed == {1} and steps["Reshape"].packed == frozenset()
+    x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    (want,) = ReferenceEvaluator(onnx.load_from_string(model)).run(None, {"x": x})
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_folded_graph_output_is_copied_for_the_user():
+    nodes = [_const("c", np.zeros((2, 3), np.float32)), helper.make_node("Shape", ["c"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [1])],
+                              [helper.make_tensor_value_info("y", I64, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    sess = onnxpack.InferenceSession(model)
+    x = np.zeros(1, np.float32)
+    got = sess.run(None, {"x": x})[0]
+    got[...] = 7  # the user's array: writing it must not change what later runs return
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], [2, 3])

@@ -128,6 +128,10 @@ class Kernel:
     since: ClassVar[int] = 1
     call_mode: str = "plain"
     writes_into: ClassVar[bool] = False
+    # True when the single output is always ``input 0 .reshape(some shape)`` decided by input 0's
+    # shape and the other (constant) inputs: Reshape, Squeeze, Unsqueeze, Flatten.  A plan
+    # specialized for fixed shapes (session/_specialize.py) then runs one guarded reshape.
+    reshapes_input: ClassVar[bool] = False
     # For kernels with several outputs that ``run_into`` can write in place when a caller binds
     # them (IOBinding): output position -> the input position that output may share memory with
     # (the same array bound as both), or -1 for none.  ``run_into`` then gets ``None`` for

@@ -66,6 +66,8 @@ def _reshape(x: np.ndarray, shape: list[int], allowzero: bool) -> np.ndarray:
 class Reshape1(Kernel):
     """Reshape-1: the target shape is the ``shape`` attribute."""
 
+    reshapes_input = True
+
     def __init__(self, node, ctx: KernelContext) -> None:
         super().__init__(node, ctx)
         self.shape = [int(d) for d in self.attr("shape", [])]
@@ -77,6 +79,8 @@ class Reshape1(Kernel):
 @register("Reshape", since=5)
 class Reshape5(Kernel):
     """Reshape from opset 5: the shape is an input; ``allowzero`` (opset 14) keeps 0 literal."""
+
+    reshapes_input = True
 
     def __init__(self, node, ctx: KernelContext) -> None:
         super().__init__(node, ctx)
@@ -99,6 +103,8 @@ class Transpose(Kernel):
 
 @register("Flatten", since=1)
 class Flatten(Kernel):
+    reshapes_input = True
+
     def __init__(self, node, ctx: KernelContext) -> None:
         super().__init__(node, ctx)
         self.axis = int(self.attr("axis", 1))
@@ -130,6 +136,8 @@ def _unsqueeze(x: np.ndarray, axes: list[int]) -> np.ndarray:
 
 @register("Squeeze", since=1)
 class Squeeze1(Kernel):
+    reshapes_input = True
+
     def __init__(self, node, ctx: KernelContext) -> None:
         super().__init__(node, ctx)
         axes = self.attr("axes")
@@ -141,12 +149,16 @@ class Squeeze1(Kernel):
 
 @register("Squeeze", since=13)
 class Squeeze13(Kernel):
+    reshapes_input = True
+
     def run(self, x, axes=None):  # type: ignore[override]
         return (_squeeze(x, _ints(axes)),)
 
 
 @register("Unsqueeze", since=1)
 class Unsqueeze1(Kernel):
+    reshapes_input = True
+
     def __init__(self, node, ctx: KernelContext) -> None:
         super().__init__(node, ctx)
         self.axes = [int(a) for a in self.attr("axes", [])]
@@ -157,6 +169,8 @@ class Unsqueeze1(Kernel):
 
 @register("Unsqueeze", since=13)
 class Unsqueeze13(Kernel):
+    reshapes_input = True
+
     def run(self, x, axes):  # type: ignore[override]
         return (_unsqueeze(x, _ints(axes)),)
 
