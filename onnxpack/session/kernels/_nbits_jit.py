@@ -288,6 +288,66 @@ _PAIR = [_lanes([c + 64 * h for c in range(32 * part, 32 * part + 32) for h in (
 _QUAD = [_lanes([2 * c + off for c in range(16 * q, 16 * q + 16) for off in (0, 1, 64, 65)]) for q in (0, 1)]
 
 
+def vpdpbusd(builder):
+    """The ``vpdpbusd`` intrinsic in ``builder``'s module: ``(acc, u, s)`` adds to each int32 lane
+    of ``acc`` the four products of ``u``'s unsigned bytes and ``s``'s signed bytes."""
+    mod = builder.module
+    return mod.globals.get("llvm.x86.avx512.vpdpbusd.512") or ir.Function(
+        mod, ir.FunctionType(_V16, [_V16, _V16, _V16]), "llvm.x86.avx512.vpdpbusd.512")
+
+
+def splat(builder, x):
+    """An int32 broadcast to 16 lanes."""
+    one = ir.VectorType(_I32, 1)
+    v = builder.insert_element(ir.Constant(one, None), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(one, None), _lanes([0] * 16))
+
+
+def accumulate(builder, ngroups, rows: int, vecs: int, step):
+    """Emit ``for g in range(ngroups)`` carrying ``rows`` x ``vecs`` int32 vector accumulators
+    from zero: ``step(g, accs) -> new accs`` emits one iteration.  Returns the accumulators after
+    the loop (zeros when ``ngroups <= 0``)."""
+    start = builder.block
+    loop = builder.append_basic_block("acc.loop")
+    done = builder.append_basic_block("acc.done")
+    zero = ir.Constant(_V16, None)
+    builder.cbranch(builder.icmp_signed(">", ngroups, ir.Constant(_I64, 0)), loop, done)
+    builder.position_at_end(loop)
+    g = builder.phi(_I64)
+    accs = [[builder.phi(_V16) for _ in range(vecs)] for _ in range(rows)]
+    g.add_incoming(ir.Constant(_I64, 0), start)
+    for acc in (a for row in accs for a in row):
+        acc.add_incoming(zero, start)
+    new = step(g, accs)
+    g_next = builder.add(g, ir.Constant(_I64, 1))
+    end = builder.block
+    g.add_incoming(g_next, end)
+    for acc_row, new_row in zip(accs, new):
+        for acc, v in zip(acc_row, new_row):
+            acc.add_incoming(v, end)
+    builder.cbranch(builder.icmp_signed("<", g_next, ngroups), loop, done)
+    builder.position_at_end(done)
+    results = [[builder.phi(_V16) for _ in row] for row in new]
+    for res_row, new_row in zip(results, new):
+        for res, v in zip(res_row, new_row):
+            res.add_incoming(zero, start)
+            res.add_incoming(v, end)
+    return results
+
+
+def store_rows(builder, outs, results) -> None:
+    """Each row's accumulators to 16 consecutive int32 each at its pointer in ``outs``."""
+    for out, res_row in zip(outs, results):
+        for i, res in enumerate(res_row):
+            builder.store(res, builder.bitcast(builder.gep(out, [ir.Constant(_I64, 16 * i)]), _V16.as_pointer()),
+                          align=4)
+
+
+def array_data(context, builder, ty, val, elt):
+    """The data pointer of a numba array value as ``elt*``."""
+    return builder.bitcast(context.make_array(ty)(context, builder, val).data, elt.as_pointer())
+
+
 def _dot_codegen(nibbles: bool, halves: int, rows: int):
     """Code of the ``_dot*`` intrinsics: ``halves`` runs of 64 columns side by side (128 columns
     read 4 rows of 128 contiguous bytes per group: one sequential stream) for ``rows`` rows of A
@@ -296,79 +356,47 @@ def _dot_codegen(nibbles: bool, halves: int, rows: int):
     def codegen(context, builder, sig, args):
         isum, ioff, istride, bq, boff, stride, aq, aoff, astride, ngroups = args
 
-        def data(ty, val, elt):
-            return builder.bitcast(context.make_array(ty)(context, builder, val).data, elt.as_pointer())
-
         def const(v):
             return ir.Constant(_I64, v)
 
-        outs = [builder.gep(data(sig.args[0], isum, _I32), [builder.add(ioff, builder.mul(const(r), istride))])
-                for r in range(rows)]
-        wp = builder.gep(data(sig.args[3], bq, _I8), [boff])
-        aps = [builder.bitcast(builder.gep(data(sig.args[6], aq, _I8), [builder.add(aoff, builder.mul(const(r), astride))]),
-                               _I32.as_pointer()) for r in range(rows)]
-        mod = builder.module
-        dp = mod.globals.get("llvm.x86.avx512.vpdpbusd.512") or ir.Function(
-            mod, ir.FunctionType(_V16, [_V16, _V16, _V16]), "llvm.x86.avx512.vpdpbusd.512")
-        one = ir.VectorType(_I32, 1)
+        outs = [builder.gep(array_data(context, builder, sig.args[0], isum, _I32),
+                            [builder.add(ioff, builder.mul(const(r), istride))]) for r in range(rows)]
+        wp = builder.gep(array_data(context, builder, sig.args[3], bq, _I8), [boff])
+        aps = [builder.bitcast(builder.gep(array_data(context, builder, sig.args[6], aq, _I8),
+                                           [builder.add(aoff, builder.mul(const(r), astride))]), _I32.as_pointer())
+               for r in range(rows)]
+        dp = vpdpbusd(builder)
 
-        def splat(x):
-            v = builder.insert_element(ir.Constant(one, None), x, ir.Constant(_I32, 0))
-            return builder.shuffle_vector(v, ir.Constant(one, None), _lanes([0] * 16))
-
-        start = builder.block
-        loop = builder.append_basic_block("dot.loop")
-        done = builder.append_basic_block("dot.done")
-        zero = ir.Constant(_V16, None)
-        builder.cbranch(builder.icmp_signed(">", ngroups, const(0)), loop, done)
-        builder.position_at_end(loop)
-        g = builder.phi(_I64)
-        accs = [[builder.phi(_V16) for _ in range(4 * halves)] for _ in range(rows)]
-        g.add_incoming(const(0), start)
-        for acc in (a for row in accs for a in row):
-            acc.add_incoming(zero, start)
-        row0 = builder.mul(builder.mul(g, const(4)), stride)
-        quads = []
-        for h in range(halves):
-            loads = [builder.load(builder.bitcast(builder.gep(wp, [builder.add(builder.add(row0, builder.mul(const(i), stride)),
-                                                                                const(64 * h))]), _V64.as_pointer()), align=1)
-                     for i in range(4)]
-            pairs01 = [builder.shuffle_vector(loads[0], loads[1], m) for m in _PAIR]
-            pairs23 = [builder.shuffle_vector(loads[2], loads[3], m) for m in _PAIR]
-            quads += [builder.shuffle_vector(pairs01[p], pairs23[p], m) for p in (0, 1) for m in _QUAD]
-        if nibbles:
-            # Lane bytes hold elements (2j, 2j+1), ..., (2j+6, 2j+7): low nibbles meet the block's
-            # 4 even activations, high nibbles its 4 odd ones.
-            low = ir.Constant(_V64, [ir.Constant(_I8, 15)] * 64)
-            four = ir.Constant(_V64, [ir.Constant(_I8, 4)] * 64)
-            parts = [(builder.bitcast(builder.and_(v, low), _V16), builder.bitcast(builder.lshr(v, four), _V16))
-                     for v in quads]
-        new = []
-        for r in range(rows):
+        def step(g, accs):
+            row0 = builder.mul(builder.mul(g, const(4)), stride)
+            quads = []
+            for h in range(halves):
+                loads = [builder.load(builder.bitcast(builder.gep(wp, [builder.add(builder.add(row0, builder.mul(const(i), stride)),
+                                                                                    const(64 * h))]), _V64.as_pointer()),
+                                      align=1) for i in range(4)]
+                pairs01 = [builder.shuffle_vector(loads[0], loads[1], m) for m in _PAIR]
+                pairs23 = [builder.shuffle_vector(loads[2], loads[3], m) for m in _PAIR]
+                quads += [builder.shuffle_vector(pairs01[p], pairs23[p], m) for p in (0, 1) for m in _QUAD]
             if nibbles:
-                even = splat(builder.load(builder.gep(aps[r], [builder.mul(g, const(2))])))
-                odd = splat(builder.load(builder.gep(aps[r], [builder.add(builder.mul(g, const(2)), const(1))])))
-                new.append([builder.call(dp, [builder.call(dp, [acc, lo, even]), hi, odd])
-                            for acc, (lo, hi) in zip(accs[r], parts)])
-            else:
-                quad = splat(builder.load(builder.gep(aps[r], [g])))
-                new.append([builder.call(dp, [acc, builder.bitcast(v, _V16), quad]) for acc, v in zip(accs[r], quads)])
-        g_next = builder.add(g, const(1))
-        end = builder.block
-        g.add_incoming(g_next, end)
-        for acc_row, new_row in zip(accs, new):
-            for acc, v in zip(acc_row, new_row):
-                acc.add_incoming(v, end)
-        builder.cbranch(builder.icmp_signed("<", g_next, ngroups), loop, done)
-        builder.position_at_end(done)
-        results = [[builder.phi(_V16) for _ in row] for row in new]
-        for res_row, new_row in zip(results, new):
-            for res, v in zip(res_row, new_row):
-                res.add_incoming(zero, start)
-                res.add_incoming(v, end)
-        for out, res_row in zip(outs, results):
-            for i, res in enumerate(res_row):
-                builder.store(res, builder.bitcast(builder.gep(out, [const(16 * i)]), _V16.as_pointer()), align=4)
+                # Lane bytes hold elements (2j, 2j+1), ..., (2j+6, 2j+7): low nibbles meet the
+                # block's 4 even activations, high nibbles its 4 odd ones.
+                low = ir.Constant(_V64, [ir.Constant(_I8, 15)] * 64)
+                four = ir.Constant(_V64, [ir.Constant(_I8, 4)] * 64)
+                parts = [(builder.bitcast(builder.and_(v, low), _V16), builder.bitcast(builder.lshr(v, four), _V16))
+                         for v in quads]
+            new = []
+            for r in range(rows):
+                if nibbles:
+                    even = splat(builder, builder.load(builder.gep(aps[r], [builder.mul(g, const(2))])))
+                    odd = splat(builder, builder.load(builder.gep(aps[r], [builder.add(builder.mul(g, const(2)), const(1))])))
+                    new.append([builder.call(dp, [builder.call(dp, [acc, lo, even]), hi, odd])
+                                for acc, (lo, hi) in zip(accs[r], parts)])
+                else:
+                    quad = splat(builder, builder.load(builder.gep(aps[r], [g])))
+                    new.append([builder.call(dp, [acc, builder.bitcast(v, _V16), quad]) for acc, v in zip(accs[r], quads)])
+            return new
+
+        store_rows(builder, outs, accumulate(builder, ngroups, rows, 4 * halves, step))
         return context.get_dummy_value()
 
     return codegen

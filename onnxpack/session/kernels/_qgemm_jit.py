@@ -21,7 +21,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from onnxpack.session.kernels._nbits_jit import _I8, _I32, _I64, _V16, _compiled, _lanes, int8_dot_supported
+from onnxpack.session.kernels._nbits_jit import (_I8, _I32, _I64, _V16, _compiled, accumulate, array_data,
+                                                 int8_dot_supported, splat, store_rows, vpdpbusd)
 
 __all__ = ["qgemm", "qgemm_serial", "int8_dot", "TILE"]
 
@@ -36,63 +37,30 @@ def _qdot_codegen(vecs: int, rows: int):
     def codegen(context, builder, sig, args):
         out, ooff, ostride, w, woff, wstride, a, aoff, astride, ngroups = args
 
-        def data(ty, val, elt):
-            return builder.bitcast(context.make_array(ty)(context, builder, val).data, elt.as_pointer())
-
         def const(v):
             return ir.Constant(_I64, v)
 
-        outs = [builder.gep(data(sig.args[0], out, _I32), [builder.add(ooff, builder.mul(const(r), ostride))])
-                for r in range(rows)]
-        wp = builder.gep(data(sig.args[3], w, _I8), [woff])
-        aps = [builder.gep(data(sig.args[6], a, _I8), [builder.add(aoff, builder.mul(const(r), astride))])
+        outs = [builder.gep(array_data(context, builder, sig.args[0], out, _I32),
+                            [builder.add(ooff, builder.mul(const(r), ostride))]) for r in range(rows)]
+        wp = builder.gep(array_data(context, builder, sig.args[3], w, _I8), [woff])
+        aps = [builder.gep(array_data(context, builder, sig.args[6], a, _I8), [builder.add(aoff, builder.mul(const(r), astride))])
                for r in range(rows)]
-        mod = builder.module
-        dp = mod.globals.get("llvm.x86.avx512.vpdpbusd.512") or ir.Function(
-            mod, ir.FunctionType(_V16, [_V16, _V16, _V16]), "llvm.x86.avx512.vpdpbusd.512")
-        one = ir.VectorType(_I32, 1)
+        dp = vpdpbusd(builder)
 
-        def splat(x):
-            v = builder.insert_element(ir.Constant(one, None), x, ir.Constant(_I32, 0))
-            return builder.shuffle_vector(v, ir.Constant(one, None), _lanes([0] * 16))
+        def step(g, accs):
+            row0 = builder.mul(g, wstride)
+            wv = [builder.load(builder.bitcast(builder.gep(wp, [builder.add(row0, const(64 * h))]), _V16.as_pointer()),
+                               align=1) for h in range(vecs)]
+            new = []
+            for r in range(rows):
+                quad = builder.load(builder.bitcast(builder.gep(aps[r], [builder.mul(g, const(4))]), _I32.as_pointer()),
+                                    align=1)
+                ab = splat(builder, quad)
+                # vpdpbusd: the first factor's bytes are unsigned (A), the second's signed (lanes).
+                new.append([builder.call(dp, [acc, ab, v]) for acc, v in zip(accs[r], wv)])
+            return new
 
-        start = builder.block
-        loop = builder.append_basic_block("qdot.loop")
-        done = builder.append_basic_block("qdot.done")
-        zero = ir.Constant(_V16, None)
-        builder.cbranch(builder.icmp_signed(">", ngroups, const(0)), loop, done)
-        builder.position_at_end(loop)
-        g = builder.phi(_I64)
-        accs = [[builder.phi(_V16) for _ in range(vecs)] for _ in range(rows)]
-        g.add_incoming(const(0), start)
-        for acc in (x for row in accs for x in row):
-            acc.add_incoming(zero, start)
-        row0 = builder.mul(g, wstride)
-        wv = [builder.load(builder.bitcast(builder.gep(wp, [builder.add(row0, const(64 * h))]), _V16.as_pointer()),
-                           align=1) for h in range(vecs)]
-        new = []
-        for r in range(rows):
-            quad = builder.load(builder.bitcast(builder.gep(aps[r], [builder.mul(g, const(4))]), _I32.as_pointer()),
-                                align=1)
-            ab = splat(quad)
-            # vpdpbusd: the first factor's bytes are unsigned (A), the second's signed (the lanes).
-            new.append([builder.call(dp, [acc, ab, v]) for acc, v in zip(accs[r], wv)])
-        g_next = builder.add(g, const(1))
-        end = builder.block
-        g.add_incoming(g_next, end)
-        for acc_row, new_row in zip(accs, new):
-            for acc, v in zip(acc_row, new_row):
-                acc.add_incoming(v, end)
-        builder.cbranch(builder.icmp_signed("<", g_next, ngroups), loop, done)
-        builder.position_at_end(done)
-        results = [[builder.phi(_V16) for _ in row] for row in new]
-        for res_row, new_row in zip(results, new):
-            for res, v in zip(res_row, new_row):
-                res.add_incoming(zero, start)
-                res.add_incoming(v, end)
-        for o, res_row in zip(outs, results):
-            for h, res in enumerate(res_row):
-                builder.store(res, builder.bitcast(builder.gep(o, [const(16 * h)]), _V16.as_pointer()), align=4)
+        store_rows(builder, outs, accumulate(builder, ngroups, rows, vecs, step))
         return context.get_dummy_value()
 
     return codegen
