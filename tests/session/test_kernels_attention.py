@@ -340,6 +340,12 @@ def test_gqa_prompt_then_decode_steps(case, dtype, batch, jit_path, monkeypatch)
     for the prompt); "shared": past is a max-length buffer (12 rows) that present keeps.  Batch 1
     float32 decode steps take the JIT kernel (``_attn_jit.gqa_decode``) unless numpy is asked for:
     checked, so a silent fall back to numpy fails the test."""
+    took = _gqa_loop_vs_onnxruntime(case, dtype, batch, monkeypatch)
+    assert any(took) == (jit_path != "numpy" and batch == 1 and dtype == np.float32), took
+
+
+def _gqa_loop_vs_onnxruntime(case, dtype, batch, monkeypatch) -> list[bool]:
+    """test_gqa_prompt_then_decode_steps's loop; returns, per decode call, whether the JIT took it."""
     took = []
     decode_jit = GroupQueryAttention._decode_jit
 
@@ -396,7 +402,30 @@ def test_gqa_prompt_then_decode_steps(case, dtype, batch, jit_path, monkeypatch)
         for got, ref, what in ((k, k_ort, "present_key"), (v, v_ort, "present_value")):
             np.testing.assert_allclose(got[:, :, :total].astype(np.float64), ref[:, :, :total].astype(np.float64), **t,
                                        err_msg=f"{what} {step}")
-    assert any(took) == (jit_path != "numpy" and batch == 1 and dtype == np.float32), took
+    return took
+
+
+@pytest.mark.parametrize("case", [GQA_LOOP[2], GQA_LOOP[5], GQA_LOOP[7]], ids=[GQA_LOOP[i][0] for i in (2, 5, 7)])
+@pytest.mark.parametrize("jit_path", ["native"], indirect=True)
+def test_gqa_decode_steps_split_over_kv_heads(case, jit_path, monkeypatch):
+    """The native decoding step with its KV heads shared out over an OpenMP team of 2 (taken from
+    a few hundred keys on; here from the first, and past the one-thread key limit) equals
+    onnxruntime, rotary, window and softcap included."""
+    from onnxpack.session.kernels import _jit_native, _native, attention
+
+    monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
+    monkeypatch.setattr(_jit_native._Kernels, "GQA_SPLIT_KEYS", 1)
+    monkeypatch.setattr(attention, "_JIT_MAX_KEYS", 2)  # past it only the split serves
+    entries = []
+    parallel = _native.Native.parallel
+
+    def spy(self, name, block, threads):
+        entries.append(name)
+        return parallel(self, name, block, threads)
+
+    monkeypatch.setattr(_native.Native, "parallel", spy)
+    took = _gqa_loop_vs_onnxruntime(case, np.float32, 1, monkeypatch)
+    assert all(took) and "gqa_f32_omp" in entries, (took, entries)
 
 
 GQA_PROMPT = [

@@ -157,9 +157,10 @@ def gqa_decode(q, k, v, pk, pv, pos, lo, cos, sin, half, interleaved, scale, sof
 
 
 def native_entries() -> dict:
-    """name -> numba cfunc of this module's native entry ``gqa_f32``: :func:`gqa_decode` over an
+    """name -> numba cfunc of this module's native entries: ``gqa_f32``, :func:`gqa_decode` over an
     argument block laid out as ``_jit_native.Q_*`` names it (float32 arrays; scale and softcap as
-    float64)."""
+    float64), and ``gqa_f32_omp``, its KV heads shared out over a GNU OpenMP team (per-thread
+    scratch rows in ``Q_QR`` / ``Q_SCORES``, each thread's dynamic-loop slots after the block)."""
     from numba import carray, cfunc
 
     from onnxpack.session.kernels import _jit_native as L
@@ -183,4 +184,50 @@ def native_entries() -> dict:
         gqa_decode(q, k, v, pk, pv, pos, lo, cos, sin, half, b[L.Q_INTERLEAVED] != 0, np.float32(bf[L.Q_SCALE]),
                    np.float32(bf[L.Q_SOFTCAP]), out, qr, scores)
 
-    return {"gqa_f32": cfunc(types.void(types.voidptr), nopython=True, error_model="numpy", fastmath=_FM)(gqa_f32)}
+    import llvmlite.binding as llvm
+
+    from onnxpack.session.kernels._conv_jit import address
+    from onnxpack.session.kernels._native import gomp_library
+
+    llvm.load_library_permanently(gomp_library())
+    i64 = types.int64
+    loop_start = types.ExternalFunction("GOMP_loop_nonmonotonic_dynamic_start", types.uint8(i64, i64, i64, i64, i64, i64))
+    loop_next = types.ExternalFunction("GOMP_loop_nonmonotonic_dynamic_next", types.uint8(i64, i64))
+    loop_end = types.ExternalFunction("GOMP_loop_end_nowait", types.void())
+    thread_num = types.ExternalFunction("omp_get_thread_num", types.int32())
+
+    def gqa_f32_omp(blk):
+        # The KV heads shared out by a dynamic loop (a descheduled thread's heads go to the
+        # others); Q_QR / Q_SCORES hold one scratch row per thread, then each thread's loop slots.
+        b = carray(blk, (L.Q_SLOTS,), np.int64)
+        bf = carray(blk, (L.Q_SLOTS,), np.float64)
+        n, nkv, h, cap, half = b[L.Q_N], b[L.Q_NKV], b[L.Q_H], b[L.Q_CAP], b[L.Q_HALF]
+        pos, lo, width = b[L.Q_POS], b[L.Q_LO], b[L.Q_SCORES_LEN]
+        group = n // nkv
+        tid = np.int64(thread_num())
+        q = carray(as_ptr(b[L.Q_Q], F32), (n, h))
+        k = carray(as_ptr(b[L.Q_K], F32), (nkv, h))
+        v = carray(as_ptr(b[L.Q_V], F32), (nkv, h))
+        pk = carray(as_ptr(b[L.Q_PK], F32), (nkv, cap, h))
+        pv = carray(as_ptr(b[L.Q_PV], F32), (nkv, cap, h))
+        cos = carray(as_ptr(b[L.Q_COS], F32), (half,))
+        sin = carray(as_ptr(b[L.Q_SIN], F32), (half,))
+        out = carray(as_ptr(b[L.Q_OUT], F32), (n, h))
+        qr = carray(as_ptr(b[L.Q_QR] + 4 * tid * h, F32), (h,))
+        scores = carray(as_ptr(b[L.Q_SCORES] + 4 * tid * width, F32), (width,))
+        slot = address(blk) + 8 * (L.Q_SLOTS + 2 * tid)
+        bounds = carray(blk, (L.Q_SLOTS + 2 * tid + 2,), np.int64)[L.Q_SLOTS + 2 * tid:]
+        if loop_start(0, nkv, 1, 1, slot, slot + 8):
+            while True:
+                for hk in range(bounds[0], bounds[1]):
+                    gqa_decode(q[hk * group:(hk + 1) * group], k[hk:hk + 1], v[hk:hk + 1], pk[hk:hk + 1],
+                               pv[hk:hk + 1], pos, lo, cos, sin, half, b[L.Q_INTERLEAVED] != 0,
+                               np.float32(bf[L.Q_SCALE]), np.float32(bf[L.Q_SOFTCAP]),
+                               out[hk * group:(hk + 1) * group], qr, scores)
+                if not loop_next(slot, slot + 8):
+                    break
+        loop_end()
+
+    sig = types.void(types.voidptr)
+    return {"gqa_f32": cfunc(sig, nopython=True, error_model="numpy", fastmath=_FM)(gqa_f32),
+            "gqa_f32_omp": cfunc(sig, nopython=True, error_model="numpy", fastmath=_FM)(gqa_f32_omp)}

@@ -254,15 +254,35 @@ class _Kernels:
         self._lib.call("rms_f32", address)
 
 
+    # Keys from which a decoding step shares its KV heads out over the OpenMP team: measured (2
+    # threads, 14 heads over 2 KV heads of 64) the split pays from a few hundred keys; below, a
+    # fork-join costs more than half the step.
+    GQA_SPLIT_KEYS = 384
+
+    def gqa_splits(self, nkv: int, keys: int) -> bool:
+        """Whether :meth:`gqa_decode` shares the KV heads out (then it is the fastest path at any
+        number of keys: the numpy path's batched BLAS is not faster)."""
+        return nkv > 1 and keys >= self.GQA_SPLIT_KEYS and _act.threads() > 1 and "gqa_f32_omp" in self._lib.addresses
+
     def gqa_decode(self, q, k, v, pk, pv, pos, lo, cos, sin, half, interleaved, scale, softcap, out, qr,
                    scores) -> None:
         """``_attn_jit.gqa_decode`` on C-contiguous float32 arrays of the shapes it documents."""
         nkv, cap, h = pk.shape
         buf, address = _block()
+        count = int(pos) + 1 - int(lo)
+        threads = min(_act.threads(), nkv, _SLOTS)
+        split = self.gqa_splits(nkv, count)
+        if split:
+            qr = _scratch("gqa_qr", threads * h, np.float32)
+            scores = _scratch("gqa_scores", threads * count, np.float32)
         _Q_PACK.pack_into(buf, 0, q.shape[0], nkv, h, cap, int(half), int(pos), int(lo), _addr(q), _addr(k),
                           _addr(v), _addr(pk), _addr(pv), _addr(cos), _addr(sin), _addr(out), _addr(qr),
-                          _addr(scores), scores.shape[0], int(bool(interleaved)), float(scale), float(softcap))
-        self._lib.call("gqa_f32", address)
+                          _addr(scores), count if split else scores.shape[0], int(bool(interleaved)), float(scale),
+                          float(softcap))
+        if split:
+            self._lib.parallel("gqa_f32_omp", address, threads)
+        else:
+            self._lib.call("gqa_f32", address)
 
 
 def load() -> _Kernels | None:

@@ -841,15 +841,16 @@ class GroupQueryAttention(Kernel):
                     cos_cache, sin_cache, present) -> tuple | None:
         """One float32 token of one sequence by the JIT kernel (``_attn_jit.gqa_decode``: rotary,
         the cache row, the attention in one call), or None when no JIT is available or the token
-        sees more than ``_JIT_MAX_KEYS`` keys (then the numpy path below computes the same).
+        sees more than ``_JIT_MAX_KEYS`` keys and the kernel does not share its KV heads out over
+        threads (then the numpy path below computes the same).
         ``q``/``k``/``v`` are (1, 1, heads, H); the new token sits at cache row ``past[0]``; past
         rows are copied into a present buffer that is not the past buffer itself."""
         p0 = int(past[0])
         lo = max(0, p0 + 1 - self.window) if self.window > 0 else 0
-        if p0 + 1 - lo > _JIT_MAX_KEYS:
-            return None
         kern = _act.attn_kernels()
         if kern is None:
+            return None
+        if p0 + 1 - lo > _JIT_MAX_KEYS and not (hasattr(kern, "gqa_splits") and kern.gqa_splits(self.kv_heads, p0 + 1 - lo)):
             return None
         n, nkv = self.heads, self.kv_heads
         h = q.shape[-1]
