@@ -42,7 +42,7 @@ byte per weight, 4 consecutive k of a column side by side, plus the column sums.
 runs on a CPU with AVX-512 VNNI, :func:`lanes_matmul` multiplies uint8 activations by them with
 ``vpdpbusd`` (:mod:`._qgemm_jit`) in exact int32 and applies the zero points and the
 signed/unsigned shifts with row and column sums: 128x768 @ 768x3072 with zero points, one thread,
-1.6 ms (8.0 ms for the exact sgemm; onnxruntime 2.0 ms).  Elsewhere the lanes are unpacked to
+1.6-1.7 ms (8.0 ms for the exact sgemm; onnxruntime 1.55 ms side by side).  Elsewhere the lanes are unpacked to
 float32 per call for the exact sgemm (not kept: that would be a private 4x copy per process).
 
 Pre-packing: the zero point is *not* folded in: the pre-packing contract keys a pack by its own
