@@ -148,6 +148,15 @@ if jit.int8_dot:  # the int8-activation GEMV (accuracy_level 4), serial and para
         getattr(jit, name)(a, quant.to_tiles(b), quant.to_tiles(s.reshape(n, nb, 1)), quant._NO_ZERO_POINTS, 0,
                            np.float32(8), y, n, nb, 16, quant.TILE, 2)
         assert (np.abs(y - a @ w) <= bound * 1.01 + 1e-4).all(), name
+from onnxpack.session.kernels import qinteger  # the integer MatMuls' int8 GEMM, serial and parallel
+if jit.int8_dot:
+    assert qinteger._qjit() is jit, "the native int8 GEMM was not taken"
+    for m, k, n in ((3, 70, 150), (64, 256, 300)):
+        a = rng.integers(0, 256, (m, k)).astype(np.uint8)
+        b = rng.integers(-128, 128, (k, n)).astype(np.int8)
+        lanes, colsum = qinteger.to_lanes(b)
+        got = qinteger.lanes_matmul(a, np.uint8(5), lanes, colsum, k, n, False, np.int8(-3))
+        assert np.array_equal(got, (a.astype(np.int64) - 5) @ (b.astype(np.int64) + 3)), (m, k, n)
 print(float(ulp.max()), "numba" in sys.modules)
 """
 

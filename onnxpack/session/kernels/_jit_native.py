@@ -53,6 +53,11 @@ _RMS_PACK = struct.Struct("<12qd")
  Q_SCORES_LEN, Q_INTERLEAVED, Q_SCALE, Q_SOFTCAP) = range(21)
 Q_SLOTS = 21
 _Q_PACK = struct.Struct("<19q2d")
+# The integer MatMuls' int8 GEMM (``_qgemm_jit.native_entries``): A (uint8 (M, KP)), the lanes
+# (int8, their length), out (int32 (M, N)), groups of 4 k; then two loop slots per thread.
+(QG_A, QG_M, QG_KP, QG_W, QG_WLEN, QG_OUT, QG_N, QG_GROUPS) = range(8)
+QG_SLOTS = 8
+_QG_PACK = struct.Struct("<8q")
 
 _SCALES = {np.dtype(np.float32): "f32", np.dtype(np.uint16): "u16"}
 _local = threading.local()
@@ -61,7 +66,8 @@ _EMPTY_U8 = np.zeros(1, np.uint8)
 
 def _sources() -> list[str]:
     here = os.path.dirname(os.path.abspath(__file__))
-    return [os.path.join(here, f"{name}.py") for name in ("_nbits_jit", "_conv_jit", "_attn_jit", "_erf", "_jit_native")]
+    return [os.path.join(here, f"{name}.py")
+            for name in ("_nbits_jit", "_conv_jit", "_attn_jit", "_qgemm_jit", "_erf", "_jit_native")]
 
 
 # The GEMV block's header as packed by struct (slot G_ZMID is a float64); the dequantization's.
@@ -232,6 +238,27 @@ class _Kernels:
     def dequant8(self, *args):
         self._dequant(8, *args)
 
+    def has_qgemm(self) -> bool:
+        """Whether the cache has the integer MatMuls' int8 GEMM (built on a CPU with VNNI)."""
+        return "qgemm" in self._lib.addresses
+
+    def _qgemm(self, a, w, out, n, groups, threads) -> None:
+        """``_qgemm_jit.qgemm``: ``a`` uint8 (M, 4*groups), ``w`` int8 lanes, ``out`` int32 (M, N),
+        all C-contiguous."""
+        buf, address = _block()
+        _QG_PACK.pack_into(buf, 0, _addr(a), a.shape[0], a.shape[1], _addr(w), w.size, _addr(out), n, groups)
+        threads = min(max(1, int(threads)), _SLOTS)
+        if threads > 1:
+            self._lib.parallel("qgemm_omp", address, threads)
+        else:
+            self._lib.call("qgemm", address)
+
+    def qgemm(self, *args) -> None:
+        self._qgemm(*args)
+
+    def qgemm_serial(self, a, w, out, n, groups, threads) -> None:
+        self._qgemm(a, w, out, n, groups, 1)
+
     def act_inplace(self, flat: np.ndarray, codes: np.ndarray, params: np.ndarray) -> None:
         """``_conv_jit.act_inplace``: float32 ``flat`` (C-contiguous, 1-D), int64 ``codes``,
         float32 ``params`` (len(codes), 3)."""
@@ -294,12 +321,13 @@ def load() -> _Kernels | None:
 def build() -> str | None:
     """Compile the native entries with numba and write the code cache; the file written or None."""
     expected = _native.path_for(MODULE, _sources())  # named before the sources are imported
-    from onnxpack.session.kernels import _attn_jit, _conv_jit, _nbits_jit
+    from onnxpack.session.kernels import _attn_jit, _conv_jit, _nbits_jit, _qgemm_jit
 
     if _nbits_jit.CHUNK != CHUNK:  # pragma: no cover - the two modules must agree
         raise RuntimeError(f"Bug: _nbits_jit.CHUNK {_nbits_jit.CHUNK} != {CHUNK}")
     return _native.save(MODULE, _sources(), {**_nbits_jit.native_entries(), **_conv_jit.native_entries(),
-                                                   **_attn_jit.native_entries()}, expected)
+                                                   **_attn_jit.native_entries(), **_qgemm_jit.native_entries()},
+                        expected)
 
 
 

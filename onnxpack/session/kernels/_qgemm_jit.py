@@ -24,7 +24,7 @@ from numba.extending import intrinsic
 from onnxpack.session.kernels._nbits_jit import (_I8, _I32, _I64, _V16, _compiled, accumulate, array_data,
                                                  int8_dot_supported, splat, store_rows, vpdpbusd)
 
-__all__ = ["qgemm", "qgemm_serial", "int8_dot", "TILE"]
+__all__ = ["qgemm", "qgemm_serial", "int8_dot", "TILE", "native_entries"]
 
 TILE = 128
 
@@ -134,3 +134,55 @@ def _qgemm(a, w, out, n, groups, threads):
 qgemm = _compiled(_qgemm, "qgemm", True)
 qgemm_serial = _compiled(_qgemm, "qgemm_serial", False)
 int8_dot = int8_dot_supported()
+
+
+def native_entries() -> dict:
+    """name -> numba cfunc of the native entries (see :mod:`._jit_native`), on a CPU with VNNI
+    only: ``qgemm`` runs :func:`_tiles` over every tile, ``qgemm_omp`` is a GNU OpenMP worker
+    taking tiles from a dynamic loop; the argument block is ``_jit_native.QG_*`` (addresses and
+    sizes), then two loop slots per thread."""
+    if not int8_dot:
+        return {}
+    import llvmlite.binding as llvm
+    from numba import carray, cfunc
+
+    from onnxpack.session.kernels import _jit_native as L
+    from onnxpack.session.kernels._conv_jit import U8, address, as_ptr
+    from onnxpack.session.kernels._nbits_jit import _I8_MARK, _I32_MARK
+    from onnxpack.session.kernels._native import gomp_library
+
+    llvm.load_library_permanently(gomp_library())
+    i64 = types.int64
+    loop_start = types.ExternalFunction("GOMP_loop_nonmonotonic_dynamic_start", types.uint8(i64, i64, i64, i64, i64, i64))
+    loop_next = types.ExternalFunction("GOMP_loop_nonmonotonic_dynamic_next", types.uint8(i64, i64))
+    loop_end = types.ExternalFunction("GOMP_loop_end_nowait", types.void())
+    thread_num = types.ExternalFunction("omp_get_thread_num", types.int32())
+
+    @njit(inline="always")
+    def views(blk):
+        b = carray(blk, (L.QG_SLOTS,), np.int64)
+        m, kp, n = b[L.QG_M], b[L.QG_KP], b[L.QG_N]
+        a = carray(as_ptr(b[L.QG_A], U8), (m, kp))
+        w = carray(as_ptr(b[L.QG_W], _I8_MARK), (b[L.QG_WLEN],))
+        out = carray(as_ptr(b[L.QG_OUT], _I32_MARK), (m, n))
+        return a, w, out, n, b[L.QG_GROUPS]
+
+    def qgemm_entry(blk):
+        a, w, out, n, groups = views(blk)
+        _tiles(a, w, out, n, groups, 0, -(-n // TILE))
+
+    def qgemm_omp(blk):
+        a, w, out, n, groups = views(blk)
+        tid = np.int64(thread_num())
+        slot = address(blk) + 8 * (L.QG_SLOTS + 2 * tid)
+        bounds = carray(blk, (L.QG_SLOTS + 2 * tid + 2,), np.int64)[L.QG_SLOTS + 2 * tid:]
+        if loop_start(0, -(-n // TILE), 1, 1, slot, slot + 8):
+            while True:
+                _tiles(a, w, out, n, groups, bounds[0], bounds[1])
+                if not loop_next(slot, slot + 8):
+                    break
+        loop_end()
+
+    sig = types.void(types.voidptr)
+    return {"qgemm": cfunc(sig, nopython=True, error_model="numpy")(qgemm_entry),
+            "qgemm_omp": cfunc(sig, nopython=True, error_model="numpy")(qgemm_omp)}

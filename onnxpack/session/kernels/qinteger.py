@@ -337,7 +337,11 @@ def from_lanes(lanes: np.ndarray, k: int, n: int, unsigned: bool) -> np.ndarray:
 
 
 def _qjit():
-    """The int8 GEMM kernels (numba, AVX-512 VNNI) or None (see :mod:`._qgemm_jit`)."""
+    """The int8 GEMM kernels (AVX-512 VNNI) or None: from the native code cache when it has them
+    (no numba in the process), else numba's :mod:`._qgemm_jit`."""
+    native = _act.native()
+    if native is not None and native.has_qgemm():
+        return native
     module = _act.load_jit("_qgemm_jit", "MatMulInteger")
     return module if module is not None and module.int8_dot else None
 
