@@ -166,55 +166,40 @@ def native_entries() -> dict:
     from onnxpack.session.kernels import _jit_native as L
     from onnxpack.session.kernels._conv_jit import F32, as_ptr
 
+    @njit(inline="always")
+    def views(blk, tid):
+        """The block's arrays; ``tid`` picks a thread's scratch rows (the serial entry: 0)."""
+        b = carray(blk, (L.Q_SLOTS,), np.int64)
+        n, nkv, h, cap, half = b[L.Q_N], b[L.Q_NKV], b[L.Q_H], b[L.Q_CAP], b[L.Q_HALF]
+        width = b[L.Q_SCORES_LEN]
+        return (carray(as_ptr(b[L.Q_Q], F32), (n, h)), carray(as_ptr(b[L.Q_K], F32), (nkv, h)),
+                carray(as_ptr(b[L.Q_V], F32), (nkv, h)), carray(as_ptr(b[L.Q_PK], F32), (nkv, cap, h)),
+                carray(as_ptr(b[L.Q_PV], F32), (nkv, cap, h)), carray(as_ptr(b[L.Q_COS], F32), (half,)),
+                carray(as_ptr(b[L.Q_SIN], F32), (half,)), carray(as_ptr(b[L.Q_OUT], F32), (n, h)),
+                carray(as_ptr(b[L.Q_QR] + 4 * tid * h, F32), (h,)),
+                carray(as_ptr(b[L.Q_SCORES] + 4 * tid * width, F32), (width,)))
+
     def gqa_f32(blk):
         b = carray(blk, (L.Q_SLOTS,), np.int64)
         bf = carray(blk, (L.Q_SLOTS,), np.float64)
-        n, nkv, h, cap, half = b[L.Q_N], b[L.Q_NKV], b[L.Q_H], b[L.Q_CAP], b[L.Q_HALF]
-        pos, lo = b[L.Q_POS], b[L.Q_LO]
-        q = carray(as_ptr(b[L.Q_Q], F32), (n, h))
-        k = carray(as_ptr(b[L.Q_K], F32), (nkv, h))
-        v = carray(as_ptr(b[L.Q_V], F32), (nkv, h))
-        pk = carray(as_ptr(b[L.Q_PK], F32), (nkv, cap, h))
-        pv = carray(as_ptr(b[L.Q_PV], F32), (nkv, cap, h))
-        cos = carray(as_ptr(b[L.Q_COS], F32), (half,))
-        sin = carray(as_ptr(b[L.Q_SIN], F32), (half,))
-        out = carray(as_ptr(b[L.Q_OUT], F32), (n, h))
-        qr = carray(as_ptr(b[L.Q_QR], F32), (h,))
-        scores = carray(as_ptr(b[L.Q_SCORES], F32), (b[L.Q_SCORES_LEN],))
-        gqa_decode(q, k, v, pk, pv, pos, lo, cos, sin, half, b[L.Q_INTERLEAVED] != 0, np.float32(bf[L.Q_SCALE]),
-                   np.float32(bf[L.Q_SOFTCAP]), out, qr, scores)
-
-    import llvmlite.binding as llvm
+        q, k, v, pk, pv, cos, sin, out, qr, scores = views(blk, 0)
+        gqa_decode(q, k, v, pk, pv, b[L.Q_POS], b[L.Q_LO], cos, sin, b[L.Q_HALF], b[L.Q_INTERLEAVED] != 0,
+                   np.float32(bf[L.Q_SCALE]), np.float32(bf[L.Q_SOFTCAP]), out, qr, scores)
 
     from onnxpack.session.kernels._conv_jit import address
-    from onnxpack.session.kernels._native import gomp_library
+    from onnxpack.session.kernels._nbits_jit import gomp_functions
 
-    llvm.load_library_permanently(gomp_library())
-    i64 = types.int64
-    loop_start = types.ExternalFunction("GOMP_loop_nonmonotonic_dynamic_start", types.uint8(i64, i64, i64, i64, i64, i64))
-    loop_next = types.ExternalFunction("GOMP_loop_nonmonotonic_dynamic_next", types.uint8(i64, i64))
-    loop_end = types.ExternalFunction("GOMP_loop_end_nowait", types.void())
-    thread_num = types.ExternalFunction("omp_get_thread_num", types.int32())
+    loop_start, loop_next, loop_end, thread_num = gomp_functions()
 
     def gqa_f32_omp(blk):
         # The KV heads shared out by a dynamic loop (a descheduled thread's heads go to the
         # others); Q_QR / Q_SCORES hold one scratch row per thread, then each thread's loop slots.
         b = carray(blk, (L.Q_SLOTS,), np.int64)
         bf = carray(blk, (L.Q_SLOTS,), np.float64)
-        n, nkv, h, cap, half = b[L.Q_N], b[L.Q_NKV], b[L.Q_H], b[L.Q_CAP], b[L.Q_HALF]
-        pos, lo, width = b[L.Q_POS], b[L.Q_LO], b[L.Q_SCORES_LEN]
+        n, nkv, half, pos, lo = b[L.Q_N], b[L.Q_NKV], b[L.Q_HALF], b[L.Q_POS], b[L.Q_LO]
         group = n // nkv
         tid = np.int64(thread_num())
-        q = carray(as_ptr(b[L.Q_Q], F32), (n, h))
-        k = carray(as_ptr(b[L.Q_K], F32), (nkv, h))
-        v = carray(as_ptr(b[L.Q_V], F32), (nkv, h))
-        pk = carray(as_ptr(b[L.Q_PK], F32), (nkv, cap, h))
-        pv = carray(as_ptr(b[L.Q_PV], F32), (nkv, cap, h))
-        cos = carray(as_ptr(b[L.Q_COS], F32), (half,))
-        sin = carray(as_ptr(b[L.Q_SIN], F32), (half,))
-        out = carray(as_ptr(b[L.Q_OUT], F32), (n, h))
-        qr = carray(as_ptr(b[L.Q_QR] + 4 * tid * h, F32), (h,))
-        scores = carray(as_ptr(b[L.Q_SCORES] + 4 * tid * width, F32), (width,))
+        q, k, v, pk, pv, cos, sin, out, qr, scores = views(blk, tid)
         slot = address(blk) + 8 * (L.Q_SLOTS + 2 * tid)
         bounds = carray(blk, (L.Q_SLOTS + 2 * tid + 2,), np.int64)[L.Q_SLOTS + 2 * tid:]
         if loop_start(0, nkv, 1, 1, slot, slot + 8):

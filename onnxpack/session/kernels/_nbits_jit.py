@@ -664,6 +664,22 @@ def dequant8(bq, sc, zq, zmode, zmid, out, n, nb, blob, tile, t0, t1):
 # only when a process writes the native code cache.  They allocate nothing: the Python side
 # passes every scratch buffer, so the object code never calls numba's runtime.
 
+def gomp_functions():
+    """GNU OpenMP's dynamic-loop functions and ``omp_get_thread_num`` as numba external functions
+    (the native OpenMP workers of this module, ``_attn_jit`` and ``_qgemm_jit``), with the library
+    loaded so that numba's JIT resolves them: ``(loop_start, loop_next, loop_end, thread_num)``."""
+    import llvmlite.binding as llvm
+
+    from onnxpack.session.kernels._native import gomp_library
+
+    llvm.load_library_permanently(gomp_library())
+    i64 = types.int64
+    return (types.ExternalFunction("GOMP_loop_nonmonotonic_dynamic_start", types.uint8(i64, i64, i64, i64, i64, i64)),
+            types.ExternalFunction("GOMP_loop_nonmonotonic_dynamic_next", types.uint8(i64, i64)),
+            types.ExternalFunction("GOMP_loop_end_nowait", types.void()),
+            types.ExternalFunction("omp_get_thread_num", types.int32()))
+
+
 def native_entries() -> dict:
     """name -> numba cfunc of every native entry (compiles them: seconds, in the writing process).
 
@@ -677,21 +693,12 @@ def native_entries() -> dict:
     ``G_ADE`` is then int8 (M, n_blocks, block_size), ``G_ASUM`` float32 (2, M, n_blocks) and each
     thread's scratch an int32 then a float32 (M, CHUNK) half).
     """
-    import llvmlite.binding as llvm
     from numba import carray, cfunc
 
     from onnxpack.session.kernels import _jit_native as L
-    from onnxpack.session.kernels._native import gomp_library
     from onnxpack.session.kernels._conv_jit import F32, U8, U16, address, as_ptr
 
-    # The OpenMP workers call GNU OpenMP's loop functions: numba's JIT must resolve them.
-    llvm.load_library_permanently(gomp_library())
-
-    i64 = types.int64
-    loop_start = types.ExternalFunction("GOMP_loop_nonmonotonic_dynamic_start", types.uint8(i64, i64, i64, i64, i64, i64))
-    loop_next = types.ExternalFunction("GOMP_loop_nonmonotonic_dynamic_next", types.uint8(i64, i64))
-    loop_end = types.ExternalFunction("GOMP_loop_end_nowait", types.void())
-    thread_num = types.ExternalFunction("omp_get_thread_num", types.int32())
+    loop_start, loop_next, loop_end, thread_num = gomp_functions()
     sig = types.void(types.voidptr)
     out = {}
 

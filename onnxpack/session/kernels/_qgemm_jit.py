@@ -143,20 +143,13 @@ def native_entries() -> dict:
     sizes), then two loop slots per thread."""
     if not int8_dot:
         return {}
-    import llvmlite.binding as llvm
     from numba import carray, cfunc
 
     from onnxpack.session.kernels import _jit_native as L
     from onnxpack.session.kernels._conv_jit import U8, address, as_ptr
-    from onnxpack.session.kernels._nbits_jit import _I8_MARK, _I32_MARK
-    from onnxpack.session.kernels._native import gomp_library
+    from onnxpack.session.kernels._nbits_jit import _I8_MARK, _I32_MARK, gomp_functions
 
-    llvm.load_library_permanently(gomp_library())
-    i64 = types.int64
-    loop_start = types.ExternalFunction("GOMP_loop_nonmonotonic_dynamic_start", types.uint8(i64, i64, i64, i64, i64, i64))
-    loop_next = types.ExternalFunction("GOMP_loop_nonmonotonic_dynamic_next", types.uint8(i64, i64))
-    loop_end = types.ExternalFunction("GOMP_loop_end_nowait", types.void())
-    thread_num = types.ExternalFunction("omp_get_thread_num", types.int32())
+    loop_start, loop_next, loop_end, thread_num = gomp_functions()
 
     @njit(inline="always")
     def views(blk):
