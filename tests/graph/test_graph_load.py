@@ -281,3 +281,76 @@ def test_typed_field_tensors_read_as_numpy_helper_reads_them(elem_type, values, 
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_array_equal(got, want)
     assert not got.flags.writeable
+
+
+def _text_model() -> onnx.ModelProto:
+    """A model with text in every kind of place: value infos, a subgraph, a function, attributes,
+    external-data entries, metadata."""
+    then = helper.make_graph([helper.make_node("Identity", ["x"], ["t"], name="then_node")], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, ["batch"])])
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu", doc_string="doc"),
+             helper.make_node("If", ["c"], ["y"], name="if", then_branch=then, else_branch=then),
+             helper.make_node("Fn", ["r"], ["z"], domain="local", name="call")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch"]),
+                                       helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch"]),
+                           helper.make_tensor_value_info("z", TensorProto.FLOAT, ["batch"])],
+                          value_info=[helper.make_tensor_value_info("r", TensorProto.FLOAT, ["batch"])])
+    fn = onnx.FunctionProto(name="Fn", domain="local", input=["a"], output=["b"],
+                            node=[helper.make_node("Neg", ["a"], ["b"], name="neg")],
+                            opset_import=[helper.make_opsetid("", 17)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("local", 1)],
+                          functions=[fn], producer_name="prod")
+    helper.set_model_props(m, {"meta": "value"})
+    return m
+
+
+# Every place names one marker: replaced by invalid UTF-8 in the serialized bytes.
+_TEXT_PLACES = {
+    "node name": lambda m: setattr(m.graph.node[0], "name", "MARK"),
+    "node doc": lambda m: setattr(m.graph.node[0], "doc_string", "MARK"),
+    "value info": lambda m: setattr(m.graph.value_info[0], "name", "MARK"),
+    "dim param": lambda m: setattr(m.graph.value_info[0].type.tensor_type.shape.dim[0], "dim_param", "MARK"),
+    "subgraph node": lambda m: setattr(m.graph.node[1].attribute[0].g.node[0], "name", "MARK"),
+    "function node": lambda m: setattr(m.functions[0].node[0], "name", "MARK"),
+    "metadata value": lambda m: setattr(m.metadata_props[0], "value", "MARK"),
+    "producer": lambda m: setattr(m, "producer_name", "MARK"),
+    "attribute ref": lambda m: m.graph.node[0].attribute.add(name="alpha", ref_attr_name="MARK",
+                                                             type=onnx.AttributeProto.FLOAT),
+}
+
+
+@pytest.mark.parametrize("place", list(_TEXT_PLACES), ids=list(_TEXT_PLACES))
+@pytest.mark.parametrize("mirror", [True, False], ids=["mirror", "walk"])
+def test_invalid_utf8_in_any_text_field_is_a_model_load_error(place, mirror, monkeypatch):
+    # protobuf parses ONNX's proto2 strings without checking them; load_model asks a proto3 twin
+    # of the schema (checked in C), and walks the fields to name the bad one when it refuses, or
+    # when this protobuf has no usable twin.
+    from onnxpack.graph import _model
+
+    if not mirror:
+        monkeypatch.setattr(_model, "_mirror", [None])
+    m = _text_model()
+    good = m.SerializeToString()
+    assert _model._valid_utf8(good) is mirror
+    load_model(good)  # the intact model loads
+    _TEXT_PLACES[place](m)
+    data = m.SerializeToString()
+    assert data.count(b"MARK") == 1
+    bad = data.replace(b"MARK", b"MA\xc3(")  # a lead byte followed by ASCII: not UTF-8
+    assert not _model._valid_utf8(bad)
+    with pytest.raises(ModelLoadError, match="not valid UTF-8"):
+        load_model(bad)
+
+
+def test_the_utf8_twin_parses_what_onnx_parses():
+    # The twin only answers "every string is UTF-8": a valid model with non-ASCII text, unknown
+    # fields and an enum value this onnx does not know still passes it.
+    from onnxpack.graph import _model
+
+    m = _text_model()
+    m.graph.node[0].name = "relu-ü-€-😀"
+    m.graph.value_info[0].type.tensor_type.elem_type = 999  # not a TensorProto.DataType
+    data = m.SerializeToString() + b"\xf8\x07\x05"  # field 127, varint 5: unknown to the schema
+    assert _model._valid_utf8(data)
+    assert load_model(data).proto.graph.node[0].name == "relu-ü-€-😀"
