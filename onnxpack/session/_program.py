@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import _thread
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -237,9 +238,14 @@ class Program:
             guard()
 
     def start_warm_ups(self) -> None:
-        """Runs the kernels' warm-ups (``Kernel.warm_up``) in one background thread."""
+        """Runs the kernels' warm-ups (``Kernel.warm_up``) in one background (daemon) thread.
+
+        Started with ``_thread`` rather than ``threading.Thread``, whose ``start()`` waits until
+        the new thread has run: with the GIL, that wait let the warm-up (importing llvmlite,
+        loading native code) hold the interpreter for 1-3 ms of every session's creation.
+        """
         if self.warm_ups:
-            threading.Thread(target=_warm_up, args=(self.warm_ups,), name="onnxpack-warm-up", daemon=True).start()
+            _thread.start_new_thread(_warm_up, (self.warm_ups,))
 
 
 # Held while warm-ups run, and taken around fork(): a warm-up loads compiled code under the JIT's

@@ -100,7 +100,6 @@ class InferenceSession(ProviderAPI):
                               cache_path=cfg["onnxpack.prepacked_cache_path"] or "")
         self._program: Program = compile(self._model, compile_options(options, cfg), sources, self._container, holder)
         sources.flush_cache()
-        self._program.start_warm_ups()
         if options.optimized_model_filepath:
             save_program(self._model, self._program, os.fspath(options.optimized_model_filepath), cfg)
         self._runner = Runner(self._model, self._program, options, cfg, profiler)
@@ -111,6 +110,8 @@ class InferenceSession(ProviderAPI):
             profiler.event("Session", "session_initialization", t1, time.perf_counter_ns())
         self._log.log(1, "session created: %d nodes, %d run by onnx.reference, %d weights packed",
                       len(self._program.root.steps), len(self._program.fallback_nodes), len(self._program.pack_log))
+        # Last: the warm-up thread competes for the GIL with whatever creation still has to do.
+        self._program.start_warm_ups()
 
     # -- description ------------------------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
