@@ -58,6 +58,9 @@ _MAX_ARRAY_BYTES = 2**62
 
 def shape_fits(shape: tuple[int, ...], itemsize: int) -> bool:
     """Whether numpy can represent an array of ``shape`` (dims ≥ 0; zeros counted as 1)."""
+    n = math.prod(shape)
+    if n > 0 and (not shape or min(shape) > 0):  # the common case: every dim positive
+        return n * max(itemsize, 1) <= _MAX_ARRAY_BYTES
     return all(d >= 0 for d in shape) and math.prod(max(int(d), 1) for d in shape) * max(itemsize, 1) <= _MAX_ARRAY_BYTES
 
 
@@ -138,8 +141,8 @@ class Tensor:
         self.proto = proto
         self.name = proto.name
         self.elem_type = proto.data_type
-        self.dims = tuple(int(d) for d in proto.dims)
-        if any(d < 0 for d in self.dims):
+        self.dims = tuple(proto.dims)  # protobuf's int64 field: Python ints
+        if self.dims and min(self.dims) < 0:
             raise ModelLoadError(f"tensor {self.name!r}: negative dimension in {self.dims}")
         self.dtype = _np_dtype(self.elem_type, self.name)
         if not shape_fits(self.dims, self.dtype.itemsize):
