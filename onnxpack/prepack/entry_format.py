@@ -290,9 +290,12 @@ class PackRecord:
 
     def __post_init__(self) -> None:
         b = self.buffers
-        if (type(b) is tuple and 0 < len(b) <= MAX_BUFFERS_PER_PACK and type(self.key) is str
-                and _pack_key_match(self.key) and all(type(x) is BufferRecord for x in b)):
-            return  # every rule below holds (the common case: one expression)
+        if not (type(b) is tuple and 0 < len(b) <= MAX_BUFFERS_PER_PACK and _pack_key_match(self.key)
+                and all(type(x) is BufferRecord for x in b)):
+            self._explain()
+
+    def _explain(self) -> None:
+        """Raises the error naming the first rule the pack breaks (the one expression above said one does)."""
         split_pack_key(self.key)
         if type(self.buffers) is not tuple or not self.buffers:
             raise _fail(f"buffers of pack {self.key!r}", "a non-empty tuple", self.buffers)
@@ -345,8 +348,11 @@ class WeightRecord:
     packs: tuple[PackRecord, ...]
 
     def __post_init__(self) -> None:
-        if _weight_ok(self):
-            return  # every rule below holds (the common case: one expression)
+        if not _weight_ok(self):
+            self._explain()
+
+    def _explain(self) -> None:
+        """Raises the error naming the first rule the record breaks (``_weight_ok`` said one does)."""
         _check_name("scope path", self.scope, allow_empty=True)
         _check_name("weight name", self.name, allow_empty=False)
         _check_int("source length", self.source_length)

@@ -334,3 +334,75 @@ def test_buffer_view_and_helpers():
     assert ef.digest_bytes(arr) == hashlib.blake2b(arr.tobytes(), digest_size=16).hexdigest()
     assert ef.checksum(arr[:, ::2]) == f"{zlib.crc32(np.ascontiguousarray(arr[:, ::2]).tobytes()):08x}"
     assert ef.split_pack_key("matmul/3/" + "0f" * 8) == ("matmul", 3, "0f" * 8)
+
+
+# -- the one-expression accepts agree with the field-by-field checks ---------------------------------
+# Each record type accepts a valid record with one expression and runs its field-by-field checks
+# (``_explain``) only to name what is wrong: the expression must never accept what they refuse.
+
+_ints = st.one_of(st.integers(-2, 2**64), st.sampled_from([0, 64, 128, 2**62, 2**63 - 64, True, 1.0, "64", None]))
+_texts = st.one_of(tricky, st.sampled_from(["", "a\x00b", "é" * 5000, "x" * 5000, "../up", "/abs", "C:w", 7, None, b"w"]))
+_hex = st.one_of(hexd, st.sampled_from(["", "0" * 15, "0" * 17, "A" * 16, "0" * 130, "0" * 128, "0g" * 8, 16, None]))
+
+
+def _raw(cls, **fields):
+    """An instance whose fields are set without running ``__post_init__``."""
+    obj = object.__new__(cls)
+    for k, v in fields.items():
+        object.__setattr__(obj, k, v)
+    return obj
+
+
+def _explains(obj) -> bool:
+    try:
+        obj._explain()
+    except PrepackFormatError:
+        return False
+    return True
+
+
+@given(st.one_of(_texts, st.sampled_from(["model.data", "w.bin"])), _ints, _ints,
+       st.sampled_from([*sorted(ef.ALLOWED_DTYPES), "<f16", "O", 4, None]),
+       st.one_of(st.lists(_ints, max_size=9).map(tuple), st.just([2, 3]), st.just((2**40, 2**40))),
+       st.one_of(st.integers(0, 2**32 - 1).map("{:08x}".format), _hex))
+@settings(max_examples=400, deadline=None)
+def test_buffer_fast_accept_never_accepts_what_the_checks_refuse(location, offset, length, dtype, shape, checksum):
+    # A location is accepted in one step once the checks have passed it (a remembered location).
+    assert _explains(_raw(BufferRecord, location="model.data", offset=0, length=4, dtype="<f4", shape=(1,),
+                          checksum="0" * 8))
+    b = _raw(BufferRecord, location=location, offset=offset, length=length, dtype=dtype, shape=shape, checksum=checksum)
+    if ef._buffer_ok(b):
+        assert _explains(b)
+
+
+@given(st.one_of(_texts, st.sampled_from(["mm/1/" + "0" * 32, "m.m-_/123456789/" + "ab" * 64, "mm/1/" + "0" * 33])),
+       st.one_of(st.lists(buffers(), max_size=17).map(tuple), st.just([]), st.just(("x",))))
+@settings(max_examples=200, deadline=None)
+def test_pack_fast_accept_never_accepts_what_the_checks_refuse(key, bufs):
+    p = _raw(PackRecord, key=key, buffers=bufs)
+    b = p.buffers
+    fast = (type(b) is tuple and 0 < len(b) <= ef.MAX_BUFFERS_PER_PACK and ef._pack_key_match(p.key) is not None
+            and all(type(x) is BufferRecord for x in b))
+    if fast:
+        assert _explains(p)
+
+
+@given(_texts, _texts, _ints, st.one_of(st.none(), _ints), _hex,
+       st.one_of(st.lists(st.sampled_from(["mm/1/" + "0" * 32, "mm/1/" + "1" * 32]), max_size=17).map(
+           lambda ks: tuple(PackRecord(key=k, buffers=(BufferRecord("d", 0, 4, "<f4", (1,), "0" * 8),)) for k in ks)),
+           st.just([]), st.just(("p",))))
+@settings(max_examples=400, deadline=None)
+def test_weight_fast_accept_never_accepts_what_the_checks_refuse(scope, name, length, offset, digest, packs):
+    r = _raw(WeightRecord, scope=scope, name=name, source_length=length, source_offset=offset, source_digest=digest,
+             packs=packs)
+    if ef._weight_ok(r):
+        assert _explains(r)
+
+
+def test_fast_accepts_take_the_records_the_writer_makes():
+    # The other direction, on what the saver writes: the one expression accepts them (else
+    # every warm load would pay for the field-by-field checks).
+    b = BufferRecord("model.onnx.data", 9191424, 516096, "|u1", (516096,), "e70bf715")
+    p = PackRecord("matmulnbits/2/40ae43bbae26c60642b163f3427ff5c1", (b,))
+    w = WeightRecord("", "model.layers.0.attn.qkv_proj.MatMul.weight_Q4", 516096, 8675328, "8d" * 32, (p,))
+    assert ef._buffer_ok(b) and ef._pack_key_match(p.key) and ef._weight_ok(w)
