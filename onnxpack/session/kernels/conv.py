@@ -409,7 +409,8 @@ class Conv(Kernel):
         self._u: np.ndarray | None = None  # packed Winograd filters (16, M, C)
         self._w_from_u: np.ndarray | None = None  # (M, C, 3, 3) recovered for small maps, lazily
         self._gather: dict[tuple, np.ndarray] = {}  # (spatial shape, kernel) -> im2col gather indices (small convs)
-        self._plans: dict[tuple, _ConvPlan] = {}  # (x shape, x dtype, no JIT[, w shape, w dtype]) -> plan
+        # (x shape, x dtype, no JIT[, w shape, w dtype]) -> _ConvPlan; ("winograd", x shape) -> geometry
+        self._plans: dict[tuple, object] = {}
 
     # pre-packing
     def _winograd_ok(self, info: TensorInfo) -> bool:
@@ -687,9 +688,11 @@ class Conv(Kernel):
     def _epilogue(self, plan: _ConvPlan, y, bias, res, out_dtype) -> np.ndarray:
         """:meth:`_finish` with the plan's chain: its common case (one JIT pass over a fresh
         C-contiguous float32 ``y``) with what the plan encoded once, the others through _finish."""
+        if bias is None and res is None and not plan.pre:  # nothing left (the JIT kernels' bias is done)
+            return y if y.dtype == out_dtype else y.astype(out_dtype)
         jit = plan.jit
-        if (jit is not None and (bias is not None or plan.pre or res is not None) and plan.length and plan.n
-                and plan.m and y.flags.c_contiguous and (res is None or res.shape == y.shape)):
+        if (jit is not None and plan.length and plan.n and plan.m and y.flags.c_contiguous
+                and (res is None or res.shape == y.shape)):
             codes, params, pcodes, pparams = plan.enc
             r = _EMPTY3 if res is None else np.ascontiguousarray(res, dtype=np.float32).reshape(plan.rows3)
             jit.bias_act(y.reshape(plan.rows3), _EMPTY1 if bias is None else bias, codes, params, r, pcodes, pparams,
@@ -708,10 +711,17 @@ class Conv(Kernel):
             raise InvalidArgument(
                 f"node {self.node.name!r} (Conv): input of shape {list(x.shape)} does not fit a 3x3 weight of "
                 f"{c_w} input channels")
-        ks, strides, dils = self.sp.resolve(2, (3, 3))
-        begin, end, out_shape = conv_geometry(xc.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad)
-        tiles = xc.shape[0] * (-(-out_shape[0] // 2)) * (-(-out_shape[1] // 2))
-        if tiles < _WINO_MIN_TILES:
+        key = ("winograd", xc.shape)
+        geo = self._plans.get(key)
+        if geo is None:  # once per input shape, as _conv's plans
+            ks, strides, dils = self.sp.resolve(2, (3, 3))
+            begin, end, out_shape = conv_geometry(xc.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad)
+            tiles = xc.shape[0] * (-(-out_shape[0] // 2)) * (-(-out_shape[1] // 2))
+            geo = (begin, out_shape, tiles >= _WINO_MIN_TILES)
+            if len(self._plans) < 64:
+                self._plans[key] = geo
+        begin, out_shape, enough = geo
+        if not enough:
             # Too few tiles for 16 GEMMs to pay (resnet's 7x7 maps: 16 tiles, 2x slower than one
             # GEMM): im2col with the filters recovered from U once (G's left inverse, float64).
             w = self._w_from_u
