@@ -411,6 +411,7 @@ class Conv(Kernel):
         self._gather: dict[tuple, np.ndarray] = {}  # (spatial shape, kernel) -> im2col gather indices (small convs)
         # (x shape, x dtype, no JIT[, w shape, w dtype]) -> _ConvPlan; ("winograd", x shape) -> geometry
         self._plans: dict[tuple, object] = {}
+        self._w_as: dict[np.dtype, np.ndarray] = {}  # the packed GEMM matrix in another compute dtype
 
     # pre-packing
     def _winograd_ok(self, info: TensorInfo) -> bool:
@@ -615,7 +616,11 @@ class Conv(Kernel):
         p.wm = None
         if w is None:
             wm = self._w.reshape(p.wm_shape)
-            p.wm = wm if wm.dtype == cd else wm.astype(cd)
+            if wm.dtype != cd:  # one copy per dtype, shared by the plans of every shape
+                wm = self._w_as.get(cd)
+                if wm is None:
+                    wm = self._w_as[cd] = self._w.reshape(p.wm_shape).astype(cd)
+            p.wm = wm
         p.wk = p.full = p.sub = p.idx = p.zero = p.extent = p.cols_shape = None
         p.small = False
         pre, post = self._pre, self._post
