@@ -510,6 +510,100 @@ def test_geometry_cache_follows_the_input_shape(jit_mode):
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], ref.run(None, {"x": x})[0], **TOL)
 
 
+# Paths of Conv._plan whose plan is made once per input shape: (conv_model arguments, the
+# channels of the input) for the shape-changing runs below.
+PLAN_SHAPES = {
+    "dense-3x3-s2": dict(strides=(2, 2)),
+    "dense-3x3-gather": dict(m=16),  # small inputs gather their column matrix; large: im2col
+    "pointwise": dict(k=1, pads=(0, 0, 0, 0), m=12),
+    "pointwise-s2": dict(k=1, pads=(0, 0, 0, 0), m=12, strides=(2, 2)),
+    "depthwise-3x3": dict(group=8, m=8),
+    "depthwise-3x3-s2": dict(group=8, m=8, strides=(2, 2)),
+    "depthwise-5x5-s2-asym": dict(group=8, m=8, k=5, strides=(2, 2), pads=(2, 1, 1, 2)),
+    "grouped-2": dict(group=2, m=8),
+    "direct-rgb-s2": dict(x_shape=(1, 3, 15, 16), m=16, strides=(2, 2)),
+}
+# Shapes fed one after the other to one session: batch and spatial changes, a repeat (the cached
+# plan is taken again), and a shape whose path differs (40x40: im2col instead of the gather).
+PLAN_RUNS = [(1, 11, 13), (2, 6, 9), (1, 11, 13), (1, 4, 17), (1, 40, 40), (2, 6, 9)]
+
+
+@pytest.mark.parametrize("tail", ["none", "hardswish", "lab"], ids=str)
+@pytest.mark.parametrize("shape", list(PLAN_SHAPES), ids=list(PLAN_SHAPES))
+def test_conv_plan_follows_the_input_shape(shape, tail, jit_mode):
+    """Conv decides its path, geometry and epilogue once per input shape (Conv._plan): runs of
+    changing shapes on one session (prepacked and not, with a fused residual) match
+    onnxruntime on every call."""
+    kw = PLAN_SHAPES[shape]
+    model, _ = conv_model(tail=tail, residual="right", **kw)
+    proto = onnx.load_from_string(model)
+    proto.graph.input[0].type.tensor_type.ClearField("shape")
+    model = proto.SerializeToString()
+    c = kw.get("x_shape", (2, 8))[1]
+    sessions = _sessions(model)
+    for i, (n, h, w) in enumerate(PLAN_RUNS):
+        x = _rng(i).standard_normal((n, c, h, w)).astype(np.float32)
+        feeds = _feed_residual(model, {"x": x})
+        want = _ort(model, feeds)[0]
+        for how, sess in sessions.items():
+            np.testing.assert_allclose(sess.run(None, feeds)[0], want, **TOL, err_msg=f"{how} {x.shape}")
+
+
+def _conv1d_model(c, m, k, stride, pad, group, tail):
+    rng = _rng(c + m + k)
+    w = (rng.standard_normal((m, c // group, k)) / math.sqrt(c // group * k)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "W", "B"], ["c"], group=group, strides=[stride], pads=[pad, pad],
+                              kernel_shape=[k])]
+    t = _chain(tail, nodes, inits := [numpy_helper.from_array(w, "W"), _const("B", rng.standard_normal(m))], "c", m)
+    nodes.append(helper.make_node("Identity", [t], ["y"]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, None)],
+                              [helper.make_tensor_value_info("y", F, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+
+
+# 1-D convs: Silero VAD's (3 taps over 3 positions, padded; its STFT: 256 taps, stride 128;
+# a 1x1 decoder), strided and grouped, and a long input (im2col).
+CONV1D = {
+    "silero-encoder": (129, 128, 3, 1, 1, 1, "relu"),
+    "silero-stft": (1, 258, 256, 128, 0, 1, "none"),
+    "silero-decoder": (128, 1, 1, 1, 0, 1, "sigmoid"),
+    "strided-padded": (64, 64, 3, 2, 1, 1, "relu"),
+    "grouped": (16, 32, 5, 2, 2, 4, "silu"),
+    "depthwise": (8, 8, 3, 1, 1, 8, "relu6"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONV1D), ids=list(CONV1D))
+def test_conv1d_plan_follows_the_input_shape(case, jit_mode):
+    c, m, k, stride, pad, group, tail = CONV1D[case]
+    model = _conv1d_model(c, m, k, stride, pad, group, tail)
+    sessions = _sessions(model)
+    for i, (n, length) in enumerate([(1, 576), (1, 3), (2, 576), (1, 576), (1, 2000), (1, 256)]):
+        x = _rng(i).standard_normal((n, c, length)).astype(np.float32)
+        if (length + 2 * pad - k) < 0:
+            continue
+        want = _ort(model, {"x": x})[0]
+        for how, sess in sessions.items():
+            np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, **TOL, err_msg=f"{how} {x.shape}")
+
+
+def test_direct_conv_writes_into_the_planners_arena(jit_mode):
+    """The JIT's direct kernel (an RGB stem) writes into the arena's buffer: run_into computes
+    the conv once, and its result is the plain run's."""
+    model, feeds = conv_model(tail="hardswish", **{**SHAPES["direct-rgb-s1"], "x_shape": (1, 3, 9, 11)})
+    opts = onnxpack.SessionOptions()
+    opts.add_session_config_entry("onnxpack.memory_planner", "greedy_by_size")
+    sess = onnxpack.InferenceSession(model, opts)
+    want = onnxpack.InferenceSession(model).run(None, feeds)
+    np.testing.assert_allclose(want[0], _ort(model, feeds)[0], **TOL)
+    for _ in range(2):  # records, then runs in the arena
+        np.testing.assert_array_equal(sess.run(None, feeds)[0], want[0])
+    (kernel,) = [s.kernel for s in sess.program.root.steps if s.node.op_type == "Conv"]
+    y = np.empty_like(want[0])
+    assert kernel.run_into([y], feeds["x"]) is True  # (without the JIT: im2col's GEMM writes there)
+    np.testing.assert_array_equal(y, want[0])
+
+
 def test_conv_scratch_is_per_thread():
     """im2col convs build their padded copy and column matrix in per-thread scratch buffers
     (conv._scratch) reused by later calls: two convs of different sizes in one model, run from

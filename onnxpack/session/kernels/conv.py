@@ -370,6 +370,28 @@ class _SpatialAttrs:
 
 # -- Conv -------------------------------------------------------------------------------------
 
+# The paths of a Conv call (_ConvPlan.kind); the JIT's own kernels first (``kind <= _DIRECT``).
+_DW_JIT = 0  # depthwise, one JIT pass with padding, bias and activations
+_DIRECT = 1  # one group, few taps per output: the JIT's direct kernel
+_ONE = 2  # 1x1 unpadded: the (strided) input is the column matrix
+_GATHER = 3  # a small column matrix gathered through precomputed indices
+_IM2COL = 4  # padded copy, im2col, GEMM
+_DW_NUMPY = 5  # depthwise without the JIT: a multiply-add per tap over the whole tensor
+
+
+class _ConvPlan:
+    """What a Conv call on one input shape and dtype does, decided once (:meth:`Conv._plan`):
+    the path, the geometry, the weight as the path reads it (when packed), the thread decision's
+    size test, the epilogue's encoded activations.  Silero VAD's six small convs spent 8-20 us
+    each of Python on these before the arithmetic; a call now only runs array operations.
+    Attributes not used by the plan's path are None."""
+
+    __slots__ = ("kind", "n", "m", "g", "length", "ks", "strides", "dils", "begin", "out_shape", "yshape",
+                 "wm_shape", "wm", "wk_shape", "wk", "fn", "jit_args", "big", "count", "zero_bias", "full",
+                 "sub", "idx", "zero", "extent", "cols_shape", "small", "pre", "post", "channels", "jit", "enc",
+                 "table", "rows3")
+
+
 
 @register("Conv", since=1)
 class Conv(Kernel):
@@ -386,8 +408,10 @@ class Conv(Kernel):
         self._w: np.ndarray | None = None  # packed (g, M/g, C/g, *kernel)
         self._u: np.ndarray | None = None  # packed Winograd filters (16, M, C)
         self._w_from_u: np.ndarray | None = None  # (M, C, 3, 3) recovered for small maps, lazily
-        self._geo: dict[tuple, tuple] = {}  # (spatial shape, kernel) -> resolved geometry (_conv)
-        self._gather: dict[tuple, np.ndarray] = {}  # same key -> im2col gather indices (small convs)
+        self._gather: dict[tuple, np.ndarray] = {}  # (spatial shape, kernel) -> im2col gather indices (small convs)
+        # (x shape, x dtype, no JIT[, w shape, w dtype]) -> _ConvPlan; ("winograd", x shape) -> geometry
+        self._plans: dict[tuple, object] = {}
+        self._w_as: dict[np.dtype, np.ndarray] = {}  # the packed GEMM matrix in another compute dtype
 
     # pre-packing
     def _winograd_ok(self, info: TensorInfo) -> bool:
@@ -472,127 +496,214 @@ class Conv(Kernel):
     def _conv(self, x, w, b, out: np.ndarray | None, res: np.ndarray | None = None) -> np.ndarray:
         """The convolution and its epilogue; with ``out`` (batch 1, one group) the GEMM writes there.
 
-        Returns the result: ``out`` itself when it was used, else a fresh array.
+        Returns the result: ``out`` itself when it was used, else a fresh array.  Everything that
+        depends only on the input's shape and dtype (and the weight's, when it is not packed) is
+        decided once, in a :class:`_ConvPlan`; a call runs array operations.
         """
-        out_dtype = x.dtype
-        if compute_dtype(x.dtype) is None:
+        cd = compute_dtype(x.dtype)
+        if cd is None:
             raise InvalidArgument(f"node {self.node.name!r}: Conv on {x.dtype} is not supported natively")
-        g = self.group
         if self._u is not None and w is None:
             return self._conv_winograd(x, b, out, res)
-        if self._w is not None:
+        jit = _act.jit() if cd == np.float32 else None
+        packed = self._w is not None
+        key = (x.shape, x.dtype, jit is None) if packed else (x.shape, x.dtype, jit is None, w.shape, w.dtype)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(x.shape, cd, None if packed else w, jit)
+            if len(self._plans) < 64:  # bounded: a model fed ever new shapes
+                self._plans[key] = plan
+        xc = x if x.dtype == cd else x.astype(cd)
+        wm = plan.wm
+        if wm is None:  # a weight fed at run time
+            wm = as_compute(w).reshape(plan.wm_shape)
+            if wm.dtype != cd:
+                wm = wm.astype(cd)
+        if b is None:
+            bias = None
+        else:
+            bias = b if b.dtype == cd else as_compute(b).astype(cd, copy=False)
+            if bias.shape != (plan.m,):
+                raise InvalidArgument(
+                    f"node {self.node.name!r} (Conv): bias must have shape [{plan.m}], got {list(bias.shape)}")
+        out_dtype = x.dtype
+        kind = plan.kind
+        if kind <= _DIRECT:
+            # The JIT folds the padding, bias and the inner activations into its one pass.
+            if out is not None and (out.shape != plan.yshape or not out.flags.c_contiguous or out.dtype != cd
+                                    or kind != _DIRECT):
+                out = None
+            y = np.empty(plan.yshape, np.float32) if out is None else out
+            wk = plan.wk
+            if wk is None:
+                wk = np.ascontiguousarray(wm.reshape(plan.wk_shape))
+            dst = y if plan.full is None else np.empty(plan.full, np.float32)
+            args = (np.ascontiguousarray(xc), wk, plan.zero_bias if bias is None else bias, dst) + plan.jit_args
+            fn = plan.fn
+            threads = _act.threads() if plan.big else 1
+            if threads > 1:
+                _act.parallel(lambda a, b: fn(*args, a, b), plan.count, threads)
+            else:
+                fn(*args, 0, plan.count)
+            if dst is not y:
+                # Strided (or cut short): every output is the "same" conv's at (oh*sh, ow*sw).
+                y[...] = dst[plan.sub]
+            return self._epilogue(plan, y, None, res, out_dtype)
+        if out is not None and (out.shape != plan.yshape or not out.flags.c_contiguous):
+            out = None
+        n = plan.n
+        if kind == _ONE:
+            # 1x1: the (strided) input is the column matrix.
+            cols = np.ascontiguousarray(xc if plan.sub is None else xc[plan.sub]).reshape(plan.cols_shape)
+        elif kind == _GATHER:
+            # A small column matrix: one gather through indices made once per input shape (the
+            # padding reads an appended zero), instead of a padded copy and a copy per tap.
+            if n == 1:
+                cols = np.concatenate((xc.reshape(-1), plan.zero)).take(plan.idx).reshape(plan.cols_shape)
+            else:
+                xz = np.concatenate((xc.reshape(n, -1), plan.zero), axis=1)
+                cols = xz[:, plan.idx].reshape(plan.cols_shape)
+        else:
+            # The padded copy and the column matrix live in this thread's scratch: both are
+            # read only before this call returns (the GEMM's result is a fresh array).
+            xp = _pad(xc, plan.begin, plan.extent, 0, "pad")
+            if kind == _DW_NUMPY:
+                y = self._depthwise(xp, wm, plan.ks, plan.out_shape, plan.strides, plan.dils)
+                return self._epilogue(plan, y, bias, res, out_dtype)
+            cols = im2col(xp, plan.ks, plan.out_shape, plan.strides, plan.dils, "cols").reshape(plan.cols_shape)
+        mm = np.matmul if plan.small else _act.matmul  # _act.matmul is np.matmul below _SPLIT_MACS
+        if out is not None:
+            mm(wm[0], cols[0, 0], out=out.reshape(plan.m, plan.length))
+            y = out  # already (n, m, *out_shape): keep the object, run_into checks identity
+        elif plan.g == 1:
+            y = mm(wm[0], cols[0, 0] if n == 1 else cols[:, 0]).reshape(plan.yshape)
+        else:
+            y = np.matmul(wm, cols).reshape(plan.yshape)
+        return self._epilogue(plan, y, bias, res, out_dtype)
+
+    def _plan(self, x_shape, cd, w, jit) -> _ConvPlan:
+        """What a call on an input of ``x_shape`` computed in ``cd`` does (``w``: the weight
+        when it is not packed; ``jit``: the numba kernels or None).  Raises what a call would."""
+        g = self.group
+        if w is None:
             m = self._w.shape[0] * self._w.shape[1]
             kernel_shape = self._w.shape[3:]
-            wm = self._w.reshape(g, m // g, -1)
+            per_group = math.prod(self._w.shape[2:])
         else:
             m = w.shape[0]
             if m % g:
                 raise InvalidArgument(f"node {self.node.name!r}: {m} output channels not divisible by group {g}")
-            wm = as_compute(w).reshape(g, m // g, -1)
             kernel_shape = w.shape[2:]
-        xc = as_compute(x)
-        n, c = xc.shape[:2]
-        nd = xc.ndim - 2
-        # The geometry depends only on the spatial shape and the kernel: computed once per shape
-        # (~10 us of Python per call, most of a small Conv1d's time in Silero VAD).
-        key = (xc.shape[2:], tuple(kernel_shape))
-        geo = self._geo.get(key)
-        if geo is None:
-            ks, strides, dils = self.sp.resolve(nd, kernel_shape)
-            geo = (ks, strides, dils, math.prod(ks), None)
-        ks, strides, dils, kprod, placed = geo
-        if c % g or wm.shape[2] != (c // g) * kprod:
+            per_group = math.prod(w.shape[1:])
+        n, c = x_shape[:2]
+        nd = len(x_shape) - 2
+        in_shape = tuple(x_shape[2:])
+        ks, strides, dils = self.sp.resolve(nd, kernel_shape)
+        kprod = math.prod(ks)
+        if c % g or per_group != (c // g) * kprod:
             raise InvalidArgument(
                 f"node {self.node.name!r} (Conv): input has {c} channels, weight expects "
-                f"{wm.shape[2] // max(kprod, 1) * g} (group {g}, kernel {list(ks)})"
+                f"{per_group // max(kprod, 1) * g} (group {g}, kernel {list(ks)})"
             )
-        if wm.dtype != xc.dtype:
-            wm = wm.astype(xc.dtype)
-        if placed is None:
-            placed = conv_geometry(xc.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad)
-            if len(self._geo) < 64:  # bounded: a model fed ever new shapes
-                self._geo[key] = (ks, strides, dils, kprod, placed)
-        begin, end, out_shape = placed
+        begin, end, out_shape = conv_geometry(in_shape, ks, strides, dils, self.sp.pads, self.sp.auto_pad)
         cg, mg = c // g, m // g
         length = math.prod(out_shape)
-        if out is not None and (out.shape != (n, m) + tuple(out_shape) or not out.flags.c_contiguous):
-            out = None
-        bias = None if b is None else as_compute(b).astype(xc.dtype, copy=False)
-        if bias is not None and bias.shape != (m,):
-            raise InvalidArgument(f"node {self.node.name!r} (Conv): bias must have shape [{m}], got {list(bias.shape)}")
+        p = _ConvPlan()
+        p.n, p.m, p.g, p.length = n, m, g, length
+        p.ks, p.strides, p.dils, p.begin, p.out_shape = ks, strides, dils, begin, out_shape
+        p.yshape = (n, m) + tuple(out_shape)
+        p.wm_shape = (g, mg, cg * kprod)
+        p.wm = None
+        if w is None:
+            wm = self._w.reshape(p.wm_shape)
+            if wm.dtype != cd:  # one copy per dtype, shared by the plans of every shape
+                wm = self._w_as.get(cd)
+                if wm is None:
+                    wm = self._w_as[cd] = self._w.reshape(p.wm_shape).astype(cd)
+            p.wm = wm
+        p.wk = p.full = p.sub = p.idx = p.zero = p.extent = p.cols_shape = None
+        p.small = False
         pre, post = self._pre, self._post
-        # Per-channel steps run only in _finish's row pass (bias_act), not inside the depthwise,
-        # direct or Winograd kernels: with one, the whole pre-residual chain goes there.
+        # Per-channel steps run only in the epilogue's row pass (bias_act), not inside the
+        # depthwise, direct or Winograd kernels: with one, the whole pre-residual chain goes there.
         inner, outer = ((), pre) if self._has_channel else (pre, ())
-        jit = _act.jit() if xc.dtype == np.float32 else None
-        if cg == 1 and mg == 1 and g > 1 and nd == 2 and jit is not None and length > 0 and min(begin) >= 0:
-            # Depthwise: the JIT folds the padding, bias and activations into one pass.
-            y = np.empty((n, m) + tuple(out_shape), np.float32)
-            codes, params = _act.encode(inner)
-            args = (np.ascontiguousarray(xc), np.ascontiguousarray(wm.reshape((m,) + tuple(ks))),
-                    bias if bias is not None else np.zeros(m, np.float32), y, strides[0], strides[1],
-                    dils[0], dils[1], begin[0], begin[1], codes, params)
-            threads = _act.threads() if y.size * kprod >= _PARALLEL_MACS else 1
-            same = _same_depthwise(ks, dils, begin, xc.shape[2:], out_shape, strides)
-            if same is not None and (tuple(out_shape) == tuple(xc.shape[2:]) or xc.shape[2] * xc.shape[3] * kprod <= _SUBSAMPLE_MAX):
-                fn = jit.depthwise3_same if same == 3 else jit.depthwise5_same
-                full = y if tuple(out_shape) == tuple(xc.shape[2:]) else np.empty((n, m) + tuple(xc.shape[2:]), np.float32)
-                args = args[:3] + (full,) + args[10:]
-                threads = _act.threads() if full.size * kprod >= _PARALLEL_MACS else 1
-                _act.parallel(lambda a, b: fn(*args, a, b), n * m, threads)
-                if full is not y:
-                    # Strided (or cut short): every output is the "same" conv's at (oh*sh, ow*sw).
-                    y[...] = full[:, :, :(out_shape[0] - 1) * strides[0] + 1:strides[0],
-                                  :(out_shape[1] - 1) * strides[1] + 1:strides[1]]
-            else:
-                _act.parallel(lambda a, b: jit.depthwise2d(*args, a, b), n * m, threads)
-            return self._finish(y, None, outer, res, post, out_dtype, self._channels(y.dtype))
-        if (g == 1 and nd == 2 and jit is not None and length > 0 and kprod > 1 and c * kprod <= _DIRECT_TAPS
+        depthwise = cg == 1 and mg == 1 and g > 1
+        if depthwise and nd == 2 and jit is not None and length > 0 and min(begin) >= 0:
+            p.kind = _DW_JIT
+            p.wk_shape = (m,) + tuple(ks)
+            p.big = math.prod(p.yshape) * kprod >= _PARALLEL_MACS
+            p.fn = jit.depthwise2d
+            p.jit_args = (strides[0], strides[1], dils[0], dils[1], begin[0], begin[1]) + _act.encode(inner)
+            same = _same_depthwise(ks, dils, begin, in_shape, out_shape, strides)
+            if same is not None and (tuple(out_shape) == in_shape or in_shape[0] * in_shape[1] * kprod <= _SUBSAMPLE_MAX):
+                p.fn = jit.depthwise3_same if same == 3 else jit.depthwise5_same
+                p.jit_args = _act.encode(inner)
+                if tuple(out_shape) != in_shape:
+                    p.full = (n, m) + in_shape
+                    p.sub = (slice(None), slice(None), slice(None, (out_shape[0] - 1) * strides[0] + 1, strides[0]),
+                             slice(None, (out_shape[1] - 1) * strides[1] + 1, strides[1]))
+                p.big = math.prod((n, m) + in_shape) * kprod >= _PARALLEL_MACS
+        elif (g == 1 and nd == 2 and jit is not None and length > 0 and kprod > 1 and c * kprod <= _DIRECT_TAPS
                 and m <= _DIRECT_MAX_OUT and min(begin) >= 0):
             # Few taps per output (an RGB stem): the JIT's direct kernel, no im2col (see conv2d_small).
-            y = np.empty((n, m) + tuple(out_shape), np.float32)
-            codes, params = _act.encode(inner)
-            args = (np.ascontiguousarray(xc), np.ascontiguousarray(wm.reshape((m, c) + tuple(ks))),
-                    bias if bias is not None else np.zeros(m, np.float32), y, strides[0], strides[1],
-                    dils[0], dils[1], begin[0], begin[1], codes, params)
-            threads = _act.threads() if y.size * c * kprod >= _PARALLEL_MACS else 1
-            _act.parallel(lambda a, b: jit.conv2d_small(*args, a, b), n * m, threads)
-            return self._finish(y, None, outer, res, post, out_dtype, self._channels(y.dtype))
-        if kprod == 1 and not any(begin) and not any(end):
-            # 1x1: the (strided) input is the column matrix.
-            xs = xc[(Ellipsis,) + tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(out_shape, strides))]
-            cols = np.ascontiguousarray(xs).reshape(n, g, cg, length)
-        elif not (cg == 1 and mg == 1 and g > 1) and c * kprod * length <= _GATHER_MAX:
-            # A small column matrix: one gather through indices made once per input shape (the
-            # padding reads an appended zero), instead of a padded copy and a copy per tap.
-            idx = self._gather.get(key)
+            p.kind = _DIRECT
+            p.wk_shape = (m, c) + tuple(ks)
+            p.big = math.prod(p.yshape) * c * kprod >= _PARALLEL_MACS
+            p.fn = jit.conv2d_small
+            p.jit_args = (strides[0], strides[1], dils[0], dils[1], begin[0], begin[1]) + _act.encode(inner)
+        elif kprod == 1 and not any(begin) and not any(end):
+            p.kind = _ONE
+            sub = (Ellipsis,) + tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(out_shape, strides))
+            p.sub = None if tuple(out_shape) == in_shape else sub  # all-unit strides: the input itself
+            p.cols_shape = (n, g, cg, length)
+        elif not depthwise and c * kprod * length <= _GATHER_MAX:
+            p.kind = _GATHER
+            key = (in_shape, tuple(kernel_shape))
+            idx = self._gather.get(key)  # shared by the plans of every batch size
             if idx is None:
-                idx = _gather_index(xc.shape[1:], ks, out_shape, strides, dils, begin)
+                idx = _gather_index(x_shape[1:], ks, out_shape, strides, dils, begin)
                 if len(self._gather) < 16:
                     self._gather[key] = idx
-            size = math.prod(xc.shape[1:])
-            xz = np.empty((n, size + 1), dtype=xc.dtype)
-            xz[:, :size] = xc.reshape(n, size)
-            xz[:, size] = 0
-            cols = xz[:, idx].reshape(n, g, cg * kprod, length)
+            p.idx = idx
+            p.zero = np.zeros(1 if n == 1 else (n, 1), cd)
+            p.cols_shape = (n, g, cg * kprod, length)
         else:
-            # The padded copy and the column matrix live in this thread's scratch: both are
-            # read only before this call returns (the GEMM's result is a fresh array).
-            xp = _pad(xc, begin, _padded_extent(xc.shape[2:], begin, out_shape, ks, strides, dils), 0, "pad")
-            if cg == 1 and mg == 1 and g > 1:
-                cols = None
-                y = self._depthwise(xp, wm, ks, out_shape, strides, dils)
-                out = None
-            else:
-                cols = im2col(xp, ks, out_shape, strides, dils, "cols").reshape(n, g, cg * kprod, length)
-        if cols is not None and out is not None:
-            _act.matmul(wm[0], cols[0, 0], out=out.reshape(m, length))
-            y = out  # already (n, m, *out_shape): keep the object, run_into checks identity
+            p.kind = _DW_NUMPY if depthwise else _IM2COL
+            p.extent = _padded_extent(in_shape, begin, out_shape, ks, strides, dils)
+            p.cols_shape = (n, g, cg * kprod, length)
+        if p.kind <= _DIRECT:
+            p.count = n * m
+            p.zero_bias = np.zeros(m, np.float32)
+            if w is None:
+                p.wk = np.ascontiguousarray(p.wm.reshape(p.wk_shape))
+            p.pre = outer
         else:
-            if cols is not None:
-                y = self._gemm(wm, cols, n, g)
-            y = y.reshape((n, m) + tuple(out_shape))
-        return self._finish(y, bias, pre, res, post, out_dtype, self._channels(y.dtype))
+            # _act.matmul is np.matmul for GEMMs below its split size: call that directly.
+            p.small = n * m * (cg * kprod) * length < _act._SPLIT_MACS
+            p.pre = pre
+        p.post = post
+        p.channels = self._channels(cd)
+        p.jit = jit if cd == np.float32 else None
+        if p.jit is not None:
+            p.enc = _act.encode(p.pre) + _act.encode(post)
+            p.table = p.channels[1] if p.channels[1] is not None else _EMPTY_CHAN
+            p.rows3 = (n, m, length)
+        return p
+
+    def _epilogue(self, plan: _ConvPlan, y, bias, res, out_dtype) -> np.ndarray:
+        """:meth:`_finish` with the plan's chain: its common case (one JIT pass over a fresh
+        C-contiguous float32 ``y``) with what the plan encoded once, the others through _finish."""
+        if bias is None and res is None and not plan.pre:  # nothing left (the JIT kernels' bias is done)
+            return y if y.dtype == out_dtype else y.astype(out_dtype)
+        jit = plan.jit
+        if (jit is not None and plan.length and plan.n and plan.m and y.flags.c_contiguous
+                and (res is None or res.shape == y.shape)):
+            codes, params, pcodes, pparams = plan.enc
+            r = _EMPTY3 if res is None else np.ascontiguousarray(res, dtype=np.float32).reshape(plan.rows3)
+            jit.bias_act(y.reshape(plan.rows3), _EMPTY1 if bias is None else bias, codes, params, r, pcodes, pparams,
+                         plan.table)
+            return y if y.dtype == out_dtype else y.astype(out_dtype)
+        return self._finish(y, bias, plan.pre, res, plan.post, out_dtype, plan.channels)
 
     def _conv_winograd(self, x, b, out, res) -> np.ndarray:
         """The Winograd path (weight packed as ``U``); the epilogue's activations before a
@@ -605,10 +716,17 @@ class Conv(Kernel):
             raise InvalidArgument(
                 f"node {self.node.name!r} (Conv): input of shape {list(x.shape)} does not fit a 3x3 weight of "
                 f"{c_w} input channels")
-        ks, strides, dils = self.sp.resolve(2, (3, 3))
-        begin, end, out_shape = conv_geometry(xc.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad)
-        tiles = xc.shape[0] * (-(-out_shape[0] // 2)) * (-(-out_shape[1] // 2))
-        if tiles < _WINO_MIN_TILES:
+        key = ("winograd", xc.shape)
+        geo = self._plans.get(key)
+        if geo is None:  # once per input shape, as _conv's plans
+            ks, strides, dils = self.sp.resolve(2, (3, 3))
+            begin, end, out_shape = conv_geometry(xc.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad)
+            tiles = xc.shape[0] * (-(-out_shape[0] // 2)) * (-(-out_shape[1] // 2))
+            geo = (begin, out_shape, tiles >= _WINO_MIN_TILES)
+            if len(self._plans) < 64:
+                self._plans[key] = geo
+        begin, out_shape, enough = geo
+        if not enough:
             # Too few tiles for 16 GEMMs to pay (resnet's 7x7 maps: 16 tiles, 2x slower than one
             # GEMM): im2col with the filters recovered from U once (G's left inverse, float64).
             w = self._w_from_u
@@ -977,6 +1095,7 @@ class FusedConv(Conv):
         self._has_channel = any(a.kind == "channel" for a in (*self._pre, *self._post))
         self._fakequant = any(a.kind == "fakequant" for a in (*self._pre, *self._post))
         self._by_dtype: dict = {}
+        self._shifts: dict = {}  # compute dtype -> shift in it (the bias replacing the Conv's)
         if multiplier is not None:
             h = hashlib.blake2b(digest_size=16)
             h.update(np.ascontiguousarray(multiplier, dtype=np.float64).tobytes())
@@ -1043,5 +1162,8 @@ class FusedConv(Conv):
                 cd = compute_dtype(x.dtype)
                 w = w.astype(cd) if cd is not None and w.dtype != cd else as_compute(w)
                 w = w * self.multiplier.astype(w.dtype).reshape((-1,) + (1,) * (w.ndim - 1))
-            b = self.shift.astype(compute_dtype(x.dtype) or np.float32)
+            cd = compute_dtype(x.dtype) or np.float32
+            b = self._shifts.get(cd)
+            if b is None:  # the shift in the compute dtype, once per dtype (read only)
+                b = self._shifts[cd] = self.shift.astype(cd)
         return self._conv(x, w, b, out, r if self.residual else None)
