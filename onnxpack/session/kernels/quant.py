@@ -334,6 +334,10 @@ def _zero_points_dense(zp: np.ndarray | None, n: int, nb: int, bits: int) -> np.
 # -- MatMulNBits ------------------------------------------------------------------------------------
 
 
+_SPECS: dict[tuple, PackSpec | None] = {}  # MatMulNBits.pack_spec's answers
+_NO_SPEC = object()
+
+
 @register("MatMulNBits", domain="com.microsoft", since=1)
 class MatMulNBits(Kernel):
     """``Y = A @ dequantize(B)`` (+ bias), computed in float32, output in A's dtype."""
@@ -370,12 +374,22 @@ class MatMulNBits(Kernel):
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
         if input_index not in (1, 2, 3):
             return None
+        # Asked twice per packed input at a warm load (binding, then the blob's check), by ~120
+        # nodes of a few shapes: one immutable spec per (node shape, input, dtype).
+        cache_key = (self.k, self.n, self.bits, self.block_size, input_index, info.dtype)
+        spec = _SPECS.get(cache_key, _NO_SPEC)
+        if spec is not _NO_SPEC:
+            return spec
         dtype = np.dtype(info.dtype)
         if (input_index == 1 and dtype != np.uint8) or (input_index == 2 and not _is_float(dtype)) or (
                 input_index == 3 and dtype != np.uint8 and not _is_float(dtype)):
-            return None  # a wrong type: run() says what is wrong
-        attrs = struct.pack("<qqqqBq", self.k, self.n, self.bits, self.block_size, input_index, TILE)
-        return PackSpec("matmulnbits", _PACK_VERSION, attrs, 1)
+            spec = None  # a wrong type: run() says what is wrong
+        else:
+            attrs = struct.pack("<qqqqBq", self.k, self.n, self.bits, self.block_size, input_index, TILE)
+            spec = PackSpec("matmulnbits", _PACK_VERSION, attrs, 1)
+        if len(_SPECS) < 1024:
+            _SPECS[cache_key] = spec
+        return spec
 
     def expected_packed(self, input_index: int, info: TensorInfo):
         if self.pack_spec(input_index, info) is None:
