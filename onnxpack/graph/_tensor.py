@@ -245,7 +245,18 @@ class Tensor:
             typed = _TYPED_NUMPY.get(self.elem_type)
             if typed is not None and not self.proto.HasField("segment"):
                 field, storage = typed
-                arr = np.asarray(getattr(self.proto, field), dtype=storage).astype(self.dtype).reshape(self.dims)
+                values = getattr(self.proto, field)
+                if len(values) == 1:
+                    # One value (a QDQ model's scales and zero points, ~400 in a ResNet-50): a
+                    # fresh 0-d array of it, cast and shaped as below; numpy's sequence
+                    # conversion of the repeated field costs several times more.
+                    arr = np.array(values[0], dtype=storage)
+                    if arr.dtype != self.dtype:
+                        arr = arr.astype(self.dtype)
+                    if self.dims != ():
+                        arr = arr.reshape(self.dims)
+                else:
+                    arr = np.asarray(values, dtype=storage).astype(self.dtype).reshape(self.dims)
             else:
                 arr = onnx.numpy_helper.to_array(self.proto)
         elif self.elem_type in _PACKED_BITS or sys.byteorder == "big":
