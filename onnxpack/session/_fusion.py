@@ -397,10 +397,11 @@ def match_activation(nodes, t, users_of, const_value, opset):
     attrs = lambda n: {a.name: helper.get_attribute_value(a) for a in n.attribute}  # noqa: E731
     if len(users) == 1:
         n = ops[0]
-        if list(n.input).count(t) != 1 or n.input[0] != t and n.op_type not in ("Mul", "Add", "Max", "Min"):
+        ins = tuple(n.input)
+        if ins.count(t) != 1 or ins[0] != t and n.op_type not in ("Mul", "Add", "Max", "Min"):
             return None
-        out = n.output[0] if n.output else ""
-        if not out or len([o for o in n.output if o]) != 1:
+        out = _sole_output(n)
+        if not out:
             return None
         if n.op_type == "Relu":
             return Activation("relu"), (users[0],), out
@@ -698,20 +699,22 @@ def _fake_quant_pair(q: NodeProto, dq: NodeProto, const_value: Callable[[str], n
     except who reads what, which the caller checks), else None."""
     if opset < 13 or q.domain not in ("", "ai.onnx") or dq.domain not in ("", "ai.onnx"):
         return None
-    if len(q.input) != 3 or len(dq.input) != 3 or dq.op_type != "DequantizeLinear" or not q.output:
+    q_in, dq_in = tuple(q.input), tuple(dq.input)  # one conversion each (protobuf builds a container per access)
+    if len(q_in) != 3 or len(dq_in) != 3 or dq.op_type != "DequantizeLinear" or not q.output:
         return None
-    if dq.input[0] != q.output[0] or len([o for o in dq.output if o]) != 1 or not dq.output[0]:
+    if dq_in[0] != q.output[0] or not _sole_output(dq):
         return None
     qa, da = _attrs(q), _attrs(dq)
-    if any(a.get(key) for a in (qa, da) for key in ("block_size", "output_dtype", "precision")):
-        return None
-    scale, zp = const_value(q.input[1]), const_value(q.input[2])
+    for a in (qa, da):
+        if a and (a.get("block_size") or a.get("output_dtype") or a.get("precision")):
+            return None
+    scale, zp = const_value(q_in[1]), const_value(q_in[2])
     if scale is None or zp is None or scale.dtype != _F32:
         return None
     bounds = _fake_quant_range(zp.dtype)
     if bounds is None:
         return None
-    for mine, theirs in ((q.input[1], dq.input[1]), (q.input[2], dq.input[2])):
+    for mine, theirs in ((q_in[1], dq_in[1]), (q_in[2], dq_in[2])):
         if mine != theirs:  # the quantizer shares one scale and zero point: names match
             other, value = const_value(theirs), const_value(mine)
             if other is None or other.dtype != value.dtype or not np.array_equal(other, value):
@@ -737,6 +740,15 @@ def _fake_quant_range(dtype: np.dtype) -> tuple[int, int] | None:
     except KeyError:
         got = _FAKE_QUANT_RANGES[dtype] = _FAKE_QUANT_TYPES.get(dtype.name)
         return got
+
+
+def _sole_output(node: NodeProto) -> str:
+    """The node's first output when it is named and no other output is, else ``""``."""
+    outs = node.output
+    if len(outs) == 1:  # the common case, without building a list
+        return outs[0]
+    first = outs[0] if outs else ""
+    return first if first and len([o for o in outs if o]) == 1 else ""
 
 
 def _attrs(node: NodeProto) -> dict[str, Any]:

@@ -556,3 +556,16 @@ def test_fake_quant_pair_accepts_a_scale_exactly_when_every_value_is_positive(sc
     assert (got is not None) == bool((scale > 0).all())
     if got is not None:
         assert got[:3] == (0, 0, 255) and got[3] is scale and got[4] is zp
+
+
+@pytest.mark.parametrize("outputs", [["y"], [""], [], ["y", ""], ["", "y"], ["y", "z"], ["y", "", ""], ["", ""]],
+                         ids=["one", "unnamed", "none", "named-unnamed", "unnamed-named", "two", "named-2-unnamed",
+                              "two-unnamed"])
+def test_sole_output_is_the_named_first_output_of_a_one_output_node(outputs):
+    from onnxpack.session._fusion import _sole_output
+
+    node = helper.make_node("Relu", ["x"], outputs)
+    # the condition it replaces: exactly one named output, and it is the first
+    first = node.output[0] if node.output else ""
+    want = first if first and len([o for o in node.output if o]) == 1 else ""
+    assert _sole_output(node) == want
