@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import ml_dtypes
@@ -381,3 +382,27 @@ def test_one_value_typed_tensors_read_as_the_many_value_path_reads_them(elem_typ
     assert not got.flags.writeable
     if in_range:
         np.testing.assert_array_equal(got, numpy_helper.to_array(t))
+
+
+@pytest.mark.parametrize("dims", [[], [3], [2, 5], [0], [4, 0, 2**62], [2**31, 2**31], [2**61, 2], [2**30, 0, 2**40],
+                                  [1] * 9, [7, 2**59]])
+@pytest.mark.parametrize("elem_type", [TensorProto.FLOAT, TensorProto.INT4, TensorProto.BOOL, TensorProto.DOUBLE],
+                         ids=["f32", "int4", "bool", "f64"])
+def test_tensor_accepts_exactly_the_shapes_that_fit_and_sizes_them_as_storage_nbytes(dims, elem_type):
+    # Tensor computes the element count once for its checks; what it accepts and the size it
+    # records must be shape_fits' and storage_nbytes' own answers.
+    from onnxpack.graph._tensor import Tensor, shape_fits, storage_nbytes
+
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+    t = TensorProto(name="t", data_type=elem_type, dims=dims)
+    t.data_location = TensorProto.EXTERNAL  # no data needed to decide the shape
+    if not shape_fits(tuple(dims), dtype.itemsize):
+        with pytest.raises(ModelLoadError, match="too large for any array"):
+            Tensor(t, None)
+        return
+    with pytest.raises(ExternalDataError, match="no data folder"):  # past the shape checks
+        Tensor(t, None)
+    t.data_location = TensorProto.DEFAULT
+    t.raw_data = b"\0" * storage_nbytes(elem_type, tuple(dims), dtype) if math.prod(dims) < 2**20 else b""
+    if math.prod(dims) < 2**20:
+        assert Tensor(t, None).nbytes == storage_nbytes(elem_type, tuple(dims), dtype)
