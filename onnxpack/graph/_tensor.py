@@ -28,6 +28,8 @@ for _name, _bits in (("INT2", 2), ("UINT2", 2), ("FLOAT6E2M3", 6), ("FLOAT6E3M2"
 
 
 _DTYPES: dict[int, np.dtype] = {}
+_STRING = TensorProto.STRING
+_EXTERNAL = TensorProto.EXTERNAL
 
 
 def _np_dtype(elem_type: int, name: str) -> np.dtype:
@@ -139,32 +141,43 @@ class Tensor:
     def __init__(self, proto: TensorProto, files: DataFiles | None, *,
                  array: np.ndarray | None = None) -> None:
         self.proto = proto
-        self.name = proto.name
-        self.elem_type = proto.data_type
-        self.dims = tuple(proto.dims)  # protobuf's int64 field: Python ints
-        if self.dims and min(self.dims) < 0:
-            raise ModelLoadError(f"tensor {self.name!r}: negative dimension in {self.dims}")
-        self.dtype = _np_dtype(self.elem_type, self.name)
-        if not shape_fits(self.dims, self.dtype.itemsize):
-            raise ModelLoadError(f"tensor {self.name!r}: shape {self.dims} is too large for any array")
+        self.name = name = proto.name
+        self.elem_type = elem_type = proto.data_type
+        self.dims = dims = tuple(proto.dims)  # protobuf's int64 field: Python ints
+        # One product and one minimum serve every check below (shape_fits and storage_nbytes
+        # computed them again: a QDQ ResNet-50 builds ~840 tensors, half of them scalars).
+        count = math.prod(dims)
+        low = min(dims) if dims else 1
+        if low < 0:
+            raise ModelLoadError(f"tensor {name!r}: negative dimension in {dims}")
+        dtype = _DTYPES.get(elem_type)
+        if dtype is None:
+            dtype = _np_dtype(elem_type, name)
+        self.dtype = dtype
+        itemsize = dtype.itemsize
+        # every dim positive: shape_fits' own common case, without the call
+        fits = count * max(itemsize, 1) <= _MAX_ARRAY_BYTES if low > 0 else shape_fits(dims, itemsize)
+        if not fits:
+            raise ModelLoadError(f"tensor {name!r}: shape {dims} is too large for any array")
         self._array = array
         self._buffer = None
         self._raw: bytes | memoryview | None = None
         self.external: ExternalLocation | None = None
-        if self.elem_type == TensorProto.STRING:
-            if proto.data_location == TensorProto.EXTERNAL:
+        if elem_type == _STRING:
+            if proto.data_location == _EXTERNAL:
                 raise ExternalDataError(
-                    f"tensor {self.name!r}: string tensors cannot be stored as external data"
+                    f"tensor {name!r}: string tensors cannot be stored as external data"
                 )
-            if array is None and len(proto.string_data) != math.prod(self.dims):
+            if array is None and len(proto.string_data) != count:
                 raise ModelLoadError(
-                    f"tensor {self.name!r}: holds {len(proto.string_data)} strings, expected "
-                    f"{math.prod(self.dims)} for shape {self.dims}"
+                    f"tensor {name!r}: holds {len(proto.string_data)} strings, expected "
+                    f"{count} for shape {dims}"
                 )
             self.nbytes = sum(len(s) for s in proto.string_data)
             return
-        self.nbytes = storage_nbytes(self.elem_type, self.dims, self.dtype)
-        if proto.data_location == TensorProto.EXTERNAL:
+        bits = _PACKED_BITS.get(elem_type)  # storage_nbytes, with the product known
+        self.nbytes = count * itemsize if bits is None else (count * bits + 7) // 8
+        if proto.data_location == _EXTERNAL:
             if files is None:
                 raise ExternalDataError(
                     f"tensor {self.name!r} uses external data but no data folder is known"
@@ -245,7 +258,18 @@ class Tensor:
             typed = _TYPED_NUMPY.get(self.elem_type)
             if typed is not None and not self.proto.HasField("segment"):
                 field, storage = typed
-                arr = np.asarray(getattr(self.proto, field), dtype=storage).astype(self.dtype).reshape(self.dims)
+                values = getattr(self.proto, field)
+                if len(values) == 1:
+                    # One value (a QDQ model's scales and zero points, ~400 in a ResNet-50): a
+                    # fresh 0-d array of it, cast and shaped as below; numpy's sequence
+                    # conversion of the repeated field costs several times more.
+                    arr = np.array(values[0], dtype=storage)
+                    if arr.dtype != self.dtype:
+                        arr = arr.astype(self.dtype)
+                    if self.dims != ():
+                        arr = arr.reshape(self.dims)
+                else:
+                    arr = np.asarray(values, dtype=storage).astype(self.dtype).reshape(self.dims)
             else:
                 arr = onnx.numpy_helper.to_array(self.proto)
         elif self.elem_type in _PACKED_BITS or sys.byteorder == "big":

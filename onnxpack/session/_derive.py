@@ -48,30 +48,75 @@ _VIEWS = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 
 
 class Derivation:
-    """How a constant value comes from a stored leaf weight (see the module docstring).
+    """How a constant value comes from a stored leaf weight (see the module docstring): one op
+    (``node``) applied to the value ``prev`` derives (None: to the leaf ``src`` itself), with the
+    small constants ``values`` as its other inputs.
 
     ``digest`` is computed on first use: only a value some kernel packs needs its key, and most
     derived values are not packed (a QDQ model's BatchNormalization statistics, fake-quant
     scales) — hashing each one's small constants at every session creation cost more than
-    deriving it.
+    deriving it.  The op's kernel is built when the value is first computed: at a warm start
+    most never are.  (Plain fields and methods, not closures: a QDQ ResNet-50 derives ~290
+    values per session, and each closure's function and cells were garbage the collector walked.)
     """
 
-    __slots__ = ("dtype", "shape", "is_view", "compute", "_digest", "_make_digest")
+    __slots__ = ("dtype", "shape", "is_view", "_node", "_domain", "_opset", "_opsets", "_cls", "_values",
+                 "_prev", "_src", "_kernel", "_digest")
 
-    def __init__(self, digest: bytes | Callable[[], bytes], dtype: np.dtype, shape: tuple[int, ...], is_view: bool,
-                 compute: Callable[[np.ndarray], np.ndarray]) -> None:
+    def __init__(self, node: NodeProto, domain: str, opset: int, opsets: dict[str, int], cls: type,
+                 values: tuple[WeightRef | None, ...], src: WeightRef, dtype: np.dtype, shape: tuple[int, ...]) -> None:
         self.dtype = dtype
         self.shape = shape
-        self.is_view = is_view
-        self.compute = compute  # leaf value -> the value
-        self._digest, self._make_digest = (digest, None) if isinstance(digest, bytes) else (None, digest)
+        self._node, self._domain, self._opset, self._opsets, self._cls = node, domain, opset, opsets, cls
+        self._values = values
+        self._src = src
+        self._prev: Derivation | None = src.derived  # type: ignore[assignment]
+        prev = self._prev
+        self.is_view = node.op_type in _VIEWS and (prev is None or prev.is_view)
+        self._kernel = None
+        self._digest: bytes | None = None
+
+    def kernel(self):
+        """The op's kernel, built once (a failed build is retried at the next call)."""
+        if self._kernel is None:
+            self._kernel = self._cls(self._node, KernelContext(opset=self._opset, opsets=self._opsets))
+        return self._kernel
 
     @property
     def digest(self) -> bytes:
         if self._digest is None:
             self._digest = self._make_digest()
-            self._make_digest = None
         return self._digest
+
+    def _make_digest(self) -> bytes:
+        node, prev, src = self._node, self._prev, self._src
+        h = hashlib.blake2b(digest_size=16)
+        if prev is not None:
+            h.update(prev.digest)
+        else:
+            # The leaf's declared type and shape: the same bytes read as another dtype (a model
+            # whose weight now says bfloat16 where it said float16) derive another value, and a
+            # pack of the old value must not be found under the new one's key.
+            h.update(b"leaf:" + f"{_dtype_name(src.dtype)}{tuple(src.shape)}".encode())
+        h.update(f"|{self._domain}:{node.op_type}:{self._opset}|".encode())
+        for a in sorted(node.attribute, key=lambda a: a.name):
+            if a.type not in (AttributeProto.GRAPH, AttributeProto.GRAPHS):
+                h.update(a.SerializeToString())
+        for w in self._values:
+            # The bytes hashed in place (no copy): streaming them after their length digests the
+            # same as hashing the two joined.
+            raw = b"-" if w is None else memoryview(w.raw()).cast("B")
+            h.update(len(raw).to_bytes(8, "little"))
+            h.update(raw)
+            if w is not None:
+                h.update(f"{_dtype_name(w.dtype)}{w.shape}".encode())
+        return h.digest()
+
+    def compute(self, leaf: np.ndarray) -> np.ndarray:
+        """The value, from the leaf weight's value."""
+        x = self._prev.compute(leaf) if self._prev is not None else leaf
+        args = [None if w is None else w.value() for w in self._values]
+        return np.asarray(self.kernel().run(x, *args)[0])
 
     @property
     def elem_type(self) -> int:
@@ -87,15 +132,20 @@ def derive(node: NodeProto, weight_of: Callable[[str], WeightRef | None], opsets
     if node.op_type not in _FOLDABLE_OPS:  # the common case first: one string compare
         return None
     domain = normalize_domain(node.domain)
-    if len([o for o in node.output if o]) != 1 or not node.output[0]:
+    outputs = node.output
+    if len(outputs) == 1:  # the common case: one output, which must be named
+        if not outputs[0]:
+            return None
+    elif len([o for o in outputs if o]) != 1 or not outputs[0]:
         return None
-    if (domain, node.op_type) not in FOLDABLE or not node.input or not node.input[0]:
+    inputs = tuple(node.input)  # one conversion: protobuf builds a container at every access
+    if (domain, node.op_type) not in FOLDABLE or not inputs or not inputs[0]:
         return None
-    src = weight_of(node.input[0])
+    src = weight_of(inputs[0])
     if src is None or src.user or src.elem_type == TensorProto.STRING:
         return None
     others = []
-    for name in node.input[1:]:
+    for name in inputs[1:]:
         if not name:
             others.append(None)
             continue
@@ -108,62 +158,25 @@ def derive(node: NodeProto, weight_of: Callable[[str], WeightRef | None], opsets
         shape, dtype = _infer(node, src.shape, np.dtype(src.dtype), others, opset)
         # numpy refuses a shape whose nonzero dims multiply past its index range, even with a 0
         # dim (an empty weight reshaped to [2**61 + 3, 0]): such a value is never derived.
-        if math.prod(d for d in shape if d) * max(np.dtype(dtype).itemsize, 1) > np.iinfo(np.intp).max:
+        if math.prod(d for d in shape if d) * max(np.dtype(dtype).itemsize, 1) > _INTP_MAX:
             raise ValueError("shape too large for numpy")
     except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         return None  # anything unusual: leave the node to run as it is
     cls = lookup(domain, node.op_type, opset)
     if cls is None:
         return None
-    built: list = []
-
-    def kernel():  # built when the value is first computed: most derived values never are (warm)
-        if not built:
-            built.append(cls(node, KernelContext(opset=opset, opsets=opsets)))
-        return built[0]
-
+    derivation = Derivation(node, domain, opset, opsets, cls, tuple(others), src, dtype, shape)
     if node.op_type == "Cast":  # the one foldable kernel that may decline a node (its target type)
         try:
-            kernel()
+            derivation.kernel()
         except NotImplementedError:
             return None
-    values = tuple(others)
-    prev = src.derived
-
-    src_type = f"{_dtype_name(src.dtype)}{tuple(src.shape)}"
-
-    def digest() -> bytes:
-        h = hashlib.blake2b(digest_size=16)
-        if prev is not None:
-            h.update(prev.digest)
-        else:
-            # The leaf's declared type and shape: the same bytes read as another dtype (a model
-            # whose weight now says bfloat16 where it said float16) derive another value, and a
-            # pack of the old value must not be found under the new one's key.
-            h.update(b"leaf:" + src_type.encode())
-        h.update(f"|{domain}:{node.op_type}:{opset}|".encode())
-        for a in sorted(node.attribute, key=lambda a: a.name):
-            if a.type not in (AttributeProto.GRAPH, AttributeProto.GRAPHS):
-                h.update(a.SerializeToString())
-        for w in values:
-            raw = b"-" if w is None else bytes(memoryview(w.raw()).cast("B"))
-            h.update(len(raw).to_bytes(8, "little") + raw)
-            if w is not None:
-                h.update(f"{_dtype_name(w.dtype)}{w.shape}".encode())
-        return h.digest()
-
-    def compute(leaf: np.ndarray, _prev=prev) -> np.ndarray:
-        x = _prev.compute(leaf) if _prev is not None else leaf
-        args = [None if w is None else w.value() for w in values]
-        return np.asarray(kernel().run(x, *args)[0])
-
-    is_view = node.op_type in _VIEWS and (prev is None or prev.is_view)
-    derivation = Derivation(digest, dtype, shape, is_view, compute)
     # (not dataclasses.replace: it re-reads the class's fields at every call, a fifth of derive())
     return WeightRef(src.scope, src.name, src.tensor, src.array, derivation)
 
 
 _DTYPE_NAMES: dict[np.dtype, str] = {}
+_INTP_MAX = int(np.iinfo(np.intp).max)
 
 
 def _dtype_name(dtype: np.dtype) -> str:

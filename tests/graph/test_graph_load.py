@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import ml_dtypes
@@ -354,3 +355,54 @@ def test_the_utf8_twin_parses_what_onnx_parses():
     data = m.SerializeToString() + b"\xf8\x07\x05"  # field 127, varint 5: unknown to the schema
     assert _model._valid_utf8(data)
     assert load_model(data).proto.graph.node[0].name == "relu-ü-€-😀"
+
+
+
+@pytest.mark.parametrize("elem_type,value,in_range", [
+    (TensorProto.FLOAT, 0.03571455180644989, True), (TensorProto.FLOAT, float("nan"), True),
+    (TensorProto.FLOAT, -0.0, True), (TensorProto.DOUBLE, -1e300, True), (TensorProto.INT64, -(2**40), True),
+    (TensorProto.INT32, 2**30, True), (TensorProto.INT8, -128, True), (TensorProto.INT8, 200, False),
+    (TensorProto.UINT8, 255, True), (TensorProto.UINT8, 300, False),
+], ids=["f32", "f32-nan", "f32-negzero", "f64", "i64", "i32", "i8", "i8-wraps", "u8", "u8-wraps"])
+@pytest.mark.parametrize("dims", [[], [1], [1, 1]], ids=["0d", "1", "1x1"])
+def test_one_value_typed_tensors_read_as_the_many_value_path_reads_them(elem_type, value, in_range, dims):
+    # One stored value takes a shortcut (a QDQ model's scales and zero points); its array must be
+    # the general conversion's, bit for bit: same dtype, shape and bytes, out-of-range int8/uint8
+    # values wrapped the same way, read-only.
+    from onnxpack.graph._tensor import _TYPED_NUMPY, Tensor
+
+    t = TensorProto(name="t", data_type=elem_type, dims=dims)
+    field, storage = _TYPED_NUMPY[elem_type]
+    getattr(t, field).append(value)
+    got = Tensor(t, None).numpy()
+    want = np.asarray(getattr(t, field), dtype=storage).astype(got.dtype).reshape(dims)
+    assert got.dtype == want.dtype == helper.tensor_dtype_to_np_dtype(elem_type)
+    assert got.shape == want.shape == tuple(dims)
+    assert got.tobytes() == want.tobytes()
+    assert not got.flags.writeable
+    if in_range:
+        np.testing.assert_array_equal(got, numpy_helper.to_array(t))
+
+
+@pytest.mark.parametrize("dims", [[], [3], [2, 5], [0], [4, 0, 2**62], [2**31, 2**31], [2**61, 2], [2**30, 0, 2**40],
+                                  [1] * 9, [7, 2**59]])
+@pytest.mark.parametrize("elem_type", [TensorProto.FLOAT, TensorProto.INT4, TensorProto.BOOL, TensorProto.DOUBLE],
+                         ids=["f32", "int4", "bool", "f64"])
+def test_tensor_accepts_exactly_the_shapes_that_fit_and_sizes_them_as_storage_nbytes(dims, elem_type):
+    # Tensor computes the element count once for its checks; what it accepts and the size it
+    # records must be shape_fits' and storage_nbytes' own answers.
+    from onnxpack.graph._tensor import Tensor, shape_fits, storage_nbytes
+
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+    t = TensorProto(name="t", data_type=elem_type, dims=dims)
+    t.data_location = TensorProto.EXTERNAL  # no data needed to decide the shape
+    if not shape_fits(tuple(dims), dtype.itemsize):
+        with pytest.raises(ModelLoadError, match="too large for any array"):
+            Tensor(t, None)
+        return
+    with pytest.raises(ExternalDataError, match="no data folder"):  # past the shape checks
+        Tensor(t, None)
+    t.data_location = TensorProto.DEFAULT
+    t.raw_data = b"\0" * storage_nbytes(elem_type, tuple(dims), dtype) if math.prod(dims) < 2**20 else b""
+    if math.prod(dims) < 2**20:
+        assert Tensor(t, None).nbytes == storage_nbytes(elem_type, tuple(dims), dtype)

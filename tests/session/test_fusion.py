@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -474,3 +475,97 @@ def test_fused_gelu_overflows_where_the_graph_does(half_last, jit_path):
     want = _ort(model, feed)[0]
     assert np.array_equal(np.isinf(got), np.isinf(want)) and np.isinf(want).any() == half_last
     np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-6)
+
+
+# -- the planner's own look-ups, against the checks they replace ----------------------------------
+def _users_of_by_counting(nodes, readers, protected, taken):
+    """``users_of`` as it was first written: the users, then their reads counted from the protos."""
+    by_input: dict[str, list[int]] = {}
+    for k, node in enumerate(nodes):
+        for name in node.input:
+            if name:
+                by_input.setdefault(name, []).append(k)
+
+    def users_of(name):
+        users = sorted(set(by_input.get(name, [])))
+        if not users or name in protected or any(u in taken for u in users):
+            return None
+        count = sum(1 for u in users for i in nodes[u].input if i == name)
+        return users if readers.get(name, 0) == count else None
+    return users_of
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sole_users_equals_counting_the_reads(seed):
+    # Random graphs with names read twice by one node, by several nodes, by "subgraphs" (extra
+    # reads), protected names and taken nodes: the list-length count answers as the recount did.
+    from onnxpack.session._fusion import _Nodes, _sole_users
+
+    rng = np.random.default_rng(seed)
+    names = [f"v{i}" for i in range(12)]
+    nodes = []
+    for k in range(25):
+        ins = [str(rng.choice(names + [""])) for _ in range(int(rng.integers(1, 4)))]
+        nodes.append(helper.make_node("Add", ins, [f"o{k}"]))
+    readers: dict[str, int] = {}
+    for node in nodes:
+        for n in node.input:
+            if n:
+                readers[n] = readers.get(n, 0) + 1
+    for n in rng.choice(names, 3, replace=False):
+        readers[str(n)] = readers.get(str(n), 0) + 1  # a subgraph's read
+    protected = {str(n) for n in rng.choice(names, 2, replace=False)}
+    for taken in (set(), {int(t) for t in rng.choice(25, 5, replace=False)}):
+        want = _users_of_by_counting(nodes, readers, protected, taken)
+        for wrapped in (nodes, _Nodes(nodes)):
+            got = _sole_users(wrapped, readers, protected, taken)
+            for n in names + ["missing", ""]:
+                assert got(n) == want(n), n
+    # the answer is the caller's list: changing it changes nothing kept
+    some = next(n for n in names if _sole_users(nodes, readers, set(), set())(n))
+    users_of = _sole_users(nodes, readers, set(), set())
+    first = users_of(some)
+    first.append(99)
+    assert 99 not in users_of(some)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", ">i2", ">u2", "int32", "int4", "uint4",
+                                   "float32", "float8_e4m3fn", "bool"])
+def test_fake_quant_range_is_the_table_by_name(dtype):
+    from onnxpack.session._fusion import _FAKE_QUANT_TYPES, _fake_quant_range
+
+    dt = np.dtype(getattr(ml_dtypes, dtype)) if hasattr(ml_dtypes, dtype) else np.dtype(dtype)
+    for _ in range(2):  # computed, then cached
+        assert _fake_quant_range(dt) == _FAKE_QUANT_TYPES.get(dt.name)
+
+
+@pytest.mark.parametrize("scale", [
+    np.array(0.05, np.float32), np.array([0.05], np.float32), np.array(0.0, np.float32), np.array(-0.0, np.float32),
+    np.array(-0.05, np.float32), np.array(np.nan, np.float32), np.array(np.inf, np.float32),
+    np.array(1e-45, np.float32), np.array([0.1, 0.2], np.float32), np.array([0.1, 0.0], np.float32),
+    np.array([0.1, np.nan], np.float32),
+], ids=["pos", "pos-1d", "zero", "negzero", "neg", "nan", "inf", "denormal", "axis-pos", "axis-zero", "axis-nan"])
+def test_fake_quant_pair_accepts_a_scale_exactly_when_every_value_is_positive(scale):
+    from onnxpack.session._fusion import _fake_quant_pair
+
+    zp = np.zeros(scale.shape, np.uint8)
+    values = {"s": scale, "z": zp}
+    q = helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], axis=0)
+    dq = helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"], axis=0)
+    got = _fake_quant_pair(q, dq, values.get, 13)
+    assert (got is not None) == bool((scale > 0).all())
+    if got is not None:
+        assert got[:3] == (0, 0, 255) and got[3] is scale and got[4] is zp
+
+
+@pytest.mark.parametrize("outputs", [["y"], [""], [], ["y", ""], ["", "y"], ["y", "z"], ["y", "", ""], ["", ""]],
+                         ids=["one", "unnamed", "none", "named-unnamed", "unnamed-named", "two", "named-2-unnamed",
+                              "two-unnamed"])
+def test_sole_output_is_the_named_first_output_of_a_one_output_node(outputs):
+    from onnxpack.session._fusion import _sole_output
+
+    node = helper.make_node("Relu", ["x"], outputs)
+    # the condition it replaces: exactly one named output, and it is the first
+    first = node.output[0] if node.output else ""
+    want = first if first and len([o for o in node.output if o]) == 1 else ""
+    assert _sole_output(node) == want
