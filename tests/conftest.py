@@ -79,8 +79,12 @@ def jit_path(request, monkeypatch):
     """Which compute path the JIT-backed kernels take (activations, RMS norm, the decoding step
     of GroupQueryAttention): numba's kernels, the same kernels from the native code cache without
     numba, or the numpy twins (``ONNXPACK_DISABLE_JIT=1``).  Returns the name."""
+    from onnxpack.session import _program
     from onnxpack.session.kernels import _act
 
+    # A session of an earlier test may still be warming its kernels up in the background: were
+    # it to load them while this fixture changes the settings, it would cache the old choice.
+    assert _program.wait_warm_ups(timeout=600)
     monkeypatch.setattr(_act, "_native_kernels", [])  # looked up again under this test's settings
     if request.param == "numpy":
         monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")

@@ -245,27 +245,63 @@ class Program:
         loading native code) hold the interpreter for 1-3 ms of every session's creation.
         """
         if self.warm_ups:
-            _thread.start_new_thread(_warm_up, (self.warm_ups,))
+            with _PENDING:
+                _pending[0] += 1
+            try:
+                _thread.start_new_thread(_warm_up, (self.warm_ups,))
+            except BaseException:
+                _warm_up_done()
+                raise
 
 
 # Held while warm-ups run, and taken around fork(): a warm-up loads compiled code under the JIT's
 # own locks, and a child forked while another thread held one would wait for it forever (a
 # session forked into workers right after creation hung so in its first run).
 _WARMING = threading.Lock()
+# Warm-ups started and not finished (counted from the creating thread, before the new thread
+# runs): wait_warm_ups() waits for them.
+_PENDING = threading.Condition()
+_pending = [0]
 
 
 def _warm_up(tasks: Sequence[Callable[[], None]]) -> None:
-    with _WARMING:
-        for task in tasks:
-            try:
-                task()
-            except Exception as exc:  # a warm-up only saves time later; the first run reports real errors
-                logger.debug("warm-up %r failed: %s", task, exc)
+    try:
+        with _WARMING:
+            for task in tasks:
+                try:
+                    task()
+                except Exception as exc:  # a warm-up only saves time later; the first run reports real errors
+                    logger.debug("warm-up %r failed: %s", task, exc)
+    finally:
+        _warm_up_done()
+
+
+def _warm_up_done() -> None:
+    with _PENDING:
+        _pending[0] -= 1
+        _PENDING.notify_all()
+
+
+def wait_warm_ups(timeout: float | None = None) -> bool:
+    """Waits until every warm-up started so far in this process has finished; False on timeout.
+
+    For code that changes what the JIT loaders see (their caches, ``ONNXPACK_DISABLE_*``): a
+    warm-up still running in the background would otherwise load kernels under the old settings.
+    """
+    with _PENDING:
+        return _PENDING.wait_for(lambda: _pending[0] <= 0, timeout)
+
+
+def _after_fork_in_child() -> None:
+    global _PENDING
+    _WARMING.release()
+    _PENDING = threading.Condition()  # the parent's warm-up threads do not exist here
+    _pending[0] = 0
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_WARMING.acquire, after_in_parent=_WARMING.release,
-                        after_in_child=_WARMING.release)
+                        after_in_child=_after_fork_in_child)
 
 
 # -- running ------------------------------------------------------------------------------------

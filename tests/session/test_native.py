@@ -32,6 +32,9 @@ def _cache_file(folder: str) -> str:
 @pytest.fixture
 def cache_copy(native_cache, tmp_path, monkeypatch):
     """A private copy of the built cache folder, made the code cache for this test."""
+    from onnxpack.session import _program
+
+    assert _program.wait_warm_ups(timeout=600)  # no earlier session loads kernels under the old settings
     folder = tmp_path / "cache"
     shutil.copytree(native_cache, folder)
     monkeypatch.setenv("ONNXPACK_CODE_CACHE", str(folder))
@@ -209,3 +212,48 @@ def test_first_process_builds_the_cache_in_the_background(tmp_path):
                        cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.split()[1] == "False"
+
+
+def test_wait_warm_ups_waits_for_started_warm_ups():
+    # start_warm_ups counts a warm-up before its thread runs, so a caller that changes the JIT
+    # loaders' settings can wait for every warm-up already started, even one not yet scheduled.
+    import threading
+
+    from onnxpack.session import _program
+
+    gate, ran = threading.Event(), []
+
+    class _Program:
+        warm_ups = (lambda: (gate.wait(10), ran.append(1)),)
+
+    _program.Program.start_warm_ups(_Program())
+    assert not _program.wait_warm_ups(timeout=0.05)  # still running: blocked on the gate
+    gate.set()
+    assert _program.wait_warm_ups(timeout=10) and ran == [1]
+
+
+def test_a_forked_child_does_not_wait_for_its_parents_warm_ups():
+    import threading
+
+    from onnxpack.session import _program
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork")
+    gate = threading.Event()
+
+    class _Program:
+        warm_ups = (lambda: gate.wait(10),)
+
+    _program.Program.start_warm_ups(_Program())
+    try:
+        # The thread may not hold _WARMING yet (then the fork does not wait for it): the child
+        # must not count it either way.
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            os._exit(0 if _program.wait_warm_ups(timeout=1) else 1)
+        gate.set()
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        gate.set()
+        assert _program.wait_warm_ups(timeout=10)
