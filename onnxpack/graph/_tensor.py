@@ -144,20 +144,13 @@ class Tensor:
         self.name = name = proto.name
         self.elem_type = elem_type = proto.data_type
         self.dims = dims = tuple(proto.dims)  # protobuf's int64 field: Python ints
-        # One product and one minimum serve every check below (shape_fits and storage_nbytes
-        # computed them again: a QDQ ResNet-50 builds ~840 tensors, half of them scalars).
-        count = math.prod(dims)
-        low = min(dims) if dims else 1
-        if low < 0:
+        if dims and min(dims) < 0:
             raise ModelLoadError(f"tensor {name!r}: negative dimension in {dims}")
         dtype = _DTYPES.get(elem_type)
         if dtype is None:
             dtype = _np_dtype(elem_type, name)
         self.dtype = dtype
-        itemsize = dtype.itemsize
-        # every dim positive: shape_fits' own common case, without the call
-        fits = count * max(itemsize, 1) <= _MAX_ARRAY_BYTES if low > 0 else shape_fits(dims, itemsize)
-        if not fits:
+        if not shape_fits(dims, dtype.itemsize):
             raise ModelLoadError(f"tensor {name!r}: shape {dims} is too large for any array")
         self._array = array
         self._buffer = None
@@ -168,15 +161,14 @@ class Tensor:
                 raise ExternalDataError(
                     f"tensor {name!r}: string tensors cannot be stored as external data"
                 )
-            if array is None and len(proto.string_data) != count:
+            if array is None and len(proto.string_data) != math.prod(dims):
                 raise ModelLoadError(
                     f"tensor {name!r}: holds {len(proto.string_data)} strings, expected "
-                    f"{count} for shape {dims}"
+                    f"{math.prod(dims)} for shape {dims}"
                 )
             self.nbytes = sum(len(s) for s in proto.string_data)
             return
-        bits = _PACKED_BITS.get(elem_type)  # storage_nbytes, with the product known
-        self.nbytes = count * itemsize if bits is None else (count * bits + 7) // 8
+        self.nbytes = storage_nbytes(elem_type, dims, dtype)
         if proto.data_location == _EXTERNAL:
             if files is None:
                 raise ExternalDataError(

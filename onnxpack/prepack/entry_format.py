@@ -40,7 +40,6 @@ from urllib.parse import quote
 import numpy as np
 
 from onnxpack.graph import MAX_FILE_POSITION, mapped_view, shape_fits
-from onnxpack.graph._tensor import _MAX_ARRAY_BYTES
 from onnxpack.errors import PrepackFormatError
 
 logger = logging.getLogger(__name__)
@@ -216,7 +215,7 @@ def _buffer_ok(b: "BufferRecord") -> bool:
         if type(d) is not int or not 0 < d <= MAX_OFFSET:  # a zero dim: the careful path
             return False
         n *= d
-    return n == length and n <= _MAX_ARRAY_BYTES
+    return n == length and shape_fits(shape, itemsize)
 
 
 @dataclasses.dataclass(frozen=True)

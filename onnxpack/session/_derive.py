@@ -31,6 +31,7 @@ import numpy as np
 from onnx import AttributeProto, NodeProto, TensorProto, helper
 
 from onnxpack.prepack import WeightRef
+from onnxpack.session._fusion import sole_output
 from onnxpack.session.kernels import KernelContext, lookup, normalize_domain
 
 __all__ = ["Derivation", "derive"]
@@ -132,11 +133,7 @@ def derive(node: NodeProto, weight_of: Callable[[str], WeightRef | None], opsets
     if node.op_type not in _FOLDABLE_OPS:  # the common case first: one string compare
         return None
     domain = normalize_domain(node.domain)
-    outputs = node.output
-    if len(outputs) == 1:  # the common case: one output, which must be named
-        if not outputs[0]:
-            return None
-    elif len([o for o in outputs if o]) != 1 or not outputs[0]:
+    if not sole_output(node):
         return None
     inputs = tuple(node.input)  # one conversion: protobuf builds a container at every access
     if (domain, node.op_type) not in FOLDABLE or not inputs or not inputs[0]:

@@ -400,7 +400,7 @@ def match_activation(nodes, t, users_of, const_value, opset):
         ins = tuple(n.input)
         if ins.count(t) != 1 or ins[0] != t and n.op_type not in ("Mul", "Add", "Max", "Min"):
             return None
-        out = _sole_output(n)
+        out = sole_output(n)
         if not out:
             return None
         if n.op_type == "Relu":
@@ -702,7 +702,7 @@ def _fake_quant_pair(q: NodeProto, dq: NodeProto, const_value: Callable[[str], n
     q_in, dq_in = tuple(q.input), tuple(dq.input)  # one conversion each (protobuf builds a container per access)
     if len(q_in) != 3 or len(dq_in) != 3 or dq.op_type != "DequantizeLinear" or not q.output:
         return None
-    if dq_in[0] != q.output[0] or not _sole_output(dq):
+    if dq_in[0] != q.output[0] or not sole_output(dq):
         return None
     qa, da = _attrs(q), _attrs(dq)
     for a in (qa, da):
@@ -742,8 +742,9 @@ def _fake_quant_range(dtype: np.dtype) -> tuple[int, int] | None:
         return got
 
 
-def _sole_output(node: NodeProto) -> str:
-    """The node's first output when it is named and no other output is, else ``""``."""
+def sole_output(node: NodeProto) -> str:
+    """The node's first output when it is named and no other output is, else ``""`` (the
+    one-output test of fusion matching and of constant derivation)."""
     outs = node.output
     if len(outs) == 1:  # the common case, without building a list
         return outs[0]

@@ -562,7 +562,7 @@ def test_fake_quant_pair_accepts_a_scale_exactly_when_every_value_is_positive(sc
                          ids=["one", "unnamed", "none", "named-unnamed", "unnamed-named", "two", "named-2-unnamed",
                               "two-unnamed"])
 def test_sole_output_is_the_named_first_output_of_a_one_output_node(outputs):
-    from onnxpack.session._fusion import _sole_output
+    from onnxpack.session._fusion import sole_output as _sole_output
 
     node = helper.make_node("Relu", ["x"], outputs)
     # the condition it replaces: exactly one named output, and it is the first

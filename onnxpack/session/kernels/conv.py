@@ -774,14 +774,6 @@ class Conv(Kernel):
         return y
 
     @staticmethod
-    def _gemm(wm: np.ndarray, cols: np.ndarray, n: int, g: int) -> np.ndarray:
-        if g == 1:
-            if n == 1:
-                return _act.matmul(wm[0], cols[0, 0])
-            return _act.matmul(wm[0], cols[:, 0])
-        return np.matmul(wm, cols)
-
-    @staticmethod
     def _depthwise(xp, wm, ks, out, strides, dils) -> np.ndarray:
         """kh*kw multiply-adds over the whole tensor, one per kernel tap.
 
