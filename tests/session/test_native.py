@@ -1,5 +1,6 @@
 """The native code cache (``session/kernels/_native.py``, ``_jit_native.py``): JIT kernels that
-numba compiled once, loaded later with llvmlite alone.
+numba compiled once, loaded later without numba (a shared library where the system linker made
+one, else the object code through llvmlite).
 
 Oracles: numpy (the kernels' numpy twins and formulas), the bytes of the cache file, and
 ``sys.modules`` of a fresh process (numba must not be imported when the cache serves).
@@ -8,6 +9,8 @@ The kernels' agreement with onnxruntime runs in ``test_kernels_int4.py`` (its ``
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -16,6 +19,7 @@ import struct
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from onnxpack.session.kernels import _act, _jit_native, _native
@@ -64,6 +68,51 @@ def test_cache_file_layout(cache_copy):
         for bits in (4, 8):
             assert {f"gemv{bits}_{sc}", f"gemv{bits}_{sc}_omp", f"dequant{bits}_{sc}"} <= names
     assert "act_f32" in names
+
+
+needs_ld = pytest.mark.skipif(shutil.which("ld") is None, reason="no system linker (ld): object code only")
+
+
+@needs_ld
+def test_shared_library_next_to_the_cache_file_matches_its_record(cache_copy):
+    header, _ = _native._read(cache_copy)
+    length, digest = header["shared"]
+    blob = open(_native.shared_path(cache_copy), "rb").read()
+    assert len(blob) == length and hashlib.sha256(blob).hexdigest() == digest
+    assert blob[:4] == b"\x7fELF"
+    # the library exports every entry the header names (what the loader looks up)
+    nm = shutil.which("nm")
+    if nm:
+        exported = subprocess.run([nm, "-D", "--defined-only", _native.shared_path(cache_copy)], capture_output=True,
+                                  text=True, check=True).stdout
+        assert all(symbol in exported for _, symbol in header["entries"].values())
+
+
+@needs_ld
+@pytest.mark.parametrize("how", ["flip-byte", "truncated", "missing"])
+def test_damaged_shared_library_falls_back_to_the_object_code(cache_copy, how, caplog):
+    lib = _native.shared_path(cache_copy)
+    if how == "missing":
+        os.unlink(lib)
+    else:
+        blob = bytearray(open(lib, "rb").read())
+        if how == "flip-byte":
+            blob[len(blob) // 2] ^= 0xFF
+        else:
+            del blob[len(blob) // 2:]
+        open(lib, "wb").write(bytes(blob))
+    assert not _native.intact(cache_copy)  # the background build rewrites both
+    with caplog.at_level(logging.WARNING, logger="onnxpack.session.kernels._native"):
+        kernels = _jit_native.load()
+    assert any("does not match" in r.getMessage() for r in caplog.records)
+    if importlib.util.find_spec("llvmlite") is not None:
+        assert kernels is not None  # the object code, through llvmlite
+        _act._native_kernels[:] = [kernels]  # the fixture's private list
+        assert _act.act_kernels() is kernels
+        x = np.linspace(-30, 30, 4097, dtype=np.float32)
+        y = x.copy()
+        _act.apply(y, [_act.Activation("silu")])
+        assert np.allclose(y, x / (1 + np.exp(-x.astype(np.float64))), rtol=1e-5, atol=1e-6)
 
 
 def _tamper(path: str, how: str) -> None:
@@ -160,7 +209,7 @@ if jit.int8_dot:
         lanes, colsum = qinteger.to_lanes(b)
         got = qinteger.lanes_matmul(a, np.uint8(5), lanes, colsum, k, n, False, np.int8(-3))
         assert np.array_equal(got, (a.astype(np.int64) - 5) @ (b.astype(np.int64) + 3)), (m, k, n)
-print(float(ulp.max()), "numba" in sys.modules)
+print(float(ulp.max()), "numba" in sys.modules, "llvmlite" in sys.modules)
 """
 
 
@@ -170,9 +219,11 @@ def test_native_kernels_serve_without_importing_numba(native_cache):
     p = subprocess.run([sys.executable, "-c", _NO_NUMBA], capture_output=True, text=True, env=env, timeout=120,
                        cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
-    ulp, imported = p.stdout.split()
+    ulp, numba_imported, llvmlite_imported = p.stdout.split()
     assert float(ulp) <= 3.0  # the JIT sigmoid's bound (test_conv_fast.py)
-    assert imported == "False"
+    assert numba_imported == "False"
+    # with a system linker the build made a shared library: loading it needs no llvmlite either
+    assert llvmlite_imported == ("False" if shutil.which("ld") else "True")
 
 
 def test_damaged_cache_file_is_rebuilt_over(cache_copy, monkeypatch):

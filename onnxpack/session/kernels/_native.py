@@ -1,4 +1,4 @@
-"""Native code cache: JIT kernels compiled once by numba, loaded later with llvmlite alone.
+"""Native code cache: JIT kernels compiled once by numba, loaded later without it.
 
 Why: a process that imports numba and loads even one cached kernel pays ~23 MB of private memory
 for numba's modules and ~27 MB more for its runtime (typing registries, the NRT module compiled
@@ -18,13 +18,25 @@ threading layer uses), each taking work items from a dynamic loop: a thread that
 deschedules while another process holds its core leaves its items to the others instead of
 stalling the call.
 
+**A shared library when the system linker allows.**  llvmlite's loader relocates the code into
+private anonymous memory, and importing llvmlite and initializing LLVM costs ~9 MB of private
+memory per process (measured: the Private_Dirty of a fresh process, before and after).  So the
+build also links the object code into a shared object with the system's ``ld`` (binutils; numba's
+runtime functions, which these kernels never reach, bound to ``abort`` by a stub object that
+llvmlite compiles), and a later process opens it with ``dlopen`` (ctypes): ~0.6 MB of private
+memory, code pages shared with every other process through the page cache, no llvmlite import.
+Without ``ld``, or when the library does not open here, the object code serves through llvmlite
+as before.
+
 The file (one per kernel module) lives in the code cache folder — ``ONNXPACK_CODE_CACHE``, else
 ``$XDG_CACHE_HOME/onnxpack/native``, else ``~/.cache/onnxpack/native`` — named by a fingerprint
 of everything the code depends on: the kernel module's and this module's source, the numba,
-llvmlite and Python versions, the CPU's name and features.  Any change picks another name, so a
+llvmlite and Python versions, the CPU (on Linux the identity and feature flags of
+``/proc/cpuinfo``, read without llvmlite; elsewhere LLVM's host CPU name and features).  Any change picks another name, so a
 stale file is never loaded.  Layout: :data:`MAGIC`, an 8-byte little-endian header length, a
-JSON header (entries -> symbols, undefined symbols, object length and SHA-256), the object code.
-A file that does not verify is reported once (a warning) and ignored; the kernels then run
+JSON header (entries -> symbols, undefined symbols, object length and SHA-256, and the shared
+library's length and SHA-256 when one was linked), the object code.  The shared library is the
+same name with ``.so``; it is opened only when its bytes match the header.  A file that does not verify is reported once (a warning) and ignored; the kernels then run
 through numba and the file is rewritten.  Like numba's own cache and Python's ``__pycache__``,
 the folder is trusted: whoever can write it can run code as the user.
 """
@@ -41,8 +53,11 @@ import json
 import logging
 import os
 import platform
+import shutil
 import struct
+import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -57,7 +72,7 @@ MAGIC = b"onnxpack-native-v1\n"
 GOMP = "libgomp.so.1"
 _ENV_DIR = "ONNXPACK_CODE_CACHE"
 _lock = threading.Lock()
-_engines: list[Any] = []  # llvmlite execution engines kept alive for the process's lifetime
+_engines: list[Any] = []  # shared libraries and llvmlite engines, kept alive for the process's lifetime
 _warned: set[str] = set()
 
 
@@ -100,23 +115,50 @@ def _llvm():
     return llvm
 
 
-def fingerprint(sources: Sequence[str]) -> str | None:
-    """Hex digest naming the cache file of the kernels compiled from ``sources`` (file paths);
-    None when llvmlite is missing."""
+_CPUINFO_KEYS = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags", "Features", "CPU implementer",
+                 "CPU architecture", "CPU variant", "CPU part", "isa")
+
+
+def _cpu_identity() -> list[str] | None:
+    """What the compiled code depends on of the CPU: on Linux the identity and feature flags of
+    the first processor in ``/proc/cpuinfo`` (no llvmlite import: LLVM's host detection reads the
+    same CPUID bits the kernel lists); elsewhere LLVM's host CPU name and features (None when
+    llvmlite is missing)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            first = f.read(1 << 16).split("\n\n", 1)[0]
+    except OSError:
+        first = ""
+    fields = {}
+    for line in first.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in _CPUINFO_KEYS:
+            fields[key.strip()] = " ".join(value.split())
+    if fields.get("flags") or fields.get("Features") or fields.get("isa"):
+        return ["cpuinfo", *(f"{k}={fields[k]}" for k in sorted(fields))]
     llvm = _llvm()
     if llvm is None:
+        return None
+    return ["llvm", llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()]
+
+
+def fingerprint(sources: Sequence[str]) -> str | None:
+    """Hex digest naming the cache file of the kernels compiled from ``sources`` (file paths);
+    None when the CPU cannot be described (no ``/proc/cpuinfo`` and no llvmlite)."""
+    cpu = _cpu_identity()
+    if cpu is None:
         return None
     h = hashlib.sha256(MAGIC)
     for path in (*sources, __file__):
         with open(path, "rb") as f:
             h.update(hashlib.sha256(f.read()).digest())
-    h.update(json.dumps([_version("numba"), _version("llvmlite"), sys.version, platform.machine(),
-                         llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()]).encode())
+    h.update(json.dumps([_version("numba"), _version("llvmlite"), sys.version, platform.machine(), cpu]).encode())
     return h.hexdigest()[:32]
 
 
 def path_for(module: str, sources: Sequence[str]) -> str | None:
-    """The cache file of ``module`` compiled from ``sources`` on this machine (None: no llvmlite)."""
+    """The cache file of ``module`` compiled from ``sources`` on this machine (None: see
+    :func:`fingerprint`)."""
     fp = fingerprint(sources)
     return None if fp is None else os.path.join(cache_dir(), f"{module}-{fp}.bin")
 
@@ -147,8 +189,17 @@ def save(module: str, sources: Sequence[str], entries: Mapping[str, Any], expect
         mod = lib._final_module
         undefined.update(f.name for f in mod.functions if f.is_declaration)
         undefined.update(g.name for g in mod.global_variables if g.is_declaration)
-    header = json.dumps({"entries": symbols, "undefined": sorted(undefined),
-                         "objects": [[len(o), hashlib.sha256(o).hexdigest()] for o in objects]}).encode()
+    fields = {"entries": symbols, "undefined": sorted(undefined),
+              "objects": [[len(o), hashlib.sha256(o).hexdigest()] for o in objects]}
+    shared = _link(objects, sorted(undefined), [s for _, s in symbols.values()])
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        if shared is not None:  # the library first: a header never names a library not yet written
+            atomic_write(shared_path(path), lambda f: f.write(shared))
+            fields["shared"] = [len(shared), hashlib.sha256(shared).hexdigest()]
+    except OSError as exc:
+        logger.info("native cache: cannot write %s (%s); the object code will serve", shared_path(path), exc)
+    header = json.dumps(fields).encode()
 
     def write(f) -> None:
         f.write(MAGIC)
@@ -158,12 +209,64 @@ def save(module: str, sources: Sequence[str], entries: Mapping[str, Any], expect
             f.write(o)
 
     try:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         atomic_write(path, write)
     except OSError as exc:
         logger.info("native cache: cannot write %s (%s); kernels keep running through numba", path, exc)
         return None
     return path
+
+
+def shared_path(path: str) -> str:
+    """The shared library linked from the cache file ``path``'s object code."""
+    return path[:-len(".bin")] + ".so" if path.endswith(".bin") else path + ".so"
+
+
+def _stub_object(llvm, names: Sequence[str]) -> bytes:
+    """Object code defining each of ``names`` as a function that calls ``abort``: the numba
+    runtime symbols that the cfunc wrappers name on error paths these kernels never take."""
+    ir = ["declare void @abort() noreturn nounwind"]
+    ir += [f'define void @"{n}"() noreturn nounwind {{\n  call void @abort()\n  unreachable\n}}' for n in names]
+    module = llvm.parse_assembly("\n".join(ir))
+    module.verify()
+    machine = llvm.Target.from_default_triple().create_target_machine(reloc="pic")
+    return machine.emit_object(module)
+
+
+def _link(objects: Sequence[bytes], undefined: Sequence[str], symbols: Sequence[str]) -> bytes | None:
+    """The object codes linked into one shared library by the system linker, or None (no ``ld``,
+    no llvmlite, or a library that does not open or lacks an entry here: logged).  Symbols the
+    process provides at load time stay undefined: the Python C API, GNU OpenMP's, libc's and
+    libm's; any other (numba's runtime and helpers) is bound to ``abort``."""
+    ld = shutil.which("ld")
+    llvm = _llvm()
+    if ld is None or llvm is None:
+        return None
+    process = ctypes.CDLL(None)
+    stubs = [n for n in undefined if not n.startswith(("llvm.", "GOMP_", "omp_"))
+             and not hasattr(ctypes.pythonapi, n) and not hasattr(process, n)]
+    try:
+        with tempfile.TemporaryDirectory(prefix="onnxpack-link-") as tmp:
+            names = []
+            for i, obj in enumerate([*objects, _stub_object(llvm, stubs)]):
+                names.append(os.path.join(tmp, f"{i}.o"))
+                with open(names[-1], "wb") as f:
+                    f.write(obj)
+            out = os.path.join(tmp, "kernels.so")
+            run = subprocess.run([ld, "-shared", "-z", "noexecstack", "-o", out, *names], capture_output=True,
+                                 text=True, timeout=300, stdin=subprocess.DEVNULL)
+            if run.returncode != 0:
+                logger.info("native cache: ld failed (%s); the object code will serve", run.stderr.strip()[-500:])
+                return None
+            if any(n.startswith(("GOMP_", "omp_")) for n in undefined):
+                ctypes.CDLL(gomp_library(), mode=ctypes.RTLD_GLOBAL)
+            lib = ctypes.CDLL(out)
+            if not all(ctypes.cast(lib[sym], ctypes.c_void_p).value for sym in symbols):
+                return None
+            with open(out, "rb") as f:
+                return f.read()
+    except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.info("native cache: no shared library (%s); the object code will serve", exc)
+        return None
 
 
 def _read(path: str) -> tuple[dict, list[bytes]]:
@@ -189,16 +292,32 @@ def _read(path: str) -> tuple[dict, list[bytes]]:
     for name, (index, symbol) in header["entries"].items():
         if not (isinstance(index, int) and 0 <= index < len(objects) and isinstance(symbol, str)):
             raise ValueError(f"entry {name!r} is malformed")
+    shared = header.get("shared")
+    if shared is not None and not (isinstance(shared, list) and len(shared) == 2 and isinstance(shared[0], int)
+                                   and isinstance(shared[1], str)):
+        raise ValueError("the shared library's record is malformed")
     return header, objects
 
 
-def intact(path: str) -> bool:
-    """Whether ``path`` is a cache file that verifies (a damaged one is rebuilt over)."""
+def _shared_ok(path: str, header: dict) -> bool:
+    """Whether the shared library that ``header`` names is next to ``path`` with those bytes."""
+    length, digest = header["shared"]
     try:
-        _read(path)
+        with open(shared_path(path), "rb") as f:
+            blob = f.read(length + 1)
+    except OSError:
+        return False
+    return len(blob) == length and hashlib.sha256(blob).hexdigest() == digest
+
+
+def intact(path: str) -> bool:
+    """Whether ``path`` is a cache file that verifies, with its shared library when it names one
+    (a damaged one is rebuilt over)."""
+    try:
+        header, _ = _read(path)
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return True
+    return "shared" not in header or _shared_ok(path, header)
 
 
 def _helperlib():
@@ -245,16 +364,24 @@ def load(module: str, sources: Sequence[str]) -> dict[str, int] | None:
     none usable here (no llvmlite, no file, a file that does not verify: warned once)."""
     if os.environ.get("ONNXPACK_DISABLE_NATIVE", "") == "1":
         return None
-    llvm = _llvm()
-    path = None if llvm is None else path_for(module, sources)
+    path = path_for(module, sources)
     if path is None or not os.path.isfile(path):
         return None
     try:
         header, objects = _read(path)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        if path not in _warned:
-            _warned.add(path)
-            logger.warning("native code cache %s is unusable (%s); using numba and rewriting it", path, exc)
+        _warn_once(path, f"native code cache {path} is unusable ({exc}); using numba and rewriting it")
+        return None
+    if "shared" in header:
+        if _shared_ok(path, header):
+            addresses = _open_shared(shared_path(path), header)
+            if addresses is not None:
+                return addresses
+        else:
+            _warn_once(shared_path(path), f"native code library {shared_path(path)} does not match its cache file; "
+                                          "loading the object code instead (the cache is rebuilt)")
+    llvm = _llvm()
+    if llvm is None:
         return None
     with _lock:
         if not _resolve(llvm, header["undefined"]):
@@ -272,6 +399,29 @@ def load(module: str, sources: Sequence[str]) -> dict[str, int] | None:
     if not all(addresses.values()):
         return None
     return addresses
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning("%s", message)
+
+
+def _open_shared(path: str, header: dict) -> dict[str, int] | None:
+    """Entry name -> address in the shared library at ``path`` (opened once, kept open), or
+    None when it does not open here (logged; the object code serves)."""
+    try:
+        with _lock:
+            if any(n.startswith(("GOMP_", "omp_")) for n in header["undefined"]):
+                ctypes.CDLL(gomp_library(), mode=ctypes.RTLD_GLOBAL)
+            lib = ctypes.CDLL(path)
+            _engines.append(lib)
+        addresses = {name: ctypes.cast(lib[symbol], ctypes.c_void_p).value
+                     for name, (_, symbol) in header["entries"].items()}
+    except (OSError, AttributeError) as exc:
+        logger.info("native code library %s does not open here (%s); loading the object code", path, exc)
+        return None
+    return addresses if all(addresses.values()) else None
 
 
 class Native:
