@@ -27,6 +27,7 @@ import threading
 
 from onnx import TensorProto
 
+from onnxpack._frozen import fast_init
 from onnxpack.errors import ExternalDataError
 
 __all__ = ["ExternalLocation", "DataFiles", "parse_external_data", "stat_identity", "RESERVED_KEYS",
@@ -54,6 +55,7 @@ _OPEN_FLAGS = (
 )
 
 
+@fast_init
 @dataclasses.dataclass(frozen=True)
 class ExternalLocation:
     """Where an external tensor's bytes live, after validation.

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from onnxpack._frozen import fast_init
 from onnxpack.errors import CacheFileError, InvalidArgument, PrepackWarning
 from onnxpack.graph import Model, stat_identity
 from onnxpack.prepack import cache_file as cf
@@ -92,6 +93,7 @@ def open_cache(path: str) -> cf.CacheFile | None:
         return cache
 
 
+@fast_init
 @dataclasses.dataclass(frozen=True)
 class Obtained:
     """A packed kernel input and where it came from: ``packed`` (now, in ``seconds``), ``model``

@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 from onnx import helper
 
+from onnxpack._frozen import fast_init
 from onnxpack.graph import ExternalLocation, Tensor
 
 __all__ = ["PackSpec", "PrePackedWeights", "WeightRef", "make_key", "content_identity", "file_identity", "freeze",
@@ -72,6 +73,7 @@ class DerivedValue(Protocol):
     def compute(self, leaf: np.ndarray) -> np.ndarray: ...
 
 
+@fast_init
 @dataclasses.dataclass(frozen=True, eq=False)
 class WeightRef:
     """A constant a kernel may pack: an initializer of a model scope (or a ``Constant`` node's
@@ -136,6 +138,7 @@ class WeightRef:
         return base if self.derived is None else base + b"|d:" + self.derived.digest
 
 
+@fast_init
 @dataclasses.dataclass(frozen=True, eq=False)
 class PrePackedWeights:
     """Immutable buffers that a kernel derived from one constant input.

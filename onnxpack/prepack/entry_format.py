@@ -39,6 +39,7 @@ from urllib.parse import quote
 
 import numpy as np
 
+from onnxpack._frozen import fast_init
 from onnxpack.graph import MAX_FILE_POSITION, mapped_view, shape_fits
 from onnxpack.errors import PrepackFormatError
 
@@ -218,6 +219,7 @@ def _buffer_ok(b: "BufferRecord") -> bool:
     return n == length and shape_fits(shape, itemsize)
 
 
+@fast_init
 @dataclasses.dataclass(frozen=True)
 class BufferRecord:
     """One packed buffer: where its bytes are and what they are.
@@ -280,6 +282,7 @@ class BufferRecord:
         return mapped_view(data, self.dtype, tuple(self.shape), self.offset)
 
 
+@fast_init
 @dataclasses.dataclass(frozen=True)
 class PackRecord:
     """One pack of a weight: its key (``family/version/digest``) and its buffers, in order."""
@@ -328,6 +331,7 @@ def _weight_ok(r: "WeightRecord") -> bool:
     return True
 
 
+@fast_init
 @dataclasses.dataclass(frozen=True)
 class WeightRecord:
     """Every pack made from one weight of one scope.

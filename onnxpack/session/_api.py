@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from onnxpack._frozen import fast_init
 from onnxpack.errors import InvalidArgument, RuntimeFailure
 from onnxpack.graph import Model
 from onnxpack.session._ortvalue import OrtValue, SparseTensor
@@ -24,6 +25,7 @@ __all__ = ["NodeArg", "ModelMetadata", "model_inputs", "model_outputs", "model_m
 _ELEM_NAMES = {v: k.lower() for k, v in TensorProto.DataType.items() if k not in ("UNDEFINED",)}
 
 
+@fast_init
 @dataclasses.dataclass(frozen=True)
 class NodeArg:
     """A graph input or output as onnxruntime describes it."""

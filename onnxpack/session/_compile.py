@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 from onnx import AttributeProto, NodeProto, TensorProto, helper
 
+from onnxpack._frozen import fast_init
 from onnxpack.errors import InvalidArgument, InvalidGraph, OnnxpackError
 from onnxpack.graph import Model, Scope
 from onnxpack.prepack import PackSources, PrepackedWeightsContainer, WeightRef
@@ -478,6 +479,7 @@ class _Compiler:
 _UNKNOWN = object()
 
 
+@fast_init
 @dataclasses.dataclass(frozen=True)
 class _Bound:
     """A bound node before dead-code elimination: its step and what it would contribute."""

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 from onnx import NodeProto
 
+from onnxpack._frozen import fast_init
 from onnxpack.errors import InvalidGraph, RuntimeFailure
 from onnxpack.prepack import PackSpec, PrePackedWeights, WeightRef
 from onnxpack.session.kernels import Kernel
@@ -91,6 +92,7 @@ class Frame:
         return out
 
 
+@fast_init
 @dataclasses.dataclass(frozen=True, slots=True)
 class Step:
     """One node bound to its kernel.
@@ -146,6 +148,7 @@ class Plan:
         return run_plan(self, inputs, parent)
 
 
+@fast_init
 @dataclasses.dataclass(frozen=True)
 class PackEvent:
     """One packed kernel input: which node packed which weight, the pack and where it came from.

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import numpy as np
 from onnx import AttributeProto, NodeProto, helper
 
+from onnxpack._frozen import fast_init
 from onnxpack.errors import KernelNotFoundError
 from onnxpack.prepack import PackSpec
 
@@ -74,6 +75,7 @@ def same_view(a: Any, b: Any) -> bool:
             and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
 
 
+@fast_init
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
     """What is known about a constant input before its bytes are read."""
@@ -84,6 +86,7 @@ class TensorInfo:
     elem_type: int  # onnx.TensorProto element type
 
 
+@fast_init
 @dataclasses.dataclass(frozen=True)
 class KernelContext:
     """What a kernel may know about where it runs.
