@@ -41,12 +41,20 @@ __all__ = ["Model", "Scope", "load_model", "walk", "subgraphs_of", "sparse_to_de
 logger = logging.getLogger(__name__)
 
 
+_GRAPH, _GRAPHS, _UNDEFINED = AttributeProto.GRAPH, AttributeProto.GRAPHS, AttributeProto.UNDEFINED
+# Attribute types that never hold a graph: skipped on one set test (most attributes of most nodes).
+_NO_GRAPH_TYPES = frozenset(t for t in AttributeProto.AttributeType.values() if t not in (_GRAPH, _GRAPHS, _UNDEFINED))
+
+
 def subgraphs_of(node: NodeProto) -> Iterator[tuple[str, int | None, GraphProto]]:
     """Yields ``(attr_name, k, graph)`` for each graph a node holds (``k`` is None for GRAPH)."""
     for attr in node.attribute:
-        if attr.type == AttributeProto.GRAPH or (attr.HasField("g") and attr.type == 0):
+        kind = attr.type
+        if kind in _NO_GRAPH_TYPES:
+            continue
+        if kind == _GRAPH or (kind == _UNDEFINED and attr.HasField("g")):
             yield attr.name, None, attr.g
-        elif attr.type == AttributeProto.GRAPHS:
+        elif kind == _GRAPHS:
             for k, g in enumerate(attr.graphs):
                 yield attr.name, k, g
 

@@ -116,6 +116,11 @@ class Step:
     def __post_init__(self) -> None:
         object.__setattr__(self, "args", tuple("" if i in self.packed else n for i, n in enumerate(self.inputs)))
 
+    def with_release(self, release: tuple[str, ...]) -> Step:
+        """This step releasing ``release`` after it runs (``dataclasses.replace`` re-reads the
+        class's fields per call: the planner makes one per step of every plan)."""
+        return Step(self.node, self.kernel, self.inputs, self.outputs, self.packed, release, self.implicit)
+
     @property
     def label(self) -> str:
         return f"node {self.node.name or '<unnamed>'!r} ({self.node.op_type})"
@@ -431,7 +436,7 @@ def prune(plan: Plan, outputs: Sequence[str]) -> Plan:
             continue
         keep.add(k)
         todo.extend(producer[n] for n in plan.steps[k].reads if n in producer)
-    steps = [dataclasses.replace(step, release=()) for k, step in enumerate(plan.steps) if k in keep]
+    steps = [step.with_release(()) for k, step in enumerate(plan.steps) if k in keep]
     return dataclasses.replace(plan, output_names=tuple(outputs), output_types=(), output_dims=(),
                                steps=schedule(steps, plan.input_names, outputs, plan.constants))
 
@@ -524,5 +529,5 @@ def schedule(steps: Sequence[Step], input_names: Sequence[str], output_names: Se
     for k, step in enumerate(steps):
         names = list(release.get(k, ()))
         names.extend(o for o in step.outputs if o and o not in last and o not in keep)
-        out.append(dataclasses.replace(step, release=tuple(names)))
+        out.append(step.with_release(tuple(names)))
     return tuple(out)
