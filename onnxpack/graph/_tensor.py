@@ -76,7 +76,11 @@ def mapped_view(buffer, dtype: np.dtype | str, shape: tuple[int, ...], offset: i
     if count == 0:
         arr = np.zeros(shape, dtype=dtype)
     else:
+        # frombuffer, not np.ndarray(buffer=...): numpy's constructor keeps no buffer export, so
+        # closing the mapping under a live view would unmap its pages (a crash, not an error).
         arr = np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
+        if not arr.flags.writeable:  # a read-only mapping or bytes: already what we hand out
+            return arr
     arr.flags.writeable = False
     return arr
 
