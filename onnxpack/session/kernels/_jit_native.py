@@ -92,15 +92,21 @@ def _addr(a: np.ndarray) -> int:
             pass
     addr = a.__array_interface__["data"][0]
     if a.base is not None or a.flags.owndata:
-        try:
-            ref = weakref.ref(a)
-        except TypeError:  # pragma: no cover - ndarrays take weak references
-            return addr
-        if len(_addresses) > 4096:  # arrays that died: forget them
-            for key in [k for k, (r, _) in _addresses.items() if r() is None]:
-                del _addresses[key]
-        _addresses[id(a)] = (ref, addr)
+        _remember(a, addr)
     return addr
+
+
+def _remember(a: np.ndarray, addr: int | None = None) -> None:
+    """Keeps ``a``'s data address for :func:`_addr` while ``a`` lives (arrays that live across
+    calls: packed weights, scratch)."""
+    try:
+        ref = weakref.ref(a)
+    except TypeError:  # pragma: no cover - ndarrays take weak references
+        return
+    if len(_addresses) > 4096:  # arrays that died: forget them
+        for key in [k for k, (r, _) in _addresses.items() if r() is None]:
+            del _addresses[key]
+    _addresses[id(a)] = (ref, a.__array_interface__["data"][0] if addr is None else addr)
 
 
 def _block() -> tuple[Any, int]:
@@ -126,6 +132,7 @@ def _scratch(name: str, count: int, dtype) -> np.ndarray:
     if buf is None or buf.size < count:
         buf = np.empty(max(count, 1), dtype)
         setattr(_local, name, buf)
+        _remember(buf)  # _addr then finds it on its first lookup, not through ctypes at each call
     return buf
 
 
