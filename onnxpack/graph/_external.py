@@ -136,7 +136,7 @@ def _file_kind(mode: int) -> str:
 
 def parse_external_data(tensor: TensorProto) -> dict[str, str]:
     """Returns the tensor's ``external_data`` entries as a dict (last entry wins)."""
-    return {entry.key: entry.value for entry in tensor.external_data}
+    return {entry.key: entry.value for entry in tensor.external_data[:]}
 
 
 def _parse_position(tensor_name: str, location: str, key: str, value: str | None) -> int | None:

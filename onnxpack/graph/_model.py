@@ -48,7 +48,7 @@ _NO_GRAPH_TYPES = frozenset(t for t in AttributeProto.AttributeType.values() if 
 
 def subgraphs_of(node: NodeProto) -> Iterator[tuple[str, int | None, GraphProto]]:
     """Yields ``(attr_name, k, graph)`` for each graph a node holds (``k`` is None for GRAPH)."""
-    for attr in node.attribute:
+    for attr in node.attribute[:]:  # a slice: upb's containers iterate through __getitem__ + IndexError
         kind = attr.type
         if kind in _NO_GRAPH_TYPES:
             continue
@@ -242,7 +242,7 @@ class Model:
         sparse values) are read here, through the same location checks as initializers, and
         kept in this in-memory proto: kernels and onnx.reference later read them with
         ``numpy_helper``, which would resolve the location against the working directory."""
-        for attr in node.attribute:
+        for attr in node.attribute[:]:
             if attr.type == AttributeProto.TENSOR:
                 tensors = [attr.t]
             elif attr.type == AttributeProto.TENSORS:
@@ -296,17 +296,18 @@ class Model:
             order.append(scope)
             g = scope.graph
             files = self._files
-            for init in g.initializer:
+            for init in g.initializer[:]:
                 scope.initializers[init.name] = Tensor(init, files)
-            for sp in g.sparse_initializer:
+            for sp in g.sparse_initializer[:]:
                 dense = _sparse_to_dense(sp, files)
                 scope.initializers[dense.name] = dense
             defined = scope.defined
             defined.update(scope.initializers)
-            defined.update(v.name for v in g.input)
-            name_counts = collections.Counter(n.name for n in g.node)
-            for index, node in enumerate(g.node):
-                for o in node.output:
+            defined.update(v.name for v in g.input[:])
+            nodes = g.node[:]
+            name_counts = collections.Counter(n.name for n in nodes)
+            for index, node in enumerate(nodes):
+                for o in node.output[:]:
                     if o and o in defined:
                         raise InvalidGraph(
                             f"graph {g.name!r}{' (' + scope.path + ')' if scope.path else ''}: node "
@@ -339,9 +340,9 @@ class Model:
         for scope in walk(root):
             g = scope.graph
             used: set[str] = set()
-            for node in g.node:
-                used.update(i for i in node.input if i)
-            used.update(o.name for o in g.output if o.name)
+            for node in g.node[:]:
+                used.update(i for i in node.input[:] if i)
+            used.update(o.name for o in g.output[:] if o.name)
             for child in scope.children:
                 used |= child.free
             scope.free = used - scope.defined

@@ -147,7 +147,7 @@ class Tensor:
         self.proto = proto
         self.name = name = proto.name
         self.elem_type = elem_type = proto.data_type
-        self.dims = dims = tuple(proto.dims)  # protobuf's int64 field: Python ints
+        self.dims = dims = tuple(proto.dims[:])  # protobuf's int64 field: Python ints (sliced: see _model.subgraphs_of)
         if dims and min(dims) < 0:
             raise ModelLoadError(f"tensor {name!r}: negative dimension in {dims}")
         dtype = _DTYPES.get(elem_type)

@@ -206,7 +206,7 @@ class LoadRecord:
         self._states: dict[str, tuple[str, dict[bytes, bytes]] | PrepackFormatError] = {}
         self._warned_files: set[str] = set()
         self._ranges: tuple[dict[str, tuple[list, list]], set] | None = None
-        props = [(p.key, p.value) for p in model.proto.metadata_props]
+        props = [(p.key, p.value) for p in model.proto.metadata_props[:]]
         counts: dict[str, int] = {}
         for key, _ in props:
             counts[key] = counts.get(key, 0) + 1

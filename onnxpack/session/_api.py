@@ -84,7 +84,7 @@ def shape_of(type_proto: onnx.TypeProto) -> list[int | str | None] | None:
         return shape_of(type_proto.optional_type.elem_type)
     if type_proto.WhichOneof("value") != "tensor_type" or not type_proto.tensor_type.HasField("shape"):
         return None
-    return [declared_dim(d) for d in type_proto.tensor_type.shape.dim]
+    return [declared_dim(d) for d in type_proto.tensor_type.shape.dim[:]]
 
 
 def _node_arg(vi: onnx.ValueInfoProto) -> NodeArg:
@@ -290,7 +290,7 @@ def _remember_tensor(type_proto: onnx.TypeProto, expected: np.dtype) -> None:
     tt = type_proto.tensor_type
     dims = None
     if tt.HasField("shape"):
-        dims = tuple(d if isinstance(d, int) else None for d in (declared_dim(x) for x in tt.shape.dim))
+        dims = tuple(d if isinstance(d, int) else None for d in (declared_dim(x) for x in tt.shape.dim[:]))
     _TENSOR_SPECS[id(type_proto)] = (type_proto, expected, dims)
 
 
