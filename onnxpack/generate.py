@@ -142,12 +142,12 @@ class GenAIConfig:
             raise ModelLoadError(f"{path}: missing or invalid field ({type(e).__name__}: {e})") from e
 
 
-def sample_token(logits: np.ndarray, options: SearchOptions, rng: np.random.Generator) -> int:
+def sample_token(logits: np.ndarray, options: SearchOptions, rng: np.random.Generator | None) -> int:
     """The next token from one row of logits: argmax, or a sample after temperature, top-k and
     top-p (nucleus) filtering."""
+    if not options.do_sample:  # the same index as in float64 (the conversion is exact), without the copy
+        return int(np.argmax(np.asarray(logits).reshape(-1)))
     logits = np.asarray(logits, dtype=np.float64).reshape(-1)
-    if not options.do_sample:
-        return int(np.argmax(logits))
     z = logits / options.temperature
     if options.top_k and options.top_k < z.size:
         kth = np.partition(z, -options.top_k)[-options.top_k]
@@ -234,7 +234,8 @@ class Generator:
             raise InvalidArgument(f"generate: a prompt of {len(ids)} tokens does not fit max_length {limit}")
         budget = limit - len(ids) if max_new_tokens is None else min(max_new_tokens, limit - len(ids))
         stops = set(cfg.eos) | {int(t) for t in stop}
-        rng = np.random.default_rng(seed)
+        # numpy.random (~10 modules) is imported only by a sampling search
+        rng = np.random.default_rng(seed) if options.do_sample else None
         state = _Cache(self, len(ids) + budget)
         new = ids
         try:
