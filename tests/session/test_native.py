@@ -57,6 +57,37 @@ def test_fingerprint_names_every_source_and_changes_with_them(tmp_path):
     assert _native.fingerprint([str(a), str(b)]) != first
 
 
+_CPU = """processor\t: {n}
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 106
+model name\t: Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz
+stepping\t: 6
+cpu MHz\t\t: {mhz}
+bogomips\t: {mips}
+flags\t\t: fpu sse2 avx2 fma {extra}
+
+"""
+
+
+@pytest.mark.parametrize("change, same", [
+    (dict(mhz="3499.998", mips="5800.01"), True),  # the clock and bogomips move between reads: same code
+    (dict(extra="avx512f avx512_vnni"), False),  # another instruction set: other code
+])
+def test_cache_name_follows_the_cpus_features_not_its_clock(tmp_path, monkeypatch, change, same):
+    src = tmp_path / "k.py"
+    src.write_text("x = 1\n")
+
+    def name_with(**fields):
+        values = {"mhz": "2900.000", "mips": "5799.99", "extra": "", **fields}
+        info = tmp_path / "cpuinfo"
+        info.write_text("".join(_CPU.format(n=n, **values) for n in range(2)))
+        monkeypatch.setattr(_native, "_CPUINFO", str(info))
+        return _native.fingerprint([str(src)])
+
+    assert (name_with() == name_with(**change)) is same
+
+
 def test_cache_file_layout(cache_copy):
     blob = open(cache_copy, "rb").read()
     assert blob.startswith(_native.MAGIC)

@@ -115,6 +115,7 @@ def _llvm():
     return llvm
 
 
+_CPUINFO = "/proc/cpuinfo"
 _CPUINFO_KEYS = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags", "Features", "CPU implementer",
                  "CPU architecture", "CPU variant", "CPU part", "isa")
 
@@ -125,7 +126,7 @@ def _cpu_identity() -> list[str] | None:
     same CPUID bits the kernel lists); elsewhere LLVM's host CPU name and features (None when
     llvmlite is missing)."""
     try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+        with open(_CPUINFO, encoding="utf-8", errors="replace") as f:
             first = f.read(1 << 16).split("\n\n", 1)[0]
     except OSError:
         first = ""
