@@ -197,7 +197,7 @@ class _Compiler:
         if self.options.prepack and self.options.fuse:
             fusions = self._fusions(scope, nodes, implicit)
         entries = apply_fusions(nodes, fusions)
-        reads = [(*node.input, *implicit.get(k, ())) for k, node, _f in entries]
+        reads = [(*node.input[:], *implicit.get(k, ())) for k, node, _f in entries]
         order = topological_order([node for _k, node, _f in entries], available, name, reads)
         bound = []
         for idx in order:
@@ -281,7 +281,7 @@ class _Compiler:
         """Conv → BatchNormalization → Relu and elementwise → Relu chains (see ``_fusion.py``)."""
         readers: dict[str, int] = {}
         for k, node in enumerate(nodes):
-            for n in (*node.input, *implicit.get(k, ())):
+            for n in (*node.input[:], *implicit.get(k, ())):
                 if n:
                     readers[n] = readers.get(n, 0) + 1
         protected = {o.name for o in scope.graph.output}
@@ -332,9 +332,10 @@ class _Compiler:
         # (see _live): most are dropped (every consumer packed the value), and binding them first
         # would build kernels and pack their inputs (warm: look the packs up and miss) for nothing.
         derived_here = self.derived.get(scope.path, {})
-        if (fusion is None and not child_scopes and node.output
-                and all(o in derived_here for o in node.output if o)):
-            placeholder = Step(node, None, tuple(node.input), tuple(node.output), frozenset(), (), implicit)  # type: ignore[arg-type]
+        outputs = node.output[:]  # (a slice: iterating a protobuf container raises IndexError at its end)
+        if (fusion is None and not child_scopes and outputs
+                and all(o in derived_here for o in outputs if o)):
+            placeholder = Step(node, None, tuple(node.input[:]), tuple(outputs), frozenset(), (), implicit)  # type: ignore[arg-type]
             return _Bound(placeholder, (), (), None,
                           lambda: self._bind_now(scope, node, fusion, child_scopes, implicit))
         return self._bind_now(scope, node, fusion, child_scopes, implicit)
@@ -359,7 +360,7 @@ class _Compiler:
                 w = self._weight(scope, name)
                 if w is not None and w.derived is None and not w.user:
                     uses.append((w.scope, name))
-        step = Step(node, kernel, tuple(node.input), tuple(node.output), frozenset(packed), (), implicit)
+        step = Step(node, kernel, tuple(node.input[:]), tuple(node.output[:]), frozenset(packed), (), implicit)
         label = f"{scope.path or 'main'}:{node.name or '#'}:{node.op_type}" if resolved.fallback else None
         return _Bound(step, tuple(uses), tuple(events), label)
 
@@ -370,7 +371,7 @@ class _Compiler:
         packed: set[int] = set()
         uses: list[tuple[str, str]] = []
         events: list[PackEvent] = []
-        for i, name in enumerate(node.input):
+        for i, name in enumerate(node.input[:]):
             if not name:
                 continue
             w = self._weight(scope, name)
@@ -415,11 +416,11 @@ class _Compiler:
         cheap ops over them (see ``_derive.py``), in node order."""
         found: dict[str, WeightRef] = {}
         self.derived[scope.path] = found  # visible to _weight while the chain is followed
-        reads = [(*node.input, *implicit.get(k, ())) for k, node in enumerate(nodes)]
+        reads = [(*node.input[:], *implicit.get(k, ())) for k, node in enumerate(nodes)]
         for k in topological_order(nodes, available, name, reads):
             node = nodes[k]
             if node.op_type == "Constant" and normalize_domain(node.domain) == "" and node.output and node.output[0]:
-                attr = next((a for a in node.attribute if a.name == "value" and a.type == AttributeProto.TENSOR), None)
+                attr = next((a for a in node.attribute[:] if a.name == "value" and a.type == AttributeProto.TENSOR), None)
                 if attr is not None:
                     found[node.output[0]] = WeightRef(scope.path, node.output[0], self.model.tensor(attr.t))
                 continue

@@ -445,7 +445,7 @@ def topological_order(nodes: Sequence[NodeProto], available: Callable[[str], boo
     """
     producers: dict[str, int] = {}
     for i, node in enumerate(nodes):
-        for out in node.output:
+        for out in node.output[:]:  # a slice: iterating the container ends in a formatted IndexError
             if out:
                 if out in producers:
                     raise InvalidGraph(
@@ -457,7 +457,7 @@ def topological_order(nodes: Sequence[NodeProto], available: Callable[[str], boo
     def read_producers(i: int, node: NodeProto):
         """Indices of the nodes producing what node ``i`` reads (names defined before any node
         runs skipped; a name nobody defines is InvalidGraph)."""
-        for name in (reads[i] if reads is not None else node.input):
+        for name in (reads[i] if reads is not None else node.input[:]):
             if not name:
                 continue
             p = producers.get(name)

@@ -148,7 +148,7 @@ class Kernel:
         self.ctx = ctx
         self.attrs: dict[str, Any] = {
             a.name: helper.get_attribute_value(a)
-            for a in node.attribute
+            for a in node.attribute[:]  # a slice: iterating the container ends in a formatted IndexError
             if a.type not in (AttributeProto.GRAPH, AttributeProto.GRAPHS)
         }
 
