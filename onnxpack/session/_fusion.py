@@ -46,7 +46,7 @@ from onnxpack.session.kernels._act import Activation
 
 __all__ = ["ConvFusion", "Fusion", "MatMulFusion", "apply_fusions", "bn_fold", "find_conv_fusions",
            "find_fake_quant_fusions", "find_matmul_fusions", "find_nbits_fusions",
-           "find_relu_fusions", "fused_node", "match_activation", "plan_fusions"]
+           "find_relu_fusions", "fused_node", "match_activation", "nodes_with_index", "plan_fusions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +116,18 @@ def _meta_from(const_value: Callable[[str], np.ndarray | None]) -> Callable[[str
 class _Nodes(list):
     """A scope's nodes with their input index built once (:func:`plan_fusions` runs several
     finders over the same nodes; protobuf field reads make each index pass cost ~1 ms on a
-    300-node decoder)."""
+    300-node decoder), or given by a caller that has it (:func:`nodes_with_index`)."""
 
     by_input: dict[str, list[int]] | None = None
+
+
+def nodes_with_index(nodes: Sequence[NodeProto], by_input: dict[str, list[int]]) -> Sequence[NodeProto]:
+    """``nodes`` for :func:`plan_fusions` with their input index built by the caller (the compile
+    step counts reads in the same pass): ``by_input`` must be what :func:`_by_input` returns,
+    name -> the indices of the nodes reading it, a node once per input slot, in node order."""
+    out = _Nodes(nodes)
+    out.by_input = by_input
+    return out
 
 
 def _by_input(nodes: Sequence[NodeProto]) -> dict[str, list[int]]:
@@ -829,7 +838,8 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
         def is_const(n: str) -> bool:
             return const_value(n) is not None
     const_meta = const_meta or _meta_from(const_value)
-    nodes = _Nodes(nodes)
+    if not isinstance(nodes, _Nodes):
+        nodes = _Nodes(nodes)
 
     convs = find_conv_fusions(nodes, readers, protected, is_const, opset, const_value, const_meta)
     taken = {i for f in convs for i in (f.conv, *f.absorbed)}
