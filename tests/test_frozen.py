@@ -141,12 +141,11 @@ def test_the_hot_records_use_it_and_stay_frozen():
     from onnxpack.prepack._weights import PrePackedWeights, WeightRef
     from onnxpack.prepack.entry_format import BufferRecord, PackRecord, WeightRecord
     from onnxpack.session._api import NodeArg
-    from onnxpack.session._compile import _Bound
     from onnxpack.session._program import PackEvent, Step
     from onnxpack.session.kernels._base import KernelContext, TensorInfo
 
     for cls in (ExternalLocation, Obtained, PrePackedWeights, WeightRef, BufferRecord, PackRecord, WeightRecord,
-                NodeArg, _Bound, PackEvent, Step, KernelContext, TensorInfo):
+                NodeArg, PackEvent, Step, KernelContext, TensorInfo):
         assert cls.__init__.__module__ == cls.__module__ and "__d" in cls.__init__.__code__.co_varnames \
             or "__set" in cls.__init__.__code__.co_names, cls
         assert cls.__dataclass_params__.frozen, cls

@@ -23,6 +23,7 @@ the graph layer's scope chain, never by building the set of every outer name per
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -30,7 +31,6 @@ from typing import Any
 import numpy as np
 from onnx import AttributeProto, NodeProto, TensorProto, helper
 
-from onnxpack._frozen import fast_init
 from onnxpack.errors import InvalidArgument, InvalidGraph, OnnxpackError
 from onnxpack.graph import Model, Scope
 from onnxpack.prepack import PackSources, PrepackedWeightsContainer, WeightRef
@@ -38,7 +38,7 @@ from onnxpack.session._api import declared_dim
 from onnxpack.session._derive import derive
 from onnxpack.session._fold import fold_constants
 from onnxpack.session._api import override_dims
-from onnxpack.session._fusion import ConstMeta, Fusion, apply_fusions, plan_fusions
+from onnxpack.session._fusion import ConstMeta, Fusion, apply_fusions, nodes_with_index, plan_fusions
 from onnxpack.session._program import PackEvent, Plan, PrepackStats, Program, Step, schedule, topological_order
 from onnxpack.session._resolve import resolve
 from onnxpack.session.kernels import Kernel, KernelContext, TensorInfo, normalize_domain
@@ -109,7 +109,7 @@ class _Compiler:
         # Before IR 4 every initializer had to be listed as an input too; onnxruntime treats them
         # as constants there (not feedable, not overridable), and so do we.
         self.overridable = frozenset(
-            n for n in root.initializers if n in root_inputs) if model.proto.ir_version >= 4 else frozenset()
+            root.initializers.keys() & root_inputs) if model.proto.ir_version >= 4 else frozenset()
         self.plans: dict[str, Plan] = {}
         self.log: list[PackEvent] = []
         self.fallback_nodes: list[str] = []
@@ -119,8 +119,9 @@ class _Compiler:
         self.derived: dict[str, dict[str, WeightRef]] = {}
         # (scope path, name) -> what _weight answered, once a scope's derivations are complete
         # (every phase asks again about the same few names: ~2,000 look-ups per QDQ ResNet-50)
-        self._weights: dict[tuple[str, str], WeightRef | None] = {}
+        self._weights: dict[str, dict[str, WeightRef | None]] = {}  # by scope path, then name
         self._settled: set[str] = set()  # scope paths whose answers may be kept
+        self._leaves: dict[str, dict[str, WeightRef | None]] = {}  # _leaf's answers, by owner path, then name
 
     def compile(self) -> Program:
         for scope in self.model.scopes():  # bottom-up: children before the node that owns them
@@ -149,23 +150,34 @@ class _Compiler:
     # -- names ------------------------------------------------------------------------------------
     def _weight(self, scope: Scope, name: str) -> WeightRef | None:
         """The constant ``name`` refers to from ``scope``, or None if it is not a constant."""
-        key = (scope.path, name)
-        got = self._weights.get(key, _UNKNOWN)
+        # (Caches by scope path, then name: no (path, name) tuple built and hashed per look-up.)
+        known = self._weights.get(scope.path)
+        if known is None:
+            known = self._weights[scope.path] = {}
+        got = known.get(name, _UNKNOWN)
         if got is not _UNKNOWN:
             return got
-        owner = scope.resolve(name)
+        owner = scope if name in scope.defined else scope.resolve(name)  # (the common case without a call)
         if owner is None:
-            self._weights[key] = None
+            known[name] = None
             return None
-        got = self._lookup(owner, name)
-        if owner.path in self._settled:  # the owner's derived values are all known
-            self._weights[key] = got
+        path = owner.path
+        derived = self.derived.get(path)
+        got = None if derived is None else derived.get(name)  # (a WeightRef, never None)
+        if got is None:
+            # A stored weight's answer never changes: one WeightRef per name (while a scope's
+            # derivations are followed, each of its DequantizeLinear nodes asks about three names).
+            leaves = self._leaves.get(path)
+            if leaves is None:
+                leaves = self._leaves[path] = {}
+            got = leaves.get(name, _UNKNOWN)
+            if got is _UNKNOWN:
+                got = leaves[name] = self._leaf(owner, name)
+        if path in self._settled:  # the owner's derived values are all known
+            known[name] = got
         return got
 
-    def _lookup(self, owner: Scope, name: str) -> WeightRef | None:
-        derived = self.derived.get(owner.path)
-        if derived is not None and name in derived:
-            return derived[name]
+    def _leaf(self, owner: Scope, name: str) -> WeightRef | None:
         if owner is self.root:
             if name in self.overridable:
                 return None
@@ -191,24 +203,28 @@ class _Compiler:
         def available(n: str) -> bool:
             return n in local or scope.defined_outside(n)
 
+        # Each node's inputs, read once (every phase below walks them: a protobuf field read
+        # builds a container and its strings anew) and what it reads: plus its subgraphs' names.
+        ins = [node.input[:] for node in nodes]
+        reads = [[*ins[k], *implicit[k]] if k in implicit else ins[k] for k in range(len(nodes))] if implicit else ins
         if self.options.prepack:
-            self.derived[scope.path] = self._derivations(scope, nodes, implicit, available, name)
+            self.derived[scope.path] = self._derivations(scope, nodes, reads, local, available, name)
         self._settled.add(scope.path)  # its derived values are known: _weight's answers hold
         fusions: list[Fusion] = []
         if self.options.prepack and self.options.fuse:
-            fusions = self._fusions(scope, nodes, implicit)
+            fusions = self._fusions(scope, nodes, ins, implicit)
         entries = apply_fusions(nodes, fusions)
-        reads = [(*node.input, *implicit.get(k, ())) for k, node, _f in entries]
-        order = topological_order([node for _k, node, _f in entries], available, name, reads)
+        entry_reads = [reads[k] if f is None else [*node.input[:], *implicit.get(k, ())] for k, node, f in entries]
+        order = topological_order([node for _k, node, _f in entries], available, name, entry_reads, local)
         bound = []
         for idx in order:
             k, node, fusion = entries[idx]
             bound.append(self._bind(scope, node, fusion, children.get(k, []), implicit.get(k, ())))
         folded: dict[str, Callable[[], np.ndarray]] = {}
         if self.options.prepack and self.options.fuse and self.options.runnable:  # see _fold.py
-            folded = fold_constants([b.step for b in bound], lambda n: self._weight(scope, n))
+            folded = fold_constants([b.step for b in bound], functools.partial(self._weight, scope))
             bound = [self._pack_folded(b, folded) for b in bound if not _all_folded(b.step, folded)]
-        steps = self._live(bound, [o.name for o in graph.output])
+        steps = self._live(scope, bound, [o.name for o in graph.output])
         # Graph outputs that are constants keep their originals.
         for out in graph.output:
             w = self._weight(scope, out.name)
@@ -276,50 +292,82 @@ class _Compiler:
             packed.add(i)
         if packed == set(step.packed):
             return b
-        return dataclasses.replace(b, step=dataclasses.replace(step, packed=frozenset(packed)))
+        return _Bound(dataclasses.replace(step, packed=frozenset(packed)), b.uses, b.events, b.fallback, b.later)
 
-    def _fusions(self, scope: Scope, nodes: list[NodeProto], implicit: dict[int, tuple[str, ...]]) -> list[Fusion]:
-        """Conv → BatchNormalization → Relu and elementwise → Relu chains (see ``_fusion.py``)."""
-        readers: dict[str, int] = {}
-        for k, node in enumerate(nodes):
-            for n in (*node.input, *implicit.get(k, ())):
+    def _fusions(self, scope: Scope, nodes: list[NodeProto], ins: list[list[str]],
+                 implicit: dict[int, tuple[str, ...]]) -> list[Fusion]:
+        """Conv → BatchNormalization → Relu and elementwise → Relu chains (see ``_fusion.py``);
+        ``ins[k]``: node ``k``'s inputs."""
+        # The fusion's input index (name -> the nodes reading it, once per input slot) and the
+        # read counts (those, the subgraphs' reads and the graph outputs) in one pass.
+        by_input: dict[str, list[int]] = {}
+        get = by_input.get
+        for k, names in enumerate(ins):
+            for n in names:
+                if n:
+                    got = get(n)
+                    if got is None:
+                        by_input[n] = [k]
+                    else:
+                        got.append(k)
+        readers = {n: len(ks) for n, ks in by_input.items()}
+        for extra in implicit.values():
+            for n in extra:
                 if n:
                     readers[n] = readers.get(n, 0) + 1
         protected = {o.name for o in scope.graph.output}
         for n in protected:
             readers[n] = readers.get(n, 0) + 1
 
+        # The scope is settled: _weight's answers are final, kept here by name (the finders ask
+        # about each BatchNormalization statistic, scale and zero point several times).
+        known: dict[str, WeightRef | None] = {}
+        weight = self._weight
+
         def const_value(n: str) -> np.ndarray | None:
-            w = self._weight(scope, n)
+            w = known.get(n, _UNKNOWN)
+            if w is _UNKNOWN:
+                w = known[n] = weight(scope, n)
             return None if w is None else w.value()
 
         def is_const(n: str) -> bool:
-            return self._weight(scope, n) is not None
+            w = known.get(n, _UNKNOWN)
+            if w is _UNKNOWN:
+                w = known[n] = weight(scope, n)
+            return w is not None
 
         def const_meta(n: str) -> ConstMeta | None:
-            w = self._weight(scope, n)
+            w = known.get(n, _UNKNOWN)
+            if w is _UNKNOWN:
+                w = known[n] = weight(scope, n)
             return None if w is None else ConstMeta(tuple(w.shape), np.dtype(w.dtype))
 
         def const_lazy(n: str) -> Callable[[], np.ndarray]:
             return self._weight(scope, n).value  # the WeightRef alone, not this compiler
 
-        return plan_fusions(nodes, readers, protected, const_value, self.opsets.get("", 1), is_const, const_meta,
-                            const_lazy)
+        return plan_fusions(nodes_with_index(nodes, by_input), readers, protected, const_value, self.opsets.get("", 1),
+                            is_const, const_meta, const_lazy)
 
     def _constants(self, scope: Scope, output_names: list[str]) -> dict[str, Any]:
         """The scope's constants: originals still read unpacked (all readers are bound by now:
         they are this scope's nodes and its nested scopes, compiled first)."""
         consts: dict[str, Any] = {}
         user = self.user if scope is self.root else {}
-        for name in set(scope.initializers) | set(user):
+        path = scope.path
+        read = {n for p, n in self.unpacked if p == path}
+        read.update(output_names)
+        initializers = scope.initializers
+        for name, tensor in initializers.items():
             if name in user:
                 consts[name] = user[name]
-                continue
-            if (scope.path, name) not in self.unpacked and name not in output_names:
-                scope.initializers[name].drop_pages()  # nothing reads the original: drop its pages
+            elif name in read:
+                consts[name] = tensor.numpy()
+            else:
+                tensor.drop_pages()  # nothing reads the original: drop its pages
                 self.released += 1
-                continue
-            consts[name] = scope.initializers[name].numpy()
+        for name in user:
+            if name not in initializers:  # a graph input given a value
+                consts[name] = user[name]
         if scope is self.root:
             for name in self.overridable:
                 consts.pop(name, None)  # fed by the user, or the program's default
@@ -333,11 +381,12 @@ class _Compiler:
         # (see _live): most are dropped (every consumer packed the value), and binding them first
         # would build kernels and pack their inputs (warm: look the packs up and miss) for nothing.
         derived_here = self.derived.get(scope.path, {})
-        if (fusion is None and not child_scopes and node.output
-                and all(o in derived_here for o in node.output if o)):
-            placeholder = Step(node, None, tuple(node.input), tuple(node.output), frozenset(), (), implicit)  # type: ignore[arg-type]
-            return _Bound(placeholder, (), (), None,
-                          lambda: self._bind_now(scope, node, fusion, child_scopes, implicit))
+        outputs = node.output[:]  # (a slice: iterating a protobuf container raises IndexError at its end)
+        if (fusion is None and not child_scopes and outputs
+                and (outputs[0] in derived_here if len(outputs) == 1 and outputs[0] else all(o in derived_here for o in outputs if o))):
+            # (No closure to bind it later: _live binds it from the placeholder, with no fusion and
+            # no subgraphs, as here; a closure and its cells per node were garbage to collect.)
+            return _Bound(_Unbound(node, tuple(node.input[:]), tuple(outputs), implicit), (), (), None, True)  # type: ignore[arg-type]
         return self._bind_now(scope, node, fusion, child_scopes, implicit)
 
     def _bind_now(self, scope: Scope, node: NodeProto, fusion: Fusion | None, child_scopes: list[Scope],
@@ -360,7 +409,7 @@ class _Compiler:
                 w = self._weight(scope, name)
                 if w is not None and w.derived is None and not w.user:
                     uses.append((w.scope, name))
-        step = Step(node, kernel, tuple(node.input), tuple(node.output), frozenset(packed), (), implicit)
+        step = Step(node, kernel, tuple(node.input[:]), tuple(node.output[:]), frozenset(packed), (), implicit)
         label = f"{scope.path or 'main'}:{node.name or '#'}:{node.op_type}" if resolved.fallback else None
         return _Bound(step, tuple(uses), tuple(events), label)
 
@@ -371,7 +420,7 @@ class _Compiler:
         packed: set[int] = set()
         uses: list[tuple[str, str]] = []
         events: list[PackEvent] = []
-        for i, name in enumerate(node.input):
+        for i, name in enumerate(node.input[:]):
             if not name:
                 continue
             w = self._weight(scope, name)
@@ -385,7 +434,7 @@ class _Compiler:
                 uses.append((w.scope, name))
         return packed, uses, events
 
-    def _live(self, bound: list[_Bound], outputs: list[str]) -> list[Step]:
+    def _live(self, scope: Scope, bound: list[_Bound], outputs: list[str]) -> list[Step]:
         """The steps something reads (dead-code elimination, last to first): a node whose outputs
         are read by no kept step — unpacked — nor by a subgraph, nor are graph outputs, drops out
         (a DequantizeLinear whose weight every consumer packed, a Constant nobody reads).  Only the
@@ -396,8 +445,8 @@ class _Compiler:
             step = b.step
             if not any(o in needed for o in step.outputs if o):
                 continue
-            if b.later is not None:  # a kept constant-expression node: bound (and packs) now, see _bind
-                b = b.later()
+            if b.later:  # a kept constant-expression node: bound (and packs) now, see _bind
+                b = self._bind_now(scope, step.node, None, [], step.implicit)
                 step = b.step
             kept.append(b)
             needed.update(n for i, n in enumerate(step.inputs) if n and i not in step.packed)
@@ -410,21 +459,21 @@ class _Compiler:
                 self.fallback_nodes.append(b.fallback)
         return [b.step for b in kept]
 
-    def _derivations(self, scope: Scope, nodes: list[NodeProto], implicit: dict[int, tuple[str, ...]],
+    def _derivations(self, scope: Scope, nodes: list[NodeProto], reads: list[list[str]], local: set[str],
                      available: Callable[[str], bool], name: str) -> dict[str, WeightRef]:
         """Constants computed from stored weights in this scope: ``Constant`` tensors and chains of
         cheap ops over them (see ``_derive.py``), in node order."""
         found: dict[str, WeightRef] = {}
         self.derived[scope.path] = found  # visible to _weight while the chain is followed
-        reads = [(*node.input, *implicit.get(k, ())) for k, node in enumerate(nodes)]
-        for k in topological_order(nodes, available, name, reads):
+        weight_of = functools.partial(self._weight, scope)
+        for k in topological_order(nodes, available, name, reads, local):
             node = nodes[k]
             if node.op_type == "Constant" and normalize_domain(node.domain) == "" and node.output and node.output[0]:
-                attr = next((a for a in node.attribute if a.name == "value" and a.type == AttributeProto.TENSOR), None)
+                attr = next((a for a in node.attribute[:] if a.name == "value" and a.type == AttributeProto.TENSOR), None)
                 if attr is not None:
                     found[node.output[0]] = WeightRef(scope.path, node.output[0], self.model.tensor(attr.t))
                 continue
-            w = derive(node, lambda n: self._weight(scope, n), self.opsets)
+            w = derive(node, weight_of, self.opsets)
             if w is not None:
                 found[node.output[0]] = w
         return found
@@ -479,16 +528,37 @@ class _Compiler:
 _UNKNOWN = object()
 
 
-@fast_init
-@dataclasses.dataclass(frozen=True)
 class _Bound:
-    """A bound node before dead-code elimination: its step and what it would contribute."""
+    """A bound node before dead-code elimination: its step and what it would contribute.
 
-    step: Step
-    uses: tuple[tuple[str, str], ...]
-    events: tuple[PackEvent, ...]
-    fallback: str | None
-    later: Callable[[], _Bound] | None = None  # a constant-expression node, bound if kept (see _bind)
+    (A plain class with slots: a QDQ ResNet-50 makes ~250 per creation, and a frozen
+    dataclass's __init__ sets each field through object.__setattr__.)"""
+
+    __slots__ = ("step", "uses", "events", "fallback", "later")
+
+    def __init__(self, step: Step, uses: tuple[tuple[str, str], ...], events: tuple[PackEvent, ...],
+                 fallback: str | None, later: bool = False) -> None:
+        self.step = step
+        self.uses = uses
+        self.events = events
+        self.fallback = fallback
+        self.later = later  # an unbound constant-expression node (an _Unbound step), bound if kept (see _bind)
+
+
+class _Unbound:
+    """The step of a constant-expression node not bound yet (see ``_bind``): what constant
+    folding and dead-code elimination read of a :class:`Step` (no kernel, nothing packed)."""
+
+    __slots__ = ("node", "inputs", "outputs", "implicit")
+    kernel = None
+    packed: frozenset[int] = frozenset()
+
+    def __init__(self, node: NodeProto, inputs: tuple[str, ...], outputs: tuple[str, ...],
+                 implicit: tuple[str, ...]) -> None:
+        self.node = node
+        self.inputs = inputs
+        self.outputs = outputs
+        self.implicit = implicit
 
 
 def _all_folded(step: Step, folded: Mapping[str, Any]) -> bool:

@@ -100,7 +100,7 @@ class Derivation:
             # pack of the old value must not be found under the new one's key.
             h.update(b"leaf:" + f"{_dtype_name(src.dtype)}{tuple(src.shape)}".encode())
         h.update(f"|{self._domain}:{node.op_type}:{self._opset}|".encode())
-        for a in sorted(node.attribute, key=lambda a: a.name):
+        for a in sorted(node.attribute[:], key=lambda a: a.name):
             if a.type not in (AttributeProto.GRAPH, AttributeProto.GRAPHS):
                 h.update(a.SerializeToString())
         for w in self._values:
@@ -135,7 +135,9 @@ def derive(node: NodeProto, weight_of: Callable[[str], WeightRef | None], opsets
     domain = normalize_domain(node.domain)
     if not sole_output(node):
         return None
-    inputs = tuple(node.input)  # one conversion: protobuf builds a container at every access
+    # One conversion, by a slice: protobuf builds a container at every access, and iterating one
+    # (tuple(), a for loop, * unpacking) ends in an IndexError it formats (~2,000 instructions).
+    inputs = tuple(node.input[:])
     if (domain, node.op_type) not in FOLDABLE or not inputs or not inputs[0]:
         return None
     src = weight_of(inputs[0])
@@ -185,7 +187,7 @@ def _dtype_name(dtype: np.dtype) -> str:
 
 
 def _axes(node: NodeProto, others: list, opset: int, ndim: int) -> list[int] | None:
-    attr = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axes"), None)
+    attr = next((helper.get_attribute_value(a) for a in node.attribute[:] if a.name == "axes"), None)
     axes = attr if attr is not None else (others[0].value().tolist() if others and others[0] is not None else None)
     if axes is None:
         return None
@@ -200,7 +202,7 @@ def _infer(node: NodeProto, shape: tuple[int, ...], dtype: np.dtype, others: lis
     """Result shape and dtype of one foldable op, from the input's and the small constants
     (``others``: their WeightRefs, read only where a value decides the shape)."""
     op = node.op_type
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute[:]}
     if op == "Identity":
         return shape, dtype
     if op == "Cast":

@@ -46,7 +46,7 @@ from onnxpack.session.kernels._act import Activation
 
 __all__ = ["ConvFusion", "Fusion", "MatMulFusion", "apply_fusions", "bn_fold", "find_conv_fusions",
            "find_fake_quant_fusions", "find_matmul_fusions", "find_nbits_fusions",
-           "find_relu_fusions", "fused_node", "match_activation", "plan_fusions"]
+           "find_relu_fusions", "fused_node", "match_activation", "nodes_with_index", "plan_fusions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +116,18 @@ def _meta_from(const_value: Callable[[str], np.ndarray | None]) -> Callable[[str
 class _Nodes(list):
     """A scope's nodes with their input index built once (:func:`plan_fusions` runs several
     finders over the same nodes; protobuf field reads make each index pass cost ~1 ms on a
-    300-node decoder)."""
+    300-node decoder), or given by a caller that has it (:func:`nodes_with_index`)."""
 
     by_input: dict[str, list[int]] | None = None
+
+
+def nodes_with_index(nodes: Sequence[NodeProto], by_input: dict[str, list[int]]) -> Sequence[NodeProto]:
+    """``nodes`` for :func:`plan_fusions` with their input index built by the caller (the compile
+    step counts reads in the same pass): ``by_input`` must be what :func:`_by_input` returns,
+    name -> the indices of the nodes reading it, a node once per input slot, in node order."""
+    out = _Nodes(nodes)
+    out.by_input = by_input
+    return out
 
 
 def _by_input(nodes: Sequence[NodeProto]) -> dict[str, list[int]]:
@@ -128,7 +137,7 @@ def _by_input(nodes: Sequence[NodeProto]) -> dict[str, list[int]]:
     by_input: dict[str, list[int]] = {}
     get = by_input.get
     for k, node in enumerate(nodes):
-        for name in node.input:
+        for name in node.input[:]:  # a slice: iterating the container ends in a formatted IndexError
             if name:
                 got = get(name)
                 if got is None:
@@ -187,7 +196,7 @@ def _match_epilogue(nodes, t: str, users_of, const_value, opset: int, is_const: 
             if users is not None and len(users) == 1:
                 add = nodes[users[0]]
                 if (add.op_type in ("Add", "Sum") and add.domain in ("", "ai.onnx") and len(add.input) == 2
-                        and list(add.input).count(t) == 1):
+                        and add.input[:].count(t) == 1):
                     other = add.input[1] if add.input[0] == t else add.input[0]
                     if other and not is_const(other):
                         residual = other
@@ -239,7 +248,7 @@ def find_conv_fusions(
             return None
         k = users[0]
         node = nodes[k]
-        if node.op_type != op_type or node.domain not in ("", "ai.onnx") or list(node.input).count(name) != 1:
+        if node.op_type != op_type or node.domain not in ("", "ai.onnx") or node.input[:].count(name) != 1:
             return None
         return k
 
@@ -306,7 +315,7 @@ def _match_channel_fold(nodes, t, users_of, const_value, m: int, rank: int | Non
     node = nodes[users[0]]
     if node.op_type not in ("Mul", "Add", "Sub", "Div") or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
         return None
-    if list(node.input).count(t) != 1:
+    if node.input[:].count(t) != 1:
         return None
     other = node.input[1] if node.input[0] == t else node.input[0]
     if node.op_type in ("Sub", "Div") and node.input[0] != t:
@@ -394,10 +403,10 @@ def match_activation(nodes, t, users_of, const_value, opset):
     ops = [nodes[u] for u in users]
     if any(n.domain not in ("", "ai.onnx") for n in ops):
         return None
-    attrs = lambda n: {a.name: helper.get_attribute_value(a) for a in n.attribute}  # noqa: E731
+    attrs = lambda n: {a.name: helper.get_attribute_value(a) for a in n.attribute[:]}  # noqa: E731
     if len(users) == 1:
         n = ops[0]
-        ins = tuple(n.input)
+        ins = tuple(n.input[:])
         if ins.count(t) != 1 or ins[0] != t and n.op_type not in ("Mul", "Add", "Max", "Min"):
             return None
         out = sole_output(n)
@@ -545,7 +554,7 @@ def find_matmul_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], pro
         users = users_of(t)
         if users is not None and len(users) == 1:
             add = nodes[users[0]]
-            if add.op_type == "Add" and add.domain in ("", "ai.onnx") and list(add.input).count(t) == 1:
+            if add.op_type == "Add" and add.domain in ("", "ai.onnx") and add.input[:].count(t) == 1:
                 other = add.input[1] if add.input[0] == t else add.input[0]
                 c = const_value(other) if other else None
                 if c is not None and c.dtype.kind == "f" and (c.size == 1 or (c.shape[-1] == n and c.size == n)):
@@ -606,7 +615,7 @@ def find_nbits_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], prot
     for k, node in enumerate(nodes):
         if k in used or node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or len(node.output) != 1:
             continue
-        n = next((a.i for a in node.attribute if a.name == "N"), None)
+        n = next((a.i for a in node.attribute[:] if a.name == "N"), None)
         absorbed: list[int] = []
         t = node.output[0]
         bias = None
@@ -614,7 +623,7 @@ def find_nbits_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], prot
         if (users is not None and len(users) == 1 and n is not None
                 and (len(node.input) < 6 or not node.input[5])):
             add = nodes[users[0]]
-            if add.op_type == "Add" and add.domain in ("", "ai.onnx") and list(add.input).count(t) == 1:
+            if add.op_type == "Add" and add.domain in ("", "ai.onnx") and add.input[:].count(t) == 1:
                 other = add.input[1] if add.input[0] == t else add.input[0]
                 meta = const_meta(other) if other else None
                 if meta is not None and meta.dtype.kind == "f" and int(np.prod(meta.shape)) == n and (
@@ -699,7 +708,7 @@ def _fake_quant_pair(q: NodeProto, dq: NodeProto, const_value: Callable[[str], n
     except who reads what, which the caller checks), else None."""
     if opset < 13 or q.domain not in ("", "ai.onnx") or dq.domain not in ("", "ai.onnx"):
         return None
-    q_in, dq_in = tuple(q.input), tuple(dq.input)  # one conversion each (protobuf builds a container per access)
+    q_in, dq_in = tuple(q.input[:]), tuple(dq.input[:])  # one conversion each, by a slice (see _by_input)
     if len(q_in) != 3 or len(dq_in) != 3 or dq.op_type != "DequantizeLinear" or not q.output:
         return None
     if dq_in[0] != q.output[0] or not sole_output(dq):
@@ -749,20 +758,20 @@ def sole_output(node: NodeProto) -> str:
     if len(outs) == 1:  # the common case, without building a list
         return outs[0]
     first = outs[0] if outs else ""
-    return first if first and len([o for o in outs if o]) == 1 else ""
+    return first if first and len([o for o in outs[:] if o]) == 1 else ""
 
 
 def _attrs(node: NodeProto) -> dict[str, Any]:
     """The int attributes the fusion looks at (``axis``, ``block_size``, ``output_dtype``, ``precision``)."""
-    return {a.name: a.i for a in node.attribute}
+    return {a.name: a.i for a in node.attribute[:]}
 
 
 def _foldable_bn(node: NodeProto, is_const: Callable[[str], bool], opset: int) -> bool:
     if len(node.input) != 5 or not all(is_const(n) for n in node.input[1:]):
         return False
-    if len([o for o in node.output if o]) != 1:
+    if len([o for o in node.output[:] if o]) != 1:
         return False
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute[:]}
     if int(attrs.get("training_mode", 0)):
         return False
     return not (opset < 9 and int(attrs.get("spatial", 1)) == 0)
@@ -829,7 +838,8 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
         def is_const(n: str) -> bool:
             return const_value(n) is not None
     const_meta = const_meta or _meta_from(const_value)
-    nodes = _Nodes(nodes)
+    if not isinstance(nodes, _Nodes):
+        nodes = _Nodes(nodes)
 
     convs = find_conv_fusions(nodes, readers, protected, is_const, opset, const_value, const_meta)
     taken = {i for f in convs for i in (f.conv, *f.absorbed)}
@@ -849,7 +859,7 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
                 metas = [const_meta(n) for n in bn.input[1:5]]
                 if any(c is None or c.shape != (m,) or c.dtype.kind != "f" for c in metas):
                     break
-                eps = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
+                eps = next((a.f for a in bn.attribute[:] if a.name == "epsilon"), 1e-5)
                 stats.append((*(const_lazy(n) for n in bn.input[1:5]), eps))
             if len(stats) != len(f.channels):
                 continue  # not one float statistic per output channel: the nodes run as they are
@@ -864,7 +874,7 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
                 scale, bias, mean, var = (const_value(n) for n in bn.input[1:5])
                 if any(np.ndim(p) != 1 or np.size(p) != m for p in (scale, bias, mean, var)):
                     continue  # not one statistic per output channel: BatchNormalization decides (or refuses)
-                eps = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
+                eps = next((a.f for a in bn.attribute[:] if a.name == "epsilon"), 1e-5)
                 a, b = bn_fold(scale, bias, mean, var, eps, None)
                 mult, shift = mult * a, shift * a + b
             for op, cname in f.folds:

@@ -28,7 +28,7 @@ import logging
 import os
 import _thread
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -443,17 +443,21 @@ def prune(plan: Plan, outputs: Sequence[str]) -> Plan:
 
 
 def topological_order(nodes: Sequence[NodeProto], available: Callable[[str], bool], scope_name: str,
-                      reads: Sequence[Sequence[str]] | None = None) -> list[int]:
+                      reads: Sequence[Sequence[str]] | None = None, known: Container[str] = ()) -> list[int]:
     """Indices of ``nodes`` in an order where every input is produced before use.
 
     ``available(name)`` says whether a name is defined before any node runs (graph inputs,
-    initializers, names visible from enclosing scopes); ``reads[i]`` is what node ``i`` reads —
-    its inputs plus the implicit inputs of its subgraphs (default: its inputs).  A name produced
-    twice, a cycle, or an input nobody produces is InvalidGraph.  O(nodes + edges).
+    initializers, names visible from enclosing scopes); ``known`` holds names it would say yes
+    to, tested first (a set look-up instead of a call per weight read); ``reads[i]`` is what node
+    ``i`` reads — its inputs plus the implicit inputs of its subgraphs (default: its inputs).  A
+    name produced twice, a cycle, or an input nobody produces is InvalidGraph.  O(nodes + edges).
     """
     producers: dict[str, int] = {}
+    outputs = []
     for i, node in enumerate(nodes):
-        for out in node.output:
+        outs = node.output[:]  # a slice: iterating the container ends in a formatted IndexError
+        outputs.append(outs)
+        for out in outs:
             if out:
                 if out in producers:
                     raise InvalidGraph(
@@ -461,29 +465,51 @@ def topological_order(nodes: Sequence[NodeProto], available: Callable[[str], boo
                         f"({nodes[producers[out]].name!r} and {node.name!r})"
                     )
                 producers[out] = i
+    if reads is None:
+        reads = [node.input[:] for node in nodes]
+    get = producers.get
 
-    def read_producers(i: int, node: NodeProto):
-        """Indices of the nodes producing what node ``i`` reads (names defined before any node
-        runs skipped; a name nobody defines is InvalidGraph)."""
-        for name in (reads[i] if reads is not None else node.input):
-            if not name:
-                continue
-            p = producers.get(name)
-            if p is None:
-                if available(name):
-                    continue
-                raise InvalidGraph(
-                    f"graph {scope_name!r}: node {node.name!r} ({node.op_type}) uses {name!r}, "
-                    "which is not a graph input, an initializer, or any node's output"
-                )
-            yield p
+    def missing(i: int, name: str) -> InvalidGraph:
+        node = nodes[i]
+        return InvalidGraph(f"graph {scope_name!r}: node {node.name!r} ({node.op_type}) uses {name!r}, "
+                            "which is not a graph input, an initializer, or any node's output")
 
     # Most graphs list their nodes in an order that already works (ONNX asks for it): then that
     # order is the answer -- the depth-first pass below would return it too, since every node's
-    # producers come first -- and one look-up per read decides it.
-    if all(p < i for i, node in enumerate(nodes) for p in read_producers(i, node)):
+    # producers come first -- and one look-up per read decides it.  Names defined before any
+    # node runs are skipped; a name nobody defines is InvalidGraph, at the first node reading one.
+    # (``defined``: the names defined before node ``i`` runs, tested a node at a time in C; only a
+    # node reading something else -- an omitted input, an enclosing scope's name, a later
+    # node's output, nothing -- is looked at a name at a time.)
+    ordered = True
+    defined = set(known).difference(producers)  # (a node's output is its, whatever else has the name)
+    defined.add("")
+    for i, names in enumerate(reads):
+        if not defined.issuperset(names):
+            for name in names:
+                if name not in defined:
+                    if get(name) is not None:  # a later node's output (the earlier ones' are defined)
+                        ordered = False
+                        break
+                    if not available(name):
+                        raise missing(i, name)
+            if not ordered:
+                break
+        defined.update(outputs[i])
+    if ordered:
         return list(range(len(nodes)))
-    deps = [sorted(set(read_producers(i, node))) for i, node in enumerate(nodes)]
+    deps: list[list[int]] = []
+    for i, names in enumerate(reads):
+        mine: set[int] = set()
+        for name in names:
+            if name:
+                p = get(name)
+                if p is None:
+                    if name in known or available(name):
+                        continue
+                    raise missing(i, name)
+                mine.add(p)
+        deps.append(sorted(mine))
     order: list[int] = []
     state = [0] * len(nodes)  # 0 new, 1 on stack, 2 done
     for start in range(len(nodes)):

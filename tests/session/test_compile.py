@@ -124,6 +124,32 @@ def test_topological_order_rejects_cycles_and_double_producers():
     assert topological_order([b, c], lambda n: n == "x", "g") == [1, 0]
 
 
+def test_topological_order_known_names_and_the_first_missing_read():
+    # ``known`` names are defined before any node runs without asking ``available``; a graph out
+    # of order is sorted depth-first; a name nobody defines is reported at the first node reading
+    # one, whether the listed order held up to there or not.
+    a = helper.make_node("Add", ["x", "w"], ["a"], name="A")
+    b = helper.make_node("Relu", ["c"], ["b"], name="B")  # reads C's output, listed after it
+    c = helper.make_node("Add", ["a", "w"], ["c"], name="C")
+
+    def available(n):
+        assert n != "w", "a known name was asked about"
+        return n == "x"
+
+    assert topological_order([a, c, b], available, "g", None, {"w"}) == [0, 1, 2]
+    assert topological_order([a, b, c], available, "g", None, {"w"}) == [0, 2, 1]
+    assert topological_order([a, b, c], available, "g", [["x", "w"], ["c", "x"], ["a"]], {"w"}) == [0, 2, 1]
+    d = helper.make_node("Relu", ["nowhere"], ["d"], name="D")
+    for nodes in ([a, c, b, d], [a, b, c, d], [d, a, b, c]):
+        with pytest.raises(InvalidGraph, match="node 'D' \\(Relu\\) uses 'nowhere'"):
+            topological_order(nodes, available, "g", None, {"w"})
+    with pytest.raises(InvalidGraph, match="uses 'w'"):
+        topological_order([a], lambda n: n == "x", "g")
+    # A known name that a node produces too is that node's output: its readers come after it.
+    e = helper.make_node("Relu", ["x"], ["w"], name="E")
+    assert topological_order([a, e], lambda n: n == "x", "g", None, {"w"}) == [1, 0]
+
+
 def _ctx(**kw):
     return KernelContext(opset=17, opsets={"": 17}, **kw)
 

@@ -529,6 +529,48 @@ def test_sole_users_equals_counting_the_reads(seed):
     assert 99 not in users_of(some)
 
 
+def test_compile_hands_plan_fusions_the_index_and_read_counts_it_would_build(monkeypatch):
+    # The compile step builds the fusions' input index in the pass that counts the reads
+    # (nodes_with_index): it is the one _by_input builds, and the counts add the subgraphs'
+    # reads and the graph outputs.
+    import onnx
+
+    from onnxpack.session import _compile
+    from onnxpack.session._fusion import _by_input
+
+    seen = []
+    real = _compile.plan_fusions
+
+    def spy(nodes, readers, protected, *args):
+        seen.append((nodes, dict(readers), set(protected)))
+        return real(nodes, readers, protected, *args)
+
+    monkeypatch.setattr(_compile, "plan_fusions", spy)
+    model = onnx.load_from_string(qdq_conv_block_model("im2col")[0])
+    # An If reading two of the block's values from its branches, and a graph output read by a node.
+    branch = helper.make_graph([helper.make_node("Add", ["sum", "relu"], ["t"])], "then", [],
+                               [helper.make_tensor_value_info("t", F, None)])
+    cond = numpy_helper.from_array(np.array(True), "cond")
+    model.graph.initializer.append(cond)
+    model.graph.node.append(helper.make_node("If", ["cond"], ["z"], then_branch=branch, else_branch=branch))
+    model.graph.output.append(helper.make_tensor_value_info("z", F, None))
+    model.graph.output.append(helper.make_tensor_value_info("relu", F, None))
+    with onnxpack.InferenceSession(model.SerializeToString()):
+        pass
+    (nodes, readers, protected), = [s for s in seen if len(s[0]) == len(model.graph.node)]
+    assert nodes.by_input == _by_input(list(nodes))
+    want: dict[str, int] = {}
+    for node in model.graph.node:
+        for n in node.input:
+            if n:
+                want[n] = want.get(n, 0) + 1
+    for n in ("sum", "relu"):  # the branches' reads (once per node, not per branch)
+        want[n] += 1
+    for n in protected:
+        want[n] = want.get(n, 0) + 1
+    assert protected == {"y", "z", "relu"} and readers == want
+
+
 @pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", ">i2", ">u2", "int32", "int4", "uint4",
                                    "float32", "float8_e4m3fn", "bool"])
 def test_fake_quant_range_is_the_table_by_name(dtype):
