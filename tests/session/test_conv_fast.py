@@ -175,12 +175,28 @@ SHAPES = {
     "depthwise-3x3-s12-asym": dict(group=8, m=8, strides=(1, 2), pads=(0, 0, 1, 1)),
     "depthwise-4x4-s3": dict(group=8, m=8, k=4, strides=(3, 3), pads=(1, 2, 0, 1)),
     "depthwise-4x4-s2-p3": dict(group=8, m=8, k=4, x_shape=(1, 8, 9, 10), strides=(2, 2), pads=(3, 3, 1, 0)),
+    # The JIT's stride-2 kernels from a plane's four phases (3x3 / 5x5, (K-1)/2 padding in front,
+    # even H and W): batch 2, less padding at the end (same outputs), the smallest plane, 5x5
+    # on a plane narrower than the kernel.
+    "depthwise-3x3-s2-phases": dict(group=8, m=8, x_shape=(2, 8, 12, 14), strides=(2, 2)),
+    "depthwise-3x3-s2-phases-endcut": dict(group=8, m=8, x_shape=(1, 8, 10, 8), strides=(2, 2), pads=(1, 1, 0, 0)),
+    "depthwise-3x3-s2-phases-tiny": dict(group=8, m=8, x_shape=(1, 8, 2, 2), strides=(2, 2)),
+    "depthwise-5x5-s2-phases": dict(group=8, m=8, k=5, x_shape=(2, 8, 12, 10), strides=(2, 2), pads=(2, 2, 2, 2)),
+    "depthwise-5x5-s2-phases-endcut": dict(group=8, m=8, k=5, x_shape=(1, 8, 6, 8), strides=(2, 2), pads=(2, 2, 1, 1)),
+    "depthwise-5x5-s2-phases-narrow": dict(group=8, m=8, k=5, x_shape=(1, 8, 4, 2), strides=(2, 2), pads=(2, 2, 2, 2)),
     "grouped-2": dict(group=2, m=8),
     # The JIT's direct kernel (one group, C * KH * KW <= 27): an RGB stem, stride 2 and 1, a
     # 2-channel 3x3 with dilation and asymmetric pads, batch 2.
     "direct-rgb-s2": dict(x_shape=(1, 3, 15, 16), m=16, strides=(2, 2)),
     "direct-rgb-s1": dict(x_shape=(2, 3, 9, 11), m=5),
     "direct-2ch-dil-asym": dict(x_shape=(1, 2, 12, 13), m=4, dilations=(2, 1), pads=(2, 0, 1, 2)),
+    # The JIT's 3x3 stride-2 stem over even planes (conv3_s2_small: the input's stride phases):
+    # RGB to 16 (batch 2) and 32 outputs, less padding at the end, two channels, the smallest plane.
+    "stem-rgb-s2-phases": dict(x_shape=(2, 3, 16, 14), m=16, strides=(2, 2)),
+    "stem-rgb-s2-phases-32": dict(x_shape=(1, 3, 12, 12), m=32, strides=(2, 2)),
+    "stem-rgb-s2-phases-endcut": dict(x_shape=(1, 3, 10, 8), m=8, strides=(2, 2), pads=(1, 1, 0, 0)),
+    "stem-2ch-s2-phases": dict(x_shape=(1, 2, 8, 6), m=4, strides=(2, 2)),
+    "stem-rgb-s2-phases-tiny": dict(x_shape=(1, 3, 2, 2), m=4, strides=(2, 2)),
 }
 
 
@@ -206,16 +222,19 @@ def test_fused_chain_matches_onnxruntime(shape, tail, jit_mode):
     assert steps == ["Conv", "Identity"], steps
 
 
+@pytest.mark.parametrize("stride", [1, 2])
 @pytest.mark.parametrize("k", [3, 5])
-def test_same_depthwise_keeps_non_finite_values_in_their_columns(k, jit_mode):
-    """The one-pass "same" depthwise kernels read a neighbouring row's element for a tap whose
-    column falls outside the row and drop it by a select: an Inf or NaN there must not leak into
-    outputs whose windows do not cover it (a multiply by a 0/1 mask would make NaN)."""
+def test_same_depthwise_keeps_non_finite_values_in_their_columns(k, stride, jit_mode):
+    """The one-pass "same" depthwise kernels (and their stride-2 twins, over the plane's phases)
+    read a neighbouring row's element for a tap whose column falls outside the row and drop it
+    by a select: an Inf or NaN there must not leak into outputs whose windows do not cover it (a
+    multiply by a 0/1 mask would make NaN)."""
+    shape = (1, 8, 7, 9) if stride == 1 else (1, 8, 8, 10)
     model, feeds = conv_model(group=8, m=8, k=k, pads=((k - 1) // 2,) * 4, bn=False, tail="none",
-                              x_shape=(1, 8, 7, 9))
+                              x_shape=shape, strides=(stride, stride))
     x = feeds["x"].copy()
     x[0, :, 3, 0] = np.inf  # first column: read (and dropped) by the previous row's last outputs
-    x[0, :, 5, 8] = np.nan  # last column: likewise for the next row's first outputs
+    x[0, :, 5, shape[3] - 1] = np.nan  # last column: likewise for the next row's first outputs
     feeds = {"x": x}
     want = _ort(model, feeds)[0]
     for how, sess in _sessions(model).items():

@@ -78,8 +78,16 @@ _DIRECT_TAPS = 27
 # PP-OCR rec/cls, YOLOv8n, orientation); 24 outputs on 74x30 planes (wake-word) 0.53 -> 0.74 ms
 # slower, 32 outputs (MobileNetV2) even.
 _DIRECT_MAX_OUT = 16
-# A strided (or end-cut) 3x3 / 5x5 depthwise conv on planes of at most this many H * W * taps
-# runs as the one-pass "same" kernel over the whole plane, then keeps every stride-th output:
+# A one-group 3x3 stride-2 conv with one zero of padding in front over an even H x W plane, from
+# at most this many input channels to at most this many outputs, runs the JIT's conv3_s2_small
+# (the input's stride phases, 9 taps per channel in one pass, no im2col).
+_S2_STEM_IN = 3
+_S2_STEM_OUT = 64
+# A stride-2 3x3 / 5x5 depthwise conv with (K - 1) / 2 zeros of padding in front over an even
+# H x W plane runs the JIT's depthwise3_s2 / depthwise5_s2 (the plane split into its four phases,
+# one pass over the output: see their docstrings).  Any other strided (or end-cut) one on planes
+# of at most this many H * W * taps runs as the one-pass "same" kernel over the whole plane, then
+# keeps every stride-th output:
 # up to 4x the multiply-adds, but on small planes the phase-scatter kernel's per-row work costs
 # more (3x3 + Clip, stride 2, one thread, phase kernel vs same + subsample: 576 x 14x14 269 ->
 # 133 us, 192 x 28x28 179 -> 112, 5x5 576 x 14x14 358 -> 226; even at 3x3 40x40 and 5x5 20x20;
@@ -340,6 +348,22 @@ def _same_depthwise(ks, dils, begin, in_shape, out_shape, strides) -> int | None
     if any(o < 1 or (o - 1) * s > i - 1 for o, s, i in zip(out_shape, strides, in_shape)):
         return None
     return ks[0]
+
+
+def _halving(in_shape, out_shape, strides) -> bool:
+    """Whether a "same" depthwise conv (:func:`_same_depthwise`) is the JIT's stride-2 case
+    (``depthwise3_s2`` / ``depthwise5_s2``): stride 2 both ways over an even H and W, giving
+    exactly H / 2 x W / 2 outputs (the padding at the end may be one less: the outputs are the same)."""
+    return (tuple(strides) == (2, 2) and all(i % 2 == 0 and i > 0 for i in in_shape)
+            and tuple(out_shape) == tuple(i // 2 for i in in_shape))
+
+
+def _s2_stem(c, m, ks, dils, begin, in_shape, out_shape, strides) -> bool:
+    """Whether a one-group conv runs the JIT's ``conv3_s2_small``: 3x3, stride 2, one zero of
+    padding in front, even H and W (:func:`_halving`), at most ``_S2_STEM_IN`` input channels
+    and ``_S2_STEM_OUT`` output channels."""
+    return (tuple(ks) == (3, 3) and tuple(dils) == (1, 1) and tuple(begin) == (1, 1) and c <= _S2_STEM_IN
+            and m <= _S2_STEM_OUT and _halving(in_shape, out_shape, strides))
 
 
 def _ints(value, n: int, default: int) -> tuple[int, ...]:
@@ -635,7 +659,11 @@ class Conv(Kernel):
             p.fn = jit.depthwise2d
             p.jit_args = (strides[0], strides[1], dils[0], dils[1], begin[0], begin[1]) + _act.encode(inner)
             same = _same_depthwise(ks, dils, begin, in_shape, out_shape, strides)
-            if same is not None and (tuple(out_shape) == in_shape or in_shape[0] * in_shape[1] * kprod <= _SUBSAMPLE_MAX):
+            if same is not None and _halving(in_shape, out_shape, strides):
+                # Stride 2 on even planes: one pass over the output from the plane's phases.
+                p.fn = jit.depthwise3_s2 if same == 3 else jit.depthwise5_s2
+                p.jit_args = _act.encode(inner)
+            elif same is not None and (tuple(out_shape) == in_shape or in_shape[0] * in_shape[1] * kprod <= _SUBSAMPLE_MAX):
                 p.fn = jit.depthwise3_same if same == 3 else jit.depthwise5_same
                 p.jit_args = _act.encode(inner)
                 if tuple(out_shape) != in_shape:
@@ -643,6 +671,14 @@ class Conv(Kernel):
                     p.sub = (slice(None), slice(None), slice(None, (out_shape[0] - 1) * strides[0] + 1, strides[0]),
                              slice(None, (out_shape[1] - 1) * strides[1] + 1, strides[1]))
                 p.big = math.prod((n, m) + in_shape) * kprod >= _PARALLEL_MACS
+        elif (g == 1 and nd == 2 and jit is not None and length > 0 and _s2_stem(c, m, ks, dils, begin, in_shape,
+                                                                                out_shape, strides)):
+            # A 3x3 stride-2 stem over even planes: from the input's stride phases (conv3_s2_small).
+            p.kind = _DIRECT
+            p.wk_shape = (m, c) + tuple(ks)
+            p.big = math.prod(p.yshape) * c * kprod >= _PARALLEL_MACS
+            p.fn = jit.conv3_s2_small
+            p.jit_args = _act.encode(inner)
         elif (g == 1 and nd == 2 and jit is not None and length > 0 and kprod > 1 and c * kprod <= _DIRECT_TAPS
                 and m <= _DIRECT_MAX_OUT and min(begin) >= 0):
             # Few taps per output (an RGB stem): the JIT's direct kernel, no im2col (see conv2d_small).
