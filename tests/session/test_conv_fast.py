@@ -175,12 +175,42 @@ SHAPES = {
     "depthwise-3x3-s12-asym": dict(group=8, m=8, strides=(1, 2), pads=(0, 0, 1, 1)),
     "depthwise-4x4-s3": dict(group=8, m=8, k=4, strides=(3, 3), pads=(1, 2, 0, 1)),
     "depthwise-4x4-s2-p3": dict(group=8, m=8, k=4, x_shape=(1, 8, 9, 10), strides=(2, 2), pads=(3, 3, 1, 0)),
+    # The JIT's stride-2 kernels from a plane's four phases (3x3 / 5x5, (K-1)/2 padding in front,
+    # even H and W): batch 2, less padding at the end (same outputs), the smallest plane, 5x5
+    # on a plane narrower than the kernel.
+    "depthwise-3x3-s2-phases": dict(group=8, m=8, x_shape=(2, 8, 12, 14), strides=(2, 2)),
+    "depthwise-3x3-s2-phases-endcut": dict(group=8, m=8, x_shape=(1, 8, 10, 8), strides=(2, 2), pads=(1, 1, 0, 0)),
+    "depthwise-3x3-s2-phases-tiny": dict(group=8, m=8, x_shape=(1, 8, 2, 2), strides=(2, 2)),
+    "depthwise-5x5-s2-phases": dict(group=8, m=8, k=5, x_shape=(2, 8, 12, 10), strides=(2, 2), pads=(2, 2, 2, 2)),
+    "depthwise-5x5-s2-phases-endcut": dict(group=8, m=8, k=5, x_shape=(1, 8, 6, 8), strides=(2, 2), pads=(2, 2, 1, 1)),
+    "depthwise-5x5-s2-phases-narrow": dict(group=8, m=8, k=5, x_shape=(1, 8, 4, 2), strides=(2, 2), pads=(2, 2, 2, 2)),
     "grouped-2": dict(group=2, m=8),
     # The JIT's direct kernel (one group, C * KH * KW <= 27): an RGB stem, stride 2 and 1, a
     # 2-channel 3x3 with dilation and asymmetric pads, batch 2.
     "direct-rgb-s2": dict(x_shape=(1, 3, 15, 16), m=16, strides=(2, 2)),
     "direct-rgb-s1": dict(x_shape=(2, 3, 9, 11), m=5),
     "direct-2ch-dil-asym": dict(x_shape=(1, 2, 12, 13), m=4, dilations=(2, 1), pads=(2, 0, 1, 2)),
+    # The JIT's im2col (im2col2d: column matrices too large to gather, straight from the
+    # unpadded input; stride 2 over even planes, or output rows of >= 32): stride 2 from the
+    # stride phases with odd padding, over odd planes and batch 2, 5x5 with asymmetric padding,
+    # stride 3 with dilation, 2 groups.
+    "dense-3x3-s2-im2col": dict(x_shape=(1, 16, 40, 38), m=8, strides=(2, 2)),
+    "dense-4x4-s2-im2col-p3": dict(x_shape=(1, 16, 36, 40), m=8, k=4, strides=(2, 2), pads=(3, 0, 1, 2)),
+    "dense-3x3-s2-im2col-odd": dict(x_shape=(2, 16, 41, 67), m=8, strides=(2, 2)),
+    "dense-5x5-im2col-asym": dict(x_shape=(1, 8, 30, 33), m=6, k=5, pads=(2, 1, 0, 3)),
+    "dense-3x3-s3-dil2-im2col": dict(x_shape=(1, 16, 30, 110), m=8, strides=(3, 3), dilations=(2, 2), pads=(2, 2, 2, 2)),
+    "grouped-2-im2col": dict(x_shape=(1, 16, 40, 40), group=2, m=8, strides=(2, 2)),
+    # ... made and multiplied a block of output rows at a time (large matrices, few outputs):
+    # stride 2 from the phases, and stride 1 over odd planes with batch 2.
+    "dense-3x3-s2-im2col-blocks": dict(x_shape=(1, 16, 80, 84), m=8, strides=(2, 2)),
+    "dense-3x3-im2col-blocks": dict(x_shape=(2, 8, 81, 83), m=4),
+    # The JIT's 3x3 stride-2 stem over even planes (conv3_s2_small: the input's stride phases):
+    # RGB to 16 (batch 2) and 32 outputs, less padding at the end, two channels, the smallest plane.
+    "stem-rgb-s2-phases": dict(x_shape=(2, 3, 16, 14), m=16, strides=(2, 2)),
+    "stem-rgb-s2-phases-32": dict(x_shape=(1, 3, 12, 12), m=32, strides=(2, 2)),
+    "stem-rgb-s2-phases-endcut": dict(x_shape=(1, 3, 10, 8), m=8, strides=(2, 2), pads=(1, 1, 0, 0)),
+    "stem-2ch-s2-phases": dict(x_shape=(1, 2, 8, 6), m=4, strides=(2, 2)),
+    "stem-rgb-s2-phases-tiny": dict(x_shape=(1, 3, 2, 2), m=4, strides=(2, 2)),
 }
 
 
@@ -206,22 +236,74 @@ def test_fused_chain_matches_onnxruntime(shape, tail, jit_mode):
     assert steps == ["Conv", "Identity"], steps
 
 
+@pytest.mark.parametrize("stride", [1, 2])
 @pytest.mark.parametrize("k", [3, 5])
-def test_same_depthwise_keeps_non_finite_values_in_their_columns(k, jit_mode):
-    """The one-pass "same" depthwise kernels read a neighbouring row's element for a tap whose
-    column falls outside the row and drop it by a select: an Inf or NaN there must not leak into
-    outputs whose windows do not cover it (a multiply by a 0/1 mask would make NaN)."""
+def test_same_depthwise_keeps_non_finite_values_in_their_columns(k, stride, jit_mode):
+    """The one-pass "same" depthwise kernels (and their stride-2 twins, over the plane's phases)
+    read a neighbouring row's element for a tap whose column falls outside the row and drop it
+    by a select: an Inf or NaN there must not leak into outputs whose windows do not cover it (a
+    multiply by a 0/1 mask would make NaN)."""
+    shape = (1, 8, 7, 9) if stride == 1 else (1, 8, 8, 10)
     model, feeds = conv_model(group=8, m=8, k=k, pads=((k - 1) // 2,) * 4, bn=False, tail="none",
-                              x_shape=(1, 8, 7, 9))
+                              x_shape=shape, strides=(stride, stride))
     x = feeds["x"].copy()
     x[0, :, 3, 0] = np.inf  # first column: read (and dropped) by the previous row's last outputs
-    x[0, :, 5, 8] = np.nan  # last column: likewise for the next row's first outputs
+    x[0, :, 5, shape[3] - 1] = np.nan  # last column: likewise for the next row's first outputs
     feeds = {"x": x}
     want = _ort(model, feeds)[0]
     for how, sess in _sessions(model).items():
         got = sess.run(None, feeds)[0]
         assert np.array_equal(np.isnan(got), np.isnan(want)), how
         np.testing.assert_allclose(got, want, **TOL, err_msg=how)
+
+
+def test_jit_im2col_equals_numpys():
+    """The JIT's im2col (straight from the unpadded input; stride 2 over even planes from the
+    stride phases; a block of output rows at a time) writes exactly numpy's padded im2col, over
+    random 2-D geometries."""
+    from onnxpack.session.kernels import conv as conv_mod
+
+    jit = _act.jit()
+    if jit is None:
+        pytest.skip("numba not installed")
+    rng = _rng(3)
+    checked = phased = 0
+    while checked < 400:
+        n, c = (int(v) for v in rng.integers(1, 4, 2))
+        h, w = (int(v) for v in rng.integers(1, 13, 2))
+        kh, kw = (int(v) for v in rng.integers(1, 5, 2))
+        sh, sw = (int(v) for v in rng.integers(1, 4, 2))
+        dh, dw = (int(v) for v in rng.integers(1, 3, 2))
+        if rng.random() < 0.3:
+            sh = sw = 2
+            h, w = h + h % 2, w + w % 2
+        pads = tuple(int(v) for v in rng.integers(0, 4, 4))
+        try:
+            begin, _, out = conv_mod.conv_geometry((h, w), (kh, kw), (sh, sw), (dh, dw), pads, "NOTSET")
+        except Exception:
+            continue  # kernel larger than the padded input
+        x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+        extent = conv_mod._padded_extent((h, w), begin, out, (kh, kw), (sh, sw), (dh, dw))
+        want = conv_mod.im2col(conv_mod._pad(x, begin, extent, 0), (kh, kw), out, (sh, sw), (dh, dw))
+        phases = np.zeros((0, 0, 0, 0, 0), np.float32)
+        if sh == sw == 2 and h % 2 == 0 and w % 2 == 0:
+            phases = np.empty((n, c, 4, h // 2, w // 2), np.float32)
+            jit.stride_phases(x, phases)
+        # image by image, in blocks of 1-3 output rows (as Conv does for large matrices)
+        got = np.full((n, c * kh * kw, out[0] * out[1]), np.nan, np.float32)
+        for i in range(n):
+            r0 = 0
+            while r0 < out[0]:
+                r1 = min(out[0], r0 + int(rng.integers(1, 4)))
+                block = np.full((c * kh * kw, (r1 - r0) * out[1]), np.nan, np.float32)
+                jit.im2col2d(x, phases, block, kh, kw, sh, sw, dh, dw, begin[0], begin[1], out[0], out[1], i, r0, r1)
+                got[i, :, r0 * out[1]:r1 * out[1]] = block
+                r0 = r1
+        geometry = (n, c, h, w, kh, kw, sh, sw, dh, dw, pads)
+        np.testing.assert_array_equal(got, want.reshape(got.shape), err_msg=str(geometry))
+        checked += 1
+        phased += sh == sw == 2 and h % 2 == 0 and w % 2 == 0
+    assert phased > 50
 
 
 @pytest.mark.parametrize("shape", ["dense-3x3", "depthwise-3x3", "pointwise"], ids=str)

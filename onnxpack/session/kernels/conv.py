@@ -2,7 +2,10 @@
 
 Conv is im2col + one BLAS call per group.  im2col is built by a Python loop over *kernel
 offsets* (9 for a 3x3 kernel), each a single strided numpy copy of a whole (N, C, out...) slab, so
-no loop ever runs per pixel.  Three shapes skip im2col:
+no loop ever runs per pixel; with the numba kernels, 2-D column matrices are written straight from
+the unpadded input instead (``im2col2d``: no padded copy; stride 2 from the input's stride
+phases), large ones with few output channels a block of output rows at a time, each block
+multiplied while its columns are in L2.  Three shapes skip im2col:
 
 * 1x1, unpadded convolutions (a third of resnet50's convs): the input *is* the column matrix
   (strided-sliced first when the stride is > 1), so the conv is one matmul over channels.
@@ -78,8 +81,16 @@ _DIRECT_TAPS = 27
 # PP-OCR rec/cls, YOLOv8n, orientation); 24 outputs on 74x30 planes (wake-word) 0.53 -> 0.74 ms
 # slower, 32 outputs (MobileNetV2) even.
 _DIRECT_MAX_OUT = 16
-# A strided (or end-cut) 3x3 / 5x5 depthwise conv on planes of at most this many H * W * taps
-# runs as the one-pass "same" kernel over the whole plane, then keeps every stride-th output:
+# A one-group 3x3 stride-2 conv with one zero of padding in front over an even H x W plane, from
+# at most this many input channels to at most this many outputs, runs the JIT's conv3_s2_small
+# (the input's stride phases, 9 taps per channel in one pass, no im2col).
+_S2_STEM_IN = 3
+_S2_STEM_OUT = 64
+# A stride-2 3x3 / 5x5 depthwise conv with (K - 1) / 2 zeros of padding in front over an even
+# H x W plane runs the JIT's depthwise3_s2 / depthwise5_s2 (the plane split into its four phases,
+# one pass over the output: see their docstrings).  Any other strided (or end-cut) one on planes
+# of at most this many H * W * taps runs as the one-pass "same" kernel over the whole plane, then
+# keeps every stride-th output:
 # up to 4x the multiply-adds, but on small planes the phase-scatter kernel's per-row work costs
 # more (3x3 + Clip, stride 2, one thread, phase kernel vs same + subsample: 576 x 14x14 269 ->
 # 133 us, 192 x 28x28 179 -> 112, 5x5 576 x 14x14 358 -> 226; even at 3x3 40x40 and 5x5 20x20;
@@ -89,6 +100,21 @@ _SUBSAMPLE_MAX = 9 * 1024
 _WINDOW_TAPS = 32
 _EMPTY3 = np.zeros((0, 0, 0), np.float32)
 _EMPTY_CHAN = np.zeros((0, 0, 2), np.float32)  # bias_act's per-channel tables when there are none
+_EMPTY5 = np.zeros((0, 0, 0, 0, 0), np.float32)  # im2col2d's stride phases when there are none
+# A one-group column matrix of more than twice this many bytes, with at least _COLS_BLOCK_MIN_N
+# output positions per output channel, is made and multiplied a block of output rows (about this
+# many bytes) at a time on one thread: each block's columns are still in L2 when its GEMM reads
+# them.  Measured (3x3 + Clip sessions, one thread, interleaved, medians of 100, a loaded
+# machine): stride 2 16 -> 32 on 160x160 (YOLOv8n) 2299 -> 1992 us; but 32 -> 64 on 80x80
+# 1488 -> 1528, 64 -> 128 on 40x40 1265 -> 1335, 128 -> 256 on 20x20 1213 -> 1352 (every block's
+# GEMM packs the weight again), hence the positions-per-channel bound.
+_COLS_BLOCK = 256 << 10
+_COLS_BLOCK_MIN_N = 32
+# The JIT's im2col at stride 1 (or odd planes) only for output rows of at least this many
+# columns: measured (one Conv, no bias, one thread, interleaved) 3x1 on 48 x 36x16 (16-column
+# rows, wake-word) 178 -> 221 us, on 16 x 48 x 36x16 4164 -> 4583; 1x3 on 16 x 24 x 74x32
+# 10748 -> 8850 but 1 x 24 x 74x32 280 -> 297; 3x3 on 64 x 40x40 624 -> 477.
+_JIT_IM2COL_ROW = 32
 # Column matrices of at most this many elements are built by one gather through precomputed
 # indices (an index per element: 8 bytes each, made once per input shape).  Silero VAD's convs
 # (1-D, 3 taps over 3 positions; an STFT of 256 taps over 3 frames): ~10-20 us of per-tap Python
@@ -342,6 +368,33 @@ def _same_depthwise(ks, dils, begin, in_shape, out_shape, strides) -> int | None
     return ks[0]
 
 
+def _halving(in_shape, out_shape, strides) -> bool:
+    """Whether a "same" depthwise conv (:func:`_same_depthwise`) is the JIT's stride-2 case
+    (``depthwise3_s2`` / ``depthwise5_s2``): stride 2 both ways over an even H and W, giving
+    exactly H / 2 x W / 2 outputs (the padding at the end may be one less: the outputs are the same)."""
+    return (tuple(strides) == (2, 2) and all(i % 2 == 0 and i > 0 for i in in_shape)
+            and tuple(out_shape) == tuple(i // 2 for i in in_shape))
+
+
+def _s2_stem(c, m, ks, dils, begin, in_shape, out_shape, strides) -> bool:
+    """Whether a one-group conv runs the JIT's ``conv3_s2_small``: 3x3, stride 2, one zero of
+    padding in front, even H and W (:func:`_halving`), at most ``_S2_STEM_IN`` input channels
+    and ``_S2_STEM_OUT`` output channels."""
+    return (tuple(ks) == (3, 3) and tuple(dils) == (1, 1) and tuple(begin) == (1, 1) and c <= _S2_STEM_IN
+            and m <= _S2_STEM_OUT and _halving(in_shape, out_shape, strides))
+
+
+def _jit_im2col(nd, kprod, begin, strides, in_shape, out_shape) -> bool:
+    """Whether a conv's column matrix is the JIT's ``im2col2d``: 2-D, padding only added, at
+    most ``_WINDOW_TAPS`` taps (longer kernels keep numpy's one strided-window copy), and
+    stride 2 over an even plane (from the stride phases) or output rows of at least
+    ``_JIT_IM2COL_ROW`` (its per-row work made short rows slower than numpy's slab copies)."""
+    if nd != 2 or min(begin) < 0 or kprod > _WINDOW_TAPS:
+        return False
+    phased = tuple(strides) == (2, 2) and in_shape[0] % 2 == 0 and in_shape[1] % 2 == 0
+    return phased or out_shape[1] >= _JIT_IM2COL_ROW
+
+
 def _ints(value, n: int, default: int) -> tuple[int, ...]:
     if value is None or len(value) == 0:
         return (default,) * n
@@ -377,6 +430,7 @@ _ONE = 2  # 1x1 unpadded: the (strided) input is the column matrix
 _GATHER = 3  # a small column matrix gathered through precomputed indices
 _IM2COL = 4  # padded copy, im2col, GEMM
 _DW_NUMPY = 5  # depthwise without the JIT: a multiply-add per tap over the whole tensor
+_IM2COL_JIT = 6  # 2-D: the JIT's im2col straight from the unpadded input (im2col2d), GEMM
 
 
 class _ConvPlan:
@@ -389,7 +443,7 @@ class _ConvPlan:
     __slots__ = ("kind", "n", "m", "g", "length", "ks", "strides", "dils", "begin", "out_shape", "yshape",
                  "wm_shape", "wm", "wk_shape", "wk", "fn", "jit_args", "big", "count", "zero_bias", "full",
                  "sub", "idx", "zero", "extent", "cols_shape", "small", "pre", "post", "channels", "jit", "enc",
-                 "table", "rows3")
+                 "table", "rows3", "chunk", "phased")
 
 
 
@@ -563,6 +617,43 @@ class Conv(Kernel):
             else:
                 xz = np.concatenate((xc.reshape(n, -1), plan.zero), axis=1)
                 cols = xz[:, plan.idx].reshape(plan.cols_shape)
+        elif kind == _IM2COL_JIT:
+            # The column matrix straight from the input (no padded copy; stride 2 over even
+            # planes from the input's stride phases), in this thread's scratch (read only before
+            # this call returns).  On one thread, a large one is made and multiplied a block of
+            # output rows at a time, each block's columns still in L2 for its GEMM.
+            jit = plan.jit
+            xcc = np.ascontiguousarray(xc)
+            ph4 = _EMPTY5
+            if plan.phased:
+                pshape = (n, xcc.shape[1], 4, xcc.shape[2] // 2, xcc.shape[3] // 2)
+                ph4 = _scratch("phases", pshape, np.float32)
+                if ph4 is None:
+                    ph4 = np.empty(pshape, np.float32)
+                jit.stride_phases(xcc, ph4)
+            oh, ow = plan.out_shape
+            rows = plan.chunk
+            if rows < oh and _act.threads() == 1:
+                y = out if out is not None else np.empty(plan.yshape, cd)
+                y3 = y.reshape(n, plan.m, plan.length)
+                k = plan.cols_shape[2]
+                flat = _scratch("cols", (k * rows * ow,), np.float32)
+                if flat is None:
+                    flat = np.empty(k * rows * ow, np.float32)
+                w2 = wm[0]
+                for i in range(n):
+                    for r0 in range(0, oh, rows):
+                        r1 = min(oh, r0 + rows)
+                        cv = flat[:k * (r1 - r0) * ow].reshape(k, (r1 - r0) * ow)
+                        jit.im2col2d(xcc, ph4, cv, *plan.jit_args, i, r0, r1)
+                        np.matmul(w2, cv, out=y3[i, :, r0 * ow:r1 * ow])
+                return self._epilogue(plan, y, bias, res, out_dtype)
+            cols = _scratch("cols", plan.cols_shape, np.float32)
+            if cols is None:
+                cols = np.empty(plan.cols_shape, np.float32)
+            c3 = cols.reshape(n, -1, plan.length)
+            for i in range(n):
+                jit.im2col2d(xcc, ph4, c3[i], *plan.jit_args, i, 0, oh)
         else:
             # The padded copy and the column matrix live in this thread's scratch: both are
             # read only before this call returns (the GEMM's result is a fresh array).
@@ -635,7 +726,11 @@ class Conv(Kernel):
             p.fn = jit.depthwise2d
             p.jit_args = (strides[0], strides[1], dils[0], dils[1], begin[0], begin[1]) + _act.encode(inner)
             same = _same_depthwise(ks, dils, begin, in_shape, out_shape, strides)
-            if same is not None and (tuple(out_shape) == in_shape or in_shape[0] * in_shape[1] * kprod <= _SUBSAMPLE_MAX):
+            if same is not None and _halving(in_shape, out_shape, strides):
+                # Stride 2 on even planes: one pass over the output from the plane's phases.
+                p.fn = jit.depthwise3_s2 if same == 3 else jit.depthwise5_s2
+                p.jit_args = _act.encode(inner)
+            elif same is not None and (tuple(out_shape) == in_shape or in_shape[0] * in_shape[1] * kprod <= _SUBSAMPLE_MAX):
                 p.fn = jit.depthwise3_same if same == 3 else jit.depthwise5_same
                 p.jit_args = _act.encode(inner)
                 if tuple(out_shape) != in_shape:
@@ -643,6 +738,14 @@ class Conv(Kernel):
                     p.sub = (slice(None), slice(None), slice(None, (out_shape[0] - 1) * strides[0] + 1, strides[0]),
                              slice(None, (out_shape[1] - 1) * strides[1] + 1, strides[1]))
                 p.big = math.prod((n, m) + in_shape) * kprod >= _PARALLEL_MACS
+        elif (g == 1 and nd == 2 and jit is not None and length > 0 and _s2_stem(c, m, ks, dils, begin, in_shape,
+                                                                                out_shape, strides)):
+            # A 3x3 stride-2 stem over even planes: from the input's stride phases (conv3_s2_small).
+            p.kind = _DIRECT
+            p.wk_shape = (m, c) + tuple(ks)
+            p.big = math.prod(p.yshape) * c * kprod >= _PARALLEL_MACS
+            p.fn = jit.conv3_s2_small
+            p.jit_args = _act.encode(inner)
         elif (g == 1 and nd == 2 and jit is not None and length > 0 and kprod > 1 and c * kprod <= _DIRECT_TAPS
                 and m <= _DIRECT_MAX_OUT and min(begin) >= 0):
             # Few taps per output (an RGB stem): the JIT's direct kernel, no im2col (see conv2d_small).
@@ -667,6 +770,18 @@ class Conv(Kernel):
             p.idx = idx
             p.zero = np.zeros(1 if n == 1 else (n, 1), cd)
             p.cols_shape = (n, g, cg * kprod, length)
+        elif not depthwise and jit is not None and length > 0 and _jit_im2col(nd, kprod, begin, strides, in_shape,
+                                                                                 out_shape):
+            p.kind = _IM2COL_JIT
+            p.cols_shape = (n, g, cg * kprod, length)
+            p.jit_args = (ks[0], ks[1], strides[0], strides[1], dils[0], dils[1], begin[0], begin[1],
+                          out_shape[0], out_shape[1])
+            p.phased = tuple(strides) == (2, 2) and in_shape[0] % 2 == 0 and in_shape[1] % 2 == 0
+            # Output rows per block of the column matrix: about _COLS_BLOCK bytes when it is
+            # large and the weight small (each block's GEMM packs the weight again).
+            p.chunk = out_shape[0]
+            if g == 1 and length >= _COLS_BLOCK_MIN_N * m and 4 * c * kprod * length > 2 * _COLS_BLOCK:
+                p.chunk = max(1, _COLS_BLOCK // (4 * c * kprod * out_shape[1]))
         else:
             p.kind = _DW_NUMPY if depthwise else _IM2COL
             p.extent = _padded_extent(in_shape, begin, out_shape, ks, strides, dils)
