@@ -44,24 +44,22 @@ def fast_init(cls: type) -> type:
     else:
         body.append("__d = self.__dict__")
     for f in fields:
-        value = f.name
+        name, value = f.name, f.name
+        has_default = f.default is not dataclasses.MISSING
+        has_factory = f.default_factory is not dataclasses.MISSING
+        if has_default:
+            names[f"__dflt_{name}"] = f.default
+        if has_factory:
+            names[f"__fact_{name}"] = f.default_factory
         if f.init:
-            if f.default is not dataclasses.MISSING:
-                names[f"__dflt_{f.name}"] = f.default
-                param = f"{f.name}=__dflt_{f.name}"
-            elif f.default_factory is not dataclasses.MISSING:
-                names[f"__fact_{f.name}"] = f.default_factory
-                param = f"{f.name}=__factory"
-                value = f"__fact_{f.name}() if {f.name} is __factory else {f.name}"
-            else:
-                param = f.name
+            if has_factory:
+                value = f"__fact_{name}() if {name} is __factory else {name}"
+            param = f"{name}=__dflt_{name}" if has_default else f"{name}=__factory" if has_factory else name
             (keyword if f.kw_only else positional).append(param)
-        elif f.default is not dataclasses.MISSING:
-            names[f"__dflt_{f.name}"] = f.default
-            value = f"__dflt_{f.name}"
-        elif f.default_factory is not dataclasses.MISSING:
-            names[f"__fact_{f.name}"] = f.default_factory
-            value = f"__fact_{f.name}()"
+        elif has_default:
+            value = f"__dflt_{name}"
+        elif has_factory:
+            value = f"__fact_{name}()"
         else:
             continue  # init=False without a default: left for __post_init__, as dataclass does
         body.append(store.format(name=f.name, value=value))

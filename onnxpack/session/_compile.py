@@ -38,7 +38,7 @@ from onnxpack.session._api import declared_dim
 from onnxpack.session._derive import derive
 from onnxpack.session._fold import fold_constants
 from onnxpack.session._api import override_dims
-from onnxpack.session._fusion import ConstMeta, Fusion, apply_fusions, nodes_with_index, plan_fusions
+from onnxpack.session._fusion import ConstMeta, Fusion, apply_fusions, inputs_index, nodes_with_index, plan_fusions
 from onnxpack.session._program import PackEvent, Plan, PrepackStats, Program, Step, schedule, topological_order
 from onnxpack.session._resolve import resolve
 from onnxpack.session.kernels import Kernel, KernelContext, TensorInfo, normalize_domain
@@ -298,18 +298,9 @@ class _Compiler:
                  implicit: dict[int, tuple[str, ...]]) -> list[Fusion]:
         """Conv → BatchNormalization → Relu and elementwise → Relu chains (see ``_fusion.py``);
         ``ins[k]``: node ``k``'s inputs."""
-        # The fusion's input index (name -> the nodes reading it, once per input slot) and the
-        # read counts (those, the subgraphs' reads and the graph outputs) in one pass.
-        by_input: dict[str, list[int]] = {}
-        get = by_input.get
-        for k, names in enumerate(ins):
-            for n in names:
-                if n:
-                    got = get(n)
-                    if got is None:
-                        by_input[n] = [k]
-                    else:
-                        got.append(k)
+        # The fusion's input index (name -> the nodes reading it, once per input slot), then the
+        # read counts (those, the subgraphs' reads and the graph outputs).
+        by_input = inputs_index(ins)
         readers = {n: len(ks) for n, ks in by_input.items()}
         for extra in implicit.values():
             for n in extra:

@@ -46,7 +46,7 @@ from onnxpack.session.kernels._act import Activation
 
 __all__ = ["ConvFusion", "Fusion", "MatMulFusion", "apply_fusions", "bn_fold", "find_conv_fusions",
            "find_fake_quant_fusions", "find_matmul_fusions", "find_nbits_fusions",
-           "find_relu_fusions", "fused_node", "match_activation", "nodes_with_index", "plan_fusions"]
+           "find_relu_fusions", "fused_node", "inputs_index", "match_activation", "nodes_with_index", "plan_fusions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,20 +130,28 @@ def nodes_with_index(nodes: Sequence[NodeProto], by_input: dict[str, list[int]])
     return out
 
 
-def _by_input(nodes: Sequence[NodeProto]) -> dict[str, list[int]]:
-    """name -> indices of the nodes reading it (a node once per input slot)."""
-    if isinstance(nodes, _Nodes) and nodes.by_input is not None:
-        return nodes.by_input
+def inputs_index(ins: Sequence[Sequence[str]]) -> dict[str, list[int]]:
+    """name -> indices of the nodes reading it, from ``ins[k]`` (node ``k``'s input names; a node
+    once per input slot, omitted inputs skipped)."""
     by_input: dict[str, list[int]] = {}
     get = by_input.get
-    for k, node in enumerate(nodes):
-        for name in node.input[:]:  # a slice: iterating the container ends in a formatted IndexError
+    for k, names in enumerate(ins):
+        for name in names:
             if name:
                 got = get(name)
                 if got is None:
                     by_input[name] = [k]
                 else:
                     got.append(k)
+    return by_input
+
+
+def _by_input(nodes: Sequence[NodeProto]) -> dict[str, list[int]]:
+    """name -> indices of the nodes reading it (a node once per input slot)."""
+    if isinstance(nodes, _Nodes) and nodes.by_input is not None:
+        return nodes.by_input
+    # a slice: iterating the container ends in a formatted IndexError
+    by_input = inputs_index([node.input[:] for node in nodes])
     if isinstance(nodes, _Nodes):
         nodes.by_input = by_input
     return by_input
