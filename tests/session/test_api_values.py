@@ -135,6 +135,46 @@ def test_bound_output_written_through_run_into(weights):
         sess.run_with_iobinding(binding)
 
 
+def test_binding_decision_follows_inputs_that_alias_the_bound_buffer():
+    """The binding's decision (which steps write into bound buffers) is kept from run to run
+    while the bound buffers and the inputs touching them stay the same.  A new input that *is*
+    the bound output buffer must not be read while MatMul writes into it: the result is computed,
+    then copied in — the same as a fresh binding and as numpy — and later runs with a harmless
+    input write in place again."""
+    rng = np.random.default_rng(7)
+    sess = onnxpack.InferenceSession(MATMUL)
+    out = onnxpack.OrtValue.ortvalue_from_shape_and_type([8, 8], np.float32)
+    buf = out.numpy()
+    binding = sess.io_binding()
+    kernel = sess.program.root.steps[0].kernel
+    real, into = kernel.run_into, []
+
+    def spy(outs, *args):  # numpy's matmul copes with the alias; a kernel need not: it is never handed one
+        into.append(any(np.may_share_memory(a, o) for a in args for o in outs if isinstance(a, np.ndarray)
+                        and isinstance(o, np.ndarray)))
+        return real(outs, *args)
+
+    kernel.run_into = spy
+    for x in (rng.standard_normal((8, 8)).astype(np.float32) for _ in range(2)):  # the decision is made, then kept
+        binding.clear_binding_inputs()
+        binding.clear_binding_outputs()
+        binding.bind_cpu_input("x", x)
+        binding.bind_ortvalue_output("y", out)
+        sess.run_with_iobinding(binding)
+        np.testing.assert_allclose(buf, x @ W, **TOL)
+    buf[:] = rng.standard_normal((8, 8)).astype(np.float32)
+    expected = buf @ W
+    binding.bind_cpu_input("x", buf)  # the output buffer itself as the input
+    sess.run_with_iobinding(binding)
+    np.testing.assert_allclose(buf, expected, **TOL)
+    x = rng.standard_normal((8, 8)).astype(np.float32)
+    binding.bind_cpu_input("x", x)
+    sess.run_with_iobinding(binding)
+    np.testing.assert_allclose(buf, x @ W, **TOL)
+    assert binding.get_outputs()[0] is out
+    assert into == [False, False], into  # runs 2 and 4 wrote in place, never with the alias
+
+
 @pytest.mark.parametrize("planner", ["none", "greedy_by_size"])
 def test_kv_cache_decode_loop_reuses_bound_buffers_like_onnxruntime(planner):
     """present_k = Concat(past_k, k_new) along the sequence axis; y = MatMul(q, present_k^T).

@@ -342,19 +342,30 @@ def test_gqa_prompt_then_decode_steps(case, dtype, batch, jit_path, monkeypatch)
     checked, so a silent fall back to numpy fails the test."""
     took = _gqa_loop_vs_onnxruntime(case, dtype, batch, monkeypatch)
     assert any(took) == (jit_path != "numpy" and batch == 1 and dtype == np.float32), took
+    # Packed QKV decoding steps (onnxruntime-genai's graphs) take the short path to the same call.
+    assert ("packed" in took) == (any(took) and case[2]), took
 
 
 def _gqa_loop_vs_onnxruntime(case, dtype, batch, monkeypatch) -> list[bool]:
-    """test_gqa_prompt_then_decode_steps's loop; returns, per decode call, whether the JIT took it."""
+    """test_gqa_prompt_then_decode_steps's loop; returns, per decode call, whether the JIT took it
+    (``"packed"`` when the packed-QKV decoding path did)."""
     took = []
     decode_jit = GroupQueryAttention._decode_jit
+    decode_packed = GroupQueryAttention._decode_packed
 
     def spy(self, *args):
         got = decode_jit(self, *args)
         took.append(got is not None)
         return got
 
+    def spy_packed(self, *args):
+        got = decode_packed(self, *args)
+        if got is not None:
+            took.append("packed")
+        return got
+
     monkeypatch.setattr(GroupQueryAttention, "_decode_jit", spy)
+    monkeypatch.setattr(GroupQueryAttention, "_decode_packed", spy_packed)
     _, layout, packed, rotary, attrs = case
     rng = np.random.default_rng(10)
     n, nkv, h, cap = 4, 2, 16, 12  # onnxruntime rotates only head sizes that are multiples of 16

@@ -59,7 +59,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from onnxpack._io import atomic_write
@@ -440,6 +440,10 @@ class Native:
 
     def call(self, name: str, block_address: int) -> None:
         self._fns[name](block_address)
+
+    def entry(self, name: str) -> Callable[[int], None]:
+        """The entry ``name`` as a callable of the block's address (``call`` without the look-up)."""
+        return self._fns[name]
 
     def parallel(self, name: str, block_address: int, threads: int) -> None:
         gomp = Native._gomp

@@ -97,13 +97,21 @@ def _rms_jit(x, skip, gamma, bias, eps: float, want_sum: bool):
     y = np.empty((rows, d), np.float32)
     total = np.empty((rows, d), np.float32) if want_sum else np.empty((0, d), np.float32)
     inv = np.empty(rows, np.float32)
-    k.rms_rows(x2, sk, _NO_VALUES if bias is None else np.ascontiguousarray(bias).reshape(d),
-               np.ascontiguousarray(gamma).reshape(d), np.float32(eps), y, total, inv, 0, rows)
+    k.rms_rows(x2, sk, _NO_VALUES if bias is None else _vector(bias, d), _vector(gamma, d), np.float32(eps), y, total,
+               inv, 0, rows)
     stat = x.shape[:-1] + (1,)
     return y.reshape(x.shape), inv.reshape(stat), (total.reshape(x.shape) if want_sum else None)
 
 
 _NO_VALUES = np.zeros(0, np.float32)
+
+
+def _vector(v: np.ndarray, d: int) -> np.ndarray:
+    """``v`` as a contiguous (d,) array: the weight itself when it is one (the native kernels
+    remember a weight's address; a view made per call would be looked up anew each time)."""
+    if v.shape == (d,) and v.flags.c_contiguous:
+        return v
+    return np.ascontiguousarray(v).reshape(d)
 
 
 def _to(y: np.ndarray, dtype: np.dtype) -> np.ndarray:

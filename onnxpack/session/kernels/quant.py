@@ -505,12 +505,13 @@ class MatMulNBits(Kernel):
         elif self.k == 0 or self.n == 0 or a2.shape[0] == 0:
             y = np.zeros((a2.shape[0], self.n), np.float32)
         else:
-            y = self._matmul(a2, bq, sc, zq)
+            y = self._matmul(a2, bq, sc, zq, (*lead, self.n))
         if bias is not None:
             if bias.size != self.n:
                 raise InvalidArgument(f"node {name!r} (MatMulNBits): bias must have N={self.n} elements, got {list(bias.shape)}")
             y += as_compute(bias).astype(np.float32, copy=False).reshape(self.n)
-        y = y.reshape(*lead, self.n)
+        if y.ndim != len(lead) + 1:
+            y = y.reshape(*lead, self.n)
         return (y.astype(out_dtype, copy=False),)
 
     def _zmode(self, zq):
@@ -519,11 +520,14 @@ class MatMulNBits(Kernel):
             return 0, _NO_ZERO_POINTS, np.float32(1 << (self.bits - 1))
         return 1, zq, np.float32(1 << (self.bits - 1))
 
-    def _matmul(self, a2: np.ndarray, bq, sc, zq) -> np.ndarray:
+    def _matmul(self, a2: np.ndarray, bq, sc, zq, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """``a2 @ W`` (M, N); from the GEMV, a fresh array of ``shape`` (M * N elements) when given:
+        the result owns its memory (no view), so a fused activation works on it in place."""
         m = a2.shape[0]
         jit = _jit() if self.bits in (4, 8) else None
         if jit is not None and (m <= JIT_MAX_ROWS or self._int8(jit, zq)):
-            fn, args = self._gemv_call(jit, a2, bq, sc, zq)
+            out = None if shape is None else np.empty(shape, np.float32)
+            fn, args = self._gemv_call(jit, a2, bq, sc, zq, out)
             if args[-1] == 1 or m > JIT_MAX_ROWS:  # the stall guard's yardstick is a few rows
                 fn(*args)
             else:
@@ -531,7 +535,7 @@ class MatMulNBits(Kernel):
                 fn(*args)
                 t1 = time.perf_counter()
                 _stall_guard.record(t1 - t0, bq.nbytes + sc.nbytes + (0 if zq is None else zq.nbytes), t1, id(self))
-            return args[6]
+            return args[6] if out is None else out
         zmode, zarr, zmid = self._zmode(zq)
         return self._panels(a2, bq, sc, zarr, zmode, zmid, jit)
 
@@ -542,11 +546,12 @@ class MatMulNBits(Kernel):
         5.3 vs 6.8 ms, the lm_head 152 vs 219 ms, 2 threads)."""
         return self.accuracy_level == 4 and jit.int8_dot and (zq is None or zq.dtype == np.uint8)
 
-    def _gemv_call(self, jit, a2: np.ndarray, bq, sc, zq) -> tuple[Any, tuple]:
-        """The JIT GEMV for ``a2`` and its arguments; the output ``y`` is ``args[6]``."""
+    def _gemv_call(self, jit, a2: np.ndarray, bq, sc, zq, out: np.ndarray | None = None) -> tuple[Any, tuple]:
+        """The JIT GEMV for ``a2`` and its arguments; the output ``y`` (M, N) is ``args[6]``, a
+        view of ``out`` (fresh, C-contiguous, M * N float32) when given."""
         m = a2.shape[0]
         zmode, zarr, zmid = self._zmode(zq)
-        y = np.empty((m, self.n), np.float32)
+        y = np.empty((m, self.n), np.float32) if out is None else out.reshape(m, self.n)
         threads = 1 if m * self.k * self.n < JIT_SERIAL_BELOW or not _parallel_ok() else jit.threads()
         if threads > 1 and not _stall_guard.parallel_allowed(time.perf_counter()):
             threads = 1
