@@ -369,6 +369,7 @@ class MatMulNBits(Kernel):
         self.blob = self.block_size * self.bits // 8
         self.has_zp = len(node.input) > 3 and bool(node.input[3])
         self._packed: dict[int, np.ndarray] = {}  # input index -> tiled buffer
+        self._gemv_fns: tuple | None = None  # see _gemv_call
 
     # -- pre-packing ------------------------------------------------------------------------------
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
@@ -550,15 +551,20 @@ class MatMulNBits(Kernel):
         """The JIT GEMV for ``a2`` and its arguments; the output ``y`` (M, N) is ``args[6]``, a
         view of ``out`` (fresh, C-contiguous, M * N float32) when given."""
         m = a2.shape[0]
-        zmode, zarr, zmid = self._zmode(zq)
+        fns = self._gemv_fns
+        if fns is None or fns[0] is not jit or fns[1] is not sc or fns[2] is not zq:
+            # (jit, sc, zq, serial GEMV, parallel GEMV, the arguments after A and B): the same
+            # for every call once the weights are packed
+            zmode, zarr, zmid = self._zmode(zq)
+            name = f"gemv{self.bits}{'_i8' if self._int8(jit, zq) else ''}"
+            fns = self._gemv_fns = (jit, sc, zq, getattr(jit, name + "_serial"), getattr(jit, name),
+                                    (_jit_view(sc), _jit_view(zarr), zmode, zmid))
         y = np.empty((m, self.n), np.float32) if out is None else out.reshape(m, self.n)
         threads = 1 if m * self.k * self.n < JIT_SERIAL_BELOW or not _parallel_ok() else jit.threads()
         if threads > 1 and not _stall_guard.parallel_allowed(time.perf_counter()):
             threads = 1
-        name = f"gemv{self.bits}{'_i8' if self._int8(jit, zq) else ''}"
-        fn = getattr(jit, name + "_serial" if threads == 1 else name)
-        return fn, (a2, bq, _jit_view(sc), _jit_view(zarr), zmode, zmid, y, self.n, self.nblocks, self.blob, TILE,
-                    threads)
+        return fns[3] if threads == 1 else fns[4], (a2, bq, *fns[5], y, self.n, self.nblocks, self.blob, TILE,
+                                                    threads)
 
     def _panels(self, a2, bq, sc, zarr, zmode, zmid, jit) -> np.ndarray:
         """``a2 @ W`` by dequantizing panels of whole tiles into a reused scratch, then BLAS.
