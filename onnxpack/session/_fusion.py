@@ -12,7 +12,9 @@ pre-packing on:
 * a MatMul by a constant matrix takes its bias ``Add``, activations and residual the same way
   (``FusedMatMul``);
 * a ``MatMulNBits`` takes its bias ``Add`` as its bias input and the activations after it (the
-  SiLU of a gate projection) as an in-place epilogue;
+  SiLU of a gate projection) as an in-place epilogue; a gate chain whose result is multiplied by
+  another ``MatMulNBits`` of the same input (the gated MLP of Llama/Qwen-family decoders:
+  ``Mul(SiLU(gate(x)), up(x))``) runs as one step with both weights (``nbits_gated``);
 * ``Add/Sum/Sub/Mul -> Relu`` clamps in place;
 * a QuantizeLinear → DequantizeLinear pair of the same scale and zero point ("fake quantization",
   what ``onnxruntime.quantization``'s QDQ format puts around every activation) runs as one float
@@ -45,7 +47,7 @@ from onnx import NodeProto, helper
 from onnxpack.session.kernels._act import Activation
 
 __all__ = ["ConvFusion", "Fusion", "MatMulFusion", "apply_fusions", "bn_fold", "find_conv_fusions",
-           "find_fake_quant_fusions", "find_matmul_fusions", "find_nbits_fusions",
+           "find_fake_quant_fusions", "find_gated_nbits", "find_matmul_fusions", "find_nbits_fusions",
            "find_relu_fusions", "fused_node", "inputs_index", "match_activation", "nodes_with_index", "plan_fusions"]
 
 
@@ -663,6 +665,58 @@ def find_nbits_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], prot
     return out
 
 
+def find_gated_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
+                     gates: Sequence[Fusion], taken: set[int]) -> list[Fusion]:
+    """Each of ``gates`` (:func:`find_nbits_fusions`' records) as one ``nbits_gated`` step when
+    its result is read only by a ``Mul`` whose other operand is read only there and comes from a
+    ``MatMulNBits`` of the same input with the same ``N`` (pure).  Gates that do not take part are
+    returned unchanged; ``taken`` must hold the gates' nodes.
+
+    The fused node has the gate's six inputs (A, B, scales, zero points, g_idx, bias; absent ones
+    empty) then the other projection's five, and the Mul's output; ``params["up"]`` is that
+    projection's node.  Both weights keep their own packs (the same records as unfused)."""
+    if not gates:
+        return []
+    used = set(taken)
+    users_of = _sole_users(nodes, readers, protected, set())
+    by_input = _by_input(nodes)
+    out: list[Fusion] = []
+    for f in gates:
+        gate = f.node
+        t = gate.output[0]
+        users = users_of(t)
+        if not f.epilogue or users is None or len(users) != 1 or users[0] in used:
+            out.append(f)
+            continue
+        mul = nodes[users[0]]
+        ins = mul.input[:]
+        if mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx") or len(ins) != 2 or ins.count(t) != 1:
+            out.append(f)
+            continue
+        other = ins[1] if ins[0] == t else ins[0]
+        # the other projection reads the gate's input: among that input's readers
+        producer = next((k for k in by_input.get(gate.input[0], ()) if nodes[k].output[:] == [other]),
+                        None) if users_of(other) == users else None
+        up = None if producer is None else nodes[producer]
+        if (up is None or producer in used or up.op_type != "MatMulNBits" or up.domain != "com.microsoft"
+                or len(up.output) != 1 or up.input[0] != gate.input[0] or _attrs(up).get("N") != _attrs(gate).get("N")
+                or any(len(n.input) > 4 and n.input[4] for n in (gate, up))):  # g_idx: the general path
+            out.append(f)
+            continue
+        fused = NodeProto()
+        fused.CopyFrom(gate)
+        while len(fused.input) < 6:
+            fused.input.append("")
+        up_ins = up.input[1:6] + [""] * (6 - len(up.input[:6]))
+        fused.input.extend(up_ins)
+        del fused.output[:]
+        fused.output.extend([mul.output[0]])
+        absorbed = (*f.absorbed, producer, users[0])
+        used.update(absorbed)
+        out.append(Fusion(fused, f.anchor, absorbed, kernel="nbits_gated", params={"up": up, "acts": f.epilogue}))
+    return out
+
+
 # Zero-point types of a fusable pair: integers of at most 16 bits, exact in float32 arithmetic.
 _FAKE_QUANT_TYPES = {"int8": (-128, 127), "uint8": (0, 255), "int16": (-32768, 32767), "uint16": (0, 65535)}
 
@@ -915,7 +969,10 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
         params = {"bias": bias, "pre": f.pre, "residual": f.residual is not None, "post": f.post}
         out.append(Fusion(node, f.matmul, f.nodes, kernel="matmul", params=params))
         taken.update((f.matmul, *f.nodes))
-    for f in find_nbits_fusions(nodes, readers, protected, const_value, opset, taken, const_meta):
+    nbits = find_nbits_fusions(nodes, readers, protected, const_value, opset, taken, const_meta)
+    for f in nbits:
+        taken.update((f.anchor, *f.absorbed))
+    for f in find_gated_nbits(nodes, readers, protected, nbits, taken):
         out.append(f)
         taken.update((f.anchor, *f.absorbed))
     for f in find_relu_fusions(nodes, readers, protected, taken):

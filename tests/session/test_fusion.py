@@ -328,6 +328,102 @@ def test_nbits_bias_and_activation_fuse_and_equal_onnxruntime(bias, act, dtype, 
     np.testing.assert_allclose(got.astype(np.float32), ort_y.astype(np.float32), rtol=0, atol=2e-2 * scale)
 
 
+def gated_model(dtype, *, up_first: bool = False, up_read_elsewhere: bool = False, other_input: bool = False,
+                 up_bias: bool = False) -> bytes:
+    """The gated MLP of onnxruntime-genai's Llama/Qwen decoders: ``Mul(SiLU(gate(x)), up(x))``
+    with two MatMulNBits (K 64, N 48; the gate with zero points, the up projection without) and
+    a down projection after it.  ``up_first``: ``Mul(up, act)``; ``up_read_elsewhere``: the up
+    projection is also a graph output; ``other_input``: the up projection reads another input;
+    ``up_bias``: the up projection has its own bias input."""
+    rng = np.random.default_rng(31)
+    k, n, bs = 64, 48, 32
+    t = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    inits = [numpy_helper.from_array(rng.integers(0, 256, (n, k // bs, bs // 2), dtype=np.uint8), "Bg"),
+             numpy_helper.from_array((rng.random(n * k // bs) * 0.05 + 0.01).astype(dtype), "Sg"),
+             numpy_helper.from_array(rng.integers(0, 256, (n, 1), dtype=np.uint8), "Zg"),
+             numpy_helper.from_array(rng.integers(0, 256, (n, k // bs, bs // 2), dtype=np.uint8), "Bu"),
+             numpy_helper.from_array((rng.random(n * k // bs) * 0.05 + 0.01).astype(dtype), "Su"),
+             numpy_helper.from_array(rng.standard_normal(n).astype(dtype), "bu"),
+             numpy_helper.from_array(rng.integers(0, 256, (k, 2, bs // 2), dtype=np.uint8), "Bd"),
+             numpy_helper.from_array((rng.random(k * 2) * 0.05 + 0.01).astype(dtype), "Sd")]
+    attrs = dict(domain="com.microsoft", K=k, N=n, bits=4, block_size=bs, accuracy_level=4)
+    up_in = "x2" if other_input else "x"
+    nodes = [helper.make_node("MatMulNBits", ["x", "Bg", "Sg", "Zg"], ["g"], name="gate", **attrs),
+             helper.make_node("Sigmoid", ["g"], ["gs"], name="sig"),
+             helper.make_node("Mul", ["g", "gs"], ["act"], name="silu"),
+             helper.make_node("MatMulNBits", [up_in, "Bu", "Su"] + (["", "", "bu"] if up_bias else []), ["u"],
+                              name="up", **attrs),
+             helper.make_node("Mul", ["u", "act"] if up_first else ["act", "u"], ["h"], name="mul"),
+             helper.make_node("MatMulNBits", ["h", "Bd", "Sd"], ["y"], name="down", domain="com.microsoft", K=n, N=k,
+                              bits=4, block_size=bs, accuracy_level=4)]
+    ins = [helper.make_tensor_value_info("x", t, ["m", k])]
+    if other_input:
+        ins.append(helper.make_tensor_value_info("x2", t, ["m", k]))
+    outs = [helper.make_tensor_value_info("y", t, None)]
+    if up_read_elsewhere:
+        outs.append(helper.make_tensor_value_info("u", t, None))
+    graph = helper.make_graph(nodes, "g", ins, outs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                              ir_version=9)
+    return model.SerializeToString()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("rows", [1, 5], ids=["decode", "prefill"])
+@pytest.mark.parametrize("variant", ["act-up", "up-act", "up-bias"])
+def test_gated_nbits_mlp_runs_as_one_step_and_equals_the_nodes(variant, rows, dtype, jit_path, tmp_path):
+    """gate -> SiLU, up, Mul run as one ``nbits_gated`` step, equal to the unfused nodes (prepacking
+    off) -- float32 to 1e-6, float16 to a float16 ulp of the scale -- and to onnxruntime within 2 % of
+    the output's scale (its accuracy_level 4 rounds A to int8); the saved model warm-starts from its
+    blobs (both projections' packs mapped, none made) with the same result."""
+    model = gated_model(dtype, up_first=variant == "up-act", up_bias=variant == "up-bias")
+    feed = {"x": np.random.default_rng(32).standard_normal((rows, 64)).astype(dtype)}
+    with onnxpack.InferenceSession(model) as s:
+        kinds = [type(st.kernel).__name__ for st in s.program.root.steps]
+        got = s.run(None, feed)[0]
+    assert kinds == ["GatedMatMulNBits", "MatMulNBits"], kinds
+    so = onnxpack.SessionOptions()
+    so.add_session_config_entry("session.disable_prepacking", "1")  # no prepacking: no fusion
+    with onnxpack.InferenceSession(model, so) as s:
+        assert len(s.program.root.steps) == 6
+        unfused = s.run(None, feed)[0]
+    assert got.dtype == unfused.dtype == np.dtype(dtype)
+    scale = float(np.abs(unfused.astype(np.float32)).max())
+    tol = 1e-6 if dtype == np.float32 else 2e-3
+    np.testing.assert_allclose(got.astype(np.float32), unfused.astype(np.float32), rtol=tol, atol=tol * scale)
+    ort_y = _ort(model, feed)[0].astype(np.float32)
+    np.testing.assert_allclose(got.astype(np.float32), ort_y, rtol=0, atol=2e-2 * float(np.abs(ort_y).max()))
+    src = tmp_path / "m.onnx"
+    src.write_bytes(model)
+    save = onnxpack.SessionOptions()
+    save.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    save.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+    onnxpack.InferenceSession(str(src), save).close()
+    with onnxpack.InferenceSession(str(tmp_path / "opt.onnx")) as s:
+        stats = s.get_prepack_stats()
+        warm = s.run(None, feed)[0]
+    assert stats["weights_packed"] == 0 and stats["blobs_from_model"] >= 5, stats
+    np.testing.assert_array_equal(warm, got)
+
+
+@pytest.mark.parametrize("case", ["up-read-elsewhere", "up-reads-another-input"])
+def test_gated_nbits_mlp_not_fused(case):
+    """The up projection's product read by anything else, or computed from another input: the gate
+    chain fuses alone and the results equal onnxruntime's."""
+    model = gated_model(np.float32, up_read_elsewhere=case == "up-read-elsewhere",
+                        other_input=case == "up-reads-another-input")
+    rng = np.random.default_rng(33)
+    feed = {"x": rng.standard_normal((3, 64)).astype(np.float32)}
+    if case == "up-reads-another-input":
+        feed["x2"] = rng.standard_normal((3, 64)).astype(np.float32)
+    with onnxpack.InferenceSession(model) as s:
+        kinds = [type(st.kernel).__name__ for st in s.program.root.steps]
+        got = s.run(None, feed)
+    assert "GatedMatMulNBits" not in kinds and "ActAfter" in kinds, kinds
+    for a, b in zip(got, _ort(model, feed)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-2 * float(np.abs(b).max()))
+
+
 @pytest.mark.parametrize("case", ["product-read-elsewhere", "has-own-bias"])
 def test_nbits_chain_not_fused(case):
     """A product that is also a graph output is not fused away; a MatMulNBits with its own bias
