@@ -177,7 +177,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=str(CACHE / "qwen2.5-0.5b-int4"))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--contexts", default="32,1024")
-    p.add_argument("--new-tokens", type=int, default=17)
+    p.add_argument("--new-tokens", type=int, default=49,
+                   help="tokens generated per decode process (the first is the prefill's)")
     p.add_argument("--processes", type=int, default=4)
     p.add_argument("--numba", action="store_true", help="JIT kernels through numba (native code cache off)")
     args = p.parse_args(argv)
@@ -203,12 +204,13 @@ def main(argv=None) -> int:
         quant = _quantized_bytes(src)
         results["quantized_bytes"] = quant
 
-        def create(runtime, folder):
-            return [run_child(_CREATE, runtime, folder, drop_env=BLAS_ENV, what=f"create {runtime}")
-                    for _ in range(args.repeats)]
-
-        rows = {"onnxpack cold": create("onnxpack", src), "onnxpack warm": create("onnxpack", opt),
-                "onnxruntime": create("ort", src)}
+        # Interleaved (one of each, repeated): a burst of load on this shared machine then
+        # lands on every runtime's samples alike, not on one runtime's.
+        kinds = {"onnxpack cold": ("onnxpack", src), "onnxpack warm": ("onnxpack", opt), "onnxruntime": ("ort", src)}
+        rows: dict[str, list] = {k: [] for k in kinds}
+        for _ in range(args.repeats):
+            for label, (runtime, folder) in kinds.items():
+                rows[label].append(run_child(_CREATE, runtime, folder, drop_env=BLAS_ENV, what=f"create {runtime}"))
         med = {k: statistics.median(r["create_s"] for r in v) for k, v in rows.items()}
         anon = {k: statistics.median(r["after"]["RssAnon"] - r["before"]["RssAnon"] for r in v) for k, v in rows.items()}
         results["create"] = {k: {"median_s": med[k], "samples": v} for k, v in rows.items()}
@@ -221,13 +223,13 @@ def main(argv=None) -> int:
 
         decode: dict = {}
         for ctx in [int(c) for c in args.contexts.split(",")]:
-            for runtime, folder in (("onnxpack", opt), ("ort", src)):
-                samples = []
-                for _ in range(args.repeats):
+            for runtime in ("onnxpack", "ort"):
+                decode[(runtime, ctx)] = []
+            for _ in range(args.repeats):  # interleaved, as the creates
+                for runtime, folder in (("onnxpack", opt), ("ort", src)):
                     (proc,) = _children(_DECODE, (runtime, folder, ctx, args.new_tokens, 0), 1)
-                    samples.append(_json_line(proc))
+                    decode[(runtime, ctx)].append(_json_line(proc))
                     proc.wait()
-                decode[(runtime, ctx)] = samples
         table = [["runtime", "context", "prefill", "decode / token", "peak RSS"]]
         out: dict = {}
         for (runtime, ctx), samples in decode.items():

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -855,11 +855,10 @@ class GroupQueryAttention(Kernel):
         cap = max(t_total, plen)
         if p0 + 1 > cap or (not first and p0 > plen):
             return None
-        lo = max(0, p0 + 1 - self.window) if self.window > 0 else 0
-        kern = _act.attn_kernels()
-        if kern is None or (p0 + 1 - lo > _JIT_MAX_KEYS
-                            and not (hasattr(kern, "gqa_splits") and kern.gqa_splits(nkv, p0 + 1 - lo))):
+        got = self._jit_for(p0)
+        if got is None:
             return None
+        kern, lo = got
         half = 0
         cos = sin = _NO_ROTARY
         if self.do_rotary:
@@ -872,19 +871,9 @@ class GroupQueryAttention(Kernel):
             # to take than a read-only view's.
             cos = np.array(cos_cache[p0], dtype=_F32)
             sin = np.array(sin_cache[p0], dtype=_F32)
-        shape = (1, nkv, cap, h)
-        pk, pv = (o if o is not None and o.shape == shape and o.dtype == _F32 and o.flags.c_contiguous
-                  and o.flags.writeable else np.empty(shape, _F32) for o in present)
-        if p0 and not (same_view(pk, past_key) and same_view(pv, past_value)):
-            pk[:, :, :p0] = past_key[:, :, :p0]
-            pv[:, :, :p0] = past_value[:, :, :p0]
         rows = query.reshape(n + 2 * nkv, h)
-        out = np.empty((1, 1, n * h), _F32)
-        scale = self.scale if self.scale != 0.0 else 1.0 / math.sqrt(h)
-        kern.gqa_decode(rows[:n], rows[n:n + nkv], rows[n + nkv:], pk[0], pv[0], p0, lo, cos, sin, half,
-                        self.interleaved, scale, self.softcap, out.reshape(n, h), np.empty(h, _F32),
-                        np.empty(p0 + 1 - lo, _F32))
-        return (out, pk, pv)[: self.n_out]
+        return self._jit_step(kern, rows[:n], rows[n:n + nkv], rows[n + nkv:], past_key, past_value, present, p0, lo,
+                              cap, cos, sin, half)
 
     def _rotary_tables(self, cos_cache, sin_cache, position_ids, first_prompt: bool, past, s: int, h: int, fd):
         """(cos, sin) rows, each (B, S, rotary_dim / 2) in ``fd``, at the new tokens' positions:
@@ -916,13 +905,10 @@ class GroupQueryAttention(Kernel):
         ``q``/``k``/``v`` are (1, 1, heads, H); the new token sits at cache row ``past[0]``; past
         rows are copied into a present buffer that is not the past buffer itself."""
         p0 = int(past[0])
-        lo = max(0, p0 + 1 - self.window) if self.window > 0 else 0
-        kern = _act.attn_kernels()
-        if kern is None:
+        got = self._jit_for(p0)
+        if got is None:
             return None
-        if p0 + 1 - lo > _JIT_MAX_KEYS and not (hasattr(kern, "gqa_splits") and kern.gqa_splits(self.kv_heads, p0 + 1 - lo)):
-            return None
-        n, nkv = self.heads, self.kv_heads
+        kern, lo = got
         h = q.shape[-1]
         half = 0
         cos = sin = _NO_ROTARY
@@ -931,19 +917,38 @@ class GroupQueryAttention(Kernel):
                                              np.dtype(np.float32))
             cos, sin = np.ascontiguousarray(cos2[0, 0]), np.ascontiguousarray(sin2[0, 0])
             half = cos.shape[0]
+        return self._jit_step(kern, q[0, 0], k[0, 0], v[0, 0], past_key, past_value, present, p0, lo, cap, cos, sin,
+                              half)
+
+    def _jit_for(self, p0: int) -> tuple[Any, int] | None:
+        """(the JIT kernels, the first key) for a token at cache row ``p0``, or None when no JIT is
+        available or the token sees more than ``_JIT_MAX_KEYS`` keys and the kernel does not share
+        its KV heads out over threads."""
+        lo = max(0, p0 + 1 - self.window) if self.window > 0 else 0
+        kern = _act.attn_kernels()
+        if kern is None or (p0 + 1 - lo > _JIT_MAX_KEYS
+                            and not (hasattr(kern, "gqa_splits") and kern.gqa_splits(self.kv_heads, p0 + 1 - lo))):
+            return None
+        return kern, lo
+
+    def _jit_step(self, kern, q, k, v, past_key, past_value, present, p0: int, lo: int, cap: int, cos, sin,
+                  half: int) -> tuple:
+        """The JIT call of one float32 token: ``q`` (heads, H), ``k``/``v`` (kv_heads, H), C-contiguous;
+        past rows are copied into a present buffer that is not the past buffer itself."""
+        n, nkv = self.heads, self.kv_heads
+        h = q.shape[-1]
         shape = (1, nkv, cap, h)
-        pk, pv = (o if o is not None and o.shape == shape and o.dtype == np.float32 and o.flags.c_contiguous
-                  and o.flags.writeable else np.empty(shape, np.float32) for o in present)
-        if not (same_view(pk, past_key) and same_view(pv, past_value)) and p0:
+        pk, pv = (o if o is not None and o.shape == shape and o.dtype == _F32 and o.flags.c_contiguous
+                  and o.flags.writeable else np.empty(shape, _F32) for o in present)
+        if p0 and not (same_view(pk, past_key) and same_view(pv, past_value)):
             pk[:, :, :p0] = past_key[:, :, :p0]
             pv[:, :, :p0] = past_value[:, :, :p0]
-        t = p0 + 1
-        out = np.empty((n, h), np.float32)
+        out = np.empty((1, 1, n * h), _F32)
         scale = self.scale if self.scale != 0.0 else 1.0 / math.sqrt(h)
-        kern.gqa_decode(np.ascontiguousarray(q[0, 0]), np.ascontiguousarray(k[0, 0]), np.ascontiguousarray(v[0, 0]),
-                        pk[0], pv[0], p0, lo, cos, sin, half, self.interleaved, scale, self.softcap, out,
-                        np.empty(h, np.float32), np.empty(t - lo, np.float32))
-        return (out.reshape(1, 1, n * h), pk, pv)[: self.n_out]
+        kern.gqa_decode(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), pk[0], pv[0], p0,
+                        lo, cos, sin, half, self.interleaved, scale, self.softcap, out.reshape(n, h),
+                        np.empty(h, _F32), np.empty(p0 + 1 - lo, _F32))
+        return (out, pk, pv)[: self.n_out]
 
     def _decode_step(self, q, pk, pv, t: int, dtype, fd, h: int) -> tuple:
         """One new token of one sequence (the decoding step): the general path's arithmetic on
