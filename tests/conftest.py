@@ -9,13 +9,19 @@
 * hypothesis is kept bounded (no deadline: the 2-core CI machine is often busy).
 * The native code cache (``session/kernels/_native.py``) is a fresh temp folder for the test
   session and never built in the background (``ONNXPACK_NATIVE_BUILD=0``): tests that want the
-  native kernels build them once through the ``native_cache`` fixture.
+  native kernels get them through the ``native_cache`` fixture.  Its build (numba compiling every
+  native entry: ~1 min on one core) starts in a child process when the session starts, in a
+  folder of its own, and the fixture copies the result in when a test first asks for it — the
+  same moment as building it there, so which tests see native kernels does not change; the suite
+  meanwhile runs on the other core.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 from types import ModuleType
@@ -30,7 +36,8 @@ SAMPLE_MODELS_MODULE = "onnxpack_sample_models"
 sys.path.insert(0, TESTS_DIR)
 
 os.environ["ONNXPACK_NATIVE_BUILD"] = "0"
-os.environ["ONNXPACK_CODE_CACHE"] = tempfile.mkdtemp(prefix="onnxpack-code-cache-")
+CODE_CACHE = os.environ["ONNXPACK_CODE_CACHE"] = tempfile.mkdtemp(prefix="onnxpack-code-cache-")
+_NATIVE_BUILD: dict = {}  # "proc": the background build, "folder": where it writes, "log": its output
 
 
 def load_sample_models() -> ModuleType:
@@ -59,18 +66,56 @@ except ImportError:  # pragma: no cover - hypothesis is in the test extra
     pass
 
 
+def _native_buildable() -> bool:
+    import ctypes.util
+
+    return importlib.util.find_spec("numba") is not None and bool(ctypes.util.find_library("gomp"))
+
+
+def pytest_sessionstart(session) -> None:
+    """Starts building the native code cache in a child process (see the module docstring)."""
+    if not _native_buildable() or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    folder = tempfile.mkdtemp(prefix="onnxpack-code-cache-build-")
+    log = open(os.path.join(folder, "build.log"), "wb")  # noqa: SIM115 - closed at the session's end
+    env = dict(os.environ, ONNXPACK_CODE_CACHE=folder)
+    code = "import sys; from onnxpack.session.kernels import _jit_native; sys.exit(0 if _jit_native.build() else 1)"
+    _NATIVE_BUILD.update(folder=folder, log=log, proc=subprocess.Popen(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=log))
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    proc = _NATIVE_BUILD.get("proc")
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    if _NATIVE_BUILD:
+        _NATIVE_BUILD["log"].close()
+        shutil.rmtree(_NATIVE_BUILD["folder"], ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def native_cache() -> str:
     """The code cache folder with this machine's native JIT kernels built (skips without numba or
-    GNU OpenMP); tests point ``ONNXPACK_CODE_CACHE`` at it."""
+    GNU OpenMP); tests point ``ONNXPACK_CODE_CACHE`` at it.  The background build's result is
+    copied in when it succeeded and is intact; otherwise the kernels are built here."""
     pytest.importorskip("numba")
-    import ctypes.util
-
-    if not ctypes.util.find_library("gomp"):
+    if not _native_buildable():
         pytest.skip("GNU OpenMP (libgomp) is not installed")
-    from onnxpack.session.kernels import _jit_native
+    from onnxpack.session.kernels import _jit_native, _native
 
-    assert _jit_native.build() is not None
+    path = _native.path_for(_jit_native.MODULE, _jit_native._sources())
+    proc = _NATIVE_BUILD.get("proc")
+    if proc is not None and proc.wait() == 0:
+        built = os.path.join(_NATIVE_BUILD["folder"], os.path.basename(path))
+        if _native.intact(built):
+            stem = os.path.splitext(os.path.basename(path))[0]
+            for name in os.listdir(_NATIVE_BUILD["folder"]):
+                if name.startswith(stem):
+                    shutil.copy2(os.path.join(_NATIVE_BUILD["folder"], name), os.path.join(os.path.dirname(path), name))
+    if not _native.intact(path):
+        assert _jit_native.build() is not None
+    assert _native.intact(path)
     return os.environ["ONNXPACK_CODE_CACHE"]
 
 
