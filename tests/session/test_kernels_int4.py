@@ -182,7 +182,8 @@ def test_jit_and_numpy_paths_agree(m, monkeypatch):
 
 
 def test_stall_guard_policy():
-    """A parallel GEMV slower than the threshold turns parallel calls off for SERIAL_FOR_S."""
+    """A parallel GEMV slower than the threshold turns parallel calls off for a span: SERIAL_MIN_S
+    after a quiet period, doubling while stalls keep following the spans, up to SERIAL_FOR_S."""
     g = quant._StallGuard()
     assert g.parallel_allowed(100.0)
     mb = 3_000_000  # 1 ms at SERIAL_BYTES_PER_S
@@ -190,13 +191,23 @@ def test_stall_guard_policy():
     assert g.parallel_allowed(100.0) and g.stalls == 0
     g.record(g.STALL_SECONDS + 0.0011, mb, 100.0)  # a stall
     assert g.stalls == 1
-    assert not g.parallel_allowed(100.0 + g.SERIAL_FOR_S - 0.01)
-    assert g.parallel_allowed(100.0 + g.SERIAL_FOR_S)
+    assert not g.parallel_allowed(100.0 + g.SERIAL_MIN_S - 0.001)
+    assert g.parallel_allowed(100.0 + g.SERIAL_MIN_S)
+    now, spans = 100.0 + g.SERIAL_MIN_S, []
+    for _ in range(8):  # stalls right after each span: the machine stays loaded
+        g.record(1.0, mb, now)
+        spans.append(round(g.until - now, 6))
+        now = g.until
+    assert spans[:3] == [2 * g.SERIAL_MIN_S, 4 * g.SERIAL_MIN_S, 8 * g.SERIAL_MIN_S], spans
+    assert spans[-1] == g.SERIAL_FOR_S and max(spans) == g.SERIAL_FOR_S, spans
+    g.record(1.0, mb, now + g.QUIET_S + 1)  # after a quiet period: the shortest span again
+    assert g.until - (now + g.QUIET_S + 1) == pytest.approx(g.SERIAL_MIN_S)
     # a kernel's first call (first touch of its pages) is not counted; its second is
+    stalls = g.stalls
     g.record(10.0, mb, 200.0, key="k")
-    assert g.stalls == 1 and g.parallel_allowed(200.0)
+    assert g.stalls == stalls and g.parallel_allowed(200.0)
     g.record(10.0, mb, 200.0, key="k")
-    assert g.stalls == 2 and not g.parallel_allowed(200.0)
+    assert g.stalls == stalls + 1 and not g.parallel_allowed(200.0)
 
 
 def test_decode_after_a_stall_runs_serial_and_matches(monkeypatch):
