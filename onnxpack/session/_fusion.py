@@ -707,8 +707,8 @@ def find_gated_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], protec
         fused.CopyFrom(gate)
         while len(fused.input) < 6:
             fused.input.append("")
-        up_ins = up.input[1:6] + [""] * (6 - len(up.input[:6]))
-        fused.input.extend(up_ins)
+        up_ins = up.input[1:6]  # B, scales, zero points, g_idx, bias; absent ones empty
+        fused.input.extend(up_ins + [""] * (5 - len(up_ins)))
         del fused.output[:]
         fused.output.extend([mul.output[0]])
         absorbed = (*f.absorbed, producer, users[0])

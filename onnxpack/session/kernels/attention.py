@@ -826,8 +826,8 @@ class GroupQueryAttention(Kernel):
                        present) -> tuple | None:
         """The decoding step of onnxruntime-genai's graphs — one float32 token of one sequence,
         packed QKV, a past, no position_ids / attention_bias / head_sink — with what
-        :meth:`_run` checks checked on Python ints and the cos/sin rows read in place; the same
-        JIT call as :meth:`_decode_jit`.  None for anything else (or anything :meth:`_run`
+        :meth:`_run` checks checked on Python ints and the cos/sin rows taken straight from the
+        caches (no position gather); the same JIT call as :meth:`_decode_jit` (:meth:`_jit_step`).  None for anything else (or anything :meth:`_run`
         would refuse, which then says why): the general path computes it.
 
         Why: this step runs once per layer per token, and the general path's validation and
