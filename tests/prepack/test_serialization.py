@@ -586,27 +586,49 @@ def test_equal_weights_share_one_blob(tmp_path):
     _close(s.run(None, feeds), _reference(src, feeds))
 
 
-def test_identity_pack_points_at_its_weight_and_nothing_else_may(saved_mlp, tmp_path):
-    """fp32 weights BLAS reads as they are (W2: Gemm without transB) are recorded at their own
-    bytes, not written twice; a transposing pack (W1: Gemm transB) pointed at its weight's bytes
-    — same length, dtype and shape as the real blob — is refused, never used."""
-    out, expected = saved_mlp
+def _identity_and_blob(folder: pathlib.Path) -> pathlib.Path:
+    """x (2, 128) -> MatMul by WA (128, 32) and Gemm(transB) by WB (32, 128): WA's pack is its
+    own bytes (fp32, narrower than a panel), WB's a transposed blob of the same length."""
+    rng = np.random.default_rng(8)
+    wa = rng.standard_normal((128, 32)).astype(np.float32)
+    wb = rng.standard_normal((32, 128)).astype(np.float32)
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "WA"], ["ya"], name="mm"),
+         helper.make_node("Gemm", ["x", "WB"], ["yb"], name="gemm", transB=1)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 128])],
+        [helper.make_tensor_value_info("ya", TensorProto.FLOAT, [2, 32]),
+         helper.make_tensor_value_info("yb", TensorProto.FLOAT, [2, 32])],
+        [numpy_helper.from_array(wa, "WA"), numpy_helper.from_array(wb, "WB")])
+    src = folder / "ab.onnx"
+    _save_proto(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), src)
+    return src
+
+
+def test_identity_pack_points_at_its_weight_and_nothing_else_may(tmp_path):
+    """fp32 weights the kernel reads as they are (WA: MatMul, 32 columns) are recorded at their
+    own bytes, not written twice; a transposing pack (WB: Gemm transB) pointed at its weight's
+    bytes — same length, dtype and shape as the real blob — is refused, never used."""
+    out = tmp_path / "ab.opt.onnx"
+    feeds = {"x": np.random.default_rng(9).standard_normal((2, 128)).astype(np.float32)}
+    s = _optimize(_identity_and_blob(tmp_path), out)
+    expected = s.run(None, feeds)
+    s.close()
     recs = _records(out)
-    w2 = recs[("", "W2")].packs[0].buffers[0]
-    assert (w2.location, w2.offset, w2.length) == _external(out, "W2")
-    loc, off, length = _external(out, "W1")
-    w1 = recs[("", "W1")].packs[0].buffers[0]
-    assert w1.length == length and w1.offset != off  # a real blob of the same size
+    wa = recs[("", "WA")].packs[0].buffers[0]
+    assert (wa.location, wa.offset, wa.length) == _external(out, "WA")
+    loc, off, length = _external(out, "WB")
+    wb = recs[("", "WB")].packs[0].buffers[0]
+    assert wb.length == length and wb.offset != off  # a real blob of the same size
 
     def at_own_weight(o):
         _buf(o)["offset"] = off
         return o
 
-    _rewrite_props(out, _edit_record("W1", at_own_weight))
+    _rewrite_props(out, _edit_record("WB", at_own_weight))
     with _Warnings() as w:
         s = InferenceSession(str(out))
-        got = s.run(None, sample_models.sample_inputs("mlp"))
-    assert len(w.prepack) == 1 and "W1" in w.prepack[0] and "overlaps" in w.prepack[0]
+        got = s.run(None, feeds)
+    assert len(w.prepack) == 1 and "WB" in w.prepack[0] and "overlaps" in w.prepack[0]
     assert s.get_prepack_stats()["weights_packed"] == 1
     _equal(got, expected)
 

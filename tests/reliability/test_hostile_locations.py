@@ -40,6 +40,8 @@ CHILD = textwrap.dedent(r"""
     folder, cases = sys.argv[1], json.loads(sys.argv[2])
     warnings.simplefilter("ignore")
     InferenceSession(os.path.join(folder, "base.onnx")).close()  # warm-up: lazy imports
+    from onnxpack.session import _program
+    assert _program.wait_warm_ups(timeout=300)  # the kernels' warm-up thread imports JIT code too
     opened = []
     def hook(event, args):
         if event == "open" and args and isinstance(args[0], (str, bytes)):

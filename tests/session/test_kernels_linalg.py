@@ -149,3 +149,99 @@ def test_matmul_pack_spec_does_not_read_bytes():
     assert k.expected_packed(1, info) == [(np.dtype(np.float32), (8, 3))]
     assert k.pack_spec(1, TensorInfo("b", np.dtype(np.float32), (8,), TensorProto.FLOAT)) is None
     assert k.pack_spec(1, TensorInfo("b", np.dtype(np.float32), (2, 8, 3), TensorProto.FLOAT)) is None
+
+
+# -- float32 panels (pack_panels, the JIT GEMM of _sgemm_jit) ---------------------------------------
+# The JIT sums each output in float32 along K with fused multiply-adds, BLAS in its own blocked
+# order: both are within a few float32 ulps of the float64 product times sqrt(K); the tolerance
+# below is rtol 1e-5 / atol 1e-5 on values of order 1 (K up to 1,100).
+PANEL_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [64, 100, 130, 192])
+def test_pack_panels_holds_every_column_and_zero_padding(n):
+    from onnxpack.session.kernels.linalg import PANEL, pack_panels, packed_shape, uses_panels
+
+    b = np.arange(7 * n, dtype=np.float32).reshape(7, n)
+    p = pack_panels(b)
+    assert p.shape == packed_shape(np.float32, 7, n) == (-(-n // PANEL), 7, PANEL) and p.flags.c_contiguous
+    unpacked = p.transpose(1, 0, 2).reshape(7, -1)
+    np.testing.assert_array_equal(unpacked[:, :n], b)
+    assert not unpacked[:, n:].any()
+    assert uses_panels(np.float16, (7, n)) and not uses_panels(np.float64, (7, n))
+    assert not uses_panels(np.float32, (7, 63)) and packed_shape(np.float32, 7, 63) == (7, 63)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "numpy"])
+@pytest.mark.parametrize("threads", ["1", "2"])
+@pytest.mark.parametrize("m,k,n", [(1, 1, 64), (5, 3, 100), (6, 40, 64), (7, 600, 130), (32, 384, 384),
+                                   (100, 1100, 70), (0, 8, 64), (3, 0, 64)])
+def test_matmul_panels_equals_float64_product(m, k, n, threads, jit, monkeypatch):
+    """Every row remainder (6, 3 and 1-row tiles), a last panel narrower than 64, K past one
+    block of 512, empty operands, one and two threads, the JIT and numpy's batched BLAS."""
+    from onnxpack.session.kernels import _act
+    from onnxpack.session.kernels.linalg import matmul_panels, pack_panels
+
+    monkeypatch.setenv("ONNXPACK_NUM_THREADS", threads)
+    monkeypatch.setattr(_act, "_SPLIT_MACS", 1)  # split even the small ones
+    if not jit:
+        monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+    elif _act.load_jit("_sgemm_jit", "test") is None:
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(m * 7 + k + n)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = (rng.standard_normal((k, n)) / np.sqrt(max(k, 1))).astype(np.float32)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    got = matmul_panels(a, pack_panels(b), n)
+    assert got.shape == (m, n) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, **PANEL_TOL)
+    out = np.full((m, n), np.nan, np.float32)
+    assert matmul_panels(a[:, ::1], pack_panels(b), n, out) is out
+    np.testing.assert_allclose(out, want, **PANEL_TOL)
+    if m > 1 and k > 1:  # a non-contiguous A and a non-contiguous output
+        wide = np.zeros((m, 2 * k), np.float32)
+        wide[:, ::2] = a
+        out2 = np.zeros((m, 2 * n), np.float32)[:, ::2]
+        matmul_panels(wide[:, ::2], pack_panels(b), n, out2)
+        np.testing.assert_allclose(out2, want, **PANEL_TOL)
+
+
+@pytest.mark.parametrize("case", [("3d", (2, 5, 40), (40, 100), {}), ("vec", (40,), (40, 64), {}),
+                                  ("gemm-tb", (5, 40), (130, 40), dict(transB=1, alpha=0.5)),
+                                  ("gemm-ta", (40, 7), (40, 96), dict(transA=1))], ids=lambda c: c[0])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+def test_wide_weights_run_from_panels(case, dtype):
+    """MatMul and Gemm with a constant B of >= 64 columns pack panels and agree with onnx.reference
+    and with the unpacked run; float16 weights are panels of float32."""
+    name, sa, sb, attrs = case
+    rng = np.random.default_rng(6)
+    a = rand(rng, sa, dtype)
+    b = rand(rng, sb, dtype, 1 / np.sqrt(40))
+    op = "Gemm" if name.startswith("gemm") else "MatMul"
+    node = make_node(op, ["a", "b"], ["y"], **attrs)
+    k = _kernel(node)
+    info = TensorInfo("b", b.dtype, b.shape, TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT)
+    spec = k.pack_spec(1, info)
+    assert spec is not None and not spec.identity
+    (buf,) = k.prepack(1, b)
+    assert buf.ndim == 3 and buf.dtype == np.float32
+    assert k.check_packed(1, info, (buf,)) is None
+    assert k.check_packed(1, info, (buf.reshape(buf.shape[1], -1),)) is not None
+    packed = run_native(node, [a, b], 13, pack=[1])
+    plain = run_native(node, [a, b], 13)
+    assert packed[0].dtype == dtype and packed[0].shape == plain[0].shape
+    assert_close(packed, run_reference(node, [a, b], 13), dtype)
+    tol = PANEL_TOL if dtype == np.float32 else dict(rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(packed[0].astype(np.float64), plain[0].astype(np.float64), **tol)
+
+
+def test_panels_refuse_a_of_another_type():
+    node = make_node("MatMul", ["a", "b"], ["y"])
+    k = _kernel(node)
+    b = np.ones((8, 64), np.float32)
+    k.pack_spec(1, TensorInfo("b", b.dtype, b.shape, TensorProto.FLOAT))
+    k.use_prepacked(1, k.prepack(1, b))
+    from onnxpack.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="one type"):
+        k.run(np.ones((2, 8), np.float64))

@@ -6,11 +6,15 @@ widened to float32, multiplied, and the result is cast back to the dtype ONNX sa
 
 Pre-packing (constant right-hand operand ``B``):
 
-* The packed buffer is ``B`` (transposes resolved) as a C-contiguous ``(K, N)`` float32
-  (float64 stays float64) matrix, used as ``A @ packed``.  Measured on the dev machine (OpenBLAS
-  0.3.31 SkylakeX kernels, A 64x1024, B 1024x4096): C-contiguous ``(K, N)`` 3.9-4.1 ms on one
-  thread and 2.2-2.3 ms on two, ``(N, K)`` read as ``B^T`` 4.6 ms / 3.0 ms; for one row (gemv)
-  both are equal.
+* The packed buffer is ``B`` (transposes resolved) in the compute dtype.  A float32 ``B`` with
+  at least 64 columns is packed as *panels* (:func:`pack_panels`: blocks of 64 columns, each
+  K rows of 64 contiguous floats), which the JIT GEMM of :mod:`._sgemm_jit` streams once per
+  block of K (its docstring has the measurements: 1.5x OpenBLAS on an encoder's short
+  activations, where OpenBLAS's own copy of B inside every call costs as much as the
+  arithmetic); without numba, numpy's BLAS multiplies the panels as a batch.  Narrower and
+  float64 weights stay a C-contiguous ``(K, N)`` matrix, used as ``A @ packed`` (measured,
+  OpenBLAS 0.3.31 SkylakeX kernels, A 64x1024, B 1024x4096: ``(K, N)`` 3.9-4.1 ms on one thread,
+  ``(N, K)`` read as ``B^T`` 4.6 ms).
 * Gemm folds ``transB`` and ``alpha`` into that buffer, so the call does no extra scaling pass;
   both are in ``PackSpec.attrs`` because they change the packed bytes.  ``C`` stays unpacked: the
   bias is small and is added in place.
@@ -32,8 +36,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["MatMul", "Gemm", "FusedMatMul"]
 
 # Version of the packed layout written by this module; bump when the layout changes so saved
-# blobs of an older layout are ignored (their key no longer matches).
-_PACK_VERSION = 2
+# blobs of an older layout are ignored (their key no longer matches).  3: float32 panels.
+_PACK_VERSION = 3
+# Columns per panel (_sgemm_jit.NR; that module imports numba, so the number is repeated here).
+PANEL = 64
 
 # Dtypes computed by widening to float32 (no BLAS for them in numpy).
 _HALF_KINDS = ("float16", "bfloat16")
@@ -74,19 +80,118 @@ def as_compute(x: np.ndarray) -> np.ndarray:
     return x.astype(cd)
 
 
-def matmul_packed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``a @ b`` for an N-D ``a`` and a 2-D packed ``b`` (K, N), as one BLAS call.
+def uses_panels(dtype, shape) -> bool:
+    """Whether a constant ``B`` of this dtype and (K, N) shape is packed as panels."""
+    return len(shape) == 2 and shape[0] >= 1 and shape[1] >= PANEL and compute_dtype(dtype) == np.float32
+
+
+def identity_panels(dtype, shape) -> bool:
+    """Whether :func:`pack_b` of a (K, N) ``B`` of ``dtype`` is ``B``'s own bytes."""
+    return compute_dtype(dtype) == np.dtype(dtype) and (not uses_panels(dtype, shape) or shape[1] == PANEL)
+
+
+def packed_shape(dtype, k: int, n: int) -> tuple[int, ...]:
+    """The shape of :func:`pack_b`'s buffer for a (K, N) ``B`` of ``dtype``."""
+    return (-(-n // PANEL), k, PANEL) if uses_panels(dtype, (k, n)) else (k, n)
+
+
+def pack_b(b: np.ndarray) -> np.ndarray:
+    """A constant (K, N) ``B`` packed for :func:`matmul_packed`: panels (:func:`pack_panels`)
+    where :func:`uses_panels`, else C-contiguous in the compute dtype."""
+    if uses_panels(b.dtype, b.shape):
+        return pack_panels(b)
+    return np.ascontiguousarray(b, dtype=compute_dtype(b.dtype))
+
+
+def pack_panels(b: np.ndarray) -> np.ndarray:
+    """(K, N) -> float32 (ceil(N / 64), K, 64): block p holds columns 64p..64p+63, row by row;
+    the last block's missing columns are zeros.  A float32 B of exactly 64 columns is its own
+    single panel: a view of it (an identity pack, see :func:`identity_panels`)."""
+    k, n = b.shape
+    if n == PANEL:
+        return np.ascontiguousarray(b, dtype=np.float32).reshape(1, k, PANEL)
+    full = n // PANEL
+    out = np.empty((-(-n // PANEL), k, PANEL), np.float32)
+    if full:
+        out[:full] = b[:, :full * PANEL].reshape(k, full, PANEL).transpose(1, 0, 2)
+    if n > full * PANEL:
+        out[full] = 0
+        out[full, :, :n - full * PANEL] = b[:, full * PANEL:]
+    return out
+
+
+_NO_TAIL = np.zeros((0, PANEL), np.float32)
+
+
+def _sgemm():
+    return _act.load_jit("_sgemm_jit", "float32 GEMM")
+
+
+def warm_panels(w: np.ndarray | None) -> None:
+    """Loads the float32 GEMM's JIT (numba's on-disk cache) off the critical path for panels
+    like ``w`` (a kernel's warm-up).  It multiplies zeros of ``w``'s array type, never ``w``:
+    a warm-up thread must not read mapped bytes, whose file may shrink under it (the guards that
+    make that an error, not a SIGBUS, run with each run)."""
+    if w is not None and w.ndim == 3:
+        jit = _sgemm()
+        if jit is not None:
+            panel = np.zeros(PANEL, np.float32)
+            panel.flags.writeable = w.flags.writeable  # (numba compiles read-only arrays apart)
+            jit.sgemm_panels(np.zeros((1, 1), np.float32), panel, np.empty((1, PANEL), np.float32), _NO_TAIL, 0, 1)
+
+
+def matmul_panels(a2: np.ndarray, w: np.ndarray, n: int, out: np.ndarray | None = None) -> np.ndarray:
+    """``a2 @ B`` for a 2-D float32 ``a2`` (M, K) and ``B`` (K, ``n``) packed as panels ``w``;
+    written into ``out`` (M, n) when given.  The JIT GEMM where numba is available, split over
+    onnxpack's threads by panels; else numpy's BLAS on the panels as a batch."""
+    m, k = a2.shape
+    if out is None:
+        out = np.empty((m, n), np.float32)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        out[...] = 0
+        return out
+    jit = _sgemm()
+    if jit is None:
+        out[...] = np.matmul(a2, w).transpose(1, 0, 2).reshape(m, -1)[:, :n]
+        return out
+    a2 = np.ascontiguousarray(a2, dtype=np.float32)
+    dst = out if out.flags.c_contiguous and out.dtype == np.float32 else np.empty((m, n), np.float32)
+    tail = _NO_TAIL if n % PANEL == 0 else np.empty((m, PANEL), np.float32)
+    flat = w.reshape(-1)
+    panels = w.shape[0]
+    threads = _act.threads() if m * k * n >= _act._SPLIT_MACS else 1
+    _act.parallel(lambda lo, hi: jit.sgemm_panels(a2, flat, dst, tail, lo, hi), panels, threads)
+    if dst is not out:
+        out[...] = dst
+    return out
+
+
+def matmul_packed(a: np.ndarray, b: np.ndarray, n: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """``a @ B`` for an N-D ``a`` and a packed ``B`` (:func:`pack_b`; panels need B's column
+    count ``n``), as one GEMM; into ``out`` (the result's shape, float32 for panels) when given.
 
     Flattening the leading dimensions of ``a`` turns numpy's per-batch GEMM loop into a single
     large GEMM (much faster for a (batch, seq, K) activation).
     """
+    if b.ndim == 3:  # panels
+        k = b.shape[1]
+        if a.ndim == 0 or a.shape[-1] != k:
+            raise ValueError(f"A's shape {list(a.shape)} does not multiply B's {k} rows")
+        lead = a.shape[:-1]
+        y2 = None if out is None else out.reshape(-1, n)
+        y = matmul_panels(a.reshape(-1, k), b, n, y2)
+        return out if out is not None else y.reshape(*lead, n)
     if a.ndim <= 1:
-        return a @ b
+        return np.matmul(a, b, out=out)
     if a.ndim == 2:
-        return _act.matmul(a, b)
-    lead = a.shape[:-1]
+        return _act.matmul(a, b, out=out)
     a2 = a.reshape(-1, a.shape[-1])
-    return _act.matmul(a2, b).reshape(*lead, b.shape[1])
+    if out is not None:
+        _act.matmul(a2, b, out=out.reshape(-1, b.shape[1]))
+        return out
+    return _act.matmul(a2, b).reshape(*a.shape[:-1], b.shape[1])
 
 
 @register("MatMul", since=1)
@@ -97,31 +202,44 @@ class MatMul(Kernel):
 
     def __init__(self, node, ctx) -> None:
         super().__init__(node, ctx)
-        self._b: np.ndarray | None = None  # packed B (K, N)
+        self._b: np.ndarray | None = None  # packed B (pack_b)
+        self._n = 0  # B's columns (panels pad them)
 
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
         if input_index != 1 or len(info.shape) != 2 or compute_dtype(info.dtype) is None:
             return None
-        identity = compute_dtype(info.dtype) == np.dtype(info.dtype)
+        self._n = int(info.shape[1])
+        identity = identity_panels(info.dtype, info.shape)
         return PackSpec("matmul", _PACK_VERSION, b"", 1, identity=identity)
 
     def expected_packed(self, input_index: int, info: TensorInfo):
         if self.pack_spec(input_index, info) is None:
             return None
-        return [(compute_dtype(info.dtype), tuple(info.shape))]
+        return [(compute_dtype(info.dtype), packed_shape(info.dtype, *info.shape))]
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
-        return (np.ascontiguousarray(weight, dtype=compute_dtype(weight.dtype)),)
+        return (pack_b(weight),)
 
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
         (self._b,) = buffers
+
+    def warm_up(self) -> None:
+        warm_panels(self._b)
+
+    def _packed_a(self, a: np.ndarray) -> np.ndarray:
+        """``a`` in B's compute dtype (a model whose A and B types differ is refused)."""
+        a2 = as_compute(a)
+        if self._b.ndim == 3 and a2.dtype != np.float32:
+            raise InvalidArgument(f"node {self.node.name!r} ({self.op_type}): input A is {a.dtype}, its constant B "
+                                  "float32: both inputs must have one type")
+        return a2
 
     def run(self, a, b=None):
         out_dtype = a.dtype
         if self._b is not None:
             if a.ndim == 0:
                 raise InvalidArgument(f"node {self.node.name!r}: MatMul input A must not be a scalar")
-            y = matmul_packed(as_compute(a), self._b)
+            y = matmul_packed(self._packed_a(a), self._b, self._n)
         else:
             if compute_dtype(a.dtype) is None:  # integer MatMul: numpy's own loop
                 return (np.matmul(a, b),)
@@ -133,7 +251,7 @@ class MatMul(Kernel):
     def run_into(self, outs, a, b=None) -> bool:
         """``run`` writing into ``outs[0]`` (the memory planner's arena) with ``np.matmul(out=)``.
 
-        Only where ``run`` is one BLAS call whose result already has the output dtype (float32,
+        Only where ``run`` is one GEMM whose result already has the output dtype (float32,
         float64), so the bits are ``run``'s; half precision (widened, then cast), integers and
         empty results decline with ``False``.
         """
@@ -141,12 +259,9 @@ class MatMul(Kernel):
         if a.ndim == 0 or y.size == 0 or a.dtype != y.dtype or compute_dtype(a.dtype) != a.dtype:
             return False
         if self._b is not None:
-            if a.ndim == 2:
-                _act.matmul(a, self._b, out=y)
-            elif a.ndim < 2:
-                np.matmul(a, self._b, out=y)
-            else:  # matmul_packed's single flattened GEMM
-                _act.matmul(a.reshape(-1, a.shape[-1]), self._b, out=y.reshape(-1, y.shape[-1]))
+            if self._b.ndim == 3 and (a.dtype != np.float32 or not y.flags.c_contiguous):
+                return False
+            matmul_packed(a, self._b, self._n, out=y)
             return True
         if b is None or b.dtype != a.dtype:
             return False
@@ -183,26 +298,32 @@ class Gemm(Kernel):
         self.beta = float(self.attr("beta", 1.0))
         self.trans_a = int(self.attr("transA", 0))
         self.trans_b = int(self.attr("transB", 0))
-        self._b: np.ndarray | None = None  # packed alpha * B' (K, N)
+        self._b: np.ndarray | None = None  # packed alpha * B' (pack_b)
+        self._n = 0  # B's columns (panels pad them)
 
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
         if input_index != 1 or compute_dtype(info.dtype) is None or len(info.shape) != 2:
             return None
         attrs = struct.pack("<id", self.trans_b, self.alpha)
-        identity = not self.trans_b and self.alpha == 1.0 and compute_dtype(info.dtype) == np.dtype(info.dtype)
+        k, n = info.shape[::-1] if self.trans_b else info.shape
+        self._n = int(n)
+        identity = not self.trans_b and self.alpha == 1.0 and identity_panels(info.dtype, (k, n))
         return PackSpec("gemm", _PACK_VERSION, attrs, 1, identity=identity)
 
     def expected_packed(self, input_index: int, info: TensorInfo):
         if self.pack_spec(input_index, info) is None:
             return None
         k, n = info.shape[::-1] if self.trans_b else info.shape
-        return [(compute_dtype(info.dtype), (k, n))]
+        return [(compute_dtype(info.dtype), packed_shape(info.dtype, k, n))]
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
-        return (pack_scaled_b(weight, self.trans_b, self.alpha),)
+        return (pack_b(pack_scaled_b(weight, self.trans_b, self.alpha)),)
 
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
         (self._b,) = buffers
+
+    def warm_up(self) -> None:
+        warm_panels(self._b)
 
     def run(self, a, b=None, c=None):
         out_dtype = a.dtype
@@ -217,7 +338,10 @@ class Gemm(Kernel):
         if self.trans_a:
             a2 = a2.T
         if self._b is not None:
-            y = _act.matmul(a2, self._b) if a2.ndim == 2 else a2 @ self._b
+            if self._b.ndim == 3 and a2.dtype != np.float32:
+                raise InvalidArgument(f"node {self.node.name!r} (Gemm): input A is {a.dtype}, its constant B "
+                                      "float32: both inputs must have one type")
+            y = matmul_packed(a2, self._b, self._n) if a2.ndim == 2 or self._b.ndim == 3 else a2 @ self._b
         else:
             b2 = as_compute(b)
             y = a2 @ (b2.T if self.trans_b else b2)
