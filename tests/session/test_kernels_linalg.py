@@ -206,7 +206,7 @@ def test_matmul_panels_equals_float64_product(m, k, n, threads, jit, monkeypatch
         np.testing.assert_allclose(out2, want, **PANEL_TOL)
 
 
-@pytest.mark.parametrize("case", [("3d", (2, 5, 40), (40, 100), {}), ("vec", (40,), (40, 64), {}),
+@pytest.mark.parametrize("case", [("3d", (2, 5, 40), (40, 100), {}), ("vec", (40,), (40, 96), {}),
                                   ("gemm-tb", (5, 40), (130, 40), dict(transB=1, alpha=0.5)),
                                   ("gemm-ta", (40, 7), (40, 96), dict(transA=1))], ids=lambda c: c[0])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
@@ -233,6 +233,24 @@ def test_wide_weights_run_from_panels(case, dtype):
     assert_close(packed, run_reference(node, [a, b], 13), dtype)
     tol = PANEL_TOL if dtype == np.float32 else dict(rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(packed[0].astype(np.float64), plain[0].astype(np.float64), **tol)
+
+
+def test_a_weight_of_64_columns_is_its_own_panel():
+    """Exactly 64 float32 columns: the panel is the weight's own bytes (an identity pack, never
+    saved twice); float16 still converts."""
+    b = np.random.default_rng(7).standard_normal((40, 64)).astype(np.float32)
+    for op, attrs in (("MatMul", {}), ("Gemm", {})):
+        k = _kernel(make_node(op, ["a", "b"], ["y"], **attrs))
+        spec = k.pack_spec(1, TensorInfo("b", b.dtype, b.shape, TensorProto.FLOAT))
+        (buf,) = k.prepack(1, b)
+        assert spec.identity and buf.shape == (1, 40, 64) and np.shares_memory(buf, b)
+    k = _kernel(make_node("Gemm", ["a", "b"], ["y"], alpha=2.0))
+    assert not k.pack_spec(1, TensorInfo("b", b.dtype, b.shape, TensorProto.FLOAT)).identity
+    h = b.astype(np.float16)
+    k = _kernel(make_node("MatMul", ["a", "b"], ["y"]))
+    assert not k.pack_spec(1, TensorInfo("b", h.dtype, h.shape, TensorProto.FLOAT16)).identity
+    (buf,) = k.prepack(1, h)
+    assert buf.dtype == np.float32 and not np.shares_memory(buf, h)
 
 
 def test_panels_refuse_a_of_another_type():
