@@ -177,7 +177,7 @@ def test_pack_panels_holds_every_column_and_zero_padding(n):
 @pytest.mark.parametrize("m,k,n", [(1, 1, 64), (5, 3, 100), (6, 40, 64), (7, 600, 130), (32, 384, 384),
                                    (100, 1100, 70), (0, 8, 64), (3, 0, 64)])
 def test_matmul_panels_equals_float64_product(m, k, n, threads, jit, monkeypatch):
-    """Every row remainder (6, 3 and 1-row tiles), a last panel narrower than 64, K past one
+    """Every row remainder (6, 4, 2 and 1-row tiles), a last panel narrower than 64, K past one
     block of 512, empty operands, one and two threads, the JIT and numpy's batched BLAS."""
     from onnxpack.session.kernels import _act
     from onnxpack.session.kernels.linalg import matmul_panels, pack_panels
@@ -263,3 +263,4 @@ def test_panels_refuse_a_of_another_type():
 
     with pytest.raises(InvalidArgument, match="one type"):
         k.run(np.ones((2, 8), np.float64))
+

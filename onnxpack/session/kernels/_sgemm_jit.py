@@ -61,7 +61,7 @@ def _tile_codegen(rows: int):
     vecs = NR // 16
 
     def codegen(context, builder, sig, args):
-        out, ooff, ostride, w, woff, a, aoff, astride, nk, acc_in = args
+        out, ooff, ostride, w, woff, wstride, a, aoff, astride, nk, acc_in = args
 
         def const(v):
             return ir.Constant(_I64, v)
@@ -72,7 +72,7 @@ def _tile_codegen(rows: int):
         op = array_data(context, builder, sig.args[0], out, _F32)
         outs = [builder.gep(op, [builder.add(ooff, builder.mul(const(r), ostride))]) for r in range(rows)]
         wp = builder.gep(array_data(context, builder, sig.args[3], w, _F32), [woff])
-        ap = array_data(context, builder, sig.args[5], a, _F32)
+        ap = array_data(context, builder, sig.args[6], a, _F32)
         aps = [builder.gep(ap, [builder.add(aoff, builder.mul(const(r), astride))]) for r in range(rows)]
         fma = _fma(builder)
         zero = ir.Constant(_VF, None)
@@ -105,7 +105,7 @@ def _tile_codegen(rows: int):
         for r in range(rows):
             for i in range(vecs):
                 accs[r][i].add_incoming(inits[r][i], pre)
-        wrow = builder.gep(wp, [builder.mul(k, const(NR))])
+        wrow = builder.gep(wp, [builder.mul(k, wstride)])
         wv = [builder.load(vptr(wrow, i), align=4) for i in range(vecs)]
         new = []
         for r in range(rows):
@@ -134,22 +134,43 @@ def _tile_codegen(rows: int):
 
 
 def _tile_intrinsic(rows: int):
-    def impl(typingctx, out, ooff, ostride, w, woff, a, aoff, astride, nk, acc_in):
+    def impl(typingctx, out, ooff, ostride, w, woff, wstride, a, aoff, astride, nk, acc_in):
         if not all(isinstance(x, types.Array) and x.layout == "C" and x.dtype == types.float32 for x in (out, w, a)):
             return None
         i64 = types.int64
-        return types.void(out, i64, i64, w, i64, a, i64, i64, i64, i64), _tile_codegen(rows)
+        return types.void(out, i64, i64, w, i64, i64, a, i64, i64, i64, i64), _tile_codegen(rows)
 
     impl.__name__ = impl.__qualname__ = f"_tile64x{rows}"
     return intrinsic(impl)
 
 
-# ``_tile64xR(out, ooff, ostride, w, woff, a, aoff, astride, nk, acc)``: for R rows r,
+# ``_tile64xR(out, ooff, ostride, w, woff, wstride, a, aoff, astride, nk, acc)``: for R rows r,
 # ``out.flat[ooff + r*ostride:][:64]`` (+)= sum over k < nk of ``a.flat[aoff + r*astride + k]``
-# times the 64 floats at ``w.flat[woff + 64k:]`` (offsets in elements, C-contiguous arrays).
+# times the 64 floats at ``w.flat[woff + k*wstride:]`` (offsets in elements, C-contiguous arrays).
 _tile64x6 = _tile_intrinsic(6)
-_tile64x3 = _tile_intrinsic(3)
+_tile64x4 = _tile_intrinsic(4)
+_tile64x2 = _tile_intrinsic(2)
 _tile64x1 = _tile_intrinsic(1)
+
+
+@njit(cache=True, nogil=True)
+def _rows(dst, doff, ds, w, woff, ws, a, aoff, nk, acc):
+    """Every row of ``a`` (M, K) times one 64-column block of B (see ``_tile64xR``), in tiles of
+    6 rows, then 4, 2 and 1."""
+    m_rows, k = a.shape
+    m = 0
+    while m + 6 <= m_rows:
+        _tile64x6(dst, doff + m * ds, ds, w, woff, ws, a, aoff + m * k, k, nk, acc)
+        m += 6
+    if m + 4 <= m_rows:
+        _tile64x4(dst, doff + m * ds, ds, w, woff, ws, a, aoff + m * k, k, nk, acc)
+        m += 4
+    if m + 2 <= m_rows:
+        _tile64x2(dst, doff + m * ds, ds, w, woff, ws, a, aoff + m * k, k, nk, acc)
+        m += 2
+    if m < m_rows:
+        _tile64x1(dst, doff + m * ds, ds, w, woff, ws, a, aoff + m * k, k, nk, acc)
+        m += 1
 
 
 @njit(cache=True, nogil=True)
@@ -164,25 +185,10 @@ def sgemm_panels(a, w, out, tail, p0, p1):
         nk = min(KC, k - k0)
         acc = 1 if k0 > 0 else 0
         for p in range(p0, p1):
-            base = p * k * NR + k0 * NR
             if p < full:
-                dst = out
-                doff = p * NR
-                ds = n
+                _rows(out, p * NR, n, w, p * k * NR + k0 * NR, NR, a, k0, nk, acc)
             else:
-                dst = tail
-                doff = 0
-                ds = NR
-            m = 0
-            while m + 6 <= m_rows:
-                _tile64x6(dst, m * ds + doff, ds, w, base, a, m * k + k0, k, nk, acc)
-                m += 6
-            if m + 3 <= m_rows:
-                _tile64x3(dst, m * ds + doff, ds, w, base, a, m * k + k0, k, nk, acc)
-                m += 3
-            while m < m_rows:
-                _tile64x1(dst, m * ds + doff, ds, w, base, a, m * k + k0, k, nk, acc)
-                m += 1
+                _rows(tail, 0, NR, w, p * k * NR + k0 * NR, NR, a, k0, nk, acc)
     if p1 > full:
         c0 = full * NR
         for r in range(m_rows):
