@@ -31,13 +31,13 @@ import numpy as np
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import _act
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register, same_view
-from onnxpack.session.kernels.linalg import compute_dtype, matmul_packed
+from onnxpack.session.kernels.linalg import compute_dtype, identity_panels, matmul_packed, pack_b, packed_shape
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["apply_rotary", "softmax_rows"]
 
-_PACK_VERSION = 1
+_PACK_VERSION = 2  # 2: a float32 QKV weight of >= 64 columns is panels (linalg.pack_b)
 _LOWEST = np.finfo(np.float32).min
 _NO_ROTARY = np.zeros(0, np.float32)
 _F32 = np.dtype(np.float32)
@@ -260,23 +260,31 @@ class Attention(Kernel):
                 f"{self.heads}, got {self.sizes}"
             )
         self._w: np.ndarray | None = None
+        self._wshape: tuple[int, ...] = ()  # the packed weight's (K, N)
         self._b: np.ndarray | None = None
         self.n_out = len(node.output)
 
-    # -- packing: the merged weight as BLAS's (K, N) float matrix, the bias as a float vector ----
+    # -- packing: the merged weight as linalg's GEMM operand (pack_b), the bias as a float vector --
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
         cd = compute_dtype(info.dtype)
         if input_index not in (1, 2) or cd is None or len(info.shape) != (2 if input_index == 1 else 1):
             return None
-        family = "attention_qkv_weight" if input_index == 1 else "attention_qkv_bias"
-        return PackSpec(family, _PACK_VERSION, b"", 1, identity=cd == np.dtype(info.dtype))
+        if input_index == 1:
+            self._wshape = tuple(int(d) for d in info.shape)
+            return PackSpec("attention_qkv_weight", _PACK_VERSION, b"", 1,
+                            identity=identity_panels(info.dtype, info.shape))
+        return PackSpec("attention_qkv_bias", _PACK_VERSION, b"", 1, identity=cd == np.dtype(info.dtype))
 
     def expected_packed(self, input_index: int, info: TensorInfo):
         if self.pack_spec(input_index, info) is None:
             return None
+        if input_index == 1:
+            return [(compute_dtype(info.dtype), packed_shape(info.dtype, *info.shape))]
         return [(compute_dtype(info.dtype), tuple(info.shape))]
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
+        if input_index == 1:
+            return (pack_b(weight),)
         return (np.ascontiguousarray(weight, dtype=compute_dtype(weight.dtype)),)
 
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
@@ -288,12 +296,13 @@ class Attention(Kernel):
     def run(self, x, weights=None, bias=None, mask_index=None, past=None, attention_bias=None,
             past_sequence_length=None):
         w = self._w if self._w is not None else weights
+        wshape = self._wshape if self._w is not None else w.shape  # (a packed weight may be panels)
         bias = self._b if self._b is not None else bias
         if x.ndim != 3:
             raise _err(self, f"input must be 3-D (batch, sequence, hidden), got shape {list(x.shape)}")
-        if w.ndim != 2 or w.shape[0] != x.shape[2]:
-            raise _err(self, f"weights must be ({x.shape[2]}, Dq + Dk + Dv), got {list(w.shape)}")
-        total = w.shape[1]
+        if len(wshape) != 2 or wshape[0] != x.shape[2]:
+            raise _err(self, f"weights must be ({x.shape[2]}, Dq + Dk + Dv), got {list(wshape)}")
+        total = wshape[1]
         if self.sizes is None:
             if total % 3 or (total // 3) % self.heads:
                 raise _err(self, f"weights' second dimension {total} must be 3 equal multiples of "
@@ -310,7 +319,7 @@ class Attention(Kernel):
         fd = _fd(x.dtype)
         b, s, _ = x.shape
         n = self.heads
-        qkv = matmul_packed(_f(x, fd), _f(w, fd))
+        qkv = matmul_packed(_f(x, fd), w if w.ndim == 3 else _f(w, fd), total)
         if bias is not None:
             qkv += _f(bias, fd)
         q = _bsd_to_bnsh(qkv[..., :dq], n)

@@ -20,13 +20,14 @@ import numpy as np
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
-from onnxpack.session.kernels.linalg import as_compute, compute_dtype, matmul_packed, pack_scaled_b
+from onnxpack.session.kernels.linalg import (as_compute, compute_dtype, identity_panels, matmul_packed, pack_b,
+                                             pack_scaled_b, packed_shape)
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["FusedMatMul"]
 
-_PACK_VERSION = 1
+_PACK_VERSION = 2  # 2: a float32 B of >= 64 columns is panels (linalg.pack_b)
 
 
 def _op(x: np.ndarray, trans_batch: bool, trans: bool) -> np.ndarray:
@@ -46,12 +47,15 @@ class FusedMatMul(Kernel):
         self.trans_b = bool(int(self.attr("transB", 0)))
         self.trans_batch_a = bool(int(self.attr("transBatchA", 0)))
         self.trans_batch_b = bool(int(self.attr("transBatchB", 0)))
-        self._b: np.ndarray | None = None  # packed alpha * op(B), (K, N)
+        self._b: np.ndarray | None = None  # packed alpha * op(B) (linalg.pack_b)
+        self._n = 0  # op(B)'s columns
 
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
         if input_index != 1 or len(info.shape) != 2 or compute_dtype(info.dtype) is None:
             return None
-        identity = not self.trans_b and self.alpha == 1.0 and compute_dtype(info.dtype) == np.dtype(info.dtype)
+        k, n = info.shape[::-1] if self.trans_b else info.shape
+        self._n = int(n)
+        identity = not self.trans_b and self.alpha == 1.0 and identity_panels(info.dtype, (k, n))
         attrs = struct.pack("<id", self.trans_b, self.alpha)
         return PackSpec("fused_matmul", _PACK_VERSION, attrs, 1, identity=identity)
 
@@ -59,10 +63,10 @@ class FusedMatMul(Kernel):
         if self.pack_spec(input_index, info) is None:
             return None
         k, n = info.shape[::-1] if self.trans_b else info.shape
-        return [(compute_dtype(info.dtype), (k, n))]
+        return [(compute_dtype(info.dtype), packed_shape(info.dtype, k, n))]
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
-        return (pack_scaled_b(weight, self.trans_b, self.alpha),)
+        return (pack_b(pack_scaled_b(weight, self.trans_b, self.alpha)),)
 
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
         (self._b,) = buffers
@@ -75,7 +79,9 @@ class FusedMatMul(Kernel):
         a2 = as_compute(_op(a, self.trans_batch_a, self.trans_a))
         try:
             if self._b is not None:
-                y = matmul_packed(a2, self._b)
+                if self._b.ndim == 3 and a2.dtype != np.float32:
+                    raise ValueError(f"A is {a.dtype}, the constant B float32")
+                y = matmul_packed(a2, self._b, self._n)
             else:
                 y = np.matmul(a2, as_compute(_op(b, self.trans_batch_b, self.trans_b)))
                 if self.alpha != 1.0:
@@ -83,6 +89,6 @@ class FusedMatMul(Kernel):
         except ValueError as exc:
             raise InvalidArgument(
                 f"node {self.node.name!r} (FusedMatMul): shapes {list(a.shape)} and "
-                f"{list(b.shape) if b is not None else list(self._b.shape)} do not multiply ({exc})"
+                f"{list(b.shape) if b is not None else [self._b.shape[-2], self._n]} do not multiply ({exc})"
             ) from None
         return (y if y.dtype == a.dtype else y.astype(a.dtype),)
