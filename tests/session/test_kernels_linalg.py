@@ -158,18 +158,23 @@ def test_matmul_pack_spec_does_not_read_bytes():
 PANEL_TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("n", [64, 100, 130, 192])
+@pytest.mark.parametrize("n", [64, 100, 130, 192, 1000])
 def test_pack_panels_holds_every_column_and_zero_padding(n):
     from onnxpack.session.kernels.linalg import PANEL, pack_panels, packed_shape, uses_panels
 
     b = np.arange(7 * n, dtype=np.float32).reshape(7, n)
-    p = pack_panels(b)
-    assert p.shape == packed_shape(np.float32, 7, n) == (-(-n // PANEL), 7, PANEL) and p.flags.c_contiguous
+    p = pack_panels(b)  # (any width: the kernels' helper; uses_panels decides where it is used)
+    assert p.shape == (-(-n // PANEL), 7, PANEL) and p.flags.c_contiguous
     unpacked = p.transpose(1, 0, 2).reshape(7, -1)
     np.testing.assert_array_equal(unpacked[:, :n], b)
     assert not unpacked[:, n:].any()
-    assert uses_panels(np.float16, (7, n)) and not uses_panels(np.float64, (7, n))
-    assert not uses_panels(np.float32, (7, 63)) and packed_shape(np.float32, 7, 63) == (7, 63)
+    assert not uses_panels(np.float64, (7, n))
+    # Panels where the last one's zero padding is at most a quarter of N.
+    assert uses_panels(np.float16, (7, n)) == uses_panels(np.float32, (7, n)) == (n in (64, 192, 1000))
+    for cols, want in ((63, False), (65, False), (100, False), (103, True), (127, True), (130, False),
+                       (200, False), (205, True), (260, True)):
+        assert uses_panels(np.float32, (7, cols)) == want, cols
+        assert packed_shape(np.float32, 7, cols) == ((-(-cols // PANEL), 7, PANEL) if want else (7, cols))
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "numpy"])
@@ -206,9 +211,9 @@ def test_matmul_panels_equals_float64_product(m, k, n, threads, jit, monkeypatch
         np.testing.assert_allclose(out2, want, **PANEL_TOL)
 
 
-@pytest.mark.parametrize("case", [("3d", (2, 5, 40), (40, 100), {}), ("vec", (40,), (40, 96), {}),
-                                  ("gemm-tb", (5, 40), (130, 40), dict(transB=1, alpha=0.5)),
-                                  ("gemm-ta", (40, 7), (40, 96), dict(transA=1))], ids=lambda c: c[0])
+@pytest.mark.parametrize("case", [("3d", (2, 5, 40), (40, 128), {}), ("vec", (40,), (40, 192), {}),
+                                  ("gemm-tb", (5, 40), (260, 40), dict(transB=1, alpha=0.5)),
+                                  ("gemm-ta", (40, 7), (40, 320), dict(transA=1))], ids=lambda c: c[0])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
 def test_wide_weights_run_from_panels(case, dtype):
     """MatMul and Gemm with a constant B of >= 64 columns pack panels and agree with onnx.reference

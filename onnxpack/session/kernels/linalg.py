@@ -81,8 +81,13 @@ def as_compute(x: np.ndarray) -> np.ndarray:
 
 
 def uses_panels(dtype, shape) -> bool:
-    """Whether a constant ``B`` of this dtype and (K, N) shape is packed as panels."""
-    return len(shape) == 2 and shape[0] >= 1 and shape[1] >= PANEL and compute_dtype(dtype) == np.float32
+    """Whether a constant ``B`` of this dtype and (K, N) shape is packed as panels: float32 (or
+    half, widened), at least 64 columns, and the last panel's zero padding at most a quarter of
+    N (N = 65 would multiply twice its columns: BLAS on (K, N) does less work there)."""
+    if len(shape) != 2 or shape[0] < 1 or shape[1] < PANEL or compute_dtype(dtype) != np.float32:
+        return False
+    n = int(shape[1])
+    return 4 * (-(-n // PANEL) * PANEL) <= 5 * n
 
 
 def identity_panels(dtype, shape) -> bool:
