@@ -31,8 +31,8 @@ from onnxpack.session._profile import Profiler
 from onnxpack.session._program import Plan, Program, prune, run_plan
 from onnxpack.session._run_options import SessionControl, check_run_options, check_terminate
 from onnxpack.session._specialize import Specializer, worth_specializing
-from onnxpack.session._threads import blas_threads, global_intra_op_threads
-from onnxpack.session.kernels import release_scratch
+from onnxpack.session._threads import blas_threads, global_intra_op_threads, owned_threads
+from onnxpack.session.kernels import blas_threads as current_blas_threads, release_scratch
 from onnxpack.session.options import SessionOptions
 
 __all__ = ["Runner"]
@@ -101,7 +101,10 @@ class Runner:
         profiler = self.profiler if self.profiler is not None and self.profiler.active else None
         control = SessionControl(ro, profiler, binder) if ro is not None or profiler or binder else None
         threads = self.threads if self.per_session_threads else global_intra_op_threads()
-        if threads > 0:
+        if program.owns_threads and (threads > 1 or (threads <= 0 and current_blas_threads() > 1)):
+            with owned_threads(threads if threads > 0 else current_blas_threads()):
+                values = self._loop(plan, inputs, control)
+        elif threads > 0:
             with blas_threads(threads):
                 values = self._loop(plan, inputs, control)
         else:

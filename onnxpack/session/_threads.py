@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["blas_threads", "set_global_thread_pool_sizes", "global_intra_op_threads", "blas_libraries"]
+__all__ = ["blas_threads", "owned_threads", "set_global_thread_pool_sizes", "global_intra_op_threads", "blas_libraries"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,38 @@ def blas_threads(n: int) -> Iterator[None]:
             if not _active[n]:
                 del _active[n]
             _apply(min(_active) if _active else 0)
+
+
+_owners: collections.Counter[int] = collections.Counter()  # owned_threads counts in flight
+
+
+@contextlib.contextmanager
+def owned_threads(n: int) -> Iterator[None]:
+    """For the duration, BLAS at one thread and onnxpack's own kernels on ``n`` threads (the
+    smallest count while several such runs overlap): a run whose heavy work is onnxpack's own
+    (``Kernel.owns_threads``).  Why not both pools: after each call an OpenBLAS worker spins
+    for a while, waiting for more work, and takes the core onnxpack's threads would use
+    (measured, BERT-base on 2 cores: 250-270 ms per run with the JIT GEMM on 2 threads beside
+    2-thread BLAS, 160-180 ms with the BLAS at one thread).  Without threadpoolctl the BLAS keeps
+    its count and only onnxpack's threads change."""
+    from onnxpack.session.kernels import set_owned_threads
+
+    if n <= 1:
+        with blas_threads(n):
+            yield
+        return
+    with blas_threads(1):
+        with _lock:
+            _owners[n] += 1
+            set_owned_threads(min(_owners))
+        try:
+            yield
+        finally:
+            with _lock:
+                _owners[n] -= 1
+                if not _owners[n]:
+                    del _owners[n]
+                set_owned_threads(min(_owners) if _owners else 0)
 
 
 def set_global_thread_pool_sizes(intra_op_num_threads: int = 0, inter_op_num_threads: int = 0) -> None:

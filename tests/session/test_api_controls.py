@@ -270,6 +270,67 @@ def test_intra_op_num_threads_limits_blas_during_runs_only():
         libs[0].set_num_threads(before)
 
 
+def _gate_after_panels() -> bytes:
+    """MatMul by a 128-column float32 weight (panels: onnxpack's own GEMM), then a Gate."""
+    w = np.random.default_rng(3).standard_normal((8, 128)).astype(np.float32)
+    return _model([helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+                   helper.make_node("Gate", ["h"], ["y"], name="gate", domain=TEST_DOMAIN)],
+                  [helper.make_tensor_value_info("x", F, [2, 8])], [helper.make_tensor_value_info("y", F, [2, 128])],
+                  [numpy_helper.from_array(w, "W")], opsets=(("", 17), (TEST_DOMAIN, 1)))
+
+
+@pytest.mark.parametrize("setting", [2, 0], ids=["intra2", "default"])
+def test_runs_of_a_program_whose_gemms_are_its_own_keep_blas_at_one_thread(setting, monkeypatch):
+    """A program with a panel GEMM (Kernel.owns_threads, with numba) runs with the BLAS at one
+    thread and onnxpack's threads at the session's count (the BLAS's, when 0); both are restored
+    after the run, and a program without one keeps the old behaviour (BLAS at the count)."""
+    pytest.importorskip("threadpoolctl")
+    from onnxpack.session.kernels import _act
+
+    if not _act.jit_possible():
+        pytest.skip("numba is not installed: panels run on numpy's BLAS")
+    libs = _threads.blas_libraries()
+    if not libs:
+        pytest.skip("numpy loaded no BLAS threadpoolctl can control")
+    monkeypatch.delenv("ONNXPACK_NUM_THREADS", raising=False)
+    before = libs[0].num_threads
+    libs[0].set_num_threads(2)
+    seen = []
+    real = Gate.run
+    monkeypatch.setattr(Gate, "run", lambda self, x: seen.append((libs[0].num_threads, _act.threads())) or real(self, x))
+    try:
+        so = onnxpack.SessionOptions()
+        so.intra_op_num_threads = setting
+        sess = onnxpack.InferenceSession(_gate_after_panels(), so)
+        assert sess.program.owns_threads
+        x = np.random.default_rng(4).standard_normal((2, 8)).astype(np.float32)
+        got = sess.run(None, {"x": x})[0]
+        assert seen == [(1, 2)]
+        assert libs[0].num_threads == 2 and _act.threads() == 2  # restored
+        w = np.random.default_rng(3).standard_normal((8, 128)).astype(np.float32)  # _gate_after_panels
+        np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
+        seen.clear()
+        plain = onnxpack.InferenceSession(_gate_chain(1), so)
+        assert not plain.program.owns_threads
+        plain.run(None, {"x": np.ones(2, np.float32)})
+        assert Gate.blas_threads[-1] == 2  # not an owner: BLAS at the session's count
+    finally:
+        libs[0].set_num_threads(before)
+
+
+def test_owned_thread_counts_overlap_as_the_smallest():
+    from onnxpack.session.kernels import _act
+
+    with _threads.owned_threads(4):
+        assert _act.owned[0] == 4
+        with _threads.owned_threads(3):
+            assert _act.owned[0] == 3
+        assert _act.owned[0] == 4
+    assert _act.owned[0] == 0
+    with _threads.owned_threads(1):  # one thread: nothing of onnxpack's to own
+        assert _act.owned[0] == 0
+
+
 def test_thread_settings_without_threadpoolctl_warn_once(monkeypatch, caplog):
     monkeypatch.setattr(_threads, "_libs", None)
     monkeypatch.setitem(__import__("sys").modules, "threadpoolctl", None)  # import fails

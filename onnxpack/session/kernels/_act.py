@@ -25,7 +25,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Activation", "apply", "jit", "parallel", "threads", "matmul"]
+__all__ = ["Activation", "apply", "jit", "parallel", "threads", "matmul", "set_owned_threads", "jit_possible"]
 
 # Kind -> code understood by _conv_jit._act_row.
 CODES = {"none": 0, "relu": 1, "clip": 2, "hardswish": 3, "silu": 4, "sigmoid": 5, "leakyrelu": 6,
@@ -163,15 +163,42 @@ _ENV_THREADS = "ONNXPACK_NUM_THREADS"
 _KEY_THREADS = _ENV_THREADS.encode()
 
 
+# The thread count of the runs in flight that own their threads (session/_threads.owned_threads:
+# BLAS at one thread, this many for onnxpack's kernels); 0 when none does.
+owned = [0]
+
+
+def set_owned_threads(n: int) -> None:
+    """Sets the thread count :func:`threads` answers while runs that own their threads are in
+    flight (0: none is)."""
+    owned[0] = max(0, int(n))
+
+
 def threads() -> int:
-    """Threads onnxpack's own kernels use: ``ONNXPACK_NUM_THREADS`` when set, else the BLAS's."""
+    """Threads onnxpack's own kernels use: ``ONNXPACK_NUM_THREADS`` when set, else the count of
+    the runs that own their threads (see ``Kernel.owns_threads``), else the BLAS's."""
     v = getenv(_ENV_THREADS, _KEY_THREADS)
     if v:
         try:
             return max(1, int(v))
         except ValueError:
             logger.warning("%s=%r is not an integer; using the BLAS's thread count", _ENV_THREADS, v)
-    return blas_threads()
+    return owned[0] or blas_threads()
+
+
+_jit_found: list[bool] = []
+
+
+def jit_possible() -> bool:
+    """Whether the numba kernels can be loaded here (numba installed, ``ONNXPACK_DISABLE_JIT``
+    not ``1``), without importing numba."""
+    if getenv(_ENV_DISABLE, _KEY_DISABLE) == "1":
+        return False
+    if not _jit_found:
+        import importlib.util
+
+        _jit_found.append(importlib.util.find_spec("numba") is not None)
+    return _jit_found[0]
 
 
 # GEMMs below this many multiply-adds are never split (a thread hand-off costs ~10-20 us).

@@ -31,7 +31,8 @@ import numpy as np
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import _act
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register, same_view
-from onnxpack.session.kernels.linalg import compute_dtype, identity_panels, matmul_packed, pack_b, packed_shape
+from onnxpack.session.kernels.linalg import (compute_dtype, identity_panels, matmul_packed, owns_threads, pack_b,
+                                             packed_shape)
 
 logger = logging.getLogger(__name__)
 
@@ -290,6 +291,7 @@ class Attention(Kernel):
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
         if input_index == 1:
             (self._w,) = buffers
+            self.owns_threads = owns_threads(self._w)
         else:
             (self._b,) = buffers
 

@@ -132,6 +132,12 @@ def _sgemm():
     return _act.load_jit("_sgemm_jit", "float32 GEMM")
 
 
+def owns_threads(w: np.ndarray) -> bool:
+    """Whether a kernel multiplying by packed ``w`` does its GEMMs on onnxpack's own threads
+    (panels and the JIT: see ``Kernel.owns_threads``)."""
+    return w.ndim == 3 and _act.jit_possible()
+
+
 def warm_panels(w: np.ndarray | None) -> None:
     """Loads the float32 GEMM's JIT (numba's on-disk cache) off the critical path for panels
     like ``w`` (a kernel's warm-up).  It multiplies zeros of ``w``'s array type, never ``w``:
@@ -227,6 +233,7 @@ class MatMul(Kernel):
 
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
         (self._b,) = buffers
+        self.owns_threads = owns_threads(self._b)
 
     def warm_up(self) -> None:
         warm_panels(self._b)
@@ -248,7 +255,7 @@ class MatMul(Kernel):
         else:
             if compute_dtype(a.dtype) is None:  # integer MatMul: numpy's own loop
                 return (np.matmul(a, b),)
-            y = np.matmul(as_compute(a), as_compute(b))
+            y = _batched(as_compute(a), as_compute(b))
         if y.dtype != out_dtype:
             y = y.astype(out_dtype)
         return (y,)
@@ -272,6 +279,16 @@ class MatMul(Kernel):
             return False
         np.matmul(a, b, out=y)
         return True
+
+
+def _batched(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``np.matmul(a, b)``; batches of equal leading dimensions (attention's heads) as one 3-D
+    batch, which :func:`_act.matmul` shares out over onnxpack's threads when it owns them."""
+    if a.ndim >= 3 and a.ndim == b.ndim and a.shape[:-2] == b.shape[:-2] and a.dtype == b.dtype:
+        lead = a.shape[:-2]
+        y = _act.matmul(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+        return y.reshape(*lead, *y.shape[-2:])
+    return np.matmul(a, b)
 
 
 def pack_scaled_b(weight: np.ndarray, trans_b: bool, alpha: float) -> np.ndarray:
@@ -326,6 +343,7 @@ class Gemm(Kernel):
 
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
         (self._b,) = buffers
+        self.owns_threads = owns_threads(self._b)
 
     def warm_up(self) -> None:
         warm_panels(self._b)
