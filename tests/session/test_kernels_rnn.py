@@ -156,3 +156,33 @@ def test_packed_layouts():
     info = TensorInfo("b", b.dtype, b.shape, onnx.TensorProto.FLOAT16)
     assert k.check_packed(3, info, (bb,)) is None
     assert k.pack_spec(4, info) is None
+
+
+@pytest.mark.parametrize("case", [("fwd", dict()), ("rev", dict(direction="reverse")),
+                                  ("bidi-init", dict(direction="bidirectional", init=True)),
+                                  ("layout1", dict(layout=1, direction="bidirectional", init=True)),
+                                  ("seq1", dict(batch=1, seq=1, hidden=128, inp=128)),
+                                  ("long", dict(seq=40, batch=2, hidden=33))], ids=lambda c: c[0])
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "unpacked"])
+def test_lstm_jit_recurrence_equals_numpy_loop(case, pack, monkeypatch):
+    """The default-activation LSTM's numba recurrence (_rnn_jit) against the numpy loop: every
+    output within float32 rounding of the step loop's (rtol 1e-5 / atol 1e-6 over up to 40
+    steps), packed and unpacked weights, both directions, batch-first layout."""
+    from onnxpack.session.kernels import _act
+
+    if _act.load_jit("_rnn_jit", "test") is None:
+        pytest.skip("numba is not installed")
+    node, values = make_case("LSTM", **case[1])
+    packable = [i for i in (1, 2, 3) if i < len(values) and values[i] is not None] if pack else []
+    calls = []
+    real = _act.load_jit("_rnn_jit", "test").lstm_standard
+    monkeypatch.setattr(_act.load_jit("_rnn_jit", "test"), "lstm_standard",
+                        lambda *a: calls.append(1) or real(*a))
+    jit = run_native(node, values, 14, pack=packable)
+    assert calls  # the JIT ran
+    monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+    ref = run_native(node, values, 14, pack=packable)
+    assert len(jit) == len(ref) == 3
+    for a, b in zip(jit, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -38,6 +38,7 @@ from collections.abc import Callable
 import numpy as np
 
 from onnxpack.errors import InvalidArgument
+from onnxpack.session.kernels import _act
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,11 @@ def _activation(lname: str, alpha: float, beta: float) -> Callable[[np.ndarray],
     if lname == "affine":
         return lambda x: a * x + b
     raise AssertionError(f"Bug: activation {lname!r} not handled")
+
+
+def _lstm_jit():
+    """The LSTM recurrence's numba kernel (:mod:`._rnn_jit`), or None (numpy's loop)."""
+    return _act.load_jit("_rnn_jit", "LSTM")
 
 
 def _stack(states: list[np.ndarray]) -> np.ndarray:
@@ -246,9 +252,11 @@ class _RNNBase(Kernel):
                 lens = None
         return out_dtype, xs, wt, rt, bias, states, lens, seq, batch, hidden
 
+    def _reverse(self, d: int) -> bool:
+        return self.direction == "reverse" or (self.direction == "bidirectional" and d == 1)
+
     def _steps(self, d: int, seq: int):
-        reverse = self.direction == "reverse" or (self.direction == "bidirectional" and d == 1)
-        return range(seq - 1, -1, -1) if reverse else range(seq)
+        return range(seq - 1, -1, -1) if self._reverse(d) else range(seq)
 
     def _finish(self, y, finals, out_dtype):
         """y (seq, nd, batch, H), finals list of (nd, batch, H) -> outputs in the node's layout."""
@@ -332,6 +340,16 @@ class LSTM(_RNNBase):
     def run(self, x, w=None, r=None, b=None, seq_lens=None, h0=None, c0=None, p=None):
         return self._run(x, w, r, b, seq_lens, h0, c0, p)
 
+    def warm_up(self) -> None:
+        """Loads the recurrence's JIT (numba's on-disk cache) off the critical path, on zeros of
+        the packed weight's array type (a warm-up never reads mapped bytes)."""
+        jit = _lstm_jit()
+        if jit is not None and self._rt is not None:
+            rt = np.zeros((1, 4), np.float32)
+            rt.flags.writeable = self._rt.flags.writeable
+            z = np.zeros((1, 1), np.float32)
+            jit.lstm_standard(np.zeros((1, 1, 4), np.float32), rt, z, z.copy(), np.zeros((1, 1, 1), np.float32), False)
+
     def _project(self, a: np.ndarray, weight: np.ndarray, d: int, which: int, q) -> np.ndarray:
         """``a @ weight`` for direction ``d``: ``which`` 0 is the input projection (all timesteps),
         1 the recurrence.  A subclass computing these products another way (e.g. quantized:
@@ -353,6 +371,16 @@ class LSTM(_RNNBase):
                 pp = _as_f(p)[d]
                 pi, po, pf = pp[:H], pp[H : 2 * H], pp[2 * H :]
             standard = pi is None and self.clip is None and f is _sigmoid and g is np.tanh and hact is np.tanh
+            jit = _lstm_jit() if standard and lens is None and type(self)._project is LSTM._project else None
+            if jit is not None and seq and batch:
+                # Every step in one call (see _rnn_jit): the states in place, this direction's Y.
+                yd = y.reshape(seq, batch, H) if self.num_dir == 1 else np.empty((seq, batch, H), np.float32)
+                jit.lstm_standard(np.ascontiguousarray(xw), np.ascontiguousarray(rt[d]), h, c, yd, self._reverse(d))
+                if yd.base is not y:
+                    y[:, d] = yd
+                finals_h.append(h)
+                finals_c.append(c)
+                continue
             for t in self._steps(d, seq):
                 gates = self._project(h, rt[d], d, 1, q)
                 gates += xw[t]
