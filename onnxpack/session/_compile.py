@@ -138,8 +138,9 @@ class _Compiler:
         for plan in self.plans.values():
             for step in plan.steps:
                 k = step.kernel
-                if type(k).warm_up is not Kernel.warm_up:
-                    warm.setdefault(type(k), k.warm_up)
+                task = k.warm_up  # a bound method, or a task the kernel set that holds no reference to it
+                if getattr(task, "__func__", None) is not Kernel.warm_up:
+                    warm.setdefault(type(k), task)
                 owns = owns or k.owns_threads
         inputs, outputs = override_dims(root.graph.input, root.graph.output, self.options.dims_by_name,
                                         self.options.dims_by_denotation)

@@ -517,6 +517,29 @@ def test_released_originals_are_never_paged_in_on_a_warm_start(tmp_path):
         warm.close()
 
 
+def test_warm_up_tasks_keep_no_closed_session_mapped(tmp_path, monkeypatch):
+    """The kernels' warm-up tasks (run by a background thread, which may still be compiling JIT
+    code after the session is closed) hold neither the kernel nor its model: a closed session's
+    data file unmaps while something still holds them (the fresh CI run, with numba's caches
+    cold, once kept the mapping alive for the whole compile)."""
+    from onnxpack.session import _program
+
+    monkeypatch.setattr(_program.Program, "start_warm_ups", lambda self: None)
+    model = str(tmp_path / "chain.onnx")
+    sample_models.make_matmul_chain(model, 2, 256, np.float32, seed=4)  # 256 columns: panels
+    sess = InferenceSession(model)
+    tasks = sess.program.warm_ups
+    if not tasks:
+        pytest.skip("no kernel here has warm-up work (numba is not installed)")
+    assert _mapping_rss(model + ".data")[0] >= 1
+    sess.close()
+    del sess
+    gc.collect()
+    assert _mapping_rss(model + ".data")[0] == 0, "a warm-up task keeps the closed session's model mapped"
+    for task in tasks:  # and they still do their work
+        task()
+
+
 def test_unpacked_session_keeps_every_original(samples):
     with InferenceSession(samples["mlp"], _unpacked()) as s:
         assert s.get_prepack_stats()["originals_released"] == 0

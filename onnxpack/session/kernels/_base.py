@@ -217,7 +217,10 @@ class Kernel:
     def warm_up(self) -> None:
         """Work this kernel family can do off the critical path once per process (a JIT's import
         and compiled-code load), run by the session in a background thread after creation.
-        Kernels that override it are warmed once per class; the default does nothing."""
+        Kernels that override it are warmed once per class; the default does nothing.  A kernel
+        may instead set ``warm_up`` on the instance to a callable that references neither it
+        nor mapped bytes: a closed session's model (which every kernel references through its
+        context) then unmaps even while the thread is still compiling."""
 
     def run_in_frame(self, frame: Any, *inputs: Any) -> tuple:
         """For ``call_mode == "frame"`` kernels: run with the caller's frame."""

@@ -32,7 +32,7 @@ from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import _act
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register, same_view
 from onnxpack.session.kernels.linalg import (compute_dtype, identity_panels, matmul_packed, owns_threads, pack_b,
-                                             packed_shape)
+                                             packed_shape, panel_warm_up, set_warm_up)
 
 logger = logging.getLogger(__name__)
 
@@ -292,6 +292,7 @@ class Attention(Kernel):
         if input_index == 1:
             (self._w,) = buffers
             self.owns_threads = owns_threads(self._w)
+            set_warm_up(self, panel_warm_up(self._w))
         else:
             (self._b,) = buffers
 

@@ -22,6 +22,7 @@ Pre-packing (constant right-hand operand ``B``):
 
 from __future__ import annotations
 
+import functools
 import logging
 import struct
 
@@ -138,17 +139,28 @@ def owns_threads(w: np.ndarray) -> bool:
     return w.ndim == 3 and _act.jit_possible()
 
 
-def warm_panels(w: np.ndarray | None) -> None:
-    """Loads the float32 GEMM's JIT (numba's on-disk cache) off the critical path for panels
-    like ``w`` (a kernel's warm-up).  It multiplies zeros of ``w``'s array type, never ``w``:
-    a warm-up thread must not read mapped bytes, whose file may shrink under it (the guards that
-    make that an error, not a SIGBUS, run with each run)."""
-    if w is not None and w.ndim == 3:
-        jit = _sgemm()
-        if jit is not None:
-            panel = np.zeros(PANEL, np.float32)
-            panel.flags.writeable = w.flags.writeable  # (numba compiles read-only arrays apart)
-            jit.sgemm_panels(np.zeros((1, 1), np.float32), panel, np.empty((1, PANEL), np.float32), _NO_TAIL, 0, 1)
+def warm_panels(writeable: bool) -> None:
+    """Loads the float32 GEMM's JIT (numba's on-disk cache) off the critical path: one row
+    times one panel of zeros, of the packed weight's array type (numba compiles read-only
+    arrays apart).  It holds no weight: a warm-up thread must not read mapped bytes, whose file
+    may shrink under it, nor keep a closed session's model mapped while it compiles."""
+    jit = _sgemm()
+    if jit is not None:
+        panel = np.zeros(PANEL, np.float32)
+        panel.flags.writeable = writeable
+        jit.sgemm_panels(np.zeros((1, 1), np.float32), panel, np.empty((1, PANEL), np.float32), _NO_TAIL, 0, 1)
+
+
+def set_warm_up(kernel: Kernel, task) -> None:
+    """Makes ``task`` (a callable referencing no kernel, or None) the kernel's warm-up."""
+    if task is not None:
+        kernel.warm_up = task
+
+
+def panel_warm_up(w: np.ndarray):
+    """The warm-up task of a kernel multiplying by packed ``w`` (see ``Kernel.warm_up``): a
+    callable that references no kernel, or None when ``w`` is not panels for the JIT."""
+    return functools.partial(warm_panels, bool(w.flags.writeable)) if owns_threads(w) else None
 
 
 def matmul_panels(a2: np.ndarray, w: np.ndarray, n: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -234,9 +246,7 @@ class MatMul(Kernel):
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
         (self._b,) = buffers
         self.owns_threads = owns_threads(self._b)
-
-    def warm_up(self) -> None:
-        warm_panels(self._b)
+        set_warm_up(self, panel_warm_up(self._b))
 
     def _packed_a(self, a: np.ndarray) -> np.ndarray:
         """``a`` in B's compute dtype (a model whose A and B types differ is refused)."""
@@ -344,9 +354,7 @@ class Gemm(Kernel):
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
         (self._b,) = buffers
         self.owns_threads = owns_threads(self._b)
-
-    def warm_up(self) -> None:
-        warm_panels(self._b)
+        set_warm_up(self, panel_warm_up(self._b))
 
     def run(self, a, b=None, c=None):
         out_dtype = a.dtype

@@ -32,6 +32,7 @@ to onnx.reference for that node.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -102,6 +103,17 @@ def _activation(lname: str, alpha: float, beta: float) -> Callable[[np.ndarray],
 def _lstm_jit():
     """The LSTM recurrence's numba kernel (:mod:`._rnn_jit`), or None (numpy's loop)."""
     return _act.load_jit("_rnn_jit", "LSTM")
+
+
+def _warm_lstm(writeable: bool) -> None:
+    """Loads the LSTM recurrence's JIT (numba's on-disk cache) off the critical path, on zeros of
+    the packed weight's array type: no kernel and no mapped bytes held (see linalg.warm_panels)."""
+    jit = _lstm_jit()
+    if jit is not None:
+        rt = np.zeros((1, 4), np.float32)
+        rt.flags.writeable = writeable
+        z = np.zeros((1, 1), np.float32)
+        jit.lstm_standard(np.zeros((1, 1, 4), np.float32), rt, z, z.copy(), np.zeros((1, 1, 1), np.float32), False)
 
 
 def _stack(states: list[np.ndarray]) -> np.ndarray:
@@ -194,6 +206,8 @@ class _RNNBase(Kernel):
             self._wt = buf
         elif input_index == 2:
             self._rt = buf
+            if self.op_type == "LSTM" and _act.jit_possible():
+                self.warm_up = functools.partial(_warm_lstm, bool(buf.flags.writeable))
         else:
             self._b = buf
 
@@ -339,16 +353,6 @@ class LSTM(_RNNBase):
 
     def run(self, x, w=None, r=None, b=None, seq_lens=None, h0=None, c0=None, p=None):
         return self._run(x, w, r, b, seq_lens, h0, c0, p)
-
-    def warm_up(self) -> None:
-        """Loads the recurrence's JIT (numba's on-disk cache) off the critical path, on zeros of
-        the packed weight's array type (a warm-up never reads mapped bytes)."""
-        jit = _lstm_jit()
-        if jit is not None and self._rt is not None:
-            rt = np.zeros((1, 4), np.float32)
-            rt.flags.writeable = self._rt.flags.writeable
-            z = np.zeros((1, 1), np.float32)
-            jit.lstm_standard(np.zeros((1, 1, 4), np.float32), rt, z, z.copy(), np.zeros((1, 1, 1), np.float32), False)
 
     def _project(self, a: np.ndarray, weight: np.ndarray, d: int, which: int, q) -> np.ndarray:
         """``a @ weight`` for direction ``d``: ``which`` 0 is the input projection (all timesteps),
