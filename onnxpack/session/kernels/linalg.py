@@ -294,7 +294,7 @@ class MatMul(Kernel):
 def _batched(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``np.matmul(a, b)``; batches of equal leading dimensions (attention's heads) as one 3-D
     batch, which :func:`_act.matmul` shares out over onnxpack's threads when it owns them."""
-    if a.ndim >= 3 and a.ndim == b.ndim and a.shape[:-2] == b.shape[:-2] and a.dtype == b.dtype:
+    if a.ndim >= 3 and a.ndim == b.ndim and a.shape[:-2] == b.shape[:-2] and a.dtype == b.dtype and a.size and b.size:
         lead = a.shape[:-2]
         y = _act.matmul(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
         return y.reshape(*lead, *y.shape[-2:])
