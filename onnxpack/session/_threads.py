@@ -58,24 +58,36 @@ def _apply(n: int) -> None:
 
 
 @contextlib.contextmanager
+def _counted(counts: collections.Counter[int], n: int, apply: Any, first: Any = None) -> Iterator[None]:
+    """Counts ``n`` in ``counts`` for the duration and calls ``apply`` with the smallest count in
+    flight (0 when none is left); ``first()`` runs, under the lock, when ``counts`` was empty."""
+    with _lock:
+        if not counts and first is not None:
+            first()
+        counts[n] += 1
+        apply(min(counts))
+    try:
+        yield
+    finally:
+        with _lock:
+            counts[n] -= 1
+            if not counts[n]:
+                del counts[n]
+            apply(min(counts) if counts else 0)
+
+
+def _save_original() -> None:
+    _original[:] = [lib.num_threads for lib in _libs or ()]
+
+
+@contextlib.contextmanager
 def blas_threads(n: int) -> Iterator[None]:
     """Limit BLAS to ``n`` threads for the duration (no-op for ``n <= 0``)."""
     if n <= 0 or not blas_libraries():
         yield
         return
-    with _lock:
-        if not _active:
-            _original[:] = [lib.num_threads for lib in _libs or ()]
-        _active[n] += 1
-        _apply(min(_active))
-    try:
+    with _counted(_active, n, _apply, _save_original):
         yield
-    finally:
-        with _lock:
-            _active[n] -= 1
-            if not _active[n]:
-                del _active[n]
-            _apply(min(_active) if _active else 0)
 
 
 _owners: collections.Counter[int] = collections.Counter()  # owned_threads counts in flight
@@ -96,18 +108,8 @@ def owned_threads(n: int) -> Iterator[None]:
         with blas_threads(n):
             yield
         return
-    with blas_threads(1):
-        with _lock:
-            _owners[n] += 1
-            set_owned_threads(min(_owners))
-        try:
-            yield
-        finally:
-            with _lock:
-                _owners[n] -= 1
-                if not _owners[n]:
-                    del _owners[n]
-                set_owned_threads(min(_owners) if _owners else 0)
+    with blas_threads(1), _counted(_owners, n, set_owned_threads):
+        yield
 
 
 def set_global_thread_pool_sizes(intra_op_num_threads: int = 0, inter_op_num_threads: int = 0) -> None:

@@ -288,17 +288,22 @@ _PAIR = [_lanes([c + 64 * h for c in range(32 * part, 32 * part + 32) for h in (
 _QUAD = [_lanes([2 * c + off for c in range(16 * q, 16 * q + 16) for off in (0, 1, 64, 65)]) for q in (0, 1)]
 
 
+def declare(builder, name: str, vector) -> ir.Function:
+    """The LLVM intrinsic ``name`` of three ``vector`` arguments returning one, declared once in
+    ``builder``'s module."""
+    mod = builder.module
+    return mod.globals.get(name) or ir.Function(mod, ir.FunctionType(vector, [vector] * 3), name)
+
+
 def vpdpbusd(builder):
     """The ``vpdpbusd`` intrinsic in ``builder``'s module: ``(acc, u, s)`` adds to each int32 lane
     of ``acc`` the four products of ``u``'s unsigned bytes and ``s``'s signed bytes."""
-    mod = builder.module
-    return mod.globals.get("llvm.x86.avx512.vpdpbusd.512") or ir.Function(
-        mod, ir.FunctionType(_V16, [_V16, _V16, _V16]), "llvm.x86.avx512.vpdpbusd.512")
+    return declare(builder, "llvm.x86.avx512.vpdpbusd.512", _V16)
 
 
 def splat(builder, x):
-    """An int32 broadcast to 16 lanes."""
-    one = ir.VectorType(_I32, 1)
+    """``x`` (an int32, or a value of another element type) broadcast to 16 lanes."""
+    one = ir.VectorType(x.type, 1)
     v = builder.insert_element(ir.Constant(one, None), x, ir.Constant(_I32, 0))
     return builder.shuffle_vector(v, ir.Constant(one, None), _lanes([0] * 16))
 

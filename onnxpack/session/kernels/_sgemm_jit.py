@@ -31,28 +31,15 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from onnxpack.session.kernels._nbits_jit import array_data
+from onnxpack.session.kernels._nbits_jit import array_data, declare, splat
 
 __all__ = ["sgemm_panels", "NR", "KC"]
 
 NR = 64  # columns per panel: 4 vectors of 16 float32
 KC = 512  # rows of a panel per pass (128 KB of it: L2-resident while all rows of ``a`` pass)
 
-_F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+_F32, _I64 = ir.FloatType(), ir.IntType(64)
 _VF = ir.VectorType(_F32, 16)
-
-
-def _fma(builder):
-    mod = builder.module
-    return mod.globals.get("llvm.fma.v16f32") or ir.Function(
-        mod, ir.FunctionType(_VF, [_VF, _VF, _VF]), "llvm.fma.v16f32")
-
-
-def _splat(builder, x):
-    one = ir.VectorType(_F32, 1)
-    v = builder.insert_element(ir.Constant(one, None), x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(one, None),
-                                  ir.Constant(ir.VectorType(_I32, 16), [ir.Constant(_I32, 0)] * 16))
 
 
 def _tile_codegen(rows: int):
@@ -74,7 +61,7 @@ def _tile_codegen(rows: int):
         wp = builder.gep(array_data(context, builder, sig.args[3], w, _F32), [woff])
         ap = array_data(context, builder, sig.args[6], a, _F32)
         aps = [builder.gep(ap, [builder.add(aoff, builder.mul(const(r), astride))]) for r in range(rows)]
-        fma = _fma(builder)
+        fma = declare(builder, "llvm.fma.v16f32", _VF)
         zero = ir.Constant(_VF, None)
         # The starting sums: zero, or what an earlier block of K left in the output.
         entry = builder.block
@@ -109,7 +96,7 @@ def _tile_codegen(rows: int):
         wv = [builder.load(vptr(wrow, i), align=4) for i in range(vecs)]
         new = []
         for r in range(rows):
-            s = _splat(builder, builder.load(builder.gep(aps[r], [k])))
+            s = splat(builder, builder.load(builder.gep(aps[r], [k])))
             new.append([builder.call(fma, [s, v, acc]) for acc, v in zip(accs[r], wv)])
         k_next = builder.add(k, const(1))
         end = builder.block
