@@ -269,3 +269,43 @@ def test_panels_refuse_a_of_another_type():
     with pytest.raises(InvalidArgument, match="one type"):
         k.run(np.ones((2, 8), np.float64))
 
+
+
+def test_without_the_jit_weights_stay_k_by_n_and_keys_tell_the_layouts_apart(monkeypatch, tmp_path):
+    """Without numba (ONNXPACK_DISABLE_JIT=1) a wide float32 weight keeps the (K, N) identity
+    pack (numpy's BLAS multiplies it faster than panels); the two layouts have different keys,
+    so one container shared by a JIT session and a numpy session gives each its own layout and
+    both the right result."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    import onnxpack
+    from onnxpack.session.kernels import _act
+
+    if not _act.jit_possible():
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(9)
+    w = rng.standard_normal((40, 128)).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 40])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 128])],
+                          [numpy_helper.from_array(w, "W")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    x = rng.standard_normal((3, 40)).astype(np.float32)
+    want = x.astype(np.float64) @ w
+    container = onnxpack.PrepackedWeightsContainer()
+    jit_sess = onnxpack.InferenceSession(model, prepacked_weights_container=container)
+    monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+    k = _kernel(make_node("MatMul", ["a", "b"], ["y"]))
+    info = TensorInfo("b", w.dtype, w.shape, TensorProto.FLOAT)
+    spec = k.pack_spec(1, info)
+    assert spec.identity and k.expected_packed(1, info) == [(np.dtype(np.float32), (40, 128))]
+    (buf,) = k.prepack(1, w)
+    assert buf.shape == (40, 128) and np.shares_memory(buf, w)
+    numpy_sess = onnxpack.InferenceSession(model, prepacked_weights_container=container)
+    (e_np,) = numpy_sess.get_prepack_log()
+    monkeypatch.delenv("ONNXPACK_DISABLE_JIT")
+    (e_jit,) = jit_sess.get_prepack_log()
+    assert e_np["key"] != e_jit["key"] and e_np["origin"] == "packed"  # not the JIT session's panels
+    for sess in (jit_sess, numpy_sess):
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, **PANEL_TOL)

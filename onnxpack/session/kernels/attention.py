@@ -31,8 +31,8 @@ import numpy as np
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import _act
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register, same_view
-from onnxpack.session.kernels.linalg import (compute_dtype, identity_panels, matmul_packed, owns_threads, pack_b,
-                                             packed_shape, panel_warm_up, set_warm_up)
+from onnxpack.session.kernels.linalg import (compute_dtype, identity_panels, layout_attrs, matmul_packed, owns_threads,
+                                             pack_b, packed_shape, panel_warm_up, set_warm_up)
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +272,7 @@ class Attention(Kernel):
             return None
         if input_index == 1:
             self._wshape = tuple(int(d) for d in info.shape)
-            return PackSpec("attention_qkv_weight", _PACK_VERSION, b"", 1,
+            return PackSpec("attention_qkv_weight", _PACK_VERSION, layout_attrs(info.dtype, info.shape), 1,
                             identity=identity_panels(info.dtype, info.shape))
         return PackSpec("attention_qkv_bias", _PACK_VERSION, b"", 1, identity=cd == np.dtype(info.dtype))
 

@@ -21,7 +21,8 @@ import numpy as np
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
 from onnxpack.session.kernels.linalg import (as_compute, compute_dtype, identity_panels, matmul_packed, owns_threads,
-                                             pack_b, pack_scaled_b, packed_shape, panel_warm_up, set_warm_up)
+                                             layout_attrs, pack_b, pack_scaled_b, packed_shape, panel_warm_up,
+                                             set_warm_up)
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class FusedMatMul(Kernel):
         k, n = info.shape[::-1] if self.trans_b else info.shape
         self._n = int(n)
         identity = not self.trans_b and self.alpha == 1.0 and identity_panels(info.dtype, (k, n))
-        attrs = struct.pack("<id", self.trans_b, self.alpha)
+        attrs = struct.pack("<id", self.trans_b, self.alpha) + layout_attrs(info.dtype, (k, n))
         return PackSpec("fused_matmul", _PACK_VERSION, attrs, 1, identity=identity)
 
     def expected_packed(self, input_index: int, info: TensorInfo):

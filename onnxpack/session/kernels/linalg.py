@@ -11,8 +11,8 @@ Pre-packing (constant right-hand operand ``B``):
   K rows of 64 contiguous floats), which the JIT GEMM of :mod:`._sgemm_jit` streams once per
   block of K (its docstring has the measurements: 1.5x OpenBLAS on an encoder's short
   activations, where OpenBLAS's own copy of B inside every call costs as much as the
-  arithmetic); without numba, numpy's BLAS multiplies the panels as a batch.  Narrower and
-  float64 weights stay a C-contiguous ``(K, N)`` matrix, used as ``A @ packed`` (measured,
+  arithmetic).  Without numba, and for narrower and float64 weights, ``B`` stays a
+  C-contiguous ``(K, N)`` matrix, used as ``A @ packed`` (measured,
   OpenBLAS 0.3.31 SkylakeX kernels, A 64x1024, B 1024x4096: ``(K, N)`` 3.9-4.1 ms on one thread,
   ``(N, K)`` read as ``B^T`` 4.6 ms).
 * Gemm folds ``transB`` and ``alpha`` into that buffer, so the call does no extra scaling pass;
@@ -82,13 +82,22 @@ def as_compute(x: np.ndarray) -> np.ndarray:
 
 
 def uses_panels(dtype, shape) -> bool:
-    """Whether a constant ``B`` of this dtype and (K, N) shape is packed as panels: float32 (or
-    half, widened), at least 64 columns, and the last panel's zero padding at most a quarter of
-    N (N = 65 would multiply twice its columns: BLAS on (K, N) does less work there)."""
+    """Whether a constant ``B`` of this dtype and (K, N) shape is packed as panels: the JIT GEMM
+    can run here (numba; without it numpy's BLAS multiplies (K, N) faster than the panels as a
+    batch), float32 (or half, widened), at least 64 columns, and the last panel's zero padding
+    at most a quarter of N (N = 65 would multiply twice its columns).  The pack's key says which
+    layout it is (:func:`layout_attrs`)."""
     if len(shape) != 2 or shape[0] < 1 or shape[1] < PANEL or compute_dtype(dtype) != np.float32:
         return False
     n = int(shape[1])
-    return 4 * (-(-n // PANEL) * PANEL) <= 5 * n
+    return 4 * (-(-n // PANEL) * PANEL) <= 5 * n and _act.jit_possible()
+
+
+def layout_attrs(dtype, shape) -> bytes:
+    """What a pack's ``PackSpec.attrs`` add for its layout: panels and (K, N) packs of one weight
+    have different keys, so a container shared by sessions with and without the JIT never hands
+    one the other's layout."""
+    return b"|panels" if uses_panels(dtype, shape) else b""
 
 
 def identity_panels(dtype, shape) -> bool:
@@ -233,7 +242,7 @@ class MatMul(Kernel):
             return None
         self._n = int(info.shape[1])
         identity = identity_panels(info.dtype, info.shape)
-        return PackSpec("matmul", _PACK_VERSION, b"", 1, identity=identity)
+        return PackSpec("matmul", _PACK_VERSION, layout_attrs(info.dtype, info.shape), 1, identity=identity)
 
     def expected_packed(self, input_index: int, info: TensorInfo):
         if self.pack_spec(input_index, info) is None:
@@ -336,8 +345,8 @@ class Gemm(Kernel):
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
         if input_index != 1 or compute_dtype(info.dtype) is None or len(info.shape) != 2:
             return None
-        attrs = struct.pack("<id", self.trans_b, self.alpha)
         k, n = info.shape[::-1] if self.trans_b else info.shape
+        attrs = struct.pack("<id", self.trans_b, self.alpha) + layout_attrs(info.dtype, (k, n))
         self._n = int(n)
         identity = not self.trans_b and self.alpha == 1.0 and identity_panels(info.dtype, (k, n))
         return PackSpec("gemm", _PACK_VERSION, attrs, 1, identity=identity)
