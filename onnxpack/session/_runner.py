@@ -101,8 +101,9 @@ class Runner:
         profiler = self.profiler if self.profiler is not None and self.profiler.active else None
         control = SessionControl(ro, profiler, binder) if ro is not None or profiler or binder else None
         threads = self.threads if self.per_session_threads else global_intra_op_threads()
-        if program.owns_threads and (threads > 1 or (threads <= 0 and current_blas_threads() > 1)):
-            with owned_threads(threads if threads > 0 else current_blas_threads()):
+        owned = (threads if threads > 0 else current_blas_threads()) if program.owns_threads else 0
+        if owned > 1:
+            with owned_threads(owned):
                 values = self._loop(plan, inputs, control)
         elif threads > 0:
             with blas_threads(threads):

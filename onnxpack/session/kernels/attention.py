@@ -31,8 +31,8 @@ import numpy as np
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import _act
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register, same_view
-from onnxpack.session.kernels.linalg import (compute_dtype, identity_panels, layout_attrs, matmul_packed, owns_threads,
-                                             pack_b, packed_shape, panel_warm_up, set_warm_up)
+from onnxpack.session.kernels.linalg import (adopt_pack, compute_dtype, identity_panels, layout_attrs, matmul_packed,
+                                             pack_b, packed_shape)
 
 logger = logging.getLogger(__name__)
 
@@ -291,8 +291,7 @@ class Attention(Kernel):
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
         if input_index == 1:
             (self._w,) = buffers
-            self.owns_threads = owns_threads(self._w)
-            set_warm_up(self, panel_warm_up(self._w))
+            adopt_pack(self, self._w)
         else:
             (self._b,) = buffers
 

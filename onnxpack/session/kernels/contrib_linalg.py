@@ -20,9 +20,8 @@ import numpy as np
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
-from onnxpack.session.kernels.linalg import (as_compute, compute_dtype, identity_panels, matmul_packed, owns_threads,
-                                             layout_attrs, pack_b, pack_scaled_b, packed_shape, panel_warm_up,
-                                             set_warm_up)
+from onnxpack.session.kernels.linalg import (adopt_pack, as_compute, compute_dtype, identity_panels, layout_attrs,
+                                             matmul_packed, pack_b, pack_scaled_b, packed_shape)
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +70,7 @@ class FusedMatMul(Kernel):
 
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
         (self._b,) = buffers
-        self.owns_threads = owns_threads(self._b)
-        set_warm_up(self, panel_warm_up(self._b))
+        adopt_pack(self, self._b)
 
     def run(self, a, b=None):
         if compute_dtype(a.dtype) is None:

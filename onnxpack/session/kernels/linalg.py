@@ -142,12 +142,6 @@ def _sgemm():
     return _act.load_jit("_sgemm_jit", "float32 GEMM")
 
 
-def owns_threads(w: np.ndarray) -> bool:
-    """Whether a kernel multiplying by packed ``w`` does its GEMMs on onnxpack's own threads
-    (panels and the JIT: see ``Kernel.owns_threads``)."""
-    return w.ndim == 3 and _act.jit_possible()
-
-
 def warm_panels(writeable: bool) -> None:
     """Loads the float32 GEMM's JIT (numba's on-disk cache) off the critical path: one row
     times one panel of zeros, of the packed weight's array type (numba compiles read-only
@@ -160,16 +154,13 @@ def warm_panels(writeable: bool) -> None:
         jit.sgemm_panels(np.zeros((1, 1), np.float32), panel, np.empty((1, PANEL), np.float32), _NO_TAIL, 0, 1)
 
 
-def set_warm_up(kernel: Kernel, task) -> None:
-    """Makes ``task`` (a callable referencing no kernel, or None) the kernel's warm-up."""
-    if task is not None:
-        kernel.warm_up = task
-
-
-def panel_warm_up(w: np.ndarray):
-    """The warm-up task of a kernel multiplying by packed ``w`` (see ``Kernel.warm_up``): a
-    callable that references no kernel, or None when ``w`` is not panels for the JIT."""
-    return functools.partial(warm_panels, bool(w.flags.writeable)) if owns_threads(w) else None
+def adopt_pack(kernel: Kernel, w: np.ndarray) -> None:
+    """What a kernel's packed ``B`` says of its runs: with panels for the JIT, its GEMMs are
+    onnxpack's own (``Kernel.owns_threads``) and its warm-up loads the JIT through a task that
+    references no kernel (see ``Kernel.warm_up``)."""
+    if w.ndim == 3 and _act.jit_possible():
+        kernel.owns_threads = True
+        kernel.warm_up = functools.partial(warm_panels, bool(w.flags.writeable))
 
 
 def matmul_panels(a2: np.ndarray, w: np.ndarray, n: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -254,8 +245,7 @@ class MatMul(Kernel):
 
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
         (self._b,) = buffers
-        self.owns_threads = owns_threads(self._b)
-        set_warm_up(self, panel_warm_up(self._b))
+        adopt_pack(self, self._b)
 
     def _packed_a(self, a: np.ndarray) -> np.ndarray:
         """``a`` in B's compute dtype (a model whose A and B types differ is refused)."""
@@ -362,8 +352,7 @@ class Gemm(Kernel):
 
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
         (self._b,) = buffers
-        self.owns_threads = owns_threads(self._b)
-        set_warm_up(self, panel_warm_up(self._b))
+        adopt_pack(self, self._b)
 
     def run(self, a, b=None, c=None):
         out_dtype = a.dtype
