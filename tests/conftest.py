@@ -145,3 +145,12 @@ def jit_path(request, monkeypatch):
         monkeypatch.setenv("ONNXPACK_DISABLE_NATIVE", "1")
         assert not getattr(_act.act_kernels(), "native", False)
     return request.param
+
+
+@pytest.fixture
+def panels_on(monkeypatch):
+    """Float32 weights packed as 64-column panels for the JIT GEMM on any CPU (by default only on
+    AVX-512 CPUs, where they pay: see ``linalg._panel_cpu``), so the panel paths are tested
+    everywhere numba is."""
+    monkeypatch.setenv("ONNXPACK_PANELS", "1")
+

@@ -279,6 +279,7 @@ def _gate_after_panels() -> bytes:
                   [numpy_helper.from_array(w, "W")], opsets=(("", 17), (TEST_DOMAIN, 1)))
 
 
+@pytest.mark.usefixtures("panels_on")
 @pytest.mark.parametrize("setting", [2, 0], ids=["intra2", "default"])
 def test_runs_of_a_program_whose_gemms_are_its_own_keep_blas_at_one_thread(setting, monkeypatch):
     """A program with a panel GEMM (Kernel.owns_threads, with numba) runs with the BLAS at one

@@ -562,7 +562,9 @@ def test_gemm_split_over_onnxpack_threads(shape, monkeypatch):
         sess = onnxpack.InferenceSession(model)
         monkeypatch.setattr(_act.np, "matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
         got = sess.run(None, feeds)[0]
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # other GEMM blocks sum in another order: float32 rounding of the output's scale (measured
+    # 1.8e-6 on outputs of magnitude ~4 where an im2col block split the reduction differently)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(np.abs(want).max()))
     if shape != "depthwise":
         assert len(calls) > 2  # the GEMM ran as several blocks
 

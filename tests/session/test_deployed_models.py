@@ -12,15 +12,18 @@ Every model goes through the same path (:func:`check_deployed`):
 5. the saved data file stores no weight twice: its bytes are at most the weights' own bytes plus
    the non-identity packs plus alignment padding, and quantized weights keep their dtype.
 
-Models and oracles (onnxruntime with graph optimizations off: it runs the very graph we run):
+Models and oracles (onnxruntime with graph optimizations off: it runs the very graph we run;
+integer GEMMs of uint8 by int8 constants with the weights shifted to uint8, the same products,
+which onnxruntime computes exactly on every x86 CPU: ``quant_util.ort_exact``):
 
 * onnx's light squeezenet quantized by ``onnxruntime.quantization`` in every mode (static QDQ per
   tensor and per channel, QOperator, dynamic), light resnet50 static QDQ per channel (real random
   weights: models/build.py), and the sample models (mlp, cnn, transformer) QDQ/QOperator/dynamic;
   calibration: 2 seeded random batches.  Static models end in a DequantizeLinear (then maybe
-  float ops): within one quantization step of that DequantizeLinear (QDQ Convs and MatMuls run in
-  float between Q/DQ pairs, in another summation order, which can move a code by one); measured:
-  identical.
+  float ops): within one quantization step of that DequantizeLinear; QDQ Convs and MatMuls run in
+  float between Q/DQ pairs, in another summation order, which can move a code by one and the
+  outputs after it by more: ``quant_util.assert_qdq_model_close`` then also compares the model
+  segment by segment, both runtimes fed onnxruntime's codes (measured: identical).
   Dynamic models end in float ops after integer GEMMs: rtol 1e-5, atol 1e-5 of the output's
   magnitude (measured <= 3e-7 relative).
 * ``models/fixtures/transformers`` (torch export and onnxruntime's optimizer, fp32 and fp16):
@@ -58,6 +61,7 @@ from onnx import numpy_helper
 import onnxpack
 import onnxpack_sample_models as sample_models
 from onnxpack.session import optimize
+from quant_util import assert_qdq_model_close, ort_exact
 
 quantization = pytest.importorskip("onnxruntime.quantization")
 
@@ -74,7 +78,7 @@ def ort_run(path: str | bytes, feeds: dict) -> list[np.ndarray]:
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
-    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, feeds)
+    return ort.InferenceSession(ort_exact(path), so, providers=["CPUExecutionProvider"]).run(None, feeds)
 
 
 def session(path: str, **config: str) -> onnxpack.InferenceSession:
@@ -194,6 +198,10 @@ def test_quantized_model(name, mode, tmp_path):
     assert mode == "dynamic" or all(s is not None for s in steps), steps
 
     def compare(got, want, what):
+        if mode.startswith("qdq"):  # float ops between Q/DQ pairs: see assert_qdq_model_close
+            options = {"session.disable_prepacking": "1"} if what == "no prepacking" else {}
+            assert_qdq_model_close(path, feeds, got, steps, options, want=want, segments=None)
+            return
         for g, w, step in zip(got, want, steps):
             assert g.dtype == w.dtype and g.shape == w.shape, what
             if step is None:

@@ -248,14 +248,21 @@ def test_split_prefill_matches_one_thread_and_restores_blas_threads(bits, path, 
     want = a.astype(np.float64) @ dequantize_nbits(vals["b"], vals["s"], vals["zp"], k=k, n=n, bits=bits,
                                                    block_size=bs) + vals["bias"]
     with threadpoolctl.threadpool_limits(2, user_api="blas"):
-        before = [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+        # by library: one that a run loads (another package's BLAS, e.g. scipy's) is not ours to restore
+        before = {i["filepath"]: i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"}
         monkeypatch.setenv("ONNXPACK_NUM_THREADS", "1")
         (one,) = run_native(node, feeds, 1, pack=[1, 2, 3])
         monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
         (split,) = run_native(node, feeds, 1, pack=[1, 2, 3])
-        after = [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
-    assert after == before
-    np.testing.assert_allclose(split, one, **SAME_TOL)
+        after = {i["filepath"]: i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"}
+    assert {k: after.get(k) for k in before} == before
+    # The split multiplies the same float32 panels in other blocks, so its sums round in another
+    # order: any order of a float32 K-term sum is within K * 2**-24 of the sum of its terms'
+    # magnitudes from the exact value (the bound on recursive summation), so two orders are
+    # within twice that (measured 2e-5 apart where ~60-sized terms cancel to ~0.2).
+    scale = np.abs(a).astype(np.float64) @ np.abs(dequantize_nbits(vals["b"], vals["s"], vals["zp"], k=k, n=n, bits=bits,
+                                                                    block_size=bs)).astype(np.float64)
+    assert np.all(np.abs(split.astype(np.float64) - one) <= 2 * k * 2.0**-24 * (scale + np.abs(vals["bias"])))
     np.testing.assert_allclose(split, want, **F32_TOL)
 
 

@@ -159,6 +159,7 @@ PANEL_TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("n", [64, 100, 130, 192, 1000])
+@pytest.mark.usefixtures("panels_on")
 def test_pack_panels_holds_every_column_and_zero_padding(n):
     from onnxpack.session.kernels.linalg import PANEL, pack_panels, packed_shape, uses_panels
 
@@ -175,6 +176,24 @@ def test_pack_panels_holds_every_column_and_zero_padding(n):
                        (200, False), (205, True), (260, True)):
         assert uses_panels(np.float32, (7, cols)) == want, cols
         assert packed_shape(np.float32, 7, cols) == ((-(-cols // PANEL), 7, PANEL) if want else (7, cols))
+
+
+@pytest.mark.parametrize("forced,flags,want", [(None, {"avx2", "avx512f"}, True), (None, {"avx2", "fma"}, False),
+                                               (None, set(), False), ("1", {"avx2"}, True), ("0", {"avx512f"}, False)],
+                         ids=["avx512", "avx2", "unknown", "forced-on", "forced-off"])
+def test_panels_only_where_they_pay(forced, flags, want, monkeypatch):
+    """By default panels only on CPUs with AVX-512 (on AVX2 OpenBLAS beat the JIT GEMM), read from
+    the CPU's flags; ONNXPACK_PANELS=1/0 forces them on/off; numba is needed either way."""
+    from onnxpack.session.kernels import _act, _native, linalg
+
+    monkeypatch.setattr(_native, "cpu_flags", lambda: frozenset(flags))
+    if forced is None:
+        monkeypatch.delenv("ONNXPACK_PANELS", raising=False)
+    else:
+        monkeypatch.setenv("ONNXPACK_PANELS", forced)
+    assert linalg.uses_panels(np.float32, (40, 128)) == (want and _act.jit_possible())
+    monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+    assert not linalg.uses_panels(np.float32, (40, 128))
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "numpy"])
@@ -215,6 +234,7 @@ def test_matmul_panels_equals_float64_product(m, k, n, threads, jit, monkeypatch
                                   ("gemm-tb", (5, 40), (260, 40), dict(transB=1, alpha=0.5)),
                                   ("gemm-ta", (40, 7), (40, 320), dict(transA=1))], ids=lambda c: c[0])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+@pytest.mark.usefixtures("panels_on")
 def test_wide_weights_run_from_panels(case, dtype):
     """MatMul and Gemm with a constant B of >= 64 columns pack panels and agree with onnx.reference
     and with the unpacked run; float16 weights are panels of float32."""
@@ -240,6 +260,7 @@ def test_wide_weights_run_from_panels(case, dtype):
     np.testing.assert_allclose(packed[0].astype(np.float64), plain[0].astype(np.float64), **tol)
 
 
+@pytest.mark.usefixtures("panels_on")
 def test_a_weight_of_64_columns_is_its_own_panel():
     """Exactly 64 float32 columns: the panel is the weight's own bytes (an identity pack, never
     saved twice); float16 still converts."""
@@ -258,6 +279,7 @@ def test_a_weight_of_64_columns_is_its_own_panel():
     assert buf.dtype == np.float32 and not np.shares_memory(buf, h)
 
 
+@pytest.mark.usefixtures("panels_on")
 def test_panels_refuse_a_of_another_type():
     node = make_node("MatMul", ["a", "b"], ["y"])
     k = _kernel(node)
@@ -271,6 +293,7 @@ def test_panels_refuse_a_of_another_type():
 
 
 
+@pytest.mark.usefixtures("panels_on")
 def test_without_the_jit_weights_stay_k_by_n_and_keys_tell_the_layouts_apart(monkeypatch, tmp_path):
     """Without numba (ONNXPACK_DISABLE_JIT=1) a wide float32 weight keeps the (K, N) identity
     pack (numpy's BLAS multiplies it faster than panels); the two layouts have different keys,

@@ -120,21 +120,40 @@ _CPUINFO_KEYS = ("vendor_id", "cpu family", "model", "model name", "stepping", "
                  "CPU architecture", "CPU variant", "CPU part", "isa")
 
 
+_cpuinfo: list[dict[str, str]] = []  # the first processor's fields, read once
+
+
+def _cpuinfo_fields() -> dict[str, str]:
+    """The identity and feature fields of the first processor in ``/proc/cpuinfo`` ({} where
+    there is none)."""
+    if not _cpuinfo:
+        try:
+            with open(_CPUINFO, encoding="utf-8", errors="replace") as f:
+                first = f.read(1 << 16).split("\n\n", 1)[0]
+        except OSError:
+            first = ""
+        fields = {}
+        for line in first.splitlines():
+            key, sep, value = line.partition(":")
+            if sep and key.strip() in _CPUINFO_KEYS:
+                fields[key.strip()] = " ".join(value.split())
+        _cpuinfo.append(fields)
+    return _cpuinfo[0]
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (``avx2``, ``avx512f``, ...), read without
+    llvmlite; empty where ``/proc/cpuinfo`` is missing (callers then take their portable path)."""
+    fields = _cpuinfo_fields()
+    return frozenset((fields.get("flags") or fields.get("Features") or fields.get("isa") or "").split())
+
+
 def _cpu_identity() -> list[str] | None:
     """What the compiled code depends on of the CPU: on Linux the identity and feature flags of
     the first processor in ``/proc/cpuinfo`` (no llvmlite import: LLVM's host detection reads the
     same CPUID bits the kernel lists); elsewhere LLVM's host CPU name and features (None when
     llvmlite is missing)."""
-    try:
-        with open(_CPUINFO, encoding="utf-8", errors="replace") as f:
-            first = f.read(1 << 16).split("\n\n", 1)[0]
-    except OSError:
-        first = ""
-    fields = {}
-    for line in first.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() in _CPUINFO_KEYS:
-            fields[key.strip()] = " ".join(value.split())
+    fields = _cpuinfo_fields()
     if fields.get("flags") or fields.get("Features") or fields.get("isa"):
         return ["cpuinfo", *(f"{k}={fields[k]}" for k in sorted(fields))]
     llvm = _llvm()

@@ -301,11 +301,11 @@ def vpdpbusd(builder):
     return declare(builder, "llvm.x86.avx512.vpdpbusd.512", _V16)
 
 
-def splat(builder, x):
-    """``x`` (an int32, or a value of another element type) broadcast to 16 lanes."""
+def splat(builder, x, lanes: int = 16):
+    """``x`` (an int32, or a value of another element type) broadcast to ``lanes`` lanes."""
     one = ir.VectorType(x.type, 1)
     v = builder.insert_element(ir.Constant(one, None), x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(one, None), _lanes([0] * 16))
+    return builder.shuffle_vector(v, ir.Constant(one, None), _lanes([0] * lanes))
 
 
 def accumulate(builder, ngroups, rows: int, vecs: int, step):

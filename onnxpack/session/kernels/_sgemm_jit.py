@@ -7,11 +7,15 @@ product from the same packed buffer (:func:`.linalg.matmul_panels`).
 
 What it computes: ``out = a @ B`` for ``a`` float32 (M, K) C-contiguous and ``B`` (K, N) packed
 as *panels* (:func:`.linalg.pack_panels`): ``ceil(N / 64)`` blocks of 64 columns, each ``K`` rows
-of 64 contiguous floats, the last one zero-padded.  A micro-kernel keeps ``rows x 4`` vectors of
-16 float32 sums in registers (6 x 4 = 24 of the 32 AVX-512 registers), and per k loads one
-panel row (256 contiguous bytes) and multiplies it with each row's broadcast ``a[r, k]`` (fused
-multiply-add).  K is cut into blocks of ``KC`` so a panel's block (``KC * 256`` bytes) stays in
-L2 while every row of ``a`` passes over it.
+of 64 contiguous floats, the last one zero-padded.  A micro-kernel keeps ``rows x vecs`` vectors
+of float32 sums in registers and per k loads ``vecs`` vectors of one panel row and multiplies them
+with each row's broadcast ``a[r, k]`` (fused multiply-add).  With AVX-512 a tile is a whole panel
+row: 6 rows x 4 vectors of 16 = 24 of the 32 registers.  Without it (AVX2: 16 registers of 8
+floats) a tile is 16 columns of the panel, 6 x 2 = 12 accumulators, and a panel takes four tiles
+side by side (the same packed bytes: a tile reads its 16 columns of each 64-float row); the wide
+tile there spills and ran at 29 GFLOP/s against OpenBLAS's 73 (AMD EPYC, one thread).  K is cut
+into blocks of ``KC`` so a panel's block (``KC * 256`` bytes) stays in L2 while every row of
+``a`` passes over it.
 
 Why not numpy's BLAS on the weight as stored: OpenBLAS copies (packs) ``B`` into its own panel
 layout inside every call.  For the short activations of encoder models (tens of rows) that copy,
@@ -33,19 +37,31 @@ from numba.extending import intrinsic
 
 from onnxpack.session.kernels._nbits_jit import array_data, declare, splat
 
-__all__ = ["sgemm_panels", "NR", "KC"]
+__all__ = ["sgemm_panels", "NR", "KC", "LANES", "TILE"]
 
-NR = 64  # columns per panel: 4 vectors of 16 float32
+NR = 64  # columns per panel: the packed layout (4 vectors of 16 float32)
 KC = 512  # rows of a panel per pass (128 KB of it: L2-resident while all rows of ``a`` pass)
 
+
+def _host_lanes() -> int:
+    """float32 lanes of this CPU's widest vector registers: 16 with AVX-512, else 8 (AVX2)."""
+    import llvmlite.binding as llvm
+
+    return 16 if llvm.get_host_cpu_features().get("avx512f") else 8
+
+
+LANES = _host_lanes()
+TILE = 64 if LANES == 16 else 16  # columns per micro-tile: 4 vectors of 16, or 2 of 8
+
 _F32, _I64 = ir.FloatType(), ir.IntType(64)
-_VF = ir.VectorType(_F32, 16)
+_VF = ir.VectorType(_F32, LANES)
 
 
 def _tile_codegen(rows: int):
-    """``rows`` rows of ``a`` times one panel block: 4 x ``rows`` vector accumulators, from zero
-    or (``acc != 0``) from the output's current values, stored back at the end."""
-    vecs = NR // 16
+    """``rows`` rows of ``a`` times ``TILE`` columns of one panel block: ``rows x vecs`` vector
+    accumulators, from zero or (``acc != 0``) from the output's current values, stored back at
+    the end."""
+    vecs = TILE // LANES
 
     def codegen(context, builder, sig, args):
         out, ooff, ostride, w, woff, wstride, a, aoff, astride, nk, acc_in = args
@@ -54,14 +70,14 @@ def _tile_codegen(rows: int):
             return ir.Constant(_I64, v)
 
         def vptr(p, i):
-            return builder.bitcast(builder.gep(p, [const(16 * i)]), _VF.as_pointer())
+            return builder.bitcast(builder.gep(p, [const(LANES * i)]), _VF.as_pointer())
 
         op = array_data(context, builder, sig.args[0], out, _F32)
         outs = [builder.gep(op, [builder.add(ooff, builder.mul(const(r), ostride))]) for r in range(rows)]
         wp = builder.gep(array_data(context, builder, sig.args[3], w, _F32), [woff])
         ap = array_data(context, builder, sig.args[6], a, _F32)
         aps = [builder.gep(ap, [builder.add(aoff, builder.mul(const(r), astride))]) for r in range(rows)]
-        fma = declare(builder, "llvm.fma.v16f32", _VF)
+        fma = declare(builder, f"llvm.fma.v{LANES}f32", _VF)
         zero = ir.Constant(_VF, None)
         # The starting sums: zero, or what an earlier block of K left in the output.
         entry = builder.block
@@ -96,7 +112,7 @@ def _tile_codegen(rows: int):
         wv = [builder.load(vptr(wrow, i), align=4) for i in range(vecs)]
         new = []
         for r in range(rows):
-            s = splat(builder, builder.load(builder.gep(aps[r], [k])))
+            s = splat(builder, builder.load(builder.gep(aps[r], [k])), LANES)
             new.append([builder.call(fma, [s, v, acc]) for acc, v in zip(accs[r], wv)])
         k_next = builder.add(k, const(1))
         end = builder.block
@@ -127,37 +143,37 @@ def _tile_intrinsic(rows: int):
         i64 = types.int64
         return types.void(out, i64, i64, w, i64, i64, a, i64, i64, i64, i64), _tile_codegen(rows)
 
-    impl.__name__ = impl.__qualname__ = f"_tile64x{rows}"
+    impl.__name__ = impl.__qualname__ = f"_tile{TILE}x{rows}"
     return intrinsic(impl)
 
 
-# ``_tile64xR(out, ooff, ostride, w, woff, wstride, a, aoff, astride, nk, acc)``: for R rows r,
-# ``out.flat[ooff + r*ostride:][:64]`` (+)= sum over k < nk of ``a.flat[aoff + r*astride + k]``
-# times the 64 floats at ``w.flat[woff + k*wstride:]`` (offsets in elements, C-contiguous arrays).
-_tile64x6 = _tile_intrinsic(6)
-_tile64x4 = _tile_intrinsic(4)
-_tile64x2 = _tile_intrinsic(2)
-_tile64x1 = _tile_intrinsic(1)
+# ``_tileR(out, ooff, ostride, w, woff, wstride, a, aoff, astride, nk, acc)``: for R rows r,
+# ``out.flat[ooff + r*ostride:][:TILE]`` (+)= sum over k < nk of ``a.flat[aoff + r*astride + k]``
+# times the TILE floats at ``w.flat[woff + k*wstride:]`` (offsets in elements, C-contiguous arrays).
+_tile6 = _tile_intrinsic(6)
+_tile4 = _tile_intrinsic(4)
+_tile2 = _tile_intrinsic(2)
+_tile1 = _tile_intrinsic(1)
 
 
 @njit(cache=True, nogil=True)
 def _rows(dst, doff, ds, w, woff, ws, a, aoff, nk, acc):
-    """Every row of ``a`` (M, K) times one 64-column block of B (see ``_tile64xR``), in tiles of
-    6 rows, then 4, 2 and 1."""
+    """Every row of ``a`` (M, K) times one 64-column block of B (see ``_tileR``): per ``TILE``
+    columns of it, tiles of 6 rows, then 4, 2 and 1."""
     m_rows, k = a.shape
-    m = 0
-    while m + 6 <= m_rows:
-        _tile64x6(dst, doff + m * ds, ds, w, woff, ws, a, aoff + m * k, k, nk, acc)
-        m += 6
-    if m + 4 <= m_rows:
-        _tile64x4(dst, doff + m * ds, ds, w, woff, ws, a, aoff + m * k, k, nk, acc)
-        m += 4
-    if m + 2 <= m_rows:
-        _tile64x2(dst, doff + m * ds, ds, w, woff, ws, a, aoff + m * k, k, nk, acc)
-        m += 2
-    if m < m_rows:
-        _tile64x1(dst, doff + m * ds, ds, w, woff, ws, a, aoff + m * k, k, nk, acc)
-        m += 1
+    for c in range(0, NR, TILE):
+        m = 0
+        while m + 6 <= m_rows:
+            _tile6(dst, doff + m * ds + c, ds, w, woff + c, ws, a, aoff + m * k, k, nk, acc)
+            m += 6
+        if m + 4 <= m_rows:
+            _tile4(dst, doff + m * ds + c, ds, w, woff + c, ws, a, aoff + m * k, k, nk, acc)
+            m += 4
+        if m + 2 <= m_rows:
+            _tile2(dst, doff + m * ds + c, ds, w, woff + c, ws, a, aoff + m * k, k, nk, acc)
+            m += 2
+        if m < m_rows:
+            _tile1(dst, doff + m * ds + c, ds, w, woff + c, ws, a, aoff + m * k, k, nk, acc)
 
 
 @njit(cache=True, nogil=True)

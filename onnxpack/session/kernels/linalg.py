@@ -83,14 +83,33 @@ def as_compute(x: np.ndarray) -> np.ndarray:
 
 def uses_panels(dtype, shape) -> bool:
     """Whether a constant ``B`` of this dtype and (K, N) shape is packed as panels: the JIT GEMM
-    can run here (numba; without it numpy's BLAS multiplies (K, N) faster than the panels as a
-    batch), float32 (or half, widened), at least 64 columns, and the last panel's zero padding
-    at most a quarter of N (N = 65 would multiply twice its columns).  The pack's key says which
-    layout it is (:func:`layout_attrs`)."""
+    can run here and pays (numba, on a CPU with AVX-512; without numba numpy's BLAS multiplies
+    (K, N) faster than the panels as a batch, and on AVX2 OpenBLAS's own kernels beat the JIT's:
+    see :func:`_panel_cpu`), float32 (or half, widened), at least 64 columns, and the last
+    panel's zero padding at most a quarter of N (N = 65 would multiply twice its columns).  The
+    pack's key says which layout it is (:func:`layout_attrs`)."""
     if len(shape) != 2 or shape[0] < 1 or shape[1] < PANEL or compute_dtype(dtype) != np.float32:
         return False
     n = int(shape[1])
-    return 4 * (-(-n // PANEL) * PANEL) <= 5 * n and _act.jit_possible()
+    return 4 * (-(-n // PANEL) * PANEL) <= 5 * n and _panel_cpu() and _act.jit_possible()
+
+
+_ENV_PANELS = "ONNXPACK_PANELS"
+_KEY_PANELS = _ENV_PANELS.encode()
+
+
+def _panel_cpu() -> bool:
+    """Whether the panels pay on this CPU: with AVX-512 the JIT GEMM beats OpenBLAS (see
+    ``_sgemm_jit``: 100-113 vs 77-98 GFLOP/s warm, 3.7 vs 5.7 ms on an encoder's cold weights);
+    on AVX2 (AMD EPYC, one thread) its best tile (6 x 16) ran 44-54 GFLOP/s against OpenBLAS's
+    63-70, and an encoder's 18 cold weight GEMMs 12.1 vs 8.6 ms, so weights stay (K, N) for BLAS.
+    ``ONNXPACK_PANELS=1`` packs panels on any CPU (numba still needed), ``0`` on none."""
+    forced = _act.getenv(_ENV_PANELS, _KEY_PANELS)
+    if forced in ("0", "1"):
+        return forced == "1"
+    from onnxpack.session.kernels._native import cpu_flags
+
+    return "avx512f" in cpu_flags()
 
 
 def layout_attrs(dtype, shape) -> bytes:
