@@ -33,7 +33,7 @@ which onnxruntime computes exactly on every x86 CPU: ``quant_util.ort_exact``):
 * ``models/fixtures/llm`` (onnxruntime-genai's builder), the sidecars' prefill and decode feeds:
   fp32 rtol 1e-4 / atol 1e-5 (measured 2e-6 on logits ~4); fp16 rtol/atol 1e-2 (measured 4.9e-3,
   ~1 fp16 ulp at 4).  int4 models carry ``accuracy_level=4``: onnxruntime quantizes activations to
-  int8 per block, and so does onnxpack's int8 GEMV (few rows, a CPU with VNNI), while its other
+  int8 per block, and so does onnxpack's int8 GEMV (a CPU with VNNI or AVX2), while its other
   paths compute them in float32; so the tight comparison runs both on the model with
   ``accuracy_level=0`` (fp32 rtol 1e-4 / atol 2e-5: measured 5e-6), and the original model agrees
   within 5% of the largest logit (measured 2%, the int8 rounding of activations).

@@ -16,7 +16,7 @@ Tolerances:
   (``scale = max|a_block| / 127``), an error of at most half a step per element, so the
   per-output bound is ``sum_b max|a_b| / 254 * sum_{k in b} |W[k, n]|`` (plus the float32
   tolerance above); we assert that bound, computed from the same weights.  Where onnxpack
-  quantizes A too (the JIT GEMV on a CPU with AVX-512 VNNI), it agrees with onnxruntime and with
+  quantizes A too (the JIT GEMV on a CPU with AVX-512 VNNI or AVX2), it agrees with onnxruntime and with
   a numpy model of the integer arithmetic to float32 rounding: ``rtol=1e-5`` plus 1e-5 of the
   output's largest magnitude (the scales are applied in another order).
 * packed vs unpacked and jit vs numpy: the same arithmetic in another order: ``rtol=atol=1e-5``.
@@ -268,7 +268,7 @@ def test_split_prefill_matches_one_thread_and_restores_blas_threads(bits, path, 
 
 def int8_path_active() -> bool:
     """Whether MatMulNBits with accuracy_level 4 takes the int8-activation GEMV here (a JIT path
-    on a CPU with AVX-512 VNNI)."""
+    on a CPU with AVX-512 VNNI or AVX2)."""
     return quant.jit_enabled() and bool(getattr(quant._jit(), "int8_dot", False))
 
 
@@ -293,7 +293,7 @@ def int8_model(a, b, s, zp, *, k, n, bits, bs):
 @pytest.mark.parametrize("bits", [4, 8], ids=["b4", "b8"])
 def test_accuracy_level_4_as_onnxruntime(bits, path):
     """onnxruntime's accuracy_level=4 rounds A to int8 per block.  Where onnxpack does too (the
-    JIT GEMV on a CPU with VNNI) it agrees with onnxruntime to float32 rounding; elsewhere it
+    JIT GEMV on a CPU with VNNI or AVX2) it agrees with onnxruntime to float32 rounding; elsewhere it
     computes A in float32, within the int8 rounding bound of onnxruntime and much closer to the
     exact product.  Either way both stay within the bound of the exact float32 product."""
     k, n, bs = 256, 96, 32
@@ -332,7 +332,7 @@ def test_int8_gemv_equals_the_integer_model(bits, layout, case, jit_path, path):
     """The int8-activation GEMV (accuracy_level 4) against :func:`int8_model`, on the serial and
     the parallel kernel: every column run and tail, 1-16 rows, float16 and float32 scales."""
     if not int8_path_active():
-        pytest.skip("the int8 GEMV runs on the JIT paths of a CPU with AVX-512 VNNI")
+        pytest.skip("the int8 GEMV runs on the JIT paths of a CPU with AVX-512 VNNI or AVX2")
     k, n, bs, m = case
     zp, sdtype = layout.split("-")
     vals = nbits_values(k, n, bs, bits, zp="uint8" if zp == "u8zp" else None,
@@ -361,7 +361,7 @@ def test_int8_gemv_turns_a_nan_or_inf_block_into_nan(bad, jit_path, path):
     """A block of A holding a NaN or an infinity has no int8 scale: the outputs are NaN (the
     float kernels give NaN or an infinity there), never finite numbers."""
     if not int8_path_active():
-        pytest.skip("the int8 GEMV runs on the JIT paths of a CPU with AVX-512 VNNI")
+        pytest.skip("the int8 GEMV runs on the JIT paths of a CPU with AVX-512 VNNI or AVX2")
     k, n, bs = 128, 2 * TILE, 32
     vals = nbits_values(k, n, bs, 4, zp="uint8", seed=3)
     node = nbits_node(k, n, bs, 4, vals, accuracy_level=4)

@@ -221,7 +221,7 @@ class _Kernels:
 
     @property
     def int8_dot(self) -> bool:
-        """Whether the cache has the int8-activation GEMVs (built on a CPU with VNNI)."""
+        """Whether the cache has the int8-activation GEMVs (built on a CPU with AVX-512 VNNI or AVX2)."""
         return "gemv4_f32_i8" in self._lib.addresses
 
     def _gemv(self, bits, parallel, a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads, i8=""):

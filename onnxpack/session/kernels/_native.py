@@ -120,13 +120,14 @@ _CPUINFO_KEYS = ("vendor_id", "cpu family", "model", "model name", "stepping", "
                  "CPU architecture", "CPU variant", "CPU part", "isa")
 
 
-_cpuinfo: list[dict[str, str]] = []  # the first processor's fields, read once
+_cpuinfo: dict[str, dict[str, str]] = {}  # path -> the first processor's fields, read once
 
 
-def _cpuinfo_fields() -> dict[str, str]:
+def _cpuinfo_fields(cached: bool = True) -> dict[str, str]:
     """The identity and feature fields of the first processor in ``/proc/cpuinfo`` ({} where
-    there is none)."""
-    if not _cpuinfo:
+    there is none); read once unless ``cached`` is False."""
+    fields = _cpuinfo.get(_CPUINFO) if cached else None
+    if fields is None:
         try:
             with open(_CPUINFO, encoding="utf-8", errors="replace") as f:
                 first = f.read(1 << 16).split("\n\n", 1)[0]
@@ -137,8 +138,8 @@ def _cpuinfo_fields() -> dict[str, str]:
             key, sep, value = line.partition(":")
             if sep and key.strip() in _CPUINFO_KEYS:
                 fields[key.strip()] = " ".join(value.split())
-        _cpuinfo.append(fields)
-    return _cpuinfo[0]
+        _cpuinfo[_CPUINFO] = fields
+    return fields
 
 
 def cpu_flags() -> frozenset[str]:
@@ -153,7 +154,7 @@ def _cpu_identity() -> list[str] | None:
     the first processor in ``/proc/cpuinfo`` (no llvmlite import: LLVM's host detection reads the
     same CPUID bits the kernel lists); elsewhere LLVM's host CPU name and features (None when
     llvmlite is missing)."""
-    fields = _cpuinfo_fields()
+    fields = _cpuinfo_fields(cached=False)  # (read when a cache file is named: rarely)
     if fields.get("flags") or fields.get("Features") or fields.get("isa"):
         return ["cpuinfo", *(f"{k}={fields[k]}" for k in sorted(fields))]
     llvm = _llvm()

@@ -255,7 +255,8 @@ def _gemv8(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads):
 
 # -- int8 activations (onnxruntime's accuracy_level 4) ----------------------------------------------
 # With ``accuracy_level=4`` onnxruntime quantizes A per block to int8 (``scale = max|a| / 127``,
-# round to nearest even) and multiplies integers; so do these kernels, on CPUs with AVX-512 VNNI:
+# round to nearest even) and multiplies integers; so do these kernels, on CPUs with AVX-512 VNNI
+# (and with AVX2: see below):
 # ``vpdpbusd`` multiplies 64 unsigned weight bytes by 64 signed activation bytes and adds each
 # lane's four products into 16 int32 sums, 128 multiply-adds per two instructions where the
 # float kernel above needs two conversions and two FMAs per 32.  Measured, one thread, block 32,
@@ -265,11 +266,18 @@ def _gemv8(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads):
 
 
 def int8_dot_supported() -> bool:
-    """Whether this CPU runs the int8 kernels (AVX-512 VNNI and BW): numba compiles them for it."""
+    """Whether this CPU runs the VNNI int8 kernels (AVX-512 VNNI and BW): numba compiles them for it."""
     import llvmlite.binding as llvm
 
     features = llvm.get_host_cpu_features()
     return bool(features.get("avx512vnni") and features.get("avx512bw"))
+
+
+def int8_avx2_supported() -> bool:
+    """Whether this CPU runs the AVX2 int8 kernels (``vpmaddubsw`` / ``vpmaddwd``)."""
+    import llvmlite.binding as llvm
+
+    return bool(llvm.get_host_cpu_features().get("avx2"))
 
 
 _I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
@@ -308,18 +316,18 @@ def splat(builder, x, lanes: int = 16):
     return builder.shuffle_vector(v, ir.Constant(one, None), _lanes([0] * lanes))
 
 
-def accumulate(builder, ngroups, rows: int, vecs: int, step):
+def accumulate(builder, ngroups, rows: int, vecs: int, step, vector=_V16):
     """Emit ``for g in range(ngroups)`` carrying ``rows`` x ``vecs`` int32 vector accumulators
-    from zero: ``step(g, accs) -> new accs`` emits one iteration.  Returns the accumulators after
-    the loop (zeros when ``ngroups <= 0``)."""
+    (``vector``: 16 lanes, or 8 on AVX2) from zero: ``step(g, accs) -> new accs`` emits one
+    iteration.  Returns the accumulators after the loop (zeros when ``ngroups <= 0``)."""
     start = builder.block
     loop = builder.append_basic_block("acc.loop")
     done = builder.append_basic_block("acc.done")
-    zero = ir.Constant(_V16, None)
+    zero = ir.Constant(vector, None)
     builder.cbranch(builder.icmp_signed(">", ngroups, ir.Constant(_I64, 0)), loop, done)
     builder.position_at_end(loop)
     g = builder.phi(_I64)
-    accs = [[builder.phi(_V16) for _ in range(vecs)] for _ in range(rows)]
+    accs = [[builder.phi(vector) for _ in range(vecs)] for _ in range(rows)]
     g.add_incoming(ir.Constant(_I64, 0), start)
     for acc in (a for row in accs for a in row):
         acc.add_incoming(zero, start)
@@ -332,7 +340,7 @@ def accumulate(builder, ngroups, rows: int, vecs: int, step):
             acc.add_incoming(v, end)
     builder.cbranch(builder.icmp_signed("<", g_next, ngroups), loop, done)
     builder.position_at_end(done)
-    results = [[builder.phi(_V16) for _ in row] for row in new]
+    results = [[builder.phi(vector) for _ in row] for row in new]
     for res_row, new_row in zip(results, new):
         for res, v in zip(res_row, new_row):
             res.add_incoming(zero, start)
@@ -426,12 +434,132 @@ def _dot_intrinsic(nibbles: bool, halves: int, rows: int):
 # The block has ``ngroups`` groups of 4 weight bytes per column (8 elements at 4 bits, 4 at 8),
 # each group's bytes ``stride`` apart from ``bq[boff]`` on (the tiled layout).  Arrays of any
 # rank, C-contiguous; offsets in elements.
-_dot128x1_4 = _dot_intrinsic(True, 2, 1)
-_dot64x1_4 = _dot_intrinsic(True, 1, 1)
-_dot64x4_4 = _dot_intrinsic(True, 1, 4)
-_dot128x1_8 = _dot_intrinsic(False, 2, 1)
-_dot64x1_8 = _dot_intrinsic(False, 1, 1)
-_dot64x4_8 = _dot_intrinsic(False, 1, 4)
+# -- the same integer dot products on AVX2 (no VNNI) ----------------------------------------------
+# ``vpmaddubsw`` multiplies 32 unsigned weight bytes by 32 signed activation bytes and adds
+# adjacent pairs into 16 int16 lanes (saturating); ``vpmaddwd`` by ones adds adjacent int16 pairs
+# into 8 int32 lanes: one column's four products, as ``vpdpbusd`` gives them.  Nothing saturates:
+# activations are at most 127 in magnitude (``_prep_i8``), 4-bit weights at most 15, so a group's
+# low-nibble and high-nibble pair sums together stay within 2 * 2 * 15 * 127 = 7,620; 8-bit weights
+# are split into their nibbles the same way, the high one's sums weighted by 16 in ``vpmaddwd``.
+# Exactly the VNNI kernels' integers.  Four rows of 32 weight bytes are transposed with in-lane
+# unpacks only, which leave the columns in the order 0-3 16-19 | 4-7 20-23 | 8-11 24-27 |
+# 12-15 28-31 across the four vectors; the sums are put back in order once, when stored.
+_V32I8 = ir.VectorType(_I8, 32)
+_V16I16 = ir.VectorType(ir.IntType(16), 16)
+_V8I32 = ir.VectorType(_I32, 8)
+
+
+def _unpack_mask(size: int, hi: bool) -> ir.Constant:
+    """shufflevector mask of ``vpunpck{l,h}*`` on 256-bit vectors of ``size`` elements: per
+    128-bit lane, the low (or high) half of the lane's elements of both operands, interleaved."""
+    per = size // 2  # elements per 128-bit lane
+    half = per // 2
+    idx = [off + lane * per + i + (half if hi else 0) for lane in (0, 1) for i in range(half) for off in (0, size)]
+    return _lanes(idx)
+
+
+_UNPACK8 = (_unpack_mask(32, False), _unpack_mask(32, True))
+_UNPACK16 = (_unpack_mask(16, False), _unpack_mask(16, True))
+_ORDER = (_lanes([0, 1, 2, 3, 8, 9, 10, 11]), _lanes([4, 5, 6, 7, 12, 13, 14, 15]))
+
+
+def _avx2_fn(builder, name: str, ret, arg):
+    mod = builder.module
+    return mod.globals.get(name) or ir.Function(mod, ir.FunctionType(ret, [arg, arg]), name)
+
+
+def _dot_codegen_avx2(nibbles: bool, cols: int, rows: int):
+    """AVX2 code of the ``_dot*`` intrinsics (see the VNNI ones): ``cols`` columns as runs of 32,
+    each its own pass over the block's groups, ``rows`` rows of A per pass."""
+
+    def codegen(context, builder, sig, args):
+        isum, ioff, istride, bq, boff, stride, aq, aoff, astride, ngroups = args
+
+        def const(v):
+            return ir.Constant(_I64, v)
+
+        outs = [builder.gep(array_data(context, builder, sig.args[0], isum, _I32),
+                            [builder.add(ioff, builder.mul(const(r), istride))]) for r in range(rows)]
+        wp = builder.gep(array_data(context, builder, sig.args[3], bq, _I8), [boff])
+        aps = [builder.bitcast(builder.gep(array_data(context, builder, sig.args[6], aq, _I8),
+                                           [builder.add(aoff, builder.mul(const(r), astride))]), _I32.as_pointer())
+               for r in range(rows)]
+        maddubs = _avx2_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, _V32I8)
+        maddwd = _avx2_fn(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, _V16I16)
+        ones = ir.Constant(_V16I16, [ir.Constant(ir.IntType(16), 1)] * 16)
+        sixteens = ir.Constant(_V16I16, [ir.Constant(ir.IntType(16), 16)] * 16)
+        low = ir.Constant(_V32I8, [ir.Constant(_I8, 15)] * 32)
+        four = ir.Constant(_V32I8, [ir.Constant(_I8, 4)] * 32)
+
+        def acts(r, idx):
+            return builder.bitcast(splat(builder, builder.load(builder.gep(aps[r], [idx])), 8), _V32I8)
+
+        for run in range(cols // 32):
+            def step(g, accs, run=run):
+                row0 = builder.mul(builder.mul(g, const(4)), stride)
+                loads = [builder.load(builder.bitcast(
+                    builder.gep(wp, [builder.add(builder.add(row0, builder.mul(const(i), stride)), const(32 * run))]),
+                    _V32I8.as_pointer()), align=1) for i in range(4)]
+                p01 = [builder.bitcast(builder.shuffle_vector(loads[0], loads[1], m), _V16I16) for m in _UNPACK8]
+                p23 = [builder.bitcast(builder.shuffle_vector(loads[2], loads[3], m), _V16I16) for m in _UNPACK8]
+                quads = [builder.bitcast(builder.shuffle_vector(p01[h], p23[h], m), _V32I8)
+                         for h in (0, 1) for m in _UNPACK16]
+                parts = [(builder.and_(v, low), builder.lshr(v, four)) for v in quads]
+                new = []
+                for r in range(rows):
+                    if nibbles:
+                        even, odd = acts(r, builder.mul(g, const(2))), acts(r, builder.add(builder.mul(g, const(2)), const(1)))
+                        new.append([builder.add(acc, builder.call(maddwd, [builder.add(
+                            builder.call(maddubs, [lo, even]), builder.call(maddubs, [hi, odd])), ones]))
+                            for acc, (lo, hi) in zip(accs[r], parts)])
+                    else:
+                        quad = acts(r, g)
+                        new.append([builder.add(builder.add(acc, builder.call(maddwd, [builder.call(maddubs, [lo, quad]), ones])),
+                                                builder.call(maddwd, [builder.call(maddubs, [hi, quad]), sixteens]))
+                                    for acc, (lo, hi) in zip(accs[r], parts)])
+                return new
+
+            results = accumulate(builder, ngroups, rows, 4, step, _V8I32)
+            for out, q in zip(outs, results):
+                ordered = [builder.shuffle_vector(q[0], q[1], _ORDER[0]), builder.shuffle_vector(q[2], q[3], _ORDER[0]),
+                           builder.shuffle_vector(q[0], q[1], _ORDER[1]), builder.shuffle_vector(q[2], q[3], _ORDER[1])]
+                for i, v in enumerate(ordered):
+                    builder.store(v, builder.bitcast(builder.gep(out, [const(32 * run + 8 * i)]), _V8I32.as_pointer()),
+                                  align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _dot_intrinsic_avx2(nibbles: bool, cols: int, rows: int):
+    def impl(typingctx, isum, ioff, istride, bq, boff, stride, aq, aoff, astride, ngroups):
+        if not all(isinstance(x, types.Array) and x.layout == "C" for x in (isum, bq, aq)) or \
+                isum.dtype != types.int32 or bq.dtype != types.uint8 or aq.dtype != types.int8:
+            return None
+        i64 = types.int64
+        sig = types.void(isum, i64, i64, bq, i64, i64, aq, i64, i64, i64)
+        return sig, _dot_codegen_avx2(nibbles, cols, rows)
+
+    impl.__name__ = impl.__qualname__ = f"_dot{cols}x{rows}_{4 if nibbles else 8}_avx2"
+    return intrinsic(impl)
+
+
+# Which integer kernels this CPU runs: "vnni" (AVX-512 VNNI), "avx2", or None (the float kernels).
+INT8_ISA = "vnni" if int8_dot_supported() else "avx2" if int8_avx2_supported() else None
+if INT8_ISA == "avx2":
+    _dot128x1_4 = _dot_intrinsic_avx2(True, 128, 1)
+    _dot64x1_4 = _dot_intrinsic_avx2(True, 64, 1)
+    _dot64x4_4 = _dot_intrinsic_avx2(True, 64, 4)
+    _dot128x1_8 = _dot_intrinsic_avx2(False, 128, 1)
+    _dot64x1_8 = _dot_intrinsic_avx2(False, 64, 1)
+    _dot64x4_8 = _dot_intrinsic_avx2(False, 64, 4)
+else:
+    _dot128x1_4 = _dot_intrinsic(True, 2, 1)
+    _dot64x1_4 = _dot_intrinsic(True, 1, 1)
+    _dot64x4_4 = _dot_intrinsic(True, 1, 4)
+    _dot128x1_8 = _dot_intrinsic(False, 2, 1)
+    _dot64x1_8 = _dot_intrinsic(False, 1, 1)
+    _dot64x4_8 = _dot_intrinsic(False, 1, 4)
 
 
 @njit(cache=True, fastmath=_FM)
@@ -564,12 +692,12 @@ def _gemv_i8(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads, bits):
 
 
 def _gemv4_i8(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads):
-    """:func:`_gemv4` with A quantized to int8 per block (accuracy_level 4; needs VNNI)."""
+    """:func:`_gemv4` with A quantized to int8 per block (accuracy_level 4; needs VNNI or AVX2)."""
     _gemv_i8(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads, 4)
 
 
 def _gemv8_i8(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads):
-    """:func:`_gemv8` with A quantized to int8 per block (accuracy_level 4; needs VNNI)."""
+    """:func:`_gemv8` with A quantized to int8 per block (accuracy_level 4; needs VNNI or AVX2)."""
     _gemv_i8(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads, 8)
 
 
@@ -591,12 +719,12 @@ gemv4_serial = _compiled(_gemv4, "gemv4_serial", False)
 gemv8 = _compiled(_gemv8, "gemv8", True)
 gemv8_serial = _compiled(_gemv8, "gemv8_serial", False)
 _I8_MARK, _I32_MARK = np.zeros(0, np.int8), np.zeros(0, np.int32)  # dtype markers for ``as_ptr``
-# Compiled on first call only: on a CPU without VNNI they are never called (``int8_dot_supported``).
+# Compiled on first call only: on a CPU without VNNI or AVX2 they are never called (``INT8_ISA``).
 gemv4_i8 = _compiled(_gemv4_i8, "gemv4_i8", True)
 gemv4_i8_serial = _compiled(_gemv4_i8, "gemv4_i8_serial", False)
 gemv8_i8 = _compiled(_gemv8_i8, "gemv8_i8", True)
 gemv8_i8_serial = _compiled(_gemv8_i8, "gemv8_i8_serial", False)
-int8_dot = int8_dot_supported()
+int8_dot = INT8_ISA is not None
 
 
 @njit(cache=True, fastmath=_FM, nogil=True)
@@ -692,7 +820,7 @@ def native_entries() -> dict:
     zero points uint8 (an empty array when the implicit middle value is used) — and for 4 and 8
     bits: ``gemv{bits}_{sc}`` (serial), ``gemv{bits}_{sc}_prep`` (re-orders the activations) then
     ``gemv{bits}_{sc}_omp`` (an OpenMP worker for ``GOMP_parallel``: every thread takes work items
-    from a dynamic loop; no barrier before it) and ``dequant{bits}_{sc}``; on a CPU with VNNI also
+    from a dynamic loop; no barrier before it) and ``dequant{bits}_{sc}``; on a CPU with VNNI or AVX2 also
     ``gemv{bits}_{sc}_i8``, ``gemv{bits}_{sc}_i8_prep`` and ``gemv{bits}_{sc}_i8_omp`` (A quantized
     to int8 by the prep entry, then the OpenMP worker without a barrier: the argument block's
     ``G_ADE`` is then int8 (M, n_blocks, block_size), ``G_ASUM`` float32 (2, M, n_blocks) and each
