@@ -179,6 +179,17 @@ def _file_full_digest(external: Any) -> bytes | None:
         os.close(fd)
 
 
+@dataclasses.dataclass(frozen=True)
+class _State:
+    """How one data file's blobs are checked: ``mode`` ``trusted`` (its seal holds) or ``verify``
+    (digests, checksums and fresh packs); its manifest (key digest -> value digest); its record
+    index where the file is trusted and has one."""
+
+    mode: str
+    manifest: dict[bytes, bytes]
+    index: fmt.RecordIndex | None = None
+
+
 class _FileRejected(PrepackFormatError):
     """Every record of one data file is unusable (reported once for the file, not per weight)."""
 
@@ -201,9 +212,11 @@ class LoadRecord:
         self.rejected = 0
         self._failed: set[tuple[str, str, str]] = set()  # (scope, name, reason): warn once each
         self._records: dict[tuple[str, str], fmt.WeightRecord] = {}
+        # Records sealed by a trusted file's record index, built from it when first asked for.
+        self._indexed: dict[tuple[str, str], tuple[fmt.RecordIndex, int]] = {}
         self._stored: dict[tuple[str, str], tuple[str, str]] = {}  # the record's key and value as stored
         self._files: dict[str, fmt.FileRecord | None] = {}
-        self._states: dict[str, tuple[str, dict[bytes, bytes]] | PrepackFormatError] = {}
+        self._states: dict[str, _State | PrepackFormatError] = {}
         self._warned_files: set[str] = set()
         self._ranges: tuple[dict[str, tuple[list, list]], set] | None = None
         props = [(p.key, p.value) for p in model.proto.metadata_props[:]]
@@ -219,7 +232,8 @@ class LoadRecord:
                     continue
                 # Two records for one file: neither is believed.
                 self._files[rec.location] = None if rec.location in self._files else rec
-                continue
+        indexes = self._trusted_indexes()
+        for key, value in props:
             if not fmt.is_record_key(key):
                 continue
             if counts[key] > 1:
@@ -231,6 +245,8 @@ class LoadRecord:
                 continue
             if counts[key] < 0:
                 continue
+            if indexes and self._from_index(key, value, indexes):
+                continue
             try:
                 rec = fmt.parse_record(key, value)
             except PrepackFormatError as exc:
@@ -240,11 +256,56 @@ class LoadRecord:
             self._records[(rec.scope, rec.name)] = rec
             self._stored[(rec.scope, rec.name)] = (key, value)
 
+    def _trusted_indexes(self) -> list[tuple[dict[bytes, bytes], fmt.RecordIndex]]:
+        """(manifest, record index) of every data file whose seal holds and whose manifest has an
+        index (a file that is not trusted, or a version-1 manifest, has none: its records' JSON is
+        parsed and checked as always)."""
+        out = []
+        for location, seal in self._files.items():
+            if seal is None:
+                continue
+            try:
+                state = self._state(location)
+            except _FileRejected:
+                continue  # reported when one of its blobs is looked up
+            if state.mode == "trusted" and state.index is not None:
+                out.append((state.manifest, state.index))
+        return out
+
+    def _from_index(self, key: str, value: str, indexes: list) -> bool:
+        """Registers the record stored as (``key``, ``value``) to be built from a trusted index
+        whose manifest sealed exactly this key and value; False when none did."""
+        kd, vd = fmt._entry(key, value)
+        for manifest, index in indexes:
+            if manifest.get(kd) != vd:
+                continue
+            row = index.row(kd)
+            if row is None:
+                return False
+            scope, name = index.names(row)
+            if fmt._key_of(scope, name) != key:
+                return False  # the JSON path names the mismatch
+            self._indexed[(scope, name)] = (index, row)
+            self._stored[(scope, name)] = (key, value)
+            return True
+        return False
+
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self._records) + len(self._indexed)
 
     def has(self, scope: str, name: str) -> bool:
-        return (scope, name) in self._records
+        return (scope, name) in self._records or (scope, name) in self._indexed
+
+    def _record(self, scope: str, name: str) -> fmt.WeightRecord | None:
+        rec = self._records.get((scope, name))
+        if rec is None and (scope, name) in self._indexed:
+            index, row = self._indexed.pop((scope, name))
+            try:
+                rec = self._records[(scope, name)] = index.record(row)
+            except PrepackFormatError as exc:  # (the index's checks make this a bug)
+                self.rejected += 1
+                _warn(f"pre-packed record of weight {name!r} in the record index ignored, re-packing: {exc}")
+        return rec
 
     def find(self, scope: str, name: str, raw: Any, spec: Any, dtype: Any, shape: Sequence[int],
              check: Any, external: Any = None, repack: Any = None) -> PrePackedWeights | None:
@@ -255,7 +316,7 @@ class LoadRecord:
         ``repack()`` packs the weight now (the kernel's ``prepack``), called only by a full
         verification, which compares the blob with it.
         """
-        rec = self._records.get((scope, name))
+        rec = self._record(scope, name)
         if rec is None:
             return None
         where = f"pre-packed blob of weight {name!r}" + (f" in scope {scope!r}" if scope else "")
@@ -280,9 +341,9 @@ class LoadRecord:
                 _warn(f"{where} ignored, re-packing: {exc}")
             return None
 
-    def _state(self, location: str) -> tuple[str, dict[bytes, bytes]]:
-        """(``trusted`` or ``verify``, the manifest) for the blobs in data file ``location``;
-        raises :class:`_FileRejected` when the file's seal and manifest disagree."""
+    def _state(self, location: str) -> _State:
+        """How the blobs in data file ``location`` are checked (see :class:`_State`); raises
+        :class:`_FileRejected` when the file's seal and manifest disagree."""
         state = self._states.get(location)
         if state is None:
             try:
@@ -294,7 +355,7 @@ class LoadRecord:
             raise state
         return state
 
-    def _seal_state(self, location: str) -> tuple[str, dict[bytes, bytes]]:
+    def _seal_state(self, location: str) -> _State:
         seal = self._files.get(location)
         if seal is None:
             raise PrepackFormatError(
@@ -310,7 +371,15 @@ class LoadRecord:
             raise PrepackFormatError("the manifest in the data file is not the one this model was saved with "
                                      "(a data file from another save)")
         trusted = self.model.data_identity(location) == seal.identity and not self.verify
-        return ("trusted" if trusted else "verify"), fmt.parse_manifest(raw)
+        manifest = fmt.parse_manifest(raw)
+        index = None
+        if trusted and raw[:16] == fmt.MANIFEST_MAGIC_V2:
+            try:
+                index = fmt.RecordIndex(raw)
+            except PrepackFormatError as exc:
+                # The records' JSON is still there and sealed: they are parsed as before.
+                _warn(f"record index of data file {location!r} ignored (its records are read from the model): {exc}")
+        return _State("trusted" if trusted else "verify", manifest, index)
 
     def _find(self, rec: fmt.WeightRecord, where: str, raw: Any, spec: Any, dtype: Any,
               shape: Sequence[int], check: Any, external: Any = None, repack: Any = None) -> PrePackedWeights | None:
@@ -335,8 +404,8 @@ class LoadRecord:
                 f"the blob lies in {location!r}, not in {external.location!r} with its weight: the record "
                 "points at another file"
             )
-        mode, manifest = self._state(location)
-        full = mode == "verify"
+        state = self._state(location)
+        manifest, full = state.manifest, state.mode == "verify"
         own = self._own_range(spec, external)
         views = self._views(pack, where, key, own)  # bounds and overlaps: the record's structure
         stored_key, stored_value = self._stored[(rec.scope, rec.name)]
@@ -419,7 +488,11 @@ class LoadRecord:
         sharing one blob) is fine.
         """
         if self._ranges is None:
-            self._ranges = _occupied_ranges(self.model, self._records.values())
+            spans = [(b.location, b.offset, b.offset + b.length, p.key)
+                     for rec in self._records.values() for p in rec.packs for b in p.buffers]
+            for index in {id(ix): ix for ix, _ in self._indexed.values()}.values():
+                spans.extend(index.spans())
+            self._ranges = _occupied_ranges(self.model, spans)
         weights, conflicts = self._ranges
         end = b.offset + b.length
         if b.length and (b.location, b.offset, end, key) in conflicts:
@@ -454,9 +527,10 @@ def pack_differs(fresh: Any, views: Sequence[np.ndarray]) -> str | None:
     return None
 
 
-def _occupied_ranges(model: Any, records: Any) -> tuple[dict[str, tuple[list, list]], set]:
+def _occupied_ranges(model: Any, buffers: Any) -> tuple[dict[str, tuple[list, list]], set]:
     """(location -> (sorted weight starts, running max of (end, start, name)), set of record
-    buffers that overlap another one); O(log n) per lookup, so large models stay cheap."""
+    buffers that overlap another one) for ``buffers`` (location, offset, end, pack key) of the
+    records; O(log n) per lookup, so large models stay cheap."""
     ranges: dict[str, list[tuple[int, int, str]]] = {}
     for scope in model.scopes():
         for name, tensor in scope.initializers.items():
@@ -472,9 +546,7 @@ def _occupied_ranges(model: Any, records: Any) -> tuple[dict[str, tuple[list, li
         weights[location] = ([start for start, _, _ in items], reach)
     own = {(loc, start, stop) for loc, items in ranges.items() for start, stop, _ in items}
     spans = sorted(  # buffers pointing exactly at a weight are identity packs, checked apart
-        (b.location, b.offset, b.offset + b.length, p.key)
-        for rec in records for p in rec.packs for b in p.buffers
-        if b.length and (b.location, b.offset, b.offset + b.length) not in own
+        span for span in buffers if span[2] > span[1] and span[:3] not in own
     )
     conflicts: set = set()
     prev = None  # the span reaching furthest so far in the current location

@@ -406,3 +406,85 @@ def test_fast_accepts_take_the_records_the_writer_makes():
     p = PackRecord("matmulnbits/2/40ae43bbae26c60642b163f3427ff5c1", (b,))
     w = WeightRecord("", "model.layers.0.attn.qkv_proj.MatMul.weight_Q4", 516096, 8675328, "8d" * 32, (p,))
     assert ef._buffer_ok(b) and ef._pack_key_match(p.key) and ef._weight_ok(w)
+
+
+# -- the record index (manifest version 2) -------------------------------------------------------
+# The manifest a save appends to the data file also holds every record as fixed-size rows; a warm
+# load builds a trusted file's records from it instead of their JSON.  It must give exactly the
+# records the JSON parses to, and whatever its bytes, never a record the checked constructors
+# would refuse.
+
+def _props(records):
+    return [ef.format_record(r) for r in records]
+
+
+def _checked(rec: WeightRecord) -> WeightRecord:
+    """``rec`` built again through the checking constructors (raises if any field breaks a rule)."""
+    packs = tuple(PackRecord(p.key, tuple(BufferRecord(b.location, b.offset, b.length, b.dtype, b.shape, b.checksum)
+                                          for b in p.buffers)) for p in rec.packs)
+    return WeightRecord(rec.scope, rec.name, rec.source_length, rec.source_offset, rec.source_digest, packs)
+
+
+@given(st.lists(weight_records(), min_size=1, max_size=6, unique_by=lambda r: (r.scope, r.name)))
+@settings(max_examples=100, deadline=None)
+def test_record_index_gives_the_records_json(records):
+    props = _props(records)
+    man = ef.manifest_bytes(props)
+    assert man[:16] == ef.MANIFEST_MAGIC_V2
+    assert ef.parse_manifest(man) == {kd: vd for kd, vd in (ef._entry(k, v) for k, v in props)}
+    index = ef.RecordIndex(man)
+    for (key, value), rec in zip(props, records):
+        row = index.row(ef._entry(key, value)[0])
+        if any(not all(b.shape) for p in rec.packs for b in p.buffers):
+            assert row is None  # an empty buffer: left to the JSON
+            continue
+        assert row is not None
+        got = index.record(row)
+        assert got == rec == ef.parse_record(key, value)
+        assert index.names(row) == (rec.scope, rec.name)
+
+
+def test_version_1_manifests_still_parse_and_have_no_index():
+    props = _props([_record()])
+    man = ef.manifest_bytes(props)
+    entries = man[ef.MANIFEST_HEADER:ef.MANIFEST_HEADER + ef.MANIFEST_ENTRY]
+    v1 = ef.MANIFEST_MAGIC + (1).to_bytes(8, "little") + bytes(ef.MANIFEST_HEADER - 24) + entries
+    assert ef.parse_manifest(v1) == ef.parse_manifest(man)
+    with pytest.raises(PrepackFormatError, match="version 2"):
+        ef.RecordIndex(v1)
+
+
+def test_records_the_index_cannot_hold_are_left_to_their_json():
+    """Two records under one key, a record that does not parse: no row (the JSON path decides)."""
+    good = ef.format_record(_record(name="A"))
+    bad = (ef._key_of("", "B"), "onnxpack-prepack-v1;{}")
+    dup = [ef.format_record(_record(name="C")), ef.format_record(_record(name="C", source_length=8))]
+    index = ef.RecordIndex(ef.manifest_bytes([good, bad, *dup]))
+    assert index.row(ef._entry(*good)[0]) is not None
+    for k, v in (bad, *dup):
+        assert index.row(ef._entry(k, v)[0]) is None
+
+
+@given(st.lists(weight_records(), min_size=1, max_size=4, unique_by=lambda r: (r.scope, r.name)),
+       st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=8),
+       st.sampled_from(["index", "anywhere"]))
+@settings(max_examples=300, deadline=None)
+def test_damaged_index_never_builds_a_record_the_checks_refuse(records, flips, where):
+    """Bytes of the manifest changed (the index's rows, counts and text, or anywhere): either the
+    index is refused with a format error, or every record it builds passes every check of the
+    record constructors (it skips them, having checked the rows in bulk)."""
+    man = bytearray(ef.manifest_bytes(_props(records)))
+    start = int.from_bytes(man[24:32], "little") if where == "index" else 0
+    for pos, val in flips:
+        man[start + pos % (len(man) - start)] = val
+    try:
+        index = ef.RecordIndex(bytes(man))
+    except PrepackFormatError:
+        return
+    count = int.from_bytes(man[16:24], "little")
+    for i in range(count):
+        kd = bytes(man[ef.MANIFEST_HEADER + ef.MANIFEST_ENTRY * i:][:16])
+        row = index.row(kd)
+        if row is not None:
+            rec = index.record(row)
+            assert _checked(rec) == rec

@@ -574,9 +574,12 @@ def test_equal_weights_share_one_blob(tmp_path):
     ba = recs[("", "Wa")].packs[0].buffers[0]
     bb = recs[("", "Wb")].packs[0].buffers[0]
     assert (ba.location, ba.offset) == (bb.location, bb.offset)
-    # On disk: two weights (they are distinct initializers) and exactly one blob.
+    # On disk: two weights (they are distinct initializers) and exactly one blob, then the manifest.
     data = _data_path(out, ba.location)
-    assert os.path.getsize(data) < 3 * w.nbytes + 3 * 64
+    seal = next(ef.parse_file_record(p.key, p.value) for p in onnx.load(str(out), load_external_data=False).metadata_props
+                if ef.is_file_key(p.key))
+    assert seal.manifest_offset + seal.manifest_length == os.path.getsize(data)
+    assert seal.manifest_offset < 3 * w.nbytes + 3 * 64
     raw = data.read_bytes()
     blob = np.ascontiguousarray(_kernel_pack(m, "Wa")[0]).tobytes()
     assert raw.count(blob) == (1 if blob != w.tobytes() else 3)

@@ -612,3 +612,76 @@ def test_empty_weight_reshaped_past_numpys_index_range_is_not_derived(tmp_path):
         return  # refused at creation as ours: fine too
     with pytest.raises(OnnxpackError):
         sess.run(None, {})
+
+
+def _rewrite_manifest(path: str, transform) -> None:
+    """Replaces the data file's manifest by ``transform(manifest)`` (appended at the end), points
+    the seal at it with its digest and renews the seal's identity: a trusted file again."""
+    import dataclasses
+    import hashlib
+
+    from onnxpack.prepack import entry_format as fmt
+
+    proto = onnx.load(path, load_external_data=False)
+    (p,) = [p for p in proto.metadata_props if fmt.is_file_key(p.key)]
+    rec = fmt.parse_file_record(p.key, p.value)
+    data_path = os.path.join(os.path.dirname(path), rec.location)
+    with open(data_path, "rb") as f:
+        data = f.read()
+    man = transform(data[rec.manifest_offset:rec.manifest_offset + rec.manifest_length])
+    off = -(-len(data) // 64) * 64
+    with open(data_path, "wb") as f:
+        f.write(data + bytes(off - len(data)) + man)
+    p.value = fmt.format_file_record(dataclasses.replace(
+        rec, manifest_offset=off, manifest_length=len(man), manifest_digest=hashlib.blake2b(man, digest_size=32).hexdigest()))[1]
+    onnx.save(proto, path)
+    harness._reseal(os.path.dirname(path), os.path.basename(path))
+
+
+def _counting_json(monkeypatch) -> list:
+    from onnxpack.prepack import entry_format as fmt
+
+    parsed = []
+    real = fmt.parse_record
+    monkeypatch.setattr(fmt, "parse_record", lambda k, v: parsed.append(k) or real(k, v))
+    return parsed
+
+
+@pytest.mark.parametrize("manifest", ["as-saved", "version-1", "index-damaged", "index-row-damaged"])
+def test_trusted_records_come_from_the_record_index(tmp_path, monkeypatch, manifest):
+    """A trusted (sealed, unchanged) data file's records are built from its manifest's record
+    index, not parsed from their JSON; a version-1 manifest (older onnxpack) or a damaged index
+    falls back to the JSON (a damaged index with one warning), and every blob still comes from the
+    model, with the same outputs."""
+    from onnxpack.prepack import entry_format as fmt
+
+    path, feeds, expected = _optimized_twin(str(tmp_path))
+    n_records = sum(fmt.is_record_key(p.key) for p in onnx.load(path, load_external_data=False).metadata_props)
+    if manifest == "version-1":
+        def v1(man: bytes) -> bytes:
+            count = int.from_bytes(man[16:24], "little")
+            entries = man[fmt.MANIFEST_HEADER:fmt.MANIFEST_HEADER + fmt.MANIFEST_ENTRY * count]
+            return fmt.MANIFEST_MAGIC + man[16:24] + bytes(fmt.MANIFEST_HEADER - 24) + entries
+        _rewrite_manifest(path, v1)
+    elif manifest == "index-damaged":  # the index's counts: refused whole
+        _rewrite_manifest(path, lambda man: man[:int.from_bytes(man[24:32], "little") + 16] + b"\xff" * 16
+                          + man[int.from_bytes(man[24:32], "little") + 32:])
+    elif manifest == "index-row-damaged":  # a weight name's text: that row left to its JSON
+        def damage(man: bytes) -> bytes:
+            at = int.from_bytes(man[24:32], "little")
+            text = man.rindex(b"H1")  # (the text blob is last: its copy of a weight name)
+            assert text > at
+            return man[:text] + b"\x00\x01" + man[text + 2:]
+        _rewrite_manifest(path, damage)
+    parsed = _counting_json(monkeypatch)
+    got, stats, warned = _run_warned(path, feeds)
+    for g, w in zip(got, expected):
+        np.testing.assert_array_equal(g, w)
+    assert stats["weights_packed"] == 0 and stats["blobs_rejected"] == 0, stats
+    if manifest == "as-saved":
+        assert parsed == [] and warned == []
+    elif manifest == "index-row-damaged":
+        assert len(parsed) == 1 and warned == []
+    else:
+        assert len(parsed) == n_records
+        assert (warned == []) == (manifest == "version-1"), warned
