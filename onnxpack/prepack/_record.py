@@ -214,7 +214,9 @@ class LoadRecord:
         self._records: dict[tuple[str, str], fmt.WeightRecord] = {}
         # Records sealed by a trusted file's record index, built from it when first asked for.
         self._indexed: dict[tuple[str, str], tuple[fmt.RecordIndex, int]] = {}
-        self._stored: dict[tuple[str, str], tuple[str, str]] = {}  # the record's key and value as stored
+        # The record's key and value as stored, and once known their digests (for the manifest).
+        self._stored: dict[tuple[str, str], tuple[str, str]] = {}
+        self._digests: dict[tuple[str, str], tuple[bytes, bytes]] = {}
         self._files: dict[str, fmt.FileRecord | None] = {}
         self._states: dict[str, _State | PrepackFormatError] = {}
         self._warned_files: set[str] = set()
@@ -287,6 +289,7 @@ class LoadRecord:
                 return False  # the JSON path names the mismatch
             self._indexed[(scope, name)] = (index, row)
             self._stored[(scope, name)] = (key, value)
+            self._digests[(scope, name)] = (kd, vd)
             return True
         return False
 
@@ -408,8 +411,10 @@ class LoadRecord:
         manifest, full = state.manifest, state.mode == "verify"
         own = self._own_range(spec, external)
         views = self._views(pack, where, key, own)  # bounds and overlaps: the record's structure
-        stored_key, stored_value = self._stored[(rec.scope, rec.name)]
-        if not fmt.manifest_matches(manifest, stored_key, stored_value):
+        digests = self._digests.get((rec.scope, rec.name))
+        if digests is None:
+            digests = self._digests[(rec.scope, rec.name)] = fmt._entry(*self._stored[(rec.scope, rec.name)])
+        if manifest.get(digests[0]) != digests[1]:
             raise PrepackFormatError(
                 "the record does not match the data file's manifest (edited, added or moved to this "
                 "weight after saving): its blobs are not bound to this weight"

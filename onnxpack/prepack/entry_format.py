@@ -679,7 +679,7 @@ class RecordIndex:
         # tuples of each table's fields in order, a text reference or a shape as a list.
         self._wl, self._pl, self._bl = (list(zip(*(t[f].tolist() for f in t.dtype.names))) if len(t) else []
                                         for t in (self._w, self._p, self._b))
-        self._texts_ok = self._check_texts()
+        self._texts = self._check_texts()
         # Row i is entry i; a key digest listed twice (two records under one key) has no row.
         kds = [bytes(data[MANIFEST_HEADER + MANIFEST_ENTRY * i:MANIFEST_HEADER + MANIFEST_ENTRY * i + 16])
                for i in range(count)]
@@ -730,28 +730,30 @@ class RecordIndex:
         keys distinct and well formed, files inside the model folder): the numbers were checked
         by :meth:`_check`, so a row that passes builds its record without checking it again.  A
         row that fails is left to the record's JSON (which reports it)."""
-        out = []
+        out: list = []
         locations: dict[str, bool] = {}
         for w in self._wl:
             try:
                 out.append(self._texts_of(w, locations))
             except UnicodeDecodeError:  # not UTF-8: not text we wrote
-                out.append(False)
+                out.append(None)
         return out
 
-    def _texts_of(self, w: tuple, locations: dict[str, bool]) -> bool:
-        """Whether weight row ``w``'s texts follow the rules (``locations``: files seen, and
-        whether each passed)."""
-        scope, name = self._str(w[0]), self._str(w[1])
+    def _texts_of(self, w: tuple, locations: dict[str, bool]) -> tuple | None:
+        """Weight row ``w``'s texts — (scope, name, digest, per pack (key, its buffers' files)) —
+        when they follow the rules, else None (``locations``: files seen, and whether each passed)."""
+        scope, name, digest = self._str(w[0]), self._str(w[1]), self._str(w[2])
         if not ((_plain_name(scope, True) or _valid_name(scope, True)) and (_plain_name(name, False) or _valid_name(name, False))
-                and _is_digest(self._str(w[2])) and 0 < w[4]):
-            return False
+                and _is_digest(digest) and 0 < w[4]):
+            return None
         keys = set()
+        packs = []
         for p in self._pl[w[3]:w[3] + w[4]]:
             key = self._str(p[0])
             if key in keys or _pack_key_match(key) is None:
-                return False
+                return None
             keys.add(key)
+            files = []
             for b in self._bl[p[1]:p[1] + p[2]]:
                 loc = self._str(b[0])
                 if loc not in locations:
@@ -761,45 +763,49 @@ class RecordIndex:
                     except PrepackFormatError:
                         locations[loc] = False
                 if not locations[loc]:
-                    return False
-        return True
+                    return None
+                files.append(loc)
+            packs.append((key, files))
+        return scope, name, digest, packs
 
     def row(self, kd: bytes) -> int | None:
         """The weight row of the record with key digest ``kd`` (None: no such entry, its record
         did not parse when saved, or its texts break the format's rules)."""
         i = self._rows.get(kd)
-        return None if i is None or not self._texts_ok[i] else i
+        return None if i is None or self._texts[i] is None else i
 
     def _str(self, ref: list[int]) -> str:
         return self._text[ref[0]:ref[0] + ref[1]].decode("utf-8", "surrogatepass")
 
     def names(self, i: int) -> tuple[str, str]:
-        """(scope, name) of weight row ``i``."""
-        w = self._wl[i]
-        return self._str(w[0]), self._str(w[1])
+        """(scope, name) of weight row ``i`` (one :meth:`row` returned)."""
+        return self._texts[i][0], self._texts[i][1]
 
     def spans(self) -> list[tuple[str, int, int, str]]:
-        """(file, offset, end, pack key) of every buffer of every row (for the overlap check)."""
+        """(file, offset, end, pack key) of every buffer of the rows :meth:`row` returns (for the
+        overlap check)."""
         out = []
-        for w in self._wl:
-            for p in self._pl[w[3]:w[3] + w[4]]:
-                key = self._str(p[0])
-                for b in self._bl[p[1]:p[1] + p[2]]:
-                    out.append((self._str(b[0]), b[5], b[5] + b[6], key))
+        for w, texts in zip(self._wl, self._texts):
+            if texts is None:
+                continue
+            for p, (key, files) in zip(self._pl[w[3]:w[3] + w[4]], texts[3]):
+                for b, loc in zip(self._bl[p[1]:p[1] + p[2]], files):
+                    out.append((loc, b[5], b[5] + b[6], key))
         return out
 
     def record(self, i: int) -> WeightRecord:
         """The record of weight row ``i`` (one :meth:`row` returned): every rule its constructors
         check was checked for the whole index, so it is built without checking again."""
         w = self._wl[i]
+        scope, name, digest, texts = self._texts[i]
         packs = []
-        for p in self._pl[w[3]:w[3] + w[4]]:
-            bufs = tuple(_unchecked(BufferRecord, location=self._str(b[0]), offset=b[5], length=b[6],
-                                    dtype=_DTYPE_CODES[b[2]], shape=tuple(b[7][:b[3]]), checksum=f"{b[1]:08x}")
-                         for b in self._bl[p[1]:p[1] + p[2]])
-            packs.append(_unchecked(PackRecord, key=self._str(p[0]), buffers=bufs))
-        return _unchecked(WeightRecord, scope=self._str(w[0]), name=self._str(w[1]), source_length=w[6],
-                          source_offset=None if w[5] < 0 else w[5], source_digest=self._str(w[2]), packs=tuple(packs))
+        for p, (key, files) in zip(self._pl[w[3]:w[3] + w[4]], texts):
+            bufs = tuple(_unchecked(BufferRecord, location=loc, offset=b[5], length=b[6], dtype=_DTYPE_CODES[b[2]],
+                                    shape=tuple(b[7][:b[3]]), checksum=f"{b[1]:08x}")
+                         for b, loc in zip(self._bl[p[1]:p[1] + p[2]], files))
+            packs.append(_unchecked(PackRecord, key=key, buffers=bufs))
+        return _unchecked(WeightRecord, scope=scope, name=name, source_length=w[6],
+                          source_offset=None if w[5] < 0 else w[5], source_digest=digest, packs=tuple(packs))
 
 
 def _unchecked(cls: type, **fields: Any) -> Any:

@@ -118,8 +118,13 @@ class Step:
 
     def with_release(self, release: tuple[str, ...]) -> Step:
         """This step releasing ``release`` after it runs (``dataclasses.replace`` re-reads the
-        class's fields per call: the planner makes one per step of every plan)."""
-        return Step(self.node, self.kernel, self.inputs, self.outputs, self.packed, release, self.implicit)
+        class's fields per call: the planner makes one per step of every plan; ``args`` depends on
+        the fields it keeps, so it is carried over, not derived again)."""
+        step = object.__new__(Step)
+        for name in Step.__slots__:
+            object.__setattr__(step, name, getattr(self, name))
+        object.__setattr__(step, "release", release)
+        return step
 
     @property
     def label(self) -> str:
