@@ -339,3 +339,18 @@ def test_a_forked_child_does_not_wait_for_its_parents_warm_ups():
     finally:
         gate.set()
         assert _program.wait_warm_ups(timeout=10)
+
+
+def test_data_addresses_are_numpys(tmp_path):
+    """``_jit_native._addr`` (the pointer read from the array object) gives what numpy reports for
+    every kind of array a kernel is handed: fresh, views, transposed, empty, read-only mapped
+    file bytes, a subclass (asked through numpy)."""
+    assert _jit_native._DATA_OFFSET is not None  # CPython on 64 bits: the fast read is in use
+    path = tmp_path / "w.bin"
+    path.write_bytes(bytes(range(256)) * 64)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    base = np.arange(120, dtype=np.float32).reshape(10, 12)
+    arrays = [base, base[3:, 5:], base.T, base[::2, ::3], np.empty((0, 7), np.float32), np.zeros(1, np.int8),
+              np.asarray(mapped), np.asarray(mapped)[4096:].view(np.float32), mapped, np.frombuffer(b"abcdefgh", np.uint8)]
+    for a in arrays:
+        assert _jit_native._addr(a) == a.__array_interface__["data"][0], (type(a), a.shape, a.strides)

@@ -74,39 +74,35 @@ def _sources() -> list[str]:
 _G_PACK = struct.Struct("<" + "".join("d" if i == G_ZMID else "q" for i in range(G_HEADER)))
 _D_PACK = struct.Struct("<" + "".join("d" if i == D_ZMID else "q" for i in range(D_HEADER)))
 _SLOTS = 64  # loop slots of the per-thread block: up to this many OpenMP threads
-_addresses: dict[int, tuple[Any, int]] = {}  # id(array) -> (weakref to it, its data address)
+
+
+def _data_offset() -> int | None:
+    """Where an ndarray object keeps its data pointer, counted from the object's address: right
+    after the object header in numpy's ``PyArrayObject`` (16 bytes on a 64-bit CPython build;
+    checked here on arrays of several kinds, else None and :func:`_addr` asks numpy)."""
+    off = ctypes.sizeof(ctypes.c_ssize_t) + ctypes.sizeof(ctypes.c_void_p)  # ob_refcnt, ob_type
+    base = np.arange(24, dtype=np.float32).reshape(4, 6)
+    samples = (base, base[1:, 2:], np.zeros(0, np.uint8), np.frombuffer(bytes(16), np.uint8), base.T)
+    try:
+        for a in samples:
+            if ctypes.c_void_p.from_address(id(a) + off).value != a.__array_interface__["data"][0]:
+                return None
+    except Exception:  # pragma: no cover - an interpreter whose objects are laid out otherwise
+        return None
+    return off
+
+
+_DATA_OFFSET = _data_offset()
+_read_pointer = ctypes.c_void_p.from_address
 
 
 def _addr(a: np.ndarray) -> int:
-    """The data address of ``a``, remembered for arrays seen before (the packed weights, the
-    scratch: ``__array_interface__`` costs ~2 us, a kernel call passes nine addresses)."""
-    entry = _addresses.get(id(a))
-    if entry is not None and entry[0]() is a:
-        return entry[1]
-    if a.flags.writeable and a.size:
-        # A fresh output or view (most calls' arrays): its buffer's address, ~4x cheaper than
-        # ``__array_interface__``; read-only arrays (mapped weights) are remembered below.
-        try:
-            return ctypes.addressof(ctypes.c_char.from_buffer(a))
-        except (TypeError, ValueError, BufferError):
-            pass
-    addr = a.__array_interface__["data"][0]
-    if a.base is not None or a.flags.owndata:
-        _remember(a, addr)
-    return addr
-
-
-def _remember(a: np.ndarray, addr: int | None = None) -> None:
-    """Keeps ``a``'s data address for :func:`_addr` while ``a`` lives (arrays that live across
-    calls: packed weights, scratch)."""
-    try:
-        ref = weakref.ref(a)
-    except TypeError:  # pragma: no cover - ndarrays take weak references
-        return
-    if len(_addresses) > 4096:  # arrays that died: forget them
-        for key in [k for k, (r, _) in _addresses.items() if r() is None]:
-            del _addresses[key]
-    _addresses[id(a)] = (ref, a.__array_interface__["data"][0] if addr is None else addr)
+    """The data address of ``a`` (an ndarray the caller holds for the call): read from the array
+    object (~0.5 us; ``__array_interface__`` costs ~2 us and a kernel call passes up to a dozen
+    addresses), or through numpy where the layout check failed."""
+    if _DATA_OFFSET is not None and a.__class__ is np.ndarray:
+        return _read_pointer(id(a) + _DATA_OFFSET).value or 0
+    return a.__array_interface__["data"][0]
 
 
 _MAX_PLANS = 1024  # GEMV plans kept per thread
@@ -123,17 +119,16 @@ class _GemvPlan:
     arrays it addresses, still the thread's own (:func:`_scratch` replaces a buffer that is
     too small, and releasing the scratch drops every plan with it)."""
 
-    __slots__ = ("block", "address", "threads", "main", "prep", "omp", "lib", "refs", "names", "scratch")
+    __slots__ = ("block", "address", "threads", "main", "prep", "omp", "refs", "names", "scratch")
 
     def __init__(self, lib: _native.Native, name: str, threads: int, arrays: tuple, names: tuple,
                  scratch: tuple) -> None:
         self.block = (ctypes.c_int64 * (G_HEADER + 2 * _SLOTS))()
         self.address = ctypes.addressof(self.block)
         self.threads = threads
-        self.lib = lib
         self.main = lib.entry(name)
         self.prep = lib.entry(name + "_prep") if threads > 1 else None
-        self.omp = name + "_omp"
+        self.omp = lib.parallel_entry(name + "_omp") if threads > 1 else None
         self.refs = tuple(weakref.ref(x) for x in arrays)
         self.names = names
         self.scratch = scratch
@@ -155,7 +150,7 @@ class _GemvPlan:
         block[G_Y] = _addr(y)
         if self.prep is not None:
             self.prep(self.address)  # no barrier in the team: A is ready first
-            self.lib.parallel(self.omp, self.address, self.threads)
+            self.omp(self.address, self.threads)
         else:
             self.main(self.address)
 
@@ -183,7 +178,6 @@ def _scratch(name: str, count: int, dtype) -> np.ndarray:
     if buf is None or buf.size < count:
         buf = np.empty(max(count, 1), dtype)
         setattr(_local, name, buf)
-        _remember(buf)  # _addr then finds it on its first lookup, not through ctypes at each call
     return buf
 
 
@@ -224,7 +218,11 @@ class _Kernels:
         """Whether the cache has the int8-activation GEMVs (built on a CPU with AVX-512 VNNI or AVX2)."""
         return "gemv4_f32_i8" in self._lib.addresses
 
-    def _gemv(self, bits, parallel, a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads, i8=""):
+    def gemv_plan(self, bits, parallel, a, bq, sc, zq, zmode, zmid, n, nb, blob, tile, threads, i8=""):
+        """The plan of the GEMV that ``gemv{bits}{i8}[_serial]`` runs on these arguments — call it
+        as ``plan(a, y)`` with any ``a`` of this one's shape — or None when the cache has no entry
+        for the layout (numba's kernel computes it).  Plans are kept per thread; a caller may
+        keep one too while ``plan.holds(bq, sc)`` (the thread's scratch may be replaced)."""
         m, k = a.shape
         threads = min(max(1, int(threads)), _SLOTS) if parallel else 1
         if not zmode or zq.size == 0:
@@ -237,12 +235,17 @@ class _Kernels:
         if plan is None or not plan.holds(bq, sc, zq):
             plan = self._gemv_plan(bits, a, bq, sc, zq, zmode, zmid, n, nb, blob, tile, threads, i8)
             if plan is None:
-                fb = self._fallback()
-                name = f"gemv{bits}{i8}" + ("" if parallel else "_serial")
-                return getattr(fb, name)(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads)
+                return None
             if len(plans) >= _MAX_PLANS:  # weights of closed sessions: start again
                 plans.clear()
             plans[key] = plan
+        return plan
+
+    def _gemv(self, bits, parallel, a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads, i8=""):
+        plan = self.gemv_plan(bits, parallel, a, bq, sc, zq, zmode, zmid, n, nb, blob, tile, threads, i8)
+        if plan is None:
+            name = f"gemv{bits}{i8}" + ("" if parallel else "_serial")
+            return getattr(self._fallback(), name)(a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads)
         plan(a, y)
 
     def _gemv_plan(self, bits, a, bq, sc, zq, zmode, zmid, n, nb, blob, tile, threads, i8) -> _GemvPlan | None:
@@ -260,6 +263,8 @@ class _Kernels:
         ade, asum, work = scratch
         # Work items (CHUNK columns) taken a few at a time: each thread then streams runs of
         # neighbouring columns, and about 4 grabs per thread still even out a slow thread.
+        # (One item per grab ran ~10 % faster in a loop of GEMVs alone but 2-5 % slower inside a
+        # decoding step, tokens alternating between the two in one process: AVX2, Qwen2.5-0.5B.)
         chunk = max(1, -(-n // CHUNK) // (4 * threads))
         plan = _GemvPlan(self._lib, f"gemv{key}", threads, (bq, sc, zq), tuple(s[0] for s in names), scratch)
         _G_PACK.pack_into(plan.block, 0, 0, m, k, _addr(bq), bq.size, _addr(sc), sc.size, _addr(zq), zq.size,

@@ -466,11 +466,21 @@ class Native:
         return self._fns[name]
 
     def parallel(self, name: str, block_address: int, threads: int) -> None:
+        self.parallel_entry(name)(block_address, threads)
+
+    def parallel_entry(self, name: str) -> Callable[[int, int], None]:
+        """The OpenMP worker ``name`` as a callable of ``(block_address, threads)`` that runs it on
+        a team of ``threads`` (``GOMP_parallel``; the calling thread works too)."""
         gomp = Native._gomp
         if gomp is None:
             gomp = ctypes.CDLL(gomp_library())
             gomp.GOMP_parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
             gomp.GOMP_parallel.restype = None
             Native._gomp = gomp
-        self.used_openmp = True
-        gomp.GOMP_parallel(self.addresses[name], block_address, threads, 0)
+        self.used_openmp = True  # from here on a forked child must not use the team (see quant)
+        run, worker = gomp.GOMP_parallel, self.addresses[name]
+
+        def parallel(block_address: int, threads: int) -> None:
+            run(worker, block_address, threads, 0)
+
+        return parallel

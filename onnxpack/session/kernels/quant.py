@@ -97,7 +97,9 @@ TILE = 128
 JIT_MAX_ROWS = 16
 
 # Below this many multiply-adds the JIT runs on the calling thread only: a 2-thread fork-join
-# saves at most ~15 us there and risks a scheduler slice when the other core is busy.
+# saves at most ~15 us there and risks a scheduler slice when the other core is busy.  (On an
+# AVX2 host, 896x896 and 896x1152 on 2 threads were ~15 us faster per call in a loop of GEMVs
+# alone, and no faster inside a decoding step: tokens alternating between the two cuts.)
 JIT_SERIAL_BELOW = 2_000_000
 
 # Float32 elements of one dequantized panel (per thread, reused across calls) when one BLAS call
@@ -381,6 +383,7 @@ class MatMulNBits(Kernel):
         self.has_zp = len(node.input) > 3 and bool(node.input[3])
         self._packed: dict[int, np.ndarray] = {}  # input index -> tiled buffer
         self._gemv_fns: tuple | None = None  # see _gemv_call
+        self._plan: tuple | None = None  # see _native_plan
 
     # -- pre-packing ------------------------------------------------------------------------------
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
@@ -540,16 +543,35 @@ class MatMulNBits(Kernel):
         if jit is not None and (m <= JIT_MAX_ROWS or self._int8(jit, zq)):
             out = None if shape is None else np.empty(shape, np.float32)
             fn, args = self._gemv_call(jit, a2, bq, sc, zq, out)
-            if args[-1] == 1 or m > JIT_MAX_ROWS:  # the stall guard's yardstick is a few rows
+            y, threads = args[6], args[-1]
+            if getattr(jit, "native", False):  # the native code cache: its plan, called on (A, y)
+                plan = self._native_plan(jit, threads > 1, args)
+                if plan is not None:
+                    fn, args = plan, (a2, y)
+            if threads == 1 or m > JIT_MAX_ROWS:  # the stall guard's yardstick is a few rows
                 fn(*args)
             else:
                 t0 = time.perf_counter()
                 fn(*args)
                 t1 = time.perf_counter()
                 _stall_guard.record(t1 - t0, bq.nbytes + sc.nbytes + (0 if zq is None else zq.nbytes), t1, id(self))
-            return args[6] if out is None else out
+            return y if out is None else out
         zmode, zarr, zmid = self._zmode(zq)
         return self._panels(a2, bq, sc, zarr, zmode, zmid, jit)
+
+    def _native_plan(self, jit, parallel: bool, args: tuple):
+        """The native code cache's plan of the GEMV ``args`` are for (see ``_jit_native.gemv_plan``),
+        kept on the kernel per calling thread, rows and thread count: a decoding step then skips
+        the plan's look-up by its fourteen keys (~5 us per call, ~120 calls per token)."""
+        a2, bq, sc, zq, zmode, zmid, _, n, nb, blob, tile, threads = args
+        key = (threading.get_ident(), a2.shape[0], threads)
+        kept = self._plan
+        if kept is not None and kept[0] == key and kept[1].holds(bq, sc):
+            return kept[1]
+        plan = jit.gemv_plan(self.bits, parallel, a2, bq, sc, zq, zmode, zmid, n, nb, blob, tile, threads,
+                             "_i8" if self._int8(jit, zq) else "")
+        self._plan = None if plan is None else (key, plan)
+        return plan
 
     def _int8(self, jit, zq) -> bool:
         """Whether A is rounded to int8 per block, as onnxruntime's ``accuracy_level=4`` does (it
