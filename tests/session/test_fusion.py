@@ -329,23 +329,24 @@ def test_nbits_bias_and_activation_fuse_and_equal_onnxruntime(bias, act, dtype, 
 
 
 def gated_model(dtype, *, up_first: bool = False, up_read_elsewhere: bool = False, other_input: bool = False,
-                 up_bias: bool = False) -> bytes:
+                 up_bias: bool = False, k: int = 64, n: int = 48) -> bytes:
     """The gated MLP of onnxruntime-genai's Llama/Qwen decoders: ``Mul(SiLU(gate(x)), up(x))``
-    with two MatMulNBits (K 64, N 48; the gate with zero points, the up projection without) and
+    with two MatMulNBits (K 64, N 48 unless given; the gate with zero points, the up projection without) and
     a down projection after it.  ``up_first``: ``Mul(up, act)``; ``up_read_elsewhere``: the up
     projection is also a graph output; ``other_input``: the up projection reads another input;
     ``up_bias``: the up projection has its own bias input."""
     rng = np.random.default_rng(31)
-    k, n, bs = 64, 48, 32
+    bs = 32
+    nbg, nbd = k // bs, -(-n // bs)  # blocks of the gate/up weights and of the down projection's
     t = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     inits = [numpy_helper.from_array(rng.integers(0, 256, (n, k // bs, bs // 2), dtype=np.uint8), "Bg"),
              numpy_helper.from_array((rng.random(n * k // bs) * 0.05 + 0.01).astype(dtype), "Sg"),
-             numpy_helper.from_array(rng.integers(0, 256, (n, 1), dtype=np.uint8), "Zg"),
+             numpy_helper.from_array(rng.integers(0, 256, (n, -(-nbg // 2)), dtype=np.uint8), "Zg"),
              numpy_helper.from_array(rng.integers(0, 256, (n, k // bs, bs // 2), dtype=np.uint8), "Bu"),
              numpy_helper.from_array((rng.random(n * k // bs) * 0.05 + 0.01).astype(dtype), "Su"),
              numpy_helper.from_array(rng.standard_normal(n).astype(dtype), "bu"),
-             numpy_helper.from_array(rng.integers(0, 256, (k, 2, bs // 2), dtype=np.uint8), "Bd"),
-             numpy_helper.from_array((rng.random(k * 2) * 0.05 + 0.01).astype(dtype), "Sd")]
+             numpy_helper.from_array(rng.integers(0, 256, (k, nbd, bs // 2), dtype=np.uint8), "Bd"),
+             numpy_helper.from_array((rng.random(k * nbd) * 0.05 + 0.01).astype(dtype), "Sd")]
     attrs = dict(domain="com.microsoft", K=k, N=n, bits=4, block_size=bs, accuracy_level=4)
     up_in = "x2" if other_input else "x"
     nodes = [helper.make_node("MatMulNBits", ["x", "Bg", "Sg", "Zg"], ["g"], name="gate", **attrs),
@@ -404,6 +405,33 @@ def test_gated_nbits_mlp_runs_as_one_step_and_equals_the_nodes(variant, rows, dt
         warm = s.run(None, feed)[0]
     assert stats["weights_packed"] == 0 and stats["blobs_from_model"] >= 5, stats
     np.testing.assert_array_equal(warm, got)
+
+
+@pytest.mark.parametrize("jit_path", ["native"], indirect=True)
+@pytest.mark.parametrize("rows", [1, 5], ids=["decode", "prefill"])
+def test_gated_nbits_gate_and_up_in_one_parallel_region(rows, jit_path, monkeypatch):
+    """With the native code cache and two threads, the gate and up GEMVs of a gated MLP large
+    enough for the parallel GEMV run as one OpenMP region (``_jit_native.gemv_pair``): the same
+    values, bit for bit, as the two GEMVs called apart, and onnxruntime's within 2 % of the scale."""
+    from onnxpack.session.kernels import _act, _jit_native, quant
+
+    if _act.threads() < 2 or not quant._parallel_ok():
+        pytest.skip("one thread here: the GEMVs run serially, never paired")
+    model = gated_model(np.float32, k=256, n=8192)  # K * N above quant.JIT_SERIAL_BELOW
+    feed = {"x": np.random.default_rng(34).standard_normal((rows, 256)).astype(np.float32)}
+    calls = []
+    pair = _jit_native._Kernels.gemv_pair
+    monkeypatch.setattr(_jit_native._Kernels, "gemv_pair", staticmethod(lambda *a: calls.append(1) or pair(*a)))
+    monkeypatch.setattr(quant, "_stall_guard", quant._StallGuard())
+    with onnxpack.InferenceSession(model) as s:
+        assert [type(st.kernel).__name__ for st in s.program.root.steps] == ["GatedMatMulNBits", "MatMulNBits"]
+        paired = s.run(None, feed)[0]
+        assert calls, "the gate and up GEMVs were not paired"
+        monkeypatch.setattr(quant.GatedMatMulNBits, "_paired", lambda self, a: None)
+        apart = s.run(None, feed)[0]
+    np.testing.assert_array_equal(paired, apart)
+    ort_y = _ort(model, feed)[0]
+    np.testing.assert_allclose(paired, ort_y, rtol=0, atol=2e-2 * float(np.abs(ort_y).max()))
 
 
 @pytest.mark.parametrize("case", ["up-read-elsewhere", "up-reads-another-input"])

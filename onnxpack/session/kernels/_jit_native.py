@@ -36,9 +36,10 @@ MODULE = "jit"
 CHUNK = 128  # columns per work item (``_nbits_jit.CHUNK``; checked by :func:`build`)
 
 # GEMV argument block: int64 slots (``G_ZMID`` holds a float64), then two loop slots per thread.
+# ``G_NEXT``: the address of a second GEMV's block for the ``_pair`` worker (two GEMVs of one A).
 (G_A, G_M, G_K, G_BQ, G_BQ_LEN, G_SC, G_SC_LEN, G_ZQ, G_ZQ_LEN, G_ZMODE, G_ZMID, G_Y, G_N, G_NB, G_BLOB,
- G_TILE, G_ADE, G_ASUM, G_SCRATCH, G_CHUNK) = range(20)
-G_HEADER = 20
+ G_TILE, G_ADE, G_ASUM, G_SCRATCH, G_CHUNK, G_NEXT) = range(21)
+G_HEADER = 21
 # Dequantization argument block.
 (D_BQ, D_BQ_LEN, D_SC, D_SC_LEN, D_ZQ, D_ZQ_LEN, D_ZMODE, D_ZMID, D_OUT, D_ROWS, D_COLS, D_N, D_NB, D_BLOB,
  D_TILE, D_T0, D_T1) = range(17)
@@ -119,7 +120,7 @@ class _GemvPlan:
     arrays it addresses, still the thread's own (:func:`_scratch` replaces a buffer that is
     too small, and releasing the scratch drops every plan with it)."""
 
-    __slots__ = ("block", "address", "threads", "main", "prep", "omp", "refs", "names", "scratch")
+    __slots__ = ("block", "address", "threads", "main", "prep", "omp", "pair", "refs", "names", "scratch")
 
     def __init__(self, lib: _native.Native, name: str, threads: int, arrays: tuple, names: tuple,
                  scratch: tuple) -> None:
@@ -129,6 +130,8 @@ class _GemvPlan:
         self.main = lib.entry(name)
         self.prep = lib.entry(name + "_prep") if threads > 1 else None
         self.omp = lib.parallel_entry(name + "_omp") if threads > 1 else None
+        pair = name + "_pair"
+        self.pair = lib.parallel_entry(pair) if threads > 1 and pair in lib.addresses else None
         self.refs = tuple(weakref.ref(x) for x in arrays)
         self.names = names
         self.scratch = scratch
@@ -241,6 +244,27 @@ class _Kernels:
             plans[key] = plan
         return plan
 
+    @staticmethod
+    def pairs(first: _GemvPlan, second: _GemvPlan) -> bool:
+        """Whether :meth:`gemv_pair` runs these two plans together: both parallel int8 GEMVs on
+        the same thread count, of activations laid out alike (the same scratch for A)."""
+        return (first.pair is not None and second.pair is not None and first.threads == second.threads
+                and first.block[G_M] == second.block[G_M] and first.block[G_K] == second.block[G_K]
+                and first.block[G_NB] == second.block[G_NB] and first.block[G_BLOB] == second.block[G_BLOB]
+                and first.block[G_ADE] == second.block[G_ADE] and first.block[G_ASUM] == second.block[G_ASUM])
+
+    @staticmethod
+    def gemv_pair(first: _GemvPlan, second: _GemvPlan, a: np.ndarray, y1: np.ndarray, y2: np.ndarray) -> None:
+        """``first(a, y1)`` and ``second(a, y2)`` in one OpenMP region (plans for which
+        :meth:`pairs` holds): A is quantized once, the team takes the work items of both."""
+        block, other = first.block, second.block
+        block[G_A] = other[G_A] = _addr(a)
+        block[G_Y] = _addr(y1)
+        other[G_Y] = _addr(y2)
+        block[G_NEXT] = second.address
+        first.prep(first.address)
+        first.pair(first.address, first.threads)
+
     def _gemv(self, bits, parallel, a, bq, sc, zq, zmode, zmid, y, n, nb, blob, tile, threads, i8=""):
         plan = self.gemv_plan(bits, parallel, a, bq, sc, zq, zmode, zmid, n, nb, blob, tile, threads, i8)
         if plan is None:
@@ -268,7 +292,7 @@ class _Kernels:
         chunk = max(1, -(-n // CHUNK) // (4 * threads))
         plan = _GemvPlan(self._lib, f"gemv{key}", threads, (bq, sc, zq), tuple(s[0] for s in names), scratch)
         _G_PACK.pack_into(plan.block, 0, 0, m, k, _addr(bq), bq.size, _addr(sc), sc.size, _addr(zq), zq.size,
-                          zmode, float(zmid), 0, n, nb, blob, tile, _addr(ade), _addr(asum), _addr(work), chunk)
+                          zmode, float(zmid), 0, n, nb, blob, tile, _addr(ade), _addr(asum), _addr(work), chunk, 0)
         return plan
 
     def gemv4(self, *args):

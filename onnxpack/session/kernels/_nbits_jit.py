@@ -736,6 +736,7 @@ gemv4_serial = _compiled(_gemv4, "gemv4_serial", False)
 gemv8 = _compiled(_gemv8, "gemv8", True)
 gemv8_serial = _compiled(_gemv8, "gemv8_serial", False)
 _I8_MARK, _I32_MARK = np.zeros(0, np.int8), np.zeros(0, np.int32)  # dtype markers for ``as_ptr``
+_I64_MARK, _F64_MARK = np.zeros(0, np.int64), np.zeros(0, np.float64)
 # Compiled on first call only: on a CPU without VNNI or AVX2 they are never called (``INT8_ISA``).
 gemv4_i8 = _compiled(_gemv4_i8, "gemv4_i8", True)
 gemv4_i8_serial = _compiled(_gemv4_i8, "gemv4_i8_serial", False)
@@ -841,7 +842,8 @@ def native_entries() -> dict:
     ``gemv{bits}_{sc}_i8``, ``gemv{bits}_{sc}_i8_prep`` and ``gemv{bits}_{sc}_i8_omp`` (A quantized
     to int8 by the prep entry, then the OpenMP worker without a barrier: the argument block's
     ``G_ADE`` is then int8 (M, n_blocks, block_size), ``G_ASUM`` float32 (2, M, n_blocks) and each
-    thread's scratch an int32 then a float32 (M, CHUNK) half).
+    thread's scratch an int32 then a float32 (M, CHUNK) half), and ``gemv{bits}_{sc}_i8_pair``
+    (the OpenMP worker of two such GEMVs of one A: the block at ``G_NEXT`` is the second's).
     """
     from numba import carray, cfunc
 
@@ -859,8 +861,10 @@ def native_entries() -> dict:
 
         @njit(inline="always")
         def views(blk):
-            g = carray(blk, (L.G_HEADER,), np.int64)
-            gf = carray(blk, (L.G_HEADER,), np.float64)
+            return views_of(carray(blk, (L.G_HEADER,), np.int64), carray(blk, (L.G_HEADER,), np.float64))
+
+        @njit(inline="always")
+        def views_of(g, gf):
             m, k, nb, blob = g[L.G_M], g[L.G_K], g[L.G_NB], g[L.G_BLOB]
             a = carray(as_ptr(g[L.G_A], F32), (m, k))
             bq = carray(as_ptr(g[L.G_BQ], U8), (g[L.G_BQ_LEN],))
@@ -914,7 +918,11 @@ def native_entries() -> dict:
 
         @njit(inline="always")
         def i8_views(blk):
-            g, a, bq, sc, zq, y, _, _, zmid = views(blk)
+            return i8_views_of(carray(blk, (L.G_HEADER,), np.int64), carray(blk, (L.G_HEADER,), np.float64))
+
+        @njit(inline="always")
+        def i8_views_of(g, gf):
+            g, a, bq, sc, zq, y, _, _, zmid = views_of(g, gf)
             m, nb = g[L.G_M], g[L.G_NB]
             aq = carray(as_ptr(g[L.G_ADE], _I8_MARK), (m, nb, g[L.G_BLOB] * 8 // bits))
             asc = carray(as_ptr(g[L.G_ASUM], F32), (2, m, nb))
@@ -953,9 +961,39 @@ def native_entries() -> dict:
                         break
             loop_end()
 
+        def pair_i8(blk):
+            # Two GEMVs of one A — the gated MLP's gate and up projections — in one team: the
+            # items of this block's weight, then those of the block at ``G_NEXT`` (same M, K,
+            # block size and bits, so the same quantized A, which the caller's ``prep_i8`` on this
+            # block wrote into the scratch both blocks address).  One fork-join and one A for two.
+            g, a, bq, sc, zq, y, aq, asc, zmid = i8_views(blk)
+            g2 = carray(as_ptr(g[L.G_NEXT], _I64_MARK), (L.G_HEADER,))
+            _, _, bq2, sc2, zq2, y2, _, _, zmid2 = i8_views_of(g2, carray(as_ptr(g[L.G_NEXT], _F64_MARK),
+                                                                          (L.G_HEADER,)))
+            m = g[L.G_M]
+            tid = np.int64(thread_num())
+            isum = carray(as_ptr(g[L.G_SCRATCH] + tid * 8 * m * CHUNK, _I32_MARK), (m, CHUNK))
+            acc = carray(as_ptr(g[L.G_SCRATCH] + tid * 8 * m * CHUNK + 4 * m * CHUNK, F32), (m, CHUNK))
+            first, nfull, rem = _items(g[L.G_N], g[L.G_TILE])
+            second, nfull, rem = _items(g2[L.G_N], g2[L.G_TILE])
+            slot = address(blk) + 8 * (L.G_HEADER + 2 * tid)
+            bounds = carray(blk, (L.G_HEADER + 2 * tid + 2,), np.int64)[L.G_HEADER + 2 * tid:]
+            if loop_start(0, first + second, 1, g[L.G_CHUNK], slot, slot + 8):
+                while True:
+                    b0, b1 = bounds[0], bounds[1]
+                    if b0 < first:
+                        _items_i8(aq, asc, bq, sc, zq, g[L.G_ZMODE], zmid, y, g[L.G_N], g[L.G_NB], g[L.G_BLOB],
+                                  g[L.G_TILE], bits, b0, min(b1, first), isum, acc)
+                    if b1 > first:
+                        _items_i8(aq, asc, bq2, sc2, zq2, g2[L.G_ZMODE], zmid2, y2, g2[L.G_N], g2[L.G_NB],
+                                  g2[L.G_BLOB], g2[L.G_TILE], bits, max(b0, first) - first, b1 - first, isum, acc)
+                    if not loop_next(slot, slot + 8):
+                        break
+            loop_end()
+
         made = {}
         int8 = ((f"gemv{bits}_{sck}_i8", serial_i8), (f"gemv{bits}_{sck}_i8_omp", worker_i8),
-                (f"gemv{bits}_{sck}_i8_prep", prep_i8)) if int8_dot else ()
+                (f"gemv{bits}_{sck}_i8_prep", prep_i8), (f"gemv{bits}_{sck}_i8_pair", pair_i8)) if int8_dot else ()
         for name, fn in ((f"gemv{bits}_{sck}", serial), (f"gemv{bits}_{sck}_omp", worker),
                          (f"gemv{bits}_{sck}_prep", prep_entry), (f"dequant{bits}_{sck}", dequant), *int8):
             fn = types_module.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)

@@ -559,6 +559,21 @@ class MatMulNBits(Kernel):
         zmode, zarr, zmid = self._zmode(zq)
         return self._panels(a2, bq, sc, zarr, zmode, zmid, jit)
 
+    def _paired_part(self, jit, a2: np.ndarray, shape: tuple[int, ...]):
+        """(the native plan, its output as (M, N), the fresh output of ``shape``) of a parallel
+        int8 GEMV of ``a2`` (float32, C-contiguous, K columns) — the part
+        :class:`GatedMatMulNBits` pairs with another — or None where this call takes another path."""
+        bq, sc = self._packed.get(1), self._packed.get(2)
+        zq = self._packed.get(3) if self.has_zp else None
+        if bq is None or sc is None or (self.has_zp and zq is None) or self.bits not in (4, 8) or not self._int8(jit, zq):
+            return None
+        out = np.empty(shape, np.float32)
+        fn, args = self._gemv_call(jit, a2, bq, sc, zq, out)
+        if args[-1] == 1:
+            return None
+        plan = self._native_plan(jit, True, args)
+        return None if plan is None else (plan, args[6], out)
+
     def _native_plan(self, jit, parallel: bool, args: tuple):
         """The native code cache's plan of the GEMV ``args`` are for (see ``_jit_native.gemv_plan``),
         kept on the kernel per calling thread, rows and thread count: a decoding step then skips
@@ -755,12 +770,50 @@ class GatedMatMulNBits(Kernel):
 
     def run(self, a, b=None, scales=None, zero_points=None, g_idx=None, bias=None, up_b=None, up_scales=None,
             up_zero_points=None, up_g_idx=None, up_bias=None):
+        if g_idx is None and bias is None and up_g_idx is None and up_bias is None:
+            paired = self._paired(a)
+            if paired is not None:
+                return (paired,)
         (g,) = self.gate.run(a, b, scales, zero_points, g_idx, bias)
         (u,) = self.up.run(a, up_b, up_scales, up_zero_points, up_g_idx, up_bias)
         if g.shape == u.shape and g.dtype == u.dtype and g.flags.writeable and g.flags.owndata:
             np.multiply(g, u, out=g)  # the gate's result is fresh: in place
             return (g,)
         return (np.multiply(g, u),)
+
+
+    def _paired(self, a) -> np.ndarray | None:
+        """``act(A @ W_gate) * (A @ W_up)`` with both GEMVs in one OpenMP region of the native
+        code cache (``_jit_native.gemv_pair``: A quantized once, one fork-join, the team taking
+        the work items of both weights), or None where the two calls run apart.  The same work
+        items as two calls, so the same values.  Why: a decoding step runs this once per layer;
+        apart, the second call pays its own fork-join, A's quantization and ~10 us of Python."""
+        gate, up = self.gate.inner, self.up
+        if (a.__class__ is not np.ndarray or a.dtype != np.float32 or a.ndim < 1 or a.shape[-1] != gate.k
+                or up.k != gate.k or up.n != gate.n or gate.k == 0 or gate.n == 0 or not a.flags.c_contiguous):
+            return None
+        jit = _jit()
+        if not getattr(jit, "native", False):
+            return None
+        lead = a.shape[:-1]
+        a2 = a.reshape(-1, gate.k)
+        m = a2.shape[0]
+        if m == 0:
+            return None
+        first = gate._paired_part(jit, a2, (*lead, gate.n))
+        second = up._paired_part(jit, a2, (*lead, up.n)) if first is not None else None
+        if second is None or not jit.pairs(first[0], second[0]):
+            return None
+        (p1, y1, g), (p2, y2, u) = first, second
+        t0 = time.perf_counter()
+        jit.gemv_pair(p1, p2, a2, y1, y2)
+        t1 = time.perf_counter()
+        if m <= JIT_MAX_ROWS:  # the stall guard's yardstick is a few rows
+            nbytes = sum(x.nbytes for k in (gate, up) for x in k._packed.values())
+            _stall_guard.record(t1 - t0, nbytes, t1, id(self))
+        g = self.gate._apply(g)
+        np.multiply(g, u, out=g)
+        return g
 
 
 # -- GatherBlockQuantized ---------------------------------------------------------------------------
