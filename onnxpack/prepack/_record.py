@@ -374,14 +374,16 @@ class LoadRecord:
             raise PrepackFormatError("the manifest in the data file is not the one this model was saved with "
                                      "(a data file from another save)")
         trusted = self.model.data_identity(location) == seal.identity and not self.verify
-        manifest = fmt.parse_manifest(raw)
-        index = None
+        index = problem = None
         if trusted and raw[:16] == fmt.MANIFEST_MAGIC_V2:
             try:
-                index = fmt.RecordIndex(raw)
+                index = fmt.RecordIndex(raw)  # parses the manifest's entries too
             except PrepackFormatError as exc:
-                # The records' JSON is still there and sealed: they are parsed as before.
-                _warn(f"record index of data file {location!r} ignored (its records are read from the model): {exc}")
+                problem = exc
+        manifest = fmt.parse_manifest(raw) if index is None else index.manifest
+        if problem is not None:
+            # The records' JSON is still there and sealed: they are parsed as before.
+            _warn(f"record index of data file {location!r} ignored (its records are read from the model): {problem}")
         return _State("trusted" if trusted else "verify", manifest, index)
 
     def _find(self, rec: fmt.WeightRecord, where: str, raw: Any, spec: Any, dtype: Any,

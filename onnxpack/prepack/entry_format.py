@@ -64,7 +64,6 @@ __all__ = [
     "manifest_bytes",
     "parse_manifest",
     "RecordIndex",
-    "manifest_matches",
     "format_record",
     "parse_record",
     "check_bounds",
@@ -650,11 +649,13 @@ class RecordIndex:
     """The record index of a version-2 manifest (see above), checked for bounds and sizes.
 
     ``row(kd)`` is the index of the weight row of the record whose key digest is ``kd``;
-    ``record(i)`` builds that record (the same :class:`WeightRecord` its JSON parses to).
+    ``record(i)`` builds that record (the same :class:`WeightRecord` its JSON parses to);
+    ``manifest`` is the manifest's entries (what :func:`parse_manifest` returns).
     """
 
     def __init__(self, data: bytes) -> None:
         entries, where = _parse_manifest(data)
+        self.manifest = entries  # key digest -> value digest, as parse_manifest gives them
         if where is None:
             raise _fail("manifest", "version 2 (with a record index)", "version 1")
         offset, length = where
@@ -822,12 +823,6 @@ def _valid_name(value: str, allow_empty: bool) -> bool:
     except PrepackFormatError:
         return False
     return True
-
-
-def manifest_matches(manifest: dict[bytes, bytes], key: str, value: str) -> bool:
-    """Whether the record stored as (``key``, ``value``) is the one the manifest sealed."""
-    kd, vd = _entry(key, value)
-    return manifest.get(kd) == vd
 
 
 def _to_json(record: WeightRecord) -> dict[str, Any]:

@@ -456,6 +456,7 @@ class Native:
         proto = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
         self.addresses = dict(addresses)
         self._fns = {name: proto(addr) for name, addr in addresses.items()}
+        self._teams: dict[str, Callable[[int, int], None]] = {}  # name -> parallel_entry(name)
         self.used_openmp = False
 
     def call(self, name: str, block_address: int) -> None:
@@ -466,7 +467,10 @@ class Native:
         return self._fns[name]
 
     def parallel(self, name: str, block_address: int, threads: int) -> None:
-        self.parallel_entry(name)(block_address, threads)
+        run = self._teams.get(name)
+        if run is None:
+            run = self._teams[name] = self.parallel_entry(name)
+        run(block_address, threads)
 
     def parallel_entry(self, name: str) -> Callable[[int, int], None]:
         """The OpenMP worker ``name`` as a callable of ``(block_address, threads)`` that runs it on

@@ -781,7 +781,6 @@ class GatedMatMulNBits(Kernel):
             return (g,)
         return (np.multiply(g, u),)
 
-
     def _paired(self, a) -> np.ndarray | None:
         """``act(A @ W_gate) * (A @ W_up)`` with both GEMVs in one OpenMP region of the native
         code cache (``_jit_native.gemv_pair``: A quantized once, one fork-join, the team taking
