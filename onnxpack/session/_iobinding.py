@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -300,6 +300,9 @@ class _BindHook(StepHook):
 
     def __init__(self, binder: _Binder) -> None:
         self.binder = binder
+
+    def steps(self, plan: Plan) -> Container[int]:
+        return self.binder.producers  # the other steps run as in a plain run
 
     def step(self, k: int, step: Step, args: list[Any], frame: Frame, plan: Plan) -> Any:
         bufs = self.binder.producers.get(k)

@@ -327,10 +327,15 @@ class StepHook:
     """How the memory planner takes part in a run without a loop of its own.
 
     ``step(k, step, args, frame, plan)`` returns the step's outputs; the default calls the kernel.
+    ``steps(plan)`` is which steps (indices into ``plan.steps``) go through ``step``: every one by
+    default; the others are called as in a plain run.
     """
 
     def step(self, k: int, step: Step, args: list[Any], frame: Frame, plan: Plan) -> Sequence[Any]:
         return call_step(step, frame, args, plan.name)
+
+    def steps(self, plan: Plan) -> Container[int]:
+        return range(len(plan.steps))
 
 
 class RunControl:
@@ -382,13 +387,18 @@ def run_plan(plan: Plan, inputs: Sequence[Any], parent: Frame | None = None,
         values[name] = value
     frame = Frame(values, parent, control)
     get = frame.get
-    if hook is None:
-        # The plain loop (measured on a 1,000-node chain of tiny ops, benchmarks/bench_overhead.py):
-        # arguments from the precomputed ``Step.args``, the kernel's bound method called
-        # directly for ``plain`` kernels, a single output stored without a loop.
-        for step in plan.steps:
+    # One loop for plain and hooked runs (measured on a 1,000-node chain of tiny ops,
+    # benchmarks/bench_overhead.py): arguments from the precomputed ``Step.args``, the kernel's
+    # bound method called directly for ``plain`` kernels, a single output stored without a loop.
+    # A hook sees only the steps it asks for (a decoding step's bound outputs are 48 of its 178
+    # steps): the others pay nothing for it.
+    hooked = () if hook is None else hook.steps(plan)
+    for k, step in enumerate(plan.steps):
+        args = [values[n] if n in values else (get(n) if n else None) for n in step.args]
+        if k in hooked:
+            outs = hook.step(k, step, args, frame, plan)
+        else:
             kernel = step.kernel
-            args = [values[n] if n in values else (get(n) if n else None) for n in step.args]
             try:
                 mode = kernel.call_mode
                 if mode == "plain":
@@ -401,28 +411,19 @@ def run_plan(plan: Plan, inputs: Sequence[Any], parent: Frame | None = None,
                 raise
             except Exception as exc:
                 raise RuntimeFailure(f"{step.label} in graph {plan.name!r} failed: {type(exc).__name__}: {exc}") from exc
-            names = step.outputs
-            if len(names) == 1:
-                name = names[0]
-                if name:
-                    value = outs[0]
-                    values[name] = value if value.__class__ is np.ndarray or value is None or isinstance(
-                        value, (np.ndarray, list)) else np.asarray(value)
-            else:
-                for name, value in zip(names, outs):
-                    if name:
-                        values[name] = value if isinstance(value, (np.ndarray, list)) or value is None else np.asarray(value)
-            for name in step.release:
-                values.pop(name, None)
-    else:
-        for k, step in enumerate(plan.steps):
-            args = [values[n] if n in values else (get(n) if n else None) for n in step.args]
-            outs = hook.step(k, step, args, frame, plan)
-            for name, value in zip(step.outputs, outs):
+        names = step.outputs
+        if len(names) == 1:
+            name = names[0]
+            if name:
+                value = outs[0]
+                values[name] = value if value.__class__ is np.ndarray or value is None or isinstance(
+                    value, (np.ndarray, list)) else np.asarray(value)
+        else:
+            for name, value in zip(names, outs):
                 if name:
                     values[name] = value if isinstance(value, (np.ndarray, list)) or value is None else np.asarray(value)
-            for name in step.release:
-                values.pop(name, None)
+        for name in step.release:
+            values.pop(name, None)
     try:
         return [values[n] if n in values else get(n) for n in plan.output_names]
     except KeyError as exc:
