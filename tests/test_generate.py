@@ -176,3 +176,55 @@ def test_decode_steps_write_the_bound_cache_in_place_without_copying(monkeypatch
                 ref.step([tok])
             np.testing.assert_allclose(ref.step([8]), cache.step([8]), rtol=1e-5, atol=1e-5)
 
+
+
+@pytest.mark.parametrize("fixture", ["qwen2-int4", "llama-fp32", "phi3-int4"])
+def test_decode_repeats_equal_the_full_paths(fixture, native_cache, monkeypatch):
+    """From a shape's second decoding step on, MatMulNBits, the gated MLP's paired GEMVs,
+    SkipSimplifiedLayerNormalization and GroupQueryAttention repeat what their full paths chose
+    for that shape (``_repeat``, native kernels): the logits of every step are bit-identical to
+    the full paths' (``_repeat`` off), and each of the four repeats really runs."""
+    from onnxpack.generate import _Cache
+    from onnxpack.session.kernels import _act, attention, contrib_norm
+
+    monkeypatch.delenv("ONNXPACK_DISABLE_JIT", raising=False)
+    monkeypatch.delenv("ONNXPACK_DISABLE_NATIVE", raising=False)
+    # Every GEMV on the team (the fixtures' layers are below the serial cut), and no stall turning
+    # it off midway: the paired GEMVs run in both configurations alike.
+    monkeypatch.setattr(quant, "JIT_SERIAL_BELOW", 0)
+    monkeypatch.setattr(quant._StallGuard, "parallel_allowed", lambda self, now: True)
+    classes = (quant.MatMulNBits, quant.GatedMatMulNBits, contrib_norm._SkipNorm, attention.GroupQueryAttention)
+    taken = {cls: 0 for cls in classes}
+
+    def counting(cls):
+        real = cls._repeat
+
+        def repeat(self, *a, **k):
+            got = real(self, *a, **k)
+            taken[cls] += got is not None
+            return got
+        return repeat
+
+    def logits(repeat: bool) -> list[np.ndarray]:
+        with monkeypatch.context() as mp:
+            mp.setattr(_act, "_native_kernels", [])
+            for cls in classes:
+                mp.setattr(cls, "_repeat", counting(cls) if repeat else (lambda self, *a, **k: None))
+            assert getattr(_act.act_kernels(), "native", False)
+            with Generator(FIXTURES / fixture) as gen:
+                assert gen.shared
+                cache = _Cache(gen, 24)
+                out = [cache.step(PROMPT).copy()]
+                for tok in (5, 6, 7, 8, 9):
+                    out.append(cache.step([tok]).copy())
+        return out
+
+    full = logits(False)
+    fast = logits(True)
+    for a, b in zip(full, fast):
+        np.testing.assert_array_equal(a, b)
+    nbits = any(n.op_type == "MatMulNBits"
+                for n in onnx.load(FIXTURES / fixture / "model.onnx", load_external_data=False).graph.node)
+    want = [quant.MatMulNBits, quant.GatedMatMulNBits] if nbits else []
+    want += [contrib_norm._SkipNorm, attention.GroupQueryAttention]
+    assert all(taken[cls] > 0 for cls in want), taken

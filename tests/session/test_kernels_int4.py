@@ -235,6 +235,74 @@ def test_decode_after_a_stall_runs_serial_and_matches(monkeypatch):
     np.testing.assert_allclose(after, want, **F32_TOL)
 
 
+@pytest.mark.parametrize("jit_path", ["native"], indirect=True)
+def test_repeated_calls_take_the_kept_plan_and_still_decide_threads(jit_path, monkeypatch):
+    """A call with the shape of this thread's last one repeats its native plan (``_repeat``): the
+    values are the full path's; a new shape, another thread, a moved serial cut or a stall
+    makes the full path decide again, and the repeat then follows that decision."""
+    k, n = 512, 8192  # m*k*n above JIT_SERIAL_BELOW: the parallel GEMV
+    vals = nbits_values(k, n, 32, 4, zp="uint8", seed=21)
+    kern = lookup(MS, "MatMulNBits", 1)(nbits_node(k, n, 32, 4, vals), KernelContext(1, {MS: 1, "": 17}))
+    for i, name in ((1, "b"), (2, "s"), (3, "zp")):
+        kern.use_prepacked(i, kern.prepack(i, vals[name]))
+    guard = quant._StallGuard()
+    monkeypatch.setattr(guard, "record", lambda *a, **k: None)  # stalls only where the test sets them
+    monkeypatch.setattr(quant, "_stall_guard", guard)
+    repeats = []
+    real = quant.MatMulNBits._repeat
+
+    def counted(self, a):
+        y = real(self, a)
+        repeats.append(y is not None)
+        return y
+
+    monkeypatch.setattr(quant.MatMulNBits, "_repeat", counted)
+    rng = np.random.default_rng(22)
+    w = dequantize_nbits(vals["b"], vals["s"], vals["zp"], k=k, n=n, bits=4, block_size=32)
+
+    def check(a):
+        (y,) = kern.run(a)
+        assert y.shape == (*a.shape[:-1], n) and y.dtype == np.float32
+        np.testing.assert_allclose(y, a.astype(np.float64) @ w, **F32_TOL)
+        return y
+
+    a = rng.standard_normal((1, 1, k)).astype(np.float32)
+    first = check(a)
+    assert kern._again is not None and repeats == []
+    np.testing.assert_array_equal(check(a), first)  # the repeat: the same plan, the same values
+    assert repeats == [True]
+    parallel = kern._again[7] > 1
+    check(rng.standard_normal((3, k)).astype(np.float32))  # another shape: the full path
+    assert repeats[-1] is False and kern._again[1] == (3, k)
+    b = rng.standard_normal((3, k)).astype(np.float32)
+    check(b)
+    assert repeats[-1] is True
+    if parallel:
+        guard.until = float("inf")  # a stall: serial from here, and the repeat follows
+        np.testing.assert_array_equal(check(b), kern.run(np.ascontiguousarray(b))[0])
+        assert kern._again[7] == 1
+        guard.until = 0.0
+        check(b)
+        assert repeats[-1] is False and kern._again[7] > 1  # parallel again: decided anew
+    monkeypatch.setattr(quant, "JIT_SERIAL_BELOW", 1 << 62)  # the cut moved: serial
+    check(b)
+    assert kern._again[7] == 1
+    check(b)
+    assert repeats[-1] is True
+    seen = []
+    import threading
+    t = threading.Thread(target=lambda: seen.append(check(b)))  # another thread: its own plan
+    t.start()
+    t.join()
+    assert len(seen) == 1 and repeats[-1] is False
+    np.testing.assert_array_equal(seen[0], kern.run(b)[0])
+    # a view that is not C-contiguous, float64, a bias-free call with other dtype: the full path
+    check(np.asfortranarray(rng.standard_normal((3, k)).astype(np.float32)))
+    (y64,) = kern.run(b.astype(np.float64))
+    assert y64.dtype == np.float64
+    np.testing.assert_allclose(y64, b.astype(np.float64) @ w, **F32_TOL)
+
+
 @pytest.mark.parametrize("bits", [4, 8], ids=["b4", "b8"])
 def test_split_prefill_matches_one_thread_and_restores_blas_threads(bits, path, monkeypatch):
     """Prefill-sized calls (M > JIT_MAX_ROWS) share the dequantized panels out between onnxpack's

@@ -18,22 +18,29 @@ def _kernel(**attrs):
 
 
 @pytest.mark.parametrize("window", [-1, 5], ids=["full", "local-window"])
-def test_in_place_cache_equals_copying_cache_over_steps(window):
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+def test_in_place_cache_equals_copying_cache_over_steps(window, rotary, jit_path):
+    """(With the native kernels, the decoding steps after the first repeat the first's plan:
+    ``GroupQueryAttention._repeat``.)"""
     rng = np.random.default_rng(0)
-    k = _kernel(local_window_size=window)
+    extra = ()
+    if rotary:
+        angles = rng.random((CAP, H // 4)).astype(np.float32) * 3
+        extra = (np.cos(angles), np.sin(angles))
+    k = _kernel(local_window_size=window, do_rotary=int(rotary), softcap=30.0 if rotary else 0.0)
     shared_k = np.zeros((1, NKV, CAP, H), np.float32)
     shared_v = np.zeros((1, NKV, CAP, H), np.float32)
     copy_k, copy_v = shared_k.copy(), shared_v.copy()
     length = 0
-    for s in (6, 1, 1, 1, 3, 1):  # prompt, decode steps, a chunk
+    for s in (6, 1, 1, 1, 3, 1, 1):  # prompt, decode steps, a chunk, decode steps
         qkv = rng.standard_normal((1, s, (N + 2 * NKV) * H)).astype(np.float32)
         total = length + s
         sk = np.array([total - 1], np.int32)
         tot = np.array(total, np.int32)
-        want = k.run(qkv, None, None, copy_k, copy_v, sk, tot)
+        want = k.run(qkv, None, None, copy_k, copy_v, sk, tot, *extra)
         before = (shared_k.ctypes.data, shared_v.ctypes.data)
         y = np.empty((1, s, N * H), np.float32)
-        got = k.run_into((y, shared_k, shared_v), qkv, None, None, shared_k, shared_v, sk, tot)
+        got = k.run_into((y, shared_k, shared_v), qkv, None, None, shared_k, shared_v, sk, tot, *extra)
         assert got[0] is y and got[1] is shared_k and got[2] is shared_v
         assert (shared_k.ctypes.data, shared_v.ctypes.data) == before
         np.testing.assert_allclose(y, want[0], rtol=1e-6, atol=1e-6)

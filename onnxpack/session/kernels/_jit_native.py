@@ -373,9 +373,15 @@ class _Kernels:
         rows, d = x.shape
         if (r0, r1) != (0, rows):  # pragma: no cover - callers pass every row
             raise ValueError(f"Bug: rms_rows rows {r0}..{r1} of {rows}")
+        self.rms(rows, d, x, skip, skip.shape[0], bias, bias.shape[0], gamma, y, total, total.shape[0], inv_out, eps)
+
+    def rms(self, rows, d, x, skip, skip_rows, bias, bias_len, gamma, y, total, total_rows, inv_out, eps) -> None:
+        """:meth:`rms_rows` with the sizes given: C-contiguous float32 arrays of any shape holding
+        ``rows * d`` values (``skip``: ``skip_rows * d``, ``bias``: ``bias_len``, ``total``:
+        ``total_rows * d``, ``inv_out``: ``rows``)."""
         buf, address = _block()
-        _RMS_PACK.pack_into(buf, 0, rows, d, _addr(x), _addr(skip), skip.shape[0], _addr(bias), bias.shape[0],
-                            _addr(gamma), _addr(y), _addr(total), total.shape[0], _addr(inv_out), float(eps))
+        _RMS_PACK.pack_into(buf, 0, rows, d, _addr(x), _addr(skip), skip_rows, _addr(bias), bias_len,
+                            _addr(gamma), _addr(y), _addr(total), total_rows, _addr(inv_out), float(eps))
         self._lib.call("rms_f32", address)
 
 
@@ -391,8 +397,17 @@ class _Kernels:
 
     def gqa_decode(self, q, k, v, pk, pv, pos, lo, cos, sin, half, interleaved, scale, softcap, out, qr,
                    scores) -> None:
-        """``_attn_jit.gqa_decode`` on C-contiguous float32 arrays of the shapes it documents."""
+        """``_attn_jit.gqa_decode`` on C-contiguous float32 arrays of the shapes it documents
+        (``qr`` and ``scores`` are not used: the thread's scratch serves)."""
         nkv, cap, h = pk.shape
+        self.gqa_decode_at(q.shape[0], nkv, h, cap, half, pos, lo, _addr(q), _addr(k), _addr(v), _addr(pk),
+                           _addr(pv), _addr(cos), _addr(sin), _addr(out), interleaved, scale, softcap)
+
+    def gqa_decode_at(self, n, nkv, h, cap, half, pos, lo, q, k, v, pk, pv, cos, sin, out, interleaved, scale,
+                      softcap) -> None:
+        """:meth:`gqa_decode` on data addresses (the caller keeps the arrays alive and checked:
+        ``q`` n x h, ``k``/``v`` nkv x h, ``pk``/``pv`` nkv x cap x h, ``cos``/``sin`` the ``half``
+        values of row ``pos``, ``out`` n x h float32), with this thread's scratch."""
         buf, address = _block()
         count = int(pos) + 1 - int(lo)
         threads = min(_act.threads(), nkv, _SLOTS)
@@ -400,10 +415,12 @@ class _Kernels:
         if split:
             qr = _scratch("gqa_qr", threads * h, np.float32)
             scores = _scratch("gqa_scores", threads * count, np.float32)
-        _Q_PACK.pack_into(buf, 0, q.shape[0], nkv, h, cap, int(half), int(pos), int(lo), _addr(q), _addr(k),
-                          _addr(v), _addr(pk), _addr(pv), _addr(cos), _addr(sin), _addr(out), _addr(qr),
-                          _addr(scores), count if split else scores.shape[0], int(bool(interleaved)), float(scale),
-                          float(softcap))
+        else:
+            qr = _scratch("gqa_qr", h, np.float32)
+            scores = _scratch("gqa_scores", count, np.float32)
+        _Q_PACK.pack_into(buf, 0, n, nkv, h, cap, int(half), int(pos), int(lo), q, k, v, pk, pv, cos, sin, out,
+                          _addr(qr), _addr(scores), count if split else scores.shape[0], int(bool(interleaved)),
+                          float(scale), float(softcap))
         if split:
             self._lib.parallel("gqa_f32_omp", address, threads)
         else:

@@ -104,6 +104,7 @@ def _rms_jit(x, skip, gamma, bias, eps: float, want_sum: bool):
 
 
 _NO_VALUES = np.zeros(0, np.float32)
+_NO_ROWS = np.zeros((0, 0), np.float32)  # the kernel's sum output when none is wanted
 
 
 def _vector(v: np.ndarray, d: int) -> np.ndarray:
@@ -131,6 +132,7 @@ class _SkipNorm(Kernel):
         self.want_inv = bool(outs[2])
         self.want_sum = bool(outs[3])
         self.n_out = len(node.output)
+        self._again: tuple | None = None  # see _repeat
 
     def _check(self, x, skip, gamma, beta, bias) -> int:
         if x.ndim not in (2, 3):
@@ -153,12 +155,44 @@ class _SkipNorm(Kernel):
                 )
         return h
 
+    def _repeat(self, x, skip, gamma) -> tuple | None:
+        """The outputs by the native RMS kernel when ``x``, ``skip`` and ``gamma`` are as in the
+        call that :meth:`_run` last computed so (float32, C-contiguous, the same shapes, the same
+        gamma array, no bias), else None.  Why: a decoding step runs this twice per layer on one
+        token, and the checks and reshapes of the full path cost ~15 us of Python per call, three
+        times the kernel (measured on Qwen2.5-0.5B)."""
+        kept = self._again
+        if (x.__class__ is not np.ndarray or skip.__class__ is not np.ndarray or gamma is not kept[1]
+                or x.shape != kept[0] or skip.shape != kept[0] or x.dtype != np.float32 or skip.dtype != np.float32
+                or not x.flags.c_contiguous or not skip.flags.c_contiguous):
+            return None
+        k = _act.native()
+        if k is None:
+            return None
+        shape, _, rows, d, stat = kept
+        y = np.empty(shape, np.float32)
+        total = np.empty(shape, np.float32) if self.want_sum else _NO_ROWS
+        inv = np.empty(stat, np.float32)
+        k.rms(rows, d, x, skip, rows, _NO_VALUES, 0, gamma, y, total, rows if self.want_sum else 0, inv,
+              np.float32(self.epsilon))
+        mean = np.zeros_like(inv) if self.want_mean else None
+        return (y, mean, inv if self.want_inv else None, total if self.want_sum else None)[: self.n_out]
+
     def _run(self, x, skip, gamma, beta, bias):
+        if bias is None and self._again is not None:
+            got = self._repeat(x, skip, gamma)
+            if got is not None:
+                return got
         self._check(x, skip, gamma, beta, bias)
         if self._simplified and skip.shape == x.shape:
             got = _rms_jit(x, skip, gamma, bias, self.epsilon, self.want_sum)
             if got is not None:
                 y, inv, total = got
+                if (bias is None and x.__class__ is np.ndarray and skip.__class__ is np.ndarray
+                        and x.flags.c_contiguous and skip.flags.c_contiguous and gamma.shape == (x.shape[-1],)
+                        and gamma.flags.c_contiguous and gamma.__class__ is np.ndarray and x.size
+                        and hasattr(_act.native(), "rms")):
+                    self._again = (x.shape, gamma, x.size // x.shape[-1], x.shape[-1], x.shape[:-1] + (1,))
                 mean = np.zeros_like(inv) if self.want_mean else None
                 return (y, mean, inv if self.want_inv else None, total)[: self.n_out]
         fd = _float(x.dtype)
