@@ -547,17 +547,19 @@ class MatMulNBits(Kernel):
         path's checks, reshapes and look-ups cost ~15 us of Python per call (measured on
         Qwen2.5-0.5B with the native calls stubbed out) — as much as a small GEMV itself.  The
         plan is the one the full path chose; what that choice depends on and may change between
-        calls is checked again: the same thread, the same packed weights, the thread's scratch
-        still the plan's, and the thread count :meth:`_gemv_call` would choose now (the serial
-        cut, a fork, the session's threads, the stall guard)."""
+        calls is checked again: the same thread, the same packed weights, and the thread count
+        :meth:`_gemv_call` would choose now (the serial cut, a fork, the session's threads, the
+        stall guard)."""
         kept = self._again
         if (a.__class__ is not np.ndarray or a.shape != kept[1] or a.dtype != np.float32 or not a.flags.c_contiguous
                 or kept[0] != threading.get_ident()):
             return None
         plan, bq, sc, zq, threads = kept[2], kept[3], kept[4], kept[5], kept[7]
         packed = self._packed
-        if (packed.get(1) is not bq or packed.get(2) is not sc or (self.has_zp and packed.get(3) is not zq)
-                or not plan.holds(bq, sc)):
+        # (The plan was made for these arrays, which ``kept`` holds alive: no weak reference to
+        # check.  Its scratch is this thread's, kept alive by the plan, even if the thread's
+        # scratch was replaced since: the next full-path call drops it.)
+        if packed.get(1) is not bq or packed.get(2) is not sc or (self.has_zp and packed.get(3) is not zq):
             return None
         macs = a.size * self.n
         if threads == 1:
@@ -839,8 +841,9 @@ class GatedMatMulNBits(Kernel):
             return None
         p1, p2, weights, shape, nbytes = kept[2:]
         t0 = time.perf_counter()
-        if not (all(k._packed.get(i) is w for k, i, w in weights) and p1.holds(weights[0][2], weights[1][2])
-                and p2.holds(weights[3][2], weights[4][2]) and a.size * self.up.n >= JIT_SERIAL_BELOW
+        # (As in MatMulNBits._repeat, no ``holds``: the two plans share A's scratch — jit.pairs
+        # checked it when the pair was kept — and their blocks do not change.)
+        if not (all(k._packed.get(i) is w for k, i, w in weights) and a.size * self.up.n >= JIT_SERIAL_BELOW
                 and _parallel_ok() and jit.threads() == p1.threads and _stall_guard.parallel_allowed(t0)):
             return None
         g = np.empty(shape, np.float32)
