@@ -277,9 +277,17 @@ class _Cache:
         self.names = [(cfg.past_key % i, cfg.present_key % i) for i in range(cfg.layers)]
         self.names += [(cfg.past_value % i, cfg.present_value % i) for i in range(cfg.layers)]
         if gen.shared:
+            from onnxpack import OrtValue
+
             shape = (1, cfg.kv_heads, capacity, cfg.head_size)
             self.past = {p: np.zeros(shape, gen._cache_dtype) for p, _ in self.names}
-            self.binding = gen.session.io_binding()
+            # Bound once: each step rebinds only the inputs that change (ids, mask, positions).
+            self.binding = b = gen.session.io_binding()
+            for past, present in self.names:
+                buf = OrtValue.ortvalue_from_numpy(self.past[past])
+                b.bind_ortvalue_input(past, buf)
+                b.bind_ortvalue_output(present, buf)  # the same buffer: updated in place
+            b.bind_output(cfg.logits)  # (bound last: the last of the run's outputs)
         else:
             shape = (1, cfg.kv_heads, 0, cfg.head_size)
             self.past = {p: np.zeros(shape, gen._cache_dtype) for p, _ in self.names}
@@ -295,18 +303,9 @@ class _Cache:
         if cfg.position_ids and cfg.position_ids in gen._inputs:
             feed[cfg.position_ids] = np.arange(self.length, total, dtype=np.int64)[None, :]
         if self.binding is not None:
-            from onnxpack import OrtValue
-
             b = self.binding
-            b.clear_binding_inputs()
-            b.clear_binding_outputs()
             for name, value in feed.items():
                 b.bind_cpu_input(name, value)
-            for past, present in self.names:
-                buf = OrtValue.ortvalue_from_numpy(self.past[past])
-                b.bind_ortvalue_input(past, buf)
-                b.bind_ortvalue_output(present, buf)  # the same buffer: updated in place
-            b.bind_output(cfg.logits)
             gen.session.run_with_iobinding(b, _shrink_options() if s > 1 else None)
             logits = b.get_outputs()[-1].numpy()
         else:
