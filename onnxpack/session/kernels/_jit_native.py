@@ -189,6 +189,7 @@ class _Kernels:
 
     native = True
     CHUNK = CHUNK
+    address = staticmethod(_addr)  # an array's data address, for callers of the ``*_at`` entries
 
     def __init__(self, lib: _native.Native) -> None:
         self._lib = lib

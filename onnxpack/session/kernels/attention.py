@@ -30,7 +30,6 @@ import numpy as np
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import _act
-from onnxpack.session.kernels._jit_native import _addr as data_address
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register, same_view
 from onnxpack.session.kernels.linalg import (adopt_pack, compute_dtype, identity_panels, layout_attrs, matmul_packed,
                                              pack_b, packed_shape)
@@ -864,7 +863,7 @@ class GroupQueryAttention(Kernel):
             return None
         kern = _act.native()
         if kern is None or not hasattr(kern, "gqa_decode_at"):
-            return None
+            return None  # (numba's module: no address-level entry)
         n, nkv = self.heads, self.kv_heads
         _, _, plen, h = kept[1]
         length, t_total = int(seqlens_k.item()) + 1, int(total.item())
@@ -877,11 +876,12 @@ class GroupQueryAttention(Kernel):
         if p0 + 1 - lo > _JIT_MAX_KEYS and not kern.gqa_splits(nkv, p0 + 1 - lo):
             return None
         out = np.empty((1, 1, n * h), _F32)
-        q = data_address(query)
+        address = kern.address
+        q = address(query)
         row = 4 * kept[5]
         kern.gqa_decode_at(n, nkv, h, plen, kept[5], p0, lo, q, q + 4 * n * h, q + 4 * (n + nkv) * h,
-                           data_address(past_key), data_address(past_value), kept[7] + p0 * row, kept[8] + p0 * row,
-                           data_address(out),
+                           address(past_key), address(past_value), kept[7] + p0 * row, kept[8] + p0 * row,
+                           address(out),
                            self.interleaved, kept[4], self.softcap)
         return (out, past_key, past_value)[: self.n_out]
 
@@ -945,7 +945,7 @@ class GroupQueryAttention(Kernel):
                 limit = min(cos_cache.shape[0], sin_cache.shape[0]) if self.do_rotary else 1 << 62
                 scale = self.scale if self.scale != 0.0 else 1.0 / math.sqrt(h)
                 self._again = (query.shape, past_key.shape, cos_cache, sin_cache, scale, half, limit,
-                               data_address(tables[0]), data_address(tables[1]))
+                               kern.address(tables[0]), kern.address(tables[1]))
         return got
 
     def _rotary_tables(self, cos_cache, sin_cache, position_ids, first_prompt: bool, past, s: int, h: int, fd):
