@@ -237,11 +237,12 @@ def test_decode_after_a_stall_runs_serial_and_matches(monkeypatch):
 
 @pytest.mark.parametrize("jit_path", ["native"], indirect=True)
 def test_repeated_calls_take_the_kept_plan_and_still_decide_threads(jit_path, monkeypatch):
-    """A call with the shape of this thread's last one repeats its native plan (``_repeat``): the
-    values are the full path's; a new shape, another thread, a moved serial cut or a stall
-    makes the full path decide again, and the repeat then follows that decision."""
+    """A call with the shape of this thread's last one (and the same bias array) repeats its
+    native plan (``_repeat``): the values are the full path's; a new shape, another thread, a
+    moved serial cut, a stall or another bias makes the full path decide again, and the repeat
+    then follows that decision."""
     k, n = 512, 8192  # m*k*n above JIT_SERIAL_BELOW: the parallel GEMV
-    vals = nbits_values(k, n, 32, 4, zp="uint8", seed=21)
+    vals = nbits_values(k, n, 32, 4, zp="uint8", seed=21, bias=True)
     kern = lookup(MS, "MatMulNBits", 1)(nbits_node(k, n, 32, 4, vals), KernelContext(1, {MS: 1, "": 17}))
     for i, name in ((1, "b"), (2, "s"), (3, "zp")):
         kern.use_prepacked(i, kern.prepack(i, vals[name]))
@@ -251,8 +252,8 @@ def test_repeated_calls_take_the_kept_plan_and_still_decide_threads(jit_path, mo
     repeats = []
     real = quant.MatMulNBits._repeat
 
-    def counted(self, a):
-        y = real(self, a)
+    def counted(self, a, bias):
+        y = real(self, a, bias)
         repeats.append(y is not None)
         return y
 
@@ -260,10 +261,12 @@ def test_repeated_calls_take_the_kept_plan_and_still_decide_threads(jit_path, mo
     rng = np.random.default_rng(22)
     w = dequantize_nbits(vals["b"], vals["s"], vals["zp"], k=k, n=n, bits=4, block_size=32)
 
-    def check(a):
-        (y,) = kern.run(a)
+    bias = vals["bias"]
+
+    def check(a, b=bias):
+        (y,) = kern.run(a, None, None, None, None, b)
         assert y.shape == (*a.shape[:-1], n) and y.dtype == np.float32
-        np.testing.assert_allclose(y, a.astype(np.float64) @ w, **F32_TOL)
+        np.testing.assert_allclose(y, a.astype(np.float64) @ w + (0 if b is None else b), **F32_TOL)
         return y
 
     a = rng.standard_normal((1, 1, k)).astype(np.float32)
@@ -279,7 +282,7 @@ def test_repeated_calls_take_the_kept_plan_and_still_decide_threads(jit_path, mo
     assert repeats[-1] is True
     if parallel:
         guard.until = float("inf")  # a stall: serial from here, and the repeat follows
-        np.testing.assert_array_equal(check(b), kern.run(np.ascontiguousarray(b))[0])
+        np.testing.assert_array_equal(check(b), kern.run(np.ascontiguousarray(b), None, None, None, None, bias)[0])
         assert kern._again[7] == 1
         guard.until = 0.0
         check(b)
@@ -295,12 +298,18 @@ def test_repeated_calls_take_the_kept_plan_and_still_decide_threads(jit_path, mo
     t.start()
     t.join()
     assert len(seen) == 1 and repeats[-1] is False
-    np.testing.assert_array_equal(seen[0], kern.run(b)[0])
+    np.testing.assert_array_equal(seen[0], kern.run(b, None, None, None, None, bias)[0])
+    check(b, None)  # no bias: the full path, then its own repeat
+    assert repeats[-1] is False
+    check(b, None)
+    assert repeats[-1] is True
+    check(b, bias.copy())  # an equal bias in another array: the full path
+    assert repeats[-1] is False
     # a view that is not C-contiguous, float64, a bias-free call with other dtype: the full path
     check(np.asfortranarray(rng.standard_normal((3, k)).astype(np.float32)))
-    (y64,) = kern.run(b.astype(np.float64))
+    (y64,) = kern.run(b.astype(np.float64), None, None, None, None, bias)
     assert y64.dtype == np.float64
-    np.testing.assert_allclose(y64, b.astype(np.float64) @ w, **F32_TOL)
+    np.testing.assert_allclose(y64, b.astype(np.float64) @ w + bias, **F32_TOL)
 
 
 @pytest.mark.parametrize("bits", [4, 8], ids=["b4", "b8"])

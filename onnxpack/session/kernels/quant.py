@@ -493,8 +493,8 @@ class MatMulNBits(Kernel):
         dq(bq, _jit_view(sc), _jit_view(zarr), zmode, zmid, w, self.n, self.nblocks, self.blob, TILE, 0, 1)
 
     def run(self, a, b=None, scales=None, zero_points=None, g_idx=None, bias=None):
-        if bias is None and g_idx is None and self._again is not None:
-            y = self._repeat(a)
+        if g_idx is None and self._again is not None:
+            y = self._repeat(a, bias)
             if y is not None:
                 return (y,)
         name = self.node.name
@@ -527,10 +527,13 @@ class MatMulNBits(Kernel):
         else:
             y = self._matmul(a2, bq, sc, zq, (*lead, self.n))
             kept = self._plan  # this thread's native plan for these rows, if the call took one
-            if (kept is not None and bias is None and a2.shape[0] <= JIT_MAX_ROWS and a.__class__ is np.ndarray
+            if (kept is not None and a2.shape[0] <= JIT_MAX_ROWS and a.__class__ is np.ndarray
                     and a.dtype == np.float32 and a.flags.c_contiguous
-                    and kept[0][:2] == (threading.get_ident(), a2.shape[0])):
-                self._again = (kept[0][0], a.shape, kept[1], bq, sc, zq, y.shape, kept[0][2])
+                    and kept[0][:2] == (threading.get_ident(), a2.shape[0])
+                    and (bias is None or (bias.__class__ is np.ndarray and bias.dtype == np.float32
+                                          and bias.size == self.n))):
+                self._again = (kept[0][0], a.shape, kept[1], bq, sc, zq, y.shape, kept[0][2], bias,
+                               None if bias is None else bias.reshape(self.n))
         if bias is not None:
             if bias.size != self.n:
                 raise InvalidArgument(f"node {name!r} (MatMulNBits): bias must have N={self.n} elements, got {list(bias.shape)}")
@@ -539,9 +542,10 @@ class MatMulNBits(Kernel):
             y = y.reshape(*lead, self.n)
         return (y.astype(out_dtype, copy=False),)
 
-    def _repeat(self, a) -> np.ndarray | None:
-        """``A @ W`` by the native plan of this thread's last call when ``a`` is as that call's
-        (float32, C-contiguous, the same shape, no bias or ``g_idx``), else None.
+    def _repeat(self, a, bias) -> np.ndarray | None:
+        """``A @ W`` (+ ``bias``) by the native plan of this thread's last call when ``a`` and
+        ``bias`` are as that call's (``a`` float32, C-contiguous, the same shape; the very same
+        float32 bias array or none; no ``g_idx``), else None.
 
         Why: a decoding step calls ~100 GEMVs with the same shapes at every token, and the full
         path's checks, reshapes and look-ups cost ~15 us of Python per call (measured on
@@ -552,9 +556,9 @@ class MatMulNBits(Kernel):
         stall guard)."""
         kept = self._again
         if (a.__class__ is not np.ndarray or a.shape != kept[1] or a.dtype != np.float32 or not a.flags.c_contiguous
-                or kept[0] != threading.get_ident()):
+                or kept[0] != threading.get_ident() or bias is not kept[8]):
             return None
-        plan, bq, sc, zq, threads = kept[2], kept[3], kept[4], kept[5], kept[7]
+        plan, bq, sc, zq, threads, add = kept[2], kept[3], kept[4], kept[5], kept[7], kept[9]
         packed = self._packed
         # (The plan was made for these arrays, which ``kept`` holds alive: no weak reference to
         # check.  Its scratch is this thread's, kept alive by the plan, even if the thread's
@@ -568,6 +572,8 @@ class MatMulNBits(Kernel):
                 return None  # the full path would take the team now
             y = np.empty(kept[6], np.float32)
             plan(a, y)
+            if add is not None:
+                y += add  # (as the full path adds it)
             return y
         t0 = time.perf_counter()
         if (macs < JIT_SERIAL_BELOW or not _parallel_ok() or _jit().threads() != threads
@@ -577,6 +583,8 @@ class MatMulNBits(Kernel):
         plan(a, y)
         t1 = time.perf_counter()
         _stall_guard.record(t1 - t0, bq.nbytes + sc.nbytes + (0 if zq is None else zq.nbytes), t1, id(self))
+        if add is not None:
+            y += add
         return y
 
     def _zmode(self, zq):
