@@ -229,6 +229,15 @@ class _StallGuard:
 
 _stall_guard = _StallGuard()
 
+
+def _gemv_threads(jit, macs: int) -> int:
+    """How many threads a JIT GEMV of ``macs`` multiply-adds runs on now: one below the serial
+    cut, after a fork, or while the stall guard says so; else the JIT's thread count."""
+    if macs < JIT_SERIAL_BELOW or not _parallel_ok():
+        return 1
+    threads = jit.threads()
+    return threads if threads == 1 or _stall_guard.parallel_allowed(time.perf_counter()) else 1
+
 _blas_control: Any = None
 
 
@@ -552,8 +561,7 @@ class MatMulNBits(Kernel):
         Qwen2.5-0.5B with the native calls stubbed out) — as much as a small GEMV itself.  The
         plan is the one the full path chose; what that choice depends on and may change between
         calls is checked again: the same thread, the same packed weights, and the thread count
-        :meth:`_gemv_call` would choose now (the serial cut, a fork, the session's threads, the
-        stall guard)."""
+        the full path would choose now (:func:`_gemv_threads`)."""
         kept = self._again
         if (a.__class__ is not np.ndarray or a.shape != kept[1] or a.dtype != np.float32 or not a.flags.c_contiguous
                 or kept[0] != threading.get_ident() or bias is not kept[8]):
@@ -565,26 +573,19 @@ class MatMulNBits(Kernel):
         # scratch was replaced since: the next full-path call drops it.)
         if packed.get(1) is not bq or packed.get(2) is not sc or (self.has_zp and packed.get(3) is not zq):
             return None
-        macs = a.size * self.n
-        if threads == 1:
-            if (macs >= JIT_SERIAL_BELOW and _parallel_ok() and _jit().threads() > 1
-                    and _stall_guard.parallel_allowed(time.perf_counter())):
-                return None  # the full path would take the team now
-            y = np.empty(kept[6], np.float32)
-            plan(a, y)
-            if add is not None:
-                y += add  # (as the full path adds it)
-            return y
-        t0 = time.perf_counter()
-        if (macs < JIT_SERIAL_BELOW or not _parallel_ok() or _jit().threads() != threads
-                or not _stall_guard.parallel_allowed(t0)):
-            return None
+        jit = _jit()
+        if jit is None or _gemv_threads(jit, a.size * self.n) != threads:
+            return None  # the full path decides anew (and keeps its new plan)
         y = np.empty(kept[6], np.float32)
-        plan(a, y)
-        t1 = time.perf_counter()
-        _stall_guard.record(t1 - t0, bq.nbytes + sc.nbytes + (0 if zq is None else zq.nbytes), t1, id(self))
+        if threads == 1:
+            plan(a, y)
+        else:
+            t0 = time.perf_counter()
+            plan(a, y)
+            t1 = time.perf_counter()
+            _stall_guard.record(t1 - t0, bq.nbytes + sc.nbytes + (0 if zq is None else zq.nbytes), t1, id(self))
         if add is not None:
-            y += add
+            y += add  # (as the full path adds it)
         return y
 
     def _zmode(self, zq):
@@ -667,9 +668,7 @@ class MatMulNBits(Kernel):
             fns = self._gemv_fns = (jit, sc, zq, getattr(jit, name + "_serial"), getattr(jit, name),
                                     (_jit_view(sc), _jit_view(zarr), zmode, zmid))
         y = np.empty((m, self.n), np.float32) if out is None else out.reshape(m, self.n)
-        threads = 1 if m * self.k * self.n < JIT_SERIAL_BELOW or not _parallel_ok() else jit.threads()
-        if threads > 1 and not _stall_guard.parallel_allowed(time.perf_counter()):
-            threads = 1
+        threads = _gemv_threads(jit, m * self.k * self.n)
         return fns[3] if threads == 1 else fns[4], (a2, bq, *fns[5], y, self.n, self.nblocks, self.blob, TILE,
                                                     threads)
 
@@ -848,12 +847,12 @@ class GatedMatMulNBits(Kernel):
         if kept[0] != threading.get_ident() or not getattr(jit, "native", False):
             return None
         p1, p2, weights, shape, nbytes = kept[2:]
-        t0 = time.perf_counter()
         # (As in MatMulNBits._repeat, no ``holds``: the two plans share A's scratch — jit.pairs
         # checked it when the pair was kept — and their blocks do not change.)
-        if not (all(k._packed.get(i) is w for k, i, w in weights) and a.size * self.up.n >= JIT_SERIAL_BELOW
-                and _parallel_ok() and jit.threads() == p1.threads and _stall_guard.parallel_allowed(t0)):
+        if (not all(k._packed.get(i) is w for k, i, w in weights)
+                or _gemv_threads(jit, a.size * self.up.n) != p1.threads):
             return None
+        t0 = time.perf_counter()
         g = np.empty(shape, np.float32)
         u = np.empty(shape, np.float32)
         jit.gemv_pair(p1, p2, a, g, u)
