@@ -799,12 +799,20 @@ class RecordIndex:
         check was checked for the whole index, so it is built without checking again."""
         w = self._wl[i]
         scope, name, digest, texts = self._texts[i]
+        pl, bl, new, codes = self._pl, self._bl, object.__new__, _DTYPE_CODES
         packs = []
-        for p, (key, files) in zip(self._pl[w[3]:w[3] + w[4]], texts):
-            bufs = tuple(_unchecked(BufferRecord, location=loc, offset=b[5], length=b[6], dtype=_DTYPE_CODES[b[2]],
+        for k, (key, files) in enumerate(texts):
+            first = pl[w[3] + k][1]
+            bufs = []
+            for j, loc in enumerate(files):
+                b = bl[first + j]
+                buf = new(BufferRecord)
+                buf.__dict__.update(location=loc, offset=b[5], length=b[6], dtype=codes[b[2]],
                                     shape=tuple(b[7][:b[3]]), checksum=f"{b[1]:08x}")
-                         for b, loc in zip(self._bl[p[1]:p[1] + p[2]], files))
-            packs.append(_unchecked(PackRecord, key=key, buffers=bufs))
+                bufs.append(buf)
+            pack = new(PackRecord)
+            pack.__dict__.update(key=key, buffers=tuple(bufs))
+            packs.append(pack)
         return _unchecked(WeightRecord, scope=scope, name=name, source_length=w[6],
                           source_offset=None if w[5] < 0 else w[5], source_digest=digest, packs=tuple(packs))
 
