@@ -81,6 +81,49 @@ def load_jit(name: str, what: str, on_load: Callable[[], None] | None = None):
     return _jit_modules[name]
 
 
+def one_specialization(namespace: dict) -> None:
+    """Makes each numba dispatcher in ``namespace`` (a JIT module's globals, at the end of the
+    module) compile one specialization for argument types that differ only in whether an array is
+    read-only.
+
+    Why: numba types a read-only array (a packed weight, a mapped or user-given array) apart from
+    a writable one and compiles the function again for each combination it meets — seconds per
+    kernel, mid-run, and 123 specializations where 75 differ in more than that over the test
+    suite.  A dispatcher here remembers which argument positions it has seen read-only (so never
+    writes them: numba refuses to compile a write to a read-only array) and compiles those
+    positions read-only from then on; a writable array there runs the same code (numba itself
+    converts writable to read-only arrays safely), registered for its exact types so later calls
+    take numba's C fast path.  Inlined helpers are left alone (typed inside their callers), and so
+    is every dispatcher when this numba lacks what the rule needs (it then compiles as before)."""
+    try:
+        from numba.core import types
+        from numba.core.dispatcher import Dispatcher
+    except ImportError:  # pragma: no cover - numba without its usual layout
+        return
+    for obj in list(namespace.values()):
+        if (isinstance(obj, Dispatcher) and hasattr(obj, "_insert") and hasattr(types.Array, "copy")
+                and obj.targetoptions.get("inline", "never") == "never" and "compile" not in vars(obj)):
+            _one_per_writability(obj, types.Array)
+
+
+def _one_per_writability(disp: Any, array_type: type) -> None:
+    compile_exact = disp.compile
+    readonly: set[int] = set()  # argument positions seen holding a read-only array
+
+    def compile(sig):
+        if not isinstance(sig, tuple):  # an explicit signature: as numba compiles it
+            return compile_exact(sig)
+        readonly.update(i for i, t in enumerate(sig) if type(t) is array_type and not t.mutable)
+        canonical = tuple(t.copy(readonly=True) if type(t) is array_type and t.mutable and i in readonly else t
+                          for i, t in enumerate(sig))
+        entry = compile_exact(canonical)
+        if canonical != sig:
+            disp._insert([t._code for t in sig], entry, False)
+        return entry
+
+    disp.compile = compile
+
+
 _native_kernels: list = []  # [the _jit_native stand-in or None] once looked up
 _ENV_BUILD = "ONNXPACK_NATIVE_BUILD"
 

@@ -216,3 +216,9 @@ def native_entries() -> dict:
     sig = types.void(types.voidptr)
     return {"gqa_f32": cfunc(sig, nopython=True, error_model="numpy", fastmath=_FM)(gqa_f32),
             "gqa_f32_omp": cfunc(sig, nopython=True, error_model="numpy", fastmath=_FM)(gqa_f32_omp)}
+
+
+# One specialization per argument types, whatever the arrays' writability (see _act.one_specialization).
+from onnxpack.session.kernels._act import one_specialization as _act_one_specialization  # noqa: E402
+
+_act_one_specialization(globals())

@@ -1265,3 +1265,9 @@ def native_entries() -> dict:
     sig = types.void(types.voidptr)
     return {name: cfunc(sig, nopython=True, error_model="numpy", fastmath=_FM)(fn)
             for name, fn in (("act_f32", act_f32), ("rms_f32", rms_f32))}
+
+
+# One specialization per argument types, whatever the arrays' writability (see _act.one_specialization).
+from onnxpack.session.kernels._act import one_specialization as _act_one_specialization  # noqa: E402
+
+_act_one_specialization(globals())

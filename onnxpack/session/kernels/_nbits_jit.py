@@ -1004,3 +1004,9 @@ def native_entries() -> dict:
         for bits in (4, 8):
             out.update(make(sck, bits))
     return out
+
+
+# One specialization per argument types, whatever the arrays' writability (see _act.one_specialization).
+from onnxpack.session.kernels._act import one_specialization as _act_one_specialization  # noqa: E402
+
+_act_one_specialization(globals())

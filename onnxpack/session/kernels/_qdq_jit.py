@@ -37,3 +37,9 @@ def fake_quant(x, scale, low, high, out):  # pragma: no cover - compiled; tested
                     q = hi
                 out[o, c, i] = q * s + zero
     return out
+
+
+# One specialization per argument types, whatever the arrays' writability (see _act.one_specialization).
+from onnxpack.session.kernels._act import one_specialization as _act_one_specialization  # noqa: E402
+
+_act_one_specialization(globals())

@@ -179,3 +179,9 @@ def native_entries() -> dict:
     sig = types.void(types.voidptr)
     return {"qgemm": cfunc(sig, nopython=True, error_model="numpy")(qgemm_entry),
             "qgemm_omp": cfunc(sig, nopython=True, error_model="numpy")(qgemm_omp)}
+
+
+# One specialization per argument types, whatever the arrays' writability (see _act.one_specialization).
+from onnxpack.session.kernels._act import one_specialization as _act_one_specialization  # noqa: E402
+
+_act_one_specialization(globals())

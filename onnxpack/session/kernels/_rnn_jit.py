@@ -53,3 +53,9 @@ def lstm_standard(xw, rt, h, c, y, reverse):
                 c[b, j] = cn
                 h[b, j] = o * np.tanh(cn)
                 y[t, b, j] = h[b, j]
+
+
+# One specialization per argument types, whatever the arrays' writability (see _act.one_specialization).
+from onnxpack.session.kernels._act import one_specialization as _act_one_specialization  # noqa: E402
+
+_act_one_specialization(globals())

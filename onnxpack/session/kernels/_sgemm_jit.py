@@ -197,3 +197,9 @@ def sgemm_panels(a, w, out, tail, p0, p1):
         for r in range(m_rows):
             for c in range(n - c0):
                 out[r, c0 + c] = tail[r, c]
+
+
+# One specialization per argument types, whatever the arrays' writability (see _act.one_specialization).
+from onnxpack.session.kernels._act import one_specialization as _act_one_specialization  # noqa: E402
+
+_act_one_specialization(globals())

@@ -1,0 +1,81 @@
+"""One numba specialization per argument types, whatever the arrays' writability
+(``kernels._act.one_specialization``): fewer compiles, the same results."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+numba = pytest.importorskip("numba")
+
+from onnxpack.session.kernels import _act  # noqa: E402
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+def _scaled_sum(a, b, out):
+    for i in range(out.shape[0]):
+        out[i] = 2.0 * a[i] + b[i]
+
+
+def _calls_it(a, b, out):
+    _SCALED(a, b, out)
+    out[0] += 1.0
+
+
+_SCALED = None
+
+
+def _dispatchers():
+    """Fresh dispatchers (no specialization yet): one patched, and one calling it from compiled code."""
+    global _SCALED
+    ns = {"scaled_sum": numba.njit(_scaled_sum)}
+    _act.one_specialization(ns)
+    _SCALED = ns["scaled_sum"]  # the global _calls_it resolves when it is typed
+    ns["calls_it"] = numba.njit(_calls_it)
+    _act.one_specialization(ns)
+    return ns
+
+
+def test_writability_combinations_share_a_specialization_and_compute_the_same():
+    ns = _dispatchers()
+    f = ns["scaled_sum"]
+    a, b = np.arange(5, dtype=np.float32), np.linspace(0, 1, 5, dtype=np.float32)
+    want = 2 * a + b
+    for x, y in ((_readonly(a), b), (a, _readonly(b)), (_readonly(a), _readonly(b)), (a, b), (a, _readonly(b))):
+        out = np.zeros(5, np.float32)
+        f(x, y, out)
+        np.testing.assert_array_equal(out, want)
+    # Without the rule numba compiles all four combinations; with it: the first one seen, then
+    # both inputs read-only once each has been seen so (the output is never made read-only).
+    assert len(f.overloads) == 2
+    assert all(sig[2].mutable for sig in f.overloads)
+    # Another dtype is another specialization, as before.
+    out64 = np.zeros(5)
+    f(a.astype(np.float64), b.astype(np.float64), out64)
+    np.testing.assert_array_equal(out64, want.astype(np.float64))
+    assert len(f.overloads) == 3
+
+
+def test_a_patched_dispatcher_is_still_callable_from_compiled_code():
+    ns = _dispatchers()
+    a, b = np.ones(4, np.float32), np.full(4, 3.0, np.float32)
+    for x in (a, _readonly(a)):
+        out = np.zeros(4, np.float32)
+        ns["calls_it"](x, b, out)
+        np.testing.assert_array_equal(out, [6.0, 5.0, 5.0, 5.0])
+
+
+def test_inlined_helpers_and_patched_dispatchers_are_left_as_they_are():
+    inline = numba.njit(inline="always")(lambda x: x + 1)
+    ns = {"inline": inline}
+    _act.one_specialization(ns)
+    assert "compile" not in vars(inline)
+    ns = _dispatchers()
+    patched = vars(ns["scaled_sum"])["compile"]
+    _act.one_specialization(ns)  # a second pass (a dispatcher imported into another module)
+    assert vars(ns["scaled_sum"])["compile"] is patched
