@@ -79,3 +79,34 @@ def test_inlined_helpers_and_patched_dispatchers_are_left_as_they_are():
     patched = vars(ns["scaled_sum"])["compile"]
     _act.one_specialization(ns)  # a second pass (a dispatcher imported into another module)
     assert vars(ns["scaled_sum"])["compile"] is patched
+
+
+def _add_into(x, y):
+    for i in range(y.shape[0]):
+        y[i] += x[i]
+
+
+def test_declared_inputs_compile_read_only_from_the_first_call():
+    f = numba.njit(_scaled_sum)
+    _act.one_specialization({"f": f}, frozenset({"a", "b"}))
+    a, b = np.arange(3, dtype=np.float32), np.ones(3, np.float32)
+    out = np.zeros(3, np.float32)
+    f(a, b, out)  # writable inputs: compiled read-only all the same
+    (sig,) = f.overloads
+    assert [t.mutable for t in sig] == [False, False, True]
+    f(_readonly(a), b, out)
+    f(a, _readonly(b), out)
+    assert len(f.overloads) == 1
+    np.testing.assert_array_equal(out, 2 * a + b)
+
+
+def test_a_declared_input_that_is_written_compiles_exact_types_and_still_writes():
+    # 'y' named as an input by mistake: numba refuses the read-only signature, the dispatcher
+    # falls back to numba's own choice, and the write reaches the caller's array.
+    f = numba.njit(_add_into)
+    _act.one_specialization({"f": f}, frozenset({"x", "y"}))
+    y = np.ones(3, np.float32)
+    f(np.arange(3, dtype=np.float32), y)
+    np.testing.assert_array_equal(y, [1.0, 2.0, 3.0])
+    (sig,) = f.overloads
+    assert sig[1].mutable

@@ -81,7 +81,7 @@ def load_jit(name: str, what: str, on_load: Callable[[], None] | None = None):
     return _jit_modules[name]
 
 
-def one_specialization(namespace: dict) -> None:
+def one_specialization(namespace: dict, inputs: frozenset[str] = frozenset()) -> None:
     """Makes each numba dispatcher in ``namespace`` (a JIT module's globals, at the end of the
     module) compile one specialization for argument types that differ only in whether an array is
     read-only.
@@ -89,13 +89,18 @@ def one_specialization(namespace: dict) -> None:
     Why: numba types a read-only array (a packed weight, a mapped or user-given array) apart from
     a writable one and compiles the function again for each combination it meets — seconds per
     kernel, mid-run, and 123 specializations where 75 differ in more than that over the test
-    suite.  A dispatcher here remembers which argument positions it has seen read-only (so never
-    writes them: numba refuses to compile a write to a read-only array) and compiles those
-    positions read-only from then on; a writable array there runs the same code (numba itself
-    converts writable to read-only arrays safely), registered for its exact types so later calls
-    take numba's C fast path.  Inlined helpers are left alone (typed inside their callers), and so
-    is every dispatcher when this numba lacks what the rule needs (it then compiles as before)."""
+    suite.  A dispatcher here compiles read-only the array arguments whose parameter is named in
+    ``inputs`` (the module's names for arrays its kernels only read) and those it has seen
+    read-only (never written: numba refuses to compile a write to a read-only array); a writable
+    array there runs the same code (numba itself converts writable to read-only arrays safely),
+    registered for its exact types so later calls take numba's C fast path.  Every process makes
+    the same choice for the named inputs, so numba's on-disk cache serves them all.  A name that
+    is written after all makes numba refuse the read-only signature: the dispatcher then compiles
+    exact types, as numba does.  Inlined helpers are left alone (typed inside their callers), and
+    so is every dispatcher when this numba lacks what the rule needs."""
     try:
+        import inspect
+
         from numba.core import types
         from numba.core.dispatcher import Dispatcher
     except ImportError:  # pragma: no cover - numba without its usual layout
@@ -103,12 +108,16 @@ def one_specialization(namespace: dict) -> None:
     for obj in list(namespace.values()):
         if (isinstance(obj, Dispatcher) and hasattr(obj, "_insert") and hasattr(types.Array, "copy")
                 and obj.targetoptions.get("inline", "never") == "never" and "compile" not in vars(obj)):
-            _one_per_writability(obj, types.Array)
+            try:
+                params = list(inspect.signature(obj.py_func).parameters)
+            except (TypeError, ValueError):  # pragma: no cover
+                params = []
+            _one_per_writability(obj, types.Array, {i for i, name in enumerate(params) if name in inputs})
 
 
-def _one_per_writability(disp: Any, array_type: type) -> None:
+def _one_per_writability(disp: Any, array_type: type, declared: set[int]) -> None:
     compile_exact = disp.compile
-    readonly: set[int] = set()  # argument positions seen holding a read-only array
+    readonly = set(declared)  # argument positions compiled read-only (declared, or seen so)
 
     def compile(sig):
         if not isinstance(sig, tuple):  # an explicit signature: as numba compiles it
@@ -116,9 +125,17 @@ def _one_per_writability(disp: Any, array_type: type) -> None:
         readonly.update(i for i, t in enumerate(sig) if type(t) is array_type and not t.mutable)
         canonical = tuple(t.copy(readonly=True) if type(t) is array_type and t.mutable and i in readonly else t
                           for i, t in enumerate(sig))
-        entry = compile_exact(canonical)
-        if canonical != sig:
-            disp._insert([t._code for t in sig], entry, False)
+        if canonical == sig:
+            return compile_exact(sig)
+        try:
+            entry = compile_exact(canonical)
+        except Exception as exc:  # noqa: BLE001 - e.g. a declared input that is written after all
+            logger.info("numba: %s compiled for its exact argument types (%s)", disp.py_func.__qualname__,
+                        type(exc).__name__)
+            readonly.clear()
+            disp.compile = compile_exact
+            return compile_exact(sig)
+        disp._insert([t._code for t in sig], entry, False)
         return entry
 
     disp.compile = compile

@@ -218,7 +218,8 @@ def native_entries() -> dict:
             "gqa_f32_omp": cfunc(sig, nopython=True, error_model="numpy", fastmath=_FM)(gqa_f32_omp)}
 
 
-# One specialization per argument types, whatever the arrays' writability (see _act.one_specialization).
+# One specialization per argument types, whatever the arrays' writability (see _act.one_specialization);
+# the parameters named here are arrays the kernels only read.
 from onnxpack.session.kernels._act import one_specialization as _act_one_specialization  # noqa: E402
 
-_act_one_specialization(globals())
+_act_one_specialization(globals(), frozenset({"q", "k", "v", "cos", "sin"}))

@@ -1267,7 +1267,8 @@ def native_entries() -> dict:
             for name, fn in (("act_f32", act_f32), ("rms_f32", rms_f32))}
 
 
-# One specialization per argument types, whatever the arrays' writability (see _act.one_specialization).
+# One specialization per argument types, whatever the arrays' writability (see _act.one_specialization);
+# the parameters named here are arrays the kernels only read.
 from onnxpack.session.kernels._act import one_specialization as _act_one_specialization  # noqa: E402
 
-_act_one_specialization(globals())
+_act_one_specialization(globals(), frozenset({"x", "w", "bias", "codes", "params", "skip", "gamma", "scale", "mx", "res", "post_codes", "post_params", "chan"}))

@@ -39,7 +39,8 @@ def fake_quant(x, scale, low, high, out):  # pragma: no cover - compiled; tested
     return out
 
 
-# One specialization per argument types, whatever the arrays' writability (see _act.one_specialization).
+# One specialization per argument types, whatever the arrays' writability (see _act.one_specialization);
+# the parameters named here are arrays the kernels only read.
 from onnxpack.session.kernels._act import one_specialization as _act_one_specialization  # noqa: E402
 
-_act_one_specialization(globals())
+_act_one_specialization(globals(), frozenset({"x", "scale", "low", "high"}))
