@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 from collections.abc import Callable
 from typing import BinaryIO
 
@@ -37,7 +36,7 @@ def temp_path(folder: str, final_name: str) -> tuple[int, str]:
     any normally created file.
     """
     while True:
-        tmp = os.path.join(folder, f".{final_name}.{secrets.token_hex(6)}.tmp")
+        tmp = os.path.join(folder, f".{final_name}.{os.urandom(6).hex()}.tmp")
         try:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
             return fd, tmp
