@@ -10,10 +10,11 @@
 * The native code cache (``session/kernels/_native.py``) is a fresh temp folder for the test
   session and never built in the background (``ONNXPACK_NATIVE_BUILD=0``): tests that want the
   native kernels get them through the ``native_cache`` fixture.  Its build (numba compiling every
-  native entry: ~1 min on one core) starts in a child process when the session starts, in a
-  folder of its own, and the fixture copies the result in when a test first asks for it — the
-  same moment as building it there, so which tests see native kernels does not change; the suite
-  meanwhile runs on the other core.
+  native entry: ~1 min on one core) starts when the session starts, the way a user's first process
+  starts it: a child process that uses numba launches the detached, low-priority builder for a
+  folder of its own and exits.  The fixture copies the result in when a test first asks for it —
+  the same moment as building it there, so which tests see native kernels does not change; the
+  suite meanwhile runs on the other core.  ``test_native.py`` checks that this build happened.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from types import ModuleType
 
 import pytest
@@ -72,16 +74,40 @@ def _native_buildable() -> bool:
     return importlib.util.find_spec("numba") is not None and bool(ctypes.util.find_library("gomp"))
 
 
+# What a user's first process runs: numba serves the kernels (no native code cache yet), and the
+# process starts the native build in the background on its way.
+FIRST_PROCESS = r"""
+import numpy as np
+from onnxpack.session.kernels import quant
+assert not getattr(quant._jit(), "native", False)  # no cache yet: numba serves, and a build starts
+print("numba")
+"""
+
+
 def pytest_sessionstart(session) -> None:
-    """Starts building the native code cache in a child process (see the module docstring)."""
+    """Starts the native code cache's build the way a user's first process does (see the module
+    docstring): a child process that uses numba starts the detached, low-priority build and exits."""
     if not _native_buildable() or os.environ.get("PYTEST_XDIST_WORKER"):
         return
     folder = tempfile.mkdtemp(prefix="onnxpack-code-cache-build-")
-    log = open(os.path.join(folder, "build.log"), "wb")  # noqa: SIM115 - closed at the session's end
-    env = dict(os.environ, ONNXPACK_CODE_CACHE=folder)
-    code = "import sys; from onnxpack.session.kernels import _jit_native; sys.exit(0 if _jit_native.build() else 1)"
+    log = open(os.path.join(folder, "first-process.log"), "w+")  # noqa: SIM115 - closed at the session's end
+    env = {k: v for k, v in os.environ.items() if k not in ("ONNXPACK_DISABLE_JIT", "ONNXPACK_DISABLE_NATIVE")}
+    env.update(ONNXPACK_CODE_CACHE=folder, ONNXPACK_NATIVE_BUILD="1")
     _NATIVE_BUILD.update(folder=folder, log=log, proc=subprocess.Popen(
-        [sys.executable, "-c", code], env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=log))
+        [sys.executable, "-c", FIRST_PROCESS], env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
+        stderr=subprocess.STDOUT, text=True))
+
+
+def _builder_pid(folder: str) -> int | None:
+    """The pid in a running build's lock file (``<cache file>.building``) in ``folder``."""
+    for name in os.listdir(folder):
+        if name.endswith(".building"):
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    return int(f.read().strip() or 0) or None
+            except (OSError, ValueError):
+                return None
+    return None
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
@@ -90,29 +116,68 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         proc.kill()
         proc.wait()
     if _NATIVE_BUILD:
+        folder = _NATIVE_BUILD["folder"]
+        # A first process that finished has started the builder: give it a moment to take its
+        # lock (it names its pid there) when it has not written the cache yet.
+        until = time.monotonic() + 5
+        while (proc is not None and proc.returncode == 0 and time.monotonic() < until and _builder_pid(folder) is None
+               and not any(f.endswith(".bin") for f in os.listdir(folder))):
+            time.sleep(0.1)
+        pid = _builder_pid(folder)
+        if pid is not None:
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
         _NATIVE_BUILD["log"].close()
-        shutil.rmtree(_NATIVE_BUILD["folder"], ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
-def native_cache() -> str:
-    """The code cache folder with this machine's native JIT kernels built (skips without numba or
-    GNU OpenMP); tests point ``ONNXPACK_CODE_CACHE`` at it.  The background build's result is
-    copied in when it succeeded and is intact; otherwise the kernels are built here."""
+def native_build() -> dict:
+    """The session's background build, finished: ``folder`` (where it wrote), ``first`` (the first
+    process's exit code and output) and ``file`` (the cache file it wrote, or None); all None in
+    an xdist worker, which starts no build.  Skips without numba or GNU OpenMP."""
     pytest.importorskip("numba")
     if not _native_buildable():
         pytest.skip("GNU OpenMP (libgomp) is not installed")
     from onnxpack.session.kernels import _jit_native, _native
 
+    if "proc" not in _NATIVE_BUILD:  # an xdist worker: no session build (native_cache builds here)
+        return {"folder": None, "first": None, "file": None}
+    if "first" not in _NATIVE_BUILD:
+        proc, log, folder = _NATIVE_BUILD["proc"], _NATIVE_BUILD["log"], _NATIVE_BUILD["folder"]
+        proc.wait(timeout=300)
+        log.seek(0)
+        _NATIVE_BUILD["first"] = (proc.returncode, log.read())
+        name = os.path.basename(_native.path_for(_jit_native.MODULE, _jit_native._sources()))
+        path = os.path.join(folder, name)
+        start = time.monotonic()
+        while time.monotonic() - start < 600:  # a detached, low-priority build: ~1-2 min of CPU
+            building = _builder_pid(folder) is not None
+            if os.path.exists(path) and not building:
+                break
+            if not building and time.monotonic() - start > 60:
+                break  # no build running a minute on: it did not start, or it died
+            time.sleep(0.5)
+        _NATIVE_BUILD["file"] = path if _native.intact(path) else None
+    return {"folder": _NATIVE_BUILD["folder"], "first": _NATIVE_BUILD["first"], "file": _NATIVE_BUILD["file"]}
+
+
+@pytest.fixture(scope="session")
+def native_cache(native_build) -> str:
+    """The code cache folder with this machine's native JIT kernels built; tests point
+    ``ONNXPACK_CODE_CACHE`` at it.  The background build's result is copied in when it succeeded
+    and is intact; otherwise the kernels are built here."""
+    from onnxpack.session.kernels import _jit_native, _native
+
     path = _native.path_for(_jit_native.MODULE, _jit_native._sources())
-    proc = _NATIVE_BUILD.get("proc")
-    if proc is not None and proc.wait() == 0:
-        built = os.path.join(_NATIVE_BUILD["folder"], os.path.basename(path))
-        if _native.intact(built):
-            stem = os.path.splitext(os.path.basename(path))[0]
-            for name in os.listdir(_NATIVE_BUILD["folder"]):
-                if name.startswith(stem):
-                    shutil.copy2(os.path.join(_NATIVE_BUILD["folder"], name), os.path.join(os.path.dirname(path), name))
+    built = native_build["file"]
+    if built is not None:
+        stem = os.path.splitext(os.path.basename(path))[0]
+        for name in os.listdir(native_build["folder"]):
+            if name.startswith(stem) and not name.endswith(".building"):
+                shutil.copy2(os.path.join(native_build["folder"], name), os.path.join(os.path.dirname(path), name))
     if not _native.intact(path):
         assert _jit_native.build() is not None
     assert _native.intact(path)
