@@ -132,8 +132,7 @@ def _one_per_writability(disp: Any, array_type: type, declared: set[int]) -> Non
         except Exception as exc:  # noqa: BLE001 - e.g. a declared input that is written after all
             logger.info("numba: %s compiled for its exact argument types (%s)", disp.py_func.__qualname__,
                         type(exc).__name__)
-            readonly.clear()
-            disp.compile = compile_exact
+            disp.compile = compile_exact  # from now on, as numba compiles
             return compile_exact(sig)
         disp._insert([t._code for t in sig], entry, False)
         return entry

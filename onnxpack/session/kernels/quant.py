@@ -238,6 +238,7 @@ def _gemv_threads(jit, macs: int) -> int:
     threads = jit.threads()
     return threads if threads == 1 or _stall_guard.parallel_allowed(time.perf_counter()) else 1
 
+
 _blas_control: Any = None
 
 
