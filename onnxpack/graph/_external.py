@@ -25,10 +25,10 @@ import os
 import stat
 import threading
 
-from onnx import TensorProto
 
 from onnxpack._frozen import fast_init
 from onnxpack.errors import ExternalDataError
+from onnxpack.graph._proto import TensorProto
 
 __all__ = ["ExternalLocation", "DataFiles", "parse_external_data", "stat_identity", "RESERVED_KEYS",
            "MAX_FILE_POSITION", "open_regular_file", "read_regular_file"]

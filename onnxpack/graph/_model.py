@@ -27,13 +27,12 @@ import os
 from collections.abc import Iterator
 
 import numpy as np
-import onnx
-from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from onnxpack.errors import InvalidGraph, ModelLoadError
 from onnxpack.graph._external import DataFiles, read_regular_file
+from onnxpack.graph._proto import AttributeProto, GraphProto, ModelProto, NodeProto, SparseTensorProto, TensorProto
 from onnxpack.graph._tensor import Tensor
 
 __all__ = ["Model", "Scope", "load_model", "walk", "subgraphs_of", "sparse_to_dense"]
@@ -139,7 +138,7 @@ def walk(root: Scope) -> Iterator[Scope]:
 MAX_DENSE_SPARSE_BYTES = 1 << 34  # 16 GiB
 
 
-def _check_sparse(sparse: onnx.SparseTensorProto, what: str) -> None:
+def _check_sparse(sparse: SparseTensorProto, what: str) -> None:
     """Dims, value and index counts of a sparse tensor (before anything is read)."""
     dims = tuple(int(d) for d in sparse.dims)
     if any(d < 0 for d in dims):
@@ -161,7 +160,7 @@ def _check_sparse(sparse: onnx.SparseTensorProto, what: str) -> None:
         )
 
 
-def _sparse_to_dense(sparse: onnx.SparseTensorProto, files: DataFiles | None, what: str | None = None) -> Tensor:
+def _sparse_to_dense(sparse: SparseTensorProto, files: DataFiles | None, what: str | None = None) -> Tensor:
     name = sparse.values.name
     what = what or f"sparse initializer {name!r}"
     _check_sparse(sparse, what)
@@ -200,7 +199,7 @@ def _sparse_to_dense(sparse: onnx.SparseTensorProto, files: DataFiles | None, wh
     return Tensor(proto, None, array=dense)
 
 
-def sparse_to_dense(sparse: onnx.SparseTensorProto, what: str = "sparse tensor") -> np.ndarray:
+def sparse_to_dense(sparse: SparseTensorProto, what: str = "sparse tensor") -> np.ndarray:
     """The dense, read-only array of an in-proto sparse tensor (a node attribute's: those with
     external data were read in when the model was loaded), with the checks sparse initializers
     get: dims, counts, indices in range and increasing, and the dense size cap, all before

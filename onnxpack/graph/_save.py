@@ -48,12 +48,12 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
-from onnx import AttributeProto, GraphProto, ModelProto, TensorProto
 
 from onnxpack._io import atomic_write
 from onnxpack.errors import InvalidArgument, OnnxpackError
 from onnxpack.graph._external import RESERVED_KEYS, read_regular_file, stat_identity
 from onnxpack.graph._model import Model, Scope, subgraphs_of, walk
+from onnxpack.graph._proto import AttributeProto, GraphProto, ModelProto, TensorProto
 from onnxpack.graph._tensor import Tensor
 
 __all__ = [

@@ -7,13 +7,26 @@ import mmap
 import sys
 
 import numpy as np
-import onnx.numpy_helper
-from onnx import TensorProto, helper
 
 from onnxpack.errors import ExternalDataError, ModelLoadError
 from onnxpack.graph._external import DataFiles, ExternalLocation
+from onnxpack.graph._proto import TensorProto, tensor_dtype_to_np_dtype
 
-__all__ = ["Tensor", "storage_nbytes", "mapped_view", "shape_fits"]
+__all__ = ["Tensor", "storage_nbytes", "mapped_view", "shape_fits", "to_array"]
+
+
+def _numpy_helper():
+    """onnx.numpy_helper, for the rare element types and layouts converted here by onnx itself
+    (imported on first use: see _proto)."""
+    from onnx import numpy_helper
+
+    return numpy_helper
+
+
+def to_array(proto: TensorProto) -> np.ndarray:
+    """An in-proto tensor (a Constant's value, an attribute's tensor) as a read-only array, as
+    ``onnx.numpy_helper.to_array`` converts it; the model's checks on counts and shapes apply."""
+    return Tensor(proto, None).numpy()
 
 # Element types stored packed, several per byte: bits per element.  Their raw bytes cannot be a
 # zero-copy numpy view (ml_dtypes' int4 etc. use one byte per element), so numpy() unpacks.
@@ -37,7 +50,7 @@ def _np_dtype(elem_type: int, name: str) -> np.dtype:
     if dtype is not None:
         return dtype
     try:
-        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+        dtype = np.dtype(tensor_dtype_to_np_dtype(elem_type))
     except (KeyError, ValueError, TypeError) as e:
         raise ModelLoadError(f"tensor {name!r}: unsupported element type {elem_type}") from e
     _DTYPES[elem_type] = dtype
@@ -236,7 +249,7 @@ class Tensor:
             raise ModelLoadError(f"tensor {self.name!r}: string tensors have no raw bytes")
         arr = self.numpy()
         if self.elem_type in _PACKED_BITS or sys.byteorder == "big" or not arr.flags.c_contiguous:
-            return onnx.numpy_helper.from_array(arr, self.name).raw_data
+            return _numpy_helper().from_array(arr, self.name).raw_data
         # Typed fields (or a given array): the array's own bytes are the stored little-endian ones.
         self._raw = memoryview(arr.reshape(-1).view(np.uint8))
         return self._raw
@@ -267,13 +280,13 @@ class Tensor:
                 else:
                     arr = np.asarray(values, dtype=storage).astype(self.dtype).reshape(self.dims)
             else:
-                arr = onnx.numpy_helper.to_array(self.proto)
+                arr = _numpy_helper().to_array(self.proto)
         elif self.elem_type in _PACKED_BITS or sys.byteorder == "big":
             proto = TensorProto()
             proto.data_type = self.elem_type
             proto.dims.extend(self.dims)
             proto.raw_data = bytes(self.raw())
-            arr = onnx.numpy_helper.to_array(proto)
+            arr = _numpy_helper().to_array(proto)
         elif self.external is not None:
             arr = mapped_view(self._buffer, self.dtype, self.dims, self.external.offset)
         else:

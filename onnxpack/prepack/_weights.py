@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
-from onnx import helper
 
 from onnxpack._frozen import fast_init
 from onnxpack.graph import ExternalLocation, Tensor
+from onnxpack.graph._proto import np_dtype_to_tensor_dtype
 
 __all__ = ["PackSpec", "PrePackedWeights", "WeightRef", "make_key", "content_identity", "file_identity", "freeze",
            "sample_digest", "full_digest"]
@@ -110,7 +110,7 @@ class WeightRef:
         if self.derived is not None:
             return self.derived.elem_type
         if self.array is not None:
-            return helper.np_dtype_to_tensor_dtype(self.array.dtype)
+            return np_dtype_to_tensor_dtype(self.array.dtype)
         return self.tensor.elem_type
 
     @property

@@ -11,12 +11,13 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper
 
 from onnxpack._frozen import fast_init
 from onnxpack.errors import InvalidArgument, RuntimeFailure
 from onnxpack.graph import Model
+from onnxpack.graph._proto import (
+    TensorProto, TensorShapeProto, TypeProto, ValueInfoProto, np_dtype_to_tensor_dtype, tensor_dtype_to_np_dtype,
+)
 from onnxpack.session._ortvalue import OrtValue, SparseTensor
 
 __all__ = ["NodeArg", "ModelMetadata", "model_inputs", "model_outputs", "model_metadata", "type_string",
@@ -46,7 +47,7 @@ class ModelMetadata:
     custom_metadata_map: dict[str, str]
 
 
-def type_string(type_proto: onnx.TypeProto) -> str:
+def type_string(type_proto: TypeProto) -> str:
     kind = type_proto.WhichOneof("value")
     if kind == "tensor_type":
         return f"tensor({_ELEM_NAMES.get(type_proto.tensor_type.elem_type, 'undefined')})"
@@ -62,7 +63,7 @@ def type_string(type_proto: onnx.TypeProto) -> str:
     return "unknown"
 
 
-def declared_dim(d: onnx.TensorShapeProto.Dimension) -> int | str | None:
+def declared_dim(d: TensorShapeProto.Dimension) -> int | str | None:
     """One declared dimension as onnxruntime reads it: a fixed size, a symbol, or ``None`` (unknown).
 
     A negative ``dim_value`` is a legacy spelling of "unknown" (older Paddle and Caffe2 exports
@@ -79,7 +80,7 @@ def declared_dim(d: onnx.TensorShapeProto.Dimension) -> int | str | None:
     return None
 
 
-def shape_of(type_proto: onnx.TypeProto) -> list[int | str | None] | None:
+def shape_of(type_proto: TypeProto) -> list[int | str | None] | None:
     if type_proto.WhichOneof("value") == "optional_type":  # onnxruntime reports the element's shape
         return shape_of(type_proto.optional_type.elem_type)
     if type_proto.WhichOneof("value") != "tensor_type" or not type_proto.tensor_type.HasField("shape"):
@@ -87,13 +88,13 @@ def shape_of(type_proto: onnx.TypeProto) -> list[int | str | None] | None:
     return [declared_dim(d) for d in type_proto.tensor_type.shape.dim[:]]
 
 
-def _node_arg(vi: onnx.ValueInfoProto) -> NodeArg:
+def _node_arg(vi: ValueInfoProto) -> NodeArg:
     shape = shape_of(vi.type)
     return NodeArg(vi.name, type_string(vi.type), shape if shape is not None else [])
 
 
 def model_inputs(model: Model, *, overridable: frozenset[str] = frozenset(), only_overridable: bool = False,
-                 infos: Sequence[onnx.ValueInfoProto] | None = None) -> list[NodeArg]:
+                 infos: Sequence[ValueInfoProto] | None = None) -> list[NodeArg]:
     """The feedable inputs (initializers excluded), or only the overridable initializers.
 
     ``infos`` are the graph inputs as compiled (free-dimension overrides applied); default: the
@@ -106,11 +107,11 @@ def model_inputs(model: Model, *, overridable: frozenset[str] = frozenset(), onl
     return [_node_arg(i) for i in infos if i.name not in init]
 
 
-def model_outputs(model: Model, infos: Sequence[onnx.ValueInfoProto] | None = None) -> list[NodeArg]:
+def model_outputs(model: Model, infos: Sequence[ValueInfoProto] | None = None) -> list[NodeArg]:
     return [_node_arg(o) for o in (model.proto.graph.output if infos is None else infos)]
 
 
-def override_dims(inputs: Sequence[onnx.ValueInfoProto], outputs: Sequence[onnx.ValueInfoProto],
+def override_dims(inputs: Sequence[ValueInfoProto], outputs: Sequence[ValueInfoProto],
                   by_name: Mapping[str, int], by_denotation: Mapping[str, int]) -> tuple[tuple, tuple]:
     """onnxruntime's free-dimension overrides: symbolic dims named in ``by_name``, and input dims
     whose denotation is in ``by_denotation``, become fixed sizes.  Output dims with the same
@@ -145,13 +146,13 @@ def override_dims(inputs: Sequence[onnx.ValueInfoProto], outputs: Sequence[onnx.
     return tuple(new_inputs), tuple(new_outputs)
 
 
-def _copy(vi: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
-    out = onnx.ValueInfoProto()
+def _copy(vi: ValueInfoProto) -> ValueInfoProto:
+    out = ValueInfoProto()
     out.CopyFrom(vi)
     return out
 
 
-def _dims(vi: onnx.ValueInfoProto) -> Sequence[Any]:
+def _dims(vi: ValueInfoProto) -> Sequence[Any]:
     t = vi.type
     if t.WhichOneof("value") == "tensor_type" and t.tensor_type.HasField("shape"):
         return t.tensor_type.shape.dim
@@ -172,7 +173,7 @@ def model_metadata(model: Model) -> ModelMetadata:
 
 
 def validate_feed(model: Model, input_feed: Any, overridable: frozenset[str], defaults: Mapping[str, Any], *,
-                  inputs: Sequence[onnx.ValueInfoProto] | None = None) -> dict[str, Any]:
+                  inputs: Sequence[ValueInfoProto] | None = None) -> dict[str, Any]:
     """Checks a run's feed against the model's declared inputs (``inputs``: as compiled, with
     free-dimension overrides) and coerces it as onnxruntime does; returns name -> value for every
     input (overridable initializers not fed take their defaults, optional inputs not fed are None).
@@ -206,7 +207,7 @@ def validate_feed(model: Model, input_feed: Any, overridable: frozenset[str], de
     return feeds
 
 
-def check_required(infos: Sequence[onnx.ValueInfoProto], feedable: Collection[str], overridable: Collection[str],
+def check_required(infos: Sequence[ValueInfoProto], feedable: Collection[str], overridable: Collection[str],
                    input_feed: Mapping[str, Any]) -> None:
     """onnxruntime's check that every required input is fed (not optional, not an overridable
     initializer, and not None); raises its ValueError ("Required inputs ... are missing ...")."""
@@ -256,7 +257,7 @@ def _elem_dtype(elem_type: int) -> np.dtype | None:
     if elem_type == TensorProto.STRING:
         return np.dtype(object)
     try:
-        return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+        return np.dtype(tensor_dtype_to_np_dtype(elem_type))
     except Exception:  # UNDEFINED or a type numpy cannot hold
         return None
 
@@ -268,7 +269,7 @@ def _elem_dtype(elem_type: int) -> np.dtype | None:
 _TENSOR_SPECS: dict[int, tuple[Any, np.dtype, tuple[int | None, ...] | None]] = {}
 
 
-def _fast_tensor(type_proto: onnx.TypeProto, value: Any) -> bool:
+def _fast_tensor(type_proto: TypeProto, value: Any) -> bool:
     """Whether ``value`` (an ndarray) passes ``type_proto``'s checks by its cached spec."""
     spec = _TENSOR_SPECS.get(id(type_proto))
     if spec is None or spec[0] is not type_proto or value.dtype != spec[1]:
@@ -284,7 +285,7 @@ def _fast_tensor(type_proto: onnx.TypeProto, value: Any) -> bool:
     return True
 
 
-def _remember_tensor(type_proto: onnx.TypeProto, expected: np.dtype) -> None:
+def _remember_tensor(type_proto: TypeProto, expected: np.dtype) -> None:
     if len(_TENSOR_SPECS) >= 4096:
         _TENSOR_SPECS.clear()
     tt = type_proto.tensor_type
@@ -294,7 +295,7 @@ def _remember_tensor(type_proto: onnx.TypeProto, expected: np.dtype) -> None:
     _TENSOR_SPECS[id(type_proto)] = (type_proto, expected, dims)
 
 
-def coerce_input(name: str, type_proto: onnx.TypeProto, value: Any) -> Any:
+def coerce_input(name: str, type_proto: TypeProto, value: Any) -> Any:
     """One fed value as a run takes it (see :func:`validate_feed`)."""
     if value.__class__ is np.ndarray and _fast_tensor(type_proto, value):
         return value
@@ -356,12 +357,12 @@ def _type_of(arr: np.ndarray) -> str:
     if arr.dtype.kind in "OUS":
         return "tensor(string)"
     try:
-        return f"tensor({_ELEM_NAMES[helper.np_dtype_to_tensor_dtype(arr.dtype)]})"
+        return f"tensor({_ELEM_NAMES[np_dtype_to_tensor_dtype(arr.dtype)]})"
     except Exception:  # a dtype with no ONNX element type
         return f"numpy {arr.dtype}"
 
 
-def _check_shape(name: str, type_proto: onnx.TypeProto, arr: np.ndarray) -> None:
+def _check_shape(name: str, type_proto: TypeProto, arr: np.ndarray) -> None:
     dims = type_proto.tensor_type.shape.dim
     declared, got = shape_of(type_proto), list(arr.shape)
     if arr.ndim != len(dims):

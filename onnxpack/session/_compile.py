@@ -29,10 +29,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-from onnx import AttributeProto, NodeProto, TensorProto, helper
 
 from onnxpack.errors import InvalidArgument, InvalidGraph, OnnxpackError
 from onnxpack.graph import Model, Scope
+from onnxpack.graph._proto import AttributeProto, NodeProto, TensorProto, np_dtype_to_tensor_dtype
 from onnxpack.prepack import PackSources, PrepackedWeightsContainer, WeightRef
 from onnxpack.session._api import declared_dim
 from onnxpack.session._derive import derive
@@ -280,7 +280,7 @@ class _Compiler:
             value = folded[name]()
             if value.dtype.kind not in "fc":
                 continue  # shapes, axes, indices: nothing to pack
-            info = TensorInfo(name, value.dtype, tuple(value.shape), helper.np_dtype_to_tensor_dtype(value.dtype))
+            info = TensorInfo(name, value.dtype, tuple(value.shape), np_dtype_to_tensor_dtype(value.dtype))
             try:
                 if kernel.pack_spec(i, info) is None:
                     continue

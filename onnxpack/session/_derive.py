@@ -28,8 +28,10 @@ import math
 from collections.abc import Callable
 
 import numpy as np
-from onnx import AttributeProto, NodeProto, TensorProto, helper
 
+from onnxpack.graph._proto import (
+    AttributeProto, NodeProto, TensorProto, get_attribute_value, np_dtype_to_tensor_dtype, tensor_dtype_to_np_dtype,
+)
 from onnxpack.prepack import WeightRef
 from onnxpack.session._fusion import sole_output
 from onnxpack.session.kernels import KernelContext, lookup, normalize_domain
@@ -121,7 +123,7 @@ class Derivation:
 
     @property
     def elem_type(self) -> int:
-        return helper.np_dtype_to_tensor_dtype(self.dtype)
+        return np_dtype_to_tensor_dtype(self.dtype)
 
 
 def derive(node: NodeProto, weight_of: Callable[[str], WeightRef | None], opsets: dict[str, int]) -> WeightRef | None:
@@ -187,7 +189,7 @@ def _dtype_name(dtype: np.dtype) -> str:
 
 
 def _axes(node: NodeProto, others: list, opset: int, ndim: int) -> list[int] | None:
-    attr = next((helper.get_attribute_value(a) for a in node.attribute[:] if a.name == "axes"), None)
+    attr = next((get_attribute_value(a) for a in node.attribute[:] if a.name == "axes"), None)
     axes = attr if attr is not None else (others[0].value().tolist() if others and others[0] is not None else None)
     if axes is None:
         return None
@@ -202,14 +204,14 @@ def _infer(node: NodeProto, shape: tuple[int, ...], dtype: np.dtype, others: lis
     """Result shape and dtype of one foldable op, from the input's and the small constants
     (``others``: their WeightRefs, read only where a value decides the shape)."""
     op = node.op_type
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute[:]}
+    attrs = {a.name: get_attribute_value(a) for a in node.attribute[:]}
     if op == "Identity":
         return shape, dtype
     if op == "Cast":
         to = attrs["to"]
         if isinstance(to, bytes):  # opset 1 spelled the type as a string
             to = TensorProto.DataType.Value(to.decode().upper())
-        target = np.dtype(helper.tensor_dtype_to_np_dtype(int(to)))
+        target = np.dtype(tensor_dtype_to_np_dtype(int(to)))
         # numpy's own numeric and bool types and bfloat16: their astype is the spec's cast, the
         # Cast kernel's (float8 and the 4-bit types need saturation/packing, strings are not weights).
         if not (_plain_cast_type(target) and _plain_cast_type(dtype)):
@@ -218,7 +220,7 @@ def _infer(node: NodeProto, shape: tuple[int, ...], dtype: np.dtype, others: lis
     if op == "DequantizeLinear":
         od = int(attrs.get("output_dtype", 0))
         if od:
-            return shape, np.dtype(helper.tensor_dtype_to_np_dtype(od))
+            return shape, np.dtype(tensor_dtype_to_np_dtype(od))
         scale = others[0]
         if normalize_domain(node.domain) == "" and opset < 19:
             return shape, np.dtype(np.float32)

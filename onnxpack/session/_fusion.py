@@ -42,8 +42,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-from onnx import NodeProto, helper
 
+from onnxpack.graph._proto import NodeProto, get_attribute_value
 from onnxpack.session.kernels._act import Activation
 
 __all__ = ["ConvFusion", "Fusion", "MatMulFusion", "apply_fusions", "bn_fold", "find_conv_fusions",
@@ -413,7 +413,7 @@ def match_activation(nodes, t, users_of, const_value, opset):
     ops = [nodes[u] for u in users]
     if any(n.domain not in ("", "ai.onnx") for n in ops):
         return None
-    attrs = lambda n: {a.name: helper.get_attribute_value(a) for a in n.attribute[:]}  # noqa: E731
+    attrs = lambda n: {a.name: get_attribute_value(a) for a in n.attribute[:]}  # noqa: E731
     if len(users) == 1:
         n = ops[0]
         ins = tuple(n.input[:])
@@ -833,7 +833,7 @@ def _foldable_bn(node: NodeProto, is_const: Callable[[str], bool], opset: int) -
         return False
     if len([o for o in node.output[:] if o]) != 1:
         return False
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute[:]}
+    attrs = {a.name: get_attribute_value(a) for a in node.attribute[:]}
     if int(attrs.get("training_mode", 0)):
         return False
     return not (opset < 9 and int(attrs.get("spatial", 1)) == 0)

@@ -21,11 +21,10 @@ import os
 from typing import Any
 
 import numpy as np
-import onnx
-from onnx import TensorProto, numpy_helper
 
 from onnxpack.errors import Fail, InvalidArgumentStatus, InvalidArgumentType, ModelLoadError
 from onnxpack.graph import Model, load_model
+from onnxpack.graph._proto import GraphProto, ModelProto, TensorProto, tensor_dtype_to_np_dtype
 from onnxpack.session._compile import CompileOptions
 from onnxpack.session.options import ExecutionMode, GraphOptimizationLevel, SessionOptions
 
@@ -54,7 +53,7 @@ def load_for_session(path_or_bytes: Any, options: SessionOptions) -> Model:
         base_dir = os.path.dirname(os.path.abspath(source))
     else:
         data, base_dir = source, None
-    proto = onnx.ModelProto()
+    proto = ModelProto()
     try:
         proto.ParseFromString(data)
     except Exception:  # load_model says what is wrong with the bytes
@@ -63,7 +62,7 @@ def load_for_session(path_or_bytes: Any, options: SessionOptions) -> Model:
     return load_model(proto.SerializeToString(), base_dir=base_dir)
 
 
-def _supply(graph: onnx.GraphProto, by_name: dict[str, np.ndarray], by_file: dict[str, bytes]) -> None:
+def _supply(graph: GraphProto, by_name: dict[str, np.ndarray], by_file: dict[str, bytes]) -> None:
     inits = {t.name: t for t in graph.initializer}
     for name in by_name:
         t = inits.get(name)
@@ -88,11 +87,13 @@ def _supply(graph: onnx.GraphProto, by_name: dict[str, np.ndarray], by_file: dic
 
 
 def _replace(t: TensorProto, value: np.ndarray) -> None:
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+    dtype = tensor_dtype_to_np_dtype(t.data_type)
     value = np.asarray(value)
     if value.dtype != dtype or list(value.shape) != list(t.dims):
         raise Fail(f"add_external_initializers: initializer {t.name!r} is {np.dtype(dtype)}{list(t.dims)}, "
                    f"the value given is {value.dtype}{list(value.shape)}")
+    from onnx import numpy_helper  # add_external_initializers only
+
     new = numpy_helper.from_array(value, t.name)
     t.CopyFrom(new)
 

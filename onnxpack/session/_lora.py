@@ -25,10 +25,10 @@ import struct
 from typing import Any
 
 import numpy as np
-from onnx import helper
 
 from onnxpack.graph import shape_fits
 from onnxpack.errors import Fail, InvalidArgumentType
+from onnxpack.graph._proto import np_dtype_to_tensor_dtype, tensor_dtype_to_np_dtype
 
 __all__ = ["AdapterFormat", "LoraAdapter", "read_adapter_bytes", "write_adapter_bytes", "FORMAT_VERSION", "IDENTIFIER"]
 
@@ -120,7 +120,7 @@ def read_adapter_bytes(data: bytes | memoryview) -> tuple[dict[str, int], dict[s
                 dims = list(struct.unpack_from(f"<{length}q", r.buf, s))
             elem = r.i32(p[2], f"parameter {name!r} data_type") if 2 in p else 0
             try:
-                dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem))
+                dtype = np.dtype(tensor_dtype_to_np_dtype(elem))
             except Exception:
                 raise Fail(f"lora parameter {name!r}: unsupported data type {elem}") from None
             raw_start, raw_len = r.vector(p[3], 1, f"parameter {name!r} raw_data") if 3 in p else (0, 0)
@@ -193,7 +193,7 @@ def write_adapter_bytes(params: dict[str, np.ndarray], adapter_version: int, mod
     w.patch(root[3], vec)
     for k, (name, value) in enumerate(params.items()):
         arr = np.ascontiguousarray(value)
-        elem = helper.np_dtype_to_tensor_dtype(arr.dtype)
+        elem = np_dtype_to_tensor_dtype(arr.dtype)
         table_pos, slots = w.table({2: int(elem)}, [0, 1, 3])
         w.patch(vec + 4 + 4 * k, table_pos)
         w.patch(slots[0], w.string(name))

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from onnx import TensorProto, helper
 
 from onnxpack.errors import InvalidArgumentType, RuntimeInvalidArgument
+from onnxpack.graph._proto import TensorProto, np_dtype_to_tensor_dtype, tensor_dtype_to_np_dtype
 
 __all__ = ["OrtValue", "OrtDevice", "OrtDeviceVendorId", "SparseTensor", "OrtSparseFormat", "copy_tensors",
            "value_type", "elem_dtype", "elem_type_of"]
@@ -115,7 +115,7 @@ def elem_dtype(element_type: Any) -> np.dtype:
         if int(element_type) == TensorProto.STRING:
             return np.dtype(object)
         try:
-            return np.dtype(helper.tensor_dtype_to_np_dtype(int(element_type)))
+            return np.dtype(tensor_dtype_to_np_dtype(int(element_type)))
         except Exception as exc:
             raise RuntimeInvalidArgument(f"unsupported ONNX element type {element_type}") from exc
     try:
@@ -129,7 +129,7 @@ def elem_type_of(dtype: np.dtype) -> int:
     if dtype.kind in "OUS":
         return TensorProto.STRING
     try:
-        return int(helper.np_dtype_to_tensor_dtype(dtype))
+        return int(np_dtype_to_tensor_dtype(dtype))
     except Exception as exc:
         raise RuntimeInvalidArgument(f"numpy dtype {dtype} has no ONNX element type") from exc
 

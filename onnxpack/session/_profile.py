@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from onnx import TensorProto
 
+from onnxpack.graph._proto import TensorProto
 from onnxpack.session._ortvalue import elem_type_of
 from onnxpack.session._program import Step
 

@@ -32,10 +32,10 @@ from collections.abc import Callable, Container, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from onnx import NodeProto
 
 from onnxpack._frozen import fast_init
 from onnxpack.errors import InvalidGraph, RuntimeFailure
+from onnxpack.graph._proto import NodeProto
 from onnxpack.prepack import PackSpec, PrePackedWeights, WeightRef
 from onnxpack.session.kernels import Kernel
 

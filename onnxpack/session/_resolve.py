@@ -19,10 +19,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 
-from onnx import NodeProto
 
 from onnxpack.errors import InvalidGraph, OnnxpackError
 from onnxpack.graph import subgraphs_of
+from onnxpack.graph._proto import NodeProto
 from onnxpack.session._fusion import Fusion
 from onnxpack.session.kernels import Kernel, KernelContext, fused_kernel, lookup, normalize_domain
 from onnxpack.session.kernels.elementwise import ActAfter

@@ -12,9 +12,9 @@ import platform
 import sys
 
 import numpy as np
-import onnx
 
 from onnxpack.errors import Fail
+from onnxpack.graph._proto import onnx_version
 from onnxpack.session._providers import ALL_PROVIDERS, AVAILABLE
 
 __all__ = ["get_device", "get_all_providers", "get_available_providers", "get_build_info", "get_version_string",
@@ -58,7 +58,7 @@ def _blas() -> str:
 def get_build_info() -> str:
     """One line as onnxruntime's ("ORT Build Info: ..."): versions of onnxpack and its engine."""
     return (f"onnxpack Build Info: version={VERSION}, python={platform.python_version()}, numpy={np.__version__}, "
-            f"onnx={onnx.__version__}, blas={_blas()}, providers=CPUExecutionProvider")
+            f"onnx={onnx_version()}, blas={_blas()}, providers=CPUExecutionProvider")
 
 
 def enable_telemetry_events() -> None:
@@ -81,7 +81,7 @@ def print_debug_info() -> None:
     print(f"onnxpack version: {VERSION}")
     print(f"platform: {platform.platform()}")
     print(f"python: {sys.version.split()[0]} at {sys.executable}")
-    print(f"numpy {np.__version__}, onnx {onnx.__version__}, BLAS: {_blas()}")
+    print(f"numpy {np.__version__}, onnx {onnx_version()}, BLAS: {_blas()}")
 
 
 _EP_LIBRARIES: dict[str, str] = {}

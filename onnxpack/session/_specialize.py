@@ -46,9 +46,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from onnx import helper
 
 from onnxpack.errors import RuntimeFailure
+from onnxpack.graph._proto import make_node
 from onnxpack.session._fold import FOLDABLE_OPS
 from onnxpack.session._program import Plan, RunControl, Step, StepHook, call_step, run_plan, schedule, store
 from onnxpack.session.kernels import normalize_domain
@@ -216,7 +216,7 @@ def specialize(root: _PlanRun) -> tuple[Plan, int] | None:
             if op in _SHAPE_OPS and plain and outs and len(outs) == 1 and _small(outs[0]) and rec.shapes is not None:
                 x = step.inputs[0]
                 if x not in static and x not in inputs and x not in guarded:
-                    guard = helper.make_node("ShapeGuard", [x], [], name=f"{node.name}/guard", domain="onnxpack")
+                    guard = make_node("ShapeGuard", [x], [], name=f"{node.name}/guard", domain="onnxpack")
                     steps.append(Step(guard, _Guard(tuple(rec.shapes)), (x,), ()))  # type: ignore[arg-type]
                     guarded.add(x)
                 else:
@@ -254,7 +254,7 @@ def specialize(root: _PlanRun) -> tuple[Plan, int] | None:
                         if b in static:
                             static[o] = static[b]
                         else:
-                            alias = helper.make_node("Identity", [b], [o], name=f"{node.name}/{o}")
+                            alias = make_node("Identity", [b], [o], name=f"{node.name}/{o}")
                             steps.append(Step(alias, _Alias(), (b,), (o,)))  # type: ignore[arg-type]
                     saved += 1
                     continue

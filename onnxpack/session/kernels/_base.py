@@ -25,10 +25,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
-from onnx import AttributeProto, NodeProto, helper
 
 from onnxpack._frozen import fast_init
 from onnxpack.errors import KernelNotFoundError
+from onnxpack.graph._proto import AttributeProto, NodeProto, TensorProto, get_attribute_value
 from onnxpack.prepack import PackSpec
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class TensorInfo:
     name: str
     dtype: np.dtype  # numpy dtype as onnx.helper.tensor_dtype_to_np_dtype gives it (ml_dtypes for bf16/int4)
     shape: tuple[int, ...]
-    elem_type: int  # onnx.TensorProto element type
+    elem_type: int  # TensorProto element type
 
 
 @fast_init
@@ -157,7 +157,7 @@ class Kernel:
         self.node = node
         self.ctx = ctx
         self.attrs: dict[str, Any] = {
-            a.name: helper.get_attribute_value(a)
+            a.name: get_attribute_value(a)
             for a in node.attribute[:]  # a slice: upb's containers iterate through __getitem__ + IndexError
             if a.type not in (AttributeProto.GRAPH, AttributeProto.GRAPHS)
         }

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from onnx import NodeProto, helper
 
 from onnxpack.errors import InvalidGraph
+from onnxpack.graph._proto import NodeProto, tensor_dtype_to_np_dtype
 from onnxpack.session.kernels._base import Kernel, KernelContext, register
 
 __all__ = ["ControlFlowKernel", "If", "Loop", "Scan"]
@@ -47,6 +47,8 @@ class If(ControlFlowKernel):
                     f"node {node.name!r} (If): {label} has {len(branch.output_names)} outputs, the node {n_out}")
         for k, (a, b) in enumerate(zip(then.output_types, other.output_types)):
             if a and b and a != b:
+                from onnx import helper  # an error's wording only
+
                 raise InvalidGraph(
                     f"node {node.name!r} (If): output {k} is {helper.tensor_dtype_to_string(a)} in then_branch "
                     f"but {helper.tensor_dtype_to_string(b)} in else_branch")
@@ -195,6 +197,6 @@ def _empty_output(plan: Plan, index: int) -> np.ndarray:
 def _output_dtype(plan: Plan, index: int) -> np.dtype:
     elem = plan.output_types[index] if index < len(plan.output_types) else 0
     try:
-        return np.dtype(helper.tensor_dtype_to_np_dtype(elem)) if elem else np.dtype(np.float32)
+        return np.dtype(tensor_dtype_to_np_dtype(elem)) if elem else np.dtype(np.float32)
     except Exception:
         return np.dtype(np.float32)

@@ -17,9 +17,9 @@ import math
 from collections.abc import Callable
 
 import numpy as np
-from onnx import TensorProto, helper
 
 from onnxpack.errors import InvalidArgument
+from onnxpack.graph._proto import TensorProto, np_dtype_to_tensor_dtype, tensor_dtype_to_np_dtype
 from onnxpack.session.kernels import _act
 from onnxpack.session.kernels._base import Kernel, KernelContext, PackSpec, register
 from onnxpack.session.kernels._erf import erf_f32
@@ -657,7 +657,7 @@ _EXACT_SOURCE_KINDS = frozenset("fiub")  # float, signed, unsigned, bool (not st
 def _cast_dtype(to: int) -> np.dtype:
     if to not in _CASTABLE:
         raise NotImplementedError(f"Cast to {TensorProto.DataType.Name(to)}")
-    return np.dtype(helper.tensor_dtype_to_np_dtype(to))
+    return np.dtype(tensor_dtype_to_np_dtype(to))
 
 
 @register("Cast", since=1)
@@ -722,7 +722,7 @@ class CastLike(Kernel):
             return (x.astype(like.dtype, copy=False),)
         from onnx.reference.ops.op_cast import cast_to  # rare path: float8/bfloat16/4-bit
 
-        to = helper.np_dtype_to_tensor_dtype(like.dtype)
+        to = np_dtype_to_tensor_dtype(like.dtype)
         return (np.asarray(cast_to(x, to, self.saturate)),)
 
 

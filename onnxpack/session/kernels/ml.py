@@ -25,6 +25,7 @@ import math
 import numpy as np
 
 from onnxpack.errors import InvalidArgument, InvalidGraph
+from onnxpack.graph._tensor import to_array
 from onnxpack.session.kernels._base import Kernel, register
 
 __all__ = ["ZipMap", "LinearClassifier", "Normalizer", "TreeEnsembleClassifier"]
@@ -192,14 +193,12 @@ _MODES = {"BRANCH_LEQ": 0, "BRANCH_LT": 1, "BRANCH_GTE": 2, "BRANCH_GT": 3, "BRA
 
 def _attr_array(kernel: Kernel, name: str, dtype: type) -> np.ndarray | None:
     """An attribute as an array, from ``name`` or its opset-3 ``name_as_tensor`` form."""
-    from onnx import numpy_helper
-
     value = kernel.attrs.get(name)
     if value is None:
         tensor = kernel.attrs.get(name + "_as_tensor")
         if tensor is None:
             return None
-        return numpy_helper.to_array(tensor).astype(dtype)
+        return to_array(tensor).astype(dtype)
     if value and isinstance(value[0], bytes):
         return np.array([v.decode("utf-8") for v in value], dtype=object)
     return np.asarray(value, dtype=dtype)

@@ -35,9 +35,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from onnx import helper
 
 from onnxpack.errors import InvalidArgument
+from onnxpack.graph._proto import tensor_dtype_to_np_dtype
 from onnxpack.session.kernels import _act
 from onnxpack.session.kernels._base import Kernel, register, register_fused
 
@@ -96,7 +96,7 @@ def is_float_quant(dtype: np.dtype) -> bool:
 
 def _np_dtype(elem_type: int, what: str) -> np.dtype:
     try:
-        return np.dtype(helper.tensor_dtype_to_np_dtype(int(elem_type)))
+        return np.dtype(tensor_dtype_to_np_dtype(int(elem_type)))
     except Exception as exc:  # an unknown or unmapped TensorProto type
         raise InvalidArgument(f"{what}: unsupported element type {elem_type}") from exc
 

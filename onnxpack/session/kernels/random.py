@@ -23,9 +23,9 @@ import logging
 import threading
 
 import numpy as np
-from onnx import TensorProto
 
 from onnxpack.errors import InvalidArgument
+from onnxpack.graph._proto import TensorProto
 from onnxpack.session.kernels._base import Kernel, KernelContext, register
 
 logger = logging.getLogger(__name__)

@@ -18,10 +18,10 @@ import math
 from typing import ClassVar
 
 import numpy as np
-from onnx import numpy_helper
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.graph import shape_fits, sparse_to_dense
+from onnxpack.graph._tensor import to_array
 from onnxpack.session.kernels._base import Kernel, KernelContext, register
 
 logger = logging.getLogger(__name__)
@@ -620,7 +620,7 @@ class Constant(Kernel):
         super().__init__(node, ctx)
         attrs = {a.name: a for a in node.attribute}
         if "value" in attrs:
-            value = numpy_helper.to_array(attrs["value"].t)
+            value = to_array(attrs["value"].t)
         elif "value_float" in attrs:
             value = np.array(attrs["value_float"].f, dtype=np.float32)
         elif "value_floats" in attrs:
@@ -651,7 +651,7 @@ class ConstantOfShape(Kernel):
         value = None
         for a in node.attribute:
             if a.name == "value":
-                value = numpy_helper.to_array(a.t)
+                value = to_array(a.t)
         if value is None:
             value = np.zeros(1, dtype=np.float32)
         if value.dtype == object:
