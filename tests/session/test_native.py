@@ -240,7 +240,8 @@ if jit.has_qgemm():  # (AVX-512 VNNI only; the int8 GEMVs above also run on AVX2
         lanes, colsum = qinteger.to_lanes(b)
         got = qinteger.lanes_matmul(a, np.uint8(5), lanes, colsum, k, n, False, np.int8(-3))
         assert np.array_equal(got, (a.astype(np.int64) - 5) @ (b.astype(np.int64) + 3)), (m, k, n)
-print(float(ulp.max()), "numba" in sys.modules, "llvmlite" in sys.modules)
+print(float(ulp.max()), "numba" in sys.modules, "llvmlite" in sys.modules,
+      sorted(m for m in ("importlib.metadata", "subprocess", "ctypes.util") if m in sys.modules) or "-")
 """
 
 
@@ -250,11 +251,30 @@ def test_native_kernels_serve_without_importing_numba(native_cache):
     p = subprocess.run([sys.executable, "-c", _NO_NUMBA], capture_output=True, text=True, env=env, timeout=120,
                        cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
-    ulp, numba_imported, llvmlite_imported = p.stdout.split()
+    ulp, numba_imported, llvmlite_imported, build_only = p.stdout.split()
     assert float(ulp) <= 3.0  # the JIT sigmoid's bound (test_conv_fast.py)
     assert numba_imported == "False"
+    # nor what only a build uses (each costs milliseconds and private memory in every process)
+    assert build_only == "-"
     # with a system linker the build made a shared library: loading it needs no llvmlite either
     assert llvmlite_imported == ("False" if shutil.which("ld") else "True")
+
+
+@pytest.mark.parametrize("dist", ["numpy", "onnx", "numba", "llvmlite", "pytest", "onnxpack", "no-such-dist"])
+def test_versions_in_the_fingerprint_are_importlib_metadatas(dist):
+    from importlib import metadata
+
+    try:
+        expected = metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        expected = "absent"
+    assert _native._version(dist) == expected
+
+
+def test_gomp_library_opens():
+    import ctypes
+
+    assert ctypes.CDLL(_native.gomp_library()).GOMP_parallel
 
 
 def test_damaged_cache_file_is_rebuilt_over(cache_copy, monkeypatch):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -450,13 +449,15 @@ def build() -> str | None:
 _LOCK_STALE_S = 15 * 60
 
 
-def build_in_background() -> subprocess.Popen | None:
+def build_in_background() -> Any:
     """Start ``python -m onnxpack.session.kernels._jit_native`` detached (its own session, low
     priority, output discarded); a thread reaps it.  Returns the process, or None when this
     machine's cache already exists (intact)."""
     path = _native.path_for(MODULE, _sources())
     if path is None or _native.intact(path):
         return None
+    import subprocess  # (only the first process on a machine gets here)
+
     proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
     threading.Thread(target=proc.wait, name="onnxpack-native-build", daemon=True).start()

@@ -44,20 +44,14 @@ the folder is trusted: whoever can write it can run code as the user.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import glob
 import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import logging
 import os
 import platform
-import shutil
 import struct
-import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -85,15 +79,51 @@ def cache_dir() -> str:
     return os.path.join(base, "onnxpack", "native")
 
 
+_gomp: list[str] = []  # [what gomp_library() names], once looked up
+
+
 def gomp_library() -> str:
-    """What to open for GNU OpenMP (the parallel entries' runtime)."""
-    return ctypes.util.find_library("gomp") or GOMP
+    """What to open for GNU OpenMP (the parallel entries' runtime): its soname when the dynamic
+    loader opens it as it is, else what ``ctypes.util.find_library`` finds (which runs
+    ``ldconfig -p`` in a child process: ~10 ms and ~0.5 MB of imports at every process's first
+    native load, for the name the loader already knew)."""
+    if not _gomp:
+        try:
+            ctypes.CDLL(GOMP)
+            name = GOMP
+        except OSError:
+            from ctypes import util
+
+            name = util.find_library("gomp") or GOMP
+        _gomp.append(name)
+    return _gomp[0]
 
 
 def _version(dist: str) -> str:
+    """The installed version of the distribution ``dist`` ("absent" without it).
+
+    Read from the one ``<dist>-<version>.dist-info`` folder beside the importable package, as pip
+    installs it: ``importlib.metadata`` would give the same but costs ~20 ms and ~1.6 MB of
+    imports (email, csv, zipfile) in every process that loads the code cache.  Anything else
+    (an egg, an editable install, several candidates) asks importlib.metadata."""
+    spec = importlib.util.find_spec(dist)
+    if spec is None:
+        return "absent"
+    where = spec.submodule_search_locations
+    origin = (list(where)[0] if where else spec.origin) or ""
+    site = os.path.dirname(os.path.abspath(origin)) if origin else ""
+    prefix, suffix = f"{dist}-", ".dist-info"
     try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
+        found = [n[len(prefix):-len(suffix)] for n in os.listdir(site) if n.startswith(prefix) and n.endswith(suffix)]
+    except OSError:
+        found = []
+    if len(found) == 1 and found[0] and "-" not in found[0]:
+        return found[0]
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
         return "absent"
 
 
@@ -258,6 +288,10 @@ def _link(objects: Sequence[bytes], undefined: Sequence[str], symbols: Sequence[
     no llvmlite, or a library that does not open or lacks an entry here: logged).  Symbols the
     process provides at load time stay undefined: the Python C API, GNU OpenMP's, libc's and
     libm's; any other (numba's runtime and helpers) is bound to ``abort``."""
+    import shutil  # (a build's imports: loading the cache needs none of them)
+    import subprocess
+    import tempfile
+
     ld = shutil.which("ld")
     llvm = _llvm()
     if ld is None or llvm is None:
@@ -346,6 +380,8 @@ def _helperlib():
     spec = importlib.util.find_spec("numba")
     if spec is None or spec.origin is None:
         return None
+    import glob
+
     found = glob.glob(os.path.join(os.path.dirname(spec.origin), "_helperlib*"))
     try:
         return ctypes.CDLL(found[0]) if found else None
