@@ -430,3 +430,38 @@ def test_bad_model_bytes_is_model_load_error():
         onnxpack.InferenceSession(b"not a model")
     with pytest.raises((onnxpack.errors.ModelLoadError, OSError)):
         onnxpack.InferenceSession(os.path.join(str(MODELS), "does_not_exist.onnx"))
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("fails", [False, True])
+def test_creation_pauses_the_garbage_collector_and_restores_it(enabled, fails):
+    """The collector is off while a session is built and as it was afterwards, also when
+    creation fails; the session works and the collector runs normally after it."""
+    import gc
+
+    seen = []
+    relu = _model([helper.make_node("Relu", ["x"], ["y"])], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    original = onnxpack.session._session.compile
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        if fails:
+            raise InvalidGraph("the compile step fails")
+        return original(*args, **kwargs)
+
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        onnxpack.session._session.compile = spy
+        if fails:
+            with pytest.raises(OnnxpackError, match="the compile step fails"):
+                onnxpack.InferenceSession(relu)
+        else:
+            sess = onnxpack.InferenceSession(relu)
+            assert sess.run(None, {"x": np.array([-1, 2], np.float32)})[0].tolist() == [0, 2]
+        assert gc.isenabled() is enabled
+        assert seen == [False]
+    finally:
+        onnxpack.session._session.compile = original
+        (gc.enable if was else gc.disable)()
