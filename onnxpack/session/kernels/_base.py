@@ -28,7 +28,7 @@ import numpy as np
 
 from onnxpack._frozen import fast_init
 from onnxpack.errors import KernelNotFoundError
-from onnxpack.graph._proto import AttributeProto, NodeProto, TensorProto, get_attribute_value
+from onnxpack.graph._proto import AttributeProto, NodeProto, get_attribute_value
 from onnxpack.prepack import PackSpec
 
 logger = logging.getLogger(__name__)
