@@ -28,6 +28,7 @@ def to_array(proto: TensorProto) -> np.ndarray:
     ``onnx.numpy_helper.to_array`` converts it; the model's checks on counts and shapes apply."""
     return Tensor(proto, None).numpy()
 
+
 # Element types stored packed, several per byte: bits per element.  Their raw bytes cannot be a
 # zero-copy numpy view (ml_dtypes' int4 etc. use one byte per element), so numpy() unpacks.
 _PACKED_BITS = {

@@ -23,11 +23,15 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 
 from onnxpack.session.kernels import _act, _native
 from onnxpack.session.kernels._base import scratch_releaser
+
+if TYPE_CHECKING:
+    import subprocess
 
 __all__ = ["load", "build", "MODULE"]
 
@@ -449,7 +453,7 @@ def build() -> str | None:
 _LOCK_STALE_S = 15 * 60
 
 
-def build_in_background() -> Any:
+def build_in_background() -> subprocess.Popen | None:
     """Start ``python -m onnxpack.session.kernels._jit_native`` detached (its own session, low
     priority, output discarded); a thread reaps it.  Returns the process, or None when this
     machine's cache already exists (intact)."""
