@@ -50,6 +50,11 @@ __all__ = ["SaveRecord", "LoadRecord", "content_key", "ALWAYS_VERIFY_BELOW"]
 ALWAYS_VERIFY_BELOW = 64 * 1024
 
 
+def _where(scope: str, name: str) -> str:
+    """How warnings and errors name the saved blob of weight ``name`` (built only when needed)."""
+    return f"pre-packed blob of weight {name!r}" + (f" in scope {scope!r}" if scope else "")
+
+
 def _warn(message: str) -> None:
     warnings.warn(message, PrepackWarning, stacklevel=4)
     logger.warning("%s", message)
@@ -221,6 +226,7 @@ class LoadRecord:
         self._states: dict[str, _State | PrepackFormatError] = {}
         self._warned_files: set[str] = set()
         self._ranges: tuple[dict[str, tuple[list, list]], set] | None = None
+        self._buffers: dict[str, tuple[Any, int]] = {}  # data file -> (mapping, size), as first looked up
         props = [(p.key, p.value) for p in model.proto.metadata_props[:]]
         counts: dict[str, int] = {}
         for key, _ in props:
@@ -322,9 +328,8 @@ class LoadRecord:
         rec = self._record(scope, name)
         if rec is None:
             return None
-        where = f"pre-packed blob of weight {name!r}" + (f" in scope {scope!r}" if scope else "")
         try:
-            return self._find(rec, where, raw, spec, dtype, shape, check, external, repack)
+            return self._find(rec, raw, spec, dtype, shape, check, external, repack)
         except _FileRejected as exc:
             seen = (scope, name, "file")
             if seen not in self._failed:
@@ -341,7 +346,7 @@ class LoadRecord:
             if seen not in self._failed:
                 self._failed.add(seen)
                 self.rejected += 1
-                _warn(f"{where} ignored, re-packing: {exc}")
+                _warn(f"{_where(scope, name)} ignored, re-packing: {exc}")
             return None
 
     def _state(self, location: str) -> _State:
@@ -386,24 +391,25 @@ class LoadRecord:
             _warn(f"record index of data file {location!r} ignored (its records are read from the model): {problem}")
         return _State("trusted" if trusted else "verify", manifest, index)
 
-    def _find(self, rec: fmt.WeightRecord, where: str, raw: Any, spec: Any, dtype: Any,
-              shape: Sequence[int], check: Any, external: Any = None, repack: Any = None) -> PrePackedWeights | None:
+    def _find(self, rec: fmt.WeightRecord, raw: Any, spec: Any, dtype: Any, shape: Sequence[int], check: Any,
+              external: Any = None, repack: Any = None) -> PrePackedWeights | None:
         digest_hex = rec.source_digest
         if len(digest_hex) != 64:
             raise PrepackFormatError(f"source digest: expected 64 hex digits, got {len(digest_hex)}")
         digest = bytes.fromhex(digest_hex[:32])
         key = content_key(spec, digest, dtype, shape)
-        pack = next((p for p in rec.packs if p.key == key), None)
-        if pack is None:
+        for pack in rec.packs:
+            if pack.key == key:
+                break
+        else:
             fam = f"{spec.family}/{spec.version}"
             raise PrepackFormatError(
                 f"no pack for kernel {fam} with this weight's dtype/shape (record has "
                 f"{[p.key.rsplit('/', 1)[0] for p in rec.packs]})"
             )
-        locations = {b.location for b in pack.buffers}
-        if len(locations) != 1:
-            raise PrepackFormatError(f"the pack's buffers lie in several files {sorted(locations)}")
-        (location,) = locations
+        location = pack.buffers[0].location
+        if any(b.location != location for b in pack.buffers[1:]):
+            raise PrepackFormatError(f"the pack's buffers lie in several files {sorted({b.location for b in pack.buffers})}")
         if external is not None and external.location != location:
             raise PrepackFormatError(
                 f"the blob lies in {location!r}, not in {external.location!r} with its weight: the record "
@@ -412,7 +418,7 @@ class LoadRecord:
         state = self._state(location)
         manifest, full = state.manifest, state.mode == "verify"
         own = self._own_range(spec, external)
-        views = self._views(pack, where, key, own)  # bounds and overlaps: the record's structure
+        views = self._views(pack, rec, key, own)  # bounds and overlaps: the record's structure
         digests = self._digests.get((rec.scope, rec.name))
         if digests is None:
             digests = self._digests[(rec.scope, rec.name)] = fmt._entry(*self._stored[(rec.scope, rec.name)])
@@ -469,12 +475,15 @@ class LoadRecord:
             return None
         return (external.location, external.offset, external.length)
 
-    def _views(self, pack: fmt.PackRecord, where: str, key: str,
+    def _views(self, pack: fmt.PackRecord, rec: fmt.WeightRecord, key: str,
                own: tuple[str, int, int] | None = None) -> list[np.ndarray]:
-        """Views of ``pack``'s buffers after the bounds and overlap checks."""
+        """Views of ``pack`` (of ``rec``)'s buffers after the bounds and overlap checks."""
         views = []
         for i, b in enumerate(pack.buffers):
-            data, size = self.model.data_buffer(b.location, where)
+            got = self._buffers.get(b.location)
+            if got is None:
+                got = self._buffers[b.location] = self.model.data_buffer(b.location, _where(rec.scope, rec.name))
+            data, size = got
             if b.offset + b.length > size:
                 raise PrepackFormatError(
                     f"buffer {i} [{b.offset}, {b.offset + b.length}) lies outside {b.location!r} of {size} bytes"

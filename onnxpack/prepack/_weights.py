@@ -32,10 +32,14 @@ KEY_DIGEST_SIZE = 16
 
 def freeze(array: np.ndarray) -> np.ndarray:
     """A read-only, C-contiguous view (or copy when the input is not contiguous)."""
-    # np.ascontiguousarray would turn a 0-d array into a 1-d one; keep the shape.
-    out = array if array.flags.c_contiguous else np.ascontiguousarray(array).reshape(array.shape)
-    if out is array and array.flags.writeable:
+    flags = array.flags  # numpy builds a flags object at every access: once
+    if flags.c_contiguous:
+        if not flags.writeable:  # a mapped blob: already what is handed out
+            return array
         out = array.view()
+    else:
+        # np.ascontiguousarray would turn a 0-d array into a 1-d one; keep the shape.
+        out = np.ascontiguousarray(array).reshape(array.shape)
     out.setflags(write=False)
     return out
 
@@ -192,11 +196,9 @@ def _dtype_name(dtype: np.dtype | str) -> bytes:
 
 def make_key(spec: PackSpec, source_identity: bytes, dtype: np.dtype | str, shape: Sequence[int]) -> str:
     """Key of a pack; ``spec`` has ``family``, ``version`` and ``attrs`` (a kernel's PackSpec)."""
-    h = hashlib.blake2b(digest_size=KEY_DIGEST_SIZE)
-    h.update(source_identity)
-    h.update(b"|" + _dtype_name(dtype) + b"|" + ",".join(map(str, shape)).encode())
-    h.update(b"|" + spec.attrs)
-    return f"{spec.family}/{spec.version}/{h.hexdigest()}"
+    # One buffer, one call: BLAKE2b of the parts joined is that of the parts streamed in turn.
+    data = b"%s|%s|%s|%s" % (source_identity, _dtype_name(dtype), ",".join(map(str, shape)).encode(), spec.attrs)
+    return f"{spec.family}/{spec.version}/{hashlib.blake2b(data, digest_size=KEY_DIGEST_SIZE).hexdigest()}"
 
 
 # Staleness is checked at every warm load, so it must not page the whole weight in: 16 samples of

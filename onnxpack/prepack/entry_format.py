@@ -435,7 +435,14 @@ def record_key(scope: str, name: str) -> str:
     return _key_of(scope, name)
 
 
+# Characters ``quote(..., safe='')`` leaves as they are: a name made only of them is its own quoting
+# (most weight names; urllib's quote costs ~2 us a call, twice per record at every warm load).
+_UNQUOTED = re.compile(r"[A-Za-z0-9_.~-]*")
+
+
 def _key_of(scope: str, name: str) -> str:
+    if _UNQUOTED.fullmatch(scope) and _UNQUOTED.fullmatch(name):
+        return f"{KEY_PREFIX}{scope}/{name}"
     return f"{KEY_PREFIX}{quote(scope, safe='')}/{quote(name, safe='')}"
 
 
@@ -561,10 +568,10 @@ def parse_file_record(key: str, value: str) -> FileRecord:
 
 
 def _entry(key: str, value: str) -> tuple[bytes, bytes]:
-    def d(text: str) -> bytes:
-        return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-
-    return d(key), d(value)
+    """(key digest, value digest) of a record as the manifest lists it."""
+    blake2b = hashlib.blake2b
+    return (blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).digest(),
+            blake2b(value.encode("utf-8", "surrogatepass"), digest_size=16).digest())
 
 
 def manifest_bytes(props: Any) -> bytes:
@@ -675,6 +682,9 @@ class RecordIndex:
             at += size
         self._w, self._p, self._b = arrays
         self._text = bytes(table[at:at + n_t])
+        # ASCII text (what our saver writes for ASCII names) decoded once: its byte offsets are its
+        # character offsets, so a reference is a slice of the string.
+        self._ascii = self._text.decode("ascii") if self._text.isascii() else None
         self._check(n_t)
         # Plain Python rows from here on (numpy's per-field scalar access costs ~1 us a field):
         # tuples of each table's fields in order, a text reference or a shape as a list.
@@ -733,11 +743,42 @@ class RecordIndex:
         row that fails is left to the record's JSON (which reports it)."""
         out: list = []
         locations: dict[str, bool] = {}
+        text, pl, bl = self._ascii, self._pl, self._bl
         for w in self._wl:
-            try:
-                out.append(self._texts_of(w, locations))
-            except UnicodeDecodeError:  # not UTF-8: not text we wrote
-                out.append(None)
+            if text is None or w[4] != 1:
+                try:
+                    out.append(self._texts_of(w, locations))
+                except UnicodeDecodeError:  # not UTF-8: not text we wrote
+                    out.append(None)
+                continue
+            # The common row (ASCII text, one pack), as _texts_of checks it, inline: a warm load of
+            # an LLM checks ~250 of them.
+            (a, n), (b, m), (c, k) = w[0], w[1], w[2]
+            scope, name, digest = text[a:a + n], text[b:b + m], text[c:c + k]
+            p = pl[w[3]]
+            key = text[p[0][0]:p[0][0] + p[0][1]]
+            if not (len(scope) <= MAX_NAME_BYTES and "\x00" not in scope and name and len(name) <= MAX_NAME_BYTES
+                    and "\x00" not in name and not k % 2 and _DIGEST_RE.fullmatch(digest) is not None
+                    and _pack_key_match(key) is not None):
+                out.append(self._texts_of(w, locations))  # the careful path decides (and names nothing)
+                continue
+            files = []
+            for row in bl[p[1]:p[1] + p[2]]:
+                loc = text[row[0][0]:row[0][0] + row[0][1]]
+                ok = locations.get(loc)
+                if ok is None:
+                    try:
+                        _check_location("buffer location", loc)
+                        ok = locations[loc] = True
+                    except PrepackFormatError:
+                        ok = locations[loc] = False
+                if not ok:
+                    break
+                files.append(loc)
+            else:
+                out.append((scope, name, digest, [(key, files)]))
+                continue
+            out.append(None)
         return out
 
     def _texts_of(self, w: tuple, locations: dict[str, bool]) -> tuple | None:
@@ -776,6 +817,8 @@ class RecordIndex:
         return None if i is None or self._texts[i] is None else i
 
     def _str(self, ref: list[int]) -> str:
+        if self._ascii is not None:
+            return self._ascii[ref[0]:ref[0] + ref[1]]
         return self._text[ref[0]:ref[0] + ref[1]].decode("utf-8", "surrogatepass")
 
     def names(self, i: int) -> tuple[str, str]:

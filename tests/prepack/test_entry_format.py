@@ -488,3 +488,26 @@ def test_damaged_index_never_builds_a_record_the_checks_refuse(records, flips, w
         if row is not None:
             rec = index.record(row)
             assert _checked(rec) == rec
+
+
+@given(st.lists(weight_records(), min_size=1, max_size=4, unique_by=lambda r: (r.scope, r.name)),
+       st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=0, max_size=6))
+@settings(max_examples=300, deadline=None)
+def test_index_row_texts_fast_path_equals_the_careful_one(records, flips):
+    """The index checks the common row (ASCII text, one pack) inline; on every row, intact or with
+    bytes of the index changed, its verdict and texts equal ``_texts_of``'s, row by row."""
+    man = bytearray(ef.manifest_bytes(_props(records)))
+    start = int.from_bytes(man[24:32], "little")
+    for pos, val in flips:
+        man[start + pos % (len(man) - start)] = val
+    try:
+        index = ef.RecordIndex(bytes(man))
+    except PrepackFormatError:
+        return
+    careful = []
+    for w in index._wl:
+        try:
+            careful.append(index._texts_of(w, {}))
+        except UnicodeDecodeError:
+            careful.append(None)
+    assert index._texts == careful
