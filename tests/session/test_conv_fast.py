@@ -366,6 +366,71 @@ def test_long_1d_kernels_use_one_window_copy(taps, stride):
     np.testing.assert_allclose(onnxpack.InferenceSession(model).run(None, feeds)[0], _ort(model, feeds)[0], **TOL)
 
 
+# Convolutions with a handful of output positions (batch included): with the JIT one call gathers
+# the columns and takes one dot product per output (conv_tiny); Silero VAD's STFT and encoder.
+# (x shape, weight shape, strides, pads, dilations)
+TINY = {
+    "stft-1d": ((1, 1, 576), (258, 1, 256), [128], [0, 0], [1]),
+    "1d-3tap-padded": ((1, 129, 3), (128, 129, 3), [1], [1, 1], [1]),
+    "1d-stride-2": ((1, 128, 3), (64, 128, 3), [2], [1, 1], [1]),
+    "1d-one-position": ((1, 64, 1), (128, 64, 3), [1], [1, 1], [1]),
+    "1d-batch-2": ((2, 32, 2), (16, 32, 3), [1], [1, 1], [1]),
+    "2d-2x2-positions": ((1, 8, 3, 3), (12, 8, 2, 2), [1, 1], [0, 0, 0, 0], [1, 1]),
+    "2d-dilated-uneven-pads": ((1, 6, 4, 4), (5, 6, 3, 3), [2, 2], [1, 2, 0, 1], [2, 1]),
+}
+
+
+def _tiny_model(x_shape, w_shape, strides, pads, dilations, tail):
+    rng = _rng(7)
+    w = (rng.standard_normal(w_shape) / math.sqrt(math.prod(w_shape[1:]))).astype(np.float32)
+    inits = [numpy_helper.from_array(w, "W"), _const("B", rng.standard_normal(w_shape[0]))]
+    nodes = [helper.make_node("Conv", ["x", "W", "B"], ["c"], strides=strides, pads=pads, dilations=dilations,
+                              kernel_shape=list(w_shape[2:]))]
+    out = _chain(tail, nodes, inits, "c", w_shape[0])
+    nodes.append(helper.make_node("Identity", [out], ["y"]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, list(x_shape))],
+                              [helper.make_tensor_value_info("y", F, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    return model, {"x": rng.standard_normal(x_shape).astype(np.float32)}
+
+
+@pytest.mark.parametrize("tail", ["none", "relu", "silu"])
+@pytest.mark.parametrize("shape", list(TINY), ids=list(TINY))
+def test_convs_with_few_outputs_match_onnxruntime(shape, tail, jit_mode):
+    from onnxpack.session.kernels import conv as conv_mod
+
+    model, feeds = _tiny_model(*TINY[shape], tail)
+    want = _ort(model, feeds)
+    for how, sess in _sessions(model).items():
+        np.testing.assert_allclose(sess.run(None, feeds)[0], want[0], **TOL, err_msg=how)
+    sess = onnxpack.InferenceSession(model)
+    sess.run(None, feeds)
+    kinds = {p.kind for st in sess.program.root.steps if st.node.op_type == "Conv" for p in st.kernel._plans.values()}
+    assert kinds == ({conv_mod._TINY} if jit_mode == "jit" else {conv_mod._GATHER}), kinds
+
+
+@pytest.mark.parametrize("residual", ["full", "broadcast"])
+def test_conv_with_few_outputs_fuses_bn_activation_and_residual(residual, jit_mode):
+    """2 x 2 output positions of a 3x3 conv: BatchNormalization, Relu and a residual Add, the
+    residual of the output's shape (in the JIT call) or broadcasting (numpy's rules after it)."""
+    model, feeds = conv_model(x_shape=(1, 8, 2, 2), m=6, tail="relu", residual="right")
+    feeds = _feed_residual(model, feeds)
+    if residual == "broadcast":
+        feeds["r"] = feeds["r"][:, :, :1, :]
+    want = _ort(model, feeds)
+    for how, sess in _sessions(model).items():
+        np.testing.assert_allclose(sess.run(None, feeds)[0], want[0], **TOL, err_msg=how)
+
+
+def test_conv_with_few_outputs_propagates_nan_and_inf(jit_mode):
+    model, feeds = _tiny_model(*TINY["1d-3tap-padded"], "none")
+    x = feeds["x"].copy()
+    x[0, 3, 0], x[0, 7, 2] = np.inf, np.nan
+    got = onnxpack.InferenceSession(model).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, _ort(model, {"x": x})[0], **TOL, equal_nan=True)
+    assert np.isnan(got[0, :, 1:]).all() and not np.isfinite(got[0, :, 0]).any()
+
+
 # -- the activation kernels themselves ----------------------------------------------------------
 ACTS = [_act.Activation("relu"), _act.Activation("clip", -0.5, 2.0), _act.Activation("hardswish", 1 / 6, 0.5),
         _act.Activation("silu"), _act.Activation("sigmoid"), _act.Activation("leakyrelu", 0.2),

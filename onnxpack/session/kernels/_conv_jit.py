@@ -14,6 +14,9 @@ numba's cache, so a later process loads it instead of compiling.
   — their stride-2 case on even planes, from the plane's four stride phases.
 * :func:`bias_act` — ``y = act(y + bias[channel] (+ residual))`` in place on a GEMM's fresh
   output: the epilogue of every other convolution, one pass.
+* :func:`conv_tiny` — a one-group convolution with a handful of output positions (Silero VAD's
+  STFT and encoder): the columns gathered, one vectorized dot product per output, then the
+  epilogue of :func:`bias_act`, in one call (OpenBLAS runs such a GEMM, N = 1..4, slowly).
 * :func:`wino_input` / :func:`wino_output` — Winograd F(2x2, 3x3) transforms of 3x3 stride-1
   convolutions (padding folded into the input transform, bias and activations into the output
   transform); the 16 GEMMs between them are one batched ``np.matmul``.
@@ -36,7 +39,8 @@ so sigmoid and SiLU keep relative accuracy in both tails (within 3 ulp of numpy'
 
 All kernels are serial on purpose: they run between OpenBLAS calls, and a numba thread team
 spinning beside OpenBLAS's threads on 2 cores made calls 100-1000x slower (see _nbits_jit.py).
-``fastmath={"contract"}`` only (fused multiply-add; no reassociation, NaN and Inf propagate);
+``fastmath={"contract"}`` only (fused multiply-add; no reassociation, NaN and Inf propagate),
+but for the dot products of :func:`conv_tiny` (``reassoc`` too: per-lane partial sums, as BLAS keeps them);
 ``error_model="numpy"``: a float division by zero gives inf/NaN as in numpy instead of raising,
 which also lets the loops with a division vectorize (measured: sigmoid over 1M floats 3.9 ms
 with Python's error model, 0.33 ms with numpy's).
@@ -53,7 +57,7 @@ from numba.extending import intrinsic
 
 from onnxpack.session.kernels import _erf as _erf_mod
 
-__all__ = ["depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "im2col2d", "conv2d_small", "wino_input", "wino_output", "bias_act", "act_inplace", "expf_array"]
+__all__ = ["depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "im2col2d", "conv2d_small", "conv_tiny", "wino_input", "wino_output", "bias_act", "act_inplace", "expf_array"]
 
 _FM = {"contract"}
 # For kernels whose only reduction is a float64 sum of squares: reassociation lets it vectorize.
@@ -895,6 +899,47 @@ def im2col2d(x, ph4, cols, kh_, kw_, sh, sw, dh, dw, ph, pw, oh_, ow_, n, oh0, o
                         else:
                             for j in range(cnt):
                                 dd[j] = src[j * sw]
+
+
+@njit(cache=True, fastmath=_FM_SUM, nogil=True, error_model="numpy")
+def _tiny_products(x, idx, w, y):
+    n_, size = x.shape
+    q_, p_ = idx.shape
+    m_ = w.shape[0]
+    cols = np.empty((p_, q_), np.float32)
+    for n in range(n_):
+        xn = x[n]
+        for q in range(q_):
+            for p in range(p_):
+                i = idx[q, p]
+                cols[p, q] = xn[i] if i < size else np.float32(0.0)
+        for m in range(m_):
+            wm = w[m]
+            for p in range(p_):
+                cp = cols[p]
+                acc = np.float32(0.0)
+                for q in range(q_):
+                    acc += wm[q] * cp[q]
+                y[n, m, p] = acc
+
+
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def conv_tiny(x, idx, w, y, bias, codes, params, res, post_codes, post_params, chan):
+    """A convolution with a handful of output positions as one dot product per output:
+    ``y[n, m, p] = sum_q w[m, q] * x[n, idx[q, p]]`` (``idx[q, p] == x.shape[1]`` reads a zero:
+    the padding), ``x`` (N, L) the images flattened, ``idx`` (C * taps, P) the column matrix's
+    gather indices (``conv._gather_index``), ``w`` (M, C * taps), ``y`` (N, M, P) float32; then
+    the epilogue of :func:`bias_act` (same arguments) in the same call.
+
+    Why: Silero VAD's convolutions end in 1-3 output positions (an STFT of 256 taps at stride
+    128 over 576 samples, then 3-tap convs over 3, 2, 1 frames); as im2col + GEMM each is a BLAS
+    call with N = 1..3, which OpenBLAS runs at a sixth of its speed (258 x 256 x 3: 35 us, this
+    loop 16 us with the gather included).  The column is gathered once per position into
+    contiguous scratch and each dot product is vectorized over the taps (``reassoc``: partial
+    sums per lane, as BLAS's kernels keep them; NaN and Inf still propagate).
+    """
+    _tiny_products(x, idx, w, y)
+    bias_act(y, bias, codes, params, res, post_codes, post_params, chan)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")

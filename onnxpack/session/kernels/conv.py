@@ -100,6 +100,9 @@ _SUBSAMPLE_MAX = 9 * 1024
 _WINDOW_TAPS = 32
 _EMPTY3 = np.zeros((0, 0, 0), np.float32)
 _EMPTY_CHAN = np.zeros((0, 0, 2), np.float32)  # bias_act's per-channel tables when there are none
+# conv_tiny's epilogue arguments after the bias when it runs none (codes, params, residual, post
+# codes, post params, channel tables).
+_NO_EPILOGUE = (*_act.encode(()), _EMPTY3, *_act.encode(()), _EMPTY_CHAN)
 _EMPTY5 = np.zeros((0, 0, 0, 0, 0), np.float32)  # im2col2d's stride phases when there are none
 # A one-group column matrix of more than twice this many bytes, with at least _COLS_BLOCK_MIN_N
 # output positions per output channel, is made and multiplied a block of output rows (about this
@@ -120,6 +123,13 @@ _JIT_IM2COL_ROW = 32
 # (1-D, 3 taps over 3 positions; an STFT of 256 taps over 3 frames): ~10-20 us of per-tap Python
 # each, most of their run.
 _GATHER_MAX = 1 << 15
+# With the JIT, a one-group conv with at most this many output positions (batch included) and at
+# least _TINY_MIN_TAPS taps per output gathers its columns and takes one vectorized dot product
+# per output in one call (_conv_jit.conv_tiny): OpenBLAS runs a GEMM with N = 1..4 at a fraction
+# of its speed.  Measured one thread (M x taps x N, conv_tiny vs gather + np.matmul): Silero VAD's
+# STFT 258 x 256 x 3 and encoder 128 x 387 x 3, 64 x 384 x 2.
+_TINY_N = 4
+_TINY_MIN_TAPS = 16
 
 
 # -- geometry ---------------------------------------------------------------------------------
@@ -431,6 +441,7 @@ _GATHER = 3  # a small column matrix gathered through precomputed indices
 _IM2COL = 4  # padded copy, im2col, GEMM
 _DW_NUMPY = 5  # depthwise without the JIT: a multiply-add per tap over the whole tensor
 _IM2COL_JIT = 6  # 2-D: the JIT's im2col straight from the unpadded input (im2col2d), GEMM
+_TINY = 7  # one group, a few output positions: gather and dot products in one JIT call (conv_tiny)
 
 
 class _ConvPlan:
@@ -606,6 +617,20 @@ class Conv(Kernel):
         if out is not None and (out.shape != plan.yshape or not out.flags.c_contiguous):
             out = None
         n = plan.n
+        if kind == _TINY:
+            # A few output positions: the columns gathered and one dot product per output, in one
+            # JIT call; bias and activations in the epilogue's one pass.
+            if out is not None and out.dtype != np.float32:
+                out = None
+            y = np.empty(plan.yshape, np.float32) if out is None else out
+            args = (np.ascontiguousarray(xc).reshape(n, -1), plan.idx, np.ascontiguousarray(wm[0]), y.reshape(plan.rows3))
+            if res is not None and res.shape != y.shape:  # a broadcasting residual: numpy's rules
+                plan.jit.conv_tiny(*args, _EMPTY1, *_NO_EPILOGUE)
+                return self._epilogue(plan, y, bias, res, out_dtype)
+            codes, params, pcodes, pparams = plan.enc
+            r = _EMPTY3 if res is None else np.ascontiguousarray(res, dtype=np.float32).reshape(plan.rows3)
+            plan.jit.conv_tiny(*args, _EMPTY1 if bias is None else bias, codes, params, r, pcodes, pparams, plan.table)
+            return y if y.dtype == out_dtype else y.astype(out_dtype)
         if kind == _ONE:
             # 1x1: the (strided) input is the column matrix.
             cols = np.ascontiguousarray(xc if plan.sub is None else xc[plan.sub]).reshape(plan.cols_shape)
@@ -761,6 +786,9 @@ class Conv(Kernel):
             p.cols_shape = (n, g, cg, length)
         elif not depthwise and c * kprod * length <= _GATHER_MAX:
             p.kind = _GATHER
+            if (jit is not None and g == 1 and cd == np.float32 and 0 < n * length <= _TINY_N
+                    and c * kprod >= _TINY_MIN_TAPS):
+                p.kind = _TINY
             key = (in_shape, tuple(kernel_shape))
             idx = self._gather.get(key)  # shared by the plans of every batch size
             if idx is None:
