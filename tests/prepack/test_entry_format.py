@@ -465,6 +465,19 @@ def test_records_the_index_cannot_hold_are_left_to_their_json():
         assert index.row(ef._entry(k, v)[0]) is None
 
 
+def _damaged(records, flips, *, index_only: bool) -> tuple[bytearray, ef.RecordIndex | None]:
+    """The manifest of ``records`` with bytes set by ``flips`` ((position, value); positions in
+    the record index only, or anywhere), and its RecordIndex (None: refused with a format error)."""
+    man = bytearray(ef.manifest_bytes(_props(records)))
+    start = int.from_bytes(man[24:32], "little") if index_only else 0
+    for pos, val in flips:
+        man[start + pos % (len(man) - start)] = val
+    try:
+        return man, ef.RecordIndex(bytes(man))
+    except PrepackFormatError:
+        return man, None
+
+
 @given(st.lists(weight_records(), min_size=1, max_size=4, unique_by=lambda r: (r.scope, r.name)),
        st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=8),
        st.sampled_from(["index", "anywhere"]))
@@ -473,13 +486,8 @@ def test_damaged_index_never_builds_a_record_the_checks_refuse(records, flips, w
     """Bytes of the manifest changed (the index's rows, counts and text, or anywhere): either the
     index is refused with a format error, or every record it builds passes every check of the
     record constructors (it skips them, having checked the rows in bulk)."""
-    man = bytearray(ef.manifest_bytes(_props(records)))
-    start = int.from_bytes(man[24:32], "little") if where == "index" else 0
-    for pos, val in flips:
-        man[start + pos % (len(man) - start)] = val
-    try:
-        index = ef.RecordIndex(bytes(man))
-    except PrepackFormatError:
+    man, index = _damaged(records, flips, index_only=where == "index")
+    if index is None:
         return
     count = int.from_bytes(man[16:24], "little")
     for i in range(count):
@@ -496,13 +504,8 @@ def test_damaged_index_never_builds_a_record_the_checks_refuse(records, flips, w
 def test_index_row_texts_fast_path_equals_the_careful_one(records, flips):
     """The index checks the common row (ASCII text, one pack) inline; on every row, intact or with
     bytes of the index changed, its verdict and texts equal ``_texts_of``'s, row by row."""
-    man = bytearray(ef.manifest_bytes(_props(records)))
-    start = int.from_bytes(man[24:32], "little")
-    for pos, val in flips:
-        man[start + pos % (len(man) - start)] = val
-    try:
-        index = ef.RecordIndex(bytes(man))
-    except PrepackFormatError:
+    _, index = _damaged(records, flips, index_only=True)
+    if index is None:
         return
     careful = []
     for w in index._wl:
