@@ -500,7 +500,7 @@ def test_damaged_index_never_builds_a_record_the_checks_refuse(records, flips, w
 
 @given(st.lists(weight_records(), min_size=1, max_size=4, unique_by=lambda r: (r.scope, r.name)),
        st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=0, max_size=6))
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 def test_index_row_texts_fast_path_equals_the_careful_one(records, flips):
     """The index checks the common row (ASCII text, one pack) inline; on every row, intact or with
     bytes of the index changed, its verdict and texts equal ``_texts_of``'s, row by row."""
