@@ -431,6 +431,108 @@ def test_conv_with_few_outputs_propagates_nan_and_inf(jit_mode):
     assert np.isnan(got[0, :, 1:]).all() and not np.isfinite(got[0, :, 0]).any()
 
 
+# One-group stride-1 convs of few channels: tiles of output positions straight from the padded
+# input (conv_shift).  (x shape, weight shape, strides, pads, dilations): the wake-word model's
+# 1x3 (padded along W only: junk columns cut) and 3x1 (no padding: the kernel writes y itself),
+# output channels not a multiple of the 6-row micro-tile, planes smaller than one 16-position
+# tile (only the zero-filled last tile), 3x3 and 5x5 (the weights fed or not packed: Winograd's
+# takes packed 3x3s), asymmetric pads with dilation, 1-D, one input channel, a batch.
+SHIFT = {
+    "1x3-pad-w": ((2, 24, 9, 32), (24, 24, 1, 3), [1, 1], [0, 1, 0, 1], [1, 1]),
+    "3x1-nopad": ((3, 12, 10, 16), (13, 12, 3, 1), [1, 1], [0, 0, 0, 0], [1, 1]),
+    "3x3-tiny-plane": ((1, 5, 3, 4), (7, 5, 3, 3), [1, 1], [1, 1, 1, 1], [1, 1]),
+    "5x5-pad2": ((1, 8, 13, 11), (11, 8, 5, 5), [1, 1], [2, 2, 2, 2], [1, 1]),
+    "3x3-dilated-asym": ((2, 6, 12, 9), (9, 6, 3, 3), [1, 1], [2, 0, 1, 3], [2, 3]),
+    "1d-5tap": ((3, 8, 50), (13, 8, 5), [1], [2, 2], [1]),
+    "1d-3tap-unpadded": ((1, 16, 33), (2, 16, 3), [1], [0, 0], [1]),
+    "one-input-channel": ((2, 1, 17, 20), (24, 1, 3, 3), [1, 1], [1, 1, 1, 1], [1, 1]),
+}
+
+
+def _conv_kinds(sess):
+    return {p.kind for st in sess.program.root.steps if st.node.op_type == "Conv" for p in st.kernel._plans.values()}
+
+
+# ("lab"'s per-channel constants are (M, 1, 1): 2-D outputs only)
+SHIFT_CASES = [(shape, tail) for shape in SHIFT for tail in ("none", "leaky-max", "hardswish", "lab")
+               if not (tail == "lab" and len(SHIFT[shape][0]) == 3)]
+
+
+@pytest.mark.parametrize("shape,tail", SHIFT_CASES, ids=[f"{a}-{b}" for a, b in SHIFT_CASES])
+def test_stride1_convs_from_the_padded_input_match_onnxruntime(shape, tail, jit_mode, monkeypatch):
+    """Every geometry of conv_shift (gather and Winograd kept out of the way) against onnxruntime,
+    packed and fused, and with pre-packing off; the path taken is asserted."""
+    from onnxpack.session.kernels import conv as conv_mod
+
+    monkeypatch.setattr(conv_mod, "_GATHER_MAX", 0)
+    monkeypatch.setattr(conv_mod, "_WINOGRAD", False)
+    model, feeds = _tiny_model(*SHIFT[shape], tail)
+    want = _ort(model, feeds)
+    for how, sess in _sessions(model).items():
+        np.testing.assert_allclose(sess.run(None, feeds)[0], want[0], **TOL, err_msg=how)
+        if jit_mode == "jit" and shape != "one-input-channel":  # (an RGB-like stem runs conv2d_small)
+            assert _conv_kinds(sess) == {conv_mod._SHIFT}, (how, _conv_kinds(sess))
+        elif jit_mode != "jit":
+            assert conv_mod._SHIFT not in _conv_kinds(sess)
+
+
+@pytest.mark.parametrize("residual", ["full", "broadcast"])
+@pytest.mark.parametrize("pads", [(1, 1, 1, 1), (0, 1, 0, 1)], ids=["pad-hw", "pad-w"])
+def test_stride1_conv_fuses_bn_activation_and_residual(pads, residual, jit_mode, monkeypatch):
+    """BatchNormalization, HardSwish and a residual Add after conv_shift: a residual of the
+    output's shape runs in the epilogue's pass (with the padded-width rows cut in the same pass),
+    a broadcasting one by numpy's rules after it."""
+    from onnxpack.session.kernels import conv as conv_mod
+
+    monkeypatch.setattr(conv_mod, "_WINOGRAD", False)
+    monkeypatch.setattr(conv_mod, "_GATHER_MAX", 0)
+    model, feeds = conv_model(x_shape=(2, 16, 9, 21), m=20, tail="hardswish", residual="right", pads=pads)
+    feeds = _feed_residual(model, feeds)
+    if residual == "broadcast":
+        feeds["r"] = feeds["r"][:, :, :1, :]
+    want = _ort(model, feeds)
+    for how, sess in _sessions(model).items():
+        np.testing.assert_allclose(sess.run(None, feeds)[0], want[0], **TOL, err_msg=how)
+        if jit_mode == "jit":
+            assert _conv_kinds(sess) == {conv_mod._SHIFT}
+
+
+def test_stride1_conv_keeps_non_finite_values_in_their_windows(jit_mode, monkeypatch):
+    """NaN and Inf reach exactly the outputs whose windows hold them: the padded-width junk
+    positions that read across rows are cut, never mixed in."""
+    from onnxpack.session.kernels import conv as conv_mod
+
+    monkeypatch.setattr(conv_mod, "_GATHER_MAX", 0)
+    model, feeds = _tiny_model(*SHIFT["1x3-pad-w"], "none")
+    x = feeds["x"].copy()
+    x[0, 3, 4, 0], x[1, 7, 2, 31], x[1, 0, 8, 15] = np.inf, np.nan, -np.inf
+    got = onnxpack.InferenceSession(model).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, _ort(model, {"x": x})[0], **TOL, equal_nan=True)
+    bad = ~np.isfinite(got)
+    assert bad[0, :, 4, :2].all() and bad[1, :, 2, 30:].all() and bad[1, :, 8, 14:17].all()
+    assert bad.sum() == 24 * (2 + 2 + 3)
+
+
+def test_stride1_conv_split_over_threads_equals_one_thread(monkeypatch):
+    """conv_shift's tiles cut over onnxpack's threads (ONNXPACK_NUM_THREADS=2, BLAS at one):
+    the same bits as one thread (each tile's sums run in one order)."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from onnxpack.session.kernels import conv as conv_mod
+
+    if _act.jit() is None:
+        pytest.skip("numba not installed")
+    model, feeds = _tiny_model(((2, 24, 40, 32)), (24, 24, 1, 3), [1, 1], [0, 1, 0, 1], [1, 1], "relu")
+    want = onnxpack.InferenceSession(model).run(None, feeds)[0]
+    with threadpoolctl.threadpool_limits(1):
+        monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
+        assert _act.threads() == 2
+        sess = onnxpack.InferenceSession(model)
+        got = sess.run(None, feeds)[0]
+        plan = next(iter(next(st for st in sess.program.root.steps if st.node.op_type == "Conv").kernel._plans.values()))
+    assert plan.kind == conv_mod._SHIFT and plan.big
+    np.testing.assert_array_equal(got, want)
+
+
 # -- the activation kernels themselves ----------------------------------------------------------
 ACTS = [_act.Activation("relu"), _act.Activation("clip", -0.5, 2.0), _act.Activation("hardswish", 1 / 6, 0.5),
         _act.Activation("silu"), _act.Activation("sigmoid"), _act.Activation("leakyrelu", 0.2),

@@ -13,7 +13,11 @@ numba's cache, so a later process loads it instead of compiling.
   ``(K - 1) / 2`` padding) in one pass per plane; :func:`depthwise3_s2` / :func:`depthwise5_s2`
   — their stride-2 case on even planes, from the plane's four stride phases.
 * :func:`bias_act` — ``y = act(y + bias[channel] (+ residual))`` in place on a GEMM's fresh
-  output: the epilogue of every other convolution, one pass.
+  output: the epilogue of every other convolution, one pass; :func:`compact_bias_act` the same
+  while it copies :func:`conv_shift`'s padded-width rows into ``y``.
+* :func:`conv_shift` — a one-group stride-1 convolution straight from its (padded) input, tiles
+  of output positions by a register-blocked micro-kernel over every tap and input channel (no
+  im2col).
 * :func:`conv_tiny` — a one-group convolution with a handful of output positions (Silero VAD's
   STFT and encoder): the columns gathered, one vectorized dot product per output, then the
   epilogue of :func:`bias_act`, in one call (OpenBLAS runs such a GEMM, N = 1..4, slowly).
@@ -56,8 +60,11 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from onnxpack.session.kernels import _erf as _erf_mod
+from onnxpack.session.kernels._sgemm_jit import TILE, conv_tile1, conv_tile2, conv_tile4, conv_tile6, prefetch
 
-__all__ = ["depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "im2col2d", "conv2d_small", "conv_tiny", "wino_input", "wino_output", "bias_act", "act_inplace", "expf_array"]
+SHIFT_TILE = TILE  # output positions per work item of conv_shift
+
+__all__ = ["depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_shift", "wino_input", "wino_output", "bias_act", "compact_bias_act", "pad_planes", "act_inplace", "expf_array"]
 
 _FM = {"contract"}
 # For kernels whose only reduction is a float64 sum of squares: reassociation lets it vectorize.
@@ -901,6 +908,79 @@ def im2col2d(x, ph4, cols, kh_, kw_, sh, sw, dh, dw, ph, pw, oh_, ow_, n, oh0, o
                                 dd[j] = src[j * sw]
 
 
+@njit(inline="always", nogil=True)
+def _shift_tile(x, xoff, xstride, w, taps, c, m, out, ooff, ostride):
+    """Every output channel of one tile of ``TILE`` positions, channel ``co`` to
+    ``out.flat[ooff + co*ostride:][:TILE]``: tiles of 6 channels, then 4, 2 and 1 (see
+    ``_sgemm_jit.conv_tileR``)."""
+    nt = taps.shape[0]
+    wrow = c * nt
+    co = 0
+    while co + 6 <= m:
+        conv_tile6(out, ooff + co * ostride, ostride, x, xoff, xstride, w, co * wrow, wrow, nt, c, taps)
+        co += 6
+    if co + 4 <= m:
+        conv_tile4(out, ooff + co * ostride, ostride, x, xoff, xstride, w, co * wrow, wrow, nt, c, taps)
+        co += 4
+    if co + 2 <= m:
+        conv_tile2(out, ooff + co * ostride, ostride, x, xoff, xstride, w, co * wrow, wrow, nt, c, taps)
+        co += 2
+    if co < m:
+        conv_tile1(out, ooff + co * ostride, ostride, x, xoff, xstride, w, co * wrow, wrow, nt, c, taps)
+
+
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def conv_shift(x, w, out, taps, c, m, plane, span, ostride, i0, i1):
+    """Tiles ``i0 <= i < i1`` of a one-group, stride-1 convolution computed straight from the
+    (padded) input: no im2col.  In an input plane padded to rows of ``wp`` floats, output
+    position ``(oh, ow)`` reads ``oh * wp + ow + taps[t]`` for tap ``t`` (``taps[t] = kh*dh*wp +
+    kw*dw``); so in the flattened coordinates ``p = oh * wp + ow`` a tile of ``TILE``
+    consecutive positions is, per tap and input channel, ``TILE`` consecutive floats of the
+    input.  The micro-kernel (``_sgemm_jit.conv_tileR``) keeps 6 channels x ``TILE`` positions
+    of sums in registers over every tap and channel; the input channels' next tiles are
+    prefetched (one stream per channel: too many for the hardware prefetcher, measured 1.5x
+    slower without).
+
+    ``x`` (N * C * plane,) the padded input; ``w`` (M * C * taps,) the weight as packed
+    (M, C, kh, kw); ``out`` (N * M * ostride,) receives position ``p`` of image ``n``'s output
+    channel ``co`` at ``(n * M + co) * ostride + p`` for ``p < span = (ho - 1) * wp + wo``
+    (``ostride >= span``; with rows of ``wp`` the positions ``ow >= wo`` hold junk, cut off by
+    the caller).  Tile ``i`` is image ``i // tiles``, positions from ``(i % tiles) * TILE``; an
+    image's last tile, when partial, reads a zero-filled copy of its inputs and writes through
+    scratch (a full tile reads and writes only inside its image).
+    """
+    tiles = (span + TILE - 1) // TILE
+    last = taps[taps.shape[0] - 1]
+    reach = TILE + last
+    ahead = last + 4 * TILE
+    tbuf = np.empty(0, np.float32)
+    tail = np.empty(0, np.float32)
+    for it in range(i0, i1):
+        img = it // tiles
+        p0 = (it - img * tiles) * TILE
+        xbase = img * c * plane
+        obase = img * m * ostride
+        if p0 + TILE <= span:
+            for ci in range(c):
+                prefetch(x, xbase + ci * plane + p0 + ahead)
+            _shift_tile(x, xbase + p0, plane, w, taps, c, m, out, obase + p0, ostride)
+            continue
+        if tail.shape[0] == 0:
+            tail = np.empty(c * reach, np.float32)
+            tbuf = np.empty(m * TILE, np.float32)
+        have = min(reach, plane - p0)
+        for ci in range(c):
+            src = xbase + ci * plane + p0
+            for q in range(have):
+                tail[ci * reach + q] = x[src + q]
+            for q in range(have, reach):
+                tail[ci * reach + q] = _F0
+        _shift_tile(tail, 0, reach, w, taps, c, m, tbuf, 0, TILE)
+        for co in range(m):
+            for q in range(span - p0):
+                out[obase + co * ostride + p0 + q] = tbuf[co * TILE + q]
+
+
 @njit(cache=True, fastmath=_FM_SUM, nogil=True, error_model="numpy")
 def _tiny_products(x, idx, w, y):
     n_, size = x.shape
@@ -951,22 +1031,69 @@ def bias_act(y, bias, codes, params, res, post_codes, post_params, chan):
     activations after it; ``chan`` (K, M, 2) the per-channel steps' tables (code 11).
     """
     n_, m_, l_ = y.shape
-    has_bias = bias.shape[0] > 0
-    has_res = res.shape[0] > 0
+    for nm in range(n_ * m_):
+        n = nm // m_
+        m = nm - n * m_
+        _bias_act_row(y[n, m], n, m, bias, codes, params, res, post_codes, post_params, chan)
+
+
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def pad_planes(x, xp, top, left):
+    """``xp`` (N, C, Hp, Wp) = zeros with ``x`` (N, C, H, W) placed at row ``top``, column
+    ``left`` (cut where it reaches past ``xp``): each element of ``xp`` written once (numpy's
+    fill, then the strided copy, writes it twice)."""
+    n_, c_, h_, w_ = x.shape
+    hp, wp = xp.shape[2], xp.shape[3]
+    cols = max(0, min(w_, wp - left))
+    for n in range(n_):
+        for c in range(c_):
+            for r in range(hp):
+                dst = xp[n, c, r]
+                i = r - top
+                if i < 0 or i >= h_:
+                    for j in range(wp):
+                        dst[j] = _F0
+                    continue
+                src = x[n, c, i]
+                for j in range(left):
+                    dst[j] = _F0
+                for j in range(cols):
+                    dst[left + j] = src[j]
+                for j in range(left + cols, wp):
+                    dst[j] = _F0
+
+
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def compact_bias_act(src, wp, wo, y, bias, codes, params, res, post_codes, post_params, chan):
+    """:func:`bias_act` on ``y`` (N, M, ho * wo) filled first from ``src`` (N, M, ho * wp), each
+    of its rows of ``wp`` cut to its first ``wo`` (:func:`conv_shift`'s padded-width output): one
+    pass, each row of ``y`` still in L1 for the epilogue."""
+    n_, m_, l_ = y.shape
     for nm in range(n_ * m_):
         n = nm // m_
         m = nm - n * m_
         row = y[n, m]
-        if has_bias:
-            bv = bias[m]
-            for i in range(l_):
-                row[i] += bv
-        _acts_ch(row, codes, params, chan, m)
-        if has_res:
-            rr = res[n, m]
-            for i in range(l_):
-                row[i] += rr[i]
-            _acts_ch(row, post_codes, post_params, chan, m)
+        sr = src[n, m]
+        for oh in range(l_ // wo):
+            for i in range(wo):
+                row[oh * wo + i] = sr[oh * wp + i]
+        _bias_act_row(row, n, m, bias, codes, params, res, post_codes, post_params, chan)
+
+
+@njit(inline="always", fastmath=_FM, error_model="numpy")
+def _bias_act_row(row, n, m, bias, codes, params, res, post_codes, post_params, chan):
+    """One row of :func:`bias_act`: output channel ``m`` of image ``n``."""
+    l_ = row.shape[0]
+    if bias.shape[0] > 0:
+        bv = bias[m]
+        for i in range(l_):
+            row[i] += bv
+    _acts_ch(row, codes, params, chan, m)
+    if res.shape[0] > 0:
+        rr = res[n, m]
+        for i in range(l_):
+            row[i] += rr[i]
+        _acts_ch(row, post_codes, post_params, chan, m)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
@@ -1316,4 +1443,4 @@ def native_entries() -> dict:
 # the parameters named here are arrays the kernels only read.
 from onnxpack.session.kernels._act import one_specialization as _act_one_specialization  # noqa: E402
 
-_act_one_specialization(globals(), frozenset({"x", "w", "bias", "codes", "params", "skip", "gamma", "scale", "mx", "res", "post_codes", "post_params", "chan"}))
+_act_one_specialization(globals(), frozenset({"x", "w", "taps", "bias", "codes", "params", "skip", "gamma", "scale", "mx", "res", "post_codes", "post_params", "chan"}))

@@ -316,21 +316,24 @@ def splat(builder, x, lanes: int = 16):
     return builder.shuffle_vector(v, ir.Constant(one, None), _lanes([0] * lanes))
 
 
-def accumulate(builder, ngroups, rows: int, vecs: int, step, vector=_V16):
-    """Emit ``for g in range(ngroups)`` carrying ``rows`` x ``vecs`` int32 vector accumulators
-    (``vector``: 16 lanes, or 8 on AVX2) from zero: ``step(g, accs) -> new accs`` emits one
-    iteration.  Returns the accumulators after the loop (zeros when ``ngroups <= 0``)."""
+def accumulate(builder, ngroups, rows: int, vecs: int, step, vector=_V16, init=None):
+    """Emit ``for g in range(ngroups)`` carrying ``rows`` x ``vecs`` vector accumulators
+    (``vector``: 16 int32 lanes, or 8 on AVX2, or a float vector) from zero, or from ``init``
+    (rows of values): ``step(g, accs) -> new accs`` emits one iteration (it may emit loops of its
+    own).  Returns the accumulators after the loop (their start when ``ngroups <= 0``)."""
     start = builder.block
     loop = builder.append_basic_block("acc.loop")
     done = builder.append_basic_block("acc.done")
-    zero = ir.Constant(vector, None)
+    if init is None:
+        init = [[ir.Constant(vector, None)] * vecs for _ in range(rows)]
     builder.cbranch(builder.icmp_signed(">", ngroups, ir.Constant(_I64, 0)), loop, done)
     builder.position_at_end(loop)
     g = builder.phi(_I64)
     accs = [[builder.phi(vector) for _ in range(vecs)] for _ in range(rows)]
     g.add_incoming(ir.Constant(_I64, 0), start)
-    for acc in (a for row in accs for a in row):
-        acc.add_incoming(zero, start)
+    for acc_row, init_row in zip(accs, init):
+        for acc, v in zip(acc_row, init_row):
+            acc.add_incoming(v, start)
     new = step(g, accs)
     g_next = builder.add(g, ir.Constant(_I64, 1))
     end = builder.block
@@ -341,9 +344,9 @@ def accumulate(builder, ngroups, rows: int, vecs: int, step, vector=_V16):
     builder.cbranch(builder.icmp_signed("<", g_next, ngroups), loop, done)
     builder.position_at_end(done)
     results = [[builder.phi(vector) for _ in row] for row in new]
-    for res_row, new_row in zip(results, new):
-        for res, v in zip(res_row, new_row):
-            res.add_incoming(zero, start)
+    for res_row, new_row, init_row in zip(results, new, init):
+        for res, v, v0 in zip(res_row, new_row, init_row):
+            res.add_incoming(v0, start)
             res.add_incoming(v, end)
     return results
 

@@ -35,9 +35,9 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from onnxpack.session.kernels._nbits_jit import array_data, declare, splat
+from onnxpack.session.kernels._nbits_jit import accumulate, array_data, declare, splat
 
-__all__ = ["sgemm_panels", "NR", "KC", "LANES", "TILE"]
+__all__ = ["sgemm_panels", "prefetch", "conv_tile6", "conv_tile4", "conv_tile2", "conv_tile1", "NR", "KC", "LANES", "TILE"]
 
 NR = 64  # columns per panel: the packed layout (4 vectors of 16 float32)
 KC = 512  # rows of a panel per pass (128 KB of it: L2-resident while all rows of ``a`` pass)
@@ -154,6 +154,91 @@ _tile6 = _tile_intrinsic(6)
 _tile4 = _tile_intrinsic(4)
 _tile2 = _tile_intrinsic(2)
 _tile1 = _tile_intrinsic(1)
+
+
+@intrinsic
+def prefetch(typingctx, arr, offset):
+    """A hint to fetch the cache line of ``arr.flat[offset]`` (float32, C-contiguous) into every
+    cache level; never faults, even past the array's end."""
+    if not (isinstance(arr, types.Array) and arr.layout == "C" and arr.dtype == types.float32
+            and isinstance(offset, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = builder.gep(array_data(context, builder, sig.args[0], args[0], _F32), [args[1]])
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = builder.module.globals.get("llvm.prefetch.p0i8") or ir.Function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0i8")
+        # read, locality 3 (keep in every level), data cache
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(arr, types.int64), codegen
+
+
+def _conv_tile_codegen(rows: int):
+    """``rows`` output channels times ``TILE`` consecutive output positions of a stride-1
+    convolution, every tap and input channel summed in registers (see ``conv_tileR``)."""
+    vecs = TILE // LANES
+
+    def codegen(context, builder, sig, args):
+        out, ooff, ostride, x, xoff, xstride, w, woff, wrow, ntaps, nk, taps = args
+
+        def const(v):
+            return ir.Constant(_I64, v)
+
+        def vptr(p, i):
+            return builder.bitcast(builder.gep(p, [const(LANES * i)]), _VF.as_pointer())
+
+        op = array_data(context, builder, sig.args[0], out, _F32)
+        xp = array_data(context, builder, sig.args[3], x, _F32)
+        wp = array_data(context, builder, sig.args[6], w, _F32)
+        tp = array_data(context, builder, sig.args[11], taps, _I64)
+        wrows = [builder.gep(wp, [builder.add(woff, builder.mul(const(r), wrow))]) for r in range(rows)]
+        fma = declare(builder, f"llvm.fma.v{LANES}f32", _VF)
+
+        def tap(t, accs):
+            xt = builder.gep(xp, [builder.add(xoff, builder.load(builder.gep(tp, [t])))])
+
+            def channel(k, accs):
+                xv = [builder.load(vptr(builder.gep(xt, [builder.mul(k, xstride)]), i), align=4) for i in range(vecs)]
+                at = builder.add(builder.mul(k, ntaps), t)
+                return [[builder.call(fma, [splat(builder, builder.load(builder.gep(wrows[r], [at])), LANES), v, acc])
+                         for acc, v in zip(accs[r], xv)] for r in range(rows)]
+
+            return accumulate(builder, nk, rows, vecs, channel, _VF, init=accs)
+
+        sums = accumulate(builder, ntaps, rows, vecs, tap, _VF)
+        for r in range(rows):
+            dst = builder.gep(op, [builder.add(ooff, builder.mul(const(r), ostride))])
+            for i in range(vecs):
+                builder.store(sums[r][i], vptr(dst, i), align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _conv_tile_intrinsic(rows: int):
+    def impl(typingctx, out, ooff, ostride, x, xoff, xstride, w, woff, wrow, ntaps, nk, taps):
+        if not (all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == types.float32 for a in (out, x, w))
+                and isinstance(taps, types.Array) and taps.layout == "C" and taps.dtype == types.int64):
+            return None
+        i64 = types.int64
+        return types.void(out, i64, i64, x, i64, i64, w, i64, i64, i64, i64, taps), _conv_tile_codegen(rows)
+
+    impl.__name__ = impl.__qualname__ = f"conv_tile{rows}"
+    return intrinsic(impl)
+
+
+# ``conv_tileR(out, ooff, ostride, x, xoff, xstride, w, woff, wrow, ntaps, nk, taps)``: for R rows
+# r, ``out.flat[ooff + r*ostride:][:TILE] =`` the sum over taps t < ntaps and input channels
+# k < nk of ``w.flat[woff + r*wrow + k*ntaps + t]`` (a weight laid out (M, C, taps)) times the
+# TILE floats at ``x.flat[xoff + taps[t] + k*xstride:]`` (input channel k's plane shifted by the
+# tap's offset).  The accumulators stay in registers over every tap and channel.
+conv_tile6 = _conv_tile_intrinsic(6)
+conv_tile4 = _conv_tile_intrinsic(4)
+conv_tile2 = _conv_tile_intrinsic(2)
+conv_tile1 = _conv_tile_intrinsic(1)
 
 
 @njit(cache=True, nogil=True)

@@ -5,13 +5,16 @@ offsets* (9 for a 3x3 kernel), each a single strided numpy copy of a whole (N, C
 no loop ever runs per pixel; with the numba kernels, 2-D column matrices are written straight from
 the unpadded input instead (``im2col2d``: no padded copy; stride 2 from the input's stride
 phases), large ones with few output channels a block of output rows at a time, each block
-multiplied while its columns are in L2.  Three shapes skip im2col:
+multiplied while its columns are in L2.  These shapes skip im2col:
 
 * 1x1, unpadded convolutions (a third of resnet50's convs): the input *is* the column matrix
   (strided-sliced first when the stride is > 1), so the conv is one matmul over channels.
 * depthwise convolutions (group == C, one output channel per group): a GEMM of inner size
   kh*kw would be dominated by call overhead, so they are kh*kw fused multiply-adds over the whole
   tensor instead.
+* with the JIT, one-group stride-1 convs of few channels (``conv_shift``): in the input padded to
+  rows of ``wp``, every tap of 16 consecutive output positions (flattened with rows of ``wp``) is
+  16 consecutive inputs, so a register-blocked micro-kernel reads them in place.
 * everything else: ``cols`` of shape (N, g, C/g*kh*kw, L) and ``np.matmul(W, cols)``, which numpy
   turns into one sgemm per (image, group).
 
@@ -65,6 +68,19 @@ _PACK_VERSION = 1
 _WINO_VERSION = 1
 # ONNXPACK_WINOGRAD=0 keeps every conv on im2col (to measure what Winograd buys).
 _WINOGRAD = os.environ.get("ONNXPACK_WINOGRAD", "1") != "0"
+# ONNXPACK_CONV_SHIFT=0 keeps stride-1 convs on im2col + GEMM (to measure what conv_shift buys).
+_SHIFT_ON = os.environ.get("ONNXPACK_CONV_SHIFT", "1") != "0"
+# With the JIT, a one-group stride-1 conv (1-D or 2-D, more than one tap, not Winograd's) with at
+# most _SHIFT_MAX_CHANNELS input and output channels and at most _SHIFT_MAX_TAPS taps per output
+# (C * kh * kw) runs conv_shift: tiles of 16 output positions straight from the padded input, no
+# im2col.  Measured one thread, side by side with the im2col + GEMM path (conv_shift's time /
+# im2col's): wake-word 24 -> 24 1x3 on 16 x 74x32 0.89, 3x1 0.64, 48 -> 48 3x1 on 16 x 36x16
+# 0.72, 72 -> 72 1x3 on 16 x 30x8 0.85; 64 -> 64 3x3 on 40x40 0.84, 32 -> 32 5x5 on 40x40 0.68,
+# 16 -> 32 5x5 on 80x80 0.75; 1-D 80 -> 80 3 taps over 256 0.93.  Beyond them the tile's inputs
+# and the weight outgrow L1 and OpenBLAS's packed GEMM wins: 96 -> 96 1x3 on 40x40 1.17,
+# 128 -> 128 3x3 on 20x20 1.30, 64 -> 64 5x5 (1,600 taps) 1.42, 512 -> 512 3 taps 1.30.
+_SHIFT_MAX_CHANNELS = 80
+_SHIFT_MAX_TAPS = 800
 # Below this many 2x2 output tiles (batch included) a Winograd conv runs as im2col + one GEMM.
 _WINO_MIN_TILES = 24
 _EMPTY1 = np.zeros(0, np.float32)
@@ -443,6 +459,7 @@ _IM2COL = 4  # padded copy, im2col, GEMM
 _DW_NUMPY = 5  # depthwise without the JIT: a multiply-add per tap over the whole tensor
 _IM2COL_JIT = 6  # 2-D: the JIT's im2col straight from the unpadded input (im2col2d), GEMM
 _TINY = 7  # one group, a few output positions: gather and dot products in one JIT call (conv_tiny)
+_SHIFT = 8  # one group, stride 1: tiles of positions straight from the (padded) input (conv_shift)
 
 
 class _ConvPlan:
@@ -455,7 +472,7 @@ class _ConvPlan:
     __slots__ = ("kind", "n", "m", "g", "length", "ks", "strides", "dils", "begin", "out_shape", "yshape",
                  "wm_shape", "wm", "wk_shape", "wk", "fn", "jit_args", "big", "count", "zero_bias", "full",
                  "sub", "idx", "zero", "extent", "cols_shape", "small", "pre", "post", "channels", "jit", "enc",
-                 "table", "rows3", "chunk", "phased")
+                 "table", "rows3", "chunk", "phased", "padded", "at")
 
 
 
@@ -615,6 +632,36 @@ class Conv(Kernel):
                 # Strided (or cut short): every output is the "same" conv's at (oh*sh, ow*sw).
                 y[...] = dst[plan.sub]
             return self._epilogue(plan, y, None, res, out_dtype)
+        if kind == _SHIFT:
+            # Tiles of output positions straight from the padded input; bias and the inner
+            # activations as each tile is written.
+            if out is not None and (out.shape != plan.yshape or not out.flags.c_contiguous or out.dtype != np.float32):
+                out = None
+            y = np.empty(plan.yshape, np.float32) if out is None else out
+            wk = plan.wk
+            if wk is None:
+                wk = np.ascontiguousarray(wm).reshape(plan.wk_shape)
+            xf = np.ascontiguousarray(xc)
+            if plan.padded is not None:  # the padded copy, in this thread's scratch
+                xp = _scratch("pad", plan.padded, np.float32)
+                if xp is None:
+                    xp = np.empty(plan.padded, np.float32)
+                plan.jit.pad_planes(xf.reshape(plan.n, plan.padded[1], -1, xf.shape[-1]), xp, *plan.at)
+                xf = xp
+            xf = xf.reshape(-1)
+            dst = y
+            if plan.full is not None:
+                dst = _scratch("shift", plan.full, np.float32)
+                if dst is None:
+                    dst = np.empty(plan.full, np.float32)
+            args = (xf, wk, dst.reshape(-1)) + plan.jit_args
+            fn = plan.jit.conv_shift
+            threads = _act.threads() if plan.big else 1
+            if threads > 1:
+                _act.parallel(lambda a, b: fn(*args, a, b), plan.count, threads)
+            else:
+                fn(*args, 0, plan.count)
+            return self._epilogue(plan, y, bias, res, out_dtype, None if dst is y else dst)
         if out is not None and (out.shape != plan.yshape or not out.flags.c_contiguous):
             out = None
         n = plan.n
@@ -738,7 +785,7 @@ class Conv(Kernel):
                 if wm is None:
                     wm = self._w_as[cd] = self._w.reshape(p.wm_shape).astype(cd)
             p.wm = wm
-        p.wk = p.full = p.sub = p.idx = p.zero = p.extent = p.cols_shape = None
+        p.wk = p.full = p.sub = p.idx = p.zero = p.extent = p.cols_shape = p.padded = p.at = None
         p.small = False
         pre, post = self._pre, self._post
         # Per-channel steps run only in the epilogue's row pass (bias_act), not inside the
@@ -799,6 +846,31 @@ class Conv(Kernel):
             p.idx = idx
             p.zero = np.zeros(1 if n == 1 else (n, 1), cd)
             p.cols_shape = (n, g, cg * kprod, length)
+        elif (_SHIFT_ON and g == 1 and jit is not None and cd == np.float32 and length > 0 and kprod > 1 and nd <= 2
+              and all(s == 1 for s in strides) and min(begin) >= 0 and max(c, m) <= _SHIFT_MAX_CHANNELS
+              and c * kprod <= _SHIFT_MAX_TAPS):
+            # Stride 1: every tap of a tile of output positions is a run of consecutive inputs in the
+            # padded plane, read in place (conv_shift; no im2col).
+            p.kind = _SHIFT
+            p.extent = _padded_extent(in_shape, begin, out_shape, ks, strides, dils)
+            hp, wp = (1, *p.extent) if nd == 1 else p.extent
+            ho, wo = (1, *out_shape) if nd == 1 else out_shape
+            dh, dw = (1, *dils) if nd == 1 else dils
+            kh, kw = (1, *ks) if nd == 1 else ks
+            taps = np.array([i * dh * wp + j * dw for i in range(kh) for j in range(kw)], np.int64)
+            span = (ho - 1) * wp + wo
+            p.wk_shape = (m * c * kprod,)
+            p.count = n * -(-span // jit.SHIFT_TILE)
+            p.big = n * m * c * kprod * length >= _PARALLEL_MACS
+            # Rows of the padded width hold wp - wo junk outputs each: computed in scratch (N, M,
+            # ho * wp), then cut to y; without them the kernel writes y itself.
+            p.full = None if wp == wo else (n, m) + (tuple(out_shape[:-1]) + (wp,))
+            p.sub = (Ellipsis, slice(0, wo))
+            p.jit_args = (taps, c, m, hp * wp, span, ho * wp)
+            # The padded input's shape and where the input sits in it (none: the input as it is).
+            if (hp, wp) != ((1, *in_shape) if nd == 1 else in_shape) or any(begin):
+                p.padded = (n, c, hp, wp)
+                p.at = (0, begin[0]) if nd == 1 else tuple(begin)
         elif not depthwise and jit is not None and length > 0 and _jit_im2col(nd, kprod, begin, strides, in_shape,
                                                                                  out_shape):
             p.kind = _IM2COL_JIT
@@ -821,6 +893,10 @@ class Conv(Kernel):
             if w is None:
                 p.wk = np.ascontiguousarray(p.wm.reshape(p.wk_shape))
             p.pre = outer
+        elif p.kind == _SHIFT:
+            if w is None:
+                p.wk = p.wm.reshape(p.wk_shape)
+            p.pre = pre
         else:
             # _act.matmul is np.matmul for GEMMs below its split size: call that directly.
             p.small = n * m * (cg * kprod) * length < _act._SPLIT_MACS
@@ -834,18 +910,27 @@ class Conv(Kernel):
             p.rows3 = (n, m, length)
         return p
 
-    def _epilogue(self, plan: _ConvPlan, y, bias, res, out_dtype) -> np.ndarray:
+    def _epilogue(self, plan: _ConvPlan, y, bias, res, out_dtype, src=None) -> np.ndarray:
         """:meth:`_finish` with the plan's chain: its common case (one JIT pass over a fresh
-        C-contiguous float32 ``y``) with what the plan encoded once, the others through _finish."""
-        if bias is None and res is None and not plan.pre:  # nothing left (the JIT kernels' bias is done)
-            return y if y.dtype == out_dtype else y.astype(out_dtype)
+        C-contiguous float32 ``y``) with what the plan encoded once, the others through _finish.
+        ``src``: conv_shift's padded-width result, cut into ``y`` first (in the same pass when
+        the JIT runs the chain)."""
         jit = plan.jit
         if (jit is not None and plan.length and plan.n and plan.m and y.flags.c_contiguous
                 and (res is None or res.shape == y.shape)):
             codes, params, pcodes, pparams = plan.enc
             r = _EMPTY3 if res is None else np.ascontiguousarray(res, dtype=np.float32).reshape(plan.rows3)
-            jit.bias_act(y.reshape(plan.rows3), _EMPTY1 if bias is None else bias, codes, params, r, pcodes, pparams,
-                         plan.table)
+            b = _EMPTY1 if bias is None else bias
+            if src is not None:
+                wp = src.shape[-1]
+                jit.compact_bias_act(src.reshape(plan.n, plan.m, -1), wp, plan.out_shape[-1], y.reshape(plan.rows3),
+                                     b, codes, params, r, pcodes, pparams, plan.table)
+            elif bias is not None or res is not None or plan.pre:
+                jit.bias_act(y.reshape(plan.rows3), b, codes, params, r, pcodes, pparams, plan.table)
+            return y if y.dtype == out_dtype else y.astype(out_dtype)
+        if src is not None:
+            y[...] = src[plan.sub]
+        if bias is None and res is None and not plan.pre:  # nothing left (the JIT kernels' bias is done)
             return y if y.dtype == out_dtype else y.astype(out_dtype)
         return self._finish(y, bias, plan.pre, res, plan.post, out_dtype, plan.channels)
 
