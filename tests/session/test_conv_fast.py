@@ -533,6 +533,37 @@ def test_stride1_conv_split_over_threads_equals_one_thread(monkeypatch):
     np.testing.assert_array_equal(got, want)
 
 
+MAXPOOL = {
+    "2x2-s2": dict(kernel_shape=[2, 2], strides=[2, 2]),
+    "1x2-s12": dict(kernel_shape=[1, 2], strides=[1, 2]),
+    "3x3-s2-pad1": dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+    "5x5-s1-pad2": dict(kernel_shape=[5, 5], pads=[2, 2, 2, 2]),
+    "3x3-s2-ceil": dict(kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1),
+    "2x3-s3x2-asym-ceil": dict(kernel_shape=[2, 3], strides=[3, 2], pads=[1, 0, 0, 2], ceil_mode=1),
+    "same-upper": dict(kernel_shape=[3, 2], auto_pad="SAME_UPPER"),
+}
+
+
+@pytest.mark.parametrize("case", list(MAXPOOL), ids=list(MAXPOOL))
+def test_maxpool_matches_onnxruntime_with_nan_and_inf(case):
+    """2-D float32 MaxPool against onnxruntime, NaN and Inf in the input."""
+    node = helper.make_node("MaxPool", ["x"], ["y"], **MAXPOOL[case])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", F, None)],
+                              [helper.make_tensor_value_info("y", F, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    x = _rng(13).standard_normal((2, 3, 11, 10)).astype(np.float32)
+    x[0, 0, 4, 4], x[0, 1, 0, 0], x[1, 2, 10, 9], x[1, 0, 5, 0] = np.nan, np.inf, -np.inf, np.nan
+    got = onnxpack.InferenceSession(model).run(None, {"x": x})[0]
+    want = _ort(model, {"x": x})[0]
+    # A window with a NaN gives NaN (numpy's maximum, onnxpack's rule on every path);
+    # onnxruntime's own max keeps or drops it by its position.  The windows that hold one are
+    # onnxruntime's pool of the NaN mask; everywhere else the bits are onnxruntime's.
+    holds = _ort(model, {"x": np.isnan(x).astype(np.float32)})[0] == 1
+    assert holds.any()
+    np.testing.assert_array_equal(np.isnan(got), holds)
+    np.testing.assert_array_equal(got[~holds], want[~holds])
+
+
 # -- the activation kernels themselves ----------------------------------------------------------
 ACTS = [_act.Activation("relu"), _act.Activation("clip", -0.5, 2.0), _act.Activation("hardswish", 1 / 6, 0.5),
         _act.Activation("silu"), _act.Activation("sigmoid"), _act.Activation("leakyrelu", 0.2),
