@@ -13,11 +13,10 @@ numba's cache, so a later process loads it instead of compiling.
   ``(K - 1) / 2`` padding) in one pass per plane; :func:`depthwise3_s2` / :func:`depthwise5_s2`
   — their stride-2 case on even planes, from the plane's four stride phases.
 * :func:`bias_act` — ``y = act(y + bias[channel] (+ residual))`` in place on a GEMM's fresh
-  output: the epilogue of every other convolution, one pass; :func:`compact_bias_act` the same
-  while it copies :func:`conv_shift`'s padded-width rows into ``y``.
+  output: the epilogue of every other convolution, one pass.
 * :func:`conv_shift` — a one-group stride-1 convolution straight from its (padded) input, tiles
   of output positions by a register-blocked micro-kernel over every tap and input channel (no
-  im2col).
+  im2col), the epilogue of :func:`bias_act` applied a band of rows at a time while in cache.
 * :func:`conv_tiny` — a one-group convolution with a handful of output positions (Silero VAD's
   STFT and encoder): the columns gathered, one vectorized dot product per output, then the
   epilogue of :func:`bias_act`, in one call (OpenBLAS runs such a GEMM, N = 1..4, slowly).
@@ -62,9 +61,7 @@ from numba.extending import intrinsic
 from onnxpack.session.kernels import _erf as _erf_mod
 from onnxpack.session.kernels._sgemm_jit import TILE, conv_tile1, conv_tile2, conv_tile4, conv_tile6, prefetch
 
-SHIFT_TILE = TILE  # output positions per work item of conv_shift
-
-__all__ = ["depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_shift", "wino_input", "wino_output", "bias_act", "compact_bias_act", "pad_planes", "act_inplace", "expf_array"]
+__all__ = ["depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_shift", "wino_input", "wino_output", "bias_act", "pad_planes", "act_inplace", "expf_array"]
 
 _FM = {"contract"}
 # For kernels whose only reduction is a float64 sum of squares: reassociation lets it vectorize.
@@ -930,55 +927,75 @@ def _shift_tile(x, xoff, xstride, w, taps, c, m, out, ooff, ostride):
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
-def conv_shift(x, w, out, taps, c, m, plane, span, ostride, i0, i1):
-    """Tiles ``i0 <= i < i1`` of a one-group, stride-1 convolution computed straight from the
-    (padded) input: no im2col.  In an input plane padded to rows of ``wp`` floats, output
-    position ``(oh, ow)`` reads ``oh * wp + ow + taps[t]`` for tap ``t`` (``taps[t] = kh*dh*wp +
-    kw*dw``); so in the flattened coordinates ``p = oh * wp + ow`` a tile of ``TILE``
-    consecutive positions is, per tap and input channel, ``TILE`` consecutive floats of the
-    input.  The micro-kernel (``_sgemm_jit.conv_tileR``) keeps 6 channels x ``TILE`` positions
-    of sums in registers over every tap and channel; the input channels' next tiles are
-    prefetched (one stream per channel: too many for the hardware prefetcher, measured 1.5x
-    slower without).
+def conv_shift(x, w, y, taps, c, plane, wp, wo, rows, bias, codes, params, res, post_codes, post_params, chan, i0, i1):
+    """Bands ``i0 <= i < i1`` of a one-group, stride-1 convolution computed straight from the
+    (padded) input, no im2col, with :func:`bias_act`'s epilogue (same arguments) in the same
+    pass.  In an input plane padded to rows of ``wp`` floats, output position ``(oh, ow)`` reads
+    ``oh * wp + ow + taps[t]`` for tap ``t`` (``taps[t] = kh*dh*wp + kw*dw``); so in the
+    flattened coordinates ``p = oh * wp + ow`` a tile of ``TILE`` consecutive positions is, per
+    tap and input channel, ``TILE`` consecutive floats of the input.  The micro-kernel
+    (``_sgemm_jit.conv_tileR``) keeps 6 channels x ``TILE`` positions of sums in registers over
+    every tap and channel; the input channels' next tiles are prefetched (one stream per channel:
+    too many for the hardware prefetcher, measured 1.5x slower without).
+
+    A band is ``rows`` output rows of one image: its tiles go to an L1-sized scratch, then its
+    valid positions (``ow < wo``) to ``y`` with the bias, activations and residual, while still
+    in cache (a separate epilogue pass over ``y`` cost as much as a third of the convolution).
 
     ``x`` (N * C * plane,) the padded input; ``w`` (M * C * taps,) the weight as packed
-    (M, C, kh, kw); ``out`` (N * M * ostride,) receives position ``p`` of image ``n``'s output
-    channel ``co`` at ``(n * M + co) * ostride + p`` for ``p < span = (ho - 1) * wp + wo``
-    (``ostride >= span``; with rows of ``wp`` the positions ``ow >= wo`` hold junk, cut off by
-    the caller).  Tile ``i`` is image ``i // tiles``, positions from ``(i % tiles) * TILE``; an
-    image's last tile, when partial, reads a zero-filled copy of its inputs and writes through
-    scratch (a full tile reads and writes only inside its image).
+    (M, C, kh, kw); ``y`` (N, M, ho * wo), ``wo <= wp``.  Band ``i`` is image ``i // bands``, output rows from
+    ``(i % bands) * rows``.  A tile that would read past its image's planes (the last one, when
+    partial) reads a zero-filled copy of its inputs instead.
     """
-    tiles = (span + TILE - 1) // TILE
+    m = y.shape[1]
+    ho = y.shape[2] // wo
+    span = (ho - 1) * wp + wo  # the flattened positions up to the last output
+    bands = (ho + rows - 1) // rows
     last = taps[taps.shape[0] - 1]
     reach = TILE + last
     ahead = last + 4 * TILE
-    tbuf = np.empty(0, np.float32)
+    bstride = (rows * wp + TILE - 1) // TILE * TILE
+    bbuf = np.empty(m * bstride, np.float32)
     tail = np.empty(0, np.float32)
+    tbuf = np.empty(0, np.float32)
     for it in range(i0, i1):
-        img = it // tiles
-        p0 = (it - img * tiles) * TILE
+        img = it // bands
+        r0 = (it - img * bands) * rows
+        r1 = min(ho, r0 + rows)
+        b0 = r0 * wp
+        b1 = min(span, (r1 - 1) * wp + wo)
         xbase = img * c * plane
-        obase = img * m * ostride
-        if p0 + TILE <= span:
+        for p0 in range(b0, b1, TILE):
+            if p0 + TILE <= span:
+                for ci in range(c):
+                    prefetch(x, xbase + ci * plane + p0 + ahead)
+                _shift_tile(x, xbase + p0, plane, w, taps, c, m, bbuf, p0 - b0, bstride)
+                continue
+            if tail.shape[0] == 0:
+                tail = np.empty(c * reach, np.float32)
+                tbuf = np.empty(m * TILE, np.float32)
+            have = min(reach, plane - p0)
             for ci in range(c):
-                prefetch(x, xbase + ci * plane + p0 + ahead)
-            _shift_tile(x, xbase + p0, plane, w, taps, c, m, out, obase + p0, ostride)
-            continue
-        if tail.shape[0] == 0:
-            tail = np.empty(c * reach, np.float32)
-            tbuf = np.empty(m * TILE, np.float32)
-        have = min(reach, plane - p0)
-        for ci in range(c):
-            src = xbase + ci * plane + p0
-            for q in range(have):
-                tail[ci * reach + q] = x[src + q]
-            for q in range(have, reach):
-                tail[ci * reach + q] = _F0
-        _shift_tile(tail, 0, reach, w, taps, c, m, tbuf, 0, TILE)
+                src = xbase + ci * plane + p0
+                for q in range(have):
+                    tail[ci * reach + q] = x[src + q]
+                for q in range(have, reach):
+                    tail[ci * reach + q] = _F0
+            _shift_tile(tail, 0, reach, w, taps, c, m, tbuf, 0, TILE)
+            for co in range(m):
+                for q in range(b1 - p0):
+                    bbuf[co * bstride + p0 - b0 + q] = tbuf[co * TILE + q]
         for co in range(m):
-            for q in range(span - p0):
-                out[obase + co * ostride + p0 + q] = tbuf[co * TILE + q]
+            row = y[img, co, r0 * wo:r1 * wo]
+            src = co * bstride
+            if wp == wo:
+                for q in range((r1 - r0) * wo):
+                    row[q] = bbuf[src + q]
+            else:
+                for r in range(r1 - r0):
+                    for q in range(wo):
+                        row[r * wo + q] = bbuf[src + r * wp + q]
+            _bias_act_row(row, img, co, r0 * wo, bias, codes, params, res, post_codes, post_params, chan)
 
 
 @njit(cache=True, fastmath=_FM_SUM, nogil=True, error_model="numpy")
@@ -1034,7 +1051,7 @@ def bias_act(y, bias, codes, params, res, post_codes, post_params, chan):
     for nm in range(n_ * m_):
         n = nm // m_
         m = nm - n * m_
-        _bias_act_row(y[n, m], n, m, bias, codes, params, res, post_codes, post_params, chan)
+        _bias_act_row(y[n, m], n, m, 0, bias, codes, params, res, post_codes, post_params, chan)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
@@ -1063,26 +1080,9 @@ def pad_planes(x, xp, top, left):
                     dst[j] = _F0
 
 
-@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
-def compact_bias_act(src, wp, wo, y, bias, codes, params, res, post_codes, post_params, chan):
-    """:func:`bias_act` on ``y`` (N, M, ho * wo) filled first from ``src`` (N, M, ho * wp), each
-    of its rows of ``wp`` cut to its first ``wo`` (:func:`conv_shift`'s padded-width output): one
-    pass, each row of ``y`` still in L1 for the epilogue."""
-    n_, m_, l_ = y.shape
-    for nm in range(n_ * m_):
-        n = nm // m_
-        m = nm - n * m_
-        row = y[n, m]
-        sr = src[n, m]
-        for oh in range(l_ // wo):
-            for i in range(wo):
-                row[oh * wo + i] = sr[oh * wp + i]
-        _bias_act_row(row, n, m, bias, codes, params, res, post_codes, post_params, chan)
-
-
 @njit(inline="always", fastmath=_FM, error_model="numpy")
-def _bias_act_row(row, n, m, bias, codes, params, res, post_codes, post_params, chan):
-    """One row of :func:`bias_act`: output channel ``m`` of image ``n``."""
+def _bias_act_row(row, n, m, at, bias, codes, params, res, post_codes, post_params, chan):
+    """:func:`bias_act` on ``row``: output channel ``m`` of image ``n`` from position ``at``."""
     l_ = row.shape[0]
     if bias.shape[0] > 0:
         bv = bias[m]
@@ -1092,7 +1092,7 @@ def _bias_act_row(row, n, m, bias, codes, params, res, post_codes, post_params, 
     if res.shape[0] > 0:
         rr = res[n, m]
         for i in range(l_):
-            row[i] += rr[i]
+            row[i] += rr[at + i]
         _acts_ch(row, post_codes, post_params, chan, m)
 
 

@@ -81,6 +81,7 @@ _SHIFT_ON = os.environ.get("ONNXPACK_CONV_SHIFT", "1") != "0"
 # 128 -> 128 3x3 on 20x20 1.30, 64 -> 64 5x5 (1,600 taps) 1.42, 512 -> 512 3 taps 1.30.
 _SHIFT_MAX_CHANNELS = 80
 _SHIFT_MAX_TAPS = 800
+_SHIFT_BAND = int(os.environ.get("ONNXPACK_SHIFT_BAND", "256"))
 # Below this many 2x2 output tiles (batch included) a Winograd conv runs as im2col + one GEMM.
 _WINO_MIN_TILES = 24
 _EMPTY1 = np.zeros(0, np.float32)
@@ -633,8 +634,8 @@ class Conv(Kernel):
                 y[...] = dst[plan.sub]
             return self._epilogue(plan, y, None, res, out_dtype)
         if kind == _SHIFT:
-            # Tiles of output positions straight from the padded input; bias and the inner
-            # activations as each tile is written.
+            # Tiles of output positions straight from the padded input; the epilogue a band of
+            # output rows at a time, while the band is in cache.
             if out is not None and (out.shape != plan.yshape or not out.flags.c_contiguous or out.dtype != np.float32):
                 out = None
             y = np.empty(plan.yshape, np.float32) if out is None else out
@@ -649,19 +650,24 @@ class Conv(Kernel):
                 plan.jit.pad_planes(xf.reshape(plan.n, plan.padded[1], -1, xf.shape[-1]), xp, *plan.at)
                 xf = xp
             xf = xf.reshape(-1)
-            dst = y
-            if plan.full is not None:
-                dst = _scratch("shift", plan.full, np.float32)
-                if dst is None:
-                    dst = np.empty(plan.full, np.float32)
-            args = (xf, wk, dst.reshape(-1)) + plan.jit_args
             fn = plan.jit.conv_shift
+            y3 = y.reshape(plan.rows3)
+            if res is not None and res.shape != y.shape:  # a broadcasting residual: numpy's rules after
+                args = (xf, wk, y3) + plan.jit_args + (_EMPTY1, *_NO_EPILOGUE)
+            else:
+                codes, params, pcodes, pparams = plan.enc
+                r = _EMPTY3 if res is None else np.ascontiguousarray(res, dtype=np.float32).reshape(plan.rows3)
+                args = (xf, wk, y3) + plan.jit_args + (_EMPTY1 if bias is None else bias, codes, params, r, pcodes,
+                                                       pparams, plan.table)
+                bias = res = None
             threads = _act.threads() if plan.big else 1
             if threads > 1:
                 _act.parallel(lambda a, b: fn(*args, a, b), plan.count, threads)
             else:
                 fn(*args, 0, plan.count)
-            return self._epilogue(plan, y, bias, res, out_dtype, None if dst is y else dst)
+            if bias is None and res is None:
+                return y if y.dtype == out_dtype else y.astype(out_dtype)
+            return self._epilogue(plan, y, bias, res, out_dtype)
         if out is not None and (out.shape != plan.yshape or not out.flags.c_contiguous):
             out = None
         n = plan.n
@@ -858,15 +864,13 @@ class Conv(Kernel):
             dh, dw = (1, *dils) if nd == 1 else dils
             kh, kw = (1, *ks) if nd == 1 else ks
             taps = np.array([i * dh * wp + j * dw for i in range(kh) for j in range(kw)], np.int64)
-            span = (ho - 1) * wp + wo
             p.wk_shape = (m * c * kprod,)
-            p.count = n * -(-span // jit.SHIFT_TILE)
             p.big = n * m * c * kprod * length >= _PARALLEL_MACS
-            # Rows of the padded width hold wp - wo junk outputs each: computed in scratch (N, M,
-            # ho * wp), then cut to y; without them the kernel writes y itself.
-            p.full = None if wp == wo else (n, m) + (tuple(out_shape[:-1]) + (wp,))
-            p.sub = (Ellipsis, slice(0, wo))
-            p.jit_args = (taps, c, m, hp * wp, span, ho * wp)
+            # Output rows per band of conv_shift's epilogue: ~_SHIFT_BAND positions (its scratch:
+            # M x that).
+            rows = max(1, _SHIFT_BAND // wp)
+            p.count = n * -(-ho // rows)
+            p.jit_args = (taps, c, hp * wp, wp, wo, rows)
             # The padded input's shape and where the input sits in it (none: the input as it is).
             if (hp, wp) != ((1, *in_shape) if nd == 1 else in_shape) or any(begin):
                 p.padded = (n, c, hp, wp)
@@ -910,27 +914,18 @@ class Conv(Kernel):
             p.rows3 = (n, m, length)
         return p
 
-    def _epilogue(self, plan: _ConvPlan, y, bias, res, out_dtype, src=None) -> np.ndarray:
+    def _epilogue(self, plan: _ConvPlan, y, bias, res, out_dtype) -> np.ndarray:
         """:meth:`_finish` with the plan's chain: its common case (one JIT pass over a fresh
-        C-contiguous float32 ``y``) with what the plan encoded once, the others through _finish.
-        ``src``: conv_shift's padded-width result, cut into ``y`` first (in the same pass when
-        the JIT runs the chain)."""
+        C-contiguous float32 ``y``) with what the plan encoded once, the others through _finish."""
+        if bias is None and res is None and not plan.pre:  # nothing left (the JIT kernels' bias is done)
+            return y if y.dtype == out_dtype else y.astype(out_dtype)
         jit = plan.jit
         if (jit is not None and plan.length and plan.n and plan.m and y.flags.c_contiguous
                 and (res is None or res.shape == y.shape)):
             codes, params, pcodes, pparams = plan.enc
             r = _EMPTY3 if res is None else np.ascontiguousarray(res, dtype=np.float32).reshape(plan.rows3)
-            b = _EMPTY1 if bias is None else bias
-            if src is not None:
-                wp = src.shape[-1]
-                jit.compact_bias_act(src.reshape(plan.n, plan.m, -1), wp, plan.out_shape[-1], y.reshape(plan.rows3),
-                                     b, codes, params, r, pcodes, pparams, plan.table)
-            elif bias is not None or res is not None or plan.pre:
-                jit.bias_act(y.reshape(plan.rows3), b, codes, params, r, pcodes, pparams, plan.table)
-            return y if y.dtype == out_dtype else y.astype(out_dtype)
-        if src is not None:
-            y[...] = src[plan.sub]
-        if bias is None and res is None and not plan.pre:  # nothing left (the JIT kernels' bias is done)
+            jit.bias_act(y.reshape(plan.rows3), _EMPTY1 if bias is None else bias, codes, params, r, pcodes, pparams,
+                         plan.table)
             return y if y.dtype == out_dtype else y.astype(out_dtype)
         return self._finish(y, bias, plan.pre, res, plan.post, out_dtype, plan.channels)
 
