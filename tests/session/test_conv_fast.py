@@ -533,6 +533,30 @@ def test_stride1_conv_split_over_threads_equals_one_thread(monkeypatch):
     np.testing.assert_array_equal(got, want)
 
 
+# Kernels of more than conv._WINDOW_TAPS taps: im2col is one strided-window copy (an STFT's
+# one channel: its windows copied row by row, handed to BLAS transposed); with a stride that
+# leaves the input's last samples unread, the padding step is a view.
+WINDOWS = {
+    "stft-cut": ((1, 1, 16000), (257, 1, 512), [160], [0, 0], [1]),
+    "stft-padded-batch": ((2, 1, 16000), (65, 1, 256), [64], [64, 64], [1]),
+    "1d-dilated": ((1, 1, 3000), (9, 1, 40), [3], [0, 0], [2]),
+    "1d-two-channels": ((1, 2, 10000), (9, 2, 48), [16], [5, 0], [1]),
+    "2d-7x7-s2": ((1, 3, 64, 62), (16, 3, 7, 7), [2, 2], [3, 3, 3, 3], [1, 1]),
+}
+
+
+@pytest.mark.parametrize("shape", list(WINDOWS), ids=list(WINDOWS))
+def test_long_kernels_match_onnxruntime(shape, jit_mode):
+    from onnxpack.session.kernels import conv as conv_mod
+
+    model, feeds = _tiny_model(*WINDOWS[shape], "relu")
+    want = _ort(model, feeds)
+    for how, sess in _sessions(model).items():
+        np.testing.assert_allclose(sess.run(None, feeds)[0], want[0], **TOL, err_msg=how)
+        if len(WINDOWS[shape][0]) == 3:
+            assert _conv_kinds(sess) == {conv_mod._IM2COL}, _conv_kinds(sess)
+
+
 MAXPOOL = {
     "2x2-s2": dict(kernel_shape=[2, 2], strides=[2, 2]),
     "1x2-s12": dict(kernel_shape=[1, 2], strides=[1, 2]),
