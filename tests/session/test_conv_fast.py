@@ -414,12 +414,20 @@ def test_conv_with_few_outputs_fuses_bn_activation_and_residual(residual, jit_mo
     """2 x 2 output positions of a 3x3 conv: BatchNormalization, Relu and a residual Add, the
     residual of the output's shape (in the JIT call) or broadcasting (numpy's rules after it)."""
     model, feeds = conv_model(x_shape=(1, 8, 2, 2), m=6, tail="relu", residual="right")
+    _check_with_residual(model, feeds, residual)
+
+
+def _check_with_residual(model, feeds, residual):
+    """Every session of ``model`` against onnxruntime with a residual of the output's shape
+    (``full``) or one broadcasting along H (``broadcast``); returns the sessions."""
     feeds = _feed_residual(model, feeds)
     if residual == "broadcast":
         feeds["r"] = feeds["r"][:, :, :1, :]
     want = _ort(model, feeds)
-    for how, sess in _sessions(model).items():
+    sessions = _sessions(model)
+    for how, sess in sessions.items():
         np.testing.assert_allclose(sess.run(None, feeds)[0], want[0], **TOL, err_msg=how)
+    return sessions
 
 
 def test_conv_with_few_outputs_propagates_nan_and_inf(jit_mode):
@@ -487,14 +495,9 @@ def test_stride1_conv_fuses_bn_activation_and_residual(pads, residual, jit_mode,
     monkeypatch.setattr(conv_mod, "_WINOGRAD", False)
     monkeypatch.setattr(conv_mod, "_GATHER_MAX", 0)
     model, feeds = conv_model(x_shape=(2, 16, 9, 21), m=20, tail="hardswish", residual="right", pads=pads)
-    feeds = _feed_residual(model, feeds)
-    if residual == "broadcast":
-        feeds["r"] = feeds["r"][:, :, :1, :]
-    want = _ort(model, feeds)
-    for how, sess in _sessions(model).items():
-        np.testing.assert_allclose(sess.run(None, feeds)[0], want[0], **TOL, err_msg=how)
+    for how, sess in _check_with_residual(model, feeds, residual).items():
         if jit_mode == "jit":
-            assert _conv_kinds(sess) == {conv_mod._SHIFT}
+            assert _conv_kinds(sess) == {conv_mod._SHIFT}, how
 
 
 def test_stride1_conv_keeps_non_finite_values_in_their_windows(jit_mode, monkeypatch):
