@@ -938,13 +938,14 @@ def conv_shift(x, w, y, taps, c, plane, wp, wo, rows, bias, codes, params, res, 
     every tap and channel; the input channels' next tiles are prefetched (one stream per channel:
     too many for the hardware prefetcher, measured 1.5x slower without).
 
-    A band is ``rows`` output rows of one image: its tiles go to an L1-sized scratch, then its
-    valid positions (``ow < wo``) to ``y`` with the bias, activations and residual, while still
-    in cache (a separate epilogue pass over ``y`` cost as much as a third of the convolution).
+    A band is ``rows`` output rows of one image: its tiles go to a small scratch (M x the band's
+    positions), then its valid positions (``ow < wo``) to ``y`` with the bias, activations and
+    residual while the band is still in cache: one pass over ``y``, and no output-sized scratch
+    in padded-width rows.
 
     ``x`` (N * C * plane,) the padded input; ``w`` (M * C * taps,) the weight as packed
-    (M, C, kh, kw); ``y`` (N, M, ho * wo), ``wo <= wp``.  Band ``i`` is image ``i // bands``, output rows from
-    ``(i % bands) * rows``.  A tile that would read past its image's planes (the last one, when
+    (M, C, kh, kw); ``y`` (N, M, ho * wo), ``wo <= wp``.  Band ``i`` is image ``i // bands``,
+    output rows from ``(i % bands) * rows``.  A tile that would read past its image's planes (the last one, when
     partial) reads a zero-filled copy of its inputs instead.
     """
     m = y.shape[1]
