@@ -35,7 +35,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from onnxpack.session.kernels._nbits_jit import accumulate, array_data, declare, splat
+from onnxpack.session.kernels._nbits_jit import accumulate, array_data, declare, prefetch_fn, splat
 
 __all__ = ["sgemm_panels", "prefetch", "conv_tile6", "conv_tile4", "conv_tile2", "conv_tile1", "NR", "KC", "LANES", "TILE"]
 
@@ -166,11 +166,10 @@ def prefetch(typingctx, arr, offset):
 
     def codegen(context, builder, sig, args):
         ptr = builder.gep(array_data(context, builder, sig.args[0], args[0], _F32), [args[1]])
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = builder.module.globals.get("llvm.prefetch.p0i8") or ir.Function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0i8")
+        i32 = ir.IntType(32)
         # read, locality 3 (keep in every level), data cache
-        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        builder.call(prefetch_fn(builder), [builder.bitcast(ptr, ir.IntType(8).as_pointer()), ir.Constant(i32, 0),
+                                            ir.Constant(i32, 3), ir.Constant(i32, 1)])
         return context.get_dummy_value()
 
     return types.void(arr, types.int64), codegen

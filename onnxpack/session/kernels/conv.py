@@ -497,6 +497,16 @@ class _ConvPlan:
 
 
 
+def _run_items(fn, args, plan: _ConvPlan) -> None:
+    """``fn(*args, i0, i1)`` over the plan's ``count`` work items: split over onnxpack's threads
+    when the plan is ``big``, else one call."""
+    threads = _act.threads() if plan.big else 1
+    if threads > 1:
+        _act.parallel(lambda a, b: fn(*args, a, b), plan.count, threads)
+    else:
+        fn(*args, 0, plan.count)
+
+
 @register("Conv", since=1)
 class Conv(Kernel):
     """N-D convolution (1-D, 2-D, 3-D), groups, dilations, strides, pads and auto_pad."""
@@ -644,11 +654,7 @@ class Conv(Kernel):
             dst = y if plan.full is None else np.empty(plan.full, np.float32)
             args = (np.ascontiguousarray(xc), wk, plan.zero_bias if bias is None else bias, dst) + plan.jit_args
             fn = plan.fn
-            threads = _act.threads() if plan.big else 1
-            if threads > 1:
-                _act.parallel(lambda a, b: fn(*args, a, b), plan.count, threads)
-            else:
-                fn(*args, 0, plan.count)
+            _run_items(fn, args, plan)
             if dst is not y:
                 # Strided (or cut short): every output is the "same" conv's at (oh*sh, ow*sw).
                 y[...] = dst[plan.sub]
@@ -680,11 +686,7 @@ class Conv(Kernel):
                 args = (xf, wk, y3) + plan.jit_args + (_EMPTY1 if bias is None else bias, codes, params, r, pcodes,
                                                        pparams, plan.table)
                 bias = res = None
-            threads = _act.threads() if plan.big else 1
-            if threads > 1:
-                _act.parallel(lambda a, b: fn(*args, a, b), plan.count, threads)
-            else:
-                fn(*args, 0, plan.count)
+            _run_items(fn, args, plan)
             if bias is None and res is None:
                 return y if y.dtype == out_dtype else y.astype(out_dtype)
             return self._epilogue(plan, y, bias, res, out_dtype)
