@@ -26,7 +26,7 @@ from onnxpack.errors import InvalidArgumentStatus
 from onnxpack.graph import Model
 from onnxpack.session._api import validate_feed
 from onnxpack.session._arena import ArenaRunner
-from onnxpack.session._memory import return_freed_heap
+from onnxpack.session._memory import keep_freed_memory, return_freed_heap
 from onnxpack.session._profile import Profiler
 from onnxpack.session._program import Plan, Program, prune, run_plan
 from onnxpack.session._run_options import SessionControl, check_run_options, check_terminate
@@ -51,6 +51,8 @@ class Runner:
         planner = config["onnxpack.memory_planner"]
         use_planner = planner not in (None, "none") and options.enable_mem_pattern
         self.arena = ArenaRunner(program.root, planner, pool_arenas=options.enable_cpu_mem_arena) if use_planner else None
+        if options.enable_cpu_mem_arena:
+            keep_freed_memory()  # what a run frees stays in the process for the next (see _memory)
         # Plans specialized per set of input shapes (_specialize.py): plain runs only (no memory
         # planner, run options, profiling or bound outputs), not with graph optimizations off.
         specialize = (config["onnxpack.specialize_shapes"] and self.arena is None

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -427,6 +430,59 @@ def test_mem_pattern_and_cpu_arena_switches(mem_pattern, arena, planned, pooled)
         ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         sess.run(None, {"x": x}, ro)
         assert not sp._pool  # shrunk after the run
+
+
+_FAULTS_CHILD = r"""
+import json, resource, sys
+import numpy as np
+from onnx import TensorProto, helper
+import onnxpack
+n = 1 << 20  # 4 MiB of float32 per activation; up to three live at once
+nodes = [helper.make_node("Add", ["x", "x"], ["a"]), helper.make_node("Add", ["a", "x"], ["b"]),
+         helper.make_node("Add", ["a", "b"], ["c"]), helper.make_node("Add", ["c", "b"], ["d"]),
+         helper.make_node("Add", ["d", "c"], ["e"]), helper.make_node("ReduceSum", ["e"], ["y"], keepdims=0)]
+g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])])
+m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+so = onnxpack.SessionOptions()
+so.enable_cpu_mem_arena = sys.argv[1] == "1"
+s = onnxpack.InferenceSession(m.SerializeToString(), so)
+x = np.ones(n, np.float32)
+for _ in range(3):
+    s.run(None, {"x": x})
+r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    y = s.run(None, {"x": x})[0]
+from onnxpack.session import _memory
+print(json.dumps({"faults": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0) / 5, "y": float(y),
+                  "kept": _memory._KEPT == [True]}))
+"""
+
+
+def _faults_per_run(arena: bool, tuning: str) -> dict:
+    env = dict(os.environ, ONNXPACK_MALLOC_TUNING=tuning)
+    out = subprocess.run([sys.executable, "-c", _FAULTS_CHILD, "1" if arena else "0"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"),
+                    reason="the allocator settings are glibc's; page faults are read from getrusage on Linux")
+def test_cpu_arena_keeps_freed_memory_between_runs():
+    """With enable_cpu_mem_arena (the default) a run's activations do not come back as fresh
+    pages at every run: glibc is asked to keep freed memory (session/_memory.py).  Without the
+    settings, the same runs fault every 4 KiB page of their activations again (glibc returns the
+    top of its heap to the kernel once the free space there passes its trim threshold)."""
+    kept = _faults_per_run(True, "1")
+    assert kept["kept"] is True
+    assert kept["y"] == 13.0 * (1 << 20)  # x = 1: e = 13 x
+    assert kept["faults"] < 64, kept  # a few pages of Python objects at most, not the activations
+    plain = _faults_per_run(True, "0")
+    assert plain["kept"] is False and plain["y"] == kept["y"]
+    assert plain["faults"] > 500, plain  # the pattern above is one glibc trims: the test can fail
+    off = _faults_per_run(False, "1")  # enable_cpu_mem_arena = False: the allocator is left alone
+    assert off["kept"] is False and off["faults"] > 500, off
 
 
 def test_only_execute_path_to_fetches_skips_other_nodes():
