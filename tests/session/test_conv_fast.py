@@ -568,18 +568,25 @@ MAXPOOL = {
     "3x3-s2-ceil": dict(kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1),
     "2x3-s3x2-asym-ceil": dict(kernel_shape=[2, 3], strides=[3, 2], pads=[1, 0, 0, 2], ceil_mode=1),
     "same-upper": dict(kernel_shape=[3, 2], auto_pad="SAME_UPPER"),
+    "3x3-dil2-pad2": dict(kernel_shape=[3, 3], dilations=[2, 2], pads=[2, 1, 2, 1]),
+    "2x2-s2-wide": dict(kernel_shape=[2, 2], strides=[2, 2], shape=(2, 3, 12, 67)),
+    "1d-3-s2-pad1": dict(kernel_shape=[3], strides=[2], pads=[1, 1], shape=(2, 3, 41)),
+    "1d-2-s2-ceil": dict(kernel_shape=[2], strides=[2], ceil_mode=1, shape=(2, 3, 41)),
 }
 
 
 @pytest.mark.parametrize("case", list(MAXPOOL), ids=list(MAXPOOL))
 def test_maxpool_matches_onnxruntime_with_nan_and_inf(case):
-    """2-D float32 MaxPool against onnxruntime, NaN and Inf in the input."""
-    node = helper.make_node("MaxPool", ["x"], ["y"], **MAXPOOL[case])
+    """1-D and 2-D float32 MaxPool against onnxruntime, NaN and Inf in the input."""
+    attrs = dict(MAXPOOL[case])
+    shape = attrs.pop("shape", (2, 3, 11, 10))
+    node = helper.make_node("MaxPool", ["x"], ["y"], **attrs)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", F, None)],
                               [helper.make_tensor_value_info("y", F, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
-    x = _rng(13).standard_normal((2, 3, 11, 10)).astype(np.float32)
-    x[0, 0, 4, 4], x[0, 1, 0, 0], x[1, 2, 10, 9], x[1, 0, 5, 0] = np.nan, np.inf, -np.inf, np.nan
+    x = _rng(13).standard_normal(shape).astype(np.float32)
+    flat = x.reshape(x.shape[0], x.shape[1], -1)
+    flat[0, 0, 34], flat[0, 1, 0], flat[1, 2, -2], flat[1, 0, 40], flat[1, 1, 7] = np.nan, np.inf, -np.inf, np.nan, np.nan
     got = onnxpack.InferenceSession(model).run(None, {"x": x})[0]
     want = _ort(model, {"x": x})[0]
     # A window with a NaN gives NaN (numpy's maximum, onnxpack's rule on every path);
@@ -589,6 +596,23 @@ def test_maxpool_matches_onnxruntime_with_nan_and_inf(case):
     assert holds.any()
     np.testing.assert_array_equal(np.isnan(got), holds)
     np.testing.assert_array_equal(got[~holds], want[~holds])
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_maxpool_window_of_minus_inf_is_minus_inf(rank):
+    """A window holding only -inf (or only padding) gives -inf, as the ONNX reference does
+    (onnxruntime starts its max at the lowest finite float and returns that instead)."""
+    attrs = dict(kernel_shape=[2] * rank, strides=[2] * rank, pads=[1] * (2 * rank))
+    node = helper.make_node("MaxPool", ["x"], ["y"], **attrs)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", F, None)],
+                              [helper.make_tensor_value_info("y", F, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    x = _rng(3).standard_normal((1, 2) + (9,) * rank).astype(np.float32)
+    x[0, 1] = -np.inf
+    got = onnxpack.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    want = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    assert np.all(got[0, 1] == -np.inf)
+    np.testing.assert_array_equal(got, want)
 
 
 # -- the activation kernels themselves ----------------------------------------------------------
