@@ -110,3 +110,45 @@ def test_a_declared_input_that_is_written_compiles_exact_types_and_still_writes(
     np.testing.assert_array_equal(y, [1.0, 2.0, 3.0])
     (sig,) = f.overloads
     assert sig[1].mutable
+
+
+def test_two_threads_missing_together_register_the_signature_once():
+    """Two threads calling a kernel for the first time with the same types (a kernel split over
+    onnxpack's threads) both miss numba's C fast path and come to the patched compile together.
+    The exact types must be registered once: registered twice they are an ambiguous match, and
+    numba sent every later call through the slow path (typeof of each argument and a compile
+    lookup at every call: 130 calls a run of YOLOv8n's Winograd kernels)."""
+    import threading
+
+    ns = {"scaled_sum": numba.njit(_scaled_sum)}
+    _act.one_specialization(ns, frozenset({"a"}))  # ``a`` compiled read-only, called writable
+    disp = ns["scaled_sum"]
+    patched = disp.compile
+    seen: list = []
+    both_in = threading.Barrier(2)
+    first_calls = [True]
+
+    def spy(sig):
+        seen.append(sig)
+        if first_calls[0]:
+            both_in.wait(timeout=60)  # the two first calls are in compile at the same time
+        return patched(sig)
+
+    disp.compile = spy
+    a, b = np.arange(8, dtype=np.float32), np.ones(8, np.float32)
+    outs = [np.zeros(8, np.float32) for _ in range(2)]
+    workers = [threading.Thread(target=disp, args=(a, b, out)) for out in outs]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(timeout=120)
+    assert len(seen) == 2 and seen[0] == seen[1]
+    for out in outs:
+        np.testing.assert_array_equal(out, 2 * a + b)
+    first_calls[0] = False
+    seen.clear()
+    out = np.zeros(8, np.float32)
+    for _ in range(5):
+        disp(a, b, out)
+    assert seen == []  # numba's fast path serves every later call
+    np.testing.assert_array_equal(out, 2 * a + b)

@@ -118,6 +118,14 @@ def one_specialization(namespace: dict, inputs: frozenset[str] = frozenset()) ->
 def _one_per_writability(disp: Any, array_type: type, declared: set[int]) -> None:
     compile_exact = disp.compile
     readonly = set(declared)  # argument positions compiled read-only (declared, or seen so)
+    # Exact argument types registered for numba's C fast path, each once: two threads that miss
+    # it together (a kernel split over onnxpack's threads, on its first call) both come here,
+    # and a signature registered twice is an ambiguous match for numba's overload resolution,
+    # which then sends every later call through this slow path (typeof of every argument and a
+    # compile lookup, ~30-50 us a call: measured 130 calls a run of YOLOv8n's Winograd kernels,
+    # 104 of MobileNetV2's depthwise ones).
+    inserted: set = set()
+    insert_lock = threading.Lock()
 
     def compile(sig):
         if not isinstance(sig, tuple):  # an explicit signature: as numba compiles it
@@ -134,7 +142,10 @@ def _one_per_writability(disp: Any, array_type: type, declared: set[int]) -> Non
                         type(exc).__name__)
             disp.compile = compile_exact  # from now on, as numba compiles
             return compile_exact(sig)
-        disp._insert([t._code for t in sig], entry, False)
+        with insert_lock:
+            if sig not in inserted:
+                disp._insert([t._code for t in sig], entry, False)
+                inserted.add(sig)
         return entry
 
     disp.compile = compile
