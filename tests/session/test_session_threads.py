@@ -113,3 +113,74 @@ def test_outputs_of_concurrent_runs_are_independent():
     second[:] = 0
     np.testing.assert_array_equal(first, keep)
     np.testing.assert_array_equal(sess.run(None, {"x": x})[0], keep)
+
+
+# -- SplitTuner: whether a kernel's split over threads pays, from its own calls ----------------------
+def _covered(calls: list, count: int) -> bool:
+    """Every item of [0, count) computed exactly once by the recorded (start, stop) calls."""
+    seen = np.zeros(count, np.int64)
+    for a, b in calls:
+        seen[a:b] += 1
+    return bool(np.all(seen == 1))
+
+
+@pytest.mark.parametrize("cost,want_split", [("per-call", False), ("per-item", True)])
+def test_split_tuner_keeps_the_faster_way(cost, want_split):
+    """A kernel whose cost is per call (each chunk pays a fixed 4 ms, as a thread hand-off does
+    on a slow VM) ends on one thread; one whose cost is per item (2 ms each, the GIL released as
+    a JIT kernel releases it) ends split.  Every call computes every item exactly once, whichever
+    way it runs."""
+    import time
+
+    from onnxpack.session.kernels import _act
+
+    lock = threading.Lock()
+    calls: list = []
+
+    def fn(a, b):
+        time.sleep(0.004 if cost == "per-call" else 0.002 * (b - a))
+        with lock:
+            calls.append((a, b))
+
+    tuner = _act.SplitTuner()
+    count = 8
+    for _ in range(1 + 2 * _act.SplitTuner.TRIALS):  # the uncounted first call, then both ways
+        calls.clear()
+        tuner.run(fn, count, 2)
+        assert _covered(calls, count)
+    assert tuner.choice is want_split
+    calls.clear()
+    tuner.run(fn, count, 2)
+    assert _covered(calls, count) and (len(calls) > 1) is want_split
+    # A new thread count is measured again; one thread never splits.
+    tuner.run(fn, count, 3)
+    assert tuner.choice is None and tuner.threads == 3
+    calls.clear()
+    tuner.run(fn, count, 1)
+    assert calls == [(0, count)]
+
+
+def test_split_conv_equals_one_thread_whichever_the_tuner_picks(monkeypatch):
+    """A depthwise conv big enough to split, run through its tuner's trials at two threads:
+    every run bit-identical to the one-thread result."""
+    from onnxpack.session.kernels import _act
+
+    if _act.jit() is None:
+        pytest.skip("numba not installed")
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((32, 1, 3, 3)).astype(np.float32)
+    node = helper.make_node("Conv", ["x", "w"], ["y"], group=32, pads=[1, 1, 1, 1])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32, 96, 96])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [onnx.numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString()
+    x = rng.standard_normal((1, 32, 96, 96)).astype(np.float32)
+    one = onnxpack.SessionOptions()
+    one.intra_op_num_threads = 1
+    want = onnxpack.InferenceSession(model, one).run(None, {"x": x})[0]
+    monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
+    sess = onnxpack.InferenceSession(model)
+    for _ in range(1 + 2 * _act.SplitTuner.TRIALS + 2):
+        np.testing.assert_array_equal(sess.run(None, {"x": x})[0], want)
+    (plan,) = [p for st in sess.program.root.steps for p in st.kernel._plans.values()]
+    assert plan.split is not None and plan.split.choice is not None

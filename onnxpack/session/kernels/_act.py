@@ -17,8 +17,11 @@ import dataclasses
 import importlib
 import logging
 import os
+import statistics
 import threading
-from collections.abc import Callable
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
@@ -390,6 +393,79 @@ def parallel(fn, count: int, threads: int) -> None:
             cond.wait()
     if state["error"] is not None:
         raise state["error"]
+
+
+class SplitTuner:
+    """Whether splitting one kernel's calls over threads (:func:`parallel`) pays, decided from
+    its own calls.
+
+    Why: what a split costs depends on the machine more than on the work.  On this project's
+    2-core VM a pool thread takes ~70 us to wake, and every chunk hands the GIL across threads:
+    a 68 us kernel took 196 us on two threads (a 1.1 ms one 0.76 ms), and MobileNetV2's
+    depthwise convolutions ran 2-4x slower split than on one thread; on bare metal the same split
+    pays from tens of microseconds.  No fixed threshold in multiply-adds serves both.
+
+    So each kernel geometry (one tuner) times its calls: the first is not counted (JIT loading,
+    cold caches), then calls alternate between the split and one thread until each has
+    ``TRIALS`` samples, and the lower median wins for as long as the thread count stays the same.
+    Splitting never changes a result (the kernels split their work by independent items), only
+    its time.  Concurrent runs may both record a sample: harmless.
+    """
+
+    TRIALS = 3
+    __slots__ = ("threads", "one", "split", "choice", "started")
+
+    def __init__(self) -> None:
+        self.threads = 0
+        self.one: list[float] = []
+        self.split: list[float] = []
+        self.choice: bool | None = None  # True: split; False: one thread; None: still measuring
+        self.started = False
+
+    def run(self, fn: Callable[[int, int], Any], count: int, threads: int) -> None:
+        """``fn(start, stop)`` over ``[0, count)``: split over ``threads`` or on this thread."""
+        threads = max(1, min(threads, count))
+        if threads == 1:
+            fn(0, count)
+            return
+        if threads != self.threads:  # a new thread count: measure again
+            self.threads, self.one, self.split, self.choice, self.started = threads, [], [], None, False
+        choice = self.choice
+        if choice is not None:
+            if choice:
+                parallel(fn, count, threads)
+            else:
+                fn(0, count)
+            return
+        if not self.started:  # (not counted)
+            self.started = True
+            parallel(fn, count, threads)
+            return
+        use_split = len(self.split) <= len(self.one)
+        t0 = time.perf_counter()
+        if use_split:
+            parallel(fn, count, threads)
+        else:
+            fn(0, count)
+        (self.split if use_split else self.one).append(time.perf_counter() - t0)
+        if len(self.one) >= self.TRIALS and len(self.split) >= self.TRIALS:
+            self.choice = statistics.median(self.split) < statistics.median(self.one)
+
+
+_TUNERS: OrderedDict[Hashable, SplitTuner] = OrderedDict()
+_MAX_TUNERS = 4096
+
+
+def tuner(key: Hashable) -> SplitTuner:
+    """The :class:`SplitTuner` of a kernel geometry named by ``key`` (kept for the most recent
+    ``_MAX_TUNERS`` keys), for kernels that have no plan object to hold one."""
+    with _lock:
+        t = _TUNERS.get(key)
+        if t is None:
+            t = _TUNERS[key] = SplitTuner()
+            while len(_TUNERS) > _MAX_TUNERS:
+                _TUNERS.popitem(last=False)
+        return t
 
 
 @dataclasses.dataclass(frozen=True)

@@ -87,14 +87,16 @@ def conv3x3(x: np.ndarray, u: np.ndarray, bias: np.ndarray | None, begin: tuple[
     threads = _act.threads() if tiles * c * 16 >= (1 << 17) else 1
     if jit is not None:
         v = np.empty((16, c, tiles), np.float32)
-        _act.parallel(lambda a, b: jit.wino_input(x, v, begin[0], begin[1], th, tw, a, b), n * c, threads)
+        _act.tuner(("wino_input", x.shape, tuple(begin))).run(
+            lambda a, b: jit.wino_input(x, v, begin[0], begin[1], th, tw, a, b), n * c, threads)
     else:
         v = _input_numpy(x, begin, th, tw)
     mx = _act.matmul(u, v)  # (16, M, tiles): 16 BLAS GEMMs
     y = np.empty((n, m, oh, ow), np.float32)
     if jit is not None:
         codes, params = _act.encode(acts)
-        _act.parallel(lambda a, b: jit.wino_output(mx, y, bias32, codes, params, th, tw, a, b), n * m, threads)
+        _act.tuner(("wino_output", y.shape)).run(
+            lambda a, b: jit.wino_output(mx, y, bias32, codes, params, th, tw, a, b), n * m, threads)
         return y
     yt = np.tensordot(_AT.astype(np.float32), mx.reshape(4, 4, m, n, th, tw), axes=(1, 0))  # (2, 4, m, n, th, tw)
     yt = np.tensordot(yt, _AT.T.astype(np.float32), axes=(1, 0))  # (2, m, n, th, tw, 2)

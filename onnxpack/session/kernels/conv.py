@@ -493,16 +493,20 @@ class _ConvPlan:
     __slots__ = ("kind", "n", "m", "g", "length", "ks", "strides", "dils", "begin", "out_shape", "yshape",
                  "wm_shape", "wm", "wk_shape", "wk", "fn", "jit_args", "big", "count", "zero_bias", "full",
                  "sub", "idx", "zero", "extent", "cols_shape", "small", "pre", "post", "channels", "jit", "enc",
-                 "table", "rows3", "chunk", "phased", "padded", "at")
+                 "table", "rows3", "chunk", "phased", "padded", "at", "split")
 
 
 
 def _run_items(fn, args, plan: _ConvPlan) -> None:
     """``fn(*args, i0, i1)`` over the plan's ``count`` work items: split over onnxpack's threads
-    when the plan is ``big``, else one call."""
+    when the plan is ``big`` and splitting it pays here (its :class:`~._act.SplitTuner`), else
+    one call."""
     threads = _act.threads() if plan.big else 1
     if threads > 1:
-        _act.parallel(lambda a, b: fn(*args, a, b), plan.count, threads)
+        tuner = plan.split
+        if tuner is None:
+            tuner = plan.split = _act.SplitTuner()
+        tuner.run(lambda a, b: fn(*args, a, b), plan.count, threads)
     else:
         fn(*args, 0, plan.count)
 
@@ -801,6 +805,7 @@ class Conv(Kernel):
         cg, mg = c // g, m // g
         length = math.prod(out_shape)
         p = _ConvPlan()
+        p.split = None  # (its SplitTuner, made at the first split call)
         p.n, p.m, p.g, p.length = n, m, g, length
         p.ks, p.strides, p.dils, p.begin, p.out_shape = ks, strides, dils, begin, out_shape
         p.yshape = (n, m) + tuple(out_shape)

@@ -204,7 +204,8 @@ def matmul_panels(a2: np.ndarray, w: np.ndarray, n: int, out: np.ndarray | None 
     flat = w.reshape(-1)
     panels = w.shape[0]
     threads = _act.threads() if m * k * n >= _act._SPLIT_MACS else 1
-    _act.parallel(lambda lo, hi: jit.sgemm_panels(a2, flat, dst, tail, lo, hi), panels, threads)
+    _act.tuner(("sgemm_panels", m, k, n)).run(lambda lo, hi: jit.sgemm_panels(a2, flat, dst, tail, lo, hi),
+                                             panels, threads)
     if dst is not out:
         out[...] = dst
     return out
@@ -480,5 +481,6 @@ class FusedMatMul(MatMul):
         r2 = _EMPTY2 if res is None else np.ascontiguousarray(res, dtype=np.float32).reshape(y2.shape)
         args = (y2, _EMPTY1 if bias is None else bias, codes, params, r2, pcodes, pparams)
         threads = _act.threads() if y.size >= _PARALLEL_ELEMENTS else 1
-        _act.parallel(lambda lo, hi: jit.rows_act(*args, lo, hi), y2.shape[0], threads)
+        _act.tuner(("rows_act", y2.shape, codes.shape[0], r2.shape[0] > 0)).run(
+            lambda lo, hi: jit.rows_act(*args, lo, hi), y2.shape[0], threads)
         return y

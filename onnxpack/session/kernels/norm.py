@@ -160,7 +160,8 @@ class LayerNormalization(Kernel):
         s = np.ascontiguousarray(scale).reshape(d)
         eps = np.float32(self.epsilon)
         threads = _act.threads() if x2.size >= (1 << 16) else 1
-        _act.parallel(lambda a, c: jit.layer_norm_rows(x2, s, b, eps, y, mean, inv, a, c), rows, threads)
+        _act.tuner(("layer_norm_rows", x2.shape)).run(
+            lambda a, c: jit.layer_norm_rows(x2, s, b, eps, y, mean, inv, a, c), rows, threads)
         shape = x.shape[:-1] + (1,)
         return (y.reshape(x.shape), mean.reshape(shape), inv.reshape(shape))[: max(1, len(self.node.output))]
 

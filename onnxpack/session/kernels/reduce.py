@@ -223,7 +223,7 @@ def _softmax_jit(x: np.ndarray, axis: int, out: np.ndarray | None) -> np.ndarray
     y2 = y.reshape(x2.shape)
     rows = x2.shape[0]
     threads = _act.threads() if x2.size >= (1 << 16) else 1
-    _act.parallel(lambda a, b: jit.softmax_rows(x2, y2, a, b), rows, threads)
+    _act.tuner(("softmax_rows", x2.shape)).run(lambda a, b: jit.softmax_rows(x2, y2, a, b), rows, threads)
     return y
 
 
