@@ -503,10 +503,7 @@ def _run_items(fn, args, plan: _ConvPlan) -> None:
     one call."""
     threads = _act.threads() if plan.big else 1
     if threads > 1:
-        tuner = plan.split
-        if tuner is None:
-            tuner = plan.split = _act.SplitTuner()
-        tuner.run(lambda a, b: fn(*args, a, b), plan.count, threads)
+        plan.split.run(lambda a, b: fn(*args, a, b), plan.count, threads)
     else:
         fn(*args, 0, plan.count)
 
@@ -805,7 +802,7 @@ class Conv(Kernel):
         cg, mg = c // g, m // g
         length = math.prod(out_shape)
         p = _ConvPlan()
-        p.split = None  # (its SplitTuner, made at the first split call)
+        p.split = _act.SplitTuner()  # whether _run_items splits this plan's calls (when big)
         p.n, p.m, p.g, p.length = n, m, g, length
         p.ks, p.strides, p.dils, p.begin, p.out_shape = ks, strides, dils, begin, out_shape
         p.yshape = (n, m) + tuple(out_shape)
