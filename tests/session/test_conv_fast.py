@@ -644,6 +644,32 @@ def test_jit_activation_equals_numpy(act):
     assert np.all(err <= bound), float(np.max(err / bound))
 
 
+KEEPING = [(_act.Activation("relu"), lambda x: np.where(x < 0, np.float32(0), x)),
+           (_act.Activation("clip", -0.5, 2.0), lambda x: np.where(x > 2, np.float32(2), np.where(x < -0.5, np.float32(-0.5), x))),
+           (_act.Activation("clip", -np.inf, 0.0), lambda x: np.where(x > 0, np.float32(0), x)),
+           (_act.Activation("leakyrelu", 0.2), lambda x: np.where(x >= 0, x, x * np.float32(0.2)))]
+
+
+@pytest.mark.parametrize("act,want", KEEPING, ids=[f"{a.kind}{a.a}" for a, _ in KEEPING])
+def test_jit_activation_keeps_the_bits_it_keeps(act, want):
+    """Relu, Clip and LeakyRelu store every element as a computed value (a subtraction of the
+    encoded 0.0, a multiplication by 1: see ``_conv_jit._act_row``) so that LLVM emits no masked
+    stores; the elements they keep are still their input's bits: -0.0, NaN payloads, infinities
+    and denormals included."""
+    j = _act.jit()
+    if j is None:
+        pytest.skip("numba not installed")
+    special = np.array([0.0, -0.0, np.inf, -np.inf, 1e-45, -1e-45, 1e-38, -1e-38, 3e38, -3e38], np.float32)
+    nans = np.array([0x7FC00001, 0xFFC00002, 0x7F800003], np.uint32).view(np.float32)
+    x = np.concatenate([special, nans, _rng(4).standard_normal(1003).astype(np.float32) * 3])
+    got = x.copy()
+    j.act_inplace(got, *_act.encode([act]))
+    ref = want(x)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), ref[~nan].view(np.uint32))
+    assert np.all(np.isnan(got[nan]))
+
+
 def test_jit_exp_is_within_one_ulp():
     j = _act.jit()
     if j is None:

@@ -556,6 +556,9 @@ def _apply_numpy(y: np.ndarray, act: Activation) -> np.ndarray:
 _encoded: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
 
+_KEEPS = frozenset({"relu", "clip"})  # kinds whose JIT loop keeps some elements as they are
+
+
 def encode(acts, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
     """``(codes int64 (k,), params (k, 3))`` of a sequence of activations, for the JIT kernels.
 
@@ -566,7 +569,9 @@ def encode(acts, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
     got = _encoded.get(key)
     if got is None:
         codes = np.array([a.code for a in acts], dtype=np.int64)
-        params = np.array([[a.a, a.b, a.c] for a in acts], dtype=dtype).reshape(len(acts), 3)
+        # Relu's and Clip's third parameter is the 0.0 _act_row subtracts from the values it
+        # keeps (so LLVM stores every element: see its docstring).
+        params = np.array([[a.a, a.b, 0.0 if a.kind in _KEEPS else a.c] for a in acts], dtype=dtype).reshape(len(acts), 3)
         got = (codes, params)
         if len(_encoded) < 4096:  # bounded (a NaN parameter never finds its own entry)
             got = _encoded.setdefault(key, got)
