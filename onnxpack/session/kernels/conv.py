@@ -98,9 +98,13 @@ _DIRECT_TAPS = 27
 # ... and at most this many output channels: im2col's copies are shared by every output channel,
 # the direct kernel's passes are not.  Measured per stem (direct vs im2col + GEMM): 8 or 16
 # outputs 1.4-3x faster (PP-OCR det 3->16 on 480x640 8.8 -> 2.9 ms, PicoDet 800x608 17.0 -> 6.0,
-# PP-OCR rec/cls, YOLOv8n, orientation); 24 outputs on 74x30 planes (wake-word) 0.53 -> 0.74 ms
-# slower, 32 outputs (MobileNetV2) even.
-_DIRECT_MAX_OUT = 16
+# PP-OCR rec/cls, YOLOv8n, orientation).  Wider ones, once its activations stopped using masked
+# stores (see _conv_jit._act_row; before, 24 outputs already lost), Conv + LeakyRelu sessions, one
+# thread, direct vs the path they took: wake-word's 1 -> 24 on 16 x 76x32 0.96 vs 2.26 ms (the
+# gather), 1 -> 48 1.6 vs 2.8, 1 -> 128 6.1 vs 10.4; 3 -> 32 on 224x224 4.2 vs 5.6, 3 -> 64 8.0 vs
+# 10.4, 3 -> 128 15.1 vs 14.9; 3 -> 48 on 112x112 1.42 vs 2.1; 2 -> 32 on 4 x 64x64 1.28 vs 2.34;
+# 3 -> 96 on 56x56 0.79 vs 0.63 (lost).
+_DIRECT_MAX_OUT = 64
 # A one-group 3x3 stride-2 conv with one zero of padding in front over an even H x W plane, from
 # at most this many input channels to at most this many outputs, runs the JIT's conv3_s2_small
 # (the input's stride phases, 9 taps per channel in one pass, no im2col).
