@@ -458,6 +458,14 @@ SHIFT = {
     "1d-5tap": ((3, 8, 50), (13, 8, 5), [1], [2, 2], [1]),
     "1d-3tap-unpadded": ((1, 16, 33), (2, 16, 3), [1], [0, 0], [1]),
     "one-input-channel": ((2, 1, 17, 20), (24, 1, 3, 3), [1, 1], [1, 1, 1, 1], [1, 1]),
+    # Planes whose rows share one gap of zeros (left and right borders both > 0): rows of 3, a
+    # left border wider than the right, a dilated 3x3 with every border different.
+    "1x3-pad-w-narrow": ((2, 12, 7, 3), (5, 12, 1, 3), [1, 1], [0, 1, 0, 1], [1, 1]),
+    # (13 rows of 4: the last full tile of 16 ends at the last output, its window's last tap
+    # one float past the rows: in the extra zero row, not the next channel's plane)
+    "1x3-pad-w-wrap": ((2, 12, 13, 4), (5, 12, 1, 3), [1, 1], [0, 1, 0, 1], [1, 1]),
+    "1x4-pad-asym": ((1, 8, 6, 10), (6, 8, 1, 4), [1, 1], [0, 2, 0, 1], [1, 1]),
+    "3x3-dil-w-gap": ((2, 5, 9, 7), (4, 5, 3, 3), [1, 1], [1, 3, 2, 1], [1, 2]),
 }
 
 
