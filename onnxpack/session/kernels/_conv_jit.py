@@ -61,7 +61,7 @@ from numba.extending import intrinsic
 from onnxpack.session.kernels import _erf as _erf_mod
 from onnxpack.session.kernels._sgemm_jit import TILE, conv_tile1, conv_tile2, conv_tile4, conv_tile6, prefetch
 
-__all__ = ["depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_shift", "wino_input", "wino_output", "bias_act", "pad_planes", "maxpool2d", "act_inplace", "expf_array"]
+__all__ = ["depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_shift", "wino_input", "wino_output", "bias_act", "pad_planes", "act_inplace", "expf_array"]
 
 _FM = {"contract"}
 # For kernels whose only reduction is a float64 sum of squares: reassociation lets it vectorize.
@@ -817,73 +817,6 @@ def conv2d_small(x, w, bias, y, sh, sw, dh, dw, ph, pw, codes, params, nc0, nc1)
         _taps(acc, xp, starts, wf[m], bias[m], length)
         _acts(acc, codes, params)
         _store_plane(yf, nm * ohw, acc, oh_, ow_, wq)
-
-
-_NEG_INF = np.float32(-np.inf)
-
-
-@njit(inline="always", fastmath=_FM, error_model="numpy")
-def _nan_max(a, b):
-    """``np.maximum(a, b)``'s rule: NaN if either is NaN, else the larger (``a`` on ties)."""
-    return a if (a >= b or a != a) else b
-
-
-@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
-def maxpool2d(x, y, kh, kw, sh, sw, dh, dw, ph, pw, zero):
-    """2-D max pooling without indices: ``y[n, c, oh, ow]`` = the largest of ``x[n, c]`` over the
-    window of rows ``oh*sh - ph + i*dh`` and columns ``ow*sw - pw + j*dw`` that lie inside the
-    plane (positions outside are padding, which never wins: a window of padding only is -inf),
-    NaN if the window holds one (numpy's maximum, as the numpy path).
-
-    ``x`` (N, C, H, W), ``y`` (N, C, OH, OW) float32 C-contiguous; ``zero`` is 0.0.  Per output
-    row: the window's rows reduced into one row (vectorized; the result stored as ``max - zero``
-    so that LLVM cannot turn the loop into masked stores, see :func:`_act_row`), then the
-    columns; a single window row is read in place.  numpy's separable path makes a padded copy
-    and strided passes (the wake-word model's 2x2 stride-2 pool of 16 x 24 x 72x32: 0.59 ->
-    0.22 ms, one thread).
-    """
-    n_, c_, h_, w_ = x.shape
-    oh_, ow_ = y.shape[2], y.shape[3]
-    acc = np.empty(w_, np.float32)
-    pairs = kw == 2 and sw == 2 and dw == 1 and pw == 0 and 2 * ow_ <= w_
-    for nc in range(n_ * c_):
-        n = nc // c_
-        c = nc - n * c_
-        for oh in range(oh_):
-            r = oh * sh - ph
-            count = 0
-            row = acc
-            for t in range(kh):
-                rr = r + t * dh
-                if rr < 0 or rr >= h_:
-                    continue
-                src = x[n, c, rr]
-                if count == 0:
-                    row = src
-                elif count == 1:
-                    for j in range(w_):
-                        acc[j] = _nan_max(row[j], src[j]) - zero
-                    row = acc
-                else:
-                    for j in range(w_):
-                        acc[j] = _nan_max(acc[j], src[j]) - zero
-                count += 1
-            dst = y[n, c, oh]
-            if count == 0:
-                for ow in range(ow_):
-                    dst[ow] = _NEG_INF
-            elif pairs:
-                for ow in range(ow_):
-                    dst[ow] = _nan_max(row[2 * ow], row[2 * ow + 1])
-            else:
-                for ow in range(ow_):
-                    q = ow * sw - pw
-                    m = _NEG_INF
-                    for t in range(kw):
-                        j = q + t * dw
-                        if j >= 0 and j < w_:
-                            m = _nan_max(m, row[j])
-                    dst[ow] = m
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")

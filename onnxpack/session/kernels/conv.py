@@ -88,7 +88,6 @@ _SHIFT_BAND = 256
 # Below this many 2x2 output tiles (batch included) a Winograd conv runs as im2col + one GEMM.
 _WINO_MIN_TILES = 24
 _EMPTY1 = np.zeros(0, np.float32)
-_F32_ZERO = np.float32(0.0)  # the JIT max pool's "zero" (see _conv_jit.maxpool2d)
 # Depthwise convs of at least this many multiply-adds split their planes over the BLAS's
 # thread count (below, a thread hand-off costs more than it saves).
 _PARALLEL_MACS = 1 << 18
@@ -1220,13 +1219,6 @@ class MaxPool(_Pool):
 
     def run(self, x):
         ks, strides, dils, begin, end, out, extent = self._geometry(x)
-        if x.dtype == np.float32 and x.ndim == 4 and not self.want_indices and x.size and min(out) > 0:
-            jit = _act.jit()
-            if jit is not None:
-                y = np.empty(x.shape[:2] + tuple(out), np.float32)
-                jit.maxpool2d(np.ascontiguousarray(x), y, ks[0], ks[1], strides[0], strides[1], dils[0], dils[1],
-                              begin[0], begin[1], _F32_ZERO)
-                return (y,)
         if np.issubdtype(x.dtype, np.floating) or x.dtype.name == "bfloat16":
             fill = -np.inf
         else:
