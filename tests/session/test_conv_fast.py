@@ -190,10 +190,10 @@ SHAPES = {
     "direct-rgb-s2": dict(x_shape=(1, 3, 15, 16), m=16, strides=(2, 2)),
     "direct-rgb-s1": dict(x_shape=(2, 3, 9, 11), m=5),
     "direct-2ch-dil-asym": dict(x_shape=(1, 2, 12, 13), m=4, dilations=(2, 1), pads=(2, 0, 1, 2)),
-    # ... and with up to 64 outputs (a wake-word stem: one channel, batch 3, width padding only;
-    # an RGB stem of 48 outputs at stride 2 over an odd plane).
+    # ... and with up to 64 outputs at stride 1 (a wake-word stem: one channel, batch 3, width
+    # padding only; an RGB stem of 48 outputs, dilated, over an odd plane).
     "direct-1ch-24out-batch": dict(x_shape=(3, 1, 10, 12), m=24, pads=(0, 1, 0, 1)),
-    "direct-rgb-48out-s2-odd": dict(x_shape=(1, 3, 13, 15), m=48, strides=(2, 2)),
+    "direct-rgb-48out-dil-odd": dict(x_shape=(1, 3, 13, 15), m=48, dilations=(2, 1)),
     # The JIT's im2col (im2col2d: column matrices too large to gather, straight from the
     # unpadded input; stride 2 over even planes, or output rows of >= 32): stride 2 from the
     # stride phases with odd padding, over odd planes and batch 2, 5x5 with asymmetric padding,
@@ -473,10 +473,10 @@ def _conv_kinds(sess):
     return {p.kind for st in sess.program.root.steps if st.node.op_type == "Conv" for p in st.kernel._plans.values()}
 
 
-@pytest.mark.parametrize("shape", ["direct-1ch-24out-batch", "direct-rgb-48out-s2-odd"])
+@pytest.mark.parametrize("shape", ["direct-1ch-24out-batch", "direct-rgb-48out-dil-odd"])
 def test_few_taps_many_outputs_run_the_direct_kernel(shape):
-    """One group, at most 27 taps per output and up to 64 outputs: conv2d_small (the JIT's
-    direct kernel), with the LeakyRelu and Max epilogue the wake-word model fuses, equal to
+    """One group, at most 27 taps per output and up to 64 outputs at stride 1: conv2d_small (the
+    JIT's direct kernel), with the LeakyRelu and Max epilogue the wake-word model fuses, equal to
     onnxruntime."""
     from onnxpack.session.kernels import conv as conv_mod
 

@@ -103,8 +103,11 @@ _DIRECT_TAPS = 27
 # thread, direct vs the path they took: wake-word's 1 -> 24 on 16 x 76x32 0.96 vs 2.26 ms (the
 # gather), 1 -> 48 1.6 vs 2.8, 1 -> 128 6.1 vs 10.4; 3 -> 32 on 224x224 4.2 vs 5.6, 3 -> 64 8.0 vs
 # 10.4, 3 -> 128 15.1 vs 14.9; 3 -> 48 on 112x112 1.42 vs 2.1; 2 -> 32 on 4 x 64x64 1.28 vs 2.34;
-# 3 -> 96 on 56x56 0.79 vs 0.63 (lost).
+# 3 -> 96 on 56x56 0.79 vs 0.63 (lost).  All at stride 1; at stride 2 the direct kernel does not
+# win past 16 outputs (3 -> 64 on 224x224 3.0 vs 2.3 ms, 3 -> 32 0.85 vs 0.9, 3 -> 48 and the
+# wake-word's 1 -> 48 even), so strided convs keep _DIRECT_MAX_OUT_STRIDED.
 _DIRECT_MAX_OUT = 64
+_DIRECT_MAX_OUT_STRIDED = 16
 # A one-group 3x3 stride-2 conv with one zero of padding in front over an even H x W plane, from
 # at most this many input channels to at most this many outputs, runs the JIT's conv3_s2_small
 # (the input's stride phases, 9 taps per channel in one pass, no im2col).
@@ -873,7 +876,7 @@ class Conv(Kernel):
             p.fn = jit.conv3_s2_small
             p.jit_args = _act.encode(inner)
         elif (g == 1 and nd == 2 and jit is not None and length > 0 and kprod > 1 and c * kprod <= _DIRECT_TAPS
-                and m <= _DIRECT_MAX_OUT and min(begin) >= 0):
+                and m <= (_DIRECT_MAX_OUT if max(strides) == 1 else _DIRECT_MAX_OUT_STRIDED) and min(begin) >= 0):
             # Few taps per output (an RGB stem): the JIT's direct kernel, no im2col (see conv2d_small).
             p.kind = _DIRECT
             p.wk_shape = (m, c) + tuple(ks)
