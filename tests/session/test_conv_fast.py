@@ -603,8 +603,9 @@ MAXPOOL = {
 
 
 @pytest.mark.parametrize("case", list(MAXPOOL), ids=list(MAXPOOL))
-def test_maxpool_matches_onnxruntime_with_nan_and_inf(case):
-    """1-D and 2-D float32 MaxPool against onnxruntime, NaN and Inf in the input."""
+def test_maxpool_matches_onnxruntime_with_nan_and_inf(case, jit_mode):
+    """1-D and 2-D float32 MaxPool against onnxruntime, NaN and Inf in the input: the JIT's
+    maxpool2d (2-D windows of several rows) and numpy's separable passes."""
     attrs = dict(MAXPOOL[case])
     shape = attrs.pop("shape", (2, 3, 11, 10))
     node = helper.make_node("MaxPool", ["x"], ["y"], **attrs)
@@ -626,7 +627,7 @@ def test_maxpool_matches_onnxruntime_with_nan_and_inf(case):
 
 
 @pytest.mark.parametrize("rank", [1, 2])
-def test_maxpool_window_of_minus_inf_is_minus_inf(rank):
+def test_maxpool_window_of_minus_inf_is_minus_inf(rank, jit_mode):
     """A window holding only -inf (or only padding) gives -inf, as the ONNX reference does
     (onnxruntime starts its max at the lowest finite float and returns that instead)."""
     attrs = dict(kernel_shape=[2] * rank, strides=[2] * rank, pads=[1] * (2 * rank))

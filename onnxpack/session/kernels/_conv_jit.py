@@ -61,7 +61,7 @@ from numba.extending import intrinsic
 from onnxpack.session.kernels import _erf as _erf_mod
 from onnxpack.session.kernels._sgemm_jit import TILE, conv_tile1, conv_tile2, conv_tile4, conv_tile6, prefetch
 
-__all__ = ["depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_shift", "wino_input", "wino_output", "bias_act", "pad_planes", "act_inplace", "expf_array"]
+__all__ = ["depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_shift", "wino_input", "wino_output", "bias_act", "pad_planes", "maxpool2d", "act_inplace", "expf_array"]
 
 _FM = {"contract"}
 # For kernels whose only reduction is a float64 sum of squares: reassociation lets it vectorize.
@@ -817,6 +817,68 @@ def conv2d_small(x, w, bias, y, sh, sw, dh, dw, ph, pw, codes, params, nc0, nc1)
         _taps(acc, xp, starts, wf[m], bias[m], length)
         _acts(acc, codes, params)
         _store_plane(yf, nm * ohw, acc, oh_, ow_, wq)
+
+
+_NEG_INF = np.float32(-np.inf)
+
+
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def maxpool2d(x, y, kh, kw, sh, sw, dh, dw, ph, pw, zero):
+    """2-D max pooling without indices: ``y[n, c, oh, ow]`` = the largest of ``x[n, c]`` over the
+    window of rows ``oh*sh - ph + i*dh`` and columns ``ow*sw - pw + j*dw`` that lie inside the
+    plane (positions outside are padding, which never wins: a window of padding only is -inf),
+    NaN if the window holds one (``np.maximum``'s rule, as the numpy path).
+
+    ``x`` (N, C, H, W), ``y`` (N, C, OH, OW) float32 C-contiguous; ``zero`` is 0.0.  Per output
+    row the window's rows are reduced into one scratch row (vectorized; stored as ``max - zero``
+    so that LLVM cannot make the loop masked stores, see :func:`_act_row`), then its columns.
+
+    Written this way on purpose: a version that read a single window row in place (the scratch
+    row bound to either the scratch or a view of ``x``) ran 2x slower on every geometry.
+    """
+    n_, c_, h_, w_ = x.shape
+    oh_, ow_ = y.shape[2], y.shape[3]
+    row = np.empty(w_, np.float32)
+    for nc in range(n_ * c_):
+        n = nc // c_
+        c = nc - n * c_
+        for oh in range(oh_):
+            r = oh * sh - ph
+            first = True
+            for t in range(kh):
+                rr = r + t * dh
+                if rr < 0 or rr >= h_:
+                    continue
+                src = x[n, c, rr]
+                if first:
+                    for j in range(w_):
+                        row[j] = src[j]
+                    first = False
+                else:
+                    for j in range(w_):
+                        a = row[j]
+                        b = src[j]
+                        row[j] = (a if (a >= b or a != a) else b) - zero
+            dst = y[n, c, oh]
+            if first:
+                for ow in range(ow_):
+                    dst[ow] = _NEG_INF
+                continue
+            if kw == 2 and sw == 2 and dw == 1 and pw == 0 and 2 * ow_ <= w_:
+                for ow in range(ow_):
+                    a = row[2 * ow]
+                    b = row[2 * ow + 1]
+                    dst[ow] = (a if (a >= b or a != a) else b) - zero
+                continue
+            for ow in range(ow_):
+                q = ow * sw - pw
+                m = _NEG_INF
+                for t in range(kw):
+                    j = q + t * dw
+                    if j >= 0 and j < w_:
+                        v = row[j]
+                        m = m if (m >= v or m != m) else v
+                dst[ow] = m
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
