@@ -11,12 +11,12 @@ the count the process had is restored when the last of them ends.
 ``set_global_thread_pool_sizes(intra, inter)`` sets the count used by sessions created with
 ``use_per_session_threads = False`` (onnxruntime's global thread pool).
 
-Cost: about 5 µs per run when a limit is set (two BLAS calls under a lock); nothing otherwise.
+Cost: a few µs per run when a limit is set (one read of each library's count when no other
+limited run is in flight, a set when the count changes, under a lock); nothing otherwise.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import threading
@@ -28,8 +28,9 @@ __all__ = ["blas_threads", "owned_threads", "set_global_thread_pool_sizes", "glo
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_active: collections.Counter[int] = collections.Counter()  # requested count -> runs in flight asking for it
-_original: list[int] = []
+_active: dict[int, int] = {}  # requested count -> runs in flight asking for it
+_original: list[int | None] = []  # each library's count when the first limited run started
+_applied: list[int | None] = []  # each library's count as last set or read (under _lock)
 _libs: list[Any] | None = None  # threadpoolctl controllers of the loaded BLAS libraries ([] if unavailable)
 _global_intra = 0
 
@@ -51,46 +52,83 @@ def blas_libraries() -> list[Any]:
 
 
 def _apply(n: int) -> None:
-    for lib, count in zip(_libs or (), _original):
+    """Called under ``_lock``: BLAS at ``n`` threads (``n <= 0``: the count the process had).
+    ``_applied`` is the count each library has as we last set or read it, so a run sets a
+    library only when its count changes and reads none while others are in flight."""
+    for i, lib in enumerate(_libs or ()):
+        count = _original[i]
+        if count is None:  # the library cannot say its count: leave it alone
+            continue
         want = count if n <= 0 else n
-        if lib.num_threads != want:
+        if _applied[i] != want:
             lib.set_num_threads(want)
+            _applied[i] = want
 
 
-@contextlib.contextmanager
-def _counted(counts: collections.Counter[int], n: int, apply: Any, first: Any = None) -> Iterator[None]:
-    """Counts ``n`` in ``counts`` for the duration and calls ``apply`` with the smallest count in
-    flight (0 when none is left); ``first()`` runs, under the lock, when ``counts`` was empty."""
-    with _lock:
-        if not counts and first is not None:
-            first()
-        counts[n] += 1
-        apply(min(counts))
-    try:
-        yield
-    finally:
+class _Counted:
+    """Counts ``n`` in ``counts`` for the duration of a ``with`` and calls ``apply`` with the
+    smallest count in flight (0 when none is left); ``first()`` runs, under the lock, when
+    ``counts`` was empty.
+
+    (A class, not a generator context manager: it is entered at every run of a session with
+    ``intra_op_num_threads`` set, where contextlib's generator, threadpoolctl's re-reads of each
+    library's count before every set and its symbol look-ups cost 15-45 us a run; this costs a
+    few, one read of the counts when the first run starts and a set when a count changes.)"""
+
+    __slots__ = ("counts", "n", "apply", "first")
+
+    def __init__(self, counts: dict[int, int], n: int, apply: Any, first: Any = None) -> None:
+        self.counts, self.n, self.apply, self.first = counts, n, apply, first
+
+    def __enter__(self) -> None:
+        counts = self.counts
         with _lock:
-            counts[n] -= 1
-            if not counts[n]:
+            if not counts and self.first is not None:
+                self.first()
+            counts[self.n] = counts.get(self.n, 0) + 1
+            self.apply(min(counts))
+
+    def __exit__(self, *exc: Any) -> None:
+        counts, n = self.counts, self.n
+        with _lock:
+            left = counts[n] - 1
+            if left:
+                counts[n] = left
+            else:
                 del counts[n]
-            apply(min(counts) if counts else 0)
+            self.apply(min(counts) if counts else 0)
+
+
+class _Nothing:
+    """The limit of ``n <= 0`` (or without threadpoolctl): nothing to do."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_NOTHING = _Nothing()
 
 
 def _save_original() -> None:
-    _original[:] = [lib.num_threads for lib in _libs or ()]
+    """The counts the libraries have when the first limited run starts (re-read each time no run
+    is in flight: a user may change them between runs); restored when the last one ends."""
+    _original[:] = [lib.get_num_threads() for lib in _libs or ()]
+    _applied[:] = _original
 
 
-@contextlib.contextmanager
-def blas_threads(n: int) -> Iterator[None]:
-    """Limit BLAS to ``n`` threads for the duration (no-op for ``n <= 0``)."""
+def blas_threads(n: int) -> Any:
+    """Limit BLAS to ``n`` threads for the duration of a ``with`` (no-op for ``n <= 0``)."""
     if n <= 0 or not blas_libraries():
-        yield
-        return
-    with _counted(_active, n, _apply, _save_original):
-        yield
+        return _NOTHING
+    return _Counted(_active, n, _apply, _save_original)
 
 
-_owners: collections.Counter[int] = collections.Counter()  # owned_threads counts in flight
+_owners: dict[int, int] = {}  # owned_threads counts in flight
 
 
 @contextlib.contextmanager
@@ -108,7 +146,7 @@ def owned_threads(n: int) -> Iterator[None]:
         with blas_threads(n):
             yield
         return
-    with blas_threads(1), _counted(_owners, n, set_owned_threads):
+    with blas_threads(1), _Counted(_owners, n, set_owned_threads):
         yield
 
 

@@ -269,6 +269,17 @@ def test_intra_op_num_threads_limits_blas_during_runs_only():
         Gate.reset()
         onnxpack.InferenceSession(_gate_chain(2)).run(None, {"x": np.ones(2, np.float32)})
         assert Gate.blas_threads == [2, 2]  # 0: left as it is
+        # The user changes the count between runs: the next run restores the new one.
+        libs[0].set_num_threads(1)
+        so2 = onnxpack.SessionOptions()
+        so2.intra_op_num_threads = 2
+        Gate.reset()
+        onnxpack.InferenceSession(_gate_chain(2), so2).run(None, {"x": np.ones(2, np.float32)})
+        assert Gate.blas_threads == [2, 2]
+        assert libs[0].num_threads == 1
+        Gate.reset()
+        sess.run(None, {"x": np.ones(2, np.float32)})  # limited to the count it already has
+        assert Gate.blas_threads == [1, 1] and libs[0].num_threads == 1
     finally:
         libs[0].set_num_threads(before)
 
