@@ -734,6 +734,37 @@ def test_jit_exp_is_within_one_ulp():
     assert ulp.max() <= 1.0, ulp.max()
 
 
+def test_jit_tanh_is_within_two_ulp():
+    """_tanhf (the LSTM JIT's tanh) over every regime: the polynomial below 0.55, the exp form
+    above, saturation, tiny and denormal values, and the specials."""
+    j = _act.jit()
+    if j is None:
+        pytest.skip("numba not installed")
+    import numba
+
+    tanhf = j._tanhf
+
+    @numba.njit
+    def run(x, out):
+        for i in range(x.shape[0]):
+            out[i] = tanhf(x[i])
+
+    grid = np.linspace(-12, 12, 2_000_001, dtype=np.float32)
+    tiny = np.geomspace(1e-44, 1.0, 200_001).astype(np.float32)
+    x = np.concatenate([grid, tiny, -tiny])
+    got = np.empty_like(x)
+    run(x, got)
+    ref = np.tanh(x.astype(np.float64))
+    ulp = np.abs(got.astype(np.float64) - ref) / np.spacing(np.abs(ref).astype(np.float32)).astype(np.float64)
+    assert ulp.max() <= 2.0, (ulp.max(), x[ulp.argmax()])
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 50.0, -50.0], np.float32)
+    out = np.empty_like(special)
+    run(special, out)
+    np.testing.assert_array_equal(out[:4], [0.0, -0.0, 1.0, -1.0])
+    assert np.signbit(out[1]) and not np.signbit(out[0])
+    assert np.isnan(out[4]) and out[5] == 1.0 and out[6] == -1.0
+
+
 @pytest.mark.parametrize("count,threads", [(1, 2), (7, 2), (100, 3), (5, 1)], ids=str)
 def test_parallel_covers_every_item_once(count, threads):
     seen = []

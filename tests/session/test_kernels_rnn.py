@@ -162,6 +162,7 @@ def test_packed_layouts():
                                   ("bidi-init", dict(direction="bidirectional", init=True)),
                                   ("layout1", dict(layout=1, direction="bidirectional", init=True)),
                                   ("seq1", dict(batch=1, seq=1, hidden=128, inp=128)),
+                                  ("small-bidi", dict(seq=2, batch=2, layout=1, direction="bidirectional", init=True)),
                                   ("long", dict(seq=40, batch=2, hidden=33))], ids=lambda c: c[0])
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "unpacked"])
 def test_lstm_jit_recurrence_equals_numpy_loop(case, pack, monkeypatch):
@@ -175,11 +176,13 @@ def test_lstm_jit_recurrence_equals_numpy_loop(case, pack, monkeypatch):
     node, values = make_case("LSTM", **case[1])
     packable = [i for i in (1, 2, 3) if i < len(values) and values[i] is not None] if pack else []
     calls = []
-    real = _act.load_jit("_rnn_jit", "test").lstm_standard
-    monkeypatch.setattr(_act.load_jit("_rnn_jit", "test"), "lstm_standard",
-                        lambda *a: calls.append(1) or real(*a))
+    mod = _act.load_jit("_rnn_jit", "test")
+    for fn in ("lstm_standard", "lstm_small"):
+        monkeypatch.setattr(mod, fn, lambda *a, _real=getattr(mod, fn), _fn=fn: calls.append(_fn) or _real(*a))
     jit = run_native(node, values, 14, pack=packable)
-    assert calls  # the JIT ran
+    # The JIT ran: the projection made in it for a few (step, batch row) pairs, else by BLAS.
+    seq, batch = values[0].shape[:2]
+    assert set(calls) == {"lstm_small" if seq * batch <= 4 else "lstm_standard"}
     monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
     ref = run_native(node, values, 14, pack=packable)
     assert len(jit) == len(ref) == 3

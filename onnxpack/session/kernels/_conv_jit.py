@@ -161,6 +161,34 @@ def _erff(x):
     return math.copysign(r, x)
 
 
+# tanh's odd polynomial below |x| = _TANH_SPLIT (tanh(x) = x + x * u * P(u), u = x * x; a
+# least-squares fit on Chebyshev nodes), where 1 - 2 / (exp(2|x|) + 1) would cancel.
+_TANH_SPLIT = np.float32(0.55)
+_T4 = np.float32(-0.006657443316005701)
+_T3 = np.float32(0.0213397471560988)
+_T2 = np.float32(-0.05391574144584575)
+_T1 = np.float32(0.13333159248783974)
+_T0 = np.float32(-0.3333333272713)
+_F2 = np.float32(2.0)
+
+
+@njit(inline="always", fastmath=_FM, error_model="numpy")
+def _tanhf(x):
+    """float32 ``tanh`` without a libm call (vectorizes): at most 1.9 ulp from the exact value over
+    every float32 (numpy's: 1.4), ±1 beyond ±9, NaN for NaN, the sign of ±0 kept."""
+    a = abs(x)
+    u = a * a
+    p = _T4
+    p = p * u + _T3
+    p = p * u + _T2
+    p = p * u + _T1
+    p = p * u + _T0
+    small = a + a * (u * p)
+    large = _F1 - _F2 / (_expf(a + a) + _F1)
+    r = small if a < _TANH_SPLIT else large
+    return math.copysign(r, x)
+
+
 @njit(inline="always", fastmath=_FM, error_model="numpy")
 def _act_row(row, act, a, b, c):
     """Activation ``act`` over a 1-D float32 array in place (a branch per row, not per element).

@@ -114,6 +114,14 @@ def _warm_lstm(writeable: bool) -> None:
         rt.flags.writeable = writeable
         z = np.zeros((1, 1), np.float32)
         jit.lstm_standard(np.zeros((1, 1, 4), np.float32), rt, z, z.copy(), np.zeros((1, 1, 1), np.float32), False)
+        jit.lstm_small(np.zeros((1, 1, 1), np.float32), rt, np.zeros(4, np.float32), rt, z, z.copy(),
+                       np.zeros((1, 1, 1), np.float32), False)
+
+
+# (step, batch row) pairs up to which the LSTM's JIT makes the input projection itself
+# (_rnn_jit.lstm_small): Silero VAD's one step of 128 -> 4 x 128 took 8 us in a BLAS call and
+# ~2 us in the JIT; a longer sequence is one GEMM for all its steps.
+_SMALL_LSTM = 4
 
 
 def _stack(states: list[np.ndarray]) -> np.ndarray:
@@ -366,8 +374,6 @@ class LSTM(_RNNBase):
         finals_h, finals_c = [], []
         for d in range(self.num_dir):
             f, g, hact = self.acts[d]
-            xw = self._project(xs.reshape(seq * batch, -1), wt[d], d, 0, q).reshape(seq, batch, 4 * H)
-            xw += bias[d]
             h = hs[d].copy()
             c = cs[d].copy()
             pi = po = pf = None
@@ -379,12 +385,20 @@ class LSTM(_RNNBase):
             if jit is not None and seq and batch:
                 # Every step in one call (see _rnn_jit): the states in place, this direction's Y.
                 yd = y.reshape(seq, batch, H) if self.num_dir == 1 else np.empty((seq, batch, H), np.float32)
-                jit.lstm_standard(np.ascontiguousarray(xw), np.ascontiguousarray(rt[d]), h, c, yd, self._reverse(d))
+                if seq * batch <= _SMALL_LSTM:  # the input projection in the same call
+                    jit.lstm_small(np.ascontiguousarray(xs), np.ascontiguousarray(wt[d]), bias[d],
+                                   np.ascontiguousarray(rt[d]), h, c, yd, self._reverse(d))
+                else:
+                    xw = self._project(xs.reshape(seq * batch, -1), wt[d], d, 0, q).reshape(seq, batch, 4 * H)
+                    xw += bias[d]
+                    jit.lstm_standard(np.ascontiguousarray(xw), np.ascontiguousarray(rt[d]), h, c, yd, self._reverse(d))
                 if yd.base is not y:
                     y[:, d] = yd
                 finals_h.append(h)
                 finals_c.append(c)
                 continue
+            xw = self._project(xs.reshape(seq * batch, -1), wt[d], d, 0, q).reshape(seq, batch, 4 * H)
+            xw += bias[d]
             for t in self._steps(d, seq):
                 gates = self._project(h, rt[d], d, 1, q)
                 gates += xw[t]
