@@ -17,6 +17,7 @@ and a once-rounded result misses it by more than the suite's tolerance.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -61,6 +62,13 @@ def _sum(x, axes, keepdims):
 def _mean(x, axes, keepdims):
     if x.dtype == np.float16:
         return np.mean(x, axis=axes, keepdims=keepdims, dtype=np.float32)
+    if x.dtype.kind == "f" and x.size:
+        # np.mean's own steps (the sum in x's dtype, then one division by the count) without its
+        # Python layers: ~3 us instead of ~12, bit for bit the same (Silero VAD's (1, 1) mean).
+        count = x.size if axes is None else math.prod(x.shape[a] for a in axes)
+        if count:
+            with np.errstate(all="ignore"):  # an overflowing sum is inf, quietly, as below
+                return np.true_divide(np.add.reduce(x, axis=axes, dtype=x.dtype, keepdims=keepdims), count)
     with np.errstate(all="ignore"):  # the mean of nothing is NaN, as the spec allows
         return np.mean(x, axis=axes, keepdims=keepdims, dtype=x.dtype if x.dtype.kind == "f" else None)
 
