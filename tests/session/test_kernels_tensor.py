@@ -176,6 +176,28 @@ def test_slice(starts, ends, axes, steps):
     check(make_node("Slice", ["x", "s", "e", "a", "t"][: len(ins)], ["y"]), ins, 13)
 
 
+def test_slice_reuses_its_index_only_for_the_same_shape_and_values():
+    """Slice keeps the index it made for (shape, int64 indices): one kernel fed the cases above
+    in turn, twice, and on other shapes, equals onnx.reference each time; int32 indices whose
+    bytes equal an int64 case's, and no axes against empty axes, are not confused."""
+    node = make_node("Slice", ["x", "s", "e", "a", "t"], ["y"])
+    kernel = lookup("", "Slice", 13)(node, KernelContext(13, {"": 13}))
+    for shape in [(4, 5, 6), (6, 5, 4), (4, 5, 6)]:
+        x = x_(shape)
+        for starts, ends, axes, steps in SLICES * 2:
+            a = i64(*(axes if axes is not None else range(len(starts))))
+            t = i64(*(steps if steps is not None else [1] * len(starts)))
+            want = run_reference(node, [x, i64(*starts), i64(*ends), a, t], 13)[0]
+            got = kernel.run(x, i64(*starts), i64(*ends), a, t)[0]
+            np.testing.assert_array_equal(got, want)
+    x = x_((4, 5, 6))
+    # int32 [2, 0] has the bytes of int64 [2]: as ends of axis 0 they mean 2 for both dims of axes [0, 1]
+    got = kernel.run(x, np.array([0, 0], np.int32), np.array([2, 0], np.int32), np.array([0, 1], np.int32), None)[0]
+    assert got.shape == (2, 0, 6)
+    assert kernel.run(x, i64(0), i64(2), None, None)[0].shape == (2, 5, 6)  # no axes: axis 0
+    assert kernel.run(x, i64(0), i64(2), None, None)[0].shape == (2, 5, 6)
+
+
 def test_slice_opset1_attributes():
     node = make_node("Slice", ["x"], ["y"], starts=[1, -2], ends=[100, -1], axes=[0, 2])
     check(node, [x_((4, 5, 6))], 9)
