@@ -24,7 +24,7 @@ from typing import Any
 
 from onnxpack.errors import InvalidArgumentStatus
 from onnxpack.graph import Model
-from onnxpack.session._api import validate_feed
+from onnxpack.session._api import feed_spec, validate_feed
 from onnxpack.session._arena import ArenaRunner
 from onnxpack.session._memory import keep_freed_memory, return_freed_heap
 from onnxpack.session._profile import Profiler
@@ -48,6 +48,7 @@ class Runner:
                  profiler: Profiler | None) -> None:
         self.model = model
         self.program = program
+        self.feed = feed_spec(program.inputs, model.root.initializers, program.overridable)
         planner = config["onnxpack.memory_planner"]
         use_planner = planner not in (None, "none") and options.enable_mem_pattern
         self.arena = ArenaRunner(program.root, planner, pool_arenas=options.enable_cpu_mem_arena) if use_planner else None
@@ -90,7 +91,8 @@ class Runner:
         check_terminate(ro)
         program = self.program
         program.check_files()  # a mapped file truncated or rewritten since load: an error, not SIGBUS
-        feeds = validate_feed(self.model, input_feed, program.overridable, program.defaults, inputs=program.inputs)
+        feeds = validate_feed(self.model, input_feed, program.overridable, program.defaults, inputs=program.inputs,
+                              spec=self.feed)
         if ro is not None and ro._adapters:
             for adapter in ro._adapters:
                 feeds.update({n: v for n, v in adapter.parameters.items() if n in feeds})

@@ -87,7 +87,10 @@ class InferenceSession(ProviderAPI):
 
     def _init(self, path_or_bytes, sess_options, providers, provider_options, prepacked_weights_container,
               kwargs: dict) -> None:
-        self._closed, self._runs, self._lock = True, 0, threading.Condition()
+        # Runs in flight, counted under a plain lock (entered and left at every run: a Condition's
+        # own methods are Python); close() waits on a Condition over the same lock.
+        self._mutex = threading.Lock()
+        self._closed, self._runs, self._lock = True, 0, threading.Condition(self._mutex)
         options = sess_options if sess_options is not None else SessionOptions()
         if not isinstance(options, SessionOptions):
             raise InvalidArgument(f"sess_options: expected onnxpack.SessionOptions, got {type(sess_options).__name__}")
@@ -181,15 +184,16 @@ class InferenceSession(ProviderAPI):
 
     # -- running ----------------------------------------------------------------------------------
     def _enter(self) -> None:
-        with self._lock:
+        with self._mutex:
             if self._closed:
                 raise InvalidArgument("this InferenceSession is closed")
             self._runs += 1
 
     def _exit(self) -> None:
-        with self._lock:
+        with self._mutex:
             self._runs -= 1
-            self._lock.notify_all()
+            if self._closed and not self._runs:  # close() is waiting for the last run
+                self._lock.notify_all()
 
     @_ort_errors
     def run(self, output_names: Sequence[str] | None, input_feed: dict[str, Any], run_options: Any = None) -> list[Any]:
