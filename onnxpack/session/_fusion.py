@@ -15,7 +15,8 @@ pre-packing on:
   SiLU of a gate projection) as an in-place epilogue; a gate chain whose result is multiplied by
   another ``MatMulNBits`` of the same input (the gated MLP of Llama/Qwen-family decoders:
   ``Mul(SiLU(gate(x)), up(x))``) runs as one step with both weights (``nbits_gated``);
-* ``Add/Sum/Sub/Mul -> Relu`` clamps in place;
+* ``Add/Sum/Sub/Mul -> Relu`` clamps in place, and ``BatchNormalization -> Relu`` when the BN is not
+  folded into a Conv (its statistics fed at run time);
 * a QuantizeLinear → DequantizeLinear pair of the same scale and zero point ("fake quantization",
   what ``onnxruntime.quantization``'s QDQ format puts around every activation) runs as one float
   kernel (``fake_quant``: divide, round, clamp to the integer range shifted by the zero point,
@@ -581,14 +582,16 @@ def find_matmul_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], pro
     return out
 
 
-# Elementwise producers whose result Relu may clamp in place (a residual Sum -> Relu, ...).
-_RELU_PRODUCERS = frozenset({"Add", "Sum", "Sub", "Mul"})
+# Elementwise producers whose result Relu may clamp in place (a residual Sum -> Relu, ...), and
+# BatchNormalization when it stays a node of its own (statistics fed at run time: the caffe2
+# resnet50 of onnx's model zoo lists 30 of its BN scales and biases as graph inputs).
+_RELU_PRODUCERS = frozenset({"Add", "Sum", "Sub", "Mul", "BatchNormalization"})
 
 
 def find_relu_fusions(
     nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str], taken: set[int]
 ) -> list[ConvFusion]:
-    """``Add/Sum/Sub/Mul -> Relu`` pairs where Relu is the producer's only reader.
+    """``Add/Sum/Sub/Mul/BatchNormalization -> Relu`` pairs where Relu is the producer's only reader.
 
     Returned as :class:`ConvFusion` with ``conv`` the producer and ``bn`` None; ``taken`` holds
     node indices already part of another fusion.
@@ -598,6 +601,10 @@ def find_relu_fusions(
     for k, node in enumerate(nodes):
         if k in taken or node.op_type not in _RELU_PRODUCERS or node.domain not in ("", "ai.onnx"):
             continue
+        if node.op_type == "BatchNormalization" and (
+                sum(1 for o in node.output[:] if o) != 1
+                or any(a.name == "training_mode" and a.i for a in node.attribute[:])):
+            continue  # only inference BN's one output (training mode runs in onnx.reference)
         name = node.output[0]
         users = by_input.get(name, [])
         if len(users) != 1 or readers.get(name, 0) != 1 or name in protected or users[0] in taken:

@@ -174,6 +174,100 @@ def test_elementwise_then_relu_is_fused_and_never_writes_an_input(op, n_inputs):
     np.testing.assert_allclose(got[0], _ort(model, feed)[0], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("case", ["fed-scale", "constant-no-conv", "training", "two-outputs"])
+def test_batchnorm_then_relu_is_fused_when_bn_stays_a_node(case, dtype):
+    """BatchNormalization whose statistics are fed at run time (graph inputs: no Conv can fold
+    it) or that follows no Conv clamps in place; training mode (onnx.reference) and a BN with its
+    running statistics as outputs (opset 9) keep their Relu.  Equal to onnxruntime either way."""
+    t = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    rng = np.random.default_rng(5)
+    stats = {"mean": rng.standard_normal(4), "var": rng.random(4) + 0.5}
+    fed = {"x": rng.standard_normal((2, 4, 3, 5)).astype(dtype)}
+    fed["x"][0, 0, 0, :2] = [0.0, -0.0]  # signed zeros and a NaN pass through as the unfused pair's
+    fed["x"][1, 3, 2, 4] = np.nan
+    params = {"scale": rng.standard_normal(4), "bias": rng.standard_normal(4)}
+    opset, outs, attrs = 17, ["b"], {}
+    if case == "fed-scale":
+        fed.update({k: v.astype(dtype) for k, v in params.items()})
+        inits = [numpy_helper.from_array(v.astype(dtype), k) for k, v in stats.items()]
+    else:
+        inits = [numpy_helper.from_array(v.astype(dtype), k) for k, v in {**params, **stats}.items()]
+    if case == "training":
+        attrs = {"training_mode": 1}
+    if case == "two-outputs":  # (training mode in opset 9: see the test below)
+        opset, outs = 9, ["b", "rm", "rv", "sm", "sv"]
+    nodes = [helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], outs, name="bn", **attrs),
+             helper.make_node("Relu", ["b"], ["y"], name="relu")]
+    inputs = [helper.make_tensor_value_info(n, t, list(v.shape)) for n, v in fed.items()]
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", t, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8).SerializeToString()
+    before = {n: v.copy() for n, v in fed.items()}
+    with onnxpack.InferenceSession(model) as s:
+        names = [st.node.name for st in s.program.root.steps]
+        assert names == (["bn+relu"] if case in ("fed-scale", "constant-no-conv") else ["bn", "relu"])
+        got = s.run(None, fed)
+        from onnxpack.session.kernels import _act
+
+        if names == ["bn+relu"] and dtype == np.float32 and _act.jit() is not None:
+            kernel = s.program.root.steps[0].kernel
+            calls = []
+            real = kernel._fused
+            kernel._fused = lambda *a: calls.append(1) or real(*a)
+            np.testing.assert_array_equal(s.run(None, fed)[0], got[0])
+            assert calls  # the one-pass path ran
+    for n in fed:
+        np.testing.assert_array_equal(fed[n], before[n])
+    if case == "training":
+        return  # onnxruntime runs no training-mode BatchNormalization; onnx.reference computed it
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == np.float32 else dict(rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(got[0].astype(np.float32), _ort(model, fed)[0].astype(np.float32), **tol)
+    # The fused pair (float32: BatchNormalization's run_acts, its + B and the Relu in one JIT
+    # pass) gives the unfused kernels' very bits.
+    opts = onnxpack.SessionOptions()
+    opts.graph_optimization_level = onnxpack.GraphOptimizationLevel.ORT_DISABLE_ALL
+    with onnxpack.InferenceSession(model, opts) as plain:
+        assert len(plain.program.root.steps) == 2
+        np.testing.assert_array_equal(got[0], plain.run(None, fed)[0])
+
+
+@pytest.mark.parametrize("opset", [7, 9, 13])
+@pytest.mark.parametrize("spatial", [1, 0], ids=["spatial", "per-activation"])
+def test_batchnorm_with_its_statistics_outputs_is_training_mode_as_onnxruntime(opset, spatial):
+    """Opsets 7-13: a BatchNormalization asked for its running and saved statistics normalizes by
+    the batch's own statistics (onnxruntime's training mode); all five outputs equal its."""
+    if spatial == 0 and opset >= 9:
+        pytest.skip("spatial is an attribute of opsets 7-8 only")
+    rng = np.random.default_rng(7)
+    shape = (3, 4) if spatial else (4, 3, 5)
+    stats = {"scale": rng.standard_normal(shape), "bias": rng.standard_normal(shape),
+             "mean": rng.standard_normal(shape), "var": rng.random(shape) + 0.5}
+    if spatial:
+        stats = {k: v[0] for k, v in stats.items()}
+    attrs = {"momentum": 0.8, "epsilon": 1e-3}
+    if opset < 9:
+        attrs["spatial"] = spatial
+    outs = ["y", "rm", "rv", "sm", "sv"]
+    node = helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], outs, name="bn", **attrs)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", F, [2, 4, 3, 5])],
+                              [helper.make_tensor_value_info(o, F, None) for o in outs],
+                              [numpy_helper.from_array(v.astype(np.float32), k) for k, v in stats.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8).SerializeToString()
+    feed = {"x": rng.standard_normal((2, 4, 3, 5)).astype(np.float32)}
+    with onnxpack.InferenceSession(model) as s:
+        got = s.run(None, feed)
+    if spatial == 0:  # onnxruntime refuses it ("Training mode only supports spatial BN"): the spec's formulas
+        x = feed["x"].astype(np.float64)
+        bm, bv = x.mean(axis=0), x.var(axis=0)
+        inv = 1 / np.sqrt(bv + 1e-3)
+        want = [(x - bm) * inv * stats["scale"] + stats["bias"], 0.8 * stats["mean"] + 0.2 * bm,
+                0.8 * stats["var"] + 0.2 * bv, bm, inv]
+    else:
+        want = _ort(model, feed)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
 # -- QuantizeLinear -> DequantizeLinear ("fake quantization") ----------------------------------
 def qdq_model(zp: np.ndarray, scale: np.ndarray, *, axis: int = 1, opset: int = 17, dq_scale=None,
               extra_q_reader: bool = False, q_output: bool = False) -> bytes:

@@ -780,6 +780,9 @@ class ActAfter(Kernel):
         self._exact = _act.numpy_suffices(self.acts)
         self.writes_into = inner.writes_into  # type: ignore[misc]
         self.call_mode = inner.call_mode
+        # A producer that can apply the activations itself: ``run_acts(acts, *inputs)`` returns
+        # its outputs with them applied, or None when it cannot for these inputs.
+        self._fused = getattr(inner, "run_acts", None)
 
     def pack_spec(self, input_index, info):
         return self.inner.pack_spec(input_index, info)
@@ -815,6 +818,11 @@ class ActAfter(Kernel):
         return True
 
     def run(self, *inputs):
+        fused = self._fused
+        if fused is not None:  # the producer applies them in its own last pass (BatchNormalization)
+            got = fused(self.acts, *inputs)
+            if got is not None:
+                return got
         (y,) = self.inner.run(*inputs)[:1]
         if not (isinstance(y, np.ndarray) and y.flags.writeable and y.flags.owndata and not any(y is x for x in inputs)):
             y = np.array(y, copy=True)

@@ -27,6 +27,12 @@ logger = logging.getLogger(__name__)
 __all__ = ["BatchNormalization", "LayerNormalization", "InstanceNormalization", "LRN"]
 
 
+# bias_act's arguments for no residual, no activations after it and no per-channel tables.
+_EMPTY3 = np.zeros((0, 0, 0), np.float32)
+_EMPTY_CHAN = np.zeros((0, 0, 2), np.float32)
+_NONE = _act.encode(())
+
+
 def _stat_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
@@ -47,14 +53,18 @@ def batch_norm_affine(scale, bias, mean, var, epsilon: float, dtype) -> tuple[np
 
 @register("BatchNormalization", since=1)
 class BatchNormalization(Kernel):
-    """Inference-mode batch normalization for every opset.
+    """Batch normalization for every opset: inference mode, and the training mode of opsets 7-13.
 
-    Opsets 1-6 carry ``spatial`` (0 means per-activation statistics: scale/bias/mean/var have
-    shape (C, D1, ...)) and ``is_test``/``consumed_inputs``, ignored as onnxruntime ignores them
-    (it runs every BatchNormalization before opset 14 in inference mode).  The optional outputs
-    of opsets < 14 (running mean/var, saved mean/var) are then the unchanged running statistics
-    and ``None``.  Opset 14's ``training_mode=1`` computes batch statistics; it is left to the
-    fallback (``NotImplementedError`` from the constructor).
+    Opsets 1-8 carry ``spatial`` (0 means per-activation statistics: scale/bias/mean/var have
+    shape (C, D1, ...)); opsets 1-6 also ``is_test``/``consumed_inputs``, ignored as onnxruntime
+    ignores them (inference mode; their optional outputs are the unchanged running statistics
+    and ``None``).  In opsets 7-13 the outputs choose the mode, as in onnxruntime: Y alone is
+    inference; with the running and saved statistics asked for, Y is normalized by the batch's
+    own mean and (biased) variance, the running mean/var outputs are
+    ``momentum * input + (1 - momentum) * batch``, saved_mean the batch mean and saved_var
+    ``1 / sqrt(batch var + epsilon)`` (onnxruntime's values; onnx.reference has no kernel for
+    it).  Opset 14's ``training_mode=1`` is left to the fallback (``NotImplementedError`` from
+    the constructor).
     """
 
     op_type = "BatchNormalization"
@@ -64,10 +74,15 @@ class BatchNormalization(Kernel):
         self.epsilon = float(self.attr("epsilon", 1e-5))
         if int(self.attr("training_mode", 0)):
             raise NotImplementedError("BatchNormalization training_mode=1 is not implemented natively")
-        if ctx.opset >= 14 and len([o for o in node.output if o]) > 1:
+        outputs = len([o for o in node.output if o])
+        if ctx.opset >= 14 and outputs > 1:
             raise NotImplementedError("BatchNormalization training outputs are not implemented natively")
+        self.train = 7 <= ctx.opset < 14 and outputs > 1
+        self.momentum = float(self.attr("momentum", 0.9))
 
     def run(self, x, scale, bias, mean, var):
+        if self.train:
+            return self._train(x, scale, bias, mean, var)
         sd = _stat_dtype(x.dtype)
         nd = x.ndim - 2
         a, b = batch_norm_affine(scale, bias, mean, var, self.epsilon, x.dtype)
@@ -79,6 +94,45 @@ class BatchNormalization(Kernel):
         y += b.reshape(shape)
         outs = (_f(y, x.dtype), mean, var, None, None)
         return outs[: max(1, len(self.node.output))]
+
+    def run_acts(self, acts, x, scale, bias, mean, var):
+        """``run`` then the activations ``acts`` (a fused Relu: :class:`.elementwise.ActAfter`)
+        in two passes instead of three: ``x * A`` by numpy into a fresh array, then ``+ B`` and
+        the activations in one JIT pass (``bias_act``), the same bits as ``run``'s ``y = x * A;
+        y += B`` and the activation after.  None (the caller runs ``run``) unless float32,
+        per-channel statistics and the JIT."""
+        if self.train or x.dtype != np.float32 or x.ndim < 2 or np.ndim(scale) != 1 or not x.size:
+            return None
+        jit = _act.jit()
+        if jit is None:
+            return None
+        a, b = batch_norm_affine(scale, bias, mean, var, self.epsilon, x.dtype)
+        if a.shape != (x.shape[1],) or b.shape != a.shape:
+            return None  # run names the mismatch
+        y = np.multiply(x, a.reshape((1, -1) + (1,) * (x.ndim - 2)), order="C")
+        codes, params = _act.encode(acts)
+        jit.bias_act(y.reshape(x.shape[0], x.shape[1], -1), np.ascontiguousarray(b), codes, params, _EMPTY3,
+                     *_NONE, _EMPTY_CHAN)
+        return (y,)
+
+    def _train(self, x, scale, bias, mean, var):
+        """Opsets 7-13 with the statistics outputs: the batch's own statistics (see the class)."""
+        sd = _stat_dtype(x.dtype)
+        xs = _f(x, sd)
+        per_channel = np.ndim(scale) == 1  # spatial (the default); else per activation (C, D1, ...)
+        axes = (0, *range(2, x.ndim)) if per_channel else (0,)
+        shape = (1, xs.shape[1]) + (1,) * (x.ndim - 2) if per_channel else (1,) + xs.shape[1:]
+        with np.errstate(all="ignore"):  # an empty batch's statistics are NaN, as numpy's
+            bm = xs.mean(axis=axes)
+            bv = xs.var(axis=axes)
+            inv = 1 / np.sqrt(bv + sd.type(self.epsilon))
+            y = (xs - bm.reshape(shape)) * (inv * _f(scale, sd)).reshape(shape) + _f(bias, sd).reshape(shape)
+            mom = sd.type(self.momentum)
+            run_mean = _f(mean, sd) * mom + bm * (1 - mom)
+            run_var = _f(var, sd) * mom + bv * (1 - mom)
+        st = mean.dtype
+        outs = (_f(y, x.dtype), _f(run_mean, st), _f(run_var, st), _f(bm, st), _f(inv, st))
+        return outs[: len(self.node.output)]
 
 
 @register("LayerNormalization", since=17)
