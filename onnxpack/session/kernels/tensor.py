@@ -241,11 +241,11 @@ def _split(x: np.ndarray, axis: int, sizes: list[int] | None, n_out: int, num_ou
             sizes = [min(chunk, max(dim - i * chunk, 0)) for i in range(num_outputs)]
         else:
             sizes = [dim // n_out] * n_out
-    bounds = np.cumsum(sizes)[:-1].tolist()
     index: list[slice] = [slice(None)] * x.ndim
     out = []
     start = 0
-    for stop in [*bounds, start + sum(sizes)]:
+    for size in sizes:  # (running sums in Python: np.cumsum's Python layers cost more than the views)
+        stop = start + size
         index[axis] = slice(start, stop)
         out.append(x[tuple(index)])
         start = stop
