@@ -555,6 +555,11 @@ def _apply_numpy(y: np.ndarray, act: Activation) -> np.ndarray:
 
 _encoded: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
+# The JIT epilogues' (``_conv_jit.bias_act`` and the kernels sharing its arguments) "none":
+# no residual (N, M, L) and no per-channel tables (K, M, 2).
+NO_RESIDUAL = np.zeros((0, 0, 0), np.float32)
+NO_CHANNELS = np.zeros((0, 0, 2), np.float32)
+
 
 _KEEPS = frozenset({"relu", "clip"})  # kinds whose JIT loop keeps some elements as they are
 

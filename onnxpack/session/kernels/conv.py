@@ -131,8 +131,8 @@ _S2_STEM_OUT = 64
 _SUBSAMPLE_MAX = 9 * 1024
 # Above this many kernel taps im2col is one strided-window copy, not a copy per tap.
 _WINDOW_TAPS = 32
-_EMPTY3 = np.zeros((0, 0, 0), np.float32)
-_EMPTY_CHAN = np.zeros((0, 0, 2), np.float32)  # bias_act's per-channel tables when there are none
+_EMPTY3 = _act.NO_RESIDUAL
+_EMPTY_CHAN = _act.NO_CHANNELS  # bias_act's per-channel tables when there are none
 # conv_tiny's epilogue arguments after the bias when it runs none (codes, params, residual, post
 # codes, post params, channel tables).
 _NO_EPILOGUE = (*_act.encode(()), _EMPTY3, *_act.encode(()), _EMPTY_CHAN)

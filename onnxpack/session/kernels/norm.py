@@ -27,12 +27,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["BatchNormalization", "LayerNormalization", "InstanceNormalization", "LRN"]
 
 
-# bias_act's arguments for no residual, no activations after it and no per-channel tables.
-_EMPTY3 = np.zeros((0, 0, 0), np.float32)
-_EMPTY_CHAN = np.zeros((0, 0, 2), np.float32)
-_NONE = _act.encode(())
-
-
 def _stat_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
@@ -111,8 +105,8 @@ class BatchNormalization(Kernel):
             return None  # run names the mismatch
         y = np.multiply(x, a.reshape((1, -1) + (1,) * (x.ndim - 2)), order="C")
         codes, params = _act.encode(acts)
-        jit.bias_act(y.reshape(x.shape[0], x.shape[1], -1), np.ascontiguousarray(b), codes, params, _EMPTY3,
-                     *_NONE, _EMPTY_CHAN)
+        jit.bias_act(y.reshape(x.shape[0], x.shape[1], -1), np.ascontiguousarray(b), codes, params,
+                     _act.NO_RESIDUAL, *_act.encode(()), _act.NO_CHANNELS)
         return (y,)
 
     def _train(self, x, scale, bias, mean, var):

@@ -382,23 +382,24 @@ class LSTM(_RNNBase):
                 pi, po, pf = pp[:H], pp[H : 2 * H], pp[2 * H :]
             standard = pi is None and self.clip is None and f is _sigmoid and g is np.tanh and hact is np.tanh
             jit = _lstm_jit() if standard and lens is None and type(self)._project is LSTM._project else None
-            if jit is not None and seq and batch:
+            jit = jit if seq and batch else None
+            small = jit is not None and seq * batch <= _SMALL_LSTM  # the input projection in the JIT's call
+            if not small:
+                xw = self._project(xs.reshape(seq * batch, -1), wt[d], d, 0, q).reshape(seq, batch, 4 * H)
+                xw += bias[d]
+            if jit is not None:
                 # Every step in one call (see _rnn_jit): the states in place, this direction's Y.
                 yd = y.reshape(seq, batch, H) if self.num_dir == 1 else np.empty((seq, batch, H), np.float32)
-                if seq * batch <= _SMALL_LSTM:  # the input projection in the same call
+                if small:
                     jit.lstm_small(np.ascontiguousarray(xs), np.ascontiguousarray(wt[d]), bias[d],
                                    np.ascontiguousarray(rt[d]), h, c, yd, self._reverse(d))
                 else:
-                    xw = self._project(xs.reshape(seq * batch, -1), wt[d], d, 0, q).reshape(seq, batch, 4 * H)
-                    xw += bias[d]
                     jit.lstm_standard(np.ascontiguousarray(xw), np.ascontiguousarray(rt[d]), h, c, yd, self._reverse(d))
                 if yd.base is not y:
                     y[:, d] = yd
                 finals_h.append(h)
                 finals_c.append(c)
                 continue
-            xw = self._project(xs.reshape(seq * batch, -1), wt[d], d, 0, q).reshape(seq, batch, 4 * H)
-            xw += bias[d]
             for t in self._steps(d, seq):
                 gates = self._project(h, rt[d], d, 1, q)
                 gates += xw[t]
