@@ -16,7 +16,7 @@ from onnxpack.graph._save import (
     compute_offset,
     save_model,
 )
-from onnxpack.graph._tensor import Tensor, mapped_view, shape_fits
+from onnxpack.graph._tensor import Tensor, byte_array, mapped_view, shape_fits
 
 __all__ = [
     "load_model",
@@ -32,6 +32,7 @@ __all__ = [
     "stat_identity",
     "open_regular_file",
     "read_regular_file",
+    "byte_array",
     "mapped_view",
     "shape_fits",
     "SaveExtras",

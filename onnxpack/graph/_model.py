@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 _GRAPH, _GRAPHS, _UNDEFINED = AttributeProto.GRAPH, AttributeProto.GRAPHS, AttributeProto.UNDEFINED
 # Attribute types that never hold a graph: skipped on one set test (most attributes of most nodes).
 _NO_GRAPH_TYPES = frozenset(t for t in AttributeProto.AttributeType.values() if t not in (_GRAPH, _GRAPHS, _UNDEFINED))
+# Attribute types that hold neither a graph nor a tensor (most attributes of most nodes).
+_SCALAR_TYPES = frozenset({AttributeProto.FLOAT, AttributeProto.INT, AttributeProto.STRING, AttributeProto.FLOATS,
+                           AttributeProto.INTS, AttributeProto.STRINGS})
 
 
 def subgraphs_of(node: NodeProto) -> Iterator[tuple[str, int | None, GraphProto]]:
@@ -304,7 +307,7 @@ class Model:
             defined.update(scope.initializers)
             defined.update(v.name for v in g.input[:])
             nodes = g.node[:]
-            name_counts = collections.Counter(n.name for n in nodes)
+            name_counts = None
             for index, node in enumerate(nodes):
                 for o in node.output[:]:
                     if o and o in defined:
@@ -316,10 +319,16 @@ class Model:
                         )
                     if o:
                         defined.add(o)
+                # One pass over the attributes decides for most nodes: numbers and strings hold
+                # neither tensors to read nor graphs.
+                if all(a.type in _SCALAR_TYPES for a in node.attribute[:]):
+                    continue
                 self._inline_attribute_tensors(node)
                 subs = list(subgraphs_of(node))
                 if not subs:
                     continue
+                if name_counts is None:
+                    name_counts = collections.Counter(n.name for n in nodes)
                 ok_name = node.name and not node.name.startswith("#") and name_counts[node.name] == 1
                 for attr_name, k, sub in subs:
                     suffix = f".{attr_name}" + (f"[{k}]" if k is not None else "")
@@ -340,8 +349,9 @@ class Model:
             g = scope.graph
             used: set[str] = set()
             for node in g.node[:]:
-                used.update(i for i in node.input[:] if i)
-            used.update(o.name for o in g.output[:] if o.name)
+                used.update(node.input[:])
+            used.update(o.name for o in g.output[:])
+            used.discard("")  # an omitted optional input (or an unnamed output)
             for child in scope.children:
                 used |= child.free
             scope.free = used - scope.defined

@@ -80,15 +80,31 @@ def shape_fits(shape: tuple[int, ...], itemsize: int) -> bool:
     return all(d >= 0 for d in shape) and math.prod(max(int(d), 1) for d in shape) * max(itemsize, 1) <= _MAX_ARRAY_BYTES
 
 
+def byte_array(buffer) -> np.ndarray | None:
+    """A read-only uint8 array over all of ``buffer`` (a read-only mapping or bytes) for
+    :func:`mapped_view` to slice, or None when it is empty or writable."""
+    if not len(buffer):
+        return None
+    arr = np.frombuffer(buffer, np.uint8)
+    return None if arr.flags.writeable else arr
+
+
 def mapped_view(buffer, dtype: np.dtype | str, shape: tuple[int, ...], offset: int) -> np.ndarray:
     """A read-only zero-copy array of ``shape`` over ``buffer`` (a mapping or bytes) at ``offset``.
 
     The one place a file region becomes an array (tensors, pre-packed blobs, cache entries);
     callers have checked the bounds.  An empty shape of zero elements is a fresh empty array.
+    ``buffer`` may be :func:`byte_array` of a mapping, for many views of one file.
     """
     count = math.prod(shape)
     if count == 0:
         arr = np.zeros(shape, dtype=dtype)
+    elif buffer.__class__ is np.ndarray:
+        # A read-only uint8 array over a whole mapping (see ``byte_array``): a slice of it holds
+        # the mapping through that array's one buffer export; frombuffer would take an export
+        # per view, after first asking for a writable one and clearing the error (~2.4 vs 1 us).
+        dtype = np.dtype(dtype)
+        return buffer[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
     else:
         # frombuffer, not np.ndarray(buffer=...): numpy's constructor keeps no buffer export, so
         # closing the mapping under a live view would unmap its pages (a crash, not an error).

@@ -87,6 +87,25 @@ class PrepackedWeightsContainer:
                 self._holders[key].add(holder)
             return w
 
+    def adopt(self, key: str, holder: int, made: PrePackedWeights) -> tuple[PrePackedWeights, bool]:
+        """Return (entry, added_by_this_call) for ``made``, an entry already at hand (a blob
+        mapped from a file): the container's own entry for ``key`` when it has one, else ``made``.
+
+        What :meth:`get_or_create` does with a factory returning ``made``, without its pending
+        record when nobody else is making ``key`` (a warm start adopts one entry per packed
+        weight: an LLM's 242)."""
+        with self._lock:
+            w = self._entries.get(key)
+            if w is not None:
+                self._holders[key].add(holder)
+                return w, False
+            if key not in self._pending:
+                self._entries[key] = made
+                self._holders[key] = {holder}
+                return made, True
+        entry, added = self.get_or_create(key, holder, lambda: made)  # another caller is making it
+        return entry, added  # type: ignore[return-value]
+
     def get_or_create(
         self, key: str, holder: int, factory: Callable[[], PrePackedWeights | None]
     ) -> tuple[PrePackedWeights | None, bool]:

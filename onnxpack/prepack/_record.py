@@ -28,7 +28,7 @@ import numpy as np
 
 from onnxpack.errors import OnnxpackError, PrepackFormatError, PrepackWarning
 from onnxpack.prepack import entry_format as fmt
-from onnxpack.graph import stat_identity
+from onnxpack.graph import byte_array, stat_identity
 from onnxpack.prepack._weights import (
     PrePackedWeights,
     full_digest,
@@ -407,9 +407,10 @@ class LoadRecord:
                 f"no pack for kernel {fam} with this weight's dtype/shape (record has "
                 f"{[p.key.rsplit('/', 1)[0] for p in rec.packs]})"
             )
-        location = pack.buffers[0].location
-        if any(b.location != location for b in pack.buffers[1:]):
-            raise PrepackFormatError(f"the pack's buffers lie in several files {sorted({b.location for b in pack.buffers})}")
+        buffers = pack.buffers
+        location = buffers[0].location
+        if len(buffers) > 1 and any(b.location != location for b in buffers):
+            raise PrepackFormatError(f"the pack's buffers lie in several files {sorted({b.location for b in buffers})}")
         if external is not None and external.location != location:
             raise PrepackFormatError(
                 f"the blob lies in {location!r}, not in {external.location!r} with its weight: the record "
@@ -417,7 +418,8 @@ class LoadRecord:
             )
         state = self._state(location)
         manifest, full = state.manifest, state.mode == "verify"
-        own = self._own_range(spec, external)
+        # The weight's own bytes, where an identity pack may point (see ``PackSpec.identity``).
+        own = (location, external.offset, external.length) if external is not None and getattr(spec, "identity", False) else None
         views = self._views(pack, rec, key, own)  # bounds and overlaps: the record's structure
         digests = self._digests.get((rec.scope, rec.name))
         if digests is None:
@@ -450,12 +452,12 @@ class LoadRecord:
                 raise PrepackFormatError(f"stale: weight has {nbytes} bytes, record says {rec.source_length}")
             if full_digest(source) != digest:
                 raise PrepackFormatError("stale: the weight's bytes changed since the blob was saved")
-        for i, (b, view) in enumerate(zip(pack.buffers, views)):
+        for i, b in enumerate(buffers):
             # The CRC first even when the pack is compared below: it tells corrupt bytes from a
             # record bound to another blob (and costs a quarter of the comparison).
-            if (full or b.length < ALWAYS_VERIFY_BELOW) and fmt.checksum(view) != b.checksum:
-                raise PrepackFormatError(f"buffer {i}: checksum {fmt.checksum(view)} != recorded {b.checksum}")
-        reason = check(tuple(views))
+            if (full or b.length < ALWAYS_VERIFY_BELOW) and fmt.checksum(views[i]) != b.checksum:
+                raise PrepackFormatError(f"buffer {i}: checksum {fmt.checksum(views[i])} != recorded {b.checksum}")
+        reason = check(views)
         if reason is not None:
             raise PrepackFormatError(f"kernel rejects the blob: {reason}")
         if full and repack is not None:
@@ -466,23 +468,18 @@ class LoadRecord:
             if mismatch:
                 raise PrepackFormatError(
                     f"the blob is not this weight's pack ({mismatch}): the record binds another blob")
-        return PrePackedWeights(key, tuple(views), "model", self.model.check_files)
-
-    @staticmethod
-    def _own_range(spec: Any, external: Any) -> tuple[str, int, int] | None:
-        """The weight's own bytes, where an identity pack may point (see ``PackSpec.identity``)."""
-        if external is None or not getattr(spec, "identity", False):
-            return None
-        return (external.location, external.offset, external.length)
+        return PrePackedWeights(key, views, "model", self.model.check_files)
 
     def _views(self, pack: fmt.PackRecord, rec: fmt.WeightRecord, key: str,
-               own: tuple[str, int, int] | None = None) -> list[np.ndarray]:
+               own: tuple[str, int, int] | None = None) -> tuple[np.ndarray, ...]:
         """Views of ``pack`` (of ``rec``)'s buffers after the bounds and overlap checks."""
         views = []
         for i, b in enumerate(pack.buffers):
             got = self._buffers.get(b.location)
             if got is None:
-                got = self._buffers[b.location] = self.model.data_buffer(b.location, _where(rec.scope, rec.name))
+                data, size = self.model.data_buffer(b.location, _where(rec.scope, rec.name))
+                whole = byte_array(data)  # every view a slice of it (see mapped_view)
+                got = self._buffers[b.location] = (data if whole is None else whole, size)
             data, size = got
             if b.offset + b.length > size:
                 raise PrepackFormatError(
@@ -490,8 +487,8 @@ class LoadRecord:
                 )
             if own is None or (b.location, b.offset, b.length) != own:
                 self._check_overlap(i, b, key)
-            views.append(b.view(data))
-        return views
+            views.append(b.view(data, size))
+        return tuple(views)
 
     def _check_overlap(self, i: int, b: fmt.BufferRecord, key: str) -> None:
         """Refuses a buffer whose bytes overlap a weight or another record's buffer.

@@ -156,18 +156,14 @@ class PackSources:
 
     def _obtain(self, weight: WeightRef, spec: PackSpec, pack: Callable, check: Callable,
                 container: PrepackedWeightsContainer, holder: int, label: str) -> Obtained | None:
-        made: dict[str, Any] = {"origin": "container", "seconds": 0.0}
         if not weight.user and self.record.has(weight.scope, weight.name):
             mapped = self.record.find(weight.scope, weight.name, weight.raw, spec, weight.dtype, weight.shape,
                                       check, weight.external, lambda: pack(weight.value()))
             if mapped is not None:
-                def from_model() -> PrePackedWeights:
-                    made["origin"] = "model"
-                    return mapped
+                entry, added = container.adopt(mapped.key, holder, mapped)
+                return Obtained(entry, "model" if added else "container")
 
-                entry, _ = container.get_or_create(mapped.key, holder, from_model)
-                return Obtained(entry, made["origin"])
-
+        made: dict[str, Any] = {"origin": "container", "seconds": 0.0}
         ident_key = (weight.scope, weight.name, weight.user, weight.derived.digest if weight.derived else b"")
         identity = self._identities.get(ident_key)
         if identity is None:

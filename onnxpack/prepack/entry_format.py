@@ -271,16 +271,21 @@ class BufferRecord:
         if type(self.checksum) is not str or not _CHECKSUM_RE.fullmatch(self.checksum):
             raise _fail("buffer checksum", "8 lowercase hex digits (CRC-32)", self.checksum)
 
-    def view(self, data: Any) -> np.ndarray:
-        """A zero-copy view of this buffer in ``data`` (bytes, mmap), after a bounds check."""
-        size = len(data)
+    def view(self, data: Any, size: int | None = None) -> np.ndarray:
+        """A zero-copy view of this buffer in ``data`` (bytes, mmap; ``size``: its length when
+        known), after a bounds check."""
+        if size is None:
+            size = len(data)
         if self.offset + self.length > size:
             raise _fail(
                 f"buffer in {self.location!r}",
                 f"offset + length <= file size {size}",
                 f"{self.offset} + {self.length}",
             )
-        return mapped_view(data, self.dtype, tuple(self.shape), self.offset)
+        dtype = _NP_DTYPES.get(self.dtype)
+        if dtype is None:  # (a numpy dtype, not its string: frombuffer parses a string at every call)
+            dtype = _NP_DTYPES[self.dtype] = np.dtype(self.dtype)
+        return mapped_view(data, dtype, tuple(self.shape), self.offset)
 
 
 @fast_init
@@ -506,6 +511,7 @@ _B_ROW = np.dtype([("loc", *_REF), ("crc", "<u4"), ("dtype", "u1"), ("ndim", "u1
                    ("offset", "<i8"), ("length", "<i8"), ("shape", "<i8", (MAX_DIMS,))])
 # Buffer dtypes by code (the row's ``dtype`` byte): the allowed dtypes, in a fixed order.
 _DTYPE_CODES = tuple(sorted(ALLOWED_DTYPES))
+_NP_DTYPES: dict[str, np.dtype] = {}  # BufferRecord.view's dtypes, by their string
 _MAX_VIEW_BYTES = 2**62  # the graph layer's largest array (shape_fits)
 _HEX64_RE = re.compile(r"[0-9a-f]{64}")
 

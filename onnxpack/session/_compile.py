@@ -486,11 +486,11 @@ class _Compiler:
                                f"{type(exc).__name__}: {exc}") from exc
         if spec is None:  # most constant inputs (scales, shapes, ...): nothing more to do
             return None
-        what = f"node {node.name!r} ({node.op_type}) input {i} ({w.name!r})"
 
         def pack(value: np.ndarray) -> tuple[np.ndarray, ...] | None:
             # A kernel's prepack validates the weight as its run would: a bad weight in a hostile
             # model is that node's InvalidGraph, never a numpy or arithmetic error.
+            what = f"node {node.name!r} ({node.op_type}) input {i} ({w.name!r})"
             try:
                 made = kernel.prepack(i, value)
                 if made is None:  # the kernel declines this value (it runs on the weight as it is)
