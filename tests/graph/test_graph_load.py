@@ -406,3 +406,34 @@ def test_tensor_accepts_exactly_the_shapes_that_fit_and_sizes_them_as_storage_nb
     t.raw_data = b"\0" * storage_nbytes(elem_type, tuple(dims), dtype) if math.prod(dims) < 2**20 else b""
     if math.prod(dims) < 2**20:
         assert Tensor(t, None).nbytes == storage_nbytes(elem_type, tuple(dims), dtype)
+
+
+def test_views_sliced_from_one_byte_array_equal_frombuffer_views(tmp_path):
+    """mapped_view over graph.byte_array of a read-only mapping: the same values as a view
+    made by np.frombuffer, read-only, alive after the mapping's other references are gone;
+    writable and empty buffers get no byte array."""
+    from onnxpack.graph import byte_array, mapped_view
+
+    data = np.arange(1024, dtype=np.float32)
+    path = tmp_path / "blob.bin"
+    path.write_bytes(bytes(64) + data.tobytes())
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    whole = byte_array(mm)
+    assert whole is not None and whole.dtype == np.uint8 and whole.size == 64 + data.nbytes
+    view = mapped_view(whole, "<f4", (32, 32), 64)
+    direct = mapped_view(mm, np.dtype("<f4"), (32, 32), 64)
+    assert view.shape == (32, 32) and view.dtype == np.float32
+    assert np.array_equal(view, direct) and np.array_equal(view.reshape(-1), data)
+    assert not view.flags.writeable
+    with pytest.raises(ValueError):
+        view[0, 0] = 1.0
+    assert mapped_view(whole, np.float32, (0, 3), 64).shape == (0, 3)
+    del whole, direct
+    with pytest.raises(BufferError):  # the view still holds the mapping
+        mm.close()
+    assert float(view[31, 31]) == 1023.0
+    del view
+    mm.close()
+    assert byte_array(bytearray(8)) is None  # writable: views must stay read-only
+    assert byte_array(b"") is None

@@ -128,3 +128,42 @@ def test_concurrent_get_or_create_packs_each_key_once():
     for h in range(1, 9):
         c.release(h)
     assert len(c) == 0
+
+
+def test_adopt_keeps_the_first_entry_of_a_key_and_counts_holders():
+    c = PrepackedWeightsContainer()
+    mapped, other = _entry("a", 8), _entry("a", 8)
+    e1, added1 = c.adopt("a", 1, mapped)
+    e2, added2 = c.adopt("a", 2, other)  # a second session mapping the same blob
+    e3, created3 = c.get_or_create("a", 3, lambda: pytest.fail("the key is there: nothing to make"))
+    assert (added1, added2, created3) == (True, False, False)
+    assert e1 is mapped and e2 is mapped and e3 is mapped
+    assert c.holders("a") == 3 and len(c) == 1
+    assert c.release(1) == 0 and c.release(2) == 0 and c.release(3) == 1 and len(c) == 0
+
+
+def test_adopt_waits_for_a_key_another_caller_is_making():
+    """A key pending in get_or_create (another session packing it) is not overwritten: adopt
+    waits, then returns the entry that caller made."""
+    c = PrepackedWeightsContainer()
+    made, started = _entry("k"), threading.Event()
+    release = threading.Event()
+
+    def factory():
+        started.set()
+        release.wait(5)
+        return made
+
+    t = threading.Thread(target=lambda: c.get_or_create("k", 1, factory))
+    t.start()
+    assert started.wait(5)
+    got: list = []
+    adopter = threading.Thread(target=lambda: got.append(c.adopt("k", 2, _entry("k"))))
+    adopter.start()
+    time.sleep(0.05)
+    assert not got  # still waiting for the pending maker
+    release.set()
+    t.join(5)
+    adopter.join(5)
+    assert got and got[0][0] is made and got[0][1] is False
+    assert c.holders("k") == 2

@@ -465,3 +465,33 @@ def test_creation_pauses_the_garbage_collector_and_restores_it(enabled, fails):
     finally:
         onnxpack.session._session.compile = original
         (gc.enable if was else gc.disable)()
+
+
+@pytest.mark.parametrize("frozen_before", [False, True])
+def test_creation_leaves_its_objects_old_and_the_callers_frozen_objects_frozen(frozen_before):
+    """After a creation the session's objects are in the collector's oldest generation (no young
+    collection walks them); objects the caller froze (gc.freeze before forking workers) stay
+    frozen, and nothing the session made is left frozen."""
+    import gc
+
+    relu = _model([helper.make_node("Relu", ["x"], ["y"])], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    was = gc.isenabled()
+    gc.enable()
+    gc.collect()
+    try:
+        if frozen_before:
+            gc.freeze()
+        frozen = gc.get_freeze_count()
+        sess = onnxpack.InferenceSession(relu)
+        assert gc.get_freeze_count() == frozen
+        young = {id(o) for o in gc.get_objects(generation=0)} | {id(o) for o in gc.get_objects(generation=1)}
+        if frozen_before:  # left young: unfreezing would have handed the caller's objects back
+            assert id(sess.program) in young
+        else:
+            assert id(sess.program) not in young and id(sess.program.root) not in young
+            assert id(sess.program) in {id(o) for o in gc.get_objects(generation=2)}
+        assert sess.run(None, {"x": np.array([-1, 2], np.float32)})[0].tolist() == [0, 2]
+    finally:
+        gc.unfreeze()
+        (gc.enable if was else gc.disable)()
