@@ -158,8 +158,15 @@ class PrePackedWeights:
     check_source: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
-        frozen = tuple(freeze(b) for b in self.buffers)
-        object.__setattr__(self, "buffers", frozen)
+        buffers = self.buffers
+        if type(buffers) is tuple:
+            for b in buffers:
+                flags = b.flags
+                if flags.writeable or not flags.c_contiguous:
+                    break
+            else:  # mapped blobs: read-only views already, kept as they are
+                return
+        object.__setattr__(self, "buffers", tuple(freeze(b) for b in buffers))
 
     @property
     def nbytes(self) -> int:

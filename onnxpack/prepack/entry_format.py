@@ -848,22 +848,22 @@ class RecordIndex:
         check was checked for the whole index, so it is built without checking again."""
         w = self._wl[i]
         scope, name, digest, texts = self._texts[i]
-        pl, bl, new, codes = self._pl, self._bl, object.__new__, _DTYPE_CODES
-        packs = []
-        for k, (key, files) in enumerate(texts):
-            first = pl[w[3] + k][1]
-            bufs = []
-            for j, loc in enumerate(files):
-                b = bl[first + j]
-                buf = new(BufferRecord)
-                buf.__dict__.update(location=loc, offset=b[5], length=b[6], dtype=codes[b[2]],
-                                    shape=tuple(b[7][:b[3]]), checksum=f"{b[1]:08x}")
-                bufs.append(buf)
-            pack = new(PackRecord)
-            pack.__dict__.update(key=key, buffers=tuple(bufs))
-            packs.append(pack)
+        pl, bl = self._pl, self._bl
+        packs = tuple(
+            _unchecked(PackRecord, key=key, buffers=tuple(_buffer_row(loc, bl[pl[w[3] + k][1] + j]) for j, loc in enumerate(files)))
+            for k, (key, files) in enumerate(texts)
+        ) if len(texts) != 1 or len(texts[0][1]) != 1 else (  # most weights: one pack of one buffer
+            _unchecked(PackRecord, key=texts[0][0], buffers=(_buffer_row(texts[0][1][0], bl[pl[w[3]][1]]),)),)
         return _unchecked(WeightRecord, scope=scope, name=name, source_length=w[6],
-                          source_offset=None if w[5] < 0 else w[5], source_digest=digest, packs=tuple(packs))
+                          source_offset=None if w[5] < 0 else w[5], source_digest=digest, packs=packs)
+
+
+def _buffer_row(location: str, b: tuple) -> BufferRecord:
+    """The BufferRecord of record-index buffer row ``b`` (checked with the whole index)."""
+    buf = object.__new__(BufferRecord)
+    buf.__dict__.update(location=location, offset=b[5], length=b[6], dtype=_DTYPE_CODES[b[2]],
+                        shape=tuple(b[7][:b[3]]), checksum=f"{b[1]:08x}")
+    return buf
 
 
 def _unchecked(cls: type, **fields: Any) -> Any:

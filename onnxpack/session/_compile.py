@@ -393,7 +393,8 @@ class _Compiler:
             inline=self.model.inlined,
         )
         resolved = resolve(node, ctx, local_functions=self.local_functions, fusion=fusion,
-                           runnable=self.options.runnable)
+                           runnable=self.options.runnable,
+                           holds_graphs=bool(child_scopes) if fusion is None else None)
         kernel = resolved.kernel
         pack = self.options.prepack and kernel.call_mode == "plain"
         packed, uses, events = self._pack_inputs(scope, node, kernel, pack)

@@ -52,8 +52,9 @@ class Resolved:
 
 
 def resolve(node: NodeProto, ctx: KernelContext, *, local_functions: Collection[tuple[str, str]] = (),
-            fusion: Fusion | None = None, runnable: bool = True) -> Resolved:
-    """The kernel for ``node`` (``fusion.node`` when a fusion record is given).
+            fusion: Fusion | None = None, runnable: bool = True, holds_graphs: bool | None = None) -> Resolved:
+    """The kernel for ``node`` (``fusion.node`` when a fusion record is given); ``holds_graphs``:
+    whether ``node`` has graph attributes, when the caller knows (the compile step has its scopes).
 
     Raises:
         InvalidGraph: a native kernel's constructor failed on the node's attributes.
@@ -67,7 +68,8 @@ def resolve(node: NodeProto, ctx: KernelContext, *, local_functions: Collection[
     kernel: Kernel | None = None
     if (domain, node.op_type) not in local_functions:
         cls = lookup(domain, node.op_type, ctx.opset)
-        holds_graphs = next(subgraphs_of(node), None) is not None
+        if holds_graphs is None:
+            holds_graphs = next(subgraphs_of(node), None) is not None
         if cls is not None and (not holds_graphs or cls.call_mode == "frame"):
             try:
                 kernel = _construct(cls, node, ctx, {})
