@@ -698,10 +698,13 @@ class RecordIndex:
                                         for t in (self._w, self._p, self._b))
         self._texts = self._check_texts()
         # Row i is entry i; a key digest listed twice (two records under one key) has no row.
-        kds = [bytes(data[MANIFEST_HEADER + MANIFEST_ENTRY * i:MANIFEST_HEADER + MANIFEST_ENTRY * i + 16])
-               for i in range(count)]
-        listed = collections.Counter(kds)
-        self._rows = {kd: i for i, kd in enumerate(kds) if listed[kd] == 1}
+        if len(entries) == count:  # every key digest once: the manifest's keys in order are the rows
+            self._rows = dict(zip(entries, range(count)))
+        else:
+            kds = [bytes(data[MANIFEST_HEADER + MANIFEST_ENTRY * i:MANIFEST_HEADER + MANIFEST_ENTRY * i + 16])
+                   for i in range(count)]
+            listed = collections.Counter(kds)
+            self._rows = {kd: i for i, kd in enumerate(kds) if listed[kd] == 1}
 
     def _check(self, n_t: int) -> None:
         """Bounds and sizes of every row at once: text references inside the blob, pack and

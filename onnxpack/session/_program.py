@@ -201,18 +201,27 @@ class PrepackStats:
     @classmethod
     def from_log(cls, log: Sequence[PackEvent], *, rejected: int, released: int) -> PrepackStats:
         """The one place counters are derived: from the pack log."""
-        by = {o: [e for e in log if e.origin == o] for o in ("packed", "model", "cache", "container")}
-        held = {e.entry.key: e.entry.nbytes for e in log}
+        count = dict.fromkeys(("packed", "model", "cache", "container"), 0)
+        nbytes = dict.fromkeys(count, 0)
+        held: dict[str, int] = {}
+        seconds = 0.0
+        for e in log:  # (one pass: an entry's nbytes sums its buffers' at every access)
+            n = e.entry.nbytes
+            count[e.origin] = count.get(e.origin, 0) + 1
+            nbytes[e.origin] = nbytes.get(e.origin, 0) + n
+            held[e.entry.key] = n
+            if e.origin == "packed":
+                seconds += e.seconds
         return cls(
-            weights_packed=len(by["packed"]),
-            blobs_from_model=len(by["model"]),
-            blobs_from_cache=len(by["cache"]),
-            blobs_from_container=len(by["container"]),
+            weights_packed=count["packed"],
+            blobs_from_model=count["model"],
+            blobs_from_cache=count["cache"],
+            blobs_from_container=count["container"],
             blobs_rejected=rejected,
-            bytes_packed=sum(e.entry.nbytes for e in by["packed"]),
-            bytes_mapped=sum(e.entry.nbytes for e in (*by["model"], *by["cache"])),
+            bytes_packed=nbytes["packed"],
+            bytes_mapped=nbytes["model"] + nbytes["cache"],
             bytes_held=sum(held.values()),
-            seconds_packing=sum(e.seconds for e in by["packed"]),
+            seconds_packing=seconds,
             originals_released=released,
         )
 

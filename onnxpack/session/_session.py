@@ -25,7 +25,7 @@ from onnxpack.graph import Model
 from onnxpack.prepack import PackSources, PrepackedWeightsContainer
 from onnxpack.session import _providers
 from onnxpack.session._api import (ModelMetadata, NodeArg, check_required, model_inputs, model_metadata, model_outputs,
-                                   to_user)
+                                   to_user, type_string)
 from onnxpack.session._compile import compile
 from onnxpack.session._iobinding import IOBinding
 from onnxpack.session._load import compile_options, load_for_session, options_from_model
@@ -152,8 +152,10 @@ class InferenceSession(ProviderAPI):
         if options.optimized_model_filepath:
             save_program(self._model, self._program, os.fspath(options.optimized_model_filepath), cfg)
         self._runner = Runner(self._model, self._program, options, cfg, profiler)
-        self._feedable = frozenset(i.name for i in self.get_inputs()) | self._program.overridable
-        self._output_types = {a.name: a.type for a in self.get_outputs()}
+        init = self._model.root.initializers
+        self._feedable = frozenset(n for n in (i.name for i in self._program.inputs) if n not in init) \
+            | self._program.overridable
+        self._output_types = {o.name: type_string(o.type) for o in self._program.outputs}
         if profiler is not None:
             profiler.event("Session", "model_loading_array" if from_bytes else "model_loading_uri", t_load, t1)
             profiler.event("Session", "session_initialization", t1, time.perf_counter_ns())
