@@ -170,7 +170,7 @@ class Tensor:
     """
 
     __slots__ = ("name", "elem_type", "dims", "dtype", "nbytes", "proto", "external",
-                 "_buffer", "_array", "_raw")
+                 "_buffer", "_array", "_raw", "_handed")
 
     def __init__(self, proto: TensorProto, files: DataFiles | None, *,
                  array: np.ndarray | None = None) -> None:
@@ -188,6 +188,7 @@ class Tensor:
             raise ModelLoadError(f"tensor {name!r}: shape {dims} is too large for any array")
         self._array = array
         self._buffer = None
+        self._handed = False  # whether raw() handed out a view of the mapped bytes
         self._raw: bytes | memoryview | None = None
         self.external: ExternalLocation | None = None
         if elem_type == _STRING:
@@ -229,10 +230,14 @@ class Tensor:
         Used after a weight was packed and nothing reads the original any more: its pages leave
         this process's RSS (they stay in the page cache, shared, and would simply fault back in
         if read again, so views stay valid).  Only whole pages inside the tensor are dropped.
-        Returns whether anything was advised.
+        Returns whether anything was advised.  Nothing is when no view of the bytes was ever
+        handed out (:meth:`raw`, :meth:`numpy`): no page of them was touched through this tensor
+        (a warm start reads none of its packed weights), and the system call would be for nothing.
         """
         buf = self._buffer
         if self.external is None or not isinstance(buf, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+            return False
+        if self._array is None and not self._handed:
             return False
         page = mmap.PAGESIZE
         start = -(-self.external.offset // page) * page
@@ -256,6 +261,7 @@ class Tensor:
         """
         if self.external is not None:
             start = self.external.offset
+            self._handed = True
             return memoryview(self._buffer)[start:start + self.external.length]
         if self._raw is not None:
             return self._raw

@@ -437,3 +437,21 @@ def test_views_sliced_from_one_byte_array_equal_frombuffer_views(tmp_path):
     mm.close()
     assert byte_array(bytearray(8)) is None  # writable: views must stay read-only
     assert byte_array(b"") is None
+
+
+def test_drop_pages_only_advises_bytes_that_were_handed_out(samples):
+    """A mapped tensor whose bytes nobody asked for has no pages of ours to drop (a warm start
+    never reads its packed weights): no madvise; once raw() or numpy() handed them out, it does."""
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        pytest.skip("no madvise on this platform")
+    model = load_model(samples["mlp"])
+    tensors = [t for t in model.root.initializers.values() if t.external is not None and t.nbytes >= 2 * mmap.PAGESIZE]
+    assert len(tensors) >= 2
+    first, second = tensors[:2]
+    assert first.drop_pages() is False and second.drop_pages() is False
+    before = np.array(first.numpy())
+    assert first.drop_pages() is True
+    np.testing.assert_array_equal(first.numpy(), before)  # the pages fault back in from the file
+    bytes(second.raw()[:16])
+    assert second.drop_pages() is True
+    model.close()
