@@ -39,6 +39,7 @@ anything else or that is a graph output.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -632,18 +633,17 @@ def find_nbits_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], prot
     for k, node in enumerate(nodes):
         if k in used or node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or len(node.output) != 1:
             continue
-        n = next((a.i for a in node.attribute[:] if a.name == "N"), None)
         absorbed: list[int] = []
         t = node.output[0]
         bias = None
         users = users_of(t)
-        if (users is not None and len(users) == 1 and n is not None
-                and (len(node.input) < 6 or not node.input[5])):
+        if users is not None and len(users) == 1 and (len(node.input) < 6 or not node.input[5]):
             add = nodes[users[0]]
             if add.op_type == "Add" and add.domain in ("", "ai.onnx") and add.input[:].count(t) == 1:
                 other = add.input[1] if add.input[0] == t else add.input[0]
                 meta = const_meta(other) if other else None
-                if meta is not None and meta.dtype.kind == "f" and int(np.prod(meta.shape)) == n and (
+                n = next((a.i for a in node.attribute[:] if a.name == "N"), None)
+                if n is not None and meta is not None and meta.dtype.kind == "f" and math.prod(meta.shape) == n and (
                         len(meta.shape) == 1 or all(d == 1 for d in meta.shape[:-1])):
                     bias = other
                     absorbed.append(users[0])
