@@ -44,6 +44,7 @@ def freeze(array: np.ndarray) -> np.ndarray:
     return out
 
 
+@fast_init
 @dataclasses.dataclass(frozen=True)
 class PackSpec:
     """How a kernel would pack one input, known without packing.

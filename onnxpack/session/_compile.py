@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -84,6 +85,9 @@ def compile(model: Model, options: CompileOptions, sources: PackSources,  # noqa
     return _Compiler(model, options, sources, container, holder).compile()
 
 
+_NO_SUBGRAPHS: Mapping[str, Any] = types.MappingProxyType({})
+
+
 def _subgraph_key(scope: Scope) -> str:
     return scope.attr_name if scope.attr_index is None else f"{scope.attr_name}[{scope.attr_index}]"
 
@@ -122,6 +126,7 @@ class _Compiler:
         self._weights: dict[str, dict[str, WeightRef | None]] = {}  # by scope path, then name
         self._settled: set[str] = set()  # scope paths whose answers may be kept
         self._leaves: dict[str, dict[str, WeightRef | None]] = {}  # _leaf's answers, by owner path, then name
+        self._contexts: dict[str, KernelContext] = {}  # by domain, for nodes without graphs (_bind_now)
 
     def compile(self) -> Program:
         for scope in self.model.scopes():  # bottom-up: children before the node that owns them
@@ -387,11 +392,18 @@ class _Compiler:
     def _bind_now(self, scope: Scope, node: NodeProto, fusion: Fusion | None, child_scopes: list[Scope],
                   implicit: tuple[str, ...]) -> _Bound:
         domain = normalize_domain(node.domain)
-        ctx = KernelContext(
-            opset=self.opsets.get(domain, 1), opsets=self.opsets,
-            subgraphs={_subgraph_key(c): self.plans[c.path] for c in child_scopes}, functions=self.functions,
-            inline=self.model.inlined,
-        )
+        if child_scopes:
+            ctx = KernelContext(
+                opset=self.opsets.get(domain, 1), opsets=self.opsets,
+                subgraphs={_subgraph_key(c): self.plans[c.path] for c in child_scopes}, functions=self.functions,
+                inline=self.model.inlined,
+            )
+        else:  # one context per domain for the nodes without graphs (a frozen record: kernels share it)
+            ctx = self._contexts.get(domain)
+            if ctx is None:
+                ctx = self._contexts[domain] = KernelContext(
+                    opset=self.opsets.get(domain, 1), opsets=self.opsets, subgraphs=_NO_SUBGRAPHS,
+                    functions=self.functions, inline=self.model.inlined)
         resolved = resolve(node, ctx, local_functions=self.local_functions, fusion=fusion,
                            runnable=self.options.runnable,
                            holds_graphs=bool(child_scopes) if fusion is None else None)

@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from onnxpack._frozen import fast_init
 from onnxpack.graph._proto import NodeProto, get_attribute_value
 from onnxpack.session.kernels._act import Activation
 
@@ -53,6 +54,7 @@ __all__ = ["ConvFusion", "Fusion", "MatMulFusion", "apply_fusions", "bn_fold", "
            "find_relu_fusions", "fused_node", "inputs_index", "match_activation", "nodes_with_index", "plan_fusions"]
 
 
+@fast_init
 @dataclasses.dataclass(frozen=True)
 class Fusion:
     """A chain of nodes that runs as one kernel.
@@ -71,6 +73,7 @@ class Fusion:
     epilogue: tuple[Activation, ...] = ()
 
 
+@fast_init
 @dataclasses.dataclass(frozen=True)
 class ConvFusion:
     """One Conv with the chain after it folded in (indices into the nodes).
@@ -524,6 +527,7 @@ def match_activation(nodes, t, users_of, const_value, opset):
     return None
 
 
+@fast_init
 @dataclasses.dataclass(frozen=True)
 class MatMulFusion:
     """A MatMul by a constant 2-D weight with its bias Add, activations and residual folded in."""

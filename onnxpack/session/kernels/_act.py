@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from onnxpack._frozen import fast_init
 logger = logging.getLogger(__name__)
 
 __all__ = ["Activation", "apply", "jit", "parallel", "threads", "matmul", "set_owned_threads", "jit_possible"]
@@ -468,6 +469,7 @@ def tuner(key: Hashable) -> SplitTuner:
         return t
 
 
+@fast_init
 @dataclasses.dataclass(frozen=True)
 class Activation:
     """``kind`` with parameters: clip ``[a, b]``; hardswish/hardsigmoid ``a*x + b``; leakyrelu

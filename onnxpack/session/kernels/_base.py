@@ -191,7 +191,8 @@ class Kernel:
         if len(expected) != len(buffers):
             return f"expected {len(expected)} buffers, got {len(buffers)}"
         for k, ((dtype, shape), buf) in enumerate(zip(expected, buffers)):
-            if np.dtype(buf.dtype) != np.dtype(dtype) or tuple(buf.shape) != tuple(shape):
+            got = buf.dtype
+            if (got is not dtype and np.dtype(got) != np.dtype(dtype)) or tuple(buf.shape) != tuple(shape):
                 return (
                     f"buffer {k}: expected {np.dtype(dtype)}{list(shape)}, "
                     f"got {np.dtype(buf.dtype)}{list(buf.shape)}"

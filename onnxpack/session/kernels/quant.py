@@ -359,6 +359,7 @@ def _zero_points_dense(zp: np.ndarray | None, n: int, nb: int, bits: int) -> np.
 
 _SPECS: dict[tuple, PackSpec | None] = {}  # MatMulNBits.pack_spec's answers
 _NO_SPEC = object()
+_U8 = np.dtype(np.uint8)
 
 
 @register("MatMulNBits", domain="com.microsoft", since=1)
@@ -422,9 +423,9 @@ class MatMulNBits(Kernel):
             return None
         count = self.n * self.nblocks
         if input_index == 1:
-            return [(np.dtype(np.uint8), (count * self.blob,))]
-        if input_index == 3 and np.dtype(info.dtype) == np.uint8:
-            return [(np.dtype(np.uint8), (count,))]
+            return [(_U8, (count * self.blob,))]
+        if input_index == 3 and np.dtype(info.dtype) == _U8:
+            return [(_U8, (count,))]
         return [(_float_storage(info.dtype), (count,))]
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
