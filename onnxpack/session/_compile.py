@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import logging
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -215,20 +215,23 @@ class _Compiler:
         # Each node's inputs, read once (every phase below walks them: a protobuf field read
         # builds a container and its strings anew) and what it reads: plus its subgraphs' names.
         ins = [node.input[:] for node in nodes]
+        outs = [node.output[:] for node in nodes]
         reads = [[*ins[k], *implicit[k]] if k in implicit else ins[k] for k in range(len(nodes))] if implicit else ins
         if self.options.prepack:
-            self.derived[scope.path] = self._derivations(scope, nodes, reads, local, available, name)
+            self.derived[scope.path] = self._derivations(scope, nodes, reads, local, available, name, outs)
         self._settled.add(scope.path)  # its derived values are known: _weight's answers hold
         fusions: list[Fusion] = []
         if self.options.prepack and self.options.fuse:
             fusions = self._fusions(scope, nodes, ins, implicit)
         entries = apply_fusions(nodes, fusions)
         entry_reads = [reads[k] if f is None else [*node.input[:], *implicit.get(k, ())] for k, node, f in entries]
-        order = topological_order([node for _k, node, _f in entries], available, name, entry_reads, local)
+        entry_outs = [outs[k] if f is None else node.output[:] for k, node, f in entries]
+        order = topological_order([node for _k, node, _f in entries], available, name, entry_reads, local, entry_outs)
         bound = []
         for idx in order:
             k, node, fusion = entries[idx]
-            bound.append(self._bind(scope, node, fusion, children.get(k, []), implicit.get(k, ())))
+            bound.append(self._bind(scope, node, fusion, children.get(k, []), implicit.get(k, ()), entry_outs[idx],
+                                    ins[k] if fusion is None else node.input[:]))
         folded: dict[str, Callable[[], np.ndarray]] = {}
         if self.options.prepack and self.options.fuse and self.options.runnable:  # see _fold.py
             folded = fold_constants([b.step for b in bound], functools.partial(self._weight, scope))
@@ -375,22 +378,22 @@ class _Compiler:
 
     # -- one node ---------------------------------------------------------------------------------
     def _bind(self, scope: Scope, node: NodeProto, fusion: Fusion | None, child_scopes: list[Scope],
-              implicit: tuple[str, ...]) -> _Bound:
+              implicit: tuple[str, ...], outputs: list[str], inputs: list[str]) -> _Bound:
         # A node of a constant expression (_derive.py: its outputs are derived constants) is bound
         # only if dead-code elimination keeps it, i.e. if some reader takes its output unpacked
         # (see _live): most are dropped (every consumer packed the value), and binding them first
         # would build kernels and pack their inputs (warm: look the packs up and miss) for nothing.
         derived_here = self.derived.get(scope.path, {})
-        outputs = node.output[:]  # (a slice: iterating a protobuf container raises IndexError at its end)
         if (fusion is None and not child_scopes and outputs
                 and (outputs[0] in derived_here if len(outputs) == 1 and outputs[0] else all(o in derived_here for o in outputs if o))):
             # (No closure to bind it later: _live binds it from the placeholder, with no fusion and
             # no subgraphs, as here; a closure and its cells per node were garbage to collect.)
-            return _Bound(_Unbound(node, tuple(node.input[:]), tuple(outputs), implicit), (), (), None, True)  # type: ignore[arg-type]
-        return self._bind_now(scope, node, fusion, child_scopes, implicit)
+            return _Bound(_Unbound(node, tuple(inputs), tuple(outputs), implicit), (), (), None, True)  # type: ignore[arg-type]
+        return self._bind_now(scope, node, fusion, child_scopes, implicit, inputs, outputs)
 
     def _bind_now(self, scope: Scope, node: NodeProto, fusion: Fusion | None, child_scopes: list[Scope],
-                  implicit: tuple[str, ...]) -> _Bound:
+                  implicit: tuple[str, ...], inputs: Sequence[str], outputs: Sequence[str]) -> _Bound:
+        """``inputs``, ``outputs``: the node's names, as the caller read them from the proto."""
         domain = normalize_domain(node.domain)
         if child_scopes:
             ctx = KernelContext(
@@ -409,7 +412,7 @@ class _Compiler:
                            holds_graphs=bool(child_scopes) if fusion is None else None)
         kernel = resolved.kernel
         pack = self.options.prepack and kernel.call_mode == "plain"
-        packed, uses, events = self._pack_inputs(scope, node, kernel, pack)
+        packed, uses, events = self._pack_inputs(scope, node, kernel, pack, inputs)
         if kernel.call_mode == "context":
             # onnx.reference runs this node's graphs itself, reading enclosing values from the
             # frame: the originals they name must stay, whatever the compiled subgraphs packed.
@@ -417,18 +420,19 @@ class _Compiler:
                 w = self._weight(scope, name)
                 if w is not None and w.derived is None and not w.user:
                     uses.append((w.scope, name))
-        step = Step(node, kernel, tuple(node.input[:]), tuple(node.output[:]), frozenset(packed), (), implicit)
+        step = Step(node, kernel, tuple(inputs), tuple(outputs), frozenset(packed), (), implicit)
         label = f"{scope.path or 'main'}:{node.name or '#'}:{node.op_type}" if resolved.fallback else None
         return _Bound(step, tuple(uses), tuple(events), label)
 
-    def _pack_inputs(self, scope: Scope, node: NodeProto, kernel: Kernel,
-                     pack: bool) -> tuple[set[int], list[tuple[str, str]], list[PackEvent]]:
-        """Packs the node's constant inputs (``pack``); returns the packed input indices, the
-        constants read unpacked ((owner path, name)) and the pack events."""
+    def _pack_inputs(self, scope: Scope, node: NodeProto, kernel: Kernel, pack: bool,
+                     inputs: Sequence[str]) -> tuple[set[int], list[tuple[str, str]], list[PackEvent]]:
+        """Packs the node's constant inputs (``pack``; ``inputs``: the node's input names); returns
+        the packed input indices, the constants read unpacked ((owner path, name)) and the pack
+        events."""
         packed: set[int] = set()
         uses: list[tuple[str, str]] = []
         events: list[PackEvent] = []
-        for i, name in enumerate(node.input[:]):
+        for i, name in enumerate(inputs):
             if not name:
                 continue
             w = self._weight(scope, name)
@@ -454,7 +458,7 @@ class _Compiler:
             if not any(o in needed for o in step.outputs if o):
                 continue
             if b.later:  # a kept constant-expression node: bound (and packs) now, see _bind
-                b = self._bind_now(scope, step.node, None, [], step.implicit)
+                b = self._bind_now(scope, step.node, None, [], step.implicit, step.inputs, step.outputs)
                 step = b.step
             kept.append(b)
             needed.update(n for i, n in enumerate(step.inputs) if n and i not in step.packed)
@@ -468,13 +472,13 @@ class _Compiler:
         return [b.step for b in kept]
 
     def _derivations(self, scope: Scope, nodes: list[NodeProto], reads: list[list[str]], local: set[str],
-                     available: Callable[[str], bool], name: str) -> dict[str, WeightRef]:
+                     available: Callable[[str], bool], name: str, outs: list[list[str]]) -> dict[str, WeightRef]:
         """Constants computed from stored weights in this scope: ``Constant`` tensors and chains of
         cheap ops over them (see ``_derive.py``), in node order."""
         found: dict[str, WeightRef] = {}
         self.derived[scope.path] = found  # visible to _weight while the chain is followed
         weight_of = functools.partial(self._weight, scope)
-        for k in topological_order(nodes, available, name, reads, local):
+        for k in topological_order(nodes, available, name, reads, local, outs):
             node = nodes[k]
             if node.op_type == "Constant" and normalize_domain(node.domain) == "" and node.output and node.output[0]:
                 attr = next((a for a in node.attribute[:] if a.name == "value" and a.type == AttributeProto.TENSOR), None)

@@ -461,26 +461,28 @@ def prune(plan: Plan, outputs: Sequence[str]) -> Plan:
 
 
 def topological_order(nodes: Sequence[NodeProto], available: Callable[[str], bool], scope_name: str,
-                      reads: Sequence[Sequence[str]] | None = None, known: Container[str] = ()) -> list[int]:
+                      reads: Sequence[Sequence[str]] | None = None, known: Container[str] = (),
+                      outputs: Sequence[Sequence[str]] | None = None) -> list[int]:
     """Indices of ``nodes`` in an order where every input is produced before use.
 
     ``available(name)`` says whether a name is defined before any node runs (graph inputs,
     initializers, names visible from enclosing scopes); ``known`` holds names it would say yes
     to, tested first (a set look-up instead of a call per weight read); ``reads[i]`` is what node
-    ``i`` reads — its inputs plus the implicit inputs of its subgraphs (default: its inputs).  A
+    ``i`` reads — its inputs plus the implicit inputs of its subgraphs (default: its inputs);
+    ``outputs[i]`` its outputs, when the caller has them (default: read from the protos).  A
     name produced twice, a cycle, or an input nobody produces is InvalidGraph.  O(nodes + edges).
     """
     producers: dict[str, int] = {}
-    outputs = []
-    for i, node in enumerate(nodes):
-        outs = node.output[:]  # a slice: iterating the container ends in a formatted IndexError
-        outputs.append(outs)
+    if outputs is None:
+        # a slice: iterating the container ends in a formatted IndexError
+        outputs = [node.output[:] for node in nodes]
+    for i, outs in enumerate(outputs):
         for out in outs:
             if out:
                 if out in producers:
                     raise InvalidGraph(
                         f"graph {scope_name!r}: value {out!r} is produced by two nodes "
-                        f"({nodes[producers[out]].name!r} and {node.name!r})"
+                        f"({nodes[producers[out]].name!r} and {nodes[i].name!r})"
                     )
                 producers[out] = i
     if reads is None:
