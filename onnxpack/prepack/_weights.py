@@ -202,10 +202,24 @@ def _dtype_name(dtype: np.dtype | str) -> bytes:
     return name
 
 
+_SHAPE_TEXTS: dict[tuple, bytes] = {}
+
+
+def _shape_text(shape: Sequence[int]) -> bytes:
+    """``b"d0,d1,..."`` (each dim as an int), cached by shape (an LLM's layers repeat a few)."""
+    key = tuple(shape)
+    text = _SHAPE_TEXTS.get(key)
+    if text is None:
+        text = ",".join([str(int(d)) for d in key]).encode()
+        if len(_SHAPE_TEXTS) < 4096:
+            _SHAPE_TEXTS[key] = text
+    return text
+
+
 def make_key(spec: PackSpec, source_identity: bytes, dtype: np.dtype | str, shape: Sequence[int]) -> str:
     """Key of a pack; ``spec`` has ``family``, ``version`` and ``attrs`` (a kernel's PackSpec)."""
     # One buffer, one call: BLAKE2b of the parts joined is that of the parts streamed in turn.
-    data = b"%s|%s|%s|%s" % (source_identity, _dtype_name(dtype), ",".join(map(str, shape)).encode(), spec.attrs)
+    data = b"%s|%s|%s|%s" % (source_identity, _dtype_name(dtype), _shape_text(shape), spec.attrs)
     return f"{spec.family}/{spec.version}/{hashlib.blake2b(data, digest_size=KEY_DIGEST_SIZE).hexdigest()}"
 
 
