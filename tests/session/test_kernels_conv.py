@@ -224,6 +224,27 @@ def test_global_pools(shape, op, dtype):
     assert_close(run_native(node, [x], OPSET), [want], dtype)
 
 
+def test_global_average_pool_repeated_calls_reuse_nothing_but_the_ones_vector():
+    """One kernel called again and again (as in a model's runs): the repeat path (float32 NCHW,
+    contiguous, a spatial size seen before) gives numpy's mean within float32 rounding, for a new
+    spatial size, a non-contiguous input, NaN and inf, as the first call does."""
+    from onnxpack.session.kernels import KernelContext
+    from onnxpack.session.kernels.conv import GlobalAveragePool
+
+    kernel = GlobalAveragePool(make_node("GlobalAveragePool", ["x"], ["y"]), KernelContext(opset=OPSET, opsets={"": OPSET}))
+    rng = np.random.default_rng(10)
+    inputs = [rng.standard_normal(s).astype(np.float32) for s in ((1, 8, 7, 7), (1, 8, 7, 7), (2, 3, 4, 5), (1, 8, 7, 7))]
+    inputs.append(rng.standard_normal((1, 7, 7, 8)).astype(np.float32).transpose(0, 3, 1, 2))  # not contiguous
+    special = rng.standard_normal((1, 3, 7, 7)).astype(np.float32)
+    special[0, 1, 2, 3], special[0, 2, 0, 0] = np.nan, np.inf
+    inputs += [special, special]
+    for x in inputs:
+        (y,) = kernel.run(x)
+        want = x.astype(np.float64).mean(axis=(2, 3), keepdims=True)
+        assert y.shape == want.shape and y.dtype == np.float32
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "shape,ks,strides,dils,pads",
     [((3, 9), (3,), (1,), (1,), (1, 1)),  # Silero VAD's encoder convs
