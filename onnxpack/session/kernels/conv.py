@@ -1321,35 +1321,35 @@ class GlobalAveragePool(Kernel):
         super().__init__(node, ctx)
         self._ones: dict[int, np.ndarray] = {}  # spatial size -> the GEMV's ones vector, kept
 
+    def _mean_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The mean of each row of a float32 ``rows`` (R, hw): one GEMV with a ones vector.
+
+        numpy's mean over short rows costs ~80 ns per row (MobileNetV2's 1280 x 7x7: 100 us;
+        onnxruntime 10 us); the summation order differs from numpy's pairwise sum by float32
+        rounding only.  The vector is made once per spatial size: inside a model a fresh one cost
+        ~20 us of the call's ~75."""
+        hw = rows.shape[1]
+        ones = self._ones.get(hw)
+        if ones is None:
+            ones = np.ones(hw, np.float32)
+            ones.flags.writeable = False
+            if len(self._ones) < 8:
+                self._ones[hw] = ones
+        y = rows @ ones
+        y *= np.float32(1.0 / hw)
+        return y
+
     def run(self, x):
         shape = x.shape
-        if x.dtype == _F32 and len(shape) == 4 and x.flags.c_contiguous and shape[0] * shape[1] * shape[2] * shape[3] > 0:
+        if x.dtype == _F32 and len(shape) == 4 and x.flags.c_contiguous and x.size:
             # The common call (float32 NCHW, contiguous) without the general path's checks.
-            hw = shape[2] * shape[3]
-            ones = self._ones.get(hw)
-            if ones is not None:
-                y = x.reshape(-1, hw) @ ones
-                y *= np.float32(1.0 / hw)
-                return (y.reshape(shape[0], shape[1], 1, 1),)
-        axes = tuple(range(2, x.ndim))
+            return (self._mean_rows(x.reshape(-1, shape[2] * shape[3])).reshape(shape[0], shape[1], 1, 1),)
         xc = as_compute(x) if x.dtype != np.float64 else x
         hw = math.prod(x.shape[2:])
         if xc.dtype == np.float32 and x.ndim >= 3 and hw > 0 and x.shape[0] * x.shape[1] > 0:
-            # One GEMV with a ones vector: numpy's mean over short rows costs ~80 ns per row
-            # (MobileNetV2's 1280 x 7x7: 100 us; onnxruntime 10 us).  Summation order differs
-            # from numpy's pairwise sum by float32 rounding only.  The vector is made once per
-            # spatial size (inside a model a fresh one cost ~20 us of the call's ~75).
-            ones = self._ones.get(hw)
-            if ones is None:
-                ones = np.ones(hw, np.float32)
-                ones.flags.writeable = False
-                if len(self._ones) < 8:
-                    self._ones[hw] = ones
-            rows = np.ascontiguousarray(xc).reshape(-1, hw)
-            y = rows @ ones
-            y *= np.float32(1.0 / hw)
+            y = self._mean_rows(np.ascontiguousarray(xc).reshape(-1, hw))
             return (y.reshape(x.shape[:2] + (1,) * (x.ndim - 2)).astype(x.dtype, copy=False),)
-        return (xc.mean(axis=axes, keepdims=True).astype(x.dtype, copy=False),)
+        return (xc.mean(axis=tuple(range(2, x.ndim)), keepdims=True).astype(x.dtype, copy=False),)
 
 
 @register("GlobalMaxPool", since=1)
