@@ -413,6 +413,39 @@ def test_convs_with_few_outputs_match_onnxruntime(shape, tail, jit_mode):
     assert kinds == ({conv_mod._TINY} if jit_mode == "jit" else {conv_mod._GATHER}), kinds
 
 
+@pytest.mark.parametrize("shape", [(1, 258, 3), (2, 5, 1), (1, 3, 40)], ids=["stft", "batch-2", "long-rows"])
+def test_epilogue_without_channel_tables_keeps_the_bits(shape):
+    """bias_act without per-channel tables (its loop written out, see its docstring) gives the
+    bits of the general loop (forced here by a table that no code uses) and numpy's values:
+    bias, pre activations, residual, post activations; NaN and infinities pass through."""
+    jit = _act.jit()
+    if jit is None:
+        pytest.skip("numba not installed")
+    rng = _rng(3)
+    n, m, length = shape
+    y0 = rng.standard_normal(shape).astype(np.float32) * 4
+    y0.flat[::7] = np.nan
+    y0.flat[1::11] = np.inf
+    bias = rng.standard_normal(m).astype(np.float32)
+    res = rng.standard_normal(shape).astype(np.float32)
+    pre = _act.encode((_act.Activation("relu"), _act.Activation("affine", 0.5, 1.0)))
+    post = _act.encode((_act.Activation("clip", -1.0, 2.0),))
+    none = _act.encode(())
+    unused = np.zeros((1, m, 2), np.float32)  # no code 11 reads it
+    cases = {"all": (bias, pre, res, post), "bias-only": (bias, none, np.zeros((0, 0, 0), np.float32), none),
+             "nothing": (np.zeros(0, np.float32), none, np.zeros((0, 0, 0), np.float32), none)}
+    for label, (b, (codes, params), r, (pcodes, pparams)) in cases.items():
+        fast, general = y0.copy(), y0.copy()
+        jit.bias_act(fast, b, codes, params, r, pcodes, pparams, _act.NO_CHANNELS)
+        jit.bias_act(general, b, codes, params, r, pcodes, pparams, unused)
+        np.testing.assert_array_equal(fast, general, err_msg=label)
+        with np.errstate(invalid="ignore"):
+            want = y0.astype(np.float64) + (b.reshape(1, m, 1) if b.size else 0.0)
+            if label == "all":
+                want = np.clip(np.maximum(want, 0) * 0.5 + 1.0 + r, -1.0, 2.0)
+        np.testing.assert_allclose(fast, want, rtol=1e-6, atol=1e-6, err_msg=label)
+
+
 @pytest.mark.parametrize("residual", ["full", "broadcast"])
 def test_conv_with_few_outputs_fuses_bn_activation_and_residual(residual, jit_mode):
     """2 x 2 output positions of a 3x3 conv: BatchNormalization, Relu and a residual Add, the

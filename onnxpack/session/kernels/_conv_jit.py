@@ -1147,8 +1147,31 @@ def bias_act(y, bias, codes, params, res, post_codes, post_params, chan):
     ``y`` (N, M, L) float32; ``bias`` (M,) or empty (no bias); ``codes``/``params`` the
     activations before the residual, ``res`` like ``y`` or empty (no residual), ``post_*`` the
     activations after it; ``chan`` (K, M, 2) the per-channel steps' tables (code 11).
+
+    Without per-channel steps (the common case) the rows run :func:`_bias_act_row`'s arithmetic
+    written out here: numba compiles each row's view handed to that inlined helper with a
+    counted reference, ~60 ns a row whatever the row's length — measured 15-17 us of a 17 us call
+    on Silero VAD's 258 x 3 STFT output, 6 us with this loop.
     """
     n_, m_, l_ = y.shape
+    if chan.shape[0] == 0:
+        has_bias = bias.shape[0] > 0
+        has_res = res.shape[0] > 0
+        for nm in range(n_ * m_):
+            n = nm // m_
+            m = nm - n * m_
+            row = y[n, m]
+            if has_bias:
+                bv = bias[m]
+                for i in range(l_):
+                    row[i] += bv
+            _acts(row, codes, params)
+            if has_res:
+                rr = res[n, m]
+                for i in range(l_):
+                    row[i] += rr[i]
+                _acts(row, post_codes, post_params)
+        return
     for nm in range(n_ * m_):
         n = nm // m_
         m = nm - n * m_
