@@ -87,7 +87,7 @@ def test_squeeze(axes, opset):
         check(make_node("Squeeze", ["x"], ["y"], **attrs), [x], opset)
 
 
-@pytest.mark.parametrize("axes", [[0], [-1], [1, 3], [0, -1]], ids=str)
+@pytest.mark.parametrize("axes", [[0], [1], [2], [-1], [-2], [-3], [1, 3], [0, -1]], ids=str)
 @pytest.mark.parametrize("opset", [11, 13])
 def test_unsqueeze(axes, opset):
     x = x_((2, 3))
@@ -95,6 +95,16 @@ def test_unsqueeze(axes, opset):
         check(make_node("Unsqueeze", ["x", "a"], ["y"]), [x, i64(*axes)], opset)
     else:
         check(make_node("Unsqueeze", ["x"], ["y"], axes=axes), [x], opset)
+
+
+@pytest.mark.parametrize("axis", [3, -4, 7])
+def test_unsqueeze_axis_out_of_range_is_refused(axis):
+    from onnxpack.session.kernels.tensor import _unsqueeze
+
+    # one axis takes a fast path; out of [-rank-1, rank] it still gets numpy's error
+    with pytest.raises(np.exceptions.AxisError):
+        _unsqueeze(x_((2, 3)), [axis])
+    assert _unsqueeze(np.array(5.0, np.float32), [-1]).shape == (1,)
 
 
 @pytest.mark.parametrize("start,end", [(None, None), (1, None), (-2, None), (0, -1), (5, None), (-9, 2)], ids=str)

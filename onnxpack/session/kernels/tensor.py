@@ -126,7 +126,16 @@ def _squeeze(x: np.ndarray, axes: list[int] | None) -> np.ndarray:
 
 def _unsqueeze(x: np.ndarray, axes: list[int]) -> np.ndarray:
     """``np.expand_dims(x, axes)`` (negative axes count from the output's rank) as one reshape
-    when the axes are plain (~0.5 us instead of ~5 us)."""
+    when the axes are plain (~0.5 us instead of ~5 us).  One axis (nearly every Unsqueeze)
+    skips the general checks' sorting and sets: ~1 us instead of ~3.8 (Silero VAD runs eight
+    a step)."""
+    if len(axes) == 1 and x.__class__ is np.ndarray:
+        a = axes[0]
+        if a < 0:
+            a += x.ndim + 1
+        if 0 <= a <= x.ndim:
+            s = x.shape
+            return x.reshape(s[:a] + (1,) + s[a:])
     rank = x.ndim + len(axes)
     norm = sorted(a + rank if a < 0 else a for a in axes)
     if x.__class__ is not np.ndarray or len(set(norm)) != len(norm) or not all(0 <= a < rank for a in norm):
