@@ -16,7 +16,6 @@ and rounded once, the epilogue's HardSwish is ``x * clip(x/6 + 1/2, 0, 1)`` inst
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import onnxruntime as ort
@@ -970,57 +969,6 @@ def test_matmul_split_shapes(monkeypatch):
         for sa, sb in cases:
             a, b = rng.standard_normal(sa).astype(np.float32), rng.standard_normal(sb).astype(np.float32)
             np.testing.assert_allclose(_act.matmul(a, b), np.matmul(a, b), rtol=1e-5, atol=1e-5)
-
-
-def test_gemm_after_a_stall_runs_with_the_blas_on_one_thread(monkeypatch):
-    """OpenBLAS on two threads: a GEMM slower than the guard's threshold (here every call, by a
-    threshold of zero) turns the next ones, for the guard's span, into the BLAS at one thread
-    (split over onnxpack's threads when large); a shape's first call is no evidence; GEMMs that
-    OpenBLAS runs on one thread anyway are not watched.  Values as np.matmul's throughout."""
-    threadpoolctl = pytest.importorskip("threadpoolctl")
-    with threadpoolctl.threadpool_limits(2):
-        if _act.blas_threads() < 2 or _act.blas_limit() is None:
-            pytest.skip("the BLAS cannot run two threads here")
-        guard = _act.StallGuard(_act.GEMM_STALL_MACS_PER_S)
-        monkeypatch.setattr(guard, "STALL_SECONDS", -1.0)  # every timed call is a stall
-        monkeypatch.setattr(_act, "gemm_guard", guard)
-        seen = []
-        real = np.matmul
-        monkeypatch.setattr(_act.np, "matmul", lambda *a, **k: seen.append(_act.blas_threads()) or real(*a, **k))
-        rng = _rng(31)
-        small = rng.standard_normal((32, 32)).astype(np.float32)  # 32^3 < BLAS_THREADED_MACS
-        np.testing.assert_array_equal(_act.matmul(small, small), real(small, small))
-        assert guard.stalls == 0 and guard.seen == set()
-        for sa, sb in (((64, 256), (256, 64)), ((64, 256), (256, 1024)), ((16, 64, 32), (16, 32, 200))):
-            a, b = rng.standard_normal(sa).astype(np.float32), rng.standard_normal(sb).astype(np.float32)
-            want = real(a, b)
-            guard.until = 0.0
-            seen.clear()
-            np.testing.assert_array_equal(_act.matmul(a, b), want)  # first call of the shapes: not counted
-            assert guard.parallel_allowed(time.perf_counter()) and seen == [2]
-            np.testing.assert_array_equal(_act.matmul(a, b), want)  # counted: a stall
-            assert not guard.parallel_allowed(time.perf_counter())
-            seen.clear()
-            # blocks of another size sum in another order: float32 rounding of the output's scale
-            np.testing.assert_allclose(_act.matmul(a, b), want, rtol=1e-5, atol=1e-6 * float(np.abs(want).max()))
-            assert seen and set(seen) == {1}, seen  # the BLAS at one thread, as one call or blocks
-            assert _act.blas_threads() == 2  # and back after it
-        assert guard.stalls == 3
-
-
-def test_stall_guard_counts_every_call_past_its_keys(monkeypatch):
-    """A first call per key is no evidence only while the guard holds fewer than MAX_KEYS keys
-    (a model fed ever new shapes still gets its stalls noticed); the work rate is the guard's."""
-    g = _act.StallGuard(1e9)
-    monkeypatch.setattr(g, "MAX_KEYS", 2)
-    g.record(1.0, 0, 10.0, key="a")
-    g.record(1.0, 0, 10.0, key="b")
-    assert g.stalls == 0 and g.parallel_allowed(10.0)
-    g.record(1.0, 0, 10.0, key="c")  # the set is full: counted
-    assert g.stalls == 1 and not g.parallel_allowed(10.0)
-    quiet = _act.StallGuard(1e9)
-    quiet.record(g.STALL_SECONDS + 0.9, 1e9, 10.0)  # within 1e9 units at 1e9 a second
-    assert quiet.stalls == 0
 
 
 def test_geometry_cache_follows_the_input_shape(jit_mode):

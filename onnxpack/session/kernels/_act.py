@@ -275,91 +275,8 @@ def jit_possible() -> bool:
     return _jit_found[0]
 
 
-class StallGuard:
-    """One thread for a while after a parallel call stalled (the GEMVs of ``quant`` and the GEMMs
-    that OpenBLAS splits, :func:`matmul`: one guard each).
-
-    A parallel kernel that splits its work statically over a team ends on a barrier, so when
-    another process holds a core, every call waits for a descheduled thread: measured on this
-    shared 2-core machine while other processes kept it loaded, gate_up 896x4864 took 36 ms per
-    call on 2 threads vs 0.27 ms on one, and a whole Qwen2.5-0.5B decoding step took 1.4-1.9 s
-    (onnxruntime's 66-83 ms in the same minutes).  A call is a stall when it takes longer than
-    :data:`STALL_SECONDS` plus the time one thread needs for its work at ``rate`` (bytes a second
-    for a GEMV, :data:`SERIAL_BYTES_PER_S`; multiply-adds for a GEMM); after one, calls run on one
-    thread for a span, then the parallel kernel is tried again.  The span starts at
-    :data:`SERIAL_MIN_S` and doubles for each stall that follows the last span by less than
-    :data:`QUIET_S` (a machine that stays loaded), up to :data:`SERIAL_FOR_S`; a stall after a
-    quiet period starts again from the shortest.  Why not always the longest: one descheduling on
-    a shared host is common, and a second of serial GEMVs after each made a 40-token decode ~20 %
-    slower (Qwen2.5-0.5B, 30 vs 25 ms per token in runs with and without one stall).  On a quiet
-    machine no call stalls and nothing changes.  Races between threads only move ``until``:
-    harmless.
-
-    A first call of each ``key`` is no evidence (a GEMV kernel; a GEMM's shapes): it touches its
-    weight's pages and its scratch for the first time in the process, and counting it sent whole
-    decoding runs to one thread (measured, Qwen2.5-0.5B int4 after a 1,024-token prompt: 43-50 ms
-    per token instead of ~30).  Past :data:`MAX_KEYS` keys every call counts.
-    """
-
-    STALL_SECONDS = 0.002
-    SERIAL_BYTES_PER_S = 3e9  # well below one thread's ~10-14 GB/s: only stalls trip it
-    SERIAL_MIN_S = 0.05
-    SERIAL_FOR_S = 1.0
-    QUIET_S = 2.0
-    MAX_KEYS = 4096
-
-    def __init__(self, rate: float | None = None) -> None:
-        self.rate = self.SERIAL_BYTES_PER_S if rate is None else float(rate)
-        self.until = 0.0
-        self.span = 0.0
-        self.stalls = 0
-        self.seen: set = set()
-
-    def parallel_allowed(self, now: float) -> bool:
-        return now >= self.until
-
-    def record(self, seconds: float, work: float, now: float, key: Any = None) -> None:
-        if key is not None and key not in self.seen and len(self.seen) < self.MAX_KEYS:
-            self.seen.add(key)
-            return
-        if seconds > self.STALL_SECONDS + work / self.rate:
-            again = self.span > 0 and now - self.until < self.QUIET_S
-            self.span = min(self.SERIAL_FOR_S, 2 * self.span) if again else self.SERIAL_MIN_S
-            self.until = now + self.span
-            self.stalls += 1
-
-
-# GEMMs of at least BLAS_THREADED_MACS that OpenBLAS splits over its own threads, watched for stalls: a
-# call slower than this many multiply-adds a second (a fifth of one AVX2 thread's ~25 G) plus
-# StallGuard.STALL_SECONDS waited for a descheduled worker.  Measured, YOLOv8n at 320 x 320 on
-# this 2-core VM with a busy loop pinned to the second core: 92-261 ms a run on 2 BLAS threads
-# (its Winograd, pointwise and im2col GEMMs 2-3.5x slower each), 47 ms on one.
-GEMM_STALL_MACS_PER_S = 5e9
-gemm_guard = StallGuard(GEMM_STALL_MACS_PER_S)
-
-_blas_limit: list = []
-
-
-def blas_limit():
-    """``onnxpack.session._threads.blas_threads`` (a ref-counted, process-wide BLAS thread limit
-    that nests with the runner's ``intra_op_num_threads``), or ``None`` without threadpoolctl."""
-    if not _blas_limit:
-        try:
-            import threadpoolctl  # noqa: F401
-        except ImportError:
-            _blas_limit.append(None)
-        else:
-            from onnxpack.session._threads import blas_threads as limit
-
-            _blas_limit.append(limit)
-    return _blas_limit[0]
-
-
 # GEMMs below this many multiply-adds are never split (a thread hand-off costs ~10-20 us).
 _SPLIT_MACS = 1 << 21
-# OpenBLAS runs a GEMM of fewer multiply-adds on the calling thread alone (its
-# GEMM_MULTITHREAD_THRESHOLD 4 x 65536): no team to wait for, nothing for gemm_guard to watch.
-BLAS_THREADED_MACS = 1 << 18
 
 
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -371,35 +288,17 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     6 ms GEMM took 24 ms on 2 BLAS threads).  With the BLAS at one thread
     (``threadpoolctl.threadpool_limits(1)``) and ``ONNXPACK_NUM_THREADS=2``, each GEMM is cut into
     column (or batch) blocks taken from :func:`parallel`'s shared counter, and the caller computes
-    whatever blocks no other thread took: never slower than one thread.  With the BLAS on several
-    threads a large GEMM is OpenBLAS's own call, timed: after one stalls (:data:`gemm_guard`), the
-    GEMMs of the guard's span run as above, the BLAS at one thread while each runs.  Otherwise
-    this is ``np.matmul`` itself.
+    whatever blocks no other thread took: never slower than one thread.  Otherwise this is
+    ``np.matmul`` itself.
     """
     t = threads()
-    if t <= 1 or a.ndim not in (2, 3) or b.ndim not in (2, 3):
+    if t <= 1 or blas_threads() > 1 or a.ndim not in (2, 3) or b.ndim not in (2, 3):
         return np.matmul(a, b, out=out)
     m, k = a.shape[-2:]
     n = b.shape[-1]
     batch = max(a.shape[0] if a.ndim == 3 else 1, b.shape[0] if b.ndim == 3 else 1)
-    macs = batch * m * k * n
-    if macs < BLAS_THREADED_MACS or a.dtype != b.dtype or a.dtype.kind != "f":
+    if batch * m * k * n < _SPLIT_MACS or a.dtype != b.dtype or a.dtype.kind != "f":
         return np.matmul(a, b, out=out)
-    if blas_threads() > 1:
-        now = time.perf_counter()
-        limit = None if gemm_guard.parallel_allowed(now) else blas_limit()
-        if limit is None:
-            y = np.matmul(a, b, out=out)
-            end = time.perf_counter()
-            gemm_guard.record(end - now, macs, end, (a.shape, b.shape))
-            return y
-        with limit(1):
-            return np.matmul(a, b, out=out) if macs < _SPLIT_MACS else _split(a, b, out, batch, m, n, t)
-    return np.matmul(a, b, out=out) if macs < _SPLIT_MACS else _split(a, b, out, batch, m, n, t)
-
-
-def _split(a: np.ndarray, b: np.ndarray, out: np.ndarray | None, batch: int, m: int, n: int, t: int) -> np.ndarray:
-    """:func:`matmul`'s product cut into blocks over ``t`` of onnxpack's threads (the BLAS on one)."""
     if out is None:
         out = np.empty(((batch,) if (a.ndim == 3 or b.ndim == 3) else ()) + (m, n), dtype=np.result_type(a, b))
     if out.ndim == 3 and batch >= 2 * t:

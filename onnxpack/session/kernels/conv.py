@@ -797,7 +797,7 @@ class Conv(Kernel):
                 y = self._depthwise(xp, wm, plan.ks, plan.out_shape, plan.strides, plan.dils)
                 return self._epilogue(plan, y, bias, res, out_dtype)
             cols = im2col(xp, plan.ks, plan.out_shape, plan.strides, plan.dils, "cols").reshape(plan.cols_shape)
-        mm = np.matmul if plan.small else _act.matmul  # np.matmul where OpenBLAS stays on one thread
+        mm = np.matmul if plan.small else _act.matmul  # _act.matmul is np.matmul below _SPLIT_MACS
         if out is not None:
             mm(wm[0], cols[0, 0], out=out.reshape(plan.m, plan.length))
             y = out  # already (n, m, *out_shape): keep the object, run_into checks identity
@@ -960,8 +960,8 @@ class Conv(Kernel):
                 p.wk = p.wm.reshape(p.wk_shape)
             p.pre = pre
         else:
-            # _act.matmul is np.matmul for GEMMs that OpenBLAS runs on one thread: call that directly.
-            p.small = n * m * (cg * kprod) * length < _act.BLAS_THREADED_MACS
+            # _act.matmul is np.matmul for GEMMs below its split size: call that directly.
+            p.small = n * m * (cg * kprod) * length < _act._SPLIT_MACS
             p.pre = pre
         p.post = post
         p.channels = self._channels(cd)

@@ -177,8 +177,54 @@ def _drop_scratch() -> None:
     _panels.clear()
 
 
-# The parallel GEMVs' stall guard (a call's work: the packed bytes it reads; _act.matmul has its own).
-_StallGuard = _act.StallGuard
+class _StallGuard:
+    """Serial GEMVs for a while after a parallel one stalled.
+
+    The parallel GEMV splits its columns statically over an OpenMP team and ends on a barrier, so
+    when another process holds a core, every call waits for a descheduled thread: measured on
+    this shared 2-core machine while other processes kept it loaded, gate_up 896x4864 took 36 ms
+    per call on 2 threads vs 0.27 ms on one, and a whole Qwen2.5-0.5B decoding step took 1.4-1.9 s
+    (onnxruntime's 66-83 ms in the same minutes).  A call is a
+    stall when it takes longer than :data:`STALL_SECONDS` plus the time one thread needs at
+    :data:`SERIAL_BYTES_PER_S`; after one, GEMVs run on the calling thread for a span, then the
+    parallel kernel is tried again.  The span starts at :data:`SERIAL_MIN_S` and doubles for
+    each stall that follows the last span by less than :data:`QUIET_S` (a machine that stays
+    loaded), up to :data:`SERIAL_FOR_S`; a stall after a quiet period starts again from the
+    shortest.  Why not always the longest: one descheduling on a shared host is common, and a
+    second of serial GEMVs after each made a 40-token decode ~20 % slower (Qwen2.5-0.5B, 30 vs
+    25 ms per token in runs with and without one stall).  On a quiet machine no call stalls and
+    nothing changes.  Races between threads only move ``until``: harmless.
+
+    A kernel's first parallel call is no evidence (``key``: the kernel): it touches its weight's
+    pages and its scratch for the first time in the process, and counting it sent whole decoding
+    runs to one thread (measured, Qwen2.5-0.5B int4 after a 1,024-token prompt: 43-50 ms per
+    token instead of ~30).
+    """
+
+    STALL_SECONDS = 0.002
+    SERIAL_BYTES_PER_S = 3e9  # well below one thread's ~10-14 GB/s: only stalls trip it
+    SERIAL_MIN_S = 0.05
+    SERIAL_FOR_S = 1.0
+    QUIET_S = 2.0
+
+    def __init__(self) -> None:
+        self.until = 0.0
+        self.span = 0.0
+        self.stalls = 0
+        self.seen: set = set()
+
+    def parallel_allowed(self, now: float) -> bool:
+        return now >= self.until
+
+    def record(self, seconds: float, nbytes: int, now: float, key: Any = None) -> None:
+        if key is not None and key not in self.seen:
+            self.seen.add(key)
+            return
+        if seconds > self.STALL_SECONDS + nbytes / self.SERIAL_BYTES_PER_S:
+            again = self.span > 0 and now - self.until < self.QUIET_S
+            self.span = min(self.SERIAL_FOR_S, 2 * self.span) if again else self.SERIAL_MIN_S
+            self.until = now + self.span
+            self.stalls += 1
 
 
 _stall_guard = _StallGuard()
@@ -193,10 +239,23 @@ def _gemv_threads(jit, macs: int) -> int:
     return threads if threads == 1 or _stall_guard.parallel_allowed(time.perf_counter()) else 1
 
 
+_blas_control: Any = None
+
+
 def _blas_threads_control():
     """``onnxpack.session._threads.blas_threads`` (a ref-counted BLAS thread limit that nests with
     the runner's ``intra_op_num_threads``), or ``None`` without threadpoolctl."""
-    return _act.blas_limit()
+    global _blas_control
+    if _blas_control is None:
+        try:
+            import threadpoolctl  # noqa: F401
+        except ImportError:
+            _blas_control = False
+        else:
+            from onnxpack.session._threads import blas_threads
+
+            _blas_control = blas_threads
+    return _blas_control or None
 
 
 def _scratch(count: int) -> np.ndarray:
