@@ -259,6 +259,18 @@ def _acts(row, codes, params):
         _act_row(row, codes[j], params[j, 0], params[j, 1], params[j, 2])
 
 
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def acts_plane(row, codes, params):
+    """:func:`_acts` compiled once, as a function of its own, for the kernels that activate a
+    whole output plane at a time (depthwise and small direct convolutions).
+
+    Why not inlined: each inlined copy of :func:`_act_row` (a dozen vectorized loops, exp and
+    erf among them) costs ~5-8 s of LLVM time in every kernel that holds one, on a machine's
+    first run of a convolution (numba's cache serves later processes); a call per plane costs
+    tens of nanoseconds against the plane's microseconds."""
+    _acts(row, codes, params)
+
+
 @njit(error_model="numpy")
 def _channel_affine(row, a, b):
     """``row * a + b`` without ``contract``: a product, then a sum (two roundings), the bits of
@@ -417,7 +429,7 @@ def depthwise2d(x, w, bias, y, sh, sw, dh, dw, ph, pw, codes, params, nc0, nc1):
         wc = w[c].reshape(-1)
         bc = bias[c]
         _taps(acc, xp, starts, wc, bc, length)
-        _acts(acc, codes, params)  # the extra columns are activated too, and dropped
+        acts_plane(acc, codes, params)  # the extra columns are activated too, and dropped
         _store_plane(yf, nc * ohw, acc, oh_, ow_, wq)
 
 
@@ -461,7 +473,7 @@ def depthwise3_same(x, w, bias, y, codes, params, nc0, nc1):
             dst[i] = src[i]
         out = yf[nc * hw:(nc + 1) * hw]
         _dw_plane3(out, s, w[nc % c_], bias[nc % c_], ok, w_, hw)
-        _acts(out, codes, params)
+        acts_plane(out, codes, params)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
@@ -492,7 +504,7 @@ def depthwise5_same(x, w, bias, y, codes, params, nc0, nc1):
             dst[i] = src[i]
         out = yf[nc * hw:(nc + 1) * hw]
         _dw_plane5(out, s, w[nc % c_], bias[nc % c_], ok, w_, hw)
-        _acts(out, codes, params)
+        acts_plane(out, codes, params)
 
 
 @njit(inline="always", fastmath=_FM, error_model="numpy")
@@ -672,7 +684,7 @@ def depthwise3_s2(x, w, bias, y, codes, params, nc0, nc1):
         _split_phases(xf, nc * hw, h_, w_, s, psz, ow_)
         out = yf[nc * ohw:(nc + 1) * ohw]
         _s2_taps3(out, s, psz, ow_, w[nc % c_], bias[nc % c_], okl, True)
-        _acts(out, codes, params)
+        acts_plane(out, codes, params)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
@@ -752,7 +764,7 @@ def depthwise5_s2(x, w, bias, y, codes, params, nc0, nc1):
             v = v + g2
             v = v + g3
             out[i] = v + (g4 if okr[i] != _F0 else _F0)
-        _acts(out, codes, params)
+        acts_plane(out, codes, params)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
@@ -787,7 +799,7 @@ def conv3_s2_small(x, w, bias, y, codes, params, nc0, nc1):
         wm = w[m]
         for ci in range(c_):
             _s2_taps3(out, s[ci * 4 * psz:(ci + 1) * 4 * psz], psz, ow_, wm[ci], bias[m], okl, ci == 0)
-        _acts(out, codes, params)
+        acts_plane(out, codes, params)
 
 
 @njit(inline="always", fastmath=_FM, error_model="numpy")
@@ -843,7 +855,7 @@ def conv2d_small(x, w, bias, y, sh, sw, dh, dw, ph, pw, codes, params, nc0, nc1)
                 _scatter(xf, (n * c_ + ci) * hw, h_, w_, xp[ci * psize:(ci + 1) * psize], sh, sw, ph, pw, hq, wq)
             cur = n
         _taps(acc, xp, starts, wf[m], bias[m], length)
-        _acts(acc, codes, params)
+        acts_plane(acc, codes, params)
         _store_plane(yf, nm * ohw, acc, oh_, ow_, wq)
 
 
@@ -1096,7 +1108,7 @@ def conv_shift(x, w, y, taps, c, plane, wp, wo, rows, bias, codes, params, res, 
                 for r in range(r1 - r0):
                     for q in range(wo):
                         row[r * wo + q] = bbuf[src + r * wp + q]
-            _bias_act_row(row, img, co, r0 * wo, bias, codes, params, res, post_codes, post_params, chan)
+            bias_act_row(row, img, co, r0 * wo, bias, codes, params, res, post_codes, post_params, chan)
 
 
 @njit(cache=True, fastmath=_FM_SUM, nogil=True, error_model="numpy")
@@ -1151,7 +1163,10 @@ def bias_act(y, bias, codes, params, res, post_codes, post_params, chan):
     Without per-channel steps (the common case) the rows run :func:`_bias_act_row`'s arithmetic
     written out here: numba compiles each row's view handed to that inlined helper with a
     counted reference, ~60 ns a row whatever the row's length — measured 15-17 us of a 17 us call
-    on Silero VAD's 258 x 3 STFT output, 6 us with this loop.
+    on Silero VAD's 258 x 3 STFT output, 6 us with this loop (two copies of the activation code,
+    one per list: one copy shared by both lists through a loop over them, as
+    :func:`_bias_act_row` has, ran 1.5-2x slower on those rows).  With them, each row calls :func:`bias_act_row` (compiled once, shared with
+    :func:`conv_shift`).
     """
     n_, m_, l_ = y.shape
     if chan.shape[0] == 0:
@@ -1175,7 +1190,7 @@ def bias_act(y, bias, codes, params, res, post_codes, post_params, chan):
     for nm in range(n_ * m_):
         n = nm // m_
         m = nm - n * m_
-        _bias_act_row(y[n, m], n, m, 0, bias, codes, params, res, post_codes, post_params, chan)
+        bias_act_row(y[n, m], n, m, 0, bias, codes, params, res, post_codes, post_params, chan)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
@@ -1212,12 +1227,23 @@ def _bias_act_row(row, n, m, at, bias, codes, params, res, post_codes, post_para
         bv = bias[m]
         for i in range(l_):
             row[i] += bv
-    _acts_ch(row, codes, params, chan, m)
-    if res.shape[0] > 0:
-        rr = res[n, m]
-        for i in range(l_):
-            row[i] += rr[at + i]
-        _acts_ch(row, post_codes, post_params, chan, m)
+    # One inlined copy of the activation code for both lists (a loop over them): each copy of
+    # _act_row (a dozen vectorized loops, exp and erf among them) costs ~5-8 s of LLVM time on a
+    # machine's first run of a convolution.
+    for phase in range(2 if res.shape[0] > 0 else 1):
+        if phase == 1:
+            rr = res[n, m]
+            for i in range(l_):
+                row[i] += rr[at + i]
+        _acts_ch(row, codes if phase == 0 else post_codes, params if phase == 0 else post_params, chan, m)
+
+
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def bias_act_row(row, n, m, at, bias, codes, params, res, post_codes, post_params, chan):
+    """:func:`_bias_act_row` compiled once, as a function of its own, for the epilogues of
+    :func:`conv_shift`'s bands and of :func:`bias_act` with per-channel steps: see
+    :func:`acts_plane`."""
+    _bias_act_row(row, n, m, at, bias, codes, params, res, post_codes, post_params, chan)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
@@ -1234,12 +1260,12 @@ def rows_act(y, bias, codes, params, res, post_codes, post_params, r0, r1):
         if has_bias:
             for i in range(n):
                 row[i] += bias[i]
-        _acts(row, codes, params)
-        if has_res:
-            rr = res[r]
-            for i in range(n):
-                row[i] += rr[i]
-            _acts(row, post_codes, post_params)
+        for phase in range(2 if has_res else 1):  # one copy of the activation code (see _bias_act_row)
+            if phase == 1:
+                rr = res[r]
+                for i in range(n):
+                    row[i] += rr[i]
+            _acts(row, codes if phase == 0 else post_codes, params if phase == 0 else post_params)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
@@ -1336,15 +1362,11 @@ def wino_output(mx, y, bias, codes, params, th, tw, p0, p1):
                 row0[2 * j + 1] = s0[1, j] - s0[2, j] - s0[3, j] + bv
                 row1[2 * j] = s1[0, j] + s1[1, j] + s1[2, j] + bv
                 row1[2 * j + 1] = s1[1, j] - s1[2, j] - s1[3, j] + bv
-            r = 2 * i
-            out = y[n, m, r]
-            for q in range(ow_):
-                out[q] = row0[q]
-            _acts(out, codes, params)
-            if r + 1 < oh_:
-                out = y[n, m, r + 1]
+            for r in range(2 * i, min(2 * i + 2, oh_)):  # one copy of the activation code
+                out = y[n, m, r]
+                src = row0 if r == 2 * i else row1
                 for q in range(ow_):
-                    out[q] = row1[q]
+                    out[q] = src[q]
                 _acts(out, codes, params)
 
 
