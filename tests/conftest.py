@@ -15,6 +15,9 @@
   folder of its own and exits.  The fixture copies the result in when a test first asks for it —
   the same moment as building it there, so which tests see native kernels does not change; the
   suite meanwhile runs on the other core.  ``test_native.py`` checks that this build happened.
+* numba's own cache is filled ahead of the tests by ``jit_primer.py``, a background process
+  started with the session (on a fresh clone the kernels' compiles were half the suite's time);
+  ``ONNXPACK_TEST_PRIMER=0`` turns it off.  It changes no test's outcome, only the duration.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ sys.path.insert(0, TESTS_DIR)
 os.environ["ONNXPACK_NATIVE_BUILD"] = "0"
 CODE_CACHE = os.environ["ONNXPACK_CODE_CACHE"] = tempfile.mkdtemp(prefix="onnxpack-code-cache-")
 _NATIVE_BUILD: dict = {}  # "proc": the background build, "folder": where it writes, "log": its output
+_PRIMER: dict = {}  # "proc": jit_primer.py's process, "log": its output
 
 
 def load_sample_models() -> ModuleType:
@@ -84,10 +88,24 @@ print("numba")
 """
 
 
+def _start_primer() -> None:
+    """Starts ``jit_primer.py`` (see the module docstring) with the suite's environment."""
+    if os.environ.get("ONNXPACK_TEST_PRIMER", "1") == "0" or importlib.util.find_spec("numba") is None:
+        return
+    log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed at the session's end
+    _PRIMER.update(log=log, proc=subprocess.Popen(
+        [sys.executable, os.path.join(TESTS_DIR, "jit_primer.py")], cwd=ROOT, stdin=subprocess.DEVNULL,
+        stdout=log, stderr=subprocess.STDOUT, text=True))
+
+
 def pytest_sessionstart(session) -> None:
     """Starts the native code cache's build the way a user's first process does (see the module
-    docstring): a child process that uses numba starts the detached, low-priority build and exits."""
-    if not _native_buildable() or os.environ.get("PYTEST_XDIST_WORKER"):
+    docstring): a child process that uses numba starts the detached, low-priority build and exits;
+    and the primer of numba's cache."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    _start_primer()
+    if not _native_buildable():
         return
     folder = tempfile.mkdtemp(prefix="onnxpack-code-cache-build-")
     log = open(os.path.join(folder, "first-process.log"), "w+")  # noqa: SIM115 - closed at the session's end
@@ -111,6 +129,12 @@ def _builder_pid(folder: str) -> int | None:
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
+    primer = _PRIMER.get("proc")
+    if primer is not None:
+        if primer.poll() is None:
+            primer.kill()
+        primer.wait()
+        _PRIMER["log"].close()
     proc = _NATIVE_BUILD.get("proc")
     if proc is not None and proc.poll() is None:
         proc.kill()

@@ -1,0 +1,40 @@
+"""``jit_primer.py``'s list of specializations names kernels that exist, with as many arguments
+as they take (a stale list only slows a fresh clone's suite; this says when to regenerate it)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import jit_primer
+
+pytest.importorskip("numba")
+
+
+def _rows():
+    with open(jit_primer.SIGNATURES) as f:
+        return [line.rstrip("\n").split(" ", 2) for line in f if line.strip() and not line.startswith("#")]
+
+
+def test_every_listed_specialization_names_a_kernel_with_its_arity():
+    import importlib
+
+    from numba.core.dispatcher import Dispatcher
+
+    rows = _rows()
+    assert rows
+    for module, function, text in rows:
+        dispatcher = getattr(importlib.import_module(f"{jit_primer.PACKAGE}.{module}"), function, None)
+        assert isinstance(dispatcher, Dispatcher), (module, function)
+        sig = jit_primer.parse_signature(text)
+        assert len(sig) == len(inspect.signature(dispatcher.py_func).parameters), (module, function, text)
+
+
+def test_signatures_round_trip_through_numbas_printed_form():
+    from numba.core import types
+
+    sig = (types.Array(types.float32, 2, "C", readonly=True), types.int64, types.IntegerLiteral(0), types.boolean,
+           types.Array(types.uint8, 1, "C"))
+    assert jit_primer.parse_signature(str(sig)) == sig
+    assert jit_primer.parse_signature("(int64, float64)") == (types.int64, types.float64)
