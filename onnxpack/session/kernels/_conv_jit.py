@@ -1190,7 +1190,8 @@ def bias_act(y, bias, codes, params, res, post_codes, post_params, chan):
     for nm in range(n_ * m_):
         n = nm // m_
         m = nm - n * m_
-        bias_act_row(y[n, m], n, m, 0, bias, codes, params, res, post_codes, post_params, chan)
+        # (np.int64(0), not 0: a literal 0 would make numba compile bias_act_row a second time)
+        bias_act_row(y[n, m], n, m, np.int64(0), bias, codes, params, res, post_codes, post_params, chan)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
