@@ -12,7 +12,8 @@ entry to a temp name and renames it, so two processes compiling one kernel leave
 
 ``jit_signatures.txt`` lists ``<kernel module> <function> <numba signature>``, one per line, in
 the order a cold run of the suite compiled them.  After changing a JIT kernel's arguments,
-regenerate it: run the suite once on a fresh clone, then, in that clone,
+regenerate it: run the suite once on a fresh clone with ``ONNXPACK_TEST_PRIMER=0`` (with the
+primer on, the cache would hold whatever the old list made it compile), then, in that clone,
 ``python tests/jit_primer.py --record``.  A stale line costs only its own compile or a logged
 miss.
 
