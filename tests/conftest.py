@@ -90,8 +90,9 @@ print("numba")
 
 def _start_primer() -> None:
     """Starts ``jit_primer.py`` (see the module docstring) with the suite's environment."""
-    if os.environ.get("ONNXPACK_TEST_PRIMER", "1") == "0" or importlib.util.find_spec("numba") is None:
-        return
+    if (os.environ.get("ONNXPACK_TEST_PRIMER", "1") == "0" or os.environ.get("ONNXPACK_DISABLE_JIT") == "1"
+            or importlib.util.find_spec("numba") is None):
+        return  # (off, or no kernel of the run would use numba's cache)
     log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed at the session's end
     _PRIMER.update(log=log, proc=subprocess.Popen(
         [sys.executable, os.path.join(TESTS_DIR, "jit_primer.py")], cwd=ROOT, stdin=subprocess.DEVNULL,
