@@ -74,12 +74,17 @@ def record(pycache: str = os.path.join(KERNELS, "__pycache__"), out: str = SIGNA
     return 0
 
 
+def read_signatures(path: str = SIGNATURES) -> list[list[str]]:
+    """``[module, function, signature text]`` for each line of ``path``."""
+    with open(path) as f:
+        return [line.rstrip("\n").split(" ", 2) for line in f if line.strip() and not line.startswith("#")]
+
+
 def prime(path: str = SIGNATURES) -> int:
     """Compiles (or loads from numba's cache) every specialization listed in ``path``."""
     t0 = time.monotonic()
     done = missed = 0
-    with open(path) as f:
-        lines = [line.split(" ", 2) for line in f if line.strip() and not line.startswith("#")]
+    lines = read_signatures(path)
     # The int4 kernels last: the session's native code cache build (conftest), started beside this
     # process, compiles their helpers in its first minute, and the suite needs them late.
     lines.sort(key=lambda row: row[0] == "_nbits_jit")
@@ -87,7 +92,7 @@ def prime(path: str = SIGNATURES) -> int:
         try:
             t = time.monotonic()
             dispatcher = getattr(importlib.import_module(f"{PACKAGE}.{module}"), function)
-            dispatcher.compile(parse_signature(text.strip()))
+            dispatcher.compile(parse_signature(text))
             done += 1
             print(f"{time.monotonic() - t:6.1f} s  {module}.{function}", flush=True)
         except Exception:  # noqa: BLE001 - a miss only means the suite compiles that kernel itself

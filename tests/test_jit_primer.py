@@ -12,17 +12,12 @@ import jit_primer
 pytest.importorskip("numba")
 
 
-def _rows():
-    with open(jit_primer.SIGNATURES) as f:
-        return [line.rstrip("\n").split(" ", 2) for line in f if line.strip() and not line.startswith("#")]
-
-
 def test_every_listed_specialization_names_a_kernel_with_its_arity():
     import importlib
 
     from numba.core.dispatcher import Dispatcher
 
-    rows = _rows()
+    rows = jit_primer.read_signatures()
     assert rows
     for module, function, text in rows:
         dispatcher = getattr(importlib.import_module(f"{jit_primer.PACKAGE}.{module}"), function, None)
@@ -61,7 +56,7 @@ def test_record_lists_numbas_cache_in_the_order_it_was_written(tmp_path, monkeyp
     probe.twice(1.5)
     out = tmp_path / "sigs.txt"
     assert jit_primer.record(str(tmp_path / "__pycache__"), str(out)) == 0
-    rows = [line.split(" ", 2) for line in out.read_text().splitlines()]
+    rows = jit_primer.read_signatures(str(out))
     assert [r[:2] for r in rows] == [["primer_probe", "twice"]] * 2
     assert [jit_primer.parse_signature(r[2]) for r in rows] == [(types.int64,), (types.float64,)]
     assert not os.path.exists(str(out) + ".tmp")

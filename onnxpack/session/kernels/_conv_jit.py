@@ -1165,8 +1165,8 @@ def bias_act(y, bias, codes, params, res, post_codes, post_params, chan):
     counted reference, ~60 ns a row whatever the row's length — measured 15-17 us of a 17 us call
     on Silero VAD's 258 x 3 STFT output, 6 us with this loop (two copies of the activation code,
     one per list: one copy shared by both lists through a loop over them, as
-    :func:`_bias_act_row` has, ran 1.5-2x slower on those rows).  With them, each row calls :func:`bias_act_row` (compiled once, shared with
-    :func:`conv_shift`).
+    :func:`_bias_act_row` has, ran 1.5-2x slower on those rows).  With them, each row calls
+    :func:`bias_act_row` (compiled once, shared with :func:`conv_shift`).
     """
     n_, m_, l_ = y.shape
     if chan.shape[0] == 0:
