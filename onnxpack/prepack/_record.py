@@ -73,6 +73,20 @@ class _SavedWeight:
     packs: list[tuple[str, tuple[np.ndarray, ...]]]
 
 
+def _apart_from(buffers: tuple[np.ndarray, ...], source: bytes | memoryview | np.ndarray) -> tuple[np.ndarray, ...]:
+    """``buffers`` with a copy of any that lies in ``source``'s memory.
+
+    Why: a kernel's prepack may hand back a view of the weight when the packed layout happens to
+    be the stored one (MatMulNBits' scales with one block per column, N a multiple of the tile),
+    and the saver writes a buffer that is a view of its weight at the weight's own offset.  Only
+    a pack whose spec says ``identity`` may point there (the loader refuses any other blob that
+    overlaps a weight): such a pack would be rejected, with a warning, at every warm load."""
+    src = source if isinstance(source, np.ndarray) else np.frombuffer(source, np.uint8)
+    if not src.size or not any(b.size and np.may_share_memory(b, src) for b in buffers):
+        return buffers
+    return tuple(np.array(b) if b.size and np.may_share_memory(b, src) else b for b in buffers)
+
+
 class SaveRecord:
     """Save mode: collects packs per (scope path, weight name); implements ``SaveExtras``."""
 
@@ -98,7 +112,7 @@ class SaveRecord:
             # so it must stay a view of this weight (not of an equal one packed first).
             buffers = packed.buffers
         else:
-            buffers = self._by_key.setdefault(key, packed.buffers)
+            buffers = self._by_key.setdefault(key, _apart_from(packed.buffers, source))
         if all(k != key for k, _ in entry.packs):
             entry.packs.append((key, buffers))
         return key

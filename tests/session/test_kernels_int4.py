@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import onnx
@@ -40,6 +41,7 @@ import onnxpack
 from onnxpack import InferenceSession, PrepackedWeightsContainer, SessionOptions
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import KernelContext, TensorInfo, lookup
+from onnxpack.session import optimize
 from onnxpack.session.kernels import quant
 from onnxpack.session.kernels.quant import TILE, dequantize_nbits, to_tiles, unpack_nbits
 
@@ -695,6 +697,33 @@ def test_saved_packed_buffers_come_back_identical(tmp_path, path):
                 np.testing.assert_array_equal(wb, cb)
         np.testing.assert_array_equal(warm.run(None, {"ids": ids})[0], cold_out[0])
 
+
+
+@pytest.mark.parametrize("k, n", [(32, 256), (20, 384)])
+def test_one_block_per_column_warm_starts_without_repacking(tmp_path, k, n, path):
+    """K <= block_size and N a multiple of the tile: each column has one block, so the tiled
+    scales (and float zero points) are their stored bytes and prepack returns a view of them.  Saved as such, the blob
+    would sit at the weight's offset under a spec that is not an identity pack: every warm load
+    would reject it with a warning and pack again (found with onnxruntime's MatMulNBitsQuantizer,
+    block_size 128, on a 128-wide model).  The saver writes such a buffer apart."""
+    bs = 32
+    vals = nbits_values(k, n, bs, 4, zp="float", seed=21)
+    node = nbits_node(k, n, bs, 4, vals)
+    a = np.random.default_rng(22).standard_normal((2, k)).astype(np.float32)
+    model = single_node_model(node, a, vals)
+    src, out = tmp_path / "m.onnx", tmp_path / "m.opt.onnx"
+    onnxpack.save_model(model, str(src), min_size=0)
+    optimize(str(src), str(out))
+    (want,) = ort_run(model, {"a": a})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a rejected blob is a PrepackWarning
+        with InferenceSession(str(out)) as warm:
+            stats = warm.get_prepack_stats()
+            (got,) = warm.run(None, {"a": a})
+    assert stats["weights_packed"] == 0 and stats["blobs_rejected"] == 0 and stats["blobs_from_model"] == 3, stats
+    assert_vs_oracle(got, want)
+    sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(sess.run(None, {"a": a})[0], want, rtol=0, atol=0)
 
 # -- GatherBlockQuantized vs onnxruntime ------------------------------------------------------------
 
