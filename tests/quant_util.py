@@ -234,6 +234,10 @@ def assert_qdq_model_close(model: onnx.ModelProto | str, feeds: dict[str, np.nda
        magnitude (rtol 1e-4, atol 1e-4 of the tensor's largest value: a K-term sum in another
        order) and every output within one step.  A wrong kernel anywhere fails here.
 
+    onnxruntime runs :func:`ort_exact`'s model throughout: a QDQ model that onnxruntime's own
+    optimizer turned into QLinearConv / QLinearMatMul has the uint8-by-int8 GEMMs whose AVX2
+    kernels saturate 16-bit pair sums.
+
     ``model``: the model or its path; ``want``: onnxruntime's outputs when the caller has them;
     ``segments=None``: part 2 only when some value is more than one step apart.
     """
@@ -242,7 +246,7 @@ def assert_qdq_model_close(model: onnx.ModelProto | str, feeds: dict[str, np.nda
     so.log_severity_level = 3
     if want is None:
         source = model if isinstance(model, str) else model.SerializeToString()
-        want = ort.InferenceSession(source, so, providers=["CPUExecutionProvider"]).run(None, feeds)
+        want = ort.InferenceSession(ort_exact(source), so, providers=["CPUExecutionProvider"]).run(None, feeds)
 
     def close(g, w, step, what: str, fraction: float) -> None:
         g, w = np.asarray(g), np.asarray(w)
@@ -268,12 +272,13 @@ def assert_qdq_model_close(model: onnx.ModelProto | str, feeds: dict[str, np.nda
     exposed = onnx.ModelProto.FromString(model.SerializeToString())
     names = {o.name for o in exposed.graph.output}
     exposed.graph.output.extend(onnx.ValueInfoProto(name=q) for q in quantized if q not in names)
-    ort_all = ort.InferenceSession(exposed.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    ort_all = ort.InferenceSession(ort_exact(exposed.SerializeToString()), so, providers=["CPUExecutionProvider"])
     by_name = dict(zip([o.name for o in exposed.graph.output], ort_all.run(None, feeds)))
     cut = _cut_at_quantize(model, {q: by_name[q] for q in quantized})
     cut_feeds = {**feeds, **{q: by_name[q] for q in quantized}}
     out_names = [o.name for o in cut.graph.output]
-    theirs = ort.InferenceSession(cut.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, cut_feeds)
+    theirs = ort.InferenceSession(ort_exact(cut.SerializeToString()), so,
+                                  providers=["CPUExecutionProvider"]).run(None, cut_feeds)
     opts = onnxpack.SessionOptions()
     for key, value in (options or {}).items():
         opts.add_session_config_entry(key, value)

@@ -4,12 +4,12 @@ onnxruntime's pre-packed and symmetric-int8 kernels run too).
 Output codes are compared in quantization steps.  Exact (0 steps) where onnxruntime's x86
 arithmetic is plain float32 and ours is the same: QLinearConv, QLinearMatMul, QGemm (exact
 integer accumulation, float32 requantization), QLinearMul, QLinearGlobalAveragePool,
-QLinearConcat, QLinearWhere, QLinearLeakyRelu.  Within one step where onnxruntime approximates
-or sums in another order: QLinearAdd (22-bit fixed-point multipliers in its AVX2 kernel),
-QLinearSigmoid (MLAS' logistic approximation), QLinearSoftmax (table of exponentials,
-``floor(1 / y_scale)``), QLinearAveragePool (it sums dequantized floats window by window, we
-sum separably; a rounding tie can go either way); the fraction of codes that differ is bounded
-too.  QLinearReduceMean has
+QLinearConcat, QLinearWhere, QLinearLeakyRelu, QLinearSoftmax (its table of exponentials, in-order
+sums and ``floor(1 / y_scale)``).  Within one step where onnxruntime approximates or sums in
+another order: QLinearAdd (22-bit fixed-point multipliers in its AVX2 kernel), QLinearSigmoid
+(MLAS' logistic approximation), QLinearAveragePool (it sums dequantized floats window by window,
+we sum separably; a rounding tie can go either way); the fraction of codes that differ is
+bounded too.  QLinearReduceMean has
 no onnxruntime CPU kernel: it is compared with onnx.reference's DequantizeLinear -> ReduceMean ->
 QuantizeLinear (float64 mean there, float32 here: within one step).
 
@@ -397,22 +397,31 @@ SOFTMAX_CASES = [
     ("op13-last", (3, 4, 20), 13, -1),
     ("op13-mid", (3, 7, 5), 13, 1),
     ("op12-flatten", (2, 3, 8), 12, 1),
+    ("op13-long-rows", (2, 700), 13, -1),
+    ("op13-one-code", (4, 1), 13, -1),  # probability 1 everywhere: the largest code
 ]
+# (x_scale, y_scale): the quantizer's 1/256; 1/255 and 0.003, where floor(1 / y_scale) is not
+# 1 / y_scale; an x_scale so large that a row is all-or-nothing.
+SOFTMAX_SCALES = [(0.02, 1 / 256), (0.1, 1 / 255), (0.004, 0.003), (3.0, 1 / 256)]
 
 
+@pytest.mark.parametrize("scales", SOFTMAX_SCALES, ids=[f"xs{a:g}-ys{b:.3g}" for a, b in SOFTMAX_SCALES])
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8], ids=["u8", "s8"])
 @pytest.mark.parametrize("case", SOFTMAX_CASES, ids=[c[0] for c in SOFTMAX_CASES])
-def test_qlinear_softmax_matches_onnxruntime(case, dtype):
-    """The quantizer's output parameters: scale 1/256, zero point 0 (uint8) / -128 (int8).
-    Inputs keep every probability below 1 - 1/256: onnxruntime's int8 kernel wraps a code of
-    128 around to -128 instead of saturating (ours saturates to 127)."""
+def test_qlinear_softmax_matches_onnxruntime(case, dtype, scales):
+    """onnxruntime's codes exactly (its table of exponentials, in-order sums, floor(1 / y_scale)),
+    zero points of the quantizer (0 / -128) and not; rows of clustered codes (close
+    probabilities) and of spread ones."""
     _, shape, opset, axis = case
-    rng = np.random.default_rng(len(case[0]))
+    rng = np.random.default_rng(len(case[0]) + 7 * SOFTMAX_SCALES.index(scales))
     x = ints(rng, dtype, shape)
+    if x.ndim > 1:
+        x[0] = np.clip(x[0].astype(int) // 16 + 60, np.iinfo(dtype).min, np.iinfo(dtype).max).astype(dtype)
     xz = np.array(0 if dtype == np.int8 else 128, dtype)
-    inputs = [x, np.array(0.02, np.float32), xz, np.array(1 / 256, np.float32), np.array(0 if dtype == np.uint8 else -128, dtype)]
-    node = helper.make_node("QLinearSoftmax", ["x", "xs", "xz", "ys", "yz"], ["y"], domain=MS, opset=opset, axis=axis)
-    check(node, inputs, consts=["xs", "xz", "ys", "yz"], steps=1, max_fraction=0.2)
+    for yz in ((0, 7) if dtype == np.uint8 else (-128, -100)):
+        inputs = [x, np.array(scales[0], np.float32), xz, np.array(scales[1], np.float32), np.array(yz, dtype)]
+        node = helper.make_node("QLinearSoftmax", ["x", "xs", "xz", "ys", "yz"], ["y"], domain=MS, opset=opset, axis=axis)
+        check(node, inputs, consts=["xs", "xz", "ys", "yz"], steps=0)
 
 
 @pytest.mark.parametrize("keepdims", [0, 1])

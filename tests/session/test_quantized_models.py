@@ -3,8 +3,10 @@
 Every sample model (``models/``: mlp, cnn, transformer) and a small CNN built here (residual Add,
 LeakyRelu, Sigmoid, Concat, depthwise conv: the QLinear ops those produce) is quantized with
 ``quantize_static`` (QDQ per tensor, QDQ per channel, QDQ uint8, QDQ int16 (ai.onnx opset 21),
-QDQ int4 weights and QDQ uint16 (com.microsoft Q/DQ), QOperator per tensor, QOperator per
-channel; MinMax calibration over a small data reader) and ``quantize_dynamic``, then run by
+QDQ int4 weights and QDQ uint16 (com.microsoft Q/DQ), QDQ saved again by onnxruntime's
+extended graph optimizations (QLinear ops, QLinearSoftmax among them), QOperator per tensor,
+QOperator per channel; MinMax calibration over a small data reader) and ``quantize_dynamic``,
+then run by
 onnxruntime (graph optimizations off, so it executes the very graph we execute) and by onnxpack
 with pre-packing on and off.
 
@@ -37,7 +39,8 @@ from quant_util import assert_qdq_model_close, ort_exact
 quantization = pytest.importorskip("onnxruntime.quantization")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-MODES = ["qdq", "qdq-channel", "qdq-uint8", "qdq-int16", "qdq-int4", "qdq-uint16-contrib", "qop", "qop-channel", "dynamic"]
+MODES = ["qdq", "qdq-channel", "qdq-uint8", "qdq-int16", "qdq-int4", "qdq-uint16-contrib", "qdq-ortopt", "qop",
+         "qop-channel", "dynamic"]
 # integer op -> index of its weight input (pre-packed when it is an initializer)
 WEIGHT_INPUT = {"QLinearConv": 3, "QLinearMatMul": 3, "QGemm": 3, "MatMulInteger": 1, "ConvInteger": 1}
 
@@ -123,10 +126,23 @@ def quantized(tmp_path_factory):
                 elif mode.endswith("uint16-contrib"):
                     kwargs.update(activation_type=qt.QUInt16, weight_type=qt.QUInt8, extra_options={"UseQDQContribOps": True})
                 quantization.quantize_static(str(src), str(out), _Reader(_calibration(feeds)), **kwargs)
+                if mode == "qdq-ortopt":  # saved by onnxruntime's own graph optimizer (offline)
+                    _ort_optimized(out, out)
             cache[key] = (out, feeds)
         return cache[key]
 
     return get
+
+
+def _ort_optimized(src: pathlib.Path, out: pathlib.Path) -> None:
+    """``src`` as onnxruntime's extended graph optimizations save it: Q/DQ groups become
+    QLinearMatMul / QLinearConv and com.microsoft QLinearAdd, QLinearMul, QLinearSoftmax, ... with
+    the float ops left between Q/DQ pairs (a model optimized once, offline, then shipped)."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(out)
+    so.log_severity_level = 3
+    ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
 
 
 def _ort(path: pathlib.Path, feeds):
