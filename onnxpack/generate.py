@@ -12,6 +12,8 @@ binds every ``present_*`` output to the very buffer it passes as the matching ``
 decode step does no copy of the cache and its time stays flat as the context grows.  Models whose
 attention is not GroupQueryAttention (the builder's fp16 CPU graphs use MultiHeadAttention with a
 growing cache) get their ``present_*`` back as new arrays, which become the next ``past_*``.
+Layers the config lists under ``sliding_window`` (Gemma-2's local attention) keep a cache of
+``window_size`` rows instead, in either layout.
 
 Tokenization needs the optional ``tokenizers`` package (``pip install onnxpack[genai]``); token ids
 work without it.
@@ -89,6 +91,10 @@ class GenAIConfig:
     context_length: int
     share_buffer: bool
     search: SearchOptions
+    # Layers whose attention keeps a sliding-window cache (the builder's "sliding_window"
+    # section, Gemma-2's local layers): their past is a buffer of window_size rows.
+    sliding_layers: frozenset[int] = frozenset()
+    window_size: int = 0
 
     @classmethod
     def load(cls, folder: str | os.PathLike) -> GenAIConfig:
@@ -111,6 +117,9 @@ class GenAIConfig:
             eos = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
             search = raw.get("search", {})
             context = int(model.get("context_length", search.get("max_length", 2048)))
+            sliding = dec.get("sliding_window") or {}
+            window = int(sliding.get("window_size", 0)) if sliding else 0
+            sliding_layers = frozenset(int(i) for i in sliding.get("layers", ())) if window > 0 else frozenset()
             return cls(
                 folder=folder,
                 filename=str(dec.get("filename", "model.onnx")),
@@ -137,6 +146,8 @@ class GenAIConfig:
                     top_k=int(search.get("top_k", 0)),
                     top_p=float(search.get("top_p", 1.0)),
                 ),
+                sliding_layers=sliding_layers,
+                window_size=window,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(f"{path}: missing or invalid field ({type(e).__name__}: {e})") from e
@@ -276,11 +287,18 @@ class _Cache:
         self.capacity = capacity
         self.names = [(cfg.past_key % i, cfg.present_key % i) for i in range(cfg.layers)]
         self.names += [(cfg.past_value % i, cfg.present_value % i) for i in range(cfg.layers)]
+        # A sliding-window layer's cache is window_size rows in either layout (its attention keeps
+        # the last tokens in it; onnxruntime refuses a shorter one).
+        window = {p for i in cfg.sliding_layers for p in (cfg.past_key % i, cfg.past_value % i)}
+
+        def rows(past: str, default: int) -> int:
+            return cfg.window_size if past in window else default
+
         if gen.shared:
             from onnxpack import OrtValue
 
-            shape = (1, cfg.kv_heads, capacity, cfg.head_size)
-            self.past = {p: np.zeros(shape, gen._cache_dtype) for p, _ in self.names}
+            self.past = {p: np.zeros((1, cfg.kv_heads, rows(p, capacity), cfg.head_size), gen._cache_dtype)
+                         for p, _ in self.names}
             # Bound once: each step rebinds only the inputs that change (ids, mask, positions).
             self.binding = b = gen.session.io_binding()
             for past, present in self.names:
@@ -289,8 +307,8 @@ class _Cache:
                 b.bind_ortvalue_output(present, buf)  # the same buffer: updated in place
             b.bind_output(cfg.logits)  # (bound last: the last of the run's outputs)
         else:
-            shape = (1, cfg.kv_heads, 0, cfg.head_size)
-            self.past = {p: np.zeros(shape, gen._cache_dtype) for p, _ in self.names}
+            self.past = {p: np.zeros((1, cfg.kv_heads, rows(p, 0), cfg.head_size), gen._cache_dtype)
+                         for p, _ in self.names}
             self.binding = None
 
     def step(self, new: Sequence[int]) -> np.ndarray:

@@ -35,8 +35,10 @@ def _ort_greedy(folder: pathlib.Path, prompt, n, tmp_path) -> list[int]:
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
     dtype = np.float16 if "float16" in sess.get_inputs()[2].type else np.float32
-    past = {cfg.past_key % i: np.zeros((1, cfg.kv_heads, 0, cfg.head_size), dtype) for i in range(cfg.layers)}
-    past |= {cfg.past_value % i: np.zeros((1, cfg.kv_heads, 0, cfg.head_size), dtype) for i in range(cfg.layers)}
+    # a sliding-window layer's cache: window_size rows (genai_config's "sliding_window"), zero at first
+    rows = {i: cfg.window_size if i in cfg.sliding_layers else 0 for i in range(cfg.layers)}
+    past = {cfg.past_key % i: np.zeros((1, cfg.kv_heads, rows[i], cfg.head_size), dtype) for i in range(cfg.layers)}
+    past |= {cfg.past_value % i: np.zeros((1, cfg.kv_heads, rows[i], cfg.head_size), dtype) for i in range(cfg.layers)}
     ids, out, length = list(prompt), [], 0
     declared = {i.name for i in sess.get_inputs()}
     for _ in range(n):
@@ -56,10 +58,11 @@ def _ort_greedy(folder: pathlib.Path, prompt, n, tmp_path) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("fixture", ["qwen2-fp32", "llama-fp32", "qwen2-int4", "llama-int4", "phi3-int4"])
+@pytest.mark.parametrize("fixture", ["qwen2-fp32", "llama-fp32", "qwen2-int4", "llama-int4", "phi3-int4", "gemma2-int4"])
 def test_greedy_tokens_equal_an_onnxruntime_loop(fixture, tmp_path):
+    """gemma2-int4 generates past its 32-token sliding window (local layer 0)."""
     folder = FIXTURES / fixture
-    n = 10
+    n = 40 if fixture.startswith("gemma2") else 10
     want = _ort_greedy(folder, PROMPT, n, tmp_path)
     with Generator(folder) as gen:
         got = list(gen.generate(PROMPT, max_new_tokens=n, stop=()))
@@ -72,6 +75,9 @@ def test_config_fields_from_the_builder():
     assert cfg.layers == 2 and cfg.kv_heads >= 1 and cfg.head_size > 0
     assert cfg.past_key % 1 == "past_key_values.1.key" and cfg.present_value % 0 == "present.0.value"
     assert cfg.share_buffer and cfg.eos
+    assert cfg.sliding_layers == frozenset() and cfg.window_size == 0
+    gemma = GenAIConfig.load(FIXTURES / "gemma2-int4")  # local attention in layer 0, window 32
+    assert gemma.sliding_layers == {0} and gemma.window_size == 32
 
 
 def test_generation_stops_at_max_length_and_rejects_too_long_prompts():

@@ -22,7 +22,7 @@ from contrib_util import MS, check_all_paths, run_ort_model, single_node_model
 import onnxpack
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import KernelContext, lookup
-from onnxpack.session.kernels.attention import GroupQueryAttention
+from onnxpack.session.kernels.attention import GroupQueryAttention, sliding_rows
 
 F32 = dict(rtol=1e-4, atol=1e-5)
 F16 = dict(rtol=1e-2, atol=1e-2)
@@ -478,6 +478,84 @@ def test_gqa_options(case, dtype):
         node = mk("GroupQueryAttention", ins, ["y", "present_key", "present_value"], num_heads=n, kv_num_heads=nkv,
                   **attrs)
         check_all_paths(node, feeds, consts, tol(dtype))
+
+
+SLIDING = [
+    # id, batch, cache rows, window, packed, steps (new tokens per call; the first is the prompt)
+    ("batch1-chunks", 1, 8, 8, False, (5, 1, 1, 4, 1, 1, 3)),
+    ("batch1-wider-cache", 1, 10, 6, True, (7, 1, 5, 1, 1, 2)),
+    ("batch2-decode", 2, 6, 6, False, (4, 1, 1, 1, 1, 1, 1, 1)),
+    ("batch1-long-prompt", 1, 6, 4, True, (9, 1, 1)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", SLIDING, ids=[c[0] for c in SLIDING])
+def test_gqa_sliding_window_cache_matches_onnxruntime(case, dtype):
+    """``sliding_window_cache=1`` (the builder's Gemma-2 local layers): the cache is a buffer of C
+    rows that present keeps from row 0 and cuts to its last C rows once the context is longer,
+    each call's present fed back as the next past; prompts and chunks longer than what is left
+    of the buffer, and a batch whose second row advances every other step (onnxruntime
+    refuses right-padded prompts with this cache).  Outputs and every row of the present caches
+    that onnxruntime defines (the first ``sliding_rows`` of each row) agree, and past rows that
+    onnxruntime laid out are read as it reads them: each side is fed the other's present."""
+    _, batch, cap, window, packed, steps = case
+    rng = np.random.default_rng(12)
+    n, nkv, h = 4, 2, 16
+    consts = {}
+    consts["cos_cache"], consts["sin_cache"] = rope_caches(64, h // 2, dtype)
+    used = {"query", "past_key", "past_value", "seqlens_k", "total_sequence_length"} | (set() if packed else {"key", "value"})
+    pair = GqaPair(gqa_model(dtype, used, consts, num_heads=n, kv_num_heads=nkv, local_window_size=window,
+                             sliding_window_cache=1, do_rotary=1, softcap=4.0))
+    caches = {k: (np.zeros((batch, nkv, cap, h), dtype),) * 2 for k in ("ort", "ours")}
+    lens = np.zeros(batch, np.int64)
+    for step, s in enumerate(steps):
+        lens = lens + np.array([s, s * (step % 2)])[:batch] if step else np.full(batch, s)
+        total = s if step == 0 else int(lens.max())
+        feeds = {"seqlens_k": (lens - 1).astype(np.int32), "total_sequence_length": np.array(total, np.int32)}
+        width = (n + 2 * nkv) * h if packed else n * h
+        feeds["query"] = rand(rng, (batch, s, width), dtype)
+        if not packed:
+            feeds["key"] = rand(rng, (batch, s, nkv * h), dtype)
+            feeds["value"] = rand(rng, (batch, s, nkv * h), dtype)
+        outs = {}
+        swap = step % 3 == 2  # now and then each side continues from the other's caches
+        for side, sess in (("ort", pair.ort), ("ours", pair.ours)):
+            pk, pv = caches[{"ort": "ours", "ours": "ort"}[side] if swap else side]
+            outs[side] = sess.run(None, {**feeds, "past_key": pk, "past_value": pv})
+        for side in outs:
+            caches[side] = (outs[side][1], outs[side][2])
+        (y_ort, k_ort, v_ort), (y, k, v) = outs["ort"], outs["ours"]
+        t = tol(dtype)
+        assert k.shape == k_ort.shape == (batch, nkv, cap, h)
+        for r in range(batch):
+            rows = sliding_rows(int(lens[r]), cap, window)
+            np.testing.assert_allclose(y[r].astype(np.float64), y_ort[r].astype(np.float64), **t,
+                                       err_msg=f"step {step} row {r}")
+            for got, ref, what in ((k, k_ort, "present_key"), (v, v_ort, "present_value")):
+                np.testing.assert_allclose(got[r, :, :rows].astype(np.float64), ref[r, :, :rows].astype(np.float64),
+                                           **t, err_msg=f"{what} step {step} row {r}")
+            # ours: the unspecified rows are zero (onnxruntime leaves whatever the memory held)
+            assert not k[r, :, rows:].any() and not v[r, :, rows:].any()
+
+
+def test_gqa_sliding_window_cache_shorter_than_the_window_is_refused():
+    ctx = KernelContext(1, {MS: 1})
+    cls = lookup(MS, "GroupQueryAttention", 1)
+    k = cls(mk("GroupQueryAttention", GQA_INPUTS[:7], ["y", "pk", "pv"], num_heads=2, kv_num_heads=1,
+               local_window_size=4, sliding_window_cache=1), ctx)
+    q, kv = np.zeros((1, 1, 8), np.float32), np.zeros((1, 1, 4), np.float32)
+    past = np.zeros((1, 1, 3, 4), np.float32)
+    with pytest.raises(InvalidArgument, match="fewer than local_window_size"):
+        k.run(q, kv, kv, past, past, np.array([2], np.int32), np.array(3, np.int32))
+    with pytest.raises(InvalidArgument, match="needs local_window_size > 0"):  # as onnxruntime
+        cls(mk("GroupQueryAttention", GQA_INPUTS[:7], ["y"], num_heads=2, kv_num_heads=1, sliding_window_cache=1), ctx)
+
+
+def test_sliding_rows_cycle():
+    """Pure: a full buffer of C rows drops C - W + 1 of them at the next token, then refills."""
+    assert [sliding_rows(p, 5, 3) for p in range(13)] == [0, 1, 2, 3, 4, 5, 3, 4, 5, 3, 4, 5, 3]
+    assert [sliding_rows(p, 4, 4) for p in (3, 4, 5, 40)] == [3, 4, 4, 4]
 
 
 def test_gqa_declines_what_it_does_not_implement_and_checks_lengths():

@@ -175,6 +175,17 @@ def _bsd_to_bnsh(x: np.ndarray, heads: int) -> np.ndarray:
     return x.reshape(b, s, heads, d // heads).transpose(0, 2, 1, 3)
 
 
+def sliding_rows(past: int, cap: int, window: int) -> int:
+    """How many cached rows a sliding-window cache of ``cap >= window > 0`` rows holds after
+    ``past`` tokens (onnxruntime's GroupQueryAttention with ``sliding_window_cache=1``): all of
+    them until the buffer is full; then the count cycles through ``window .. cap`` (an overflow
+    drops ``cap - window + 1`` rows; a cache as large as the window stays full, one row dropped
+    per token).  It depends on ``past`` alone, whatever the steps' sizes were."""
+    if past <= cap:
+        return past
+    return window + (past - cap - 1) % (cap - window + 1)
+
+
 def _bnsh_to_bsd(x: np.ndarray) -> np.ndarray:
     b, n, s, h = x.shape
     return x.transpose(0, 2, 1, 3).reshape(b, s, n * h)
@@ -655,9 +666,9 @@ class GroupQueryAttention(Kernel):
     ``position_ids`` (for a first prompt only its first element counts: positions
     ``position_ids[0, 0] + i`` for every row, as onnxruntime does) or else ``past_b + i``.
 
-    Not implemented (the constructor declines): quantized caches (``k_quant_type``,
-    ``kv_cache_bit_width``), ``sliding_window_cache``, ``qk_output``, the q/k norm weights and
-    ``query_seqlens``.
+    ``sliding_window_cache=1`` keeps a window-sized cache (see :meth:`_sliding`).  Not
+    implemented (the constructor declines): quantized caches (``k_quant_type``,
+    ``kv_cache_bit_width``), ``qk_output``, the q/k norm weights and ``query_seqlens``.
     """
 
     def __init__(self, node, ctx) -> None:
@@ -681,8 +692,12 @@ class GroupQueryAttention(Kernel):
         for name, default in (("k_quant_type", "NONE"), ("v_quant_type", "NONE")):
             if self.attr(name, default) != "NONE":
                 raise NotImplementedError(f"GroupQueryAttention {name}={self.attr(name)!r} (quantized KV cache)")
-        if int(self.attr("sliding_window_cache", 0)) or int(self.attr("qk_output", 0)):
-            raise NotImplementedError("GroupQueryAttention sliding_window_cache / qk_output")
+        if int(self.attr("qk_output", 0)):
+            raise NotImplementedError("GroupQueryAttention qk_output")
+        self.sliding = bool(int(self.attr("sliding_window_cache", 0)))
+        if self.sliding and self.window <= 0:
+            raise InvalidArgument(f"node {node.name!r} (GroupQueryAttention): sliding_window_cache=1 needs "
+                                  f"local_window_size > 0, got {self.window}")
         ins = list(node.input) + [""] * 16
         if any(ins[i] for i in (12, 13, 14, 15)) or (len(node.output) > 3 and node.output[3]):
             raise NotImplementedError("GroupQueryAttention k/v scales, q/k norm weights, query_seqlens or output_qk")
@@ -712,12 +727,13 @@ class GroupQueryAttention(Kernel):
              total_sequence_length=None, cos_cache=None, sin_cache=None, position_ids=None,
              attention_bias=None, head_sink=None, *unused, present=(None, None)):
         if (self._again is not None and key is None and position_ids is None and attention_bias is None
-                and head_sink is None):
+                and head_sink is None and not self.sliding):
             got = self._repeat(query, past_key, past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache,
                                present)
             if got is not None:
                 return got
-        if key is None and past_key is not None and position_ids is None and attention_bias is None and head_sink is None:
+        if (key is None and past_key is not None and position_ids is None and attention_bias is None and head_sink is None
+                and not self.sliding):
             got = self._decode_packed(query, past_key, past_value, seqlens_k, total_sequence_length, cos_cache,
                                       sin_cache, present)
             if got is not None:
@@ -763,6 +779,9 @@ class GroupQueryAttention(Kernel):
             raise _err(self, f"seqlens_k + 1 must be in [1, total_sequence_length={total}], got {lens.tolist()}")
         first_prompt = s == total
         past = np.zeros(b, np.int64) if first_prompt else lens - s
+        if self.sliding:
+            return self._sliding(q, k, v, past_key, past_value, past, lens, first_prompt, position_ids, cos_cache,
+                                 sin_cache, attention_bias, head_sink, query.dtype, fd, h)
         cap = max(total, plen)
         past_lo, past_hi = _bounds(past)
         if past_lo < 0 or past_hi + s > cap or (not first_prompt and past_hi > plen):
@@ -838,6 +857,66 @@ class GroupQueryAttention(Kernel):
         out, _ = _attend(q.transpose(0, 2, 1, 3), kk, vv, scale, exclude=exclude[:, None], softcap=self.softcap,
                          post_bias=bias, sink=sink)
         y = _bnsh_to_bsd(out).astype(query.dtype, copy=False)
+        return (y, pk, pv)[: self.n_out]
+
+    def _sliding(self, q, k, v, past_key, past_value, past, lens, first_prompt: bool, position_ids, cos_cache,
+                 sin_cache, attention_bias, head_sink, out_dtype, fd, h: int) -> tuple:
+        """``sliding_window_cache=1`` (the builder's local-attention layers, Gemma-2): the cache
+        is a buffer of C rows (``past_key``'s length, at least the window W) holding, from row 0,
+        the last :func:`sliding_rows` tokens of the row's past.  The present holds, from row 0,
+        the last ``sliding_rows(past + S)`` of those rows followed by the S new tokens (rows
+        after them unspecified: zero here).  Attention reads the past rows and the new tokens
+        before the cut, at their absolute positions: the same as a full cache.  Measured
+        against onnxruntime 1.31 (bit-identical logits; the layout on random chunk sequences
+        with C = W .. W + 5); it refuses a cache shorter than the window."""
+        b, s, n, _ = q.shape
+        if past_key is None:
+            raise _err(self, "sliding_window_cache=1 needs past_key and past_value (the window's cache buffers)")
+        cap = past_key.shape[2]
+        if cap < self.window:
+            raise _err(self, f"sliding_window_cache=1: the cache holds {cap} rows, fewer than local_window_size "
+                             f"{self.window}")
+        if attention_bias is not None:
+            raise _err(self, "attention_bias with sliding_window_cache=1 is not supported")
+        if int(lens.min(initial=s)) < s:  # (onnxruntime: no right-padded prompt with this cache)
+            raise _err(self, f"seqlens_k {(lens - 1).tolist()}: each row must hold the {s} new tokens")
+        if self.do_rotary:
+            cos, sin = self._rotary_tables(cos_cache, sin_cache, position_ids, first_prompt, past, s, h, fd)
+            rot = 2 * cos.shape[-1]
+            q = apply_rotary(q, cos[:, :, None, :], sin[:, :, None, :], self.interleaved, rot)
+            k = apply_rotary(k, cos[:, :, None, :], sin[:, :, None, :], self.interleaved, rot)
+        cache_dtype = past_key.dtype
+        kt = k.transpose(0, 2, 1, 3).astype(cache_dtype, copy=False)  # (B, Nkv, S, H)
+        vt = v.transpose(0, 2, 1, 3).astype(cache_dtype, copy=False)
+        pk = np.zeros(past_key.shape, cache_dtype)
+        pv = np.zeros(past_value.shape, cache_dtype)
+        sink = None
+        if head_sink is not None:
+            if head_sink.shape != (n,):
+                raise _err(self, f"head_sink must have shape ({n},), got {list(head_sink.shape)}")
+            sink = _f(head_sink, fd).reshape(1, n, 1, 1)
+        elif self.smooth:
+            sink = fd.type(0)
+        scale = self.scale if self.scale != 0.0 else 1.0 / math.sqrt(h)
+        y = np.empty((b, s, n * h), out_dtype)
+        for r in range(b):  # rows may differ in their past: each its own keys
+            p = int(past[r])
+            keep = sliding_rows(p, cap, self.window)
+            keys = np.concatenate([past_key[r, :, :keep], kt[r]], axis=1)  # (Nkv, keep + S, H)
+            values = np.concatenate([past_value[r, :, :keep], vt[r]], axis=1)
+            pos = np.arange(p - keep, p + s)[None, :]  # the keys' absolute positions
+            qpos = (p + np.arange(s))[:, None]
+            exclude = pos >= lens[r]
+            if self.causal:
+                exclude = exclude | (pos > qpos)
+            if self.window > 0:
+                exclude = exclude | (pos <= qpos - self.window)
+            out, _ = _attend(q[r:r + 1].transpose(0, 2, 1, 3), _f(keys[None], fd), _f(values[None], fd), scale,
+                             exclude=exclude[None, None], softcap=self.softcap, sink=sink)
+            y[r] = _bnsh_to_bsd(out)[0].astype(out_dtype, copy=False)
+            cut = keys.shape[1] - sliding_rows(p + s, cap, self.window)
+            pk[r, :, :keys.shape[1] - cut] = keys[:, cut:]
+            pv[r, :, :keys.shape[1] - cut] = values[:, cut:]
         return (y, pk, pv)[: self.n_out]
 
     def _repeat(self, query, past_key, past_value, seqlens_k, total, cos_cache, sin_cache, present) -> tuple | None:
