@@ -170,6 +170,20 @@ ARCHS: dict[str, Arch] = {a.name: a for a in [
               query_pre_attn_scalar=16),
          ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"), "<bos>", "<end_of_turn>", "<pad>",
          committed=("int4",)),
+    # Qwen3-0.6B: q/k RMS norms per head before rotary (the builder's GroupQueryAttention gets them
+    # as SimplifiedLayerNormalization of the packed Q and K), no q/k/v biases, tied, head_dim 16.
+    Arch("qwen3", "qwen3", "Qwen3ForCausalLM", "Qwen/Qwen3-0.6B",
+         dict(_TINY, head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
+              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+         ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>", "<|endoftext|>",
+         committed=("int4",)),
+    # Granite-3.x: Llama with multipliers on the embeddings, residuals, attention and logits.
+    Arch("granite", "granite", "GraniteForCausalLM", "ibm-granite/granite-3.1-2b-instruct",
+         dict(_TINY, rms_norm_eps=1e-5, tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
+              attention_multiplier=0.015625, logits_scaling=8.0,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+         ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"), None, "<|end_of_text|>", "<|end_of_text|>",
+         committed=("int4",)),
     # Mistral-7B-v0.1: sliding-window attention, untied, rope_theta 1e4.  Not committed: the builder
     # drops the window (transformers 5 configs of Mistral carry no layer_types, and the builder
     # marks only "sliding_attention" layers local), so the export is a Llama with an untied head.

@@ -58,7 +58,8 @@ def _ort_greedy(folder: pathlib.Path, prompt, n, tmp_path) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("fixture", ["qwen2-fp32", "llama-fp32", "qwen2-int4", "llama-int4", "phi3-int4", "gemma2-int4"])
+@pytest.mark.parametrize("fixture", ["qwen2-fp32", "llama-fp32", "qwen2-int4", "llama-int4", "phi3-int4", "gemma2-int4",
+                                     "qwen3-int4", "granite-int4"])
 def test_greedy_tokens_equal_an_onnxruntime_loop(fixture, tmp_path):
     """gemma2-int4 generates past its 32-token sliding window (local layer 0)."""
     folder = FIXTURES / fixture
