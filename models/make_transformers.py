@@ -224,6 +224,24 @@ MODELS: dict[str, Spec] = {s.name: s for s in [
          {"pixel_values": {0: "batch"}, "logits": {0: "batch"}},
          lambda cfg: dict(model_type="vit", num_heads=cfg["num_attention_heads"], hidden_size=cfg["hidden_size"]),
          "google/vit-base-patch16-224", committed=("opt", "opt-fp16")),
+    # BERT's relatives the same optimizer serves (model_type "bert"): built on demand, not committed.
+    *[Spec(name, _hf(cls, conf, keys, 1), dict(_BERT_TINY, **extra), {},
+           (lambda types: lambda cfg: _text_recipe(cfg, "vocab_size", types))("token_type_ids" in keys),
+           keys, ("last_hidden_state",),
+           {**{k: {0: "batch", 1: "sequence"} for k in keys}, "last_hidden_state": {0: "batch", 1: "sequence"}},
+           lambda cfg: dict(model_type="bert", num_heads=cfg.get("n_heads", cfg["num_attention_heads"]),
+                            hidden_size=cfg.get("dim", cfg["hidden_size"])),
+           hf, committed=())
+      for name, cls, conf, keys, extra, hf in (
+          ("distilbert", "DistilBertModel", "DistilBertConfig", ("input_ids", "attention_mask"),
+           dict(dim=64, n_layers=2, n_heads=4, hidden_dim=128), "distilbert/distilbert-base-uncased"),
+          ("roberta", "RobertaModel", "RobertaConfig", ("input_ids", "attention_mask"),
+           dict(max_position_embeddings=72, pad_token_id=1), "FacebookAI/roberta-base"),
+          ("albert", "AlbertModel", "AlbertConfig", ("input_ids", "attention_mask", "token_type_ids"),
+           dict(embedding_size=32), "albert/albert-base-v2"),
+          ("electra", "ElectraModel", "ElectraConfig", ("input_ids", "attention_mask", "token_type_ids"),
+           dict(embedding_size=32), "google/electra-small-discriminator"),
+      )],
     # Tiny: width 0.25 and a shorter block table (every block kind: no expansion, stride 2,
     # residual repeats); the full table and 224x224 with --shape mobilenetv2.
     Spec("mobilenetv2", _mobilenet_v2,
@@ -385,9 +403,9 @@ def main(argv: list[str] | None = None) -> int:
                     args.variant or list(VARIANTS))
     else:
         out_root = args.out or TX_FIXTURES
-        for name in args.model or list(MODELS):
+        for name in args.model or [m for m in MODELS if MODELS[m].committed]:
             spec = MODELS[name]
-            build_model(spec, spec.tiny, f"{name}-tiny", out_root, args.variant or list(spec.committed))
+            build_model(spec, spec.tiny, f"{name}-tiny", out_root, args.variant or list(spec.committed or VARIANTS))
         if out_root == TX_FIXTURES:
             _fixtures.update_readme()
     print(f"done in {time.perf_counter() - t0:.1f}s")
