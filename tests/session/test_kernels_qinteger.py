@@ -365,3 +365,50 @@ def test_packed_matmul_integer_on_both_paths(jit, monkeypatch):
     want = (a.astype(np.int64) - 7) @ (b.astype(np.int64) - bz.astype(np.int64))
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, want)
+
+
+TILED = [  # (A shape, K, N): several 512-column tiles, a 128-lane remainder, a column remainder
+    ((5, 40), 40, 1300),
+    ((2, 3, 1030), 1030, 700),  # K = 1030: the columns of large weights need K-chunks (float64)
+    ((1030,), 1030, 129),
+]
+
+
+@pytest.mark.parametrize("bdt", [np.int8, np.uint8], ids=["s8", "u8"])
+@pytest.mark.parametrize("case", TILED, ids=["tiles-remainder", "chunked-batched", "vector"])
+def test_lanes_tiles_fallback_is_exact(case, bdt, monkeypatch):
+    """Without the int8 GEMM, a packed weight is multiplied a tile of columns at a time
+    (lanes_tiles): every tile's GEMM exact, tiles that need K-chunks (float64) next to tiles that
+    do not (the first 512 columns take small values, the others any), per-column zero
+    points cut per tile; twice, so the kept per-tile norms are used too."""
+    monkeypatch.setattr(qinteger, "_qjit", lambda: None)
+    a_shape, k, n = case
+    rng = np.random.default_rng(k + n)
+    info = np.iinfo(bdt)
+    b = ints(rng, bdt, (k, n))
+    small = np.asarray(rng.integers(-3, 4, (k, n)) + (0 if bdt == np.int8 else 128)).astype(bdt)
+    b[:, :512] = small[:, :512]
+    b[:, -3:] = info.max if bdt == np.uint8 else info.min
+    a = ints(rng, np.uint8, a_shape)
+    az = np.uint8(3)
+    for bz in (ints(rng, bdt, (n,)), None):  # without B's zero point, small tiles stay float32
+        node = helper.make_node("MatMulInteger", ["a", "b", "az"] + (["bz"] if bz is not None else []), ["y"])
+        for weight in (b, np.ascontiguousarray(b[:, ::-1])):  # float64 tiles first, then last
+            want = (a.astype(np.int64) - 3) @ (weight.astype(np.int64) - (0 if bz is None else bz.astype(np.int64)))
+            for _ in range(2):
+                inputs = [a, weight, az] + ([bz] if bz is not None else [])
+                (got,) = run_native(node, inputs, OPSET, pack=[1])
+                assert got.dtype == np.int32 and got.shape == want.shape
+                np.testing.assert_array_equal(got, want)
+
+
+def test_lanes_tiles_give_the_weight_back():
+    """lanes_tiles by pieces == from_lanes whole: every column once, in order, uint8 shifted back."""
+    for k, n, bdt in ((7, 1300, np.uint8), (64, 512, np.int8), (3, 5, np.int8)):
+        b = ints(np.random.default_rng(n), bdt, (k, n))
+        lanes, _ = qinteger.to_lanes(b)
+        pieces = [(c0, c1, t.copy()) for c0, c1, t in qinteger.lanes_tiles(lanes, k, n, bdt == np.uint8)]
+        bounds = [(c0, c1) for c0, c1, _ in pieces]  # consecutive, at most 512 wide, the last from n // 128 * 128
+        assert bounds[0][0] == 0 and bounds[-1][1] == n and all(p[1] == q[0] for p, q in zip(bounds, bounds[1:]))
+        assert all(0 < c1 - c0 <= 512 for c0, c1 in bounds)
+        np.testing.assert_array_equal(np.concatenate([t for _, _, t in pieces], axis=1), b.astype(np.float32))
