@@ -846,6 +846,15 @@ class GroupQueryAttention(Kernel):
                     or ab.shape[3] < t):
                 raise _err(self, f"attention_bias must be ({b} or 1, {n} or 1, {s}, >= {t}), got {list(ab.shape)}")
             bias = _f(ab[..., :t], fd)
+        sink, scale = self._sink_scale(head_sink, n, h, fd)
+        out, _ = _attend(q.transpose(0, 2, 1, 3), kk, vv, scale, exclude=exclude[:, None], softcap=self.softcap,
+                         post_bias=bias, sink=sink)
+        y = _bnsh_to_bsd(out).astype(query.dtype, copy=False)
+        return (y, pk, pv)[: self.n_out]
+
+    def _sink_scale(self, head_sink, n: int, h: int, fd) -> tuple:
+        """(the softmax's extra logit: ``head_sink`` per head, 0 for ``smooth_softmax``, else None;
+        the scores' scale)."""
         sink = None
         if head_sink is not None:
             if head_sink.shape != (n,):
@@ -853,11 +862,7 @@ class GroupQueryAttention(Kernel):
             sink = _f(head_sink, fd).reshape(1, n, 1, 1)
         elif self.smooth:
             sink = fd.type(0)
-        scale = self.scale if self.scale != 0.0 else 1.0 / math.sqrt(h)
-        out, _ = _attend(q.transpose(0, 2, 1, 3), kk, vv, scale, exclude=exclude[:, None], softcap=self.softcap,
-                         post_bias=bias, sink=sink)
-        y = _bnsh_to_bsd(out).astype(query.dtype, copy=False)
-        return (y, pk, pv)[: self.n_out]
+        return sink, (self.scale if self.scale != 0.0 else 1.0 / math.sqrt(h))
 
     def _sliding(self, q, k, v, past_key, past_value, past, lens, first_prompt: bool, position_ids, cos_cache,
                  sin_cache, attention_bias, head_sink, out_dtype, fd, h: int) -> tuple:
@@ -867,7 +872,7 @@ class GroupQueryAttention(Kernel):
         the last ``sliding_rows(past + S)`` of those rows followed by the S new tokens (rows
         after them unspecified: zero here).  Attention reads the past rows and the new tokens
         before the cut, at their absolute positions: the same as a full cache.  Measured
-        against onnxruntime 1.31 (bit-identical logits; the layout on random chunk sequences
+        against onnxruntime 1.32 (bit-identical logits; the layout on random chunk sequences
         with C = W .. W + 5); it refuses a cache shorter than the window."""
         b, s, n, _ = q.shape
         if past_key is None:
@@ -890,14 +895,7 @@ class GroupQueryAttention(Kernel):
         vt = v.transpose(0, 2, 1, 3).astype(cache_dtype, copy=False)
         pk = np.zeros(past_key.shape, cache_dtype)
         pv = np.zeros(past_value.shape, cache_dtype)
-        sink = None
-        if head_sink is not None:
-            if head_sink.shape != (n,):
-                raise _err(self, f"head_sink must have shape ({n},), got {list(head_sink.shape)}")
-            sink = _f(head_sink, fd).reshape(1, n, 1, 1)
-        elif self.smooth:
-            sink = fd.type(0)
-        scale = self.scale if self.scale != 0.0 else 1.0 / math.sqrt(h)
+        sink, scale = self._sink_scale(head_sink, n, h, fd)
         y = np.empty((b, s, n * h), out_dtype)
         for r in range(b):  # rows may differ in their past: each its own keys
             p = int(past[r])

@@ -167,6 +167,15 @@ def _col_param(zp: np.ndarray | None) -> np.ndarray | None:
     return zp.reshape(()) if zp.size == 1 else zp
 
 
+def _shifted_a(a: np.ndarray, a_zp, a_shifted: bool, a_span: int | None) -> tuple[np.ndarray, int]:
+    """(A minus its zero point as float32, the bound of its magnitude); ``a_shifted``: ``a`` is
+    that already, bounded by ``a_span``."""
+    if a_shifted:
+        return a, int(a_span)
+    zpa = _row_param(a_zp)
+    return shift(a, zpa), span(a.dtype, zpa)
+
+
 def int_matmul(a: np.ndarray, a_zp, b: np.ndarray, b_dtype: np.dtype, b_zp, *, a_shifted: bool = False,
                a_span: int | None = None, b_l1: float | None = None, what: str = "") -> np.ndarray:
     """Exact ``(a - a_zp) @ (b - b_zp)`` with numpy's matmul rules, as float32 or float64.
@@ -178,11 +187,7 @@ def int_matmul(a: np.ndarray, a_zp, b: np.ndarray, b_dtype: np.dtype, b_zp, *, a
     """
     if a.ndim == 0 or b.ndim == 0:
         raise InvalidArgument(f"{what}: MatMul operands must not be scalars")
-    if a_shifted:
-        af, amax = a, int(a_span)
-    else:
-        zpa = _row_param(a_zp)
-        af, amax = shift(a, zpa), span(a.dtype, zpa)
+    af, amax = _shifted_a(a, a_zp, a_shifted, a_span)
     bf = b if b.dtype == _F32 else b.astype(np.float32)
     squeeze_a = af.ndim == 1
     squeeze_b = bf.ndim == 1
@@ -488,11 +493,7 @@ class PackedMatMulWeight:
         k, n = self._b_kn
         if a.ndim == 0 or a.shape[-1] != k:
             raise InvalidArgument(f"{what}: inner dimensions differ: A {list(a.shape)}, B ({k}, {n})")
-        if a_shifted:
-            af, amax = a, int(a_span)
-        else:
-            zpa = _row_param(a_zp)
-            af, amax = shift(a, zpa), span(a.dtype, zpa)
+        af, amax = _shifted_a(a, a_zp, a_shifted, a_span)
         zpb = _col_param(b_zp)
         norms = self._tile_l1
         seen: list[float] = []
