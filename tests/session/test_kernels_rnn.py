@@ -189,3 +189,48 @@ def test_lstm_jit_recurrence_equals_numpy_loop(case, pack, monkeypatch):
     for a, b in zip(jit, ref):
         assert a.shape == b.shape and a.dtype == b.dtype
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _mlas_inputs() -> np.ndarray:
+    """Both tails, the clamps (9, 18) and around them, zeros, normal draws, NaN and infinities."""
+    grid = np.linspace(-25, 25, 100001, dtype=np.float32)
+    draws = (np.random.default_rng(3).standard_normal(20000) * 4).astype(np.float32)
+    edges = np.array([0.0, -0.0, 9.0, -9.0, 18.0, -18.0, 1e-30, -1e-30, np.inf, -np.inf, np.nan], np.float32)
+    return np.concatenate([grid, draws, edges])
+
+
+@pytest.mark.parametrize("op", ["Sigmoid", "Tanh"])
+def test_mlas_activations_are_onnxruntimes(op):
+    """rnn.mlas_logistic / mlas_tanh (the quantized LSTM's gates) give onnxruntime's Sigmoid and
+    Tanh bit for bit (its x86 MLAS kernels), NaN included; the JIT cell's scalar versions too."""
+    from onnxpack.session.kernels import rnn
+
+    x = _mlas_inputs()
+    node = make_node(op, ["x"], ["y"])
+    (want,) = run_ort(node, [x], 17)
+    got = (rnn.mlas_logistic if op == "Sigmoid" else rnn.mlas_tanh)(x)
+    np.testing.assert_array_equal(got.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)])
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+
+
+def test_lstm_cell_mlas_equals_the_numpy_cell():
+    """The JIT cell of the quantized LSTM (_rnn_jit.lstm_cell_mlas) == the numpy formulas it
+    replaces (MLAS logistic and tanh, ``c * f + i * g``, ``tanh(c) * o``), bit for bit."""
+    from onnxpack.session.kernels import _act, rnn
+
+    jit = _act.load_jit("_rnn_jit", "LSTM")
+    if jit is None:
+        pytest.skip("numba is not available")
+    rng = np.random.default_rng(4)
+    gates = (rng.standard_normal((3, 4 * 50)) * 6).astype(np.float32)
+    gates[0, :8] = [np.nan, np.inf, -np.inf, 18.5, -18.5, 9.5, -9.5, 0.0]
+    c = (rng.standard_normal((3, 50)) * 2).astype(np.float32)
+    h_jit, c_jit = np.empty_like(c), c.copy()
+    jit.lstm_cell_mlas(gates, c_jit, h_jit)
+    i, o, f = (rnn.mlas_logistic(gates[:, k * 50:(k + 1) * 50]) for k in range(3))
+    g = rnn.mlas_tanh(gates[:, 150:])
+    c_np = c * f
+    c_np += g * i
+    h_np = rnn.mlas_tanh(c_np) * o
+    np.testing.assert_array_equal(c_jit, c_np)
+    np.testing.assert_array_equal(h_jit, h_np)

@@ -24,7 +24,7 @@ from numba import njit
 
 from onnxpack.session.kernels._conv_jit import _tanhf
 
-__all__ = ["lstm_standard", "lstm_small"]
+__all__ = ["lstm_standard", "lstm_small", "lstm_cell_mlas"]
 
 _FM = {"contract"}
 _HALF = np.float32(0.5)
@@ -105,3 +105,84 @@ def lstm_small(x, wt, bias, rt, h, c, y, reverse):
 from onnxpack.session.kernels._act import one_specialization as _act_one_specialization  # noqa: E402
 
 _act_one_specialization(globals(), frozenset({"xw", "rt", "x", "wt", "bias"}))
+
+
+# MLAS' logistic and tanh (see rnn.mlas_logistic): each Horner step a fused multiply-add, here
+# the float64 product of two float32 values (exact) plus the coefficient, rounded to float32;
+# every other operation a float32 one, rounded on its own (no fastmath: no contraction).
+_L = tuple(np.float64(np.float32(c)) for c in (4.37031012579801e-11, 1.15627324459942e-07, 6.08574864600143e-05,
+                                              8.51377133304701e-03, 2.48287947061529e-01))
+_LQ = tuple(np.float64(np.float32(c)) for c in (6.10247389755681e-13, 5.76102136993427e-09, 6.29106785017040e-06,
+                                               1.70198817374094e-03, 1.16817656904453e-01, 9.93151921023180e-01))
+_T = tuple(np.float64(np.float32(c)) for c in (-2.76076847742355e-16, 2.00018790482477e-13, -8.60467152213735e-11,
+                                              5.12229709037114e-08, 1.48572235717979e-05, 6.37261928875436e-04,
+                                              4.89352455891786e-03))
+_TQ = tuple(np.float64(np.float32(c)) for c in (1.19825839466702e-06, 1.18534705686654e-04, 2.26843463243900e-03,
+                                               4.89352518554385e-03))
+_L0, _L1, _L2, _L3, _L4 = _L
+_LQ0, _LQ1, _LQ2, _LQ3, _LQ4, _LQ5 = _LQ
+_T0, _T1, _T2, _T3, _T4, _T5, _T6 = _T
+_TQ0, _TQ1, _TQ2, _TQ3 = _TQ
+_F18 = np.float32(18.0)
+_F9 = np.float32(9.0)
+_F0 = np.float32(0.0)
+
+
+@njit(inline="always", error_model="numpy")
+def _fma(x2, acc, c):
+    return np.float32(np.float64(x2) * np.float64(acc) + c)
+
+
+@njit(inline="always", error_model="numpy")
+def _mlas_logistic(v):
+    if v != v:
+        return v
+    x = min(max(v, -_F18), _F18)
+    x2 = x * x
+    p = _fma(x2, np.float32(_L0), _L1)
+    p = _fma(x2, p, _L2)
+    p = _fma(x2, p, _L3)
+    p = _fma(x2, p, _L4)
+    q = _fma(x2, np.float32(_LQ0), _LQ1)
+    q = _fma(x2, q, _LQ2)
+    q = _fma(x2, q, _LQ3)
+    q = _fma(x2, q, _LQ4)
+    q = _fma(x2, q, _LQ5)
+    r = (x * p) / q + _HALF
+    return max(r, _F0)
+
+
+@njit(inline="always", error_model="numpy")
+def _mlas_tanh(v):
+    if v != v:
+        return v
+    x = min(max(v, -_F9), _F9)
+    x2 = x * x
+    p = _fma(x2, np.float32(_T0), _T1)
+    p = _fma(x2, p, _T2)
+    p = _fma(x2, p, _T3)
+    p = _fma(x2, p, _T4)
+    p = _fma(x2, p, _T5)
+    p = _fma(x2, p, _T6)
+    q = _fma(x2, np.float32(_TQ0), _TQ1)
+    q = _fma(x2, q, _TQ2)
+    q = _fma(x2, q, _TQ3)
+    return (x * p) / q
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def lstm_cell_mlas(gates, c, h):
+    """One step's cell as onnxruntime computes it: ``gates`` (batch, 4H) = X W + H R + bias in
+    the order i, o, f, g; i, o, f through MLAS' logistic, g and the new state through its tanh;
+    ``c = c * f + i * g`` (two products, one sum) in place, ``h = tanh(c) * o`` into ``h``."""
+    rows = gates.shape[0]
+    hid = gates.shape[1] // 4
+    for b in range(rows):
+        for j in range(hid):
+            i = _mlas_logistic(gates[b, j])
+            o = _mlas_logistic(gates[b, hid + j])
+            f = _mlas_logistic(gates[b, 2 * hid + j])
+            g = _mlas_tanh(gates[b, 3 * hid + j])
+            cc = c[b, j] * f + i * g
+            c[b, j] = cc
+            h[b, j] = _mlas_tanh(cc) * o

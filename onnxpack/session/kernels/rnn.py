@@ -434,6 +434,7 @@ class LSTM(_RNNBase):
             # gates through MLAS' logistic and tanh; its per-step quantization of h turns any ulp
             # apart into another code (seen: 1.4e-3 apart on an OCR model's LSTM outputs).
             exact = q is not None
+            cell = _lstm_jit() if exact and standard else None  # its lstm_cell_mlas: the same, in one call
             if not small:
                 xw = self._project(xs.reshape(seq * batch, -1), wt[d], d, 0, q).reshape(seq, batch, 4 * H)
                 if not exact:
@@ -457,7 +458,11 @@ class LSTM(_RNNBase):
                 if exact:
                     gates += bias[d]
                 self._clip(gates)
-                if standard and exact:
+                if standard and exact and cell is not None:
+                    c_new = np.array(c, np.float32)
+                    h_new = np.empty_like(c_new)
+                    cell.lstm_cell_mlas(np.ascontiguousarray(gates, np.float32), c_new, h_new)
+                elif standard and exact:
                     iof = mlas_logistic(gates[:, : 3 * H])
                     cand = mlas_tanh(gates[:, 3 * H :])
                     cand *= iof[:, :H]
