@@ -507,7 +507,9 @@ class PackedMatMulWeight:
             if out is None:
                 out = np.empty((*acc.shape[:-1], n), acc.dtype)
             elif acc.dtype != out.dtype and acc.dtype == np.float64:  # a chunked tile: float64 holds every sum
-                out = out.astype(np.float64)
+                wide = np.empty(out.shape, np.float64)
+                wide[..., :c0] = out[..., :c0]  # (the columns after c0 are not written yet)
+                out = wide
             out[..., c0:c1] = acc
         if norms is None:
             self._tile_l1 = seen
