@@ -260,6 +260,25 @@ def test_transformer_fixture(path, sidecar, tmp_path):
     check_deployed(model, _fixture_feeds(sidecar, sorted(sidecar["feeds"])), _float_compare("fp16" in path), tmp_path)
 
 
+@pytest.mark.parametrize("path,sidecar", [p for p in _fixture_params("transformers") if p.id.endswith("-export")])
+def test_export_saved_by_onnxruntime_optimizer(path, sidecar, tmp_path):
+    """The exported fixtures as onnxruntime's extended graph optimizer saves them for shipping
+    (``optimized_model_filepath``): FusedConv (Conv + Clip), FusedGemm (the pooler's Gemm + Tanh),
+    FusedMatMul, BiasGelu; steps 1-5 on the saved model."""
+    model = os.path.join(path[: -len(".json")], sidecar["model_file"])
+    saved = tmp_path / "ort-extended.onnx"
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(saved)
+    so.log_severity_level = 3
+    ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    ops = {n.op_type for n in onnx.load(str(saved), load_external_data=False).graph.node if n.domain == "com.microsoft"}
+    assert ops & {"FusedConv", "FusedGemm", "FusedMatMul"}, ops
+    work = tmp_path / "work"
+    work.mkdir()
+    check_deployed(str(saved), _fixture_feeds(sidecar, sorted(sidecar["feeds"])), _float_compare(False), work)
+
+
 def _kv_specified(proto: onnx.ModelProto):
     """The rows of each ``present.*`` output that a step defines: the first ``total`` (the
     attention mask's length), or all of a window-sized cache's when ``total`` is longer (a

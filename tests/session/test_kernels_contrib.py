@@ -353,6 +353,56 @@ def test_fused_matmul(case, dtype):
         check_all_paths(n, {"a": a, "b": b}, {}, tol(dtype))
 
 
+# -- FusedConv / FusedGemm (onnxruntime's extended optimizer writes them into saved models) -------
+FUSED_ACTS = [
+    ("relu", dict(activation="Relu")),
+    ("clip", dict(activation="Clip", activation_params=[0.0, 6.0])),
+    ("sigmoid", dict(activation="Sigmoid")),
+    ("tanh", dict(activation="Tanh")),
+    ("leakyrelu", dict(activation="LeakyRelu", activation_params=[0.2])),
+    ("hardsigmoid", dict(activation="HardSigmoid", activation_params=[0.3, 0.4])),
+    ("none", {}),
+]
+
+
+@pytest.mark.parametrize("with_z", [False, True], ids=["", "sum"])
+@pytest.mark.parametrize("act", FUSED_ACTS, ids=[a[0] for a in FUSED_ACTS])
+def test_fused_conv(act, with_z):
+    """com.microsoft FusedConv: ``act(Conv(X, W, B) + Z)``, the weight packed; strides, pads and
+    groups as Conv's."""
+    rng = np.random.default_rng(21)
+    x = rand(rng, (2, 4, 9, 9), np.float32)
+    w, b = rand(rng, (6, 2, 3, 3), np.float32, 0.4), rand(rng, (6,), np.float32, 0.2)
+    feeds = {"x": x}
+    inputs = ["x", "w", "b"]
+    if with_z:
+        feeds["z"] = rand(rng, (2, 6, 5, 5), np.float32)
+        inputs.append("z")
+    n = node("FusedConv", inputs, ["y"], group=2, strides=[2, 2], pads=[1, 1, 1, 1], kernel_shape=[3, 3], **act[1])
+    check_all_paths(n, feeds, {"w": w, "b": b}, F32, packs=1)
+
+
+GEMM_ACTS = [a for a in FUSED_ACTS if a[0] not in ("clip", "none")]  # onnxruntime's FusedGemm needs one of these
+
+
+@pytest.mark.parametrize("act", GEMM_ACTS, ids=[a[0] for a in GEMM_ACTS])
+def test_fused_gemm(act):
+    """com.microsoft FusedGemm: ``act(alpha * A @ B' + beta * C)`` (BERT's pooler as onnxruntime
+    saves it: transB, Tanh); ``activation_alpha`` / ``_beta`` are the activation's parameters."""
+    rng = np.random.default_rng(22)
+    a, w, c = rand(rng, (3, 16), np.float32), rand(rng, (8, 16), np.float32, 0.3), rand(rng, (8,), np.float32)
+    attrs = {k: v for k, v in act[1].items() if k != "activation_params"}
+    for i, v in enumerate(act[1].get("activation_params", [])):
+        attrs[("activation_alpha", "activation_beta")[i]] = v
+    n = node("FusedGemm", ["a", "w", "c"], ["y"], transB=1, alpha=0.5, beta=1.5, **attrs)
+    check_all_paths(n, {"a": a}, {"w": w, "c": c}, F32, packs=1)
+
+
+def test_fused_activation_names_we_do_not_serve_are_declined():
+    with pytest.raises(NotImplementedError):
+        lookup(MS, "FusedGemm", 1)(node("FusedGemm", ["a", "w"], ["y"], activation="Selu"), KernelContext(1, {MS: 1}))
+
+
 def test_model_optimized_by_onnxruntime_runs_natively(tmp_path):
     """onnxruntime's own graph optimizer (level EXTENDED, saved with optimized_model_filepath)
     rewrites plain ops into Gelu, FusedMatMul and SkipLayerNormalization; the saved model runs

@@ -20,7 +20,7 @@ import numpy as np
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
-from onnxpack.session.kernels.linalg import (adopt_pack, as_compute, compute_dtype, identity_panels, layout_attrs,
+from onnxpack.session.kernels.linalg import (Gemm, adopt_pack, as_compute, compute_dtype, identity_panels, layout_attrs,
                                              matmul_packed, pack_b, pack_scaled_b, packed_shape)
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,33 @@ def _op(x: np.ndarray, trans_batch: bool, trans: bool) -> np.ndarray:
     if trans and x.ndim >= 2:
         x = x.swapaxes(-1, -2)
     return x
+
+
+@register("FusedGemm", domain="com.microsoft", since=1)
+class FusedGemm(Gemm):
+    """com.microsoft FusedGemm (onnxruntime's extended optimizer: Gemm + an activation, e.g. BERT's
+    pooler ``Gemm -> Tanh``): ``act(alpha * A' @ B' + beta * C)`` with ``activation``,
+    ``activation_alpha`` and ``activation_beta``; the Gemm is this package's (packed B)."""
+
+    op_type = "FusedGemm"
+    domain = "com.microsoft"
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        from onnxpack.session.kernels.rnn import named_activation
+
+        name = self.attr("activation", "")
+        params = (self.attr("activation_alpha"), self.attr("activation_beta"))
+        self._act = named_activation(name, params) if name else None
+
+    def run(self, a, b=None, c=None):
+        (y,) = super().run(a, b, c)
+        if self._act is not None:
+            y = np.asarray(self._act(y)).astype(y.dtype, copy=False)
+        return (y,)
+
+    def run_into(self, outs, a, b=None, c=None) -> bool:
+        return False  # run computes it (the activation reads the Gemm's result)
 
 
 @register("FusedMatMul", domain="com.microsoft", since=1)

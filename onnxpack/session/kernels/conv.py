@@ -1361,6 +1361,36 @@ class GlobalMaxPool(Kernel):
         return (x.max(axis=axes, keepdims=True),)
 
 
+@register("FusedConv", domain="com.microsoft", since=1)
+class OrtFusedConv(Conv):
+    """com.microsoft FusedConv, which onnxruntime's extended optimizer writes when it saves a
+    model (Conv + Relu / Clip / Sigmoid / Tanh / LeakyRelu / HardSigmoid): ``Y = act(Conv(X, W,
+    B) + Z)`` with ``activation`` and ``activation_params``; the Conv is this package's (packed
+    weight), the activation applied after it in float32 as the standalone op would be."""
+
+    op_type = "FusedConv"
+    domain = "com.microsoft"
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        from onnxpack.session.kernels.rnn import named_activation
+
+        params = tuple(float(v) for v in (self.attr("activation_params") or ()))
+        name = self.attr("activation", "")
+        self._act = named_activation(name, params) if name else None
+
+    def run(self, x, w=None, b=None, z=None):
+        (y,) = super().run(x, w, b)
+        if z is not None:
+            y = y + z
+        if self._act is not None:
+            y = np.asarray(self._act(y)).astype(y.dtype, copy=False)
+        return (y,)
+
+    def run_into(self, outs, x, w=None, b=None, z=None) -> bool:
+        return False  # run computes it (the epilogue reads the Conv's result)
+
+
 @register_fused("conv")
 class FusedConv(Conv):
     """A Conv with the elementwise chain that followed it folded in (``session/_fusion.py``).

@@ -44,7 +44,7 @@ from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, registe
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RNN", "LSTM", "GRU", "ACTIVATIONS"]
+__all__ = ["RNN", "LSTM", "GRU", "ACTIVATIONS", "named_activation"]
 
 _PACK_VERSION = 1
 
@@ -116,6 +116,25 @@ _ACT_DEFAULTS = {
     "leakyrelu": (0.01, 0.0), "thresholdedrelu": (1.0, 0.0), "hardsigmoid": (0.2, 0.5), "elu": (1.0, 0.0),
     "affine": (1.0, 0.0), "scaledtanh": (0.0, 0.0),
 }
+
+
+def named_activation(name: str, params: tuple = ()) -> Callable[[np.ndarray], np.ndarray]:
+    """The activation onnxruntime's fused kernels (FusedConv, FusedGemm) name by a string, with
+    their parameters in order (``activation_params`` / ``activation_alpha``, ``_beta``): the RNN
+    activations, plus Clip ``[min, max]``.  NotImplementedError for any other name."""
+    lname = str(name).lower()
+    if lname == "clip":
+        lo = np.float32(params[0]) if len(params) > 0 else np.float32(-np.inf)
+        hi = np.float32(params[1]) if len(params) > 1 else np.float32(np.inf)
+        return lambda x: np.minimum(np.maximum(x, lo), hi)
+    if lname not in _ACT_PARAMS:
+        raise NotImplementedError(f"fused activation {name!r}")
+    alpha, beta = _ACT_DEFAULTS.get(lname, (0.0, 0.0))
+    if len(params) > 0 and params[0] is not None:
+        alpha = float(params[0])
+    if len(params) > 1 and params[1] is not None:
+        beta = float(params[1])
+    return _activation(lname, alpha, beta)
 
 
 def _activation(lname: str, alpha: float, beta: float) -> Callable[[np.ndarray], np.ndarray]:
