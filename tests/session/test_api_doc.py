@@ -21,14 +21,20 @@ CLASSES = ["InferenceSession", "SessionOptions", "RunOptions", "OrtValue", "IOBi
            "OrtEpDevice", "OrtHardwareDevice", "OrtSyncStream", "OrtEpAssignedSubgraph", "OrtEpAssignedNode"]
 
 
+def _spellings(name: str) -> tuple[str, ...]:
+    # A subpackage (quantization, tools, transformers) is an attribute once something imported it.
+    return (f"`{name}`", f"`onnxruntime.{name}`")
+
+
 def _not_provided(name: str) -> bool:
-    row = next((line for line in DOC.splitlines() if line.startswith("|") and f"`{name}`" in line.split("|")[1]), "")
+    row = next((line for line in DOC.splitlines()
+                if line.startswith("|") and any(s in line.split("|")[1] for s in _spellings(name))), "")
     return "not provided" in row
 
 
 @pytest.mark.parametrize("name", sorted(n for n in dir(ort) if not n.startswith("_")))
 def test_every_module_name_is_in_the_table(name):
-    assert f"`{name}`" in DOC, f"docs/api.md does not say what onnxpack does with onnxruntime.{name}"
+    assert any(s in DOC for s in _spellings(name)), f"docs/api.md does not say what onnxpack does with onnxruntime.{name}"
     if not _not_provided(name):
         assert hasattr(onnxpack, name), f"docs/api.md describes onnxpack.{name}, which does not exist"
 

@@ -37,8 +37,10 @@ which onnxruntime computes exactly on every x86 CPU: ``quant_util.ort_exact``):
   paths compute them in float32; so the tight comparison runs both on the model with
   ``accuracy_level=0`` (fp32 rtol 1e-4 / atol 2e-5: measured 5e-6), and the original model agrees
   within 5% of the largest logit (measured 2%, the int8 rounding of activations).
-  gemma2's sliding-window GroupQueryAttention (``sliding_window_cache=1``) has no kernel yet:
-  strict xfail.
+  gemma2's sliding-window layers (``sliding_window_cache=1``): only the rows of ``present_*``
+  a step defines are compared (:func:`_kv_specified`).
+* the optimizer's float32 fixtures through ``quantize_dynamic`` (QAttention,
+  QEmbedLayerNormalization): the dynamic models' tolerance (measured <= 2.3e-7 relative).
 
 Timing (2-core dev machine, shared): 37-46 s, of which resnet50 (upgrade to opset 13, quantize
 6 s, pack, save 100 MB of fp32 blobs, load warm and from the cache file) ~20 s.
@@ -277,6 +279,33 @@ def test_export_saved_by_onnxruntime_optimizer(path, sidecar, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     check_deployed(str(saved), _fixture_feeds(sidecar, sorted(sidecar["feeds"])), _float_compare(False), work)
+
+
+@pytest.mark.parametrize("weight_type", ["QInt8", "QUInt8"])
+@pytest.mark.parametrize("path,sidecar", [p for p in _fixture_params("transformers") if p.id.endswith("-opt")])
+def test_optimized_transformer_quantized_dynamically(path, sidecar, weight_type, tmp_path):
+    """The optimizer's float32 fixtures through ``quantize_dynamic`` (how onnxruntime's BERT
+    guides make an int8 model): the fused Attention and EmbedLayerNormalization become QAttention
+    and QEmbedLayerNormalization, the other MatMuls dynamic-quantized GEMMs.  Steps 1-5, the
+    dynamic models' tolerance."""
+    model = os.path.join(path[: -len(".json")], sidecar["model_file"])
+    out = str(tmp_path / f"dynamic-{weight_type}.onnx")
+    # (DefaultTensorType: the quantizer cannot infer the float type of the contrib ops' outputs)
+    quantization.quantize_dynamic(model, out, weight_type=getattr(quantization.QuantType, weight_type),
+                                  extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+    ops = {n.op_type for n in onnx.load(out, load_external_data=False).graph.node}
+    if "bert" in path:
+        assert {"QAttention", "QEmbedLayerNormalization"} <= ops, ops
+    assert ops & {"MatMulInteger", "DynamicQuantizeMatMul", "QAttention"}, ops
+
+    def compare(got, want, what):
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape, what
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()), err_msg=what)
+
+    work = tmp_path / "work"
+    work.mkdir()
+    check_deployed(out, _fixture_feeds(sidecar, sorted(sidecar["feeds"])), compare, work)
 
 
 def _kv_specified(proto: onnx.ModelProto):

@@ -1,5 +1,5 @@
 """Attention, MultiHeadAttention, RotaryEmbedding (com.microsoft and ONNX-23) and
-GroupQueryAttention vs onnxruntime 1.32 (CPU, graph optimizations off).
+GroupQueryAttention, QAttention vs onnxruntime 1.32 (CPU, graph optimizations off).
 
 Tolerances: float32 rtol 1e-4 / atol 1e-5 (onnxruntime's MLAS GEMMs and softmax sum in another
 order); float16 rtol 1e-2 / atol 1e-2 after widening (both sides compute in float32 and round
@@ -18,6 +18,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from contrib_util import MS, check_all_paths, run_ort_model, single_node_model
+from quant_util import onnxpack_node, ort_node
 
 import onnxpack
 from onnxpack.errors import InvalidArgument
@@ -152,6 +153,70 @@ def test_attention_declines_rotary_and_rejects_bad_weights():
     k = lookup(MS, "Attention", 1)(mk("Attention", ["x", "w"], ["y"], num_heads=2), KernelContext(1, {}))
     with pytest.raises(InvalidArgument, match="3 equal multiples"):
         k.run(np.zeros((1, 2, 4), np.float32), np.zeros((4, 10), np.float32))
+
+
+# QAttention (quantize_dynamic of an optimized BERT): the integer product is exact on both sides
+# (onnxruntime's u8s8 GEMM given the int8 weight shifted to uint8, quant_util), so the outputs
+# differ only by the attention's float arithmetic.
+QATTN_CASES = [
+    # id, weight dtype, per-column scale / zero point, input zero point, mask, past
+    ("s8-tensor", np.int8, False, False, None, False),
+    ("s8-column-mask", np.int8, True, True, "1d-lengths", False),
+    ("u8-column-zp-2d-mask", np.uint8, True, True, "2d", False),
+    ("u8-tensor-past", np.uint8, False, True, None, True),
+]
+
+
+@pytest.mark.parametrize("case", QATTN_CASES, ids=[c[0] for c in QATTN_CASES])
+def test_qattention_matches_onnxruntime(case):
+    _, wdt, per_col, with_xz, mask, past = case
+    rng = np.random.default_rng(len(case[0]))
+    total = 48
+    x = rng.integers(0, 256, (B, S, DIN)).astype(np.uint8)
+    info = np.iinfo(wdt)
+    w = rng.integers(info.min, info.max, (DIN, total), endpoint=True).astype(wdt)
+    bias = rand(rng, (total,), np.float32, 0.2)
+    ws = (rng.random(total if per_col else ()) * 0.004 + 0.001).astype(np.float32)
+    wz = rng.integers(info.min // 4 + 64 * (wdt == np.uint8), info.max // 4 + 64 * (wdt == np.uint8),
+                      total if per_col else (), endpoint=True).astype(wdt)
+    names = ["x", "w", "b", "xs", "ws", "m", "xz", "wz", "past"]
+    inputs = [x, w, bias, np.array(0.02, np.float32), np.asarray(ws), None,
+              np.array(rng.integers(100, 156), np.uint8) if with_xz else None, np.asarray(wz), None]
+    if mask is not None:
+        inputs[5] = MASKS[mask]
+    outs = ["y"]
+    attrs = {}
+    if past:
+        inputs[8] = rand(rng, (2, B, NH, 3, 4), np.float32)
+        outs.append("present")
+        attrs["unidirectional"] = 1
+    names = [n if v is not None else "" for n, v in zip(names, inputs)]
+    node = mk("QAttention", names, outs, num_heads=NH, **attrs)
+    want = ort_node(node, inputs, 21)
+    for prepack in (True, False):
+        got, sess = onnxpack_node(node, inputs, 21, consts=["w", "b", "ws", "wz"], prepack=prepack)
+        assert sess.get_fallback_nodes() == []
+        assert sess.get_prepack_stats()["weights_packed"] == (2 if prepack else 0)
+        for g, w_ in zip(got, want):
+            assert g.dtype == w_.dtype and g.shape == w_.shape
+            np.testing.assert_allclose(g, w_, **F32)
+    got, _ = onnxpack_node(node, inputs, 21)  # every input fed
+    for g, w_ in zip(got, want):
+        np.testing.assert_allclose(g, w_, **F32)
+
+
+def test_qattention_rejects_float_input_and_bad_scales():
+    n = mk("QAttention", ["x", "w", "b", "xs", "ws"], ["y"], num_heads=2)
+    k = lookup(MS, "QAttention", 1)(n, KernelContext(1, {MS: 1}))
+    w = np.zeros((4, 12), np.int8)
+    b = np.zeros(12, np.float32)
+    one = np.array(1.0, np.float32)
+    with pytest.raises(InvalidArgument, match="input must be int8 or uint8"):
+        k.run(np.zeros((1, 2, 4), np.float32), w, b, one, one)
+    with pytest.raises(InvalidArgument, match="weight_scale must be a scalar or have 12 values"):
+        k.run(np.zeros((1, 2, 4), np.uint8), w, b, one, np.ones(5, np.float32))
+    with pytest.raises(InvalidArgument, match="3 equal multiples"):
+        k.run(np.zeros((1, 2, 4), np.uint8), np.zeros((4, 10), np.int8), np.zeros(10, np.float32), one, one)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -317,6 +317,42 @@ def test_embed_layer_norm(case, dtype):
     check_all_paths(n, feeds, consts, tol(dtype), packs=packs)
 
 
+@pytest.mark.parametrize("segment", [True, False], ids=["segment", "no-segment"])
+@pytest.mark.parametrize("qdt", [np.uint8, np.int8], ids=["u8", "s8"])
+def test_qembed_layer_norm(qdt, segment):
+    """QEmbedLayerNormalization (quantize_dynamic of an optimized BERT): 8-bit tables with their
+    scales and zero points, against onnxruntime."""
+    rng = np.random.default_rng(9)
+    b, s, h, vocab = 2, 5, 16, 30
+    info = np.iinfo(qdt)
+
+    def q(shape):
+        return rng.integers(info.min, info.max, shape, endpoint=True).astype(qdt)
+
+    feeds = {"ids": rng.integers(0, vocab, (b, s)).astype(np.int32),
+             "m": np.array([[1, 1, 0, 1, 1], [1, 1, 1, 0, 0]], np.int32)}
+    tables = {"w": q((vocab, h)), "p": q((12, h)), "se": q((2, h)), "g": q((h,)), "be": q((h,))}
+    consts = dict(tables)
+    for t in tables:
+        consts[t + "_s"] = np.array(rng.random() * 0.02 + 0.005, np.float32)
+        consts[t + "_z"] = np.array(rng.integers(info.min // 2, info.max // 2), qdt)
+    order = ["w", "p", "se", "g", "be"]
+    if not segment:
+        order.remove("se")
+        for k in ("se", "se_s", "se_z"):
+            del consts[k]
+    else:
+        feeds["seg"] = rng.integers(0, 2, (b, s)).astype(np.int32)
+
+    def name(t, suffix=""):
+        return t + suffix if t in order else ""
+
+    ins = ["ids", "seg" if segment else "", "w", "p", name("se"), "g", "be", "m"]
+    ins += [name(t, "_s") for t in ("w", "p", "se", "g", "be")] + [name(t, "_z") for t in ("w", "p", "se", "g", "be")]
+    n = node("QEmbedLayerNormalization", ins, ["y", "mask_index"], epsilon=1e-5)
+    check_all_paths(n, feeds, consts, F32, packs=0)
+
+
 def test_embed_layer_norm_rejects_out_of_range_ids():
     n = node("EmbedLayerNormalization", ["ids", "", "w", "p", "", "g", "b"], ["y"])
     k = lookup(MS, "EmbedLayerNormalization", 1)(n, KernelContext(1, {MS: 1}))

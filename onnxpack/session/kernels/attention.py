@@ -33,6 +33,7 @@ from onnxpack.session.kernels import _act
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register, same_view
 from onnxpack.session.kernels.linalg import (adopt_pack, compute_dtype, identity_panels, layout_attrs, matmul_packed,
                                              pack_b, packed_shape)
+from onnxpack.session.kernels.qinteger import PackedMatMulWeight, check_eight_bit, per_channel, per_tensor, scale_bias
 
 logger = logging.getLogger(__name__)
 
@@ -330,11 +331,16 @@ class Attention(Kernel):
         if bias is not None and bias.shape != (total,):
             raise _err(self, f"bias must have shape ({total},), got {list(bias.shape)}")
         fd = _fd(x.dtype)
-        b, s, _ = x.shape
-        n = self.heads
         qkv = matmul_packed(_f(x, fd), w if w.ndim == 3 else _f(w, fd), total)
         if bias is not None:
             qkv += _f(bias, fd)
+        return self._from_qkv(qkv, (dq, dk, dv), x.dtype, fd, mask_index, past, attention_bias, past_sequence_length)
+
+    def _from_qkv(self, qkv, sizes, out_dtype, fd, mask_index, past, attention_bias, past_sequence_length):
+        """The attention from the projected (B, S, Dq + Dk + Dv) ``qkv``."""
+        dq, dk, dv = sizes
+        b, s, _ = qkv.shape
+        n = self.heads
         q = _bsd_to_bnsh(qkv[..., :dq], n)
         k = _bsd_to_bnsh(qkv[..., dq:dq + dk], n)
         v = _bsd_to_bnsh(qkv[..., dq + dk:], n)
@@ -364,11 +370,11 @@ class Attention(Kernel):
                 k_all = np.concatenate([_f(past[0], fd), k], axis=2)
                 v_all = np.concatenate([_f(past[1], fd), v], axis=2)
                 if self.n_out > 1 and self.node.output[1]:
-                    present = np.stack([k_all, v_all]).astype(x.dtype, copy=False)
+                    present = np.stack([k_all, v_all]).astype(out_dtype, copy=False)
         else:
             k_all, v_all = k, v
             if self.n_out > 1 and self.node.output[1]:
-                present = np.stack([k, v]).astype(x.dtype, copy=False)
+                present = np.stack([k, v]).astype(out_dtype, copy=False)
         t = past_len + s
         scale = self.scale if self.scale != 0.0 else 1.0 / math.sqrt(h)
         acc = None
@@ -380,7 +386,67 @@ class Attention(Kernel):
         acc = _add_bias(self, acc, attention_bias, b, n, s, t)
         out, _ = _attend(q, k_all, v_all, scale, acc)
         y = _bnsh_to_bsd(out)
-        return (y.astype(x.dtype, copy=False), present)[: self.n_out]
+        return (y.astype(out_dtype, copy=False), present)[: self.n_out]
+
+
+@register("QAttention", domain="com.microsoft", since=1)
+class QAttention(PackedMatMulWeight, Attention):
+    """Attention of an 8-bit input and weight (``quantize_dynamic`` of an optimized BERT / GPT-2):
+    ``(X - x_zp) @ (W - w_zp)`` exactly in integers, ``float32(acc) * (x_scale * w_scale)`` (per
+    tensor or per column) ``+ bias`` as onnxruntime's scale-bias step, then :class:`Attention`'s
+    computation.  Inputs: input, weight, bias, input_scale, weight_scale, mask_index,
+    input_zero_point, weight_zero_point, past.  The weight is packed as MatMulInteger's (8-bit
+    lanes, family ``qmatmul``), the bias as Attention's."""
+
+    weight_index = 1
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self._init_weight()
+        self.what = f"node {node.name!r} (QAttention)"
+
+    def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
+        if input_index == 1:
+            return PackedMatMulWeight.pack_spec(self, input_index, info)
+        return Attention.pack_spec(self, input_index, info) if input_index == 2 else None
+
+    def expected_packed(self, input_index: int, info: TensorInfo):
+        if input_index == 1:
+            return PackedMatMulWeight.expected_packed(self, input_index, info)
+        return Attention.expected_packed(self, input_index, info) if input_index == 2 else None
+
+    def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
+        if input_index == 1:
+            return PackedMatMulWeight.prepack(self, input_index, weight)
+        return Attention.prepack(self, input_index, weight)
+
+    def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
+        if input_index == 1:
+            PackedMatMulWeight.use_prepacked(self, input_index, buffers)
+        else:
+            Attention.use_prepacked(self, input_index, buffers)
+
+    def run(self, x, weight=None, bias=None, input_scale=None, weight_scale=None, mask_index=None,
+            input_zero_point=None, weight_zero_point=None, past=None):
+        if x.ndim != 3:
+            raise _err(self, f"input must be 3-D (batch, sequence, hidden), got shape {list(x.shape)}")
+        check_eight_bit(x, "input", self.what)
+        total = self._n(weight, self.what)
+        if total % 3 or (total // 3) % self.heads:
+            raise _err(self, f"weight's second dimension {total} must be 3 equal multiples of num_heads {self.heads}")
+        if input_scale is None or weight_scale is None:
+            raise _err(self, "input_scale and weight_scale are required")
+        bias = self._b if self._b is not None else bias
+        if bias is not None and bias.shape != (total,):
+            raise _err(self, f"bias must have shape ({total},), got {list(bias.shape)}")
+        xs = per_tensor(input_scale, "input_scale", self.what)
+        xz = None if input_zero_point is None else per_tensor(input_zero_point, "input_zero_point", self.what)
+        ws = per_channel(weight_scale, total, "weight_scale", self.what)
+        wz = per_channel(weight_zero_point, total, "weight_zero_point", self.what)
+        acc = self._int_matmul(x, xz, weight, wz, self.what)
+        qkv = scale_bias(acc, np.float32(xs) * ws.astype(np.float32), bias)
+        d = total // 3
+        return self._from_qkv(qkv, (d, d, d), np.dtype(np.float32), np.dtype(np.float32), mask_index, past, None, None)
 
 
 def _project_kv(kernel, x, bias_part, heads, fd):

@@ -370,3 +370,37 @@ class EmbedLayerNormalization(Kernel):
         if self.want_mask:
             mask_index = (np.count_nonzero(mask, axis=1) if mask is not None else np.zeros(b)).astype(np.int32)
         return (_to(y, word.dtype), mask_index, total)[: self.n_out]
+
+
+@register("QEmbedLayerNormalization", domain="com.microsoft", since=1)
+class QEmbedLayerNormalization(EmbedLayerNormalization):
+    """EmbedLayerNormalization of 8-bit tables (``quantize_dynamic`` of an optimized BERT): each
+    table dequantized as onnxruntime does, ``float32(q - zero_point) * scale``, then the float
+    kernel.  Inputs: ids, segment ids, the word / position / segment tables, gamma, beta, mask,
+    then their scales (8-12) and zero points (13-17) in the same order.  Nothing is packed: a
+    table's float image needs its scale and zero point, so it is dequantized per call (a gather's
+    worth of work next to the model's GEMMs)."""
+
+    op_type = "QEmbedLayerNormalization"
+    domain = "com.microsoft"
+    _PARAMS = {2: (8, 13), 3: (9, 14), 4: (10, 15), 5: (11, 16), 6: (12, 17)}  # table -> (scale, zero point)
+
+    def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
+        return None
+
+    def run(self, input_ids, segment_ids=None, word=None, position=None, segment=None, gamma=None, beta=None,
+            mask=None, *params):
+        params = tuple(params) + (None,) * (10 - len(params))
+        tables = {2: word, 3: position, 4: segment, 5: gamma, 6: beta}
+        deq = {}
+        for i, q in tables.items():
+            if q is None:
+                deq[i] = None
+                continue
+            scale, zp = params[self._PARAMS[i][0] - 8], params[self._PARAMS[i][1] - 8]
+            if scale is None:
+                raise InvalidArgument(f"node {self.node.name!r} (QEmbedLayerNormalization): input {i} needs its scale")
+            z = np.int32(0) if zp is None else np.asarray(zp).astype(np.int32).reshape(())
+            deq[i] = (q.astype(np.int32) - z).astype(np.float32) * np.asarray(scale, np.float32).reshape(())
+        return super().run(input_ids, segment_ids, deq[2], deq[3], deq[4], deq[5], deq[6], mask)
+

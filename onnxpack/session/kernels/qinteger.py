@@ -687,7 +687,7 @@ def _dynamic_quantize_uint8(a: np.ndarray) -> tuple[np.ndarray, np.float32, int]
     return q.astype(np.uint8), scale, int(zp)
 
 
-def _scale_bias(acc: np.ndarray, multiplier: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+def scale_bias(acc: np.ndarray, multiplier: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
     """``float32(acc) * multiplier + bias`` (onnxruntime's scale-bias output processor)."""
     y = acc.astype(np.float32)
     y *= multiplier
@@ -727,7 +727,7 @@ class DynamicQuantizeMatMul(PackedMatMulWeight, Kernel):
             else:
                 bw, bdtype = self._weight(b, self.what)
                 acc = int_matmul(af, None, bw, bdtype, bz, a_shifted=True, a_span=a_span, what=self.what)
-        return (_scale_bias(acc, np.float32(a_scale) * bs.astype(np.float32), bias),)
+        return (scale_bias(acc, np.float32(a_scale) * bs.astype(np.float32), bias),)
 
 
 @register("MatMulIntegerToFloat", domain="com.microsoft", since=1)
@@ -751,7 +751,7 @@ class MatMulIntegerToFloat(PackedMatMulWeight, Kernel):
         sb = per_channel(b_scale, n, "b_scale", self.what)
         bz = per_channel(b_zero_point, n, "b_zero_point", self.what)
         acc = self._int_matmul(a, a_zero_point, b, bz, self.what)
-        y = _scale_bias(acc, sa.astype(np.float32) * sb.astype(np.float32), bias)
+        y = scale_bias(acc, sa.astype(np.float32) * sb.astype(np.float32), bias)
         return (y.astype(np.asarray(a_scale).dtype, copy=False),)
 
 
