@@ -39,6 +39,8 @@ which onnxruntime computes exactly on every x86 CPU: ``quant_util.ort_exact``):
   within 5% of the largest logit (measured 2%, the int8 rounding of activations).
   gemma2's sliding-window layers (``sliding_window_cache=1``): only the rows of ``present_*``
   a step defines are compared (:func:`_kv_specified`).
+* the sample transformer through the weight-only quantizers (MatMulNBits, int4 DequantizeLinear,
+  MatMulBnb4): rtol 1e-4, atol 1e-4 of the output's magnitude (measured <= 2.2e-6 relative).
 * the optimizer's float32 fixtures through ``quantize_dynamic`` (QAttention,
   QEmbedLayerNormalization): the dynamic models' tolerance (measured <= 2.3e-7 relative).
 
@@ -223,6 +225,43 @@ def test_quantized_model(name, mode, tmp_path):
                 np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()), err_msg=what)
             else:  # one step of the last DequantizeLinear, up to float32 rounding of its products
                 assert float(np.abs(g - w).max()) <= step * 1.01, (what, float(np.abs(g - w).max()), step)
+
+    check_deployed(path, [feeds], compare, tmp_path)
+
+
+WEIGHT_ONLY = ["nbits2", "nbits4-asym", "nbits8-sym", "nbits4-qdq", "bnb4-fp4", "bnb4-nf4"]
+
+
+@pytest.mark.parametrize("mode", WEIGHT_ONLY)
+def test_weight_only_quantized_transformer(mode, tmp_path):
+    """The sample transformer through onnxruntime's weight-only quantizers: MatMulNBitsQuantizer
+    (2 / 4 / 8 bits, asymmetric and symmetric, MatMulNBits or blocked int4 DequantizeLinear) and
+    MatMulBnb4Quantizer (FP4, NF4).  The weights decode exactly on both sides: float32 rtol 1e-4,
+    atol 1e-4 of the output's magnitude (measured <= 2.2e-6 relative)."""
+    from onnxruntime.quantization import QuantFormat
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+    from onnxruntime.quantization.matmul_bnb4_quantizer import MatMulBnb4Quantizer
+
+    src = str(ROOT / "models" / "transformer.onnx")
+    feeds = sample_models.sample_inputs("transformer", onnx.load(src, load_external_data=False))
+    if mode.startswith("bnb4"):
+        quantizer = MatMulBnb4Quantizer(onnx.load(src), 0 if mode.endswith("fp4") else 1, 32)
+    else:
+        bits = int(mode[5])
+        config = mnq.DefaultWeightOnlyQuantConfig(
+            block_size=32, bits=bits, is_symmetric=mode.endswith("-sym"),
+            quant_format=QuantFormat.QDQ if mode.endswith("qdq") else QuantFormat.QOperator)
+        quantizer = mnq.MatMulNBitsQuantizer(onnx.load(src), algo_config=config)
+    quantizer.process()
+    path = str(tmp_path / f"{mode}.onnx")
+    onnx.save(quantizer.model.model, path)
+    ops = {n.op_type for n in onnx.load(path).graph.node}
+    assert ops & {"MatMulNBits", "MatMulBnb4", "DequantizeLinear"}, ops
+
+    def compare(got, want, what):
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape, what
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(np.abs(w).max()), err_msg=what)
 
     check_deployed(path, [feeds], compare, tmp_path)
 

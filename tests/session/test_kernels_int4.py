@@ -1,4 +1,6 @@
-"""Int4/int8 block-quantized weights that stay quantized: MatMulNBits and GatherBlockQuantized.
+"""Int4/int8 block-quantized weights that stay quantized: MatMulNBits, GatherBlockQuantized and
+MatMulBnb4 (FP4 / NF4: float32 rtol 1e-5 of the output's magnitude, the decoded weights being
+onnxruntime's bit for bit).
 
 Oracle: onnxruntime (onnx.reference has neither op), single-node models with graph optimizations
 off.  Every MatMulNBits case runs through both compute paths — the numba kernels (``jit``,
@@ -886,3 +888,91 @@ def test_arena_shrinkage_run_option_drops_the_dequantization_panel():
     (got,) = s.run(None, {"a": a}, ro)
     assert not quant._panels
     np.testing.assert_array_equal(got, want)
+
+
+# -- MatMulBnb4 (onnxruntime's MatMulBnb4Quantizer: FP4 / NF4) ---------------------------------------
+def _bnb4_model(k, n, block_size, quant_type, packed, absmax, *, weights_as_inputs=False):
+    attrs = dict(K=k, N=n, block_size=block_size, quant_type=quant_type)
+    node = helper.make_node("MatMulBnb4", ["A", "B", "absmax"], ["Y"], domain=MS, **attrs)
+    consts = [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(absmax, "absmax")]
+    inputs = [helper.make_tensor_value_info("A", TensorProto.FLOAT, None)]
+    if weights_as_inputs:
+        inputs += [helper.make_tensor_value_info("B", TensorProto.UINT8, None),
+                   helper.make_tensor_value_info("absmax", TensorProto.FLOAT, None)]
+    graph = helper.make_graph([node], "bnb4", inputs, [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+                              [] if weights_as_inputs else consts)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)],
+                             ir_version=9)
+
+
+def _ort(model, feeds):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+@pytest.mark.parametrize("quant_type", [0, 1], ids=["fp4", "nf4"])
+def test_bnb4_tables_and_nibble_order_are_onnxruntimes(quant_type):
+    """Every code in every nibble position, absmax 1, A = I: onnxruntime's decoded weight is the
+    table, bit for bit (element 2j in the high nibble)."""
+    k, n = 16, 2
+    codes = np.arange(k * n) % 16
+    packed = ((codes[0::2] << 4) | codes[1::2]).astype(np.uint8)
+    model = _bnb4_model(k, n, 16, quant_type, packed, np.ones(2, np.float32))
+    want = _ort(model, {"A": np.eye(k, dtype=np.float32)}).T.reshape(-1)
+    np.testing.assert_array_equal(want.view(np.uint32) & 0x7FFFFFFF,
+                                  quant.BNB4_TABLES[quant_type][codes].view(np.uint32) & 0x7FFFFFFF)
+    got = InferenceSession(model.SerializeToString()).run(None, {"A": np.eye(k, dtype=np.float32)})[0]
+    np.testing.assert_array_equal(got, _ort(model, {"A": np.eye(k, dtype=np.float32)}))
+
+
+BNB4_CASES = [  # K, N, block size: odd N*K (a half byte), blocks across rows, several tiles
+    (16, 8, 16), (33, 7, 16), (64, 48, 64), (100, 37, 256), (257, 300, 128),
+]
+
+
+@pytest.mark.parametrize("quant_type", [0, 1], ids=["fp4", "nf4"])
+@pytest.mark.parametrize("case", BNB4_CASES, ids=[f"k{k}n{n}b{b}" for k, n, b in BNB4_CASES])
+def test_matmul_bnb4_quantizer_output_matches_onnxruntime(case, quant_type, monkeypatch):
+    """What MatMulBnb4Quantizer writes (its own packing, onnxruntime's native quantizer), through
+    a session (weights constant, then fed) and with small tiles."""
+    from onnxruntime.quantization.matmul_bnb4_quantizer import MatMulBnb4Quantizer
+
+    k, n, bs = case
+    rng = np.random.default_rng(k * n)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    packed, absmax = MatMulBnb4Quantizer(onnx.ModelProto(), quant_type, bs).bnb4_block_quant(w)
+    a = rng.standard_normal((2, 3, k)).astype(np.float32)
+    model = _bnb4_model(k, n, bs, quant_type, packed, absmax)
+    want = _ort(model, {"A": a})
+    tol = dict(rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    sess = InferenceSession(model.SerializeToString())
+    assert sess.get_fallback_nodes() == []
+    np.testing.assert_allclose(sess.run(None, {"A": a})[0], want, **tol)
+    fed = InferenceSession(_bnb4_model(k, n, bs, quant_type, packed, absmax, weights_as_inputs=True).SerializeToString())
+    got = fed.run(None, {"A": a, "B": packed, "absmax": absmax})[0]
+    np.testing.assert_allclose(got, want, **tol)
+    monkeypatch.setattr(quant, "_BNB4_TILE", 40)  # tiles of one or two rows, blocks cut by tiles
+    got = run_native(helper.make_node("MatMulBnb4", ["A", "B", "absmax"], ["Y"], domain=MS, K=k, N=n,
+                                      block_size=bs, quant_type=quant_type), [a, packed, absmax], 1)[0]
+    np.testing.assert_allclose(got, want, **tol)
+
+
+def test_matmul_bnb4_declines_trans_b_0_and_rejects_bad_inputs():
+    rng = np.random.default_rng(5)
+    k, n, bs = 16, 12, 16
+    packed = rng.integers(0, 256, (k * n + 1) // 2, dtype=np.uint8)
+    absmax = rng.random(k * n // bs).astype(np.float32)
+    with pytest.raises(NotImplementedError, match="transB=0"):  # onnxruntime's kernel ignores it
+        lookup(MS, "MatMulBnb4", 1)(helper.make_node("MatMulBnb4", ["A", "B", "absmax"], ["Y"], domain=MS, K=k, N=n,
+                                                     block_size=bs, quant_type=1, transB=0), KernelContext(1, {MS: 1}))
+    node = helper.make_node("MatMulBnb4", ["A", "B", "absmax"], ["Y"], domain=MS, K=k, N=n, block_size=bs, quant_type=1)
+    with pytest.raises(InvalidArgument, match="B must be uint8 with"):
+        run_native(node, [np.zeros((1, k), np.float32), packed[:-1], absmax], 1)
+    with pytest.raises(InvalidArgument, match="absmax must be float with"):
+        run_native(node, [np.zeros((1, k), np.float32), packed, absmax[:-1]], 1)
+    with pytest.raises(InvalidArgument, match="A must be float with last dimension 16"):
+        run_native(node, [np.zeros((1, k + 1), np.float32), packed, absmax], 1)
+    with pytest.raises(InvalidArgument, match="quant_type must be 0"):
+        lookup(MS, "MatMulBnb4", 1)(helper.make_node("MatMulBnb4", ["A", "B", "absmax"], ["Y"], domain=MS, K=k, N=n,
+                                                     block_size=bs, quant_type=2), KernelContext(1, {MS: 1}))

@@ -1,4 +1,5 @@
-"""Block-quantized weights that stay quantized: ``com.microsoft::MatMulNBits`` and ``GatherBlockQuantized``.
+"""Block-quantized weights that stay quantized: ``com.microsoft::MatMulNBits``, ``GatherBlockQuantized``
+and ``MatMulBnb4`` (FP4 / NF4 codes, decoded per call: see its class).
 
 MatMulNBits, as onnxruntime's ``MatMulNBitsQuantizer`` (and onnxruntime-genai's builder) write it:
 
@@ -79,7 +80,7 @@ from onnxpack.session.kernels.linalg import as_compute
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "MatMulNBits", "GatherBlockQuantized", "unpack_nbits", "dequantize_nbits", "to_tiles", "jit_enabled",
+    "MatMulNBits", "GatherBlockQuantized", "MatMulBnb4", "BNB4_TABLES", "unpack_nbits", "dequantize_nbits", "to_tiles", "jit_enabled",
     "TILE", "JIT_MAX_ROWS",
 ]
 
@@ -1005,3 +1006,102 @@ class GatherBlockQuantized(Kernel):
         out_shape = data.shape[:ga] + tuple(np.shape(indices)) + data.shape[ga + 1:]
         out_shape = out_shape[:-1] + (out_shape[-1] * comp,) if packed else out_shape
         return (w.reshape(out_shape).astype(out_dtype, copy=False),)
+
+
+# The 16 values of bitsandbytes' 4-bit codes as onnxruntime's MatMulBnb4 decodes them (float32;
+# measured against onnxruntime 1.32 in tests/session/test_kernels_int4.py): FP4 (sign bit, then a
+# 3-bit magnitude code) and NF4 (normal-distribution quantiles).
+BNB4_TABLES = {
+    0: np.array([0.0, 0.0052083334885537624, 0.6666666865348816, 1.0, 0.3333333432674408, 0.5, 0.1666666716337204,
+                 0.25, 0.0, -0.0052083334885537624, -0.6666666865348816, -1.0, -0.3333333432674408, -0.5,
+                 -0.1666666716337204, -0.25], np.float32),
+    1: np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+                 -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+                 0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                 0.7229568362236023, 1.0], np.float32),
+}
+
+_BNB4_TILE = 1 << 18  # weight elements dequantized at a time (1 MiB of float32 scratch)
+
+
+@register("MatMulBnb4", domain="com.microsoft", since=1)
+class MatMulBnb4(Kernel):
+    """``Y = A @ dequantize(B)``, the FP4 / NF4 weights of onnxruntime's ``MatMulBnb4Quantizer``.
+
+    ``B`` uint8 ((N*K + 1) / 2,): the transposed (N, K) weight flattened, two 4-bit codes per
+    byte, element ``2j`` in the high nibble of byte ``j``; ``absmax`` ((N*K + block_size - 1) /
+    block_size,): one scale per block of ``block_size`` consecutive elements of that flattening.
+    ``W^T[n, k] = table[code] * absmax[(n*K + k) // block_size]`` (one float32 product, as
+    onnxruntime), then the GEMM.  ``transB=0`` (never written by the quantizer) is declined:
+    onnxruntime's CPU kernel multiplies by the transposed weight whatever it says.
+
+    Nothing is packed: the 4-bit codes stay as the model stores them and are decoded per call,
+    a tile of rows of ``W^T`` at a time into a small scratch (a pack of one input cannot fold in
+    another input's scales, and a decoded pack would be 8x the model's bytes)."""
+
+    op_type = "MatMulBnb4"
+    domain = "com.microsoft"
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        missing = [a for a in ("K", "N", "block_size", "quant_type") if a not in self.attrs]
+        if missing:
+            raise InvalidArgument(f"node {node.name!r} (MatMulBnb4): missing attribute(s) {missing}")
+        self.k, self.n = int(self.attr("K")), int(self.attr("N"))
+        self.block_size = int(self.attr("block_size"))
+        quant_type = int(self.attr("quant_type"))
+        if not int(self.attr("transB", 1)):
+            raise NotImplementedError("MatMulBnb4 with transB=0 (onnxruntime's CPU kernel ignores it)")
+        if quant_type not in BNB4_TABLES:
+            raise InvalidArgument(f"node {node.name!r} (MatMulBnb4): quant_type must be 0 (FP4) or 1 (NF4), got {quant_type}")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise InvalidArgument(
+                f"node {node.name!r} (MatMulBnb4): block_size must be a power of 2 and >= 16, got {self.block_size}")
+        if self.k < 0 or self.n < 0:
+            raise InvalidArgument(f"node {node.name!r} (MatMulBnb4): K and N must be >= 0, got K={self.k} N={self.n}")
+        self.table = BNB4_TABLES[quant_type]
+
+    def _fail(self, message: str) -> InvalidArgument:
+        return InvalidArgument(f"node {self.node.name!r} (MatMulBnb4): {message}")
+
+    def decode(self, b: np.ndarray, absmax: np.ndarray, start: int, stop: int) -> np.ndarray:
+        """Elements ``[start, stop)`` of the flattened (N, K) weight, decoded to float32."""
+        b0, b1 = start // 2, (stop + 1) // 2
+        chunk = b[b0:b1]
+        codes = np.empty(2 * chunk.size, np.uint8)
+        np.right_shift(chunk, 4, out=codes[0::2])
+        np.bitwise_and(chunk, 15, out=codes[1::2])
+        first = start - 2 * b0
+        vals = self.table.take(codes[first:first + stop - start])
+        bs = self.block_size
+        a0 = start // bs
+        scale = np.repeat(absmax[a0:(stop - 1) // bs + 1], bs)[start - a0 * bs:stop - a0 * bs]
+        vals *= scale
+        return vals
+
+    def run(self, a, b=None, absmax=None):
+        k, n = self.k, self.n
+        numel = k * n
+        if b is None or b.dtype != np.uint8 or b.size != (numel + 1) // 2:
+            raise self._fail(f"B must be uint8 with (N*K + 1) / 2 = {(numel + 1) // 2} elements, "
+                             f"got {None if b is None else f'{b.dtype}{list(b.shape)}'}")
+        nabs = -(-numel // self.block_size)
+        if absmax is None or absmax.dtype.kind != "f" or absmax.size != nabs:
+            raise self._fail(f"absmax must be float with ceil(N*K / block_size) = {nabs} elements, "
+                             f"got {None if absmax is None else f'{absmax.dtype}{list(absmax.shape)}'}")
+        if a is None or a.dtype.kind != "f" or a.ndim < 1 or a.shape[-1] != k:
+            raise self._fail(f"A must be float with last dimension {k}, "
+                             f"got {None if a is None else f'{a.dtype}{list(a.shape)}'}")
+        b = b.reshape(-1)
+        scales = absmax.reshape(-1).astype(np.float32, copy=False)
+        a2 = as_compute(a).reshape(-1, k).astype(np.float32, copy=False)
+        y = np.empty((a2.shape[0], n), np.float32)
+        if numel <= _BNB4_TILE or k == 0:
+            np.matmul(a2, self.decode(b, scales, 0, numel).reshape(n, k).T, out=y)
+        else:
+            rows = max(1, _BNB4_TILE // k)  # rows of W^T (columns of Y) per tile
+            for r0 in range(0, n, rows):
+                r1 = min(n, r0 + rows)
+                w = self.decode(b, scales, r0 * k, r1 * k).reshape(r1 - r0, k)
+                np.matmul(a2, w.T, out=y[:, r0:r1])
+        return (y.reshape(*a.shape[:-1], n).astype(a.dtype, copy=False),)
