@@ -242,6 +242,30 @@ MODELS: dict[str, Spec] = {s.name: s for s in [
           ("electra", "ElectraModel", "ElectraConfig", ("input_ids", "attention_mask", "token_type_ids"),
            dict(embedding_size=32), "google/electra-small-discriminator"),
       )],
+    # Other families the optimizer has a model_type for: built on demand; T5's encoder (relative
+    # position bias, RMS norms fused into SkipSimplifiedLayerNormalization) committed.
+    *[Spec(name, _hf(cls, conf, keys, 1), tiny, {},
+           (lambda types: lambda cfg: _text_recipe(cfg, "vocab_size", types))("token_type_ids" in keys),
+           keys, ("last_hidden_state",),
+           {**{k: {0: "batch", 1: "sequence"} for k in keys}, "last_hidden_state": {0: "batch", 1: "sequence"}},
+           (lambda mt: lambda cfg: dict(model_type=mt, num_heads=cfg.get("num_heads", cfg.get("num_attention_heads", cfg.get("encoder_attention_heads", 0))),
+                                        hidden_size=cfg.get("d_model", cfg.get("hidden_size", 0))))(model_type),
+           hf, committed=committed)
+      for name, cls, conf, keys, tiny, model_type, hf, committed in (
+          ("clip-text", "CLIPTextModel", "CLIPTextConfig", ("input_ids", "attention_mask"),
+           dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=64), "clip", "openai/clip-vit-base-patch32", ()),
+          ("t5-encoder", "T5EncoderModel", "T5Config", ("input_ids", "attention_mask"),
+           dict(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4), "t5", "google-t5/t5-small",
+           ("opt",)),
+          ("bart", "BartModel", "BartConfig", ("input_ids", "attention_mask"),
+           dict(vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64),
+           "bart", "facebook/bart-base", ()),
+          ("gpt-neox", "GPTNeoXModel", "GPTNeoXConfig", ("input_ids", "attention_mask"),
+           dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=64), "gpt_neox", "EleutherAI/pythia-70m", ()),
+      )],
     # Tiny: width 0.25 and a shorter block table (every block kind: no expansion, stride 2,
     # residual repeats); the full table and 224x224 with --shape mobilenetv2.
     Spec("mobilenetv2", _mobilenet_v2,

@@ -209,7 +209,8 @@ def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
     fast = _softmax_jit(x, axis, None)
     if fast is not None:
         return fast
-    y = np.asarray(x - np.max(x, axis=axis, keepdims=True))
+    with np.errstate(over="ignore"):  # float16 -65504 - max: -inf, whose exp is the 0 it stands for
+        y = np.asarray(x - np.max(x, axis=axis, keepdims=True))
     np.exp(y, out=y)
     y /= np.sum(y, axis=axis, keepdims=True)
     return _same(y, x)
