@@ -39,6 +39,8 @@ which onnxruntime computes exactly on every x86 CPU: ``quant_util.ort_exact``):
   within 5% of the largest logit (measured 2%, the int8 rounding of activations).
   gemma2's sliding-window layers (``sliding_window_cache=1``): only the rows of ``present_*``
   a step defines are compared (:func:`_kv_specified`).
+* light squeezenet quantized statically and saved by onnxruntime at level *all* (channels-last
+  int8 ops): one step of the last DequantizeLinear, like the static models (measured: equal).
 * the sample transformer through the weight-only quantizers (MatMulNBits, int4 DequantizeLinear,
   MatMulBnb4): rtol 1e-4, atol 1e-4 of the output's magnitude (measured <= 2.2e-6 relative).
 * the optimizer's float32 fixtures through ``quantize_dynamic`` (QAttention,
@@ -227,6 +229,38 @@ def test_quantized_model(name, mode, tmp_path):
                 assert float(np.abs(g - w).max()) <= step * 1.01, (what, float(np.abs(g - w).max()), step)
 
     check_deployed(path, [feeds], compare, tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["qop", "qdq"])
+def test_quantized_model_saved_at_level_all(mode, tmp_path):
+    """A statically quantized CNN as onnxruntime's *all* level saves it: its NHWC transformer
+    turns the int8 convolutions channels-last (com.microsoft QLinearConv ``channels_last=1``,
+    NhwcMaxPool, QLinearGlobalAveragePool, Transposes).  Steps 1-5, one step of the last
+    DequantizeLinear (measured: equal)."""
+    light, model = sample_models.write_light_model("light_squeezenet", tmp_path / "light", expose_logits=False)
+    feeds = sample_models.light_inputs(model)
+    src = str(tmp_path / "squeezenet-13.onnx")
+    onnx.save(onnx.version_converter.convert_version(onnx.load(light), 13), src)
+    quantized = str(tmp_path / f"squeezenet-{mode}.onnx")
+    quantize(src, quantized, mode, feeds)
+    saved = str(tmp_path / "ort-all.onnx")
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.optimized_model_filepath = saved
+    so.log_severity_level = 3
+    ort.InferenceSession(quantized, so, providers=["CPUExecutionProvider"])
+    ops = {n.op_type for n in onnx.load(saved).graph.node if n.domain == "com.microsoft"}
+    assert {"NhwcMaxPool", "QLinearConv"} <= ops, ops
+    steps = _output_steps(onnx.load(saved))
+
+    def compare(got, want, what):
+        for g, w, step in zip(got, want, steps):
+            assert g.dtype == w.dtype and g.shape == w.shape, what
+            assert float(np.abs(g - w).max()) <= (step or 0) * 1.01, (what, float(np.abs(g - w).max()), step)
+
+    work = tmp_path / "work"
+    work.mkdir()
+    check_deployed(saved, [feeds], compare, work)
 
 
 WEIGHT_ONLY = ["nbits2", "nbits4-asym", "nbits8-sym", "nbits4-qdq", "bnb4-fp4", "bnb4-nf4"]

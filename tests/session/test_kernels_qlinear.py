@@ -485,3 +485,29 @@ def test_invalid_inputs_raise_invalid_argument():
         run_native(node, bad, OPSET)
     with pytest.raises(InvalidArgument, match="axis is required"):
         run_native(helper.make_node("QLinearConcat", ["a", "b", "c", "d", "e"], ["y"], domain=MS), [None] * 5, 1)
+
+
+# -- NhwcMaxPool (onnxruntime's NHWC transformer, models saved at level "all") ---------------------
+NHWC_POOL_CASES = [
+    ("3x3-s2", (2, 9, 10, 5), dict(kernel_shape=[3, 3], strides=[2, 2])),
+    ("2x2-pads-ceil", (1, 7, 7, 8), dict(kernel_shape=[2, 2], strides=[2, 2], pads=[0, 1, 1, 0], ceil_mode=1)),
+    ("3x3-dil", (1, 8, 9, 3), dict(kernel_shape=[3, 3], dilations=[2, 2])),
+    ("3x3-same-lower", (1, 8, 9, 3), dict(kernel_shape=[3, 3], auto_pad="SAME_LOWER")),
+    # (dilations with auto_pad SAME: onnxruntime's kernel gives a VALID-sized output, against the
+    # spec's ceil(in / stride) that MaxPool gives; no exporter writes a dilated max pool)
+    ("1d", (2, 11, 4), dict(kernel_shape=[3], strides=[2], pads=[1, 1])),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8], ids=["u8", "s8"])
+@pytest.mark.parametrize("case", NHWC_POOL_CASES, ids=[c[0] for c in NHWC_POOL_CASES])
+def test_nhwc_max_pool_matches_onnxruntime(case, dtype):
+    _, shape, attrs = case
+    x = ints(np.random.default_rng(len(case[0])), dtype, shape)
+    check(helper.make_node("NhwcMaxPool", ["x"], ["y"], domain=MS, **attrs), [x], consts=[])
+
+
+def test_nhwc_max_pool_rejects_float_input():
+    node = helper.make_node("NhwcMaxPool", ["x"], ["y"], domain=MS, kernel_shape=[2, 2])
+    with pytest.raises(InvalidArgument, match="must be int8 or uint8"):
+        run_native(node, [np.zeros((1, 4, 4, 2), np.float32)], 1)

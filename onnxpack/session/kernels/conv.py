@@ -1286,6 +1286,29 @@ class MaxPool(_Pool):
         return np.ravel_multi_index(tuple(grids), shape).astype(np.int64)
 
 
+@register("NhwcMaxPool", domain="com.microsoft", since=1)
+class NhwcMaxPool(MaxPool):
+    """MaxPool of an 8-bit (N, *spatial, C) tensor: what onnxruntime's NHWC transformer (graph
+    optimization level *all*) writes around channels-last QLinearConv, in models saved at that
+    level.  The same pooling over the channels-first view, the result made contiguous NHWC."""
+
+    op_type = "NhwcMaxPool"
+    domain = "com.microsoft"
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        if self.want_indices:
+            raise InvalidArgument(f"node {node.name!r} (NhwcMaxPool): has one output, got {len(node.output)}")
+
+    def run(self, x):
+        if x.dtype.name not in ("int8", "uint8") or x.ndim < 3:
+            raise InvalidArgument(f"node {self.node.name!r} (NhwcMaxPool): input must be int8 or uint8 "
+                                  f"(N, *spatial, C), got {x.dtype}{list(x.shape)}")
+        last = x.ndim - 1
+        (y,) = super().run(np.moveaxis(x, last, 1))
+        return (np.ascontiguousarray(np.moveaxis(y, 1, last)),)
+
+
 @register("AveragePool", since=1)
 class AveragePool(_Pool):
     """Average pooling; ``count_include_pad`` counts explicit padding but never the ceil_mode overhang."""
