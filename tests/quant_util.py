@@ -70,6 +70,8 @@ def u8u8_model(model: onnx.ModelProto) -> onnx.ModelProto:
     typed = onnx.shape_inference.infer_shapes(model)
     elem = {v.name: v.type.tensor_type.elem_type for v in (*typed.graph.value_info, *typed.graph.input)}
     elem.update({t.name: t.data_type for t in graph.initializer})
+    if any(n.op_type in U8S8_WEIGHTS and n.input and n.input[0] not in elem for n in graph.node):
+        elem.update(_types_from_onnxruntime(model))  # outputs of contrib ops: onnx cannot infer them
     replaced: set[str] = set()
     for k, node in enumerate(graph.node):
         pairs = U8S8_WEIGHTS.get(node.op_type)
@@ -96,6 +98,20 @@ def u8u8_model(model: onnx.ModelProto) -> onnx.ModelProto:
     del graph.initializer[:]
     graph.initializer.extend(keep)
     return model
+
+
+def _types_from_onnxruntime(model: onnx.ModelProto) -> dict[str, int]:
+    """Element types of every node output, as onnxruntime (graph optimizations off) infers them."""
+    probe = onnx.ModelProto.FromString(model.SerializeToString())
+    have = {o.name for o in probe.graph.output}
+    probe.graph.output.extend(onnx.ValueInfoProto(name=o) for n in probe.graph.node for o in n.output
+                              if o and o not in have)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(probe.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    names = {"tensor(uint8)": TensorProto.UINT8, "tensor(int8)": TensorProto.INT8}
+    return {o.name: names[o.type] for o in sess.get_outputs() if o.type in names}
 
 
 def ort_exact(path_or_bytes: str | bytes) -> str | bytes:

@@ -38,9 +38,11 @@ def _f(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
 def batch_norm_affine(scale, bias, mean, var, epsilon: float, dtype) -> tuple[np.ndarray, np.ndarray]:
     """``(A, B)`` with ``BatchNormalization(x) = x * A + B`` for an ``x`` of ``dtype``, in the
     statistics' dtype (float64 for float64 ``x``, else float32): the kernel's own arithmetic,
-    which a fused Conv epilogue repeats (``FusedConv``'s ``channels``)."""
+    which a fused Conv epilogue repeats (``FusedConv``'s ``channels``).  onnxruntime's rounding:
+    ``A = (1 / sqrt(var + epsilon)) * scale``, ``B = bias - mean * A`` (a float BatchNormalization
+    between Q/DQ pairs feeds a QuantizeLinear, where one ulp can move a code)."""
     sd = _stat_dtype(np.dtype(dtype))
-    a = _f(scale, sd) / np.sqrt(_f(var, sd) + sd.type(epsilon))
+    a = (sd.type(1) / np.sqrt(_f(var, sd) + sd.type(epsilon))) * _f(scale, sd)
     b = _f(bias, sd) - _f(mean, sd) * a
     return a, b
 

@@ -33,6 +33,7 @@ Pre-packing: the constant weight of QLinearConv (input 3), QLinearMatMul (input 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 
@@ -40,7 +41,7 @@ import numpy as np
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels._base import Kernel, register
-from onnxpack.session.kernels.conv import AveragePool, _SpatialAttrs
+from onnxpack.session.kernels.conv import AveragePool, _pad, _SpatialAttrs, _window
 from onnxpack.session.kernels.qdq import int_range, quantize
 from onnxpack.session.kernels.qinteger import (
     PackedConvWeight,
@@ -521,22 +522,32 @@ class QLinearGlobalAveragePool(_QKernel):
         if x.ndim < 3:
             raise InvalidArgument(f"{what}: X must be (N, C, D1, ...), got shape {list(x.shape)}")
         axes = tuple(range(1, x.ndim - 1)) if self.channels_last else tuple(range(2, x.ndim))
-        n = math.prod(x.shape[a] for a in axes)
-        xz = per_tensor(x_zero_point, "x_zero_point", what)
-        yz = per_tensor(y_zero_point, "y_zero_point", what)
-        acc = x.sum(axis=axes, keepdims=True, dtype=np.int64)
-        if xz is not None:
-            acc -= int(xz) * n
-        sx, sy = _scalar_f32(x_scale, "x_scale", what), _scalar_f32(y_scale, "y_scale", what)
-        mult = np.float32(sx / np.float32(sy * np.float32(n)))
-        out_dtype = yz.dtype if yz is not None else x.dtype
-        return (requantize(acc.astype(np.float64), mult, yz, out_dtype),)
+        return (_global_average(x, axes, x_scale, x_zero_point, y_scale, y_zero_point, what),)
+
+
+def _global_average(x, axes, x_scale, x_zero_point, y_scale, y_zero_point, what: str) -> np.ndarray:
+    """QLinearGlobalAveragePool's integer arithmetic over ``axes`` (kept as 1s)."""
+    n = math.prod(x.shape[a] for a in axes)
+    xz = per_tensor(x_zero_point, "x_zero_point", what)
+    yz = per_tensor(y_zero_point, "y_zero_point", what)
+    acc = x.sum(axis=axes, keepdims=True, dtype=np.int64)
+    if xz is not None:
+        acc -= int(xz) * n
+    sx, sy = _scalar_f32(x_scale, "x_scale", what), _scalar_f32(y_scale, "y_scale", what)
+    mult = np.float32(sx / np.float32(sy * np.float32(n)))
+    out_dtype = yz.dtype if yz is not None else x.dtype
+    return requantize(acc.astype(np.float64), mult, yz, out_dtype)
 
 
 @register("QLinearAveragePool", domain=MS, since=1)
 class QLinearAveragePool(_QKernel):
-    """``quantize(AveragePool(dequantize(X)))``: the float pool (pads count as 0.0, i.e. the
-    zero point) is ``conv.AveragePool``; quantized as onnxruntime does, ``rint(y / sy + zy)``."""
+    """Average pooling of quantized ``X`` in onnxruntime's arithmetic: each code dequantized to
+    float32 (``x_scale * (x - x_zp)``), a window's values summed in float32 in row-major window
+    order (padding and the ceil_mode overhang skipped), divided by the count (the window's valid
+    elements, or the kernel's size with ``count_include_pad``), then ``rint(y / y_scale + y_zp)``
+    saturated.  A window covering the whole unpadded input is onnxruntime's global average pool
+    (:class:`QLinearGlobalAveragePool`'s integer sum).  Zero padding adds exact zeros to the
+    running sums, so one vectorized pass per kernel offset gives the same sums."""
 
     op_type = "QLinearAveragePool"
     domain = MS
@@ -544,26 +555,59 @@ class QLinearAveragePool(_QKernel):
     def __init__(self, node, ctx) -> None:
         super().__init__(node, ctx)
         self.channels_last = bool(int(self.attr("channels_last", 0)))
-        self._pool = AveragePool(node, ctx)
+        self.count_include_pad = bool(int(self.attr("count_include_pad", 0)))
+        self._pool = AveragePool(node, ctx)  # (its attributes and output geometry)
 
     def run(self, x, x_scale, x_zero_point=None, y_scale=None, y_zero_point=None):
         what = self.what
         check_eight_bit(x, "X", what)
+        if x.ndim < 3:
+            raise InvalidArgument(f"{what}: X must be (N, C, D1, ...), got shape {list(x.shape)}")
         if self.channels_last:
             x = np.moveaxis(x, -1, 1)
+        ks, strides, dils, begin, end, out, extent = self._pool._geometry(x)
+        spatial = x.shape[2:]
+        if tuple(ks) == tuple(spatial) and not any(begin) and not any(self._pool.sp.pads or ()):
+            axes = tuple(range(2, x.ndim))
+            y = _global_average(x, axes, x_scale, x_zero_point, y_scale, y_zero_point, what)
+        else:
+            y = self._windows(x, ks, strides, dils, begin, out, extent, spatial, x_scale, x_zero_point,
+                              y_scale, y_zero_point)
+        if self.channels_last:
+            y = np.ascontiguousarray(np.moveaxis(y, 1, -1))
+        return (y,)
+
+    def _windows(self, x, ks, strides, dils, begin, out, extent, spatial, x_scale, x_zero_point, y_scale,
+                 y_zero_point):
+        what = self.what
         xz = per_tensor(x_zero_point, "x_zero_point", what)
         yz = per_tensor(y_zero_point, "y_zero_point", what)
         xf = _scalar_f32(x_scale, "x_scale", what) * shift(x, xz)
-        (pooled,) = self._pool.run(xf)
-        q = np.asarray(np.divide(pooled, _scalar_f32(y_scale, "y_scale", what), dtype=np.float32))
+        xp = _pad(xf, begin, extent, 0.0)
+        acc = None
+        for offset in itertools.product(*(range(k) for k in ks)):
+            win = xp[(Ellipsis,) + _window(offset, out, strides, dils)]
+            if acc is None:
+                acc = win.astype(np.float32, copy=True)
+            else:
+                acc += win
+        if self.count_include_pad:
+            count = np.float32(math.prod(ks))
+        else:  # per axis: window positions inside the input, their product
+            count = np.ones((1, 1) + (1,) * len(out), np.float32)
+            for i, (o, s, k, d, b, n) in enumerate(zip(out, strides, ks, dils, begin, spatial)):
+                pos = np.arange(o)[:, None] * s - b + np.arange(k)[None, :] * d
+                valid = ((pos >= 0) & (pos < n)).sum(axis=1).astype(np.float32)
+                shape = [1] * (2 + len(out))
+                shape[2 + i] = o
+                count = count * valid.reshape(shape)
+        acc /= count
+        q = np.asarray(np.divide(acc, _scalar_f32(y_scale, "y_scale", what), dtype=np.float32))
         q += _zp_value(yz)
         np.rint(q, out=q)
         lo, hi = int_range(x.dtype)
         np.clip(q, lo, hi, out=q)
-        y = q.astype(x.dtype)
-        if self.channels_last:
-            y = np.ascontiguousarray(np.moveaxis(y, 1, -1))
-        return (y,)
+        return q.astype(x.dtype)
 
 
 @register("QLinearSoftmax", domain=MS, since=1)
