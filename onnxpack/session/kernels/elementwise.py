@@ -536,7 +536,7 @@ class Selu(Kernel):
             return (_same(np.where(x > 0, x, self.alpha * np.expm1(x)) * self.gamma, x),)
 
 
-@register("ThresholdedRelu", since=10)
+@register("ThresholdedRelu", since=1)
 class ThresholdedRelu(Kernel):
     def __init__(self, node, ctx: KernelContext) -> None:
         super().__init__(node, ctx)

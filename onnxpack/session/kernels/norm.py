@@ -47,6 +47,34 @@ def batch_norm_affine(scale, bias, mean, var, epsilon: float, dtype) -> tuple[np
     return a, b
 
 
+def normalize_mean_variance(x: np.ndarray, axes: tuple[int, ...], normalize_variance: bool = True) -> np.ndarray:
+    """onnxruntime's MeanVarianceNormalization over ``axes``: ``y = x - mean``, then ``y /
+    sqrt(mean(y^2))`` (no epsilon), in float32 for float16 input."""
+    xf = x if x.dtype in (np.float32, np.float64) else x.astype(np.float32)
+    y = xf - xf.mean(axis=axes, keepdims=True, dtype=xf.dtype)
+    if normalize_variance:
+        y /= np.sqrt(np.square(y).mean(axis=axes, keepdims=True, dtype=xf.dtype))
+    return y.astype(x.dtype, copy=False)
+
+
+@register("MeanVarianceNormalization", since=9)
+class MeanVarianceNormalization(Kernel):
+    """MeanVarianceNormalization from opset 9 (ONNX's function ``(X - E[X]) / sqrt(E[(X -
+    E[X])^2])`` over ``axes``, default [0, 2, 3]) as onnxruntime's kernel computes it: axes out
+    of range are dropped, no epsilon."""
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.axes = [int(a) for a in self.attr("axes", [0, 2, 3])]
+
+    def run(self, x):
+        if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
+            raise InvalidArgument(f"node {self.node.name!r} (MeanVarianceNormalization): input must be float, "
+                                  f"got {x.dtype}")
+        axes = tuple(sorted({a % x.ndim for a in self.axes if -x.ndim <= a < x.ndim}))
+        return (normalize_mean_variance(x, axes),)
+
+
 @register("BatchNormalization", since=1)
 class BatchNormalization(Kernel):
     """Batch normalization for every opset: inference mode, and the training mode of opsets 7-13.
