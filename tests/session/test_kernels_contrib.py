@@ -484,3 +484,42 @@ def test_model_optimized_by_onnxruntime_runs_natively(tmp_path):
     sess = onnxpack.InferenceSession(str(opt))
     assert sess.get_fallback_nodes() == []
     np.testing.assert_allclose(sess.run(None, x)[0], want, **F32)
+
+
+# -- com.microsoft copies of standard tensor ops (contrib_tensor.py) and TransposeMatMul ------------
+_X3 = np.random.default_rng(11).standard_normal((3, 4, 5)).astype(np.float32)
+CONTRIB_TENSOR_CASES = [
+    ("ExpandDims", {"x": _X3}, {"axis": np.array(-1, np.int32)}, ["y"], {}),
+    ("ExpandDims", {"x": _X3}, {"axis": np.array(1, np.int32)}, ["y"], {}),
+    ("Range", {"s": np.array(2, np.int32), "l": np.array(11, np.int32)}, {}, ["y"], {}),  # delta omitted
+    ("Range", {"s": np.array(2.5, np.float32), "l": np.array(-1, np.float32), "d": np.array(-0.5, np.float32)}, {},
+     ["y"], {}),
+    ("Pad", {"x": _X3}, {"pads": np.array([[0, 1, 2, 1, 0, 1]], np.int64), "v": np.array([1.5], np.float32)}, ["y"],
+     {}),
+    ("Pad", {"x": _X3}, {"pads": np.array([0, 1, 2, 1, 0, 1], np.int64)}, ["y"], dict(mode="reflect")),
+    ("Trilu", {"x": _X3}, {"k": np.array(1, np.int64)}, ["y"], dict(upper=0)),
+    ("GatherND", {"x": _X3}, {"i": np.array([[0, 1], [2, 3]], np.int32)}, ["y"], {}),
+    ("GatherND", {"x": _X3}, {"i": np.array([[[0], [2]]], np.int64)}, ["y"], {}),
+    ("Unique", {"x": np.array([2.0, 1.0, 1.0, 3.0, 4.0, 3.0, -0.5], np.float32)}, {}, ["y", "idx", "counts"], {}),
+    ("TransposeMatMul", {"a": _X3, "b": np.random.default_rng(12).standard_normal((3, 4, 6)).astype(np.float32)}, {},
+     ["y"], dict(transA=1, alpha=0.5)),
+]
+
+
+@pytest.mark.parametrize("case", CONTRIB_TENSOR_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CONTRIB_TENSOR_CASES)])
+def test_contrib_copies_of_standard_ops_match_onnxruntime(case):
+    op, feeds, consts, outs, attrs = case
+    n = node(op, list(feeds) + list(consts), outs, **attrs)
+    check_all_paths(n, feeds, consts, F32, opset=17)
+
+
+def test_contrib_unique_keeps_first_occurrence_order_for_integers():
+    """(onnxruntime registers com.microsoft Unique for float only: the integer case against its
+    definition.)"""
+    x = np.array([5, 5, -1, 7, 5, -1, 0], np.int64)
+    k = lookup(MS, "Unique", 1)(node("Unique", ["x"], ["y", "idx", "counts"]), KernelContext(1, {MS: 1}))
+    y, idx, counts = k.run(x)
+    np.testing.assert_array_equal(y, [5, -1, 7, 0])
+    np.testing.assert_array_equal(y[idx], x)
+    np.testing.assert_array_equal(counts, [3, 2, 1, 1])
+    assert idx.dtype == counts.dtype == np.int64

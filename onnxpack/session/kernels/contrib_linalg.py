@@ -65,6 +65,7 @@ class FusedGemm(Gemm):
         return False  # run computes it (the activation reads the Gemm's result)
 
 
+@register("TransposeMatMul", domain="com.microsoft", since=1)  # its name before 1.8 (backward compatibility)
 @register("FusedMatMul", domain="com.microsoft", since=1)
 class FusedMatMul(Kernel):
     def __init__(self, node, ctx) -> None:
