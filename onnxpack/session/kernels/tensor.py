@@ -13,6 +13,7 @@ session then runs that node with onnx.reference instead.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from typing import ClassVar
@@ -813,6 +814,139 @@ class Pad11(Kernel):
     def run(self, x, pads, value=None, axes=None):  # type: ignore[override]
         v = 0 if value is None or value.size == 0 else value.reshape(-1)[0]
         return (_pad(x, _ints(pads), self.mode, v, _ints(axes)),)
+
+
+# ------------------------------------------------------------------------------------------------
+# GridSample
+# ------------------------------------------------------------------------------------------------
+_GRID_MODES = {"bilinear": "linear", "linear": "linear", "nearest": "nearest", "bicubic": "cubic", "cubic": "cubic"}
+_GRID_PADDING = ("zeros", "border", "reflection")
+
+
+def _reflect(v: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    """Coordinates folded back into [lo, hi] by reflecting at the borders (as often as needed)."""
+    span = hi - lo
+    if span <= 0:
+        return np.full_like(v, lo)
+    below, above = v < lo, v > hi
+    dx = np.where(below, lo - v, np.where(above, v - hi, 0)).astype(v.dtype)
+    n = np.floor(dx / span)
+    r = dx - n * span
+    even = (n % 2) == 0
+    out = np.where(below, np.where(even, lo + r, hi - r), v)
+    return np.where(above, np.where(even, hi - r, lo + r), out).astype(v.dtype, copy=False)
+
+
+def _cubic_weights(t: np.ndarray) -> list[np.ndarray]:
+    """Keys' cubic convolution weights (alpha -0.75) of the taps at -1, 0, 1, 2 for fractions ``t``."""
+    a = t.dtype.type(-0.75)
+    one = t.dtype.type(1)
+    x0, x1, x2, x3 = t + one, t, one - t, 2 * one - t
+    w0 = ((a * x0 - 5 * a) * x0 + 8 * a) * x0 - 4 * a
+    w1 = ((a + 2) * x1 - (a + 3)) * x1 * x1 + one
+    w2 = ((a + 2) * x2 - (a + 3)) * x2 * x2 + one
+    w3 = ((a * x3 - 5 * a) * x3 + 8 * a) * x3 - 4 * a
+    return [w0, w1, w2, w3]
+
+
+@register("GridSample", since=16)
+class GridSample(Kernel):
+    """Sample (N, C, *spatial) at the grid's normalized coordinates (grid (N, *out, D), its last
+    axis x first), nearest / (bi)linear / (bi)cubic, zeros / border / reflection padding, any
+    number of spatial axes; the spec's (and onnx.reference's) coordinate rules, vectorized: one
+    gather of all channels per tap (2^D taps linear, 4^D cubic).  com.microsoft's GridSample
+    (before opset 16: ``bilinear`` / ``bicubic``) is the same kernel."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        mode = self.attr("mode", "linear" if ctx.opset >= 20 and not node.domain else "bilinear")
+        mode = mode.decode() if isinstance(mode, bytes) else mode
+        padding = self.attr("padding_mode", "zeros")
+        padding = padding.decode() if isinstance(padding, bytes) else padding
+        if mode not in _GRID_MODES or padding not in _GRID_PADDING:
+            raise InvalidArgument(f"node {node.name!r} (GridSample): mode {mode!r} / padding_mode {padding!r} not "
+                                  f"in {sorted(_GRID_MODES)} / {list(_GRID_PADDING)}")
+        self.mode, self.padding = _GRID_MODES[mode], padding
+        self.align = bool(int(self.attr("align_corners", 0)))
+
+    def run(self, x, grid):  # type: ignore[override]
+        name = self.node.name
+        d = x.ndim - 2
+        if d < 1 or grid.ndim != d + 2 or grid.shape[0] != x.shape[0] or grid.shape[-1] != d:
+            raise InvalidArgument(f"node {name!r} (GridSample): X (N, C, *spatial) and grid (N, *out, {max(d, 1)}) "
+                                  f"do not fit: X {list(x.shape)}, grid {list(grid.shape)}")
+        if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
+            raise InvalidArgument(f"node {name!r} (GridSample): X must be float, got {x.dtype}")
+        cd = np.dtype(np.float64) if x.dtype == np.float64 else np.dtype(np.float32)
+        n, c, dims = x.shape[0], x.shape[1], x.shape[2:]
+        out_sp = grid.shape[1:-1]
+        if 0 in (n, c) or 0 in out_sp:
+            return (np.zeros((n, c, *out_sp), x.dtype),)
+        g = grid.astype(cd, copy=False)
+        xt = np.moveaxis(x.astype(cd, copy=False), 1, -1)  # (N, *spatial, C): one gather takes every channel
+        coords, bounds = [], []
+        for i, size in enumerate(dims):  # spatial axis i is the grid's component d - 1 - i
+            v = g[..., d - 1 - i]
+            if self.align:
+                v = (v + 1) / 2 * cd.type(size - 1)
+                lo, hi = 0.0, float(size - 1)
+            else:
+                v = ((v + 1) * cd.type(size) - 1) / 2
+                lo, hi = -0.5, size - 0.5
+            if self.mode == "nearest":
+                v = np.rint(v)
+            if self.padding == "border" and self.mode != "cubic":
+                # (cubic: onnxruntime clamps each tap's index only, as PyTorch; onnx.reference
+                # clamps the coordinate first, up to ~0.3 of the values apart)
+                v = np.clip(v, 0, size - 1)
+            elif self.padding == "reflection":
+                v = _reflect(v, cd.type(lo), cd.type(hi))
+            coords.append(v)
+            bounds.append((lo, hi))
+        taps = [self._taps(v, size, lo, hi) for v, size, (lo, hi) in zip(coords, dims, bounds)]
+        nidx = np.arange(n).reshape((n,) + (1,) * len(out_sp))
+        y = None
+        for combo in itertools.product(*taps):
+            w = combo[0][1]
+            for _, wi in combo[1:]:
+                w = w * wi
+            vals = xt[(nidx, *(idx for idx, _ in combo))]  # (N, *out, C)
+            term = vals * w[..., None]
+            y = term if y is None else y + term
+        return (np.moveaxis(y, -1, 1).astype(x.dtype, copy=False),)
+
+    def _taps(self, v: np.ndarray, size: int, lo: float, hi: float) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(index, weight) per tap along one axis; a tap outside the image reads index 0 with
+        weight 0 (zeros), its clamped index (border) or its reflected index (reflection)."""
+        if self.mode == "nearest":
+            starts, weights = [v.astype(np.int64)], [np.ones_like(v)]
+        elif self.mode == "linear":
+            f = np.floor(v)
+            t = v - f
+            starts = [f.astype(np.int64), f.astype(np.int64) + 1]
+            weights = [1 - t, t]
+        else:
+            f = np.floor(v)
+            base = f.astype(np.int64)
+            starts = [base - 1, base, base + 1, base + 2]
+            weights = _cubic_weights(v - f)
+        out = []
+        for idx, w in zip(starts, weights):
+            if self.padding == "zeros":
+                inside = (idx >= 0) & (idx < size)
+                out.append((np.where(inside, idx, 0), np.where(inside, w, 0).astype(w.dtype, copy=False)))
+            elif self.padding == "border":
+                out.append((np.clip(idx, 0, size - 1), w))
+            else:
+                ref = _reflect(idx.astype(np.float64), lo, hi).astype(np.int64)
+                out.append((np.clip(ref, 0, size - 1), w))
+        return out
+
+
+@register("GridSample", domain="com.microsoft", since=1)
+class MsGridSample(GridSample):
+    """com.microsoft's GridSample (onnxruntime's, before ONNX had it): ``bilinear`` / ``nearest`` /
+    ``bicubic``, the same coordinates."""
 
 
 # ------------------------------------------------------------------------------------------------
