@@ -497,8 +497,11 @@ def test_resize_unsupported_raises_not_implemented(attrs):
         tensor.Resize(node, KernelContext(19, {"": 19}))
 
 
-def test_resize10_has_no_native_kernel():
-    assert lookup("", "Resize", 10) is None
+def test_resize10_and_upsample_take_the_legacy_kernel():
+    assert lookup("", "Resize", 10) is tensor.Resize10
+    assert lookup("", "Resize", 11) is tensor.Resize
+    assert lookup("", "Upsample", 8) is tensor.Upsample7
+    assert lookup("", "Upsample", 9) is tensor.Upsample9
 
 
 @pytest.mark.parametrize(
@@ -562,3 +565,52 @@ def test_grid_sample_rejects_mismatched_grid():
     node = helper.make_node("GridSample", ["x", "g"], ["y"])
     with pytest.raises(InvalidArgument, match="do not fit"):
         run_native(node, [np.zeros((1, 2, 4, 4), np.float32), np.zeros((1, 3, 3, 3), np.float32)], 20)
+
+
+# -- Upsample (7-9) and Resize-10 (onnx.reference cannot run Upsample-7's attribute scales) ----------
+LEGACY_SCALES = [[1.0, 1.0, 2.0, 3.0], [1.0, 1.0, 1.7, 2.4], [1.0, 1.0, 2.0, 2.0], [1.0, 1.0, 1.3, 1.0]]
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+@pytest.mark.parametrize("op,opset", [("Upsample", 7), ("Upsample", 9), ("Resize", 10)])
+@pytest.mark.parametrize("scales", LEGACY_SCALES, ids=["x2x3", "x1.7x2.4", "x2", "x1.3"])
+def test_upsample_and_resize_10_match_onnxruntime(op, opset, mode, scales):
+    from contrib_util import check_all_paths
+
+    x = np.random.default_rng(5).standard_normal((1, 2, 5, 7)).astype(np.float32)
+    if opset < 9:
+        node = helper.make_node(op, ["x"], ["y"], mode=mode, scales=scales)
+        consts = {}
+    else:
+        node = helper.make_node(op, ["x", "s"], ["y"], mode=mode)
+        consts = {"s": np.array(scales, np.float32)}
+    check_all_paths(node, {"x": x}, consts, dict(rtol=1e-5, atol=1e-6), opset=opset)
+
+
+def test_resize_10_shrinks_with_the_ceiling_as_onnxruntime():
+    from contrib_util import check_all_paths
+
+    x = np.random.default_rng(6).standard_normal((1, 2, 9, 8)).astype(np.float32)
+    node = helper.make_node("Resize", ["x", "s"], ["y"], mode="nearest")
+    check_all_paths(node, {"x": x}, {"s": np.array([1, 1, 0.6, 0.5], np.float32)}, None, opset=10)
+
+
+RESIZE_ORT_CASES = [  # scales where float64 coordinates move a nearest pixel off onnxruntime's
+    ("asymmetric-floor-2.4", (1, 1, 3, 7), [1.0, 1.0, 1.0, 2.4], "nearest", "asymmetric", "floor"),
+    ("asymmetric-floor-1.7", (1, 1, 11, 2), [1.0, 1.0, 1.7, 1.0], "nearest", "asymmetric", "floor"),
+    ("half-pixel-linear", (1, 2, 6, 5), [1.0, 1.0, 1.7, 2.4], "linear", "half_pixel", "round_prefer_floor"),
+    ("output-10x1.8", (1, 1, 10, 3), [1.0, 1.0, 1.8, 1.0], "nearest", "half_pixel", "round_prefer_floor"),
+    ("pytorch-length-1", (1, 1, 2, 4), [1.0, 1.0, 0.6, 1.5], "cubic", "pytorch_half_pixel", "round_prefer_floor"),
+    ("same-shape-copy", (1, 1, 2, 6), [1.0, 1.0, 1.2, 1.09], "linear", "pytorch_half_pixel", "round_prefer_floor"),
+]
+
+
+@pytest.mark.parametrize("case", RESIZE_ORT_CASES, ids=[c[0] for c in RESIZE_ORT_CASES])
+def test_resize_coordinates_in_float32_as_onnxruntime(case):
+    from contrib_util import check_all_paths
+
+    _, shape, scales, mode, coord, nearest = case
+    x = np.random.default_rng(7).standard_normal(shape).astype(np.float32)
+    node = helper.make_node("Resize", ["x", "", "s"], ["y"], mode=mode, coordinate_transformation_mode=coord,
+                            nearest_mode=nearest)
+    check_all_paths(node, {"x": x}, {"s": np.array(scales, np.float32)}, dict(rtol=1e-5, atol=1e-6), opset=13)

@@ -966,8 +966,7 @@ class Resize(Kernel):
     half_pixel_symmetric, pytorch_half_pixel, align_corners, asymmetric; ``axes``;
     ``keep_aspect_ratio_policy``; ``exclude_outside``.  ``tf_crop_and_resize`` (roi,
     extrapolation), ``tf_half_pixel_for_nn`` and ``antialias=1`` raise ``NotImplementedError``
-    so the session falls back to onnx.reference.  Resize-10 (a different input layout and
-    legacy rounding) is not registered at all.
+    so the session falls back to onnx.reference.  Resize-10 and Upsample: :class:`_LegacyResize`.
     """
 
     def __init__(self, node, ctx: KernelContext) -> None:
@@ -1014,11 +1013,16 @@ class Resize(Kernel):
             given = [float(v) for v in np.asarray(scales, dtype=np.float32).reshape(-1).tolist()]
             for a, s in zip(axes, given):
                 factors[a] = s
-                out[a] = int(s * x.shape[a])
+                # float32, as onnxruntime: 10 x 1.8f is 18 there, 17.99999952 in float64
+                out[a] = int(np.float32(s) * np.float32(x.shape[a])) if x.shape[a] < 1 << 24 else int(s * x.shape[a])
         return factors, out
 
     def run(self, x, roi=None, scales=None, sizes=None):  # type: ignore[override]
         factors, out_shape = self._plan(x, scales, sizes)
+        if tuple(out_shape) == x.shape:
+            # onnxruntime copies the input when the output has its shape, whatever the scales say
+            # (a 1.09 scale of 6 columns is 6 columns: read as the identity there, not resampled)
+            return (x.copy(),)
         work = x if x.dtype.kind == "f" and x.dtype != np.float16 else x.astype(np.float32)
         if self.mode == "nearest":
             work = x  # nearest only moves elements: no arithmetic, no dtype change
@@ -1046,14 +1050,22 @@ class Resize(Kernel):
         mode = self.coord
         if mode == "align_corners":
             return np.zeros(n_out) if width == 1 else y * (n_in - 1) / (width - 1)
+        # The scale-based modes in float32, as onnxruntime computes them: a source coordinate
+        # that is an integer in exact arithmetic (12 / 2.4) rounds to it in float32 but falls
+        # just below it in float64, and a nearest pixel then moves by one.  (Measured against
+        # onnxruntime on 1,500 random nearest / linear / cubic resizes at non-integer scales,
+        # with the equal-shape copy in run: 26 differed in float64, 8 in float32, all of them
+        # asymmetric with round_prefer_ceil, where onnxruntime's pixel is not its own formula's.)
+        y32, s32 = y.astype(np.float32), np.float32(scale)
         if mode == "asymmetric":
-            return y / scale
+            return y32 / s32
         if mode == "pytorch_half_pixel":
-            return np.full(n_out, -0.5) if width == 1 else (y + 0.5) / scale - 0.5
+            # (an output of length 1 reads coordinate 0: the spec's and onnxruntime's rule)
+            return np.zeros(n_out, np.float32) if n_out <= 1 else (y32 + np.float32(0.5)) / s32 - np.float32(0.5)
         if mode == "half_pixel_symmetric":
             offset = (n_in / 2) * (1 - n_out / width)
             return offset + (y + 0.5) / scale - 0.5
-        return (y + 0.5) / scale - 0.5  # half_pixel
+        return (y32 + np.float32(0.5)) / s32 - np.float32(0.5)  # half_pixel
 
     def _nearest(self, coords: np.ndarray, n_in: int) -> np.ndarray:
         fl = np.floor(coords)
@@ -1108,6 +1120,57 @@ class Resize(Kernel):
             total = w.sum(axis=1, keepdims=True)
             w = w / np.where(total == 0, 1.0, total)
         return self._weighted(work, axis, np.clip(raw, 0, n_in - 1), w)
+
+
+class _LegacyResize(Resize):
+    """Upsample (opsets 7-9) and Resize-10 as onnxruntime runs them: asymmetric coordinates
+    (``x / scale``), ``nearest`` or ``linear``; a nearest pixel is the coordinate's floor when
+    the axis grows and its ceiling when it shrinks."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        Kernel.__init__(self, node, ctx)
+        mode = self.attr("mode", "nearest")
+        self.mode = mode.decode() if isinstance(mode, bytes) else mode
+        if self.mode not in ("nearest", "linear", "bilinear"):
+            raise InvalidArgument(f"node {node.name!r} ({node.op_type}): mode must be nearest or linear, got {self.mode!r}")
+        self.mode = "linear" if self.mode == "bilinear" else self.mode
+        self.coord, self.nearest_mode, self.cubic_a = "asymmetric", "floor", -0.75
+        self.exclude_outside, self.policy, self.axes = False, "stretch", None
+
+    def _nearest(self, coords: np.ndarray, n_in: int) -> np.ndarray:
+        idx = np.ceil(coords) if coords.shape[0] < n_in else np.floor(coords)
+        return np.clip(idx.astype(np.int64), 0, n_in - 1)
+
+    def _scaled(self, x: np.ndarray, scales) -> tuple:
+        s = np.asarray(scales, np.float32).reshape(-1)
+        if s.size != x.ndim:
+            raise InvalidArgument(f"node {self.node.name!r} ({self.node.op_type}): {s.size} scales for a "
+                                  f"{x.ndim}-D input")
+        return Resize.run(self, x, None, s)
+
+
+@register("Upsample", since=7)
+class Upsample7(_LegacyResize):
+    """Upsample-7/8: ``scales`` is an attribute."""
+
+    def run(self, x):  # type: ignore[override]
+        return self._scaled(x, [float(v) for v in self.attr("scales", [])])
+
+
+@register("Upsample", since=9)
+class Upsample9(_LegacyResize):
+    """Upsample-9: ``scales`` is an input."""
+
+    def run(self, x, scales):  # type: ignore[override]
+        return self._scaled(x, scales)
+
+
+@register("Resize", since=10)
+class Resize10(_LegacyResize):
+    """Resize-10: Upsample-9's inputs and arithmetic (opset 11 added roi, sizes and the modes)."""
+
+    def run(self, x, scales):  # type: ignore[override]
+        return self._scaled(x, scales)
 
 
 def _cast_back(y: np.ndarray, dtype: np.dtype) -> np.ndarray:
