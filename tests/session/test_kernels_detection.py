@@ -1,0 +1,75 @@
+"""RoiAlign and NonMaxSuppression (kernels/detection.py) against onnxruntime 1.32 (graph
+optimizations off).  RoiAlign: float32 rtol 1e-4 / atol 1e-5 (the average is summed as two
+small GEMMs, onnxruntime sums sample by sample); max mode follows onnxruntime's rule (the
+largest weighted corner of each sample), which it warns differs from its future one.
+NonMaxSuppression: the selected indices exactly, ties in score included."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from contrib_util import check_all_paths
+from kernel_util import run_native
+
+from onnxpack.errors import InvalidArgument
+
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((2, 6, 20, 24)).astype(np.float32)
+ROIS = RNG.uniform(-3, 20, (12, 4)).astype(np.float32)
+ROIS[:, 2:] = ROIS[:, :2] + RNG.uniform(0.2, 15, (12, 2))
+BATCH = RNG.integers(0, 2, 12).astype(np.int64)
+ROI_CASES = [(o, m, r, s) for o in (10, 16) for m in ("avg", "max") for r in (0, 2) for s in (1.0, 0.5)]
+
+
+@pytest.mark.parametrize("opset,mode,ratio,scale", ROI_CASES,
+                         ids=[f"op{o}-{m}-sr{r}-ss{s}" for o, m, r, s in ROI_CASES])
+def test_roi_align_matches_onnxruntime(opset, mode, ratio, scale):
+    node = helper.make_node("RoiAlign", ["x", "r", "b"], ["y"], output_height=5, output_width=4,
+                            sampling_ratio=ratio, spatial_scale=scale, mode=mode)
+    check_all_paths(node, {"x": X, "r": ROIS, "b": BATCH}, {}, dict(rtol=1e-4, atol=1e-5), opset=opset)
+
+
+def test_roi_align_output_half_pixel_at_opset_16():
+    node = helper.make_node("RoiAlign", ["x", "r", "b"], ["y"], output_height=3, output_width=3,
+                            coordinate_transformation_mode="output_half_pixel")
+    check_all_paths(node, {"x": X, "r": ROIS, "b": BATCH}, {}, dict(rtol=1e-4, atol=1e-5), opset=16)
+
+
+def test_roi_align_rejects_a_batch_index_out_of_range():
+    node = helper.make_node("RoiAlign", ["x", "r", "b"], ["y"])
+    with pytest.raises(InvalidArgument, match="batch index out of range"):
+        run_native(node, [X, ROIS, np.full(12, 2, np.int64)], 16)
+
+
+def _nms_case(seed, center, ties, with_score):
+    rng = np.random.default_rng(seed)
+    nb = int(rng.integers(5, 120))
+    boxes = rng.uniform(0, 100, (2, nb, 4)).astype(np.float32)
+    if seed % 2:
+        boxes[..., 2:] = boxes[..., :2] + rng.uniform(1, 30, (2, nb, 2))
+    scores = rng.random((2, 3, nb)).astype(np.float32)
+    if ties:
+        scores = np.round(scores * 4) / 4
+    consts = {"m": np.array([int(rng.integers(1, 30))], np.int64), "iou": np.array([rng.uniform(0.2, 0.7)], np.float32)}
+    if with_score:
+        consts["st"] = np.array([rng.uniform(0, 0.6)], np.float32)
+    return boxes, scores, consts
+
+
+NMS_CASES = [(s, c, t, w) for s in (1, 2) for c in (0, 1) for t in (False, True) for w in (False, True)]
+
+
+@pytest.mark.parametrize("seed,center,ties,with_score", NMS_CASES,
+                         ids=[f"s{s}-c{c}-{'ties' if t else 'distinct'}-{'st' if w else 'no-st'}" for s, c, t, w in NMS_CASES])
+def test_non_max_suppression_matches_onnxruntime(seed, center, ties, with_score):
+    boxes, scores, consts = _nms_case(seed, center, ties, with_score)
+    node = helper.make_node("NonMaxSuppression", ["b", "s", *consts], ["y"], center_point_box=center)
+    check_all_paths(node, {"b": boxes, "s": scores}, consts, None, opset=11)
+
+
+def test_non_max_suppression_without_a_limit_selects_nothing():
+    boxes, scores, _ = _nms_case(3, 0, False, False)
+    node = helper.make_node("NonMaxSuppression", ["b", "s"], ["y"])
+    check_all_paths(node, {"b": boxes, "s": scores}, {}, None, opset=11)
