@@ -139,3 +139,17 @@ def test_lrn(attrs, dtype):
     assert_close(got, [want], dtype)
     if size % 2:
         assert_close(got, run_ort(node, [x], 13), dtype)
+
+
+# -- GroupNormalization (native; it ran onnx.reference's function, ~25x onnxruntime's time) -------
+@pytest.mark.parametrize("opset,groups", [(18, 4), (18, 12), (21, 4), (21, 1)])
+def test_group_normalization_matches_onnxruntime(opset, groups):
+    from contrib_util import check_all_paths
+    from onnx import helper as _h
+
+    rng = np.random.default_rng(opset + groups)
+    x = (rng.standard_normal((2, 12, 5, 6)) * 3 + 1).astype(np.float32)
+    n_params = 12 if opset >= 21 else groups  # per channel from opset 21, per group before
+    consts = {"sc": rng.standard_normal(n_params).astype(np.float32), "bi": rng.standard_normal(n_params).astype(np.float32)}
+    node = _h.make_node("GroupNormalization", ["x", "sc", "bi"], ["y"], num_groups=groups, epsilon=1e-3)
+    check_all_paths(node, {"x": x}, consts, dict(rtol=1e-5, atol=1e-5), opset=opset)

@@ -1336,6 +1336,55 @@ class AveragePool(_Pool):
         return (acc.astype(x.dtype, copy=False),)
 
 
+def _lp_root(acc: np.ndarray, p: float) -> np.ndarray:
+    return np.sqrt(acc, out=acc) if p == 2 else np.power(acc, 1.0 / p, out=acc)
+
+
+def _lp_powers(x: np.ndarray, p: float) -> np.ndarray:
+    xc = np.abs(as_compute(x) if x.dtype != np.float64 else x)
+    return xc * xc if p == 2 else np.power(xc, p)
+
+
+@register("LpPool", since=1)
+class LpPool(_Pool):
+    """``(sum over the window of |x|^p)^(1/p)``, padding counting as 0 (p: opset 1's float
+    attribute, then an int; default 2)."""
+
+    op_type = "LpPool"
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.p = float(self.attr("p", 2))
+        if self.p <= 0:
+            raise InvalidArgument(f"node {node.name!r} (LpPool): p must be positive, got {self.p}")
+
+    def run(self, x):
+        ks, strides, dils, begin, end, out, extent = self._geometry(x)
+        xp = _pad(_lp_powers(x, self.p), begin, extent, 0)
+        acc = _separable_reduce(xp, ks, out, strides, dils, np.add)
+        return (_lp_root(acc, self.p).astype(x.dtype, copy=False),)
+
+
+@register("GlobalLpPool", since=1)
+class GlobalLpPool(Kernel):
+    """``(sum over all spatial positions of |x|^p)^(1/p)`` per (image, channel), spatial axes kept as 1."""
+
+    op_type = "GlobalLpPool"
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.p = float(self.attr("p", 2))
+        if self.p <= 0:
+            raise InvalidArgument(f"node {node.name!r} (GlobalLpPool): p must be positive, got {self.p}")
+
+    def run(self, x):
+        if x.ndim < 3:
+            raise InvalidArgument(f"node {self.node.name!r} (GlobalLpPool): X must be (N, C, D1, ...), "
+                                  f"got {list(x.shape)}")
+        acc = _lp_powers(x, self.p).sum(axis=tuple(range(2, x.ndim)), keepdims=True)
+        return (_lp_root(acc, self.p).astype(x.dtype, copy=False),)
+
+
 @register("GlobalAveragePool", since=1)
 class GlobalAveragePool(Kernel):
     op_type = "GlobalAveragePool"

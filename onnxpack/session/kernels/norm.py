@@ -75,6 +75,45 @@ class MeanVarianceNormalization(Kernel):
         return (normalize_mean_variance(x, axes),)
 
 
+@register("GroupNormalization", since=18)
+class GroupNormalization(Kernel):
+    """``(x - mean) / sqrt(var + epsilon) * scale + bias`` with the statistics of each (image,
+    group of C / num_groups channels); ``scale`` / ``bias`` per group at opset 18, per channel
+    from 21 (the function's bodies).  Computed in float32 (float64 for float64)."""
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.groups = int(self.attr("num_groups", 0))
+        self.epsilon = float(self.attr("epsilon", 1e-5))
+        self.per_channel = ctx.opset >= 21
+        if self.groups < 1:
+            raise InvalidArgument(f"node {node.name!r} (GroupNormalization): num_groups must be >= 1, got {self.groups}")
+
+    def run(self, x, scale, bias):
+        n, c = x.shape[:2] if x.ndim >= 2 else (0, 0)
+        g = self.groups
+        want = c if self.per_channel else g
+        if x.ndim < 2 or c % g or np.size(scale) != want or np.size(bias) != want:
+            raise InvalidArgument(f"node {self.node.name!r} (GroupNormalization): X (N, C, ...) with C a multiple of "
+                                  f"num_groups {g} and scale / bias of {'C' if self.per_channel else 'num_groups'} "
+                                  f"values, got X {list(x.shape)}, scale {list(np.shape(scale))}, "
+                                  f"bias {list(np.shape(bias))}")
+        sd = _stat_dtype(x.dtype)
+        xr = _f(x, sd).reshape(n, g, -1)
+        mean = xr.mean(axis=-1, keepdims=True)
+        d = xr - mean
+        var = np.square(d).mean(axis=-1, keepdims=True)
+        d /= np.sqrt(var + sd.type(self.epsilon))
+        if self.per_channel:
+            y = d.reshape(x.shape) * _f(scale, sd).reshape((1, c) + (1,) * (x.ndim - 2))
+            y += _f(bias, sd).reshape((1, c) + (1,) * (x.ndim - 2))
+        else:
+            y = d * _f(scale, sd).reshape(1, g, 1)
+            y += _f(bias, sd).reshape(1, g, 1)
+            y = y.reshape(x.shape)
+        return (_f(y, x.dtype),)
+
+
 @register("BatchNormalization", since=1)
 class BatchNormalization(Kernel):
     """Batch normalization for every opset: inference mode, and the training mode of opsets 7-13.
