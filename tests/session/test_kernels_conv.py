@@ -328,3 +328,26 @@ def test_deform_conv_matches_onnxruntime(case):
         ins.pop()
     node = _h.make_node("DeformConv", ins, ["y"], kernel_shape=[kh, kw], **attrs)
     check_all_paths(node, feeds, consts, dict(rtol=1e-4, atol=1e-4), opset=19)
+
+
+COL2IM_CASES = [
+    ([12, 11], [3, 3], {}, 4),
+    ([8, 9], [2, 3], dict(strides=[2, 1], pads=[1, 0, 1, 2], dilations=[1, 2]), 3),
+    ([10], [3], dict(strides=[2]), 2),
+    ([4, 5, 6], [2, 2, 2], {}, 2),
+]
+
+
+@pytest.mark.parametrize("image,block,attrs,channels", COL2IM_CASES, ids=["2d", "2d-strided-padded", "1d", "3d"])
+def test_col2im_matches_onnxruntime(image, block, attrs, channels):
+    from contrib_util import check_all_paths
+    from onnx import helper as _h
+
+    nd = len(image)
+    pads = attrs.get("pads", [0] * 2 * nd)
+    counts = [(image[d] + pads[d] + pads[d + nd] - attrs.get("dilations", [1] * nd)[d] * (block[d] - 1) - 1)
+              // attrs.get("strides", [1] * nd)[d] + 1 for d in range(nd)]
+    x = np.random.default_rng(nd).standard_normal((2, channels * int(np.prod(block)), int(np.prod(counts))))
+    consts = {"i": np.array(image, np.int64), "b": np.array(block, np.int64)}
+    check_all_paths(_h.make_node("Col2Im", ["x", "i", "b"], ["y"], **attrs), {"x": x.astype(np.float32)}, consts,
+                    dict(rtol=1e-5, atol=1e-5), opset=18)

@@ -1277,6 +1277,42 @@ class DeformConv(Kernel):
         return (y.astype(x.dtype, copy=False),)
 
 
+@register("Col2Im", since=18)
+class Col2Im(Kernel):
+    """The inverse of im2col (torch's ``nn.Fold``): each column's blocks added into the image,
+    overlaps summed, padding cropped; any number of spatial axes.  One strided slice-add per
+    block position (onnx.reference looped per element: 1.5 s for 16 x 3 x 3 blocks of 32 x 32)."""
+
+    op_type = "Col2Im"
+
+    def run(self, x, image_shape, block_shape):
+        name = self.node.name
+        image = [int(v) for v in np.asarray(image_shape).reshape(-1)]
+        block = [int(v) for v in np.asarray(block_shape).reshape(-1)]
+        nd = len(image)
+        dil = [int(v) for v in self.attr("dilations", [1] * nd)]
+        strides = [int(v) for v in self.attr("strides", [1] * nd)]
+        pads = [int(v) for v in self.attr("pads", [0] * (2 * nd))]
+        kprod = math.prod(block)
+        if x.ndim != 3 or len(block) != nd or len(dil) != nd or len(strides) != nd or len(pads) != 2 * nd \
+                or kprod == 0 or x.shape[1] % kprod:
+            raise InvalidArgument(f"node {name!r} (Col2Im): input (N, C * prod(block), L) with {nd}-D image, block, "
+                                  f"dilations, strides and 2x pads, got input {list(x.shape)}, block {block}")
+        counts = [(image[d] + pads[d] + pads[d + nd] - dil[d] * (block[d] - 1) - 1) // strides[d] + 1 for d in range(nd)]
+        if math.prod(counts) != x.shape[2] or min(counts) < 1:
+            raise InvalidArgument(f"node {name!r} (Col2Im): {x.shape[2]} columns, the geometry gives "
+                                  f"{' x '.join(map(str, counts))}")
+        n, c = x.shape[0], x.shape[1] // kprod
+        padded = np.zeros((n, c, *[image[d] + pads[d] + pads[d + nd] for d in range(nd)]), x.dtype)
+        cols = x.reshape(n, c, kprod, *counts)
+        for t, tap in enumerate(itertools.product(*(range(k) for k in block))):
+            index = tuple(slice(tap[d] * dil[d], tap[d] * dil[d] + (counts[d] - 1) * strides[d] + 1, strides[d])
+                          for d in range(nd))
+            padded[(slice(None), slice(None), *index)] += cols[:, :, t]
+        crop = tuple(slice(pads[d], pads[d] + image[d]) for d in range(nd))
+        return (np.ascontiguousarray(padded[(slice(None), slice(None), *crop)]),)
+
+
 # -- pools ----------------------------------------------------------------------------------------
 
 
