@@ -1,4 +1,4 @@
-"""RoiAlign and NonMaxSuppression (kernels/detection.py) against onnxruntime 1.32 (graph
+"""RoiAlign, NonMaxSuppression and MaxRoiPool (kernels/detection.py) against onnxruntime 1.32 (graph
 optimizations off).  RoiAlign: float32 rtol 1e-4 / atol 1e-5 (the average is summed as two
 small GEMMs, onnxruntime sums sample by sample); max mode follows onnxruntime's rule (the
 largest weighted corner of each sample), which it warns differs from its future one.
@@ -73,3 +73,14 @@ def test_non_max_suppression_without_a_limit_selects_nothing():
     boxes, scores, _ = _nms_case(3, 0, False, False)
     node = helper.make_node("NonMaxSuppression", ["b", "s"], ["y"])
     check_all_paths(node, {"b": boxes, "s": scores}, {}, None, opset=11)
+
+
+@pytest.mark.parametrize("attrs", [dict(pooled_shape=[3, 3]), dict(pooled_shape=[7, 5], spatial_scale=0.5),
+                                   dict(pooled_shape=[2, 4], spatial_scale=0.75)], ids=["3x3", "7x5-half", "2x4-0.75"])
+def test_max_roi_pool_matches_onnxruntime(attrs):
+    """(onnx.reference has no MaxRoiPool.)  ROIs reaching outside the map and inverted ones
+    (empty bins: 0) included; exact."""
+    rng = np.random.default_rng(9)
+    rois = np.concatenate([rng.integers(0, 2, (30, 1)).astype(np.float32), rng.uniform(-4, 26, (30, 4)).astype(np.float32)], 1)
+    rois[:, 3:] = rois[:, 1:3] + rng.uniform(-2, 15, (30, 2))
+    check_all_paths(helper.make_node("MaxRoiPool", ["x", "r"], ["y"], **attrs), {"x": X, "r": rois}, {}, None, opset=17)
