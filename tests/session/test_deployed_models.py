@@ -41,6 +41,8 @@ which onnxruntime computes exactly on every x86 CPU: ``quant_util.ort_exact``):
   a step defines are compared (:func:`_kv_specified`).
 * light squeezenet quantized statically and saved by onnxruntime at level *all* (channels-last
   int8 ops): one step of the last DequantizeLinear, like the static models (measured: equal).
+* float CNNs saved by onnxruntime at level *all* (NCHWc ops, filters in this CPU's blocks):
+  float32 rtol 1e-4 / atol 1e-5 of the output's magnitude (measured <= 4e-7 relative).
 * the sample transformer through the weight-only quantizers (MatMulNBits, int4 DequantizeLinear,
   MatMulBnb4): rtol 1e-4, atol 1e-4 of the output's magnitude (measured <= 2.2e-6 relative).
 * the optimizer's float32 fixtures through ``quantize_dynamic`` (QAttention,
@@ -231,7 +233,7 @@ def test_quantized_model(name, mode, tmp_path):
     check_deployed(path, [feeds], compare, tmp_path)
 
 
-ALL_LEVEL_CASES = [("light_squeezenet", "qop"), ("light_squeezenet", "qdq"), ("cnn", "qdq")]
+ALL_LEVEL_CASES = [("light_squeezenet", "qop"), ("light_squeezenet", "qdq"), ("cnn", "qdq"), ("cnn", "qop")]
 
 
 @pytest.mark.parametrize("name,mode", ALL_LEVEL_CASES, ids=[f"{n.removeprefix('light_')}-{m}" for n, m in ALL_LEVEL_CASES])
@@ -269,6 +271,81 @@ def test_quantized_model_saved_at_level_all(name, mode, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     check_deployed(saved, [feeds], compare, work)
+
+
+def _nchwc_probe(path: str) -> dict:
+    """A float CNN with what the NCHWc transformer handles differently: a 3-channel first Conv
+    (plain NCHW input), a depthwise Conv + Clip, a 1 x 1 Conv, a grouped Conv whose residual Add
+    becomes its Sum input, a 12-channel Conv (output channels padded to the block), GlobalMaxPool,
+    a Resize left in NCHW between them."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    inits = {"W1": rng.standard_normal((16, 3, 3, 3)), "B1": rng.standard_normal(16), "Wd": rng.standard_normal((16, 1, 3, 3)),
+             "W2": rng.standard_normal((32, 16, 1, 1)), "Wg": rng.standard_normal((32, 16, 3, 3)),
+             "W12": rng.standard_normal((12, 32, 3, 3)), "B12": rng.standard_normal(12)}
+    inits = {k: (v * 0.3).astype(np.float32) for k, v in inits.items()}
+    inits.update(lo=np.array(0, np.float32), hi=np.array(6, np.float32), sc=np.array([1, 1, 2, 2], np.float32))
+    nodes = [helper.make_node("Conv", ["x", "W1", "B1"], ["a"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["a"], ["a2"]),
+             helper.make_node("Conv", ["a2", "Wd"], ["b"], pads=[1, 1, 1, 1], group=16),
+             helper.make_node("Clip", ["b", "lo", "hi"], ["b2"]),
+             helper.make_node("Conv", ["b2", "W2"], ["c"]),
+             helper.make_node("Conv", ["c", "Wg"], ["d"], pads=[1, 1, 1, 1], group=2),
+             helper.make_node("Add", ["d", "c"], ["e"]),
+             helper.make_node("Conv", ["e", "W12", "B12"], ["f"], pads=[1, 1, 1, 1], strides=[2, 2]),
+             helper.make_node("Sigmoid", ["f"], ["f2"]),
+             helper.make_node("GlobalMaxPool", ["e"], ["g"]),
+             helper.make_node("Resize", ["e", "", "sc"], ["h"], mode="nearest")]
+    graph = helper.make_graph(nodes, "probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 10, 9])],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("f2", "g", "h")],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return {"x": np.random.default_rng(1).standard_normal((1, 3, 10, 9)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("name", ["probe", "cnn", "light_squeezenet", "mobilenetv2"])
+def test_float_model_saved_at_level_all(name, tmp_path):
+    """A float CNN as onnxruntime saves it at its default level, *all*: NCHWc ops
+    (com.microsoft.nchwc ReorderInput / ReorderOutput, blocked-filter Conv with fused activation
+    and Sum, MaxPool, AveragePool, Global*Pool) with the filters saved in this CPU's blocks.
+    Steps 1-5, float32 rtol 1e-4 / atol 1e-5 of the output's magnitude (measured <= 4e-7)."""
+    work = tmp_path / "src"
+    work.mkdir()
+    if name == "probe":
+        src = str(work / "probe.onnx")
+        feeds = _nchwc_probe(src)
+    elif name == "cnn":
+        src = str(ROOT / "models" / "cnn.onnx")
+        feeds = sample_models.sample_inputs(name, onnx.load(src, load_external_data=False))
+    elif name == "mobilenetv2":
+        (path, sidecar), = [(p, sc) for p, sc in SIDECARS if p.endswith("mobilenetv2-tiny-export.json")]
+        src = os.path.join(path[: -len(".json")], sidecar["model_file"])
+        feeds = _fixture_feeds(sidecar, sorted(sidecar["feeds"]))[0]
+    else:
+        src, model = sample_models.write_light_model(name, work, expose_logits=False)
+        feeds = sample_models.light_inputs(model)
+    saved = str(work / "ort-all.onnx") if name in ("probe", "light_squeezenet") else str(tmp_path / "ort-all.onnx")
+    if name == "cnn":  # the saved model points at the source's data file, next to it
+        import shutil
+
+        shutil.copy(src + ".data", tmp_path / "cnn.onnx.data")
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.optimized_model_filepath = saved
+    so.log_severity_level = 3
+    ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+    ops = {n.op_type for n in onnx.load(saved, load_external_data=False).graph.node if n.domain == "com.microsoft.nchwc"}
+    assert "Conv" in ops, ops
+
+    def compare(got, want, what):
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape, what
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(np.abs(w).max()), err_msg=what)
+
+    out = tmp_path / "work"
+    out.mkdir()
+    check_deployed(saved, [feeds], compare, out)
 
 
 WEIGHT_ONLY = ["nbits2", "nbits4-asym", "nbits8-sym", "nbits4-qdq", "bnb4-fp4", "bnb4-nf4"]

@@ -351,3 +351,30 @@ def test_col2im_matches_onnxruntime(image, block, attrs, channels):
     consts = {"i": np.array(image, np.int64), "b": np.array(block, np.int64)}
     check_all_paths(_h.make_node("Col2Im", ["x", "i", "b"], ["y"], **attrs), {"x": x.astype(np.float32)}, consts,
                     dict(rtol=1e-5, atol=1e-5), opset=18)
+
+
+@pytest.mark.parametrize("block", [8, 16])
+def test_nchwc_filters_unblock_to_plain_order(block):
+    """The two saved NCHWc filter layouts (checked against onnxruntime's saved models, block 8,
+    by test_deployed_models::test_float_model_saved_at_level_all), built here from a plain filter
+    element by element and read back, for both block sizes."""
+    from onnxpack.session.kernels.nchwc import unblock_filter
+
+    rng = np.random.default_rng(block)
+    o, i, kh, kw = 2 * block, 2 * block, 3, 2
+    plain = rng.standard_normal((o, i, kh, kw)).astype(np.float32)
+    bibo = np.empty(o * i * kh * kw, np.float32)  # (O/B, I/B, kh, kw, Bi, Bo)
+    for oo, ii, y, x in np.ndindex(o, i, kh, kw):
+        at = ((((oo // block) * (i // block) + ii // block) * kh + y) * kw + x) * block * block + (ii % block) * block + oo % block
+        bibo[at] = plain[oo, ii, y, x]
+    np.testing.assert_array_equal(unblock_filter(bibo.reshape(plain.shape), 1, block), plain)
+    first = plain[:, :3]  # a 3-channel input: (O/B, I, kh, kw, Bo)
+    bo = np.empty(first.size, np.float32)
+    for oo, ii, y, x in np.ndindex(*first.shape):
+        bo[((((oo // block) * 3 + ii) * kh + y) * kw + x) * block + oo % block] = first[oo, ii, y, x]
+    np.testing.assert_array_equal(unblock_filter(bo.reshape(first.shape), 1, block), first)
+    depthwise = plain[:, :1]
+    dw = np.empty(depthwise.size, np.float32)
+    for oo, _, y, x in np.ndindex(*depthwise.shape):
+        dw[(((oo // block) * kh + y) * kw + x) * block + oo % block] = depthwise[oo, 0, y, x]
+    np.testing.assert_array_equal(unblock_filter(dw.reshape(depthwise.shape), o, block), depthwise)
