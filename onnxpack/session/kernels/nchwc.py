@@ -1,7 +1,8 @@
 """onnxruntime's NCHWc ops (domain ``com.microsoft.nchwc``), which its *all* graph-optimization
 level writes into a float CNN it saves (``SessionOptions.optimized_model_filepath``, whose
 default level is *all*): ReorderInput / ReorderOutput around blocked-layout Conv, MaxPool,
-AveragePool, GlobalMaxPool and GlobalAveragePool.
+AveragePool, GlobalMaxPool, GlobalAveragePool and Upsample (integer scales: a YOLO neck's
+nearest Resize).
 
 onnxruntime keeps an NCHWc tensor as (N, C_pad, H, W) whose memory is (N, C_pad / B, H, W, B),
 B the CPU's block size (MLAS: 16 with AVX-512, else 8), and saves the Conv weights already
@@ -25,7 +26,8 @@ import numpy as np
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels._base import Kernel, KernelContext, PackSpec, TensorInfo, register
-from onnxpack.session.kernels.conv import (AveragePool, GlobalAveragePool, MaxPool, OrtFusedConv)
+from onnxpack.session.kernels.conv import AveragePool, GlobalAveragePool, MaxPool, OrtFusedConv
+from onnxpack.session.kernels.tensor import Resize
 
 __all__ = ["block_size", "unblock_filter"]
 
@@ -160,3 +162,28 @@ class NchwcGlobalMaxPool(Kernel):
 
     def run(self, x):  # type: ignore[override]
         return (x.max(axis=tuple(range(2, x.ndim)), keepdims=True),)
+
+
+@register("Upsample", domain=NCHWC, since=1)
+class NchwcUpsample(Resize):
+    """Upsample of an NCHWc tensor by integer ``scales`` (what a Resize by integer factors
+    becomes): ``nearest`` or ``linear`` with its ``coordinate_transformation_mode``, the Resize
+    kernel's arithmetic."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        Kernel.__init__(self, node, ctx)
+        mode = self.attr("mode", "nearest")
+        coord = self.attr("coordinate_transformation_mode", "asymmetric")
+        self.mode = mode.decode() if isinstance(mode, bytes) else mode
+        self.coord = coord.decode() if isinstance(coord, bytes) else coord
+        self.scales = [float(v) for v in self.attr("scales", [])]
+        if self.mode not in ("nearest", "linear") or self.coord not in ("asymmetric", "half_pixel", "align_corners",
+                                                                          "pytorch_half_pixel"):
+            raise NotImplementedError(f"NCHWc Upsample mode={self.mode!r} coordinate_transformation_mode={self.coord!r}")
+        self.nearest_mode, self.cubic_a, self.exclude_outside, self.policy, self.axes = "floor", -0.75, False, "stretch", None
+
+    def run(self, x):  # type: ignore[override]
+        if len(self.scales) != x.ndim:
+            raise InvalidArgument(f"node {self.node.name!r} (Upsample): {len(self.scales)} scales for a "
+                                  f"{x.ndim}-D input")
+        return super().run(x, None, np.array(self.scales, np.float32))
