@@ -36,8 +36,31 @@ def test_real_model_matches_onnxruntime(name):
     path = real_models.path(name)
     if path is None:
         pytest.skip(f"{name} not in the cache (python3 models/real_models.py fetch)")
+    _check(name, path)
+
+
+@pytest.mark.parametrize("name", list(real_models.MODELS), ids=list(real_models.MODELS))
+def test_real_model_saved_at_level_all_matches_onnxruntime(name, tmp_path):
+    """The same model as onnxruntime saves it at its default level (*all*: NCHWc Convs with
+    fused HardSwish / HardSigmoid / Relu, Upsample, FusedConv, FusedMatMul, QuickGelu ...),
+    against onnxruntime running the saved file with optimizations off."""
+    path = real_models.path(name)
+    if path is None:
+        pytest.skip(f"{name} not in the cache (python3 models/real_models.py fetch)")
+    saved = str(tmp_path / "all.onnx")
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.optimized_model_filepath = saved
+    so.log_severity_level = 3
+    ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    off = ort.SessionOptions()
+    off.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    _check(name, saved, off)
+
+
+def _check(name: str, path: str, ort_options=None) -> None:
     feeds = real_models.feeds(name)
-    want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, feeds)
+    want = ort.InferenceSession(path, ort_options, providers=["CPUExecutionProvider"]).run(None, feeds)
     got = onnxpack.InferenceSession(path).run(None, feeds)
     assert len(got) == len(want)
     for g, w in zip(got, want):

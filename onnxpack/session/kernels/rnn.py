@@ -121,8 +121,10 @@ _ACT_DEFAULTS = {
 def named_activation(name: str, params: tuple = ()) -> Callable[[np.ndarray], np.ndarray]:
     """The activation onnxruntime's fused kernels (FusedConv, FusedGemm) name by a string, with
     their parameters in order (``activation_params`` / ``activation_alpha``, ``_beta``): the RNN
-    activations, plus Clip ``[min, max]``.  NotImplementedError for any other name."""
+    activations, plus Clip ``[min, max]`` and HardSwish.  NotImplementedError for any other name."""
     lname = str(name).lower()
+    if lname == "hardswish":  # (NCHWc Conv's fused HardSwish: x * hardsigmoid(x), alpha 1/6, beta 0.5)
+        return lambda x: x * np.clip(x / np.float32(6) + np.float32(0.5), 0, 1)
     if lname == "clip":
         lo = np.float32(params[0]) if len(params) > 0 else np.float32(-np.inf)
         hi = np.float32(params[1]) if len(params) > 1 else np.float32(np.inf)
