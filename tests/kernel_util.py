@@ -129,3 +129,15 @@ def assert_close(got, want, dtype) -> None:
         w = np.asarray(w)
         assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, g.dtype, w.shape, w.dtype)
         np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), **TOL[np.dtype(dtype)])
+
+
+def ort_save_optimized(src: str, dst: str, level: str = "all") -> None:
+    """``src`` as onnxruntime saves it after its graph optimizations at ``level`` (basic,
+    extended, all) -- ``SessionOptions.optimized_model_filepath``, what users ship."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                                   "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                                   "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[level]
+    so.optimized_model_filepath = dst
+    so.log_severity_level = 3
+    ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])

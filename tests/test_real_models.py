@@ -21,6 +21,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from kernel_util import ort_save_optimized
+
 import onnxpack
 
 _PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "real_models.py")
@@ -48,11 +50,7 @@ def test_real_model_saved_at_level_all_matches_onnxruntime(name, tmp_path):
     if path is None:
         pytest.skip(f"{name} not in the cache (python3 models/real_models.py fetch)")
     saved = str(tmp_path / "all.onnx")
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.optimized_model_filepath = saved
-    so.log_severity_level = 3
-    ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    ort_save_optimized(path, saved)
     off = ort.SessionOptions()
     off.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     _check(name, saved, off)

@@ -69,6 +69,7 @@ from onnx import numpy_helper
 import onnxpack
 import onnxpack_sample_models as sample_models
 from onnxpack.session import optimize
+from kernel_util import ort_save_optimized
 from quant_util import assert_qdq_model_close, ort_exact
 
 quantization = pytest.importorskip("onnxruntime.quantization")
@@ -254,11 +255,7 @@ def test_quantized_model_saved_at_level_all(name, mode, tmp_path):
     quantized = str(tmp_path / f"{name}-{mode}.onnx")
     quantize(src, quantized, mode, feeds)
     saved = str(tmp_path / "ort-all.onnx")
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.optimized_model_filepath = saved
-    so.log_severity_level = 3
-    ort.InferenceSession(quantized, so, providers=["CPUExecutionProvider"])
+    ort_save_optimized(quantized, saved)
     ops = {n.op_type for n in onnx.load(saved).graph.node if n.domain == "com.microsoft"}
     assert "QLinearConv" in ops, ops
     steps = _output_steps(onnx.load(saved))
@@ -337,18 +334,11 @@ def test_float_model_saved_at_level_all(name, tmp_path):
         import shutil
 
         shutil.copy(src + ".data", tmp_path / "cnn.onnx.data")
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.optimized_model_filepath = saved
-    so.log_severity_level = 3
-    ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+    ort_save_optimized(src, saved)
     ops = {n.op_type for n in onnx.load(saved, load_external_data=False).graph.node if n.domain == "com.microsoft.nchwc"}
     assert "Conv" in ops and (name != "probe" or "Upsample" in ops), ops
 
-    def compare(got, want, what):
-        for g, w in zip(got, want):
-            assert g.dtype == w.dtype and g.shape == w.shape, what
-            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(np.abs(w).max()), err_msg=what)
+    compare = _relative_compare(1e-4, 1e-5)
 
     out = tmp_path / "work"
     out.mkdir()
@@ -384,10 +374,7 @@ def test_weight_only_quantized_transformer(mode, tmp_path):
     ops = {n.op_type for n in onnx.load(path).graph.node}
     assert ops & {"MatMulNBits", "MatMulBnb4", "DequantizeLinear"}, ops
 
-    def compare(got, want, what):
-        for g, w in zip(got, want):
-            assert g.dtype == w.dtype and g.shape == w.shape, what
-            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(np.abs(w).max()), err_msg=what)
+    compare = _relative_compare(1e-4, 1e-4)
 
     check_deployed(path, [feeds], compare, tmp_path)
 
@@ -408,6 +395,18 @@ def _fixture_params(kind: str):
 
 def _fixture_feeds(sidecar: dict, modes) -> list[dict]:
     return [fx.make_feeds(sidecar["inventory"]["inputs"], sidecar["feeds"][m]) for m in modes if m in sidecar["feeds"]]
+
+
+def _relative_compare(rtol: float, atol_of_max: float):
+    """``compare`` for check_deployed: dtype and shape equal, values within ``rtol`` and
+    ``atol_of_max`` times the largest magnitude of onnxruntime's output."""
+
+    def compare(got, want, what):
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape, what
+            np.testing.assert_allclose(g, w, rtol=rtol, atol=atol_of_max * float(np.abs(w).max()), err_msg=what)
+
+    return compare
 
 
 def _float_compare(fp16: bool):
@@ -434,11 +433,7 @@ def test_export_saved_by_onnxruntime_optimizer(path, sidecar, tmp_path):
     FusedMatMul, BiasGelu; steps 1-5 on the saved model."""
     model = os.path.join(path[: -len(".json")], sidecar["model_file"])
     saved = tmp_path / "ort-extended.onnx"
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-    so.optimized_model_filepath = str(saved)
-    so.log_severity_level = 3
-    ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    ort_save_optimized(model, str(saved), "extended")
     ops = {n.op_type for n in onnx.load(str(saved), load_external_data=False).graph.node if n.domain == "com.microsoft"}
     assert ops & {"FusedConv", "FusedGemm", "FusedMatMul"}, ops
     work = tmp_path / "work"
@@ -463,10 +458,7 @@ def test_optimized_transformer_quantized_dynamically(path, sidecar, weight_type,
         assert {"QAttention", "QEmbedLayerNormalization"} <= ops, ops
     assert ops & {"MatMulInteger", "DynamicQuantizeMatMul", "QAttention"}, ops
 
-    def compare(got, want, what):
-        for g, w in zip(got, want):
-            assert g.dtype == w.dtype and g.shape == w.shape, what
-            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()), err_msg=what)
+    compare = _relative_compare(1e-5, 1e-5)
 
     work = tmp_path / "work"
     work.mkdir()

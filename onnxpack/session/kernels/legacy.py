@@ -44,14 +44,22 @@ class ImageScaler(Kernel):
         return (y,)
 
 
-@register("Affine", since=1)
-class Affine(Kernel):
-    """``y = alpha * x + beta``."""
+class _AlphaBeta(Kernel):
+    """An elementwise op of attributes ``alpha`` and ``beta`` (defaults per class)."""
+
+    defaults = (1.0, 1.0)
 
     def __init__(self, node, ctx: KernelContext) -> None:
         super().__init__(node, ctx)
-        self.alpha = float(self.attr("alpha", 1.0))
-        self.beta = float(self.attr("beta", 0.0))
+        self.alpha = float(self.attr("alpha", self.defaults[0]))
+        self.beta = float(self.attr("beta", self.defaults[1]))
+
+
+@register("Affine", since=1)
+class Affine(_AlphaBeta):
+    """``y = alpha * x + beta``."""
+
+    defaults = (1.0, 0.0)
 
     def run(self, x):  # type: ignore[override]
         _float_input(self, x)
@@ -74,13 +82,8 @@ class Scale(Kernel):
 
 
 @register("ScaledTanh", since=1)
-class ScaledTanh(Kernel):
+class ScaledTanh(_AlphaBeta):
     """``y = alpha * tanh(beta * x)``."""
-
-    def __init__(self, node, ctx: KernelContext) -> None:
-        super().__init__(node, ctx)
-        self.alpha = float(self.attr("alpha", 1.0))
-        self.beta = float(self.attr("beta", 1.0))
 
     def run(self, x):  # type: ignore[override]
         _float_input(self, x)
@@ -90,13 +93,8 @@ class ScaledTanh(Kernel):
 
 
 @register("ParametricSoftplus", since=1)
-class ParametricSoftplus(Kernel):
+class ParametricSoftplus(_AlphaBeta):
     """``y = alpha * log(1 + exp(beta * x))``, as ``max(bx, 0) + log1p(exp(-|bx|))`` (no overflow)."""
-
-    def __init__(self, node, ctx: KernelContext) -> None:
-        super().__init__(node, ctx)
-        self.alpha = float(self.attr("alpha", 1.0))
-        self.beta = float(self.attr("beta", 1.0))
 
     def run(self, x):  # type: ignore[override]
         _float_input(self, x)
