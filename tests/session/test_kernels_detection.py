@@ -37,10 +37,17 @@ def test_roi_align_output_half_pixel_at_opset_16():
     check_all_paths(node, {"x": X, "r": ROIS, "b": BATCH}, {}, dict(rtol=1e-4, atol=1e-5), opset=16)
 
 
-def test_roi_align_rejects_a_batch_index_out_of_range():
+def test_roi_align_rejects_a_batch_index_out_of_range_and_hostile_rois():
     node = helper.make_node("RoiAlign", ["x", "r", "b"], ["y"])
     with pytest.raises(InvalidArgument, match="batch index out of range"):
         run_native(node, [X, ROIS, np.full(12, 2, np.int64)], 16)
+    bad = ROIS.copy()
+    bad[3, 2] = np.nan
+    with pytest.raises(InvalidArgument, match="rois must be finite"):
+        run_native(node, [X, bad, BATCH], 16)
+    bad[3, 2] = 1e30  # a sampling grid of ~1e29 per cell: refused, not looped over
+    with pytest.raises(InvalidArgument, match="samples per output cell"):
+        run_native(node, [X, bad, BATCH], 16)
 
 
 def _nms_case(seed, center, ties, with_score):

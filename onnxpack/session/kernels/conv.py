@@ -1303,7 +1303,11 @@ class Col2Im(Kernel):
             raise InvalidArgument(f"node {name!r} (Col2Im): {x.shape[2]} columns, the geometry gives "
                                   f"{' x '.join(map(str, counts))}")
         n, c = x.shape[0], x.shape[1] // kprod
-        padded = np.zeros((n, c, *[image[d] + pads[d] + pads[d + nd] for d in range(nd)]), x.dtype)
+        full = [image[d] + pads[d] + pads[d + nd] for d in range(nd)]
+        if min(image) < 0 or n * c * math.prod(full) > 1 << 31:  # (huge strides let a few columns ask for that)
+            raise InvalidArgument(f"node {name!r} (Col2Im): an image of {image} (padded {full}) for {n} x {c} "
+                                  f"channels is out of range")
+        padded = np.zeros((n, c, *full), x.dtype)
         cols = x.reshape(n, c, kprod, *counts)
         for t, tap in enumerate(itertools.product(*(range(k) for k in block))):
             index = tuple(slice(tap[d] * dil[d], tap[d] * dil[d] + (counts[d] - 1) * strides[d] + 1, strides[d])

@@ -17,6 +17,8 @@ from onnxpack.session.kernels._base import Kernel, KernelContext, register
 
 __all__: list[str] = []  # kernels are reached through the registry only
 
+_MAX_SAMPLES = 1 << 24  # bilinear samples per ROI (a 7 x 7 output of 2 x 2 grids takes 196)
+
 
 def _bilinear_axis(coords: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per sample coordinate along one axis: (valid, low index, high index, low weight, high
@@ -66,6 +68,8 @@ class RoiAlign(Kernel):
             raise InvalidArgument(f"node {name!r} (RoiAlign): X must be (N, C, H, W), rois (R, 4) and batch_indices "
                                   f"(R,), got {list(x.shape)}, {list(rois.shape)}, {list(np.shape(batch_indices))}")
         n, c, h, w = x.shape
+        if not np.all(np.isfinite(rois)):
+            raise InvalidArgument(f"node {name!r} (RoiAlign): rois must be finite")
         bidx = np.asarray(batch_indices).astype(np.int64)
         if bidx.size and (bidx.min() < 0 or bidx.max() >= n):
             raise InvalidArgument(f"node {name!r} (RoiAlign): batch index out of range [0, {n}): "
@@ -84,6 +88,9 @@ class RoiAlign(Kernel):
             bh, bw = rh / cd.type(self.oh), rw / cd.type(self.ow)
             gh = self.ratio if self.ratio > 0 else int(math.ceil(rh / self.oh))
             gw = self.ratio if self.ratio > 0 else int(math.ceil(rw / self.ow))
+            if gh * gw * self.oh * self.ow > _MAX_SAMPLES:  # (a hostile ROI: a grid no feature map needs)
+                raise InvalidArgument(f"node {name!r} (RoiAlign): ROI {k} asks for {gh} x {gw} samples per output "
+                                      f"cell; at most {_MAX_SAMPLES} samples per ROI")
             count = max(gh * gw, 1)
             ys = y1 + np.arange(self.oh, dtype=cd)[:, None] * bh + (np.arange(gh, dtype=cd)[None, :] + cd.type(0.5)) * bh / cd.type(gh)
             xs = x1 + np.arange(self.ow, dtype=cd)[:, None] * bw + (np.arange(gw, dtype=cd)[None, :] + cd.type(0.5)) * bw / cd.type(gw)
@@ -201,6 +208,8 @@ class MaxRoiPool(Kernel):
             raise InvalidArgument(f"node {name!r} (MaxRoiPool): X must be (N, C, H, W) and rois (R, 5), got "
                                   f"{list(x.shape)} and {list(rois.shape)}")
         n, c, h, w = x.shape
+        if not np.all(np.isfinite(rois)):
+            raise InvalidArgument(f"node {name!r} (MaxRoiPool): rois must be finite")
         y = np.zeros((rois.shape[0], c, self.ph, self.pw), x.dtype)
 
         def rnd(v: float) -> int:  # C's round: half away from zero
