@@ -283,7 +283,8 @@ def _nchwc_probe(path: str) -> dict:
              "W12": rng.standard_normal((12, 32, 3, 3)), "B12": rng.standard_normal(12),
              "W3": rng.standard_normal((8, 32, 3, 3))}
     inits = {k: (v * 0.3).astype(np.float32) for k, v in inits.items()}
-    inits.update(lo=np.array(0, np.float32), hi=np.array(6, np.float32), sc=np.array([1, 1, 2, 2], np.float32))
+    inits.update(lo=np.array(0, np.float32), hi=np.array(6, np.float32), sc=np.array([1, 1, 2, 2], np.float32),
+                 three=np.array(3, np.float32), six=np.array(6, np.float32))
     nodes = [helper.make_node("Conv", ["x", "W1", "B1"], ["a"], pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["a"], ["a2"]),
              helper.make_node("Conv", ["a2", "Wd"], ["b"], pads=[1, 1, 1, 1], group=16),
@@ -300,9 +301,16 @@ def _nchwc_probe(path: str) -> dict:
                               nearest_mode="floor"),
              helper.make_node("Conv", ["u0", "W3"], ["u"], pads=[1, 1, 1, 1]),
              helper.make_node("Resize", ["e", "", "sc"], ["v0"], mode="linear"),
-             helper.make_node("Conv", ["v0", "W3"], ["v"])]
+             helper.make_node("Conv", ["v0", "W3"], ["v"]),
+             # HardSwish spelled out after a Conv (PP-OCR's): onnxruntime puts it after a ReorderOutput
+             helper.make_node("Conv", ["e", "W3"], ["k"], pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["k", "three"], ["k1"]),
+             helper.make_node("Clip", ["k1", "lo", "hi"], ["k2"]),
+             helper.make_node("Div", ["k2", "six"], ["k3"]),
+             helper.make_node("Mul", ["k", "k3"], ["k4"]),
+             helper.make_node("MaxPool", ["k4"], ["hs"], kernel_shape=[2, 2], strides=[2, 2])]
     graph = helper.make_graph(nodes, "probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 10, 9])],
-                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("f2", "g", "h", "u", "v")],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("f2", "g", "h", "u", "v", "hs")],
                               [numpy_helper.from_array(v, k) for k, v in inits.items()])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     return {"x": np.random.default_rng(1).standard_normal((1, 3, 10, 9)).astype(np.float32)}
