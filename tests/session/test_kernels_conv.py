@@ -183,6 +183,22 @@ def test_pools_ceil_mode_match_onnxruntime(attrs, op):
     assert_close(run_native(node, [x], 19), run_ort(node, [x], 19, optimize=False), np.float32)
 
 
+@pytest.mark.parametrize("auto_pad", ["SAME_UPPER", "SAME_LOWER"])
+@pytest.mark.parametrize("op, extra", [("AveragePool", {}), ("AveragePool", dict(count_include_pad=1)),
+                                       ("LpPool", {}), ("AveragePool", dict(ceil_mode=1))],
+                         ids=["avg", "avg-incl", "lp", "avg-ceil"])
+def test_same_pools_with_strides_wider_than_the_kernel_match_onnxruntime(op, extra, auto_pad):
+    """The SAME padding ``(out - 1) * stride + kernel - in`` is negative when the strides skip
+    more than the kernel: onnxruntime's pools keep it (C's ``/ 2`` split), so windows start
+    inside the input (6 rows, kernel 1, stride 3, SAME_UPPER: rows 1 and 4)."""
+    rng = np.random.default_rng(9)
+    for h in (5, 6, 7, 9, 10):
+        for kh, sh in ((1, 3), (1, 4), (2, 4), (2, 5), (3, 6), (1, 6)):
+            x = rng.standard_normal((1, 2, h, 7)).astype(np.float32)
+            node = make_node(op, ["x"], ["y"], kernel_shape=[kh, 2], strides=[sh, 3], auto_pad=auto_pad, **extra)
+            assert_close(run_native(node, [x], 19), run_ort(node, [x], 19, optimize=False), np.float32)
+
+
 @pytest.mark.parametrize("storage_order", [0, 1], ids=["row", "col"])
 @pytest.mark.parametrize(
     "attrs",

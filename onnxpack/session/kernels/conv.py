@@ -178,12 +178,20 @@ def conv_geometry(
     pads: tuple[int, ...] | None,
     auto_pad: str,
     ceil_mode: bool = False,
+    pool: bool = False,
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(pads_begin, pads_end, out_shape) for a conv/pool over ``in_shape``.
 
     ``SAME_UPPER``/``SAME_LOWER`` keep ``ceil(in / stride)`` outputs and put the odd padding
     element at the end / the beginning (ONNX spec, as onnxruntime does).  With ``ceil_mode`` the
     last window must start inside the (begin-padded) input, PyTorch's and onnxruntime's rule.
+
+    When the strides leave more than the kernel between windows, the spec's SAME padding
+    ``(out - 1) * stride + kernel - in`` is negative.  A convolution pads nothing then (what
+    onnxruntime's Conv does); a ``pool`` keeps the negative padding, split with C's truncating
+    division as onnxruntime's AveragePool and LpPool split it: a negative begin pad starts every
+    window that far inside the input (6 rows, kernel 1, stride 3, SAME_UPPER: rows 1 and 4, not 0
+    and 3; onnx.reference's MaxPool shifts the same way, onnxruntime's refuses the node).
     """
     nd = len(in_shape)
     begin, end, out = [], [], []
@@ -191,9 +199,14 @@ def conv_geometry(
         eff = (kernel[i] - 1) * dilations[i] + 1
         if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
             o = -(-in_shape[i] // strides[i])
-            total = max(0, (o - 1) * strides[i] + eff - in_shape[i])
-            small = total // 2
-            b = small if auto_pad == "SAME_UPPER" else total - small
+            total = (o - 1) * strides[i] + eff - in_shape[i]
+            if total < 0 and pool:
+                half = total + (auto_pad == "SAME_LOWER")
+                b = -(-half // 2)  # C's half / 2 for half <= 0
+            else:
+                total = max(0, total)
+                small = total // 2
+                b = small if auto_pad == "SAME_UPPER" else total - small
             begin.append(b)
             end.append(total - b)
             out.append(o)
@@ -1331,7 +1344,8 @@ class _Pool(Kernel):
     def _geometry(self, x):
         nd = x.ndim - 2
         ks, strides, dils = self.sp.resolve(nd)
-        begin, end, out = conv_geometry(x.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad, self.ceil_mode)
+        begin, end, out = conv_geometry(x.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad, self.ceil_mode,
+                                        pool=True)
         extent = _padded_extent(x.shape[2:], begin, out, ks, strides, dils)
         return ks, strides, dils, begin, end, out, extent
 
