@@ -394,3 +394,29 @@ def test_nchwc_filters_unblock_to_plain_order(block):
     for oo, _, y, x in np.ndindex(*depthwise.shape):
         dw[(((oo // block) * kh + y) * kw + x) * block + oo % block] = depthwise[oo, 0, y, x]
     np.testing.assert_array_equal(unblock_filter(dw.reshape(depthwise.shape), o, block), depthwise)
+
+
+@pytest.mark.parametrize("op", ["Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool"])
+@pytest.mark.parametrize("attrs", [dict(strides=[0, 1]), dict(strides=[1, -2**31]), dict(dilations=[1, 0]),
+                                   dict(kernel_shape=[-3, 3])], ids=["stride0", "stride-neg", "dil0", "kernel-neg"])
+def test_non_positive_strides_dilations_and_kernels_are_refused(op, attrs):
+    """As onnxruntime refuses them; a negative one sized the padded input or the output in the
+    exabytes (found by a fuzzer: "Unable to allocate 384 GiB")."""
+    from onnxpack.errors import InvalidArgument
+
+    attrs = dict(attrs)
+    if op.endswith("Pool"):
+        attrs.setdefault("kernel_shape", [3, 3])
+    x = np.zeros((1, 2, 8, 8), np.float32)
+    ins = [x, np.ones((2, 2, 3, 3), np.float32)] if op.startswith("Conv") else [x]
+    with pytest.raises(InvalidArgument, match="must be positive"):
+        run_native(make_node(op, ["x", "w"][: len(ins)], ["y"], **attrs), ins, 19)
+
+
+@pytest.mark.parametrize("pads", [[3, 0, 0, 0], [0, -1, 0, 0], [1, 1]], ids=["pad=kernel", "negative", "half"])
+@pytest.mark.parametrize("op", ["MaxPool", "AveragePool", "LpPool"])
+def test_pool_pads_outside_onnxruntimes_rule_are_refused(op, pads):
+    from onnxpack.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="pads"):
+        run_native(make_node(op, ["x"], ["y"], kernel_shape=[3, 3], pads=pads), [np.zeros((1, 2, 8, 8), np.float32)], 19)

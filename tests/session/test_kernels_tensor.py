@@ -162,6 +162,23 @@ def test_split_uneven_num_outputs():
     check(make_node("Split", ["x"], ["a", "b", "c"], axis=0, num_outputs=3), [x_((7, 2))], 18)
 
 
+@pytest.mark.parametrize("num_outputs", [1, 3, 2**63 - 1])
+def test_split_num_outputs_other_than_the_outputs_is_refused(num_outputs):
+    """onnxruntime refuses it too; 2**63 - 1 on an empty input was a loop that long (found by a fuzzer)."""
+    from onnxpack.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="num_outputs"):
+        run_native(make_node("Split", ["x"], ["a", "b"], axis=0, num_outputs=num_outputs), [x_((0, 2))], 18)
+
+
+@pytest.mark.parametrize("sizes", [[1, 2], [2, 2, 0], [5, -1]])
+def test_split_sizes_that_do_not_cover_the_axis_are_refused(sizes):
+    from onnxpack.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="sizes"):
+        run_native(make_node("Split", ["x", "s"], ["a", "b"], axis=0), [x_((4, 2)), i64(*sizes)], 13)
+
+
 SLICES = [
     ([0], [2], None, None),
     ([1, 0], [3, -1], [0, 1], None),

@@ -509,6 +509,13 @@ class _SpatialAttrs:
                 f"node {kernel.node.name!r} ({kernel.node.op_type}): auto_pad must be NOTSET, "
                 f"SAME_UPPER, SAME_LOWER or VALID, got {self.auto_pad!r}"
             )
+        # As onnxruntime: a zero or negative stride, dilation or kernel size is refused (a negative
+        # one would otherwise size the padded input or the output in the exabytes).
+        for name in ("kernel_shape", "strides", "dilations"):
+            values = getattr(self, name)
+            if values is not None and any(int(v) < 1 for v in values):
+                raise InvalidArgument(f"node {kernel.node.name!r} ({kernel.node.op_type}): {name} must be "
+                                      f"positive, got {list(values)}")
 
     def resolve(self, nd: int, kernel_shape=None):
         ks = tuple(int(k) for k in (self.kernel_shape or kernel_shape))
@@ -1340,6 +1347,12 @@ class _Pool(Kernel):
         if self.sp.kernel_shape is None:
             raise InvalidArgument(f"node {node.name!r} ({node.op_type}): kernel_shape is required")
         self.ceil_mode = bool(self.attr("ceil_mode", 0))
+        pads, ks = self.sp.pads, self.sp.kernel_shape
+        if pads and self.sp.auto_pad == "NOTSET" and (
+                len(pads) != 2 * len(ks) or any(not 0 <= int(p) < int(ks[i % len(ks)]) for i, p in enumerate(pads))):
+            # onnxruntime's rule; a window wholly in the padding has nothing to pool
+            raise InvalidArgument(f"node {node.name!r} ({node.op_type}): pads {list(pads)} must be two per axis of "
+                                  f"kernel_shape {list(ks)}, non-negative and smaller than the kernel")
 
     def _geometry(self, x):
         nd = x.ndim - 2

@@ -251,6 +251,9 @@ def _split(x: np.ndarray, axis: int, sizes: list[int] | None, n_out: int, num_ou
             sizes = [min(chunk, max(dim - i * chunk, 0)) for i in range(num_outputs)]
         else:
             sizes = [dim // n_out] * n_out
+    elif len(sizes) != n_out or min(sizes) < 0 or sum(sizes) != dim:
+        raise InvalidArgument(f"Split: sizes {sizes} must be {n_out} non-negative lengths adding up to "
+                              f"the axis' {dim}")
     index: list[slice] = [slice(None)] * x.ndim
     out = []
     start = 0
@@ -288,6 +291,10 @@ class Split13(Kernel):
         n = self.attr("num_outputs")
         self.num_outputs = None if n is None else int(n)
         self.n_out = len(node.output)
+        if self.num_outputs is not None and self.num_outputs != self.n_out:
+            # (as onnxruntime; and a num_outputs of 2**63 - 1 would otherwise be a loop that long)
+            raise InvalidArgument(f"node {node.name!r} (Split): num_outputs is {self.num_outputs}, the node has "
+                                  f"{self.n_out} outputs")
 
     def run(self, x, split=None):  # type: ignore[override]
         sizes = _ints(split)
