@@ -39,7 +39,8 @@ from onnxpack.session._api import declared_dim
 from onnxpack.session._derive import derive
 from onnxpack.session._fold import fold_constants
 from onnxpack.session._api import override_dims
-from onnxpack.session._fusion import ConstMeta, Fusion, apply_fusions, inputs_index, nodes_with_index, plan_fusions
+from onnxpack.session._fusion import (ARITHMETIC_FUSIONS, ConstMeta, Fusion, apply_fusions, inputs_index,
+                                     nodes_with_index, plan_fusions)
 from onnxpack.session._program import PackEvent, Plan, PrepackStats, Program, Step, schedule, topological_order
 from onnxpack.session._resolve import resolve
 from onnxpack.session.kernels import Kernel, KernelContext, TensorInfo, normalize_domain
@@ -63,6 +64,8 @@ class CompileOptions:
         dims_by_name / dims_by_denotation: free-dimension overrides (symbolic dim name or
             denotation -> size); they fix the compiled inputs' (and outputs') declared shapes,
             which ``get_inputs()`` reports and runs are checked against.
+        qdq_accuracy_level: ``session.qdq_matmulnbits_accuracy_level`` (see
+            ``_fusion.find_dq_matmul_nbits``).
     """
 
     prepack: bool = True
@@ -71,6 +74,7 @@ class CompileOptions:
     fuse: bool = True
     dims_by_name: Mapping[str, int] = dataclasses.field(default_factory=dict)
     dims_by_denotation: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    qdq_accuracy_level: int = 4
 
 
 def compile(model: Model, options: CompileOptions, sources: PackSources,  # noqa: A001 - the compile step
@@ -221,8 +225,10 @@ class _Compiler:
             self.derived[scope.path] = self._derivations(scope, nodes, reads, local, available, name, outs)
         self._settled.add(scope.path)  # its derived values are known: _weight's answers hold
         fusions: list[Fusion] = []
-        if self.options.prepack and self.options.fuse:
+        if self.options.fuse:
             fusions = self._fusions(scope, nodes, ins, implicit)
+            if not self.options.prepack:  # only those that compute as onnxruntime's optimized graph does
+                fusions = [f for f in fusions if f.kernel in ARITHMETIC_FUSIONS]
         entries = apply_fusions(nodes, fusions)
         entry_reads = [reads[k] if f is None else [*node.input[:], *implicit.get(k, ())] for k, node, f in entries]
         entry_outs = [outs[k] if f is None else node.output[:] for k, node, f in entries]
@@ -349,7 +355,7 @@ class _Compiler:
             return self._weight(scope, n).value  # the WeightRef alone, not this compiler
 
         return plan_fusions(nodes_with_index(nodes, by_input), readers, protected, const_value, self.opsets.get("", 1),
-                            is_const, const_meta, const_lazy)
+                            is_const, const_meta, const_lazy, self.options.qdq_accuracy_level)
 
     def _constants(self, scope: Scope, output_names: list[str]) -> dict[str, Any]:
         """The scope's constants: originals still read unpacked (all readers are bound by now:

@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from onnxpack._frozen import fast_init
-from onnxpack.graph._proto import NodeProto, get_attribute_value
+from onnxpack.graph._proto import AttributeProto, NodeProto, get_attribute_value
 from onnxpack.session.kernels._act import Activation
 
 __all__ = ["ConvFusion", "Fusion", "MatMulFusion", "apply_fusions", "bn_fold", "find_conv_fusions",
@@ -541,6 +541,74 @@ class MatMulFusion:
     output: str
 
 
+_NIBBLE_TYPES = ("int4", "uint4")
+
+# Fusions that change the arithmetic as onnxruntime's graph optimizer does (its MatMulNBits of a
+# DequantizeLinear pair quantizes activations at accuracy level 4): applied whenever graph
+# optimizations are on, with or without pre-packing, so both give onnxruntime's results.
+ARITHMETIC_FUSIONS = frozenset({"dq_nbits"})
+
+
+def find_dq_matmul_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
+                         const_meta: Callable[[str], ConstMeta | None], taken: set[int],
+                         accuracy_level: int) -> list[Fusion]:
+    """``MatMul(A, DequantizeLinear(W, scale[, zero point]))`` with a constant 4-bit ``W``
+    quantized in blocks along K (``axis`` 0, ``block_size`` a power of two >= 16): one
+    ``MatMulNBits`` step (pure), as onnxruntime's QDQ transformer rewrites the pair.
+
+    Why: the pair is how QDQ-format int4 LLMs store their projections (onnxruntime-genai's builder
+    with ``use_qdq``, the weight-only quantizer's QDQ format).  Folding the DequantizeLinear into
+    a float pack held 8x the int4 bytes; the MatMulNBits kernel keeps them 4-bit and, like
+    onnxruntime, takes the session's ``session.qdq_matmulnbits_accuracy_level`` (``accuracy_level``
+    here; onnxruntime's default 4 quantizes the activations to int8 where the int4 GEMV does).
+
+    The fused node reads ``W``, the scales and the zero points as the model stores them ((K, N),
+    (K / block, N)); kernel ``dq_nbits`` packs them into MatMulNBits' layout.  A uint4 weight
+    without zero points (zero point 0, MatMulNBits' default being 8) keeps the float path."""
+    used = set(taken)
+    users_of = _sole_users(nodes, readers, protected, used)
+    out: list[Fusion] = []
+    for d, dq in enumerate(nodes):
+        if (d in used or dq.op_type != "DequantizeLinear" or dq.domain not in ("", "ai.onnx", "com.microsoft")
+                or not dq.output or not dq.output[0]):
+            continue
+        ins = dq.input[:]
+        if len(ins) < 2 or not ins[0] or not ins[1]:
+            continue
+        users = users_of(dq.output[0])
+        if users is None or len(users) != 1 or users[0] in used:
+            continue
+        k = users[0]
+        mm = nodes[k]
+        if (mm.op_type != "MatMul" or mm.domain not in ("", "ai.onnx") or len(mm.input) != 2
+                or mm.input[1] != dq.output[0] or mm.input[0] == dq.output[0] or len(mm.output) != 1):
+            continue
+        attrs = _attrs(dq)
+        bs = attrs.get("block_size", 0)
+        w, sc = const_meta(ins[0]), const_meta(ins[1])
+        zp = const_meta(ins[2]) if len(ins) > 2 and ins[2] else None
+        if (w is None or sc is None or len(w.shape) != 2 or w.dtype.name not in _NIBBLE_TYPES
+                or attrs.get("axis", 1) not in (0, -2) or bs < 16 or bs & (bs - 1)):
+            continue
+        kdim, n = (int(v) for v in w.shape)
+        nb = -(-kdim // bs)
+        if (sc.dtype.name not in ("float32", "float16") or tuple(sc.shape) != (nb, n)
+                or (len(ins) > 2 and ins[2] and (zp is None or zp.dtype != w.dtype or tuple(zp.shape) != (nb, n)))
+                or (zp is None and w.dtype.name == "uint4") or kdim < 1 or n < 1):
+            continue
+        node = NodeProto()
+        node.op_type, node.domain = "MatMulNBits", "com.microsoft"
+        node.name = mm.name  # reports and logs name the weight's reader
+        node.input.extend([mm.input[0], ins[0], ins[1], ins[2] if zp is not None else ""])
+        node.output.extend([mm.output[0]])
+        for name, value in (("K", kdim), ("N", n), ("bits", 4), ("block_size", bs), ("accuracy_level", accuracy_level)):
+            a = node.attribute.add()
+            a.name, a.type, a.i = name, AttributeProto.INT, value
+        used.update((k, d))
+        out.append(Fusion(node, k, (d,), kernel="dq_nbits"))
+    return out
+
+
 def find_matmul_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
                         const_value: Callable[[str], np.ndarray | None], opset: int,
                         taken: set[int], const_meta: Callable[[str], ConstMeta | None] | None = None,
@@ -886,7 +954,8 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
                  const_value: Callable[[str], np.ndarray | None], opset: int,
                  is_const: Callable[[str], bool] | None = None,
                  const_meta: Callable[[str], ConstMeta | None] | None = None,
-                 const_lazy: Callable[[str], Callable[[], np.ndarray]] | None = None) -> list[Fusion]:
+                 const_lazy: Callable[[str], Callable[[], np.ndarray]] | None = None,
+                 qdq_accuracy_level: int = 4) -> list[Fusion]:
     """Every fusion of one scope's nodes (pure).
 
     Args:
@@ -903,6 +972,8 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
             its declaration; matching a chain needs no more), default: from ``const_value``.
         const_lazy: a constant's value as a function a kernel calls when it first needs it
             (per-channel statistics of a Conv epilogue), default: ``const_value`` deferred.
+        qdq_accuracy_level: the ``accuracy_level`` of the MatMulNBits steps that 4-bit
+            ``DequantizeLinear -> MatMul`` pairs become (``session.qdq_matmulnbits_accuracy_level``).
     """
     if const_lazy is None:
         def const_lazy(n: str) -> Callable[[], np.ndarray]:
@@ -967,6 +1038,9 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
                 node.input.append("")
             node.input.append(f.residual)
         out.append(Fusion(node, f.conv, f.absorbed, kernel="conv", params=params))
+    for f in find_dq_matmul_nbits(nodes, readers, protected, const_meta, taken, qdq_accuracy_level):
+        out.append(f)
+        taken.update((f.anchor, *f.absorbed))
     for f in find_matmul_fusions(nodes, readers, protected, const_value, opset, taken, const_meta):
         node = NodeProto()
         node.CopyFrom(nodes[f.matmul])  # keeps the MatMul's name: reports and logs name the weight's reader

@@ -45,6 +45,13 @@ def _granularity(key: str, value: str) -> int:
     return n
 
 
+def _accuracy_level(key: str, value: str) -> int:
+    n = _nonneg_int(key, value)
+    if n > 4:
+        raise ConfigError(f"config {key!r}: expected an accuracy level 0-4, got {value!r}")
+    return n
+
+
 def _text(key: str, value: str) -> str:
     if "\x00" in value:
         raise ConfigError(f"config {key!r}: NUL byte in value")
@@ -66,6 +73,9 @@ CONFIG_KEYS: dict[str, tuple[Callable[[str, str], Any], str, str]] = {
         _text, "", "data file name (next to optimized_model_filepath); default <model>.data"),
     "session.optimized_model_external_initializers_min_size_in_bytes": (
         _nonneg_int, "1024", "initializers smaller than this stay inside the saved model"),
+    "session.qdq_matmulnbits_accuracy_level": (
+        _accuracy_level, "4", "accuracy_level of the MatMulNBits steps that 4-bit blocked DequantizeLinear -> "
+        "MatMul pairs run as (onnxruntime's default 4: int8 activations where the int4 GEMV quantizes them)"),
     "onnxpack.align_threshold": (_nonneg_int, "", "tensors/blobs at least this large start on the granularity"),
     "onnxpack.allocation_granularity": (_granularity, str(mmap.ALLOCATIONGRANULARITY), "alignment of large tensors"),
     "onnxpack.prepacked_cache_path": (_text, "", "persistent packed-weight cache file (empty = off)"),

@@ -83,9 +83,9 @@ F16 = dict(rtol=1e-2, atol=1e-2)
 
 
 # -- the one path every model takes -------------------------------------------------------------
-def ort_run(path: str | bytes, feeds: dict) -> list[np.ndarray]:
+def ort_run(path: str | bytes, feeds: dict, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL) -> list[np.ndarray]:
     so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.graph_optimization_level = level
     so.log_severity_level = 3
     return ort.InferenceSession(ort_exact(path), so, providers=["CPUExecutionProvider"]).run(None, feeds)
 
@@ -104,17 +104,19 @@ def _exact(got, want, what: str) -> None:
         np.testing.assert_array_equal(g, w, err_msg=f"{what}: output {k}")
 
 
-def check_deployed(path: str, feeds_list: list[dict], compare, tmp: pathlib.Path, specified=None) -> None:
+def check_deployed(path: str, feeds_list: list[dict], compare, tmp: pathlib.Path, specified=None,
+                   ort_level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL) -> None:
     """Steps 1-5 of the module docstring for the model at ``path``; ``compare(got, want, what)``
     checks onnxpack against onnxruntime for this model's family; ``specified(outputs, feeds)``
-    keeps the part of the outputs a runtime defines (the rest is compared nowhere)."""
+    keeps the part of the outputs a runtime defines (the rest is compared nowhere); ``ort_level``:
+    onnxruntime's graph optimizations for the models whose arithmetic depends on them."""
     if specified is not None:
         def run_of(run):
             return lambda path_or_none, feeds: specified(run(path_or_none, feeds), feeds)
     else:
         def run_of(run):
             return run
-    ort_of = run_of(ort_run)
+    ort_of = run_of(lambda p, feeds: ort_run(p, feeds, ort_level))
 
     def session_of(p, **config):
         sess = session(p, **config)
@@ -384,7 +386,64 @@ def test_weight_only_quantized_transformer(mode, tmp_path):
 
     compare = _relative_compare(1e-4, 1e-4)
 
-    check_deployed(path, [feeds], compare, tmp_path)
+    # The 4-bit DequantizeLinear -> MatMul pairs run as MatMulNBits with onnxruntime's default
+    # accuracy level 4 (int8 activations: 7e-3 relative off the float graph), as its optimizer
+    # fuses them; the other modes are the same at every level.
+    check_deployed(path, [feeds], compare, tmp_path, ort_level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+                   if mode.endswith("qdq") else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+def test_int4_dequantize_matmul_pairs_run_as_matmulnbits(symmetric, block_size, tmp_path):
+    """4-bit blocked ``DequantizeLinear -> MatMul`` (the weight-only quantizer's QDQ format, the
+    builder's ``use_qdq``) runs as MatMulNBits, as onnxruntime's optimizer rewrites it: the int4
+    weights stay 4-bit in the packs (were float32, 8x), the results are onnxruntime's at its
+    default ``session.qdq_matmulnbits_accuracy_level`` 4 and at 0 (then the float graph's), with
+    and without pre-packing; an accuracy level outside 0-4 is refused."""
+    from onnxruntime.quantization import QuantFormat
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+
+    src = str(ROOT / "models" / "transformer.onnx")
+    feeds = sample_models.sample_inputs("transformer", onnx.load(src, load_external_data=False))
+    config = mnq.DefaultWeightOnlyQuantConfig(block_size=block_size, bits=4, is_symmetric=symmetric,
+                                              quant_format=QuantFormat.QDQ)
+    quantizer = mnq.MatMulNBitsQuantizer(onnx.load(src), algo_config=config)
+    quantizer.process()
+    path = str(tmp_path / "qdq4.onnx")
+    onnx.save(quantizer.model.model, path)
+    model = onnx.load(path)
+    inits = {t.name: t for t in model.graph.initializer}
+    dqs = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits]
+    assert dqs and all(inits[n.input[0]].data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4) for n in dqs)
+    quantized = sum(inits[n].ByteSize() for d in dqs for n in d.input if n)  # int4 bytes, scales, zero points
+
+    def theirs(level, accuracy):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = level
+        so.log_severity_level = 3
+        if accuracy is not None:
+            so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", accuracy)
+        return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+    compare = _relative_compare(1e-5, 1e-5)
+    level = ort.GraphOptimizationLevel
+    for accuracy, want in ((None, theirs(level.ORT_ENABLE_ALL, None)), ("0", theirs(level.ORT_DISABLE_ALL, None))):
+        for prepack in ("0", "1"):
+            config = {"session.disable_prepacking": prepack}
+            if accuracy is not None:
+                config["session.qdq_matmulnbits_accuracy_level"] = accuracy
+            sess = session(path, **config)
+            compare(sess.run(None, feeds), want, f"accuracy {accuracy}, disable_prepacking {prepack}")
+            log = sess.get_prepack_log()
+            if prepack == "0":
+                assert {r["op_type"] for r in log} == {"MatMulNBits"} and len(log) == sum(len([n for n in d.input if n]) for d in dqs)
+                if block_size <= 64:  # (K is 64: a longer block is padded to a whole one, in onnxruntime too)
+                    assert sum(r["nbytes"] for r in log) <= 1.25 * quantized, (sum(r["nbytes"] for r in log), quantized)
+    # onnxruntime's default differs from the float graph (else the test above proves nothing)
+    assert not np.allclose(theirs(level.ORT_ENABLE_ALL, None)[0], theirs(level.ORT_DISABLE_ALL, None)[0], rtol=1e-4, atol=1e-4)
+    with pytest.raises(onnxpack.errors.OnnxpackError, match="accuracy level"):
+        session(path, **{"session.qdq_matmulnbits_accuracy_level": "5"})
 
 
 # -- ORT-optimizer and LLM fixtures ------------------------------------------------------------

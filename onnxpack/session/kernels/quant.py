@@ -776,6 +776,62 @@ class MatMulNBits(Kernel):
         return np.ascontiguousarray(((q.astype(np.float32) - z[:, g]) * s[:, g]).T)
 
 
+@register_fused("dq_nbits")
+class DequantizeMatMulNBits(MatMulNBits):
+    """``MatMul(A, DequantizeLinear(W, scales, zero points))`` with a 4-bit W blocked along K
+    (``_fusion.find_dq_matmul_nbits``), run as MatMulNBits.  Inputs 1-3 are the model's own
+    (K, N) int4/uint4 W and (K / block, N) scales and zero points; each is packed into
+    MatMulNBits' tiles from its MatMulNBits form: W transposed to (N, K) and two codes a byte
+    (low nibble first), int4 codes and zero points shifted by 8 to the unsigned codes MatMulNBits
+    reads ((q + 8) - (z + 8) = q - z; no zero points: MatMulNBits' default 8 is int4's 0)."""
+
+    op_type = "MatMulNBits"
+    domain = "com.microsoft"
+
+    def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
+        if input_index not in (1, 2, 3) or self._dq_problem(input_index, tuple(info.shape), np.dtype(info.dtype)):
+            return None
+        attrs = struct.pack("<qqqqBq", self.k, self.n, self.bits, self.block_size, input_index, TILE)
+        return PackSpec("dqmatmulnbits", _PACK_VERSION, attrs, 1)
+
+    def expected_packed(self, input_index: int, info: TensorInfo):
+        if self.pack_spec(input_index, info) is None:
+            return None
+        count = self.n * self.nblocks
+        if input_index == 1:
+            return [(_U8, (count * self.blob,))]
+        if input_index == 3:
+            return [(_U8, (count,))]
+        return [(_float_storage(info.dtype), (count,))]
+
+    def _dq_problem(self, i: int, shape: tuple, dtype: np.dtype) -> str | None:
+        want = (self.k, self.n) if i == 1 else (self.nblocks, self.n)
+        if shape != want:
+            return f"shape {list(shape)}, expected {list(want)}"
+        if i == 2:
+            return None if _is_float(dtype) else f"dtype {dtype}, expected a float type"
+        return None if dtype.name in ("int4", "uint4") else f"dtype {dtype}, expected int4 or uint4"
+
+    def _pack(self, i: int, arr: np.ndarray) -> np.ndarray:
+        if arr is None:
+            return super()._pack(i, arr)  # (its error)
+        reason = self._dq_problem(i, tuple(arr.shape), arr.dtype)
+        if reason is not None:
+            raise InvalidArgument(f"node {self.node.name!r} (MatMul of a DequantizeLinear): input {i} has {reason}")
+        if i == 2:
+            return super()._pack(2, np.ascontiguousarray(np.asarray(arr).T))
+        codes = np.asarray(arr).astype(np.uint8 if arr.dtype.name == "uint4" else np.int8)
+        codes = (codes.astype(np.int16) + (8 if arr.dtype.name == "int4" else 0)).astype(np.uint8).T  # (N, K) or (N, nb)
+        if i == 1:
+            kpad = self.nblocks * self.block_size
+            full = np.zeros((self.n, kpad), np.uint8)
+            full[:, : self.k] = codes
+        else:
+            full = np.zeros((self.n, self.nblocks + (self.nblocks & 1)), np.uint8)
+            full[:, : self.nblocks] = codes
+        return super()._pack(i, full[:, 0::2] | (full[:, 1::2] << 4))
+
+
 @register_fused("nbits_gated")
 class GatedMatMulNBits(Kernel):
     """``act(A @ W_gate) * (A @ W_up)`` — the gated MLP of Llama/Qwen-family decoders as one step
