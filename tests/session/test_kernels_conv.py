@@ -420,3 +420,76 @@ def test_pool_pads_outside_onnxruntimes_rule_are_refused(op, pads):
 
     with pytest.raises(InvalidArgument, match="pads"):
         run_native(make_node(op, ["x"], ["y"], kernel_shape=[3, 3], pads=pads), [np.zeros((1, 2, 8, 8), np.float32)], 19)
+
+
+def _causal_conv_case(rng, attrs, k, length, past, bias, dtype=np.float32):
+    b, c = 2, 5
+    s = (k - 1) * attrs.get("dilation", 1)
+    last = attrs.get("channels_last", 0) == 1
+    x = rng.standard_normal((b, length, c) if last else (b, c, length)).astype(dtype)
+    w = rng.standard_normal((c, 1, k)).astype(dtype)
+    state = rng.standard_normal((b, s, c) if last else (b, c, s)).astype(dtype)
+    if attrs.get("state_window"):
+        state = np.stack([rng.standard_normal(state.shape).astype(dtype) for _ in range(attrs["state_window"])])
+    inputs = [x, w, rng.standard_normal(c).astype(dtype) if bias else None, state if past else None]
+    names = ["x", "w", "b" if bias else "", "p" if past else ""]
+    return make_node("CausalConvWithState", names, ["y", "present"], domain="com.microsoft", ndim=1, **attrs), inputs
+
+
+CAUSAL_CASES = [
+    ({}, 3, 5, True, False),               # LFM2's: kernel 3, a carried state
+    ({}, 3, 1, True, True),                # one decoding step
+    ({}, 4, 2, False, True),               # no state: zeros; fewer positions than the state holds
+    ({"activation": "silu"}, 4, 6, True, True),
+    ({"activation": "swish", "dilation": 2}, 3, 7, True, False),
+    ({"channels_last": 1}, 3, 5, True, True),
+    ({"dilation": 3}, 1, 4, False, True),  # K = 1: an empty state
+]
+CAUSAL_IDS = ["lfm2", "step", "nostate", "silu", "swish-dil2", "channels-last", "k1"]
+
+
+@pytest.mark.parametrize("attrs, k, length, past, bias", CAUSAL_CASES, ids=CAUSAL_IDS)
+def test_causal_conv_with_state_matches_onnxruntime(attrs, k, length, past, bias):
+    node, inputs = _causal_conv_case(np.random.default_rng(11), attrs, k, length, past, bias)
+    got = run_native(node, inputs, 1)
+    want = run_ort(node, inputs, 1, optimize=False)
+    for g, v in zip(got, want):
+        assert g.dtype == v.dtype and g.shape == v.shape
+        np.testing.assert_allclose(g, v, rtol=1e-6, atol=1e-6)
+    # float16 (onnxruntime's CPU kernel has float32 only): the float32 result of the same values, rounded
+    half = [None if a is None else a.astype(np.float16) for a in inputs]
+    want16 = run_ort(node, [None if a is None else a.astype(np.float32) for a in half], 1, optimize=False)
+    for g, v in zip(run_native(node, half, 1), want16):
+        assert g.dtype == np.float16
+        np.testing.assert_allclose(g.astype(np.float32), v, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("window, k, length", [(3, 3, 5), (4, 2, 2), (2, 4, 1)])
+def test_causal_conv_state_window_holds_each_prefix_state(window, k, length):
+    """state_window W (onnxruntime runs it on CUDA only): slot j is the state after position
+    L - W + j, i.e. the plain op's present_state on that prefix (zeros before the first)."""
+    node, inputs = _causal_conv_case(np.random.default_rng(12), {"state_window": window}, k, length, True, True)
+    y, present = run_native(node, inputs, 1)
+    plain = make_node("CausalConvWithState", list(node.input), ["y", "present"], domain="com.microsoft")
+    past = inputs[3][-1]
+    want_y, _ = run_ort(plain, [inputs[0], inputs[1], inputs[2], past], 1, optimize=False)
+    np.testing.assert_allclose(y, want_y, rtol=1e-6, atol=1e-6)
+    assert present.shape == (window,) + past.shape
+    for j in range(window):
+        end = length - window + j + 1
+        if end <= 0:
+            assert not present[j].any()
+            continue
+        _, want = run_ort(plain, [inputs[0][:, :, :end], inputs[1], inputs[2], past], 1, optimize=False)
+        np.testing.assert_array_equal(present[j], want)
+
+
+def test_causal_conv_with_state_refuses_what_it_does_not_implement():
+    from onnxpack.errors import InvalidArgument
+
+    x, w = np.zeros((1, 2, 3), np.float32), np.zeros((2, 1, 3), np.float32)
+    with pytest.raises(NotImplementedError, match="ndim"):
+        run_native(make_node("CausalConvWithState", ["x", "w"], ["y", "p"], domain="com.microsoft", ndim=2), [x, w], 1)
+    with pytest.raises(InvalidArgument, match="past_state"):
+        run_native(make_node("CausalConvWithState", ["x", "w", "", "p"], ["y", "p"], domain="com.microsoft"),
+                   [x, w, None, np.zeros((1, 2, 5), np.float32)], 1)

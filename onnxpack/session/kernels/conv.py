@@ -1297,6 +1297,101 @@ class DeformConv(Kernel):
         return (y.astype(x.dtype, copy=False),)
 
 
+@register("CausalConvWithState", domain="com.microsoft", since=1)
+class CausalConvWithState(Kernel):
+    """Stateful causal depthwise 1-D convolution (LFM2's short convolutions as onnxruntime-genai's
+    builder writes them; Mamba / Gated DeltaNet): per channel, ``seq = past_state ++ input``
+    (zeros without a state), ``y[t] = act(bias + sum_j w[j] * seq[S + t - (K - 1 - j) * dilation])``
+    with ``S = (K - 1) * dilation``, summed from tap 0 in float32 as onnxruntime's CPU kernel
+    does; ``present_state`` is the last ``S`` values of ``seq`` (with ``state_window = W``, the
+    state after each of the last W positions, zeros before the call's first; ``past_state`` is
+    then read from slot W - 1).  ``channels_last`` takes (B, L, d...) activations and states.
+    ndim 2 and 3 and the CUDA-only attributes are not implemented (the node is refused)."""
+
+    op_type = "CausalConvWithState"
+    domain = "com.microsoft"
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        what = f"node {node.name!r} (CausalConvWithState)"
+        self.what = what
+        if int(self.attr("ndim", 1)) != 1:
+            raise NotImplementedError(f"{what}: ndim {self.attr('ndim')} (only 1 is implemented)")
+        for name, default in (("state_update_capacity", 0), ("state_length", 0), ("input_channel_offset", 0),
+                              ("input_channels", 0), ("state_channels_last", -1)):
+            if int(self.attr(name, default)) != default:
+                raise NotImplementedError(f"{what}: {name} (a CUDA-only attribute)")
+        self.dilation = int(self.attr("dilation", 1))
+        self.window = int(self.attr("state_window", 0))
+        self.channels_last = int(self.attr("channels_last", 0)) == 1
+        act = self.attr("activation", "none") or "none"
+        if act not in ("none", "silu", "swish") or self.dilation < 1 or not 0 <= self.window <= 8:
+            raise InvalidArgument(f"{what}: activation {act!r} (none, silu or swish), dilation {self.dilation} (>= 1), "
+                                  f"state_window {self.window} (0-8)")
+        self.silu = act != "none"
+
+    def run(self, x, w, bias=None, past=None):
+        what = self.what
+        if x is None or w is None or x.ndim < 3 or w.ndim != 3 or w.shape[1] != 1:
+            raise InvalidArgument(f"{what}: input must be (B, C, L) (or (B, L, d...) channels-last) and weight "
+                                  f"(C, 1, K), got {None if x is None else list(x.shape)} and "
+                                  f"{None if w is None else list(w.shape)}")
+        if not self.channels_last and x.ndim != 3:
+            raise InvalidArgument(f"{what}: input must be (B, C, L), got {list(x.shape)}")
+        b = x.shape[0]
+        if self.channels_last:
+            length, lead = x.shape[1], x.shape[2:]
+            xc = x.reshape(b, length, -1).transpose(0, 2, 1)
+        else:
+            length, lead = x.shape[2], None
+            xc = x
+        c, k = w.shape[0], w.shape[2]
+        s = (k - 1) * self.dilation
+        if xc.shape[1] != c or (bias is not None and bias.shape != (c,)) or k < 1:
+            raise InvalidArgument(f"{what}: {xc.shape[1]} channels, weight {list(w.shape)}, bias "
+                                  f"{None if bias is None else list(bias.shape)}")
+        f = np.float32
+        seq = np.zeros((b, c, s + length), f)
+        seq[:, :, s:] = xc
+        if past is not None:
+            p = past[-1] if self.window else past
+            if self.channels_last and p.ndim >= 2:
+                p = p.reshape(p.shape[0], p.shape[1], -1).transpose(0, 2, 1)
+            if p.shape != (b, c, s):
+                raise InvalidArgument(f"{what}: past_state must hold ({b}, {c}, {s}) (batch, channels, "
+                                      f"(K - 1) x dilation), got {list(past.shape)}")
+            seq[:, :, :s] = p
+        wf = w.reshape(c, k).astype(f)
+        y = np.zeros((b, c, length), f)
+        if bias is not None:
+            y += bias.astype(f).reshape(1, c, 1)
+        for j in range(k):
+            at = s - (k - 1 - j) * self.dilation
+            y += wf[:, j, None] * seq[:, :, at:at + length]
+        if self.silu:
+            y = y / (f(1) + np.exp(-y, dtype=f))
+        if self.window:
+            present = np.zeros((self.window, b, c, s), f)
+            for slot in range(self.window):
+                end = length - self.window + slot + 1  # positions of x seen, the prefix's end in seq is s + end
+                if end > 0:
+                    present[slot] = seq[:, :, end:end + s]
+        else:
+            present = seq[:, :, length:]
+        if self.channels_last:
+            y = y.transpose(0, 2, 1).reshape(x.shape)
+            moved = np.moveaxis(present, -1, -2)
+            present = moved.reshape(moved.shape[:-1] + tuple(lead))
+        return (np.ascontiguousarray(y, dtype=x.dtype), np.ascontiguousarray(present, dtype=x.dtype))
+
+
+@register("CausalConvWithState", since=27)
+class CausalConvWithState27(CausalConvWithState):
+    """The standard op (opset 27): the contrib op's 1-D channels-first form."""
+
+    domain = ""
+
+
 @register("Col2Im", since=18)
 class Col2Im(Kernel):
     """The inverse of im2col (torch's ``nn.Fold``): each column's blocks added into the image,
