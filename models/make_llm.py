@@ -187,6 +187,13 @@ ARCHS: dict[str, Arch] = {a.name: a for a in [
     # Mistral-7B-v0.1: sliding-window attention, untied, rope_theta 1e4.  Not committed: the builder
     # drops the window (transformers 5 configs of Mistral carry no layer_types, and the builder
     # marks only "sliding_attention" layers local), so the export is a Llama with an untied head.
+    # Liquid's LFM2: short-convolution layers (com.microsoft::CausalConvWithState, a carried
+    # convolution state in genai_config's past_conv_names) between attention layers.
+    Arch("lfm2", "lfm2", "Lfm2ForCausalLM", "LiquidAI/LFM2-350M",
+         dict(_TINY, layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False, block_ff_dim=128,
+              conv_L_cache=3, tie_word_embeddings=True),
+         ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>", "<|endoftext|>",
+         committed=("int4",)),
     Arch("mistral", "mistral", "MistralForCausalLM", "mistralai/Mistral-7B-Instruct-v0.1",
          dict(_TINY, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=32,
               rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),

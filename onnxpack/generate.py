@@ -13,7 +13,9 @@ decode step does no copy of the cache and its time stays flat as the context gro
 attention is not GroupQueryAttention (the builder's fp16 CPU graphs use MultiHeadAttention with a
 growing cache) get their ``present_*`` back as new arrays, which become the next ``past_*``.
 Layers the config lists under ``sliding_window`` (Gemma-2's local attention) keep a cache of
-``window_size`` rows instead, in either layout.
+``window_size`` rows instead, in either layout.  Layers whose ``layer_types`` entry is ``conv``
+(LFM2's short convolutions) have no KV cache but a fixed-size convolution state
+(``past_conv_names`` / ``present_conv_names``), carried from step to step the same way.
 
 Tokenization needs the optional ``tokenizers`` package (``pip install onnxpack[genai]``); token ids
 work without it.
@@ -95,6 +97,14 @@ class GenAIConfig:
     # section, Gemma-2's local layers): their past is a buffer of window_size rows.
     sliding_layers: frozenset[int] = frozenset()
     window_size: int = 0
+    # Layers without attention (``layer_types`` "conv": LFM2) carry a convolution state instead.
+    conv_layers: frozenset[int] = frozenset()
+    past_conv: str | None = None
+    present_conv: str | None = None
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.layers) if i not in self.conv_layers)
 
     @classmethod
     def load(cls, folder: str | os.PathLike) -> GenAIConfig:
@@ -120,6 +130,11 @@ class GenAIConfig:
             sliding = dec.get("sliding_window") or {}
             window = int(sliding.get("window_size", 0)) if sliding else 0
             sliding_layers = frozenset(int(i) for i in sliding.get("layers", ())) if window > 0 else frozenset()
+            types = dec.get("layer_types") or ()
+            conv_layers = frozenset(i for i, t in enumerate(types) if t == "conv")
+            past_conv, present_conv = ins.get("past_conv_names"), outs.get("present_conv_names")
+            if conv_layers and not (past_conv and present_conv):
+                raise KeyError("past_conv_names / present_conv_names (layer_types lists conv layers)")
             return cls(
                 folder=folder,
                 filename=str(dec.get("filename", "model.onnx")),
@@ -148,6 +163,9 @@ class GenAIConfig:
                 ),
                 sliding_layers=sliding_layers,
                 window_size=window,
+                conv_layers=conv_layers,
+                past_conv=None if past_conv is None else str(past_conv),
+                present_conv=None if present_conv is None else str(present_conv),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(f"{path}: missing or invalid field ({type(e).__name__}: {e})") from e
@@ -195,9 +213,13 @@ class Generator:
                                         prepacked_weights_container=prepacked_weights_container)
         inputs = {a.name: a for a in self.session.get_inputs()}
         self._inputs = inputs
-        key0 = cfg.past_key % 0
-        if key0 not in inputs or cfg.input_ids not in inputs:
-            raise ModelLoadError(f"{cfg.folder}: the model has no input {key0!r} / {cfg.input_ids!r} named in genai_config.json")
+        attention = cfg.attention_layers
+        key0 = cfg.past_key % attention[0] if attention else None
+        if (key0 is not None and key0 not in inputs) or cfg.input_ids not in inputs or any(
+                cfg.past_conv % i not in inputs for i in cfg.conv_layers):
+            raise ModelLoadError(f"{cfg.folder}: the model lacks an input named in genai_config.json "
+                                 f"({key0!r}, {cfg.input_ids!r} or a convolution state)")
+        key0 = key0 or cfg.past_conv % min(cfg.conv_layers)
         self._cache_dtype = _np_dtype(inputs[key0].type)
         self.max_length = min(max_length or cfg.search.max_length, cfg.context_length)
         if self.max_length < 1:
@@ -285,8 +307,12 @@ class _Cache:
         cfg = gen.config
         self.length = 0
         self.capacity = capacity
-        self.names = [(cfg.past_key % i, cfg.present_key % i) for i in range(cfg.layers)]
-        self.names += [(cfg.past_value % i, cfg.present_value % i) for i in range(cfg.layers)]
+        attention = cfg.attention_layers
+        self.names = [(cfg.past_key % i, cfg.present_key % i) for i in attention]
+        self.names += [(cfg.past_value % i, cfg.present_value % i) for i in attention]
+        # A convolution state (LFM2) has the shape the model declares, batch 1: (1, channels, K - 1).
+        conv = {cfg.past_conv % i: _state_shape(gen._inputs[cfg.past_conv % i]) for i in cfg.conv_layers}
+        self.names += [(cfg.past_conv % i, cfg.present_conv % i) for i in sorted(cfg.conv_layers)]
         # A sliding-window layer's cache is window_size rows in either layout (its attention keeps
         # the last tokens in it; onnxruntime refuses a shorter one).
         window = {p for i in cfg.sliding_layers for p in (cfg.past_key % i, cfg.past_value % i)}
@@ -297,8 +323,8 @@ class _Cache:
         if gen.shared:
             from onnxpack import OrtValue
 
-            self.past = {p: np.zeros((1, cfg.kv_heads, rows(p, capacity), cfg.head_size), gen._cache_dtype)
-                         for p, _ in self.names}
+            self.past = {p: np.zeros(conv[p] if p in conv else (1, cfg.kv_heads, rows(p, capacity), cfg.head_size),
+                                     gen._cache_dtype) for p, _ in self.names}
             # Bound once: each step rebinds only the inputs that change (ids, mask, positions).
             self.binding = b = gen.session.io_binding()
             for past, present in self.names:
@@ -307,8 +333,8 @@ class _Cache:
                 b.bind_ortvalue_output(present, buf)  # the same buffer: updated in place
             b.bind_output(cfg.logits)  # (bound last: the last of the run's outputs)
         else:
-            self.past = {p: np.zeros((1, cfg.kv_heads, rows(p, 0), cfg.head_size), gen._cache_dtype)
-                         for p, _ in self.names}
+            self.past = {p: np.zeros(conv[p] if p in conv else (1, cfg.kv_heads, rows(p, 0), cfg.head_size),
+                                     gen._cache_dtype) for p, _ in self.names}
             self.binding = None
 
     def step(self, new: Sequence[int]) -> np.ndarray:
@@ -348,6 +374,15 @@ def _shrink_options() -> Any:
     ro = RunOptions()
     ro.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
     return ro
+
+
+def _state_shape(arg: Any) -> tuple[int, ...]:
+    """A convolution state's shape for one sequence: the declared dims, batch 1."""
+    dims = list(arg.shape)
+    if len(dims) != 3 or not all(isinstance(d, int) and d >= 0 for d in dims[1:]):
+        raise ModelLoadError(f"convolution state {arg.name!r}: expected (batch, channels, K - 1) with fixed "
+                             f"channels and length, the model declares {dims}")
+    return (1, *dims[1:])
 
 
 def _np_dtype(onnx_type: str) -> np.dtype:

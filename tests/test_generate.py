@@ -37,8 +37,12 @@ def _ort_greedy(folder: pathlib.Path, prompt, n, tmp_path) -> list[int]:
     dtype = np.float16 if "float16" in sess.get_inputs()[2].type else np.float32
     # a sliding-window layer's cache: window_size rows (genai_config's "sliding_window"), zero at first
     rows = {i: cfg.window_size if i in cfg.sliding_layers else 0 for i in range(cfg.layers)}
-    past = {cfg.past_key % i: np.zeros((1, cfg.kv_heads, rows[i], cfg.head_size), dtype) for i in range(cfg.layers)}
-    past |= {cfg.past_value % i: np.zeros((1, cfg.kv_heads, rows[i], cfg.head_size), dtype) for i in range(cfg.layers)}
+    attention = cfg.attention_layers
+    past = {cfg.past_key % i: np.zeros((1, cfg.kv_heads, rows[i], cfg.head_size), dtype) for i in attention}
+    past |= {cfg.past_value % i: np.zeros((1, cfg.kv_heads, rows[i], cfg.head_size), dtype) for i in attention}
+    # LFM2's convolution layers: a (1, channels, K - 1) state, zero at first
+    shapes = {i.name: i.shape for i in sess.get_inputs()}
+    past |= {cfg.past_conv % i: np.zeros((1, *shapes[cfg.past_conv % i][1:]), dtype) for i in cfg.conv_layers}
     ids, out, length = list(prompt), [], 0
     declared = {i.name for i in sess.get_inputs()}
     for _ in range(n):
@@ -49,9 +53,11 @@ def _ort_greedy(folder: pathlib.Path, prompt, n, tmp_path) -> list[int]:
             feed[cfg.position_ids] = np.arange(length, length + len(ids), dtype=np.int64)[None]
         res = dict(zip(names, sess.run(None, feed)))
         length += len(ids)
-        for i in range(cfg.layers):
+        for i in attention:
             past[cfg.past_key % i] = res[cfg.present_key % i]
             past[cfg.past_value % i] = res[cfg.present_value % i]
+        for i in cfg.conv_layers:
+            past[cfg.past_conv % i] = res[cfg.present_conv % i]
         tok = int(np.argmax(res[cfg.logits][0, -1]))
         out.append(tok)
         ids = [tok]
@@ -59,7 +65,7 @@ def _ort_greedy(folder: pathlib.Path, prompt, n, tmp_path) -> list[int]:
 
 
 @pytest.mark.parametrize("fixture", ["qwen2-fp32", "llama-fp32", "qwen2-int4", "llama-int4", "phi3-int4", "gemma2-int4",
-                                     "qwen3-int4", "granite-int4"])
+                                     "qwen3-int4", "granite-int4", "lfm2-int4"])
 def test_greedy_tokens_equal_an_onnxruntime_loop(fixture, tmp_path):
     """gemma2-int4 generates past its 32-token sliding window (local layer 0)."""
     folder = FIXTURES / fixture
