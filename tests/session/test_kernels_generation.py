@@ -1,0 +1,227 @@
+"""com.microsoft GreedySearch, Sampling and BeamSearch against onnxruntime.
+
+The decoder subgraph is a small GPT-shaped graph built here (token and position embeddings, a
+key/value projection appended to the past state, a mask-weighted sum of the state, a vocabulary
+projection): it has the signature ``convert_generation`` gives GPT-2 (``input_ids,
+position_ids, attention_mask, past_0`` -> ``logits, present_0``), reads every input, and its
+logits depend on the whole past, so the searches' bookkeeping (positions, masks, the past
+reordered by beam) shows in the tokens.  Tokens must be equal; BeamSearch's scores within float
+rounding (1e-5).  Sampling is compared where its draw is determined (a tiny top-p); its
+other draws use numpy's generator (onnxruntime's is not reproduced), checked for validity.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxpack
+
+V, H, D, B = 24, 2, 4, 2
+EOS, PAD = 3, 0
+
+
+def _decoder(seed: int) -> object:
+    rng = np.random.default_rng(seed)
+    hd = H * D
+
+    def w(name, *shape, scale=1.0):
+        return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+    inits = [w("E", V, hd), w("P", 64, hd, scale=0.5), w("Wkv", hd, 2 * hd, scale=0.5), w("Wo", hd, V, scale=1.5),
+             numpy_helper.from_array(np.array([0, 0, 2, H, D], np.int64), "kv_shape"),
+             numpy_helper.from_array(np.array([0, 1, hd], np.int64), "ctx_shape"),
+             numpy_helper.from_array(np.array([0, 3], np.int64), "sum_axes"),
+             numpy_helper.from_array(np.array([0, 2, 4], np.int64), "mask_axes")]
+    nodes = [
+        helper.make_node("Gather", ["E", "input_ids"], ["e"]),
+        helper.make_node("Gather", ["P", "position_ids"], ["p"]),
+        helper.make_node("Add", ["e", "p"], ["h"]),
+        helper.make_node("MatMul", ["h", "Wkv"], ["kv"]),
+        helper.make_node("Reshape", ["kv", "kv_shape"], ["kv5"]),
+        helper.make_node("Transpose", ["kv5"], ["kvt"], perm=[2, 0, 3, 1, 4]),
+        helper.make_node("Concat", ["past_0", "kvt"], ["present_0"], axis=3),
+        helper.make_node("Cast", ["attention_mask"], ["maskf"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["maskf", "mask_axes"], ["mask5"]),
+        helper.make_node("Mul", ["present_0", "mask5"], ["weighted"]),
+        helper.make_node("ReduceSum", ["weighted", "sum_axes"], ["ctx"], keepdims=0),
+        helper.make_node("Reshape", ["ctx", "ctx_shape"], ["ctx3"]),
+        helper.make_node("Mul", ["ctx3", "quarter"], ["ctxs"]),
+        helper.make_node("Add", ["h", "ctxs"], ["z"]),
+        helper.make_node("Tanh", ["z"], ["t"]),
+        helper.make_node("MatMul", ["t", "Wo"], ["logits"]),
+    ]
+    inits.append(numpy_helper.from_array(np.array(0.25, np.float32), "quarter"))
+    i32 = TensorProto.INT32
+    inputs = [helper.make_tensor_value_info("input_ids", i32, ["batch", "seq"]),
+              helper.make_tensor_value_info("position_ids", i32, ["batch", "seq"]),
+              helper.make_tensor_value_info("attention_mask", i32, ["batch", "total"]),
+              helper.make_tensor_value_info("past_0", TensorProto.FLOAT, [2, "batch", H, "past", D])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", V]),
+               helper.make_tensor_value_info("present_0", TensorProto.FLOAT, [2, "batch", H, "total", D])]
+    return helper.make_graph(nodes, "decoder", inputs, outputs, inits)
+
+
+def _model(op: str, seed: int, inputs: list[str], n_out: int = 1, **attrs) -> bytes:
+    node = helper.make_node(op, inputs, ["sequences", "sequences_scores", "scores"][:n_out], domain="com.microsoft",
+                            eos_token_id=EOS, pad_token_id=PAD, model_type=0, decoder=_decoder(seed), **attrs)
+    types = {"input_ids": TensorProto.INT32, "length_penalty": TensorProto.FLOAT, "repetition_penalty": TensorProto.FLOAT}
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, types.get(n, TensorProto.INT32), None)
+                                            for n in inputs if n],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT if "score" in o else TensorProto.INT32, None)
+                               for o in node.output])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+_ORACLE = """
+import sys, numpy as np, onnxruntime as ort
+so = ort.SessionOptions(); so.log_severity_level = 3
+feeds = dict(np.load(sys.argv[2]))
+outs = ort.InferenceSession(sys.argv[1], so, providers=["CPUExecutionProvider"]).run(None, feeds)
+np.savez(sys.argv[3], *outs)
+"""
+
+
+def _both(model: bytes, feeds: dict, tmp_path) -> tuple[list, list]:
+    """onnxpack's outputs and onnxruntime's, the latter from a fresh process: onnxruntime 1.32's
+    searches over this decoder give other tokens once other search models ran in the process
+    (seen: the same model, run again after two others, continued past a token it had stopped at;
+    a process running only the one model gives the same tokens every time, equal to ours)."""
+    (tmp_path / "m.onnx").write_bytes(model)
+    np.savez(tmp_path / "feeds.npz", **feeds)
+    subprocess.run([sys.executable, "-c", _ORACLE, str(tmp_path / "m.onnx"), str(tmp_path / "feeds.npz"),
+                    str(tmp_path / "want.npz")], check=True)
+    with np.load(tmp_path / "want.npz") as got:
+        want = [got[f"arr_{i}"] for i in range(len(got.files))]
+    sess = onnxpack.InferenceSession(model)
+    assert sess.get_fallback_nodes() == []
+    return sess.run(None, feeds), want
+
+
+def _prompt(seed: int, length: int = 5, pad_left: int = 0) -> np.ndarray:
+    ids = np.random.default_rng(seed).integers(4, V, (B, length)).astype(np.int32)
+    ids[1, :pad_left] = PAD  # left padding: pads get position 0 and mask 0
+    return ids
+
+
+def _one(x, dtype=np.int32):
+    return np.array([x], dtype)
+
+
+GREEDY = [
+    dict(),
+    dict(repetition_penalty=1.6),
+    dict(min_length=9),
+    dict(vocab_mask=True),
+    dict(prefix_vocab_mask=True),
+    dict(no_repeat_ngram_size=1),
+    dict(no_repeat_ngram_size=2, repetition_penalty=0.7),
+    dict(pad_left=2),
+    dict(pad_left=2, attention_mask=True),
+]
+
+
+def _feeds(seed, case, names):
+    rng = np.random.default_rng(seed + 100)
+    feeds = {"input_ids": _prompt(seed, pad_left=case.get("pad_left", 0)), "max_length": _one(14)}
+    if "min_length" in names:
+        feeds["min_length"] = _one(case.get("min_length", 0))
+    if "repetition_penalty" in names:
+        feeds["repetition_penalty"] = _one(case.get("repetition_penalty", 1.0), np.float32)
+    if case.get("vocab_mask"):
+        mask = np.ones(V, np.int32)
+        mask[rng.choice(V, 8, replace=False)] = 0
+        feeds["vocab_mask"] = mask
+    if case.get("prefix_vocab_mask"):
+        feeds["prefix_vocab_mask"] = (rng.random((B, V)) < 0.3).astype(np.int32)
+    if case.get("attention_mask"):
+        feeds["attention_mask"] = (feeds["input_ids"] != PAD).astype(np.int32)
+    return feeds
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("case", GREEDY, ids=lambda c: "-".join(f"{k}" for k in c) or "plain")
+def test_greedy_search_matches_onnxruntime(case, seed, tmp_path):
+    names = ["input_ids", "max_length", "min_length", "repetition_penalty", "vocab_mask", "prefix_vocab_mask",
+             "attention_mask"]
+    feeds = _feeds(seed, case, names)
+    inputs = [n if n in feeds else "" for n in names]
+    model = _model("GreedySearch", seed, inputs, no_repeat_ngram_size=case.get("no_repeat_ngram_size", 0))
+    got, want = _both(model, feeds, tmp_path)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert got[0].dtype == np.int32 and got[0].shape == (B, 14)
+
+
+BEAM = [
+    dict(num_beams=3),
+    dict(num_beams=4, num_return_sequences=2, length_penalty=0.6),
+    dict(num_beams=4, num_return_sequences=4, length_penalty=1.8, early_stopping=1),
+    dict(num_beams=2, repetition_penalty=1.5, no_repeat_ngram_size=2),
+    dict(num_beams=3, min_length=10, vocab_mask=True),
+    dict(num_beams=3, prefix_vocab_mask=True, pad_left=2, attention_mask=True),
+    dict(num_beams=1),
+]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("case", BEAM, ids=lambda c: "-".join(f"{k}{v if v is not True else ''}" for k, v in c.items()))
+def test_beam_search_matches_onnxruntime(case, seed, tmp_path):
+    names = ["input_ids", "max_length", "min_length", "num_beams", "num_return_sequences", "length_penalty",
+             "repetition_penalty", "vocab_mask", "prefix_vocab_mask", "attention_mask"]
+    feeds = _feeds(seed, case, names)
+    feeds["num_beams"] = _one(case["num_beams"])
+    feeds["num_return_sequences"] = _one(case.get("num_return_sequences", 1))
+    feeds["length_penalty"] = _one(case.get("length_penalty", 1.0), np.float32)
+    inputs = [n if n in feeds else "" for n in names]
+    model = _model("BeamSearch", seed, inputs, n_out=3, early_stopping=case.get("early_stopping", 0),
+                   no_repeat_ngram_size=case.get("no_repeat_ngram_size", 0))
+    got, want = _both(model, feeds, tmp_path)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)  # sequences_scores
+    assert got[2].shape == want[2].shape
+    finite = np.isfinite(want[2])
+    np.testing.assert_array_equal(np.isfinite(got[2]), finite)
+    np.testing.assert_allclose(got[2][finite], want[2][finite], rtol=1e-5, atol=1e-4)  # every step's scores
+
+
+@pytest.mark.parametrize("attrs", [dict(top_p=1e-4), dict(top_p=1e-4, temperature=0.7)], ids=["top_p-tiny", "temperature"])
+def test_sampling_determined_draws_match_onnxruntime(attrs, tmp_path):
+    names = ["input_ids", "max_length", "min_length", "repetition_penalty", "", "", "", "", "seed"]
+    feeds = {"input_ids": _prompt(4), "max_length": _one(14), "min_length": _one(0),
+             "repetition_penalty": _one(1.2, np.float32), "seed": _one(7)}
+    got, want = _both(_model("Sampling", 4, names, **attrs), feeds, tmp_path)
+    np.testing.assert_array_equal(got[0], want[0])
+
+
+def test_sampling_draws_are_valid_and_follow_the_seed():
+    names = ["input_ids", "max_length", "", "", "", "", "", "", "seed"]
+    model = _model("Sampling", 5, names, top_p=0.8, temperature=1.3)
+    sess = onnxpack.InferenceSession(model)
+    prompt = _prompt(5)
+    runs = [sess.run(None, {"input_ids": prompt, "max_length": _one(16), "seed": _one(s)})[0] for s in (1, 1, 2)]
+    np.testing.assert_array_equal(runs[0], runs[1])
+    for seq in runs:
+        np.testing.assert_array_equal(seq[:, :5], prompt)
+        assert seq.shape == (B, 16) and ((seq >= 0) & (seq < V)).all()
+        for row in seq:  # after an eos, only pads
+            ends = np.flatnonzero(row[5:] == EOS)
+            if ends.size:
+                assert (row[5 + ends[0] + 1:] == PAD).all()
+
+
+def test_encoder_decoder_searches_are_refused_with_the_reason():
+    node = helper.make_node("BeamSearch", ["input_ids", "max_length", "", "num_beams"], ["sequences"],
+                            domain="com.microsoft", eos_token_id=EOS, pad_token_id=PAD, model_type=2,
+                            decoder=_decoder(1), encoder=_decoder(2))
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TensorProto.INT32, None)
+                                            for n in ("input_ids", "max_length", "num_beams")],
+                              [helper.make_tensor_value_info("sequences", TensorProto.INT32, None)])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    with pytest.raises(onnxpack.errors.OnnxpackError, match="BeamSearch"):
+        onnxpack.InferenceSession(m.SerializeToString())
