@@ -425,9 +425,13 @@ class MatMulNBits(Kernel):
         count = self.n * self.nblocks
         if input_index == 1:
             return [(_U8, (count * self.blob,))]
-        if input_index == 3 and np.dtype(info.dtype) == _U8:
+        if input_index == 3 and self._codes_zero_points(info):
             return [(_U8, (count,))]
         return [(_float_storage(info.dtype), (count,))]
+
+    def _codes_zero_points(self, info: TensorInfo) -> bool:
+        """Whether zero points of this type are packed as uint8 codes (else as floats)."""
+        return np.dtype(info.dtype) == _U8
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
         return (self._pack(input_index, weight),)
@@ -794,15 +798,8 @@ class DequantizeMatMulNBits(MatMulNBits):
         attrs = struct.pack("<qqqqBq", self.k, self.n, self.bits, self.block_size, input_index, TILE)
         return PackSpec("dqmatmulnbits", _PACK_VERSION, attrs, 1)
 
-    def expected_packed(self, input_index: int, info: TensorInfo):
-        if self.pack_spec(input_index, info) is None:
-            return None
-        count = self.n * self.nblocks
-        if input_index == 1:
-            return [(_U8, (count * self.blob,))]
-        if input_index == 3:
-            return [(_U8, (count,))]
-        return [(_float_storage(info.dtype), (count,))]
+    def _codes_zero_points(self, info: TensorInfo) -> bool:
+        return True  # 4-bit zero points, packed as MatMulNBits' uint8 codes
 
     def _dq_problem(self, i: int, shape: tuple, dtype: np.dtype) -> str | None:
         want = (self.k, self.n) if i == 1 else (self.nblocks, self.n)
