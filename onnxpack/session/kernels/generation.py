@@ -1,29 +1,36 @@
-"""com.microsoft GreedySearch, Sampling and BeamSearch over a GPT-style decoder subgraph.
+"""com.microsoft GreedySearch, Sampling, BeamSearch and WhisperBeamSearch over decoder subgraphs.
 
 ``onnxruntime.transformers.convert_generation`` wraps a decoder with past state (GPT-2's
 ``input_ids, position_ids, attention_mask, past_0..`` -> ``logits, present_0..``, ``model_type``
-0) into one node that generates: the node's ``decoder`` graph is compiled like any subgraph and
-run once per generated token, its ``present_*`` fed back as the next ``past_*``.  The search
-follows onnxruntime's CPU implementation (itself Hugging Face's):
+0) into one node that generates, and its Whisper converter does the same with an ``encoder``
+graph (features and start tokens -> the first logits, the self- and cross-attention presents)
+and a ``decoder`` graph (one token and the pasts -> logits, self presents).  The graphs are
+compiled like any subgraph and run once per generated token, their presents fed back as pasts.
+The searches follow onnxruntime's CPU implementation (itself Hugging Face's):
 
-* First step: position ids count the tokens that are not ``pad_token_id`` (pads get position 0
-  and, without an ``attention_mask`` input, mask 0); later steps feed the chosen tokens, the
-  next positions and the mask grown by a column of ones.
+* GPT, first step: position ids count the tokens that are not ``pad_token_id`` (pads get
+  position 0 and, without an ``attention_mask`` input, mask 0); later steps feed the chosen
+  tokens, the next positions and the mask grown by a column of ones.  Whisper: the encoder runs
+  on every beam's features and start tokens (``decoder_input_ids``, else
+  ``decoder_start_token_id``), then the decoder a token at a time; its cross-attention pasts
+  stay as the encoder gave them.
 * Logits of the last position go through the processors onnxruntime applies: repetition
   penalty (a token already in the sequence: ``score * p`` if negative else ``score / p``), no
-  repeat n-gram, ``vocab_mask`` and, at the first step, ``prefix_vocab_mask`` (0 -> ``-inf``),
-  min length (eos excluded while the sequence is shorter); excluded scores are the lowest float32, as onnxruntime writes them; for sampling also presence penalty,
-  temperature and top-p.  Beam search applies them to ``log_softmax`` of the logits.
+  repeat n-gram, ``vocab_mask`` and, at the first step, ``prefix_vocab_mask``, min length (eos
+  excluded while the sequence is shorter); excluded scores are float32's lowest, as onnxruntime
+  writes them; for sampling also presence penalty, temperature and top-p.  Beam search applies
+  them to ``log_softmax`` of the logits.
 * Greedy: argmax; from a sequence's eos on (the eos included, as onnxruntime writes it) its
-  tokens are ``pad_token_id``.  Sampling draws
-  from the filtered distribution with numpy's generator seeded by ``seed`` (onnxruntime's own
-  generator is not reproduced: only fully determined draws — a top-p keeping one token —
-  give its tokens).  Beam search: Hugging Face's BeamSearchScorer (hypotheses scored by
-  ``sum_logprobs / length ** length_penalty``, ``early_stopping``, the best
-  ``num_return_sequences`` per batch entry), the past state reordered by beam at every step.
+  tokens are ``pad_token_id``.  Sampling draws from the filtered distribution with numpy's
+  generator seeded by ``seed`` (onnxruntime's own generator is not reproduced: only fully
+  determined draws — a top-p keeping one token — give its tokens).  Beam search: Hugging Face's
+  BeamSearchScorer (hypotheses scored by ``sum_logprobs / length ** length_penalty``,
+  ``early_stopping``, the best ``num_return_sequences`` per batch entry), the self-attention
+  past reordered by beam at every step (not with one beam).
 
-T5 and Whisper (``model_type`` 1 and 2, an encoder subgraph) are not implemented: such nodes are
-refused with that reason.
+T5 (``model_type`` 1), ``init_decoder`` graphs, shared past/present buffers, Whisper's timestamp
+processor, temperature and cross-QK outputs are not implemented: such nodes are refused with
+the reason.
 """
 
 from __future__ import annotations
@@ -62,14 +69,31 @@ class _Search(ControlFlowKernel):
     def __init__(self, node: NodeProto, ctx: KernelContext) -> None:
         super().__init__(node, ctx)
         what = self.what = f"node {node.name!r} ({node.op_type})"
-        model_type = int(self.attr("model_type", 0))
-        if model_type != 0:
-            raise NotImplementedError(f"{what}: model_type {model_type} (T5 / Whisper encoder-decoder; only "
-                                      "GPT-style decoders, model_type 0, are implemented)")
+        self.model_type = int(self.attr("model_type", 0))
+        if self.model_type not in self.model_types:
+            raise NotImplementedError(f"{what}: model_type {self.model_type} (implemented: "
+                                      f"{', '.join(map(str, self.model_types))})")
+        graphs = {a.name: a.g for a in node.attribute[:] if a.type == AttributeProto.GRAPH}
         self.decoder = self.subgraphs.get("decoder")
-        graph = next((a.g for a in node.attribute[:] if a.name == "decoder" and a.type == AttributeProto.GRAPH), None)
-        if self.decoder is None or graph is None:
+        if self.decoder is None or "decoder" not in graphs:
             raise InvalidGraph(f"{what}: the decoder graph is required")
+        if "init_decoder" in graphs:
+            raise NotImplementedError(f"{what}: an init_decoder graph")
+        if self.model_type == 0:
+            self._setup_gpt(graphs["decoder"])
+        else:
+            self._setup_encoder_decoder(graphs)
+        self.eos = int(self.attr("eos_token_id", -1))
+        self.pad = int(self.attr("pad_token_id", -1))
+        self.ngram = int(self.attr("no_repeat_ngram_size", 0))
+        if self.eos < 0 or self.pad < 0 or self.ngram < 0:
+            raise InvalidArgument(f"{what}: eos_token_id and pad_token_id must be given (>= 0), "
+                                  f"no_repeat_ngram_size >= 0")
+
+    model_types: tuple[int, ...] = (0,)
+
+    def _setup_gpt(self, graph: Any) -> None:
+        what = self.what
         names = [i.name for i in graph.input[:]]
         if len(names) < 4 or len(graph.output) < 2 or len(graph.output) - 1 != len(names) - 3:
             raise InvalidGraph(f"{what}: the decoder must read input_ids, position_ids, attention_mask and one past "
@@ -84,12 +108,35 @@ class _Search(ControlFlowKernel):
                                f"head_size) with fixed heads and head size, got {dims}")
         self.heads, self.head_size = dims[2], dims[4]
         self.n_past = len(names) - 3
-        self.eos = int(self.attr("eos_token_id", -1))
-        self.pad = int(self.attr("pad_token_id", -1))
-        self.ngram = int(self.attr("no_repeat_ngram_size", 0))
-        if self.eos < 0 or self.pad < 0 or self.ngram < 0:
-            raise InvalidArgument(f"{what}: eos_token_id and pad_token_id must be given (>= 0), "
-                                  f"no_repeat_ngram_size >= 0")
+
+    def _setup_encoder_decoder(self, graphs: dict) -> None:
+        """Whisper's graphs as onnxruntime's converter writes them: ``encoder`` (features and the
+        decoder's start tokens -> logits, hidden states, the self- and cross-attention presents)
+        and ``decoder`` (one token and the pasts -> logits, the self-attention presents); inputs
+        and outputs are matched by name."""
+        what = self.what
+        self.encoder = self.subgraphs.get("encoder")
+        if self.encoder is None or "encoder" not in graphs:
+            raise InvalidGraph(f"{what}: model_type {self.model_type} needs an encoder graph")
+        enc_in = [i.name for i in graphs["encoder"].input[:]]
+        dec_in = [i.name for i in graphs["decoder"].input[:]]
+        if enc_in != ["encoder_input_ids", "decoder_input_ids"]:
+            raise NotImplementedError(f"{what}: encoder inputs {enc_in} (implemented: encoder_input_ids, "
+                                      "decoder_input_ids, as onnxruntime's Whisper converter writes them)")
+        enc_out = list(self.encoder.output_names)
+        dec_out = list(self.decoder.output_names)
+        for name in dec_in[1:]:
+            if not name.startswith("past_") or ("present_" + name[5:]) not in (dec_out if "_self_" in name else enc_out):
+                raise NotImplementedError(f"{what}: decoder input {name!r} (implemented: input_ids, then past_*_self_* "
+                                          "fed by the presents and past_*_cross_* by the encoder's)")
+        if dec_in[0] != "input_ids" or enc_out[0] != "logits" or dec_out[0] != "logits":
+            raise InvalidGraph(f"{what}: the encoder and decoder must output logits first and the decoder read "
+                               f"input_ids first, got {enc_out[:1]}, {dec_out[:1]}, {dec_in[:1]}")
+        self.dec_inputs = dec_in
+        self.enc_index = {n: i for i, n in enumerate(enc_out)}
+        self.dec_index = {n: i for i, n in enumerate(dec_out)}
+        self.id_types = [np.dtype(np.int32)]
+        self.start_token = int(self.attr("decoder_start_token_id", -1))
 
     # -- the decoder ------------------------------------------------------------------------------
     def _first_feeds(self, ids: np.ndarray, mask: np.ndarray | None) -> tuple[list, np.ndarray, np.ndarray]:
@@ -276,38 +323,61 @@ class BeamSearch(_Search):
         outs = node.output[:]
         self.want_scores = len(outs) > 1 and bool(outs[1])
         self.want_step_scores = len(outs) > 2 and bool(outs[2])
+        if any(outs[3:]):
+            raise NotImplementedError(f"{self.what}: outputs {outs[3:]} (cross_qk / no-speech probabilities)")
 
     def run_in_frame(self, frame: Any, input_ids=None, max_length=None, min_length=None, num_beams=None,
                      num_return_sequences=None, length_penalty=None, repetition_penalty=None, vocab_mask=None,
                      prefix_vocab_mask=None, attention_mask=None, *rest: Any) -> tuple:
-        what = self.what
         ids, top, low = self._lengths(input_ids, max_length, min_length)
+        beams, ret, lp, penalty = self._beam_options(num_beams, num_return_sequences, length_penalty, repetition_penalty)
+        vocab_mask, prefix_mask = self._masks(vocab_mask, prefix_vocab_mask, ids.shape[0])
+        mask = None if attention_mask is None else np.repeat(np.asarray(attention_mask), beams, axis=0)
+        feeds, positions, mask = self._first_feeds(np.repeat(ids, beams, axis=0), mask)
+        state = {"positions": positions, "mask": mask}
+
+        def first():
+            logits, presents = self._step(frame, feeds)
+            return logits, presents
+
+        def after(tokens, index, presents):
+            if beams > 1:  # the past follows its beam (one beam: as it is); positions and mask stay with the row
+                presents = [np.ascontiguousarray(np.asarray(p)[:, index]) for p in presents]
+            step_feeds, state["positions"], state["mask"] = self._next_feeds(tokens, state["positions"], state["mask"],
+                                                                             presents)
+            return self._step(frame, step_feeds)
+
+        return self._beam(np.repeat(ids, beams, axis=0), ids.shape[0], beams, ret, top, low, lp, penalty, vocab_mask,
+                          prefix_mask, first, after)
+
+    def _beam_options(self, num_beams, num_return_sequences, length_penalty, repetition_penalty):
+        what = self.what
         beams = _scalar(num_beams, None, int, f"{what}: num_beams")
         ret = _scalar(num_return_sequences, 1, int, f"{what}: num_return_sequences")
         if beams is None or not 1 <= beams <= 128 or not 1 <= ret <= beams:
             raise InvalidArgument(f"{what}: num_beams must be in [1, 128] and num_return_sequences in [1, num_beams], "
                                   f"got {beams} and {ret}")
-        lp = _scalar(length_penalty, 1.0, float, f"{what}: length_penalty")
-        penalty = _scalar(repetition_penalty, 1.0, float, f"{what}: repetition_penalty")
-        vocab_mask, prefix_mask = self._masks(vocab_mask, prefix_vocab_mask, ids.shape[0])
-        batch = ids.shape[0]
+        return (beams, ret, _scalar(length_penalty, 1.0, float, f"{what}: length_penalty"),
+                _scalar(repetition_penalty, 1.0, float, f"{what}: repetition_penalty"))
+
+    def _beam(self, sequences, batch, beams, ret, top, low, lp, penalty, vocab_mask, prefix_mask, first, after):
+        """The search: ``first()`` runs the first step, ``after(tokens, beam_index, state)`` the
+        next ones (each returns the last position's logits and the state to carry); ``sequences``:
+        the start of every row (batch x beams)."""
+        start = sequences.shape[1]
         rows = batch * beams
-        mask = None if attention_mask is None else np.repeat(np.asarray(attention_mask), beams, axis=0)
-        feeds, positions, mask = self._first_feeds(np.repeat(ids, beams, axis=0), mask)
-        sequences = np.repeat(ids, beams, axis=0)
         beam_scores = np.full((batch, beams), -1e9, np.float32)
         beam_scores[:, 0] = 0
         beam_scores = beam_scores.reshape(-1)
         hyps = [_Hypotheses(beams, lp, self.early_stopping) for _ in range(batch)]
         done = np.zeros(batch, bool)
         step_scores = []
-        first = True
-        while sequences.shape[1] < top:
-            logits, presents = self._step(frame, feeds)
-            vocab = logits.shape[1]
+        logits, carried = first()
+        vocab = logits.shape[1]
+        while True:
             shifted = logits - logits.max(axis=1, keepdims=True)
             scores = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))  # log_softmax
-            self._process(scores, sequences, first, penalty, low, vocab_mask, prefix_mask, beams)
+            self._process(scores, sequences, sequences.shape[1] == start, penalty, low, vocab_mask, prefix_mask, beams)
             scores += beam_scores[:, None]
             if self.want_step_scores:
                 step_scores.append(scores.reshape(batch, beams, vocab).copy())
@@ -318,7 +388,7 @@ class BeamSearch(_Search):
             cand = np.take_along_axis(part, order, 1)
             next_scores = np.zeros(rows, np.float32)
             next_tokens = np.full(rows, self.pad, np.int32)
-            next_index = np.zeros(rows, np.int64)
+            next_index = np.zeros(rows, np.int64)  # a finished entry's beams: row 0, as onnxruntime pads them
             cur = sequences.shape[1]
             # onnxruntime's scorer reads each entry's best candidate score from the batch's sorted
             # top-k scores laid end to end (k = 2 x beams per entry), in the window starting at
@@ -326,9 +396,9 @@ class BeamSearch(_Search):
             # previous entry's candidates too.  Its "done" test, and so when the search stops, follows.
             ranked = np.take_along_axis(flat, cand, 1).reshape(-1)
             for b in range(batch):
-                base = b * beams
-                if done[b]:  # onnxruntime pads a finished entry's beams with row 0's state
+                if done[b]:
                     continue
+                base = b * beams
                 j = 0
                 for rank, c in enumerate(cand[b]):
                     beam, token = divmod(int(c), vocab)
@@ -345,15 +415,9 @@ class BeamSearch(_Search):
                 done[b] = done[b] or hyps[b].is_done(float(ranked[b * beams:b * beams + k].max()), cur)
             sequences = np.concatenate([sequences[next_index], next_tokens[:, None]], axis=1)
             beam_scores = next_scores
-            first = False
             if done.all() or sequences.shape[1] >= top:
                 break
-            # The past follows its beam (one beam: as it is); positions and mask stay with the row,
-            # as onnxruntime keeps them (the beams of an entry share them; a finished entry's
-            # beams take row 0's past but keep their own positions and mask).
-            if beams > 1:
-                presents = [np.ascontiguousarray(np.asarray(p)[:, next_index]) for p in presents]
-            feeds, positions, mask = self._next_feeds(next_tokens, positions, mask, presents)
+            logits, carried = after(next_tokens, next_index, carried)
         for b in range(batch):
             if not done[b]:
                 for beam in range(beams):
@@ -369,8 +433,69 @@ class BeamSearch(_Search):
         if self.want_scores or self.want_step_scores:
             results.append(out_scores)
         if self.want_step_scores:  # one slot per step max_length allows, zeros after the last one run
-            scores_out = np.zeros((top - ids.shape[1], batch, beams, vocab), np.float32)
+            scores_out = np.zeros((top - start, batch, beams, vocab), np.float32)
             if step_scores:
                 scores_out[: len(step_scores)] = np.stack(step_scores)
             results.append(scores_out)
         return tuple(results)
+
+
+@register("WhisperBeamSearch", domain="com.microsoft", since=1)
+class WhisperBeamSearch(BeamSearch):
+    """Beam search over Whisper's encoder (features and start tokens: the first step's logits,
+    the hidden states, the self- and cross-attention presents) and decoder (a token at a time,
+    its self-attention past reordered by beam, the cross-attention past as the encoder gave it),
+    as onnxruntime's converter writes them.  The timestamp logits processor, temperature, extra
+    decoding ids and the cross-QK / no-speech outputs are not implemented (refused)."""
+
+    op_type = "WhisperBeamSearch"
+    model_types = (2,)
+
+    def run_in_frame(self, frame: Any, input_features=None, max_length=None, min_length=None, num_beams=None,
+                     num_return_sequences=None, length_penalty=None, repetition_penalty=None, vocab_mask=None,
+                     prefix_vocab_mask=None, attention_mask=None, decoder_input_ids=None, logits_processor=None,
+                     cross_qk_layer_head=None, extra_decoding_ids=None, temperature=None, *rest: Any) -> tuple:
+        what = self.what
+        if _scalar(logits_processor, 0, int, f"{what}: logits_processor") != 0 or extra_decoding_ids is not None \
+                or cross_qk_layer_head is not None or _scalar(temperature, 1.0, float, f"{what}: temperature") != 1.0:
+            raise InvalidArgument(f"{what}: logits_processor, extra_decoding_ids, cross_qk_layer_head and "
+                                  "temperature other than 1 are not implemented")
+        features = np.asarray(input_features)
+        if features.ndim != 3:
+            raise InvalidArgument(f"{what}: input_features must be (batch, mels, frames), got {list(features.shape)}")
+        batch = features.shape[0]
+        if decoder_input_ids is None:
+            if self.start_token < 0:
+                raise InvalidArgument(f"{what}: no decoder_input_ids and no decoder_start_token_id")
+            start = np.full((batch, 1), self.start_token, np.int32)
+        else:
+            start = np.asarray(decoder_input_ids).astype(np.int32)
+            if start.ndim != 2 or start.shape[0] != batch:
+                raise InvalidArgument(f"{what}: decoder_input_ids must be ({batch}, length), got {list(start.shape)}")
+        ids, top, low = self._lengths(start, max_length, min_length)
+        beams, ret, lp, penalty = self._beam_options(num_beams, num_return_sequences, length_penalty, repetition_penalty)
+        vocab_mask, prefix_mask = self._masks(vocab_mask, prefix_vocab_mask, batch)
+        rows_ids = np.repeat(ids, beams, axis=0)
+        cross: dict[str, Any] = {}
+
+        def first():
+            outs = self.encoder.run([np.repeat(features, beams, axis=0), rows_ids], frame)
+            for name in self.dec_inputs[1:]:
+                if "_cross_" in name:
+                    cross[name] = outs[self.enc_index["present_" + name[5:]]]
+            selfs = {n: outs[i] for n, i in self.enc_index.items() if "_self_" in n}
+            return np.asarray(outs[0])[:, -1, :].astype(np.float32), selfs
+
+        def after(tokens, index, selfs):
+            feeds = [tokens.reshape(-1, 1).astype(np.int32)]
+            for name in self.dec_inputs[1:]:
+                if "_cross_" in name:
+                    feeds.append(cross[name])
+                else:
+                    past = np.asarray(selfs["present_" + name[5:]])
+                    feeds.append(np.ascontiguousarray(past[index]) if beams > 1 else past)
+            outs = self.decoder.run(feeds, frame)
+            return (np.asarray(outs[0])[:, -1, :].astype(np.float32),
+                    {n: outs[i] for n, i in self.dec_index.items() if "_self_" in n})
+
+        return self._beam(rows_ids, batch, beams, ret, top, low, lp, penalty, vocab_mask, prefix_mask, first, after)
