@@ -231,14 +231,14 @@ def test_encoder_decoder_searches_are_refused_with_the_reason():
 MELS, FRAMES = 6, 10
 
 
-def _whisper_graphs(seed: int):
+def _whisper_graphs(seed: int, t5: bool = False):
     """A Whisper-shaped pair with onnxruntime's converter signatures: ``encoder`` (features, start
     tokens -> logits, hidden states, self and cross presents) and ``decoder`` (a token, the self
     and cross pasts -> logits, self presents); logits read the tokens, the mean of the cross keys
     and the sum of the self keys, so a past that does not follow its beam shows."""
     rng = np.random.default_rng(seed)
     hd = H * D
-    weights = {"We": rng.standard_normal((MELS, hd)) * 0.5, "Wk": rng.standard_normal((hd, hd)) * 0.5,
+    weights = {"We": rng.standard_normal((V if t5 else MELS, hd)) * 0.5, "Wk": rng.standard_normal((hd, hd)) * 0.5,
                "Wv": rng.standard_normal((hd, hd)) * 0.5, "E": rng.standard_normal((V, hd)),
                "Wsk": rng.standard_normal((hd, hd)) * 0.5, "Wsv": rng.standard_normal((hd, hd)) * 0.5,
                "Wo": rng.standard_normal((hd, V)) * 1.5}
@@ -248,7 +248,9 @@ def _whisper_graphs(seed: int):
         out += [numpy_helper.from_array(np.array([0, 0, H, D], np.int64), "heads"),
                 numpy_helper.from_array(np.array([0, 1, hd], np.int64), "flat"),
                 numpy_helper.from_array(np.array([2], np.int64), "time"),
-                numpy_helper.from_array(np.array(0.25, np.float32), "quarter")]
+                numpy_helper.from_array(np.array(0.25, np.float32), "quarter"),
+                numpy_helper.from_array(np.array([-1], np.int64), "last"),
+                numpy_helper.from_array(np.array([1], np.int64), "seq")]
         return out
 
     def split_heads(x, out):  # (B, T, hd) -> (B, H, T, D)
@@ -270,8 +272,15 @@ def _whisper_graphs(seed: int):
 
     f, i32 = TensorProto.FLOAT, TensorProto.INT32
     kv = [f"present_{w}_{k}_0" for k in ("self", "cross") for w in ("key", "value")]
-    enc_nodes = [helper.make_node("Transpose", ["encoder_input_ids"], ["ft"], perm=[0, 2, 1]),
-                 helper.make_node("MatMul", ["ft", "We"], ["encoder_hidden_states"]),
+    if t5:  # token ids and their mask (masked positions give zero hidden states)
+        source = [helper.make_node("Gather", ["We", "encoder_input_ids"], ["g"]),
+                  helper.make_node("Cast", ["encoder_attention_mask"], ["mf"], to=TensorProto.FLOAT),
+                  helper.make_node("Unsqueeze", ["mf", "last"], ["mu"]),
+                  helper.make_node("Mul", ["g", "mu"], ["encoder_hidden_states"])]
+    else:
+        source = [helper.make_node("Transpose", ["encoder_input_ids"], ["ft"], perm=[0, 2, 1]),
+                  helper.make_node("MatMul", ["ft", "We"], ["encoder_hidden_states"])]
+    enc_nodes = [*source,
                  helper.make_node("MatMul", ["encoder_hidden_states", "Wk"], ["ck"]),
                  helper.make_node("MatMul", ["encoder_hidden_states", "Wv"], ["cv"]),
                  *split_heads("ck", "present_key_cross_0"), *split_heads("cv", "present_value_cross_0"),
@@ -279,20 +288,32 @@ def _whisper_graphs(seed: int):
                  helper.make_node("MatMul", ["e", "Wsk"], ["sk"]), helper.make_node("MatMul", ["e", "Wsv"], ["sv"]),
                  *split_heads("sk", "present_key_self_0"), *split_heads("sv", "present_value_self_0"),
                  *head("e", "present_key_cross_0", "present_key_self_0")]
+    enc_inputs = ([helper.make_tensor_value_info("encoder_input_ids", i32, ["b", "n"]),
+                   helper.make_tensor_value_info("encoder_attention_mask", i32, ["b", "n"])] if t5 else
+                  [helper.make_tensor_value_info("encoder_input_ids", f, ["b", MELS, FRAMES])])
     encoder = helper.make_graph(
-        enc_nodes, "encoder", [helper.make_tensor_value_info("encoder_input_ids", f, ["b", MELS, FRAMES]),
-                               helper.make_tensor_value_info("decoder_input_ids", i32, ["b", "s"])],
+        enc_nodes, "encoder", enc_inputs + [helper.make_tensor_value_info("decoder_input_ids", i32, ["b", "s"])],
         [helper.make_tensor_value_info("logits", f, ["b", "s", V]),
-         helper.make_tensor_value_info("encoder_hidden_states", f, ["b", FRAMES, hd])]
+         helper.make_tensor_value_info("encoder_hidden_states", f, ["b", "n" if t5 else FRAMES, hd])]
         + [helper.make_tensor_value_info(n, f, ["b", H, "t", D]) for n in kv], inits())
     dec_nodes = [helper.make_node("Gather", ["E", "input_ids"], ["e"]),
                  helper.make_node("MatMul", ["e", "Wsk"], ["sk"]), helper.make_node("MatMul", ["e", "Wsv"], ["sv"]),
                  *split_heads("sk", "nk"), *split_heads("sv", "nv"),
                  helper.make_node("Concat", ["past_key_self_0", "nk"], ["present_key_self_0"], axis=2),
                  helper.make_node("Concat", ["past_value_self_0", "nv"], ["present_value_self_0"], axis=2),
-                 *head("e", "past_key_cross_0", "present_key_self_0")]
+                 *head("e2" if t5 else "e", "past_key_cross_0", "present_key_self_0")]
+    extra = []
+    if t5:  # the decoder also reads the encoder's hidden states and mask (their masked sum joins the token)
+        dec_nodes[:0] = [helper.make_node("Cast", ["encoder_attention_mask"], ["mf"], to=TensorProto.FLOAT),
+                         helper.make_node("Unsqueeze", ["mf", "last"], ["mu"]),
+                         helper.make_node("Mul", ["encoder_hidden_states", "mu"], ["hm"]),
+                         helper.make_node("ReduceSum", ["hm", "seq"], ["hs"], keepdims=1),
+                         helper.make_node("Mul", ["hs", "quarter"], ["hq"])]
+        dec_nodes.insert(6, helper.make_node("Add", ["e", "hq"], ["e2"]))
+        extra = [helper.make_tensor_value_info("encoder_attention_mask", i32, ["b", "n"]),
+                 helper.make_tensor_value_info("encoder_hidden_states", f, ["b", "n", hd])]
     decoder = helper.make_graph(
-        dec_nodes, "decoder", [helper.make_tensor_value_info("input_ids", i32, ["b", 1])]
+        dec_nodes, "decoder", [helper.make_tensor_value_info("input_ids", i32, ["b", 1])] + extra
         + [helper.make_tensor_value_info(n.replace("present", "past"), f, ["b", H, "t", D]) for n in kv],
         [helper.make_tensor_value_info("logits", f, ["b", 1, V])]
         + [helper.make_tensor_value_info(n, f, ["b", H, "t", D]) for n in kv[:2]], inits())
@@ -329,6 +350,46 @@ def test_whisper_beam_search_matches_onnxruntime(case, tmp_path):
              "num_return_sequences": _one(case["ret"]), "length_penalty": _one(case["lp"], np.float32),
              "repetition_penalty": _one(case.get("repetition_penalty", 1.0), np.float32),
              "decoder_input_ids": np.tile(np.array(case["start"], np.int32), (b, 1))}
+    got, want = _both(model.SerializeToString(), feeds, tmp_path)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-4)
+
+
+T5 = [
+    dict(batch=2, beams=3, ret=2, max_length=9, lp=1.0),
+    dict(batch=2, beams=4, ret=4, max_length=8, lp=0.5, repetition_penalty=1.3, pad_left=2),
+    dict(batch=1, beams=1, ret=1, max_length=9, lp=1.0),
+    dict(batch=3, beams=2, ret=1, max_length=10, lp=1.5, early_stopping=1, attention_mask=True, pad_left=1),
+]
+
+
+@pytest.mark.parametrize("case", T5, ids=lambda c: f"b{c['batch']}-beams{c['beams']}-ret{c['ret']}")
+def test_t5_beam_search_matches_onnxruntime(case, tmp_path):
+    """BeamSearch model_type 1 (T5's encoder-decoder as onnxruntime's T5 converter writes it)."""
+    encoder, decoder = _whisper_graphs(case["batch"] * 10 + case["beams"], t5=True)
+    names = ["input_ids", "max_length", "min_length", "num_beams", "num_return_sequences", "length_penalty",
+             "repetition_penalty", "", "", "attention_mask" if case.get("attention_mask") else ""]
+    node = helper.make_node("BeamSearch", names, ["sequences", "sequences_scores", "scores"], domain="com.microsoft",
+                            eos_token_id=EOS, pad_token_id=PAD, decoder_start_token_id=20, model_type=1,
+                            early_stopping=case.get("early_stopping", 0), encoder=encoder, decoder=decoder)
+    types = {"length_penalty": TensorProto.FLOAT, "repetition_penalty": TensorProto.FLOAT}
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, types.get(n, TensorProto.INT32), None)
+                                            for n in names if n],
+                              [helper.make_tensor_value_info("sequences", TensorProto.INT32, None),
+                               helper.make_tensor_value_info("sequences_scores", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("scores", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    b = case["batch"]
+    ids = np.random.default_rng(b + 7).integers(4, V, (b, 6)).astype(np.int32)
+    ids[-1, : case.get("pad_left", 0)] = PAD
+    feeds = {"input_ids": ids, "max_length": _one(case["max_length"]), "min_length": _one(2),
+             "num_beams": _one(case["beams"]), "num_return_sequences": _one(case["ret"]),
+             "length_penalty": _one(case["lp"], np.float32),
+             "repetition_penalty": _one(case.get("repetition_penalty", 1.0), np.float32)}
+    if case.get("attention_mask"):
+        feeds["attention_mask"] = (ids != PAD).astype(np.int32)
     got, want = _both(model.SerializeToString(), feeds, tmp_path)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)

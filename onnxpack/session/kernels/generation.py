@@ -27,8 +27,11 @@ The searches follow onnxruntime's CPU implementation (itself Hugging Face's):
   BeamSearchScorer (hypotheses scored by ``sum_logprobs / length ** length_penalty``,
   ``early_stopping``, the best ``num_return_sequences`` per batch entry), the self-attention
   past reordered by beam at every step (not with one beam).
+* T5 (BeamSearch ``model_type`` 1): the encoder reads the input ids, their mask (given, else 0
+  on the left padding only) and ``decoder_start_token_id``, once per batch entry, its outputs
+  repeated per beam; the decoder also reads the encoder's mask and hidden states.
 
-T5 (``model_type`` 1), ``init_decoder`` graphs, shared past/present buffers, Whisper's timestamp
+``init_decoder`` graphs, shared past/present buffers, Whisper's timestamp
 processor, temperature and cross-QK outputs are not implemented: such nodes are refused with
 the reason.
 """
@@ -110,25 +113,32 @@ class _Search(ControlFlowKernel):
         self.n_past = len(names) - 3
 
     def _setup_encoder_decoder(self, graphs: dict) -> None:
-        """Whisper's graphs as onnxruntime's converter writes them: ``encoder`` (features and the
-        decoder's start tokens -> logits, hidden states, the self- and cross-attention presents)
-        and ``decoder`` (one token and the pasts -> logits, the self-attention presents); inputs
-        and outputs are matched by name."""
+        """The encoder-decoder graphs as onnxruntime's converters write them: ``encoder`` (T5: the
+        input ids, their mask and the decoder's start token; Whisper: the features and the start
+        tokens -> logits, hidden states, the self- and cross-attention presents) and ``decoder``
+        (one token, for T5 the encoder's mask and hidden states, the pasts -> logits, the
+        self-attention presents); inputs and outputs are matched by name."""
         what = self.what
         self.encoder = self.subgraphs.get("encoder")
         if self.encoder is None or "encoder" not in graphs:
             raise InvalidGraph(f"{what}: model_type {self.model_type} needs an encoder graph")
         enc_in = [i.name for i in graphs["encoder"].input[:]]
         dec_in = [i.name for i in graphs["decoder"].input[:]]
-        if enc_in != ["encoder_input_ids", "decoder_input_ids"]:
-            raise NotImplementedError(f"{what}: encoder inputs {enc_in} (implemented: encoder_input_ids, "
-                                      "decoder_input_ids, as onnxruntime's Whisper converter writes them)")
+        known = (["encoder_input_ids", "decoder_input_ids"] if self.model_type == 2 else
+                 ["encoder_input_ids", "encoder_attention_mask", "decoder_input_ids"])
+        if enc_in != known:
+            raise NotImplementedError(f"{what}: encoder inputs {enc_in} (implemented: {', '.join(known)}, as "
+                                      "onnxruntime's converter writes them)")
         enc_out = list(self.encoder.output_names)
         dec_out = list(self.decoder.output_names)
+        extra = ("encoder_attention_mask", "encoder_hidden_states") if self.model_type == 1 else ()
         for name in dec_in[1:]:
+            if name in extra and (name == "encoder_attention_mask" or name in enc_out):
+                continue
             if not name.startswith("past_") or ("present_" + name[5:]) not in (dec_out if "_self_" in name else enc_out):
-                raise NotImplementedError(f"{what}: decoder input {name!r} (implemented: input_ids, then past_*_self_* "
-                                          "fed by the presents and past_*_cross_* by the encoder's)")
+                raise NotImplementedError(f"{what}: decoder input {name!r} (implemented: input_ids, "
+                                          f"{', '.join(extra) + ', ' if extra else ''}then past_*_self_* fed by the "
+                                          "presents and past_*_cross_* by the encoder's)")
         if dec_in[0] != "input_ids" or enc_out[0] != "logits" or dec_out[0] != "logits":
             raise InvalidGraph(f"{what}: the encoder and decoder must output logits first and the decoder read "
                                f"input_ids first, got {enc_out[:1]}, {dec_out[:1]}, {dec_in[:1]}")
@@ -137,6 +147,41 @@ class _Search(ControlFlowKernel):
         self.dec_index = {n: i for i, n in enumerate(dec_out)}
         self.id_types = [np.dtype(np.int32)]
         self.start_token = int(self.attr("decoder_start_token_id", -1))
+
+    def _encoder_decoder_hooks(self, frame: Any, encoder_feeds: list, beams: int, expand_after: bool,
+                               mask: np.ndarray | None) -> tuple:
+        """``first`` and ``after`` for :meth:`BeamSearch._beam` over the encoder and decoder.
+        ``expand_after``: the encoder runs once per batch entry and its outputs are repeated per
+        beam (onnxruntime's T5), else its feeds are already one row per beam (its Whisper)."""
+        carried: dict[str, Any] = {}
+
+        def first():
+            outs = self.encoder.run(encoder_feeds, frame)
+            if expand_after:
+                outs = [np.repeat(np.asarray(o), beams, axis=0) for o in outs]
+            for name in self.dec_inputs[1:]:
+                if "_cross_" in name:
+                    carried[name] = outs[self.enc_index["present_" + name[5:]]]
+                elif name == "encoder_hidden_states":
+                    carried[name] = outs[self.enc_index[name]]
+                elif name == "encoder_attention_mask":
+                    carried[name] = mask
+            selfs = {n: outs[i] for n, i in self.enc_index.items() if "_self_" in n}
+            return np.asarray(outs[0])[:, -1, :].astype(np.float32), selfs
+
+        def after(tokens, index, selfs):
+            feeds = [tokens.reshape(-1, 1).astype(np.int32)]
+            for name in self.dec_inputs[1:]:
+                if name in carried:  # the cross-attention pasts, the encoder's outputs and mask: as given
+                    feeds.append(carried[name])
+                else:
+                    past = np.asarray(selfs["present_" + name[5:]])
+                    feeds.append(np.ascontiguousarray(past[index]) if beams > 1 else past)
+            outs = self.decoder.run(feeds, frame)
+            return (np.asarray(outs[0])[:, -1, :].astype(np.float32),
+                    {n: outs[i] for n, i in self.dec_index.items() if "_self_" in n})
+
+        return first, after
 
     # -- the decoder ------------------------------------------------------------------------------
     def _first_feeds(self, ids: np.ndarray, mask: np.ndarray | None) -> tuple[list, np.ndarray, np.ndarray]:
@@ -316,6 +361,7 @@ class _Hypotheses:
 @register("BeamSearch", domain="com.microsoft", since=1)
 class BeamSearch(_Search):
     op_type = "BeamSearch"
+    model_types = (0, 1)
 
     def __init__(self, node: NodeProto, ctx: KernelContext) -> None:
         super().__init__(node, ctx)
@@ -329,6 +375,9 @@ class BeamSearch(_Search):
     def run_in_frame(self, frame: Any, input_ids=None, max_length=None, min_length=None, num_beams=None,
                      num_return_sequences=None, length_penalty=None, repetition_penalty=None, vocab_mask=None,
                      prefix_vocab_mask=None, attention_mask=None, *rest: Any) -> tuple:
+        if self.model_type == 1:
+            return self._t5(frame, input_ids, max_length, min_length, num_beams, num_return_sequences, length_penalty,
+                            repetition_penalty, vocab_mask, prefix_vocab_mask, attention_mask)
         ids, top, low = self._lengths(input_ids, max_length, min_length)
         beams, ret, lp, penalty = self._beam_options(num_beams, num_return_sequences, length_penalty, repetition_penalty)
         vocab_mask, prefix_mask = self._masks(vocab_mask, prefix_vocab_mask, ids.shape[0])
@@ -348,6 +397,30 @@ class BeamSearch(_Search):
             return self._step(frame, step_feeds)
 
         return self._beam(np.repeat(ids, beams, axis=0), ids.shape[0], beams, ret, top, low, lp, penalty, vocab_mask,
+                          prefix_mask, first, after)
+
+    def _t5(self, frame, input_ids, max_length, min_length, num_beams, num_return_sequences, length_penalty,
+            repetition_penalty, vocab_mask, prefix_vocab_mask, attention_mask) -> tuple:
+        """T5-style encoder-decoder (``model_type`` 1): the encoder reads the input ids, their mask
+        (given, else 0 on the left padding only, as onnxruntime builds it) and the start token, once
+        per batch entry; its outputs are repeated per beam; the sequences start with the token."""
+        what = self.what
+        ids = np.asarray(input_ids)
+        if ids.ndim != 2 or ids.dtype.kind not in "iu" or self.start_token < 0:
+            raise InvalidArgument(f"{what}: input_ids must be (batch, length) integers and decoder_start_token_id "
+                                  f"given, got {ids.dtype}{list(ids.shape)}")
+        batch = ids.shape[0]
+        start = np.full((batch, 1), self.start_token, np.int32)
+        _, top, low = self._lengths(start, max_length, min_length)
+        beams, ret, lp, penalty = self._beam_options(num_beams, num_return_sequences, length_penalty, repetition_penalty)
+        vocab_mask, prefix_mask = self._masks(vocab_mask, prefix_vocab_mask, batch)
+        if attention_mask is not None:
+            mask = np.asarray(attention_mask).astype(np.int32)
+        else:  # pads before the first other token are masked
+            mask = (np.cumsum(ids != self.pad, axis=1) > 0).astype(np.int32)
+        first, after = self._encoder_decoder_hooks(frame, [ids.astype(np.int32), mask, start], beams, True,
+                                                   np.repeat(mask, beams, axis=0))
+        return self._beam(np.repeat(start, beams, axis=0), batch, beams, ret, top, low, lp, penalty, vocab_mask,
                           prefix_mask, first, after)
 
     def _beam_options(self, num_beams, num_return_sequences, length_penalty, repetition_penalty):
@@ -476,26 +549,6 @@ class WhisperBeamSearch(BeamSearch):
         beams, ret, lp, penalty = self._beam_options(num_beams, num_return_sequences, length_penalty, repetition_penalty)
         vocab_mask, prefix_mask = self._masks(vocab_mask, prefix_vocab_mask, batch)
         rows_ids = np.repeat(ids, beams, axis=0)
-        cross: dict[str, Any] = {}
-
-        def first():
-            outs = self.encoder.run([np.repeat(features, beams, axis=0), rows_ids], frame)
-            for name in self.dec_inputs[1:]:
-                if "_cross_" in name:
-                    cross[name] = outs[self.enc_index["present_" + name[5:]]]
-            selfs = {n: outs[i] for n, i in self.enc_index.items() if "_self_" in n}
-            return np.asarray(outs[0])[:, -1, :].astype(np.float32), selfs
-
-        def after(tokens, index, selfs):
-            feeds = [tokens.reshape(-1, 1).astype(np.int32)]
-            for name in self.dec_inputs[1:]:
-                if "_cross_" in name:
-                    feeds.append(cross[name])
-                else:
-                    past = np.asarray(selfs["present_" + name[5:]])
-                    feeds.append(np.ascontiguousarray(past[index]) if beams > 1 else past)
-            outs = self.decoder.run(feeds, frame)
-            return (np.asarray(outs[0])[:, -1, :].astype(np.float32),
-                    {n: outs[i] for n, i in self.dec_index.items() if "_self_" in n})
-
+        first, after = self._encoder_decoder_hooks(frame, [np.repeat(features, beams, axis=0), rows_ids], beams,
+                                                   False, None)
         return self._beam(rows_ids, batch, beams, ret, top, low, lp, penalty, vocab_mask, prefix_mask, first, after)
