@@ -1,4 +1,4 @@
-"""com.microsoft GreedySearch, Sampling and BeamSearch against onnxruntime.
+"""com.microsoft GreedySearch, Sampling, BeamSearch (GPT and T5) and WhisperBeamSearch against onnxruntime.
 
 The decoder subgraph is a small GPT-shaped graph built here (token and position embeddings, a
 key/value projection appended to the past state, a mask-weighted sum of the state, a vocabulary
