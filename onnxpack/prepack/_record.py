@@ -87,6 +87,19 @@ def _apart_from(buffers: tuple[np.ndarray, ...], source: bytes | memoryview | np
     return tuple(np.array(b) if b.size and np.may_share_memory(b, src) else b for b in buffers)
 
 
+def _own_view(buffers: tuple[np.ndarray, ...], source: bytes | memoryview | np.ndarray) -> tuple[np.ndarray, ...]:
+    """An identity pack's one buffer as a view of ``source`` (the weight's own bytes, the same
+    dtype and shape), when it views other memory."""
+    src = source if isinstance(source, np.ndarray) else np.frombuffer(source, np.uint8)
+    if len(buffers) != 1 or not src.size or np.may_share_memory(buffers[0], src):
+        return buffers
+    (b,) = buffers
+    raw = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
+    if raw.nbytes != b.nbytes:
+        raise RuntimeError(f"Bug: an identity pack of {b.nbytes} bytes for a weight of {raw.nbytes}")
+    return (raw.view(b.dtype).reshape(b.shape),)
+
+
 class SaveRecord:
     """Save mode: collects packs per (scope path, weight name); implements ``SaveExtras``."""
 
@@ -109,8 +122,10 @@ class SaveRecord:
         key = content_key(spec, entry.digest, dtype, shape)
         if getattr(spec, "identity", False):
             # The pack is this weight's own bytes: the saver records it at the weight's offset,
-            # so it must stay a view of this weight (not of an equal one packed first).
-            buffers = packed.buffers
+            # so it must be a view of this weight, not of an equal one packed first (the
+            # container hands every weight with the same bytes the first one's view: recorded at
+            # that weight's offset, the loader refused it as overlapping another weight).
+            buffers = _own_view(packed.buffers, source)
         else:
             buffers = self._by_key.setdefault(key, _apart_from(packed.buffers, source))
         if all(k != key for k, _ in entry.packs):

@@ -131,6 +131,39 @@ def test_equal_weights_sharing_one_blob_are_not_overlaps(tmp_path):
         np.testing.assert_allclose(got.astype(np.float32), want, rtol=1e-2, atol=1e-2)
 
 
+def test_equal_weights_read_as_they_are_record_their_own_bytes(tmp_path):
+    """fp32 MatMul weights are packed as themselves (identity packs, recorded at the weight's
+    own offset).  Two equal weights, one of them in a subgraph as a Whisper model's encoder and
+    decoder graphs hold them, got one content key: the container handed the second the first's
+    view, which was recorded at the first's bytes, and every warm load refused it as overlapping
+    another weight (with a warning) and packed again (found by optimizing onnxruntime's
+    Whisper beam-search model)."""
+    w = np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32)
+    branch = helper.make_graph([helper.make_node("MatMul", ["x", "C"], ["yc"])], "then", [],
+                               [helper.make_tensor_value_info("yc", TensorProto.FLOAT, [2, 64])],
+                               [numpy_helper.from_array(w.copy(), "C")])
+    nodes = [helper.make_node("MatMul", ["x", "A"], ["a"]), helper.make_node("MatMul", ["a", "B"], ["b"]),
+             helper.make_node("If", ["cond"], ["c"], then_branch=branch, else_branch=branch),
+             helper.make_node("Add", ["b", "c"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64]),
+                                       helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])],
+                          [numpy_helper.from_array(w, "A"), numpy_helper.from_array(w.copy(), "B")])
+    src = tmp_path / "m.onnx"
+    onnx.save_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(src))
+    from onnxpack.session import optimize
+
+    optimize(str(src), str(tmp_path / "o.onnx"))
+    x = np.random.default_rng(2).standard_normal((2, 64)).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrepackWarning)
+        sess = InferenceSession(str(tmp_path / "o.onnx"))
+        (got,) = sess.run(None, {"x": x, "cond": np.array(True)})
+    stats = sess.get_prepack_stats()
+    assert stats["blobs_rejected"] == 0 and stats["weights_packed"] == 0, stats
+    np.testing.assert_allclose(got, x @ w @ w + x @ w, rtol=1e-4, atol=1e-4)
+
+
 def test_attribute_of_the_wrong_type_is_an_invalid_graph():
     # A ReduceMean/Softmax-style "axis" stored as a float list used to escape as TypeError from
     # the kernel's constructor (found by the proto fuzzer: bit flips in an attribute's type).
