@@ -231,7 +231,7 @@ def test_encoder_decoder_searches_are_refused_with_the_reason():
 MELS, FRAMES = 6, 10
 
 
-def _whisper_graphs(seed: int, t5: bool = False):
+def _whisper_graphs(seed: int, t5: bool = False, encoder_only: bool = False):
     """A Whisper-shaped pair with onnxruntime's converter signatures: ``encoder`` (features, start
     tokens -> logits, hidden states, self and cross presents) and ``decoder`` (a token, the self
     and cross pasts -> logits, self presents); logits read the tokens, the mean of the cross keys
@@ -291,11 +291,15 @@ def _whisper_graphs(seed: int, t5: bool = False):
     enc_inputs = ([helper.make_tensor_value_info("encoder_input_ids", i32, ["b", "n"]),
                    helper.make_tensor_value_info("encoder_attention_mask", i32, ["b", "n"])] if t5 else
                   [helper.make_tensor_value_info("encoder_input_ids", f, ["b", MELS, FRAMES])])
-    encoder = helper.make_graph(
-        enc_nodes, "encoder", enc_inputs + [helper.make_tensor_value_info("decoder_input_ids", i32, ["b", "s"])],
-        [helper.make_tensor_value_info("logits", f, ["b", "s", V]),
-         helper.make_tensor_value_info("encoder_hidden_states", f, ["b", "n" if t5 else FRAMES, hd])]
-        + [helper.make_tensor_value_info(n, f, ["b", H, "t", D]) for n in kv], inits())
+    if encoder_only:  # onnxruntime 1.32's T5 export: the cross-attention presents only
+        encoder = helper.make_graph(enc_nodes[: len(source) + 2 + 4], "encoder", enc_inputs,
+                                    [helper.make_tensor_value_info(n, f, ["b", H, "n", D]) for n in kv[2:]], inits())
+    else:
+        encoder = helper.make_graph(
+            enc_nodes, "encoder", enc_inputs + [helper.make_tensor_value_info("decoder_input_ids", i32, ["b", "s"])],
+            [helper.make_tensor_value_info("logits", f, ["b", "s", V]),
+             helper.make_tensor_value_info("encoder_hidden_states", f, ["b", "n" if t5 else FRAMES, hd])]
+            + [helper.make_tensor_value_info(n, f, ["b", H, "t", D]) for n in kv], inits())
     dec_nodes = [helper.make_node("Gather", ["E", "input_ids"], ["e"]),
                  helper.make_node("MatMul", ["e", "Wsk"], ["sk"]), helper.make_node("MatMul", ["e", "Wsv"], ["sv"]),
                  *split_heads("sk", "nk"), *split_heads("sv", "nv"),
@@ -303,7 +307,14 @@ def _whisper_graphs(seed: int, t5: bool = False):
                  helper.make_node("Concat", ["past_value_self_0", "nv"], ["present_value_self_0"], axis=2),
                  *head("e2" if t5 else "e", "past_key_cross_0", "present_key_self_0")]
     extra = []
-    if t5:  # the decoder also reads the encoder's hidden states and mask (their masked sum joins the token)
+    if encoder_only:  # the decoder reads the encoder's mask (its count joins the token)
+        dec_nodes[:0] = [helper.make_node("Cast", ["encoder_attention_mask"], ["mf"], to=TensorProto.FLOAT),
+                         helper.make_node("ReduceSum", ["mf", "seq"], ["ms"], keepdims=1),
+                         helper.make_node("Unsqueeze", ["ms", "last"], ["mu"]),
+                         helper.make_node("Mul", ["mu", "quarter"], ["hq"])]
+        dec_nodes.insert(5, helper.make_node("Add", ["e", "hq"], ["e2"]))
+        extra = [helper.make_tensor_value_info("encoder_attention_mask", i32, ["b", "n"])]
+    elif t5:  # the decoder also reads the encoder's hidden states and mask (their masked sum joins the token)
         dec_nodes[:0] = [helper.make_node("Cast", ["encoder_attention_mask"], ["mf"], to=TensorProto.FLOAT),
                          helper.make_node("Unsqueeze", ["mf", "last"], ["mu"]),
                          helper.make_node("Mul", ["encoder_hidden_states", "mu"], ["hm"]),
@@ -361,13 +372,19 @@ T5 = [
     dict(batch=2, beams=4, ret=4, max_length=8, lp=0.5, repetition_penalty=1.3, pad_left=2),
     dict(batch=1, beams=1, ret=1, max_length=9, lp=1.0),
     dict(batch=3, beams=2, ret=1, max_length=10, lp=1.5, early_stopping=1, attention_mask=True, pad_left=1),
+    dict(batch=2, beams=3, ret=2, max_length=9, lp=1.0, encoder_only=True, pad_left=2),
+    dict(batch=2, beams=1, ret=1, max_length=8, lp=1.0, encoder_only=True, attention_mask=True, pad_left=1),
 ]
 
 
-@pytest.mark.parametrize("case", T5, ids=lambda c: f"b{c['batch']}-beams{c['beams']}-ret{c['ret']}")
+@pytest.mark.parametrize("case", T5, ids=lambda c: f"b{c['batch']}-beams{c['beams']}-ret{c['ret']}"
+                         + ("-encoder-only" if c.get("encoder_only") else ""))
 def test_t5_beam_search_matches_onnxruntime(case, tmp_path):
-    """BeamSearch model_type 1 (T5's encoder-decoder as onnxruntime's T5 converter writes it)."""
-    encoder, decoder = _whisper_graphs(case["batch"] * 10 + case["beams"], t5=True)
+    """BeamSearch model_type 1 (T5's encoder-decoder as onnxruntime's T5 converter writes it: the
+    legacy encoder-and-decoder-init graph, and 1.32's encoder of the cross presents only, whose
+    first step is the decoder's from an empty self-attention past)."""
+    encoder, decoder = _whisper_graphs(case["batch"] * 10 + case["beams"], t5=True,
+                                       encoder_only=case.get("encoder_only", False))
     names = ["input_ids", "max_length", "min_length", "num_beams", "num_return_sequences", "length_penalty",
              "repetition_penalty", "", "", "attention_mask" if case.get("attention_mask") else ""]
     node = helper.make_node("BeamSearch", names, ["sequences", "sequences_scores", "scores"], domain="com.microsoft",

@@ -126,7 +126,7 @@ class _Search(ControlFlowKernel):
         dec_in = [i.name for i in graphs["decoder"].input[:]]
         known = (["encoder_input_ids", "decoder_input_ids"] if self.model_type == 2 else
                  ["encoder_input_ids", "encoder_attention_mask", "decoder_input_ids"])
-        if enc_in != known:
+        if enc_in != known and not (self.model_type == 1 and enc_in == known[:2]):
             raise NotImplementedError(f"{what}: encoder inputs {enc_in} (implemented: {', '.join(known)}, as "
                                       "onnxruntime's converter writes them)")
         enc_out = list(self.encoder.output_names)
@@ -139,7 +139,11 @@ class _Search(ControlFlowKernel):
                 raise NotImplementedError(f"{what}: decoder input {name!r} (implemented: input_ids, "
                                           f"{', '.join(extra) + ', ' if extra else ''}then past_*_self_* fed by the "
                                           "presents and past_*_cross_* by the encoder's)")
-        if dec_in[0] != "input_ids" or enc_out[0] != "logits" or dec_out[0] != "logits":
+        # onnxruntime 1.32's T5 converter writes an encoder of the cross-attention presents only
+        # (no logits, no decoder_input_ids input): the decoder then also runs the first step,
+        # from the start token and an empty self-attention past.
+        self.encoder_only = self.model_type == 1 and "logits" not in enc_out
+        if dec_in[0] != "input_ids" or dec_out[0] != "logits" or (enc_out[0] != "logits" and not self.encoder_only):
             raise InvalidGraph(f"{what}: the encoder and decoder must output logits first and the decoder read "
                                f"input_ids first, got {enc_out[:1]}, {dec_out[:1]}, {dec_in[:1]}")
         self.dec_inputs = dec_in
@@ -156,7 +160,7 @@ class _Search(ControlFlowKernel):
         carried: dict[str, Any] = {}
 
         def first():
-            outs = self.encoder.run(encoder_feeds, frame)
+            outs = self.encoder.run(encoder_feeds if not self.encoder_only else encoder_feeds[:2], frame)
             if expand_after:
                 outs = [np.repeat(np.asarray(o), beams, axis=0) for o in outs]
             for name in self.dec_inputs[1:]:
@@ -166,6 +170,12 @@ class _Search(ControlFlowKernel):
                     carried[name] = outs[self.enc_index[name]]
                 elif name == "encoder_attention_mask":
                     carried[name] = mask
+            if self.encoder_only:  # the first step is the decoder's, from an empty self-attention past
+                cross = np.asarray(next(v for n, v in carried.items() if "_cross_" in n))
+                empty = np.zeros((cross.shape[0], cross.shape[1], 0, cross.shape[3]), cross.dtype)
+                start = np.repeat(np.asarray(encoder_feeds[2]), beams, axis=0)
+                return after(start.reshape(-1), None, {"present_" + n[5:]: empty for n in self.dec_inputs[1:]
+                                                       if n.startswith("past_") and "_self_" in n})
             selfs = {n: outs[i] for n, i in self.enc_index.items() if "_self_" in n}
             return np.asarray(outs[0])[:, -1, :].astype(np.float32), selfs
 
@@ -176,7 +186,7 @@ class _Search(ControlFlowKernel):
                     feeds.append(carried[name])
                 else:
                     past = np.asarray(selfs["present_" + name[5:]])
-                    feeds.append(np.ascontiguousarray(past[index]) if beams > 1 else past)
+                    feeds.append(np.ascontiguousarray(past[index]) if beams > 1 and index is not None else past)
             outs = self.decoder.run(feeds, frame)
             return (np.asarray(outs[0])[:, -1, :].astype(np.float32),
                     {n: outs[i] for n, i in self.dec_index.items() if "_self_" in n})
