@@ -718,3 +718,24 @@ def test_trusted_records_come_from_the_record_index(tmp_path, monkeypatch, manif
     else:
         assert len(parsed) == n_records
         assert (warned == []) == (manifest == "version-1"), warned
+
+
+@pytest.mark.parametrize("op, attrs, opset", [("Unsqueeze", {"axes": [0]}, 21), ("Squeeze", {}, 13),
+                                              ("Reshape", {}, 14), ("Pad", {"pads": [1, 1]}, 18)])
+def test_a_node_missing_a_required_input_is_refused_at_creation(op, attrs, opset):
+    """An opset-21 model whose Unsqueeze kept its opset-11 ``axes`` attribute (what onnxruntime's
+    weight-only quantizer left after raising a GPT-2's opset) failed at the first run with a
+    Python signature error; onnxruntime refuses it at load.  A required input missing for the
+    model's opset (onnx's schema) is an InvalidGraph at creation naming the input (Squeeze's axes
+    are optional: that node is fine)."""
+    from onnxpack.errors import InvalidGraph
+
+    g = helper.make_graph([helper.make_node(op, ["x"], ["y"], **attrs)], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)]).SerializeToString()
+    if op == "Squeeze":
+        assert InferenceSession(model).run(None, {"x": np.ones((1, 3), np.float32)})[0].shape == (3,)
+        return
+    with pytest.raises(InvalidGraph, match=r"input\(s\) \[1\] are required"):
+        InferenceSession(model)
