@@ -331,6 +331,23 @@ def _whisper_graphs(seed: int, t5: bool = False, encoder_only: bool = False):
     return encoder, decoder
 
 
+def _encoder_decoder_model(op: str, names: list[str], model_type: int, case: dict, encoder, decoder):
+    """A one-node model of ``op`` (``model_type``) over the encoder and decoder graphs, with the
+    three outputs (sequences, their scores, every step's scores)."""
+    node = helper.make_node(op, names, ["sequences", "sequences_scores", "scores"], domain="com.microsoft",
+                            eos_token_id=EOS, pad_token_id=PAD, decoder_start_token_id=20, model_type=model_type,
+                            early_stopping=case.get("early_stopping", 0), encoder=encoder, decoder=decoder)
+    floats = {"input_features", "length_penalty", "repetition_penalty"}
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT if n in floats else
+                                                                          TensorProto.INT32, None) for n in names if n],
+                              [helper.make_tensor_value_info("sequences", TensorProto.INT32, None),
+                               helper.make_tensor_value_info("sequences_scores", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("scores", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    return model
+
+
 WHISPER = [
     dict(batch=2, beams=3, ret=2, max_length=9, lp=1.0, start=[20]),
     dict(batch=2, beams=4, ret=4, max_length=8, lp=0.5, start=[20, 7, 9], repetition_penalty=1.3),
@@ -344,17 +361,7 @@ def test_whisper_beam_search_matches_onnxruntime(case, tmp_path):
     encoder, decoder = _whisper_graphs(case["batch"] * 10 + case["beams"])
     names = ["input_features", "max_length", "min_length", "num_beams", "num_return_sequences", "length_penalty",
              "repetition_penalty", "", "", "", "decoder_input_ids"]
-    node = helper.make_node("WhisperBeamSearch", names, ["sequences", "sequences_scores", "scores"], domain="com.microsoft",
-                            eos_token_id=EOS, pad_token_id=PAD, decoder_start_token_id=20, model_type=2,
-                            early_stopping=case.get("early_stopping", 0), encoder=encoder, decoder=decoder)
-    types = {"input_features": TensorProto.FLOAT, "length_penalty": TensorProto.FLOAT, "repetition_penalty": TensorProto.FLOAT}
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, types.get(n, TensorProto.INT32), None)
-                                            for n in names if n],
-                              [helper.make_tensor_value_info("sequences", TensorProto.INT32, None),
-                               helper.make_tensor_value_info("sequences_scores", TensorProto.FLOAT, None),
-                               helper.make_tensor_value_info("scores", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 8
+    model = _encoder_decoder_model("WhisperBeamSearch", names, 2, case, encoder, decoder)
     b = case["batch"]
     feeds = {"input_features": np.random.default_rng(b).standard_normal((b, MELS, FRAMES)).astype(np.float32),
              "max_length": _one(case["max_length"]), "min_length": _one(2), "num_beams": _one(case["beams"]),
@@ -387,17 +394,7 @@ def test_t5_beam_search_matches_onnxruntime(case, tmp_path):
                                        encoder_only=case.get("encoder_only", False))
     names = ["input_ids", "max_length", "min_length", "num_beams", "num_return_sequences", "length_penalty",
              "repetition_penalty", "", "", "attention_mask" if case.get("attention_mask") else ""]
-    node = helper.make_node("BeamSearch", names, ["sequences", "sequences_scores", "scores"], domain="com.microsoft",
-                            eos_token_id=EOS, pad_token_id=PAD, decoder_start_token_id=20, model_type=1,
-                            early_stopping=case.get("early_stopping", 0), encoder=encoder, decoder=decoder)
-    types = {"length_penalty": TensorProto.FLOAT, "repetition_penalty": TensorProto.FLOAT}
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, types.get(n, TensorProto.INT32), None)
-                                            for n in names if n],
-                              [helper.make_tensor_value_info("sequences", TensorProto.INT32, None),
-                               helper.make_tensor_value_info("sequences_scores", TensorProto.FLOAT, None),
-                               helper.make_tensor_value_info("scores", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 8
+    model = _encoder_decoder_model("BeamSearch", names, 1, case, encoder, decoder)
     b = case["batch"]
     ids = np.random.default_rng(b + 7).integers(4, V, (b, 6)).astype(np.int32)
     ids[-1, : case.get("pad_left", 0)] = PAD
