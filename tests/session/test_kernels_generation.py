@@ -88,17 +88,22 @@ np.savez(sys.argv[3], *outs)
 """
 
 
+def _ort_fresh(path, feeds: dict, tmp_path) -> list:
+    """onnxruntime's outputs for the model at ``path``, computed in a fresh process."""
+    np.savez(tmp_path / "feeds.npz", **feeds)
+    subprocess.run([sys.executable, "-c", _ORACLE, str(path), str(tmp_path / "feeds.npz"), str(tmp_path / "want.npz")],
+                   check=True)
+    with np.load(tmp_path / "want.npz") as got:
+        return [got[f"arr_{i}"] for i in range(len(got.files))]
+
+
 def _both(model: bytes, feeds: dict, tmp_path) -> tuple[list, list]:
     """onnxpack's outputs and onnxruntime's, the latter from a fresh process: onnxruntime 1.32's
     searches over this decoder give other tokens once other search models ran in the process
     (seen: the same model, run again after two others, continued past a token it had stopped at;
     a process running only the one model gives the same tokens every time, equal to ours)."""
     (tmp_path / "m.onnx").write_bytes(model)
-    np.savez(tmp_path / "feeds.npz", **feeds)
-    subprocess.run([sys.executable, "-c", _ORACLE, str(tmp_path / "m.onnx"), str(tmp_path / "feeds.npz"),
-                    str(tmp_path / "want.npz")], check=True)
-    with np.load(tmp_path / "want.npz") as got:
-        want = [got[f"arr_{i}"] for i in range(len(got.files))]
+    want = _ort_fresh(tmp_path / "m.onnx", feeds, tmp_path)
     sess = onnxpack.InferenceSession(model)
     assert sess.get_fallback_nodes() == []
     return sess.run(None, feeds), want
@@ -408,3 +413,44 @@ def test_t5_beam_search_matches_onnxruntime(case, tmp_path):
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "whisper"])
+def test_search_models_save_and_warm_start(kind, tmp_path):
+    """A search model through ``onnxpack optimize``: its subgraphs' weights and packs saved, a warm
+    session packs nothing and gives the cold session's outputs, onnxruntime on the saved model
+    gives its outputs on the original."""
+    import warnings
+
+    from onnxpack.errors import PrepackWarning
+    from onnxpack.session import optimize
+
+    if kind == "gpt":
+        names = ["input_ids", "max_length", "min_length", "num_beams", "num_return_sequences", "length_penalty",
+                 "repetition_penalty"]
+        model = _model("BeamSearch", 5, names, n_out=2)
+        feeds = {"input_ids": _prompt(5), "max_length": _one(12)}
+    else:
+        encoder, decoder = _whisper_graphs(9)
+        names = ["input_features", "max_length", "min_length", "num_beams", "num_return_sequences", "length_penalty",
+                 "repetition_penalty"]
+        model = _encoder_decoder_model("WhisperBeamSearch", names, 2, {}, encoder, decoder).SerializeToString()
+        feeds = {"input_features": np.random.default_rng(9).standard_normal((2, MELS, FRAMES)).astype(np.float32),
+                 "max_length": _one(8)}
+    feeds.update(min_length=_one(1), num_beams=_one(3), num_return_sequences=_one(2),
+                 length_penalty=_one(1.0, np.float32), repetition_penalty=_one(1.0, np.float32))
+    src, out = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    src.write_bytes(model)
+    optimize(str(src), str(out))
+    cold = onnxpack.InferenceSession(str(src)).run(None, feeds)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrepackWarning)
+        warm = onnxpack.InferenceSession(str(out))
+        got = warm.run(None, feeds)
+    assert warm.get_prepack_stats()["weights_packed"] == 0 and warm.get_prepack_stats()["blobs_from_model"] > 0
+    for g, c in zip(got, cold):
+        np.testing.assert_array_equal(g, c)
+    want = _ort_fresh(src, feeds, tmp_path)
+    for s, w in zip(_ort_fresh(out, feeds, tmp_path), want):
+        np.testing.assert_array_equal(s, w)
+    np.testing.assert_array_equal(got[0], want[0])
