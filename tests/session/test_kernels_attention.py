@@ -223,7 +223,8 @@ def test_qattention_rejects_float_input_and_bad_scales():
 # MultiHeadAttention
 # ------------------------------------------------------------------------------------------------
 MHA_CASES = ["separate", "separate-bias", "cross-kv-len", "packed-qkv", "packed-kv", "bnsh-kv", "key-padding-2d",
-             "key-padding-1d", "key-padding-3d", "attention-bias", "past-present", "unidirectional-past", "qk-output"]
+             "key-padding-1d", "key-padding-3d", "attention-bias", "past-present", "unidirectional-past", "qk-output",
+             "unidirectional-more-keys", "unidirectional-more-keys-past"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
@@ -232,7 +233,9 @@ def test_multihead_attention(case, dtype):
     rng = np.random.default_rng(3)
     n, h, s = 2, 4, 3
     d = n * h
-    l_ = 4 if case == "cross-kv-len" else s
+    # more keys than queries, causal: onnxruntime's last query row sees every key (the rows
+    # before it: keys j <= past + i)
+    l_ = 4 if case == "cross-kv-len" else (5 if case.startswith("unidirectional-more-keys") else s)
     feeds = {"q": rand(rng, (B, s, d), dtype)}
     ins = ["q", "k", "v", "", "", "", "", ""]
     outs = ["y"]
@@ -250,8 +253,10 @@ def test_multihead_attention(case, dtype):
     if case in ("separate-bias", "packed-kv", "packed-qkv"):
         feeds["b"] = rand(rng, (3 * d,), dtype, 0.3)
         ins[3] = "b"
-    past = case in ("past-present", "unidirectional-past")
+    past = case in ("past-present", "unidirectional-past", "unidirectional-more-keys-past")
     t = s + (2 if past else 0)
+    if case == "unidirectional-more-keys":
+        attrs["unidirectional"] = 1
     if case == "key-padding-2d":
         feeds["m"] = np.array([[1, 1, 0], [1, 0, 1]], np.int32)
     elif case == "key-padding-1d":
@@ -267,7 +272,7 @@ def test_multihead_attention(case, dtype):
         feeds["pk"], feeds["pv"] = rand(rng, (B, n, 2, h), dtype), rand(rng, (B, n, 2, h), dtype)
         ins[6], ins[7] = "pk", "pv"
         outs += ["present_key", "present_value"]
-        attrs["unidirectional"] = int(case == "unidirectional-past")
+        attrs["unidirectional"] = int(case.startswith("unidirectional"))
     if case == "qk-output":
         outs += ["", "", "qk"]
         attrs["scale"] = 0.7

@@ -561,7 +561,11 @@ class MultiHeadAttention(Kernel):
         if key_padding_mask is not None:
             mask = _key_mask_bias(self, key_padding_mask, b, s, t, past_len, self.filter_value, fd)
         if self.unidirectional:
+            # onnxruntime's causal mask: row i sees keys j <= past + i, except the last row, which
+            # sees every key (the same when the keys are the past and these rows, t = past + s;
+            # with more keys, e.g. one query over a whole key sequence, that query sees them all).
             c = _causal(s, t, past_len)
+            c[-1] = False
             mask = np.where(c, fd.type(_LOWEST), fd.type(0)) if mask is None else np.where(c, fd.type(_LOWEST), mask)
         ab = None
         if attention_bias is not None:
