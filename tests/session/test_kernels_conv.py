@@ -396,6 +396,27 @@ def test_nchwc_filters_unblock_to_plain_order(block):
     np.testing.assert_array_equal(unblock_filter(dw.reshape(depthwise.shape), o, block), depthwise)
 
 
+@pytest.mark.parametrize("ceil_mode", [0, 1])
+@pytest.mark.parametrize("op", ["MaxPool", "AveragePool", "LpPool"])
+def test_same_pools_with_dilations_match_onnxruntime(op, ceil_mode):
+    """onnxruntime's pools size SAME padding with the undilated kernel, then count outputs with
+    the dilated one (and ceil_mode): fewer outputs than ceil(in / stride) (kernel 3, dilation 2
+    over 3 columns: 1 output, where the spec's rule gives 3)."""
+    rng = np.random.default_rng(10)
+    for auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        for (kh, kw), (dh, dw), (sh, sw) in (((1, 3), (2, 2), (1, 1)), ((2, 2), (2, 2), (2, 2)), ((3, 3), (2, 1), (1, 2)),
+                                             ((4, 1), (3, 1), (3, 1))):
+            for h, w in ((8, 3), (9, 7)):
+                x = rng.standard_normal((1, 2, h, w)).astype(np.float32)
+                attrs = dict(auto_pad=auto_pad, kernel_shape=[kh, kw], strides=[sh, sw], dilations=[dh, dw])
+                if op != "LpPool":
+                    attrs["ceil_mode"] = ceil_mode
+                node = make_node(op, ["x"], ["y"], **attrs)
+                got, want = run_native(node, [x], 19), run_ort(node, [x], 19, optimize=False)
+                assert got[0].shape == want[0].shape, (attrs, h, w)
+                assert_close(got, want, np.float32)
+
+
 @pytest.mark.parametrize("op", ["Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool"])
 @pytest.mark.parametrize("attrs", [dict(strides=[0, 1]), dict(strides=[1, -2**31]), dict(dilations=[1, 0]),
                                    dict(kernel_shape=[-3, 3])], ids=["stride0", "stride-neg", "dil0", "kernel-neg"])

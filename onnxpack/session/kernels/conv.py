@@ -197,6 +197,19 @@ def conv_geometry(
     begin, end, out = [], [], []
     for i in range(nd):
         eff = (kernel[i] - 1) * dilations[i] + 1
+        if auto_pad in ("SAME_UPPER", "SAME_LOWER") and pool and dilations[i] != 1:
+            # onnxruntime's pools size SAME padding with the undilated kernel, then the output
+            # with the dilated one and ceil_mode (fewer outputs than ceil(in / stride))
+            need = (-(-in_shape[i] // strides[i]) - 1) * strides[i] + kernel[i] - in_shape[i]
+            half = need + (auto_pad == "SAME_LOWER")
+            b = half // 2 if half >= 0 else -(-half // 2)  # C's half / 2
+            if in_shape[i] + need < eff:  # (onnxruntime's pools disagree with each other there)
+                raise InvalidArgument(f"kernel {list(kernel)} (dilations {list(dilations)}) is larger than the "
+                                      f"SAME-padded input {list(in_shape)}")
+            begin.append(b)
+            end.append(need - b)
+            out.append(_ort_pool_size(in_shape[i] + need - eff, strides[i], ceil_mode))
+            continue
         if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
             o = -(-in_shape[i] // strides[i])
             total = (o - 1) * strides[i] + eff - in_shape[i]
@@ -232,6 +245,13 @@ def conv_geometry(
         end.append(e)
         out.append(o)
     return tuple(begin), tuple(end), tuple(out)
+
+
+def _ort_pool_size(span: int, stride: int, ceil_mode: bool) -> int:
+    """onnxruntime's pool output length for ``span = in + pads - dilated kernel``: the float
+    ``span / stride + 1``, rounded up with ``ceil_mode``, then truncated toward zero."""
+    x = np.float32(span) / np.float32(stride) + np.float32(1)
+    return int(math.ceil(x)) if ceil_mode else int(x)
 
 
 # Per-thread scratch of the conv's transient buffers (the padded input and the im2col matrix):
@@ -1449,6 +1469,11 @@ class _Pool(Kernel):
             raise InvalidArgument(f"node {node.name!r} ({node.op_type}): pads {list(pads)} must be two per axis of "
                                   f"kernel_shape {list(ks)}, non-negative and smaller than the kernel")
 
+    def _empty(self, x, out) -> tuple:
+        """The output when an axis has no window (a SAME-padded empty input): an empty tensor."""
+        y = np.zeros(x.shape[:2] + tuple(out), x.dtype)
+        return (y, np.zeros(y.shape, np.int64)) if getattr(self, "want_indices", False) else (y,)
+
     def _geometry(self, x):
         nd = x.ndim - 2
         ks, strides, dils = self.sp.resolve(nd)
@@ -1471,6 +1496,8 @@ class MaxPool(_Pool):
 
     def run(self, x):
         ks, strides, dils, begin, end, out, extent = self._geometry(x)
+        if 0 in out:
+            return self._empty(x, out)
         if (x.dtype == np.float32 and x.ndim == 4 and ks[0] > 1 and not self.want_indices and x.size
                 and min(out) > 0):
             # Windows of several rows: the JIT's one pass (see _F32_ZERO's comment).
@@ -1563,6 +1590,8 @@ class AveragePool(_Pool):
 
     def run(self, x):
         ks, strides, dils, begin, end, out, extent = self._geometry(x)
+        if 0 in out:
+            return self._empty(x, out)
         xc = as_compute(x) if x.dtype != np.float64 else x
         xp = _pad(xc, begin, extent, 0)
         acc = _separable_reduce(xp, ks, out, strides, dils, np.add)
@@ -1602,6 +1631,8 @@ class LpPool(_Pool):
 
     def run(self, x):
         ks, strides, dils, begin, end, out, extent = self._geometry(x)
+        if 0 in out:
+            return self._empty(x, out)
         xp = _pad(_lp_powers(x, self.p), begin, extent, 0)
         acc = _separable_reduce(xp, ks, out, strides, dils, np.add)
         return (_lp_root(acc, self.p).astype(x.dtype, copy=False),)
