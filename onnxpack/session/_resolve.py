@@ -71,8 +71,7 @@ def resolve(node: NodeProto, ctx: KernelContext, *, local_functions: Collection[
         if holds_graphs is None:
             holds_graphs = next(subgraphs_of(node), None) is not None
         if cls is not None and (not holds_graphs or cls.call_mode == "frame"):
-            if domain == "":
-                _check_inputs(node, ctx.opset)
+            _check_inputs(cls, node, ctx.opset)
             try:
                 kernel = _construct(cls, node, ctx, {})
             except NotImplementedError as exc:
@@ -86,38 +85,33 @@ def resolve(node: NodeProto, ctx: KernelContext, *, local_functions: Collection[
     return Resolved(kernel, fallback)
 
 
-# (op_type, opset) -> the indices of the required inputs (None: no schema), from onnx's schemas.
-_REQUIRED: dict[tuple[str, int], tuple[int, ...] | None] = {}
-_UNKNOWN = object()
+# kernel class -> how many inputs its run() requires (positional parameters without a default)
+_REQUIRED: dict[type, int] = {}
 
 
-def _check_inputs(node: NodeProto, opset: int) -> None:
-    """Refuses a standard-domain node that lacks an input its op's schema requires at this opset
-    (an ``Unsqueeze`` keeping its opset-11 ``axes`` attribute in an opset-21 model, as one of
-    onnxruntime's quantizers leaves it): onnxruntime refuses such a model at load; our kernel
-    would fail at the first run with a Python signature error."""
-    key = (node.op_type, opset)
-    required = _REQUIRED.get(key, _UNKNOWN)
-    if required is _UNKNOWN:
-        try:
-            from onnx import defs
+def _check_inputs(cls: type[Kernel], node: NodeProto, opset: int) -> None:
+    """Refuses a node with fewer inputs than its kernel's ``run`` requires: an ``Unsqueeze`` that
+    kept its opset-11 ``axes`` attribute in an opset-21 model (as one of onnxruntime's quantizers
+    leaves it; onnxruntime refuses such a model at load) failed at the first run with a Python
+    signature error.  Read off the signature, once per class (onnx's schemas would import onnx,
+    which loading and running never do)."""
+    required = _REQUIRED.get(cls)
+    if required is None:
+        import inspect
 
-            schema = defs.get_schema(node.op_type, max_inclusive_version=opset, domain="")
-        except Exception:  # no schema (an op onnx does not know): nothing to check
-            required = None
-        else:
-            single = defs.OpSchema.FormalParameterOption.Single
-            required = tuple(i for i, p in enumerate(schema.inputs) if p.option == single)
-        _REQUIRED[key] = required
-    if not required:
-        return
-    inputs = node.input[:]
-    missing = [i for i in required if i >= len(inputs) or not inputs[i]]
-    if missing:
+        required = 0
+        if cls.call_mode == "plain":
+            params = list(inspect.signature(cls.run).parameters.values())[1:]
+            for p in params:
+                if p.kind is not p.POSITIONAL_OR_KEYWORD or p.default is not p.empty:
+                    break
+                required += 1
+        _REQUIRED[cls] = required
+    if len(node.input) < required:
         raise InvalidGraph(
-            f"node {node.name!r} ({node.op_type}): input(s) {missing} are required at opset {opset}, the node "
-            f"has {len(inputs)} input(s) {list(inputs)}"
-            + (f" and attribute(s) {[a.name for a in node.attribute[:]]} (an older opset's form?)" if node.attribute else "")
+            f"node {node.name!r} ({node.op_type}): {len(node.input)} input(s) {list(node.input)}, its kernel at opset "
+            f"{opset} requires {required}"
+            + (f" (attribute(s) {[a.name for a in node.attribute[:]]}: an older opset's form?)" if node.attribute else "")
         )
 
 

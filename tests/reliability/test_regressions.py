@@ -726,7 +726,7 @@ def test_a_node_missing_a_required_input_is_refused_at_creation(op, attrs, opset
     """An opset-21 model whose Unsqueeze kept its opset-11 ``axes`` attribute (what onnxruntime's
     weight-only quantizer left after raising a GPT-2's opset) failed at the first run with a
     Python signature error; onnxruntime refuses it at load.  A required input missing for the
-    model's opset (onnx's schema) is an InvalidGraph at creation naming the input (Squeeze's axes
+    model's opset (as its kernel's run() declares them) is an InvalidGraph at creation (Squeeze's axes
     are optional: that node is fine)."""
     from onnxpack.errors import InvalidGraph
 
@@ -737,5 +737,5 @@ def test_a_node_missing_a_required_input_is_refused_at_creation(op, attrs, opset
     if op == "Squeeze":
         assert InferenceSession(model).run(None, {"x": np.ones((1, 3), np.float32)})[0].shape == (3,)
         return
-    with pytest.raises(InvalidGraph, match=r"input\(s\) \[1\] are required"):
+    with pytest.raises(InvalidGraph, match="requires 2"):
         InferenceSession(model)
