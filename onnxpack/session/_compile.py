@@ -39,8 +39,7 @@ from onnxpack.session._api import declared_dim
 from onnxpack.session._derive import derive
 from onnxpack.session._fold import fold_constants
 from onnxpack.session._api import override_dims
-from onnxpack.session._fusion import (ARITHMETIC_FUSIONS, ConstMeta, Fusion, apply_fusions, inputs_index,
-                                     nodes_with_index, plan_fusions)
+from onnxpack.session._fusion import ConstMeta, Fusion, apply_fusions, inputs_index, nodes_with_index, plan_fusions
 from onnxpack.session._program import PackEvent, Plan, PrepackStats, Program, Step, schedule, topological_order
 from onnxpack.session._resolve import resolve
 from onnxpack.session.kernels import Kernel, KernelContext, TensorInfo, normalize_domain
@@ -226,9 +225,8 @@ class _Compiler:
         self._settled.add(scope.path)  # its derived values are known: _weight's answers hold
         fusions: list[Fusion] = []
         if self.options.fuse:
-            fusions = self._fusions(scope, nodes, ins, implicit)
-            if not self.options.prepack:  # only those that compute as onnxruntime's optimized graph does
-                fusions = [f for f in fusions if f.kernel in ARITHMETIC_FUSIONS]
+            # without pre-packing, only those that compute as onnxruntime's optimized graph does
+            fusions = self._fusions(scope, nodes, ins, implicit, arithmetic_only=not self.options.prepack)
         entries = apply_fusions(nodes, fusions)
         entry_reads = [reads[k] if f is None else [*node.input[:], *implicit.get(k, ())] for k, node, f in entries]
         entry_outs = [outs[k] if f is None else node.output[:] for k, node, f in entries]
@@ -313,7 +311,7 @@ class _Compiler:
         return _Bound(dataclasses.replace(step, packed=frozenset(packed)), b.uses, b.events, b.fallback, b.later)
 
     def _fusions(self, scope: Scope, nodes: list[NodeProto], ins: list[list[str]],
-                 implicit: dict[int, tuple[str, ...]]) -> list[Fusion]:
+                 implicit: dict[int, tuple[str, ...]], arithmetic_only: bool = False) -> list[Fusion]:
         """Conv → BatchNormalization → Relu and elementwise → Relu chains (see ``_fusion.py``);
         ``ins[k]``: node ``k``'s inputs."""
         # The fusion's input index (name -> the nodes reading it, once per input slot), then the
@@ -355,7 +353,7 @@ class _Compiler:
             return self._weight(scope, n).value  # the WeightRef alone, not this compiler
 
         return plan_fusions(nodes_with_index(nodes, by_input), readers, protected, const_value, self.opsets.get("", 1),
-                            is_const, const_meta, const_lazy, self.options.qdq_accuracy_level)
+                            is_const, const_meta, const_lazy, self.options.qdq_accuracy_level, arithmetic_only)
 
     def _constants(self, scope: Scope, output_names: list[str]) -> dict[str, Any]:
         """The scope's constants: originals still read unpacked (all readers are bound by now:

@@ -543,10 +543,6 @@ class MatMulFusion:
 
 _NIBBLE_TYPES = ("int4", "uint4")
 
-# Fusions that change the arithmetic as onnxruntime's graph optimizer does (its MatMulNBits of a
-# DequantizeLinear pair quantizes activations at accuracy level 4): applied whenever graph
-# optimizations are on, with or without pre-packing, so both give onnxruntime's results.
-ARITHMETIC_FUSIONS = frozenset({"dq_nbits"})
 
 
 def find_dq_matmul_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
@@ -955,7 +951,7 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
                  is_const: Callable[[str], bool] | None = None,
                  const_meta: Callable[[str], ConstMeta | None] | None = None,
                  const_lazy: Callable[[str], Callable[[], np.ndarray]] | None = None,
-                 qdq_accuracy_level: int = 4) -> list[Fusion]:
+                 qdq_accuracy_level: int = 4, arithmetic_only: bool = False) -> list[Fusion]:
     """Every fusion of one scope's nodes (pure).
 
     Args:
@@ -974,7 +970,14 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
             (per-channel statistics of a Conv epilogue), default: ``const_value`` deferred.
         qdq_accuracy_level: the ``accuracy_level`` of the MatMulNBits steps that 4-bit
             ``DequantizeLinear -> MatMul`` pairs become (``session.qdq_matmulnbits_accuracy_level``).
+        arithmetic_only: only the fusions that change the arithmetic as onnxruntime's graph
+            optimizer does (its MatMulNBits of a DequantizeLinear pair quantizes activations at
+            accuracy level 4): they apply whenever graph optimizations are on, with pre-packing
+            off too, so both give onnxruntime's results.
     """
+    if arithmetic_only:
+        return find_dq_matmul_nbits(nodes, readers, protected, const_meta or _meta_from(const_value), set(),
+                                    qdq_accuracy_level)
     if const_lazy is None:
         def const_lazy(n: str) -> Callable[[], np.ndarray]:
             return lambda: const_value(n)

@@ -22,7 +22,8 @@ The searches follow onnxruntime's CPU implementation (itself Hugging Face's):
   them to ``log_softmax`` of the logits.
 * Greedy: argmax; from a sequence's eos on (the eos included, as onnxruntime writes it) its
   tokens are ``pad_token_id``.  Sampling draws from the filtered distribution with numpy's
-  generator seeded by ``seed`` (onnxruntime's own generator is not reproduced: only fully
+  generator seeded by ``seed``, top-p's excluded tokens at probability 0 (the default
+  ``filter_value``'s; another value is not applied) (onnxruntime's own generator is not reproduced: only fully
   determined draws — a top-p keeping one token — give its tokens).  Beam search: Hugging Face's
   BeamSearchScorer (hypotheses scored by ``sum_logprobs / length ** length_penalty``,
   ``early_stopping``, the best ``num_return_sequences`` per batch entry), the self-attention
@@ -149,7 +150,6 @@ class _Search(ControlFlowKernel):
         self.dec_inputs = dec_in
         self.enc_index = {n: i for i, n in enumerate(enc_out)}
         self.dec_index = {n: i for i, n in enumerate(dec_out)}
-        self.id_types = [np.dtype(np.int32)]
         self.start_token = int(self.attr("decoder_start_token_id", -1))
 
     def _encoder_decoder_hooks(self, frame: Any, encoder_feeds: list, beams: int, expand_after: bool,
@@ -300,7 +300,6 @@ class Sampling(GreedySearch):
         super().__init__(node, ctx)
         self.temperature = float(self.attr("temperature", 1.0))
         self.top_p = float(self.attr("top_p", 0.0))
-        self.filter_value = float(self.attr("filter_value", -np.inf))
         self.min_keep = max(1, int(self.attr("min_tokens_to_keep", 1)))
         self.presence_penalty = float(self.attr("presence_penalty", 0.0))
         if len(node.output) > 1 and node.output[1]:
