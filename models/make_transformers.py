@@ -14,13 +14,16 @@ MobileNetV2, the small network written here), :func:`make_llm.randomize` with a 
   num_heads=..., hidden_size=...)`` on it, fp32 (the fused contrib ops: Attention,
   SkipLayerNormalization, EmbedLayerNormalization, BiasGelu, FastGelu, ...);
 * ``<name>-opt-fp16``: the same optimizer output after
-  ``convert_float_to_float16(keep_io_types=True)`` (what ``--float16`` does).
+  ``convert_float_to_float16(keep_io_types=True)`` (what ``--float16`` does);
+* ``<name>-dynamo``: torch's default exporter (``dynamo=True``, torch.export + onnxscript) at
+  ``opset_version=23`` with SDPA attention and dynamic batch and sequence: ONNX's own
+  Attention, RMSNormalization and RotaryEmbedding ops (opset 23) instead of their decomposition.
 
 Choices the tools force (see models/README.md):
 
-* The TorchScript exporter (``dynamo=False``): the default torch.export-based one needs
-  onnxscript, which the side environment lacks, and onnxruntime's fusion patterns are written
-  against TorchScript graphs.
+* The TorchScript exporter (``dynamo=False``) for ``export`` and ``opt``: onnxruntime's fusion
+  patterns are written against TorchScript graphs.  The ``dynamo`` variant needs onnxscript in
+  the side environment.
 * ``attn_implementation="eager"``: with transformers 5's default SDPA attention the optimizer
   fuses no Attention at all (its patterns expect the explicit MatMul/Softmax/MatMul chain).
 
@@ -52,7 +55,8 @@ __all__ = ["MODELS", "build_model", "main"]
 SEED = 20240601
 OPSET = 17  # >= 14 as asked; 17 exports LayerNormalization as one op, which the optimizer fuses from
 TX_FIXTURES = os.path.join(_fixtures.FIXTURES_DIR, "transformers")
-VARIANTS = ("export", "opt", "opt-fp16")
+VARIANTS = ("export", "opt", "opt-fp16", "dynamo")
+DYNAMO_OPSET = 23  # the first opset with ONNX Attention / RMSNormalization / RotaryEmbedding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +227,22 @@ MODELS: dict[str, Spec] = {s.name: s for s in [
          ("pixel_values",), ("logits",),
          {"pixel_values": {0: "batch"}, "logits": {0: "batch"}},
          lambda cfg: dict(model_type="vit", num_heads=cfg["num_attention_heads"], hidden_size=cfg["hidden_size"]),
-         "google/vit-base-patch16-224", committed=("opt", "opt-fp16")),
+         "google/vit-base-patch16-224", committed=("opt", "opt-fp16", "dynamo")),
+    # A decoder-only LLM as torch's exporter writes it at opset 23 (grouped-query Attention,
+    # RMSNormalization, RotaryEmbedding); onnxruntime's optimizer has no pass for it.
+    Spec("llama", _hf("LlamaForCausalLM", "LlamaConfig", ("input_ids", "attention_mask"), 1),
+         dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64),
+         {},
+         # batch 1: the exporter's RotaryEmbedding caches are (1, S, half) for any batch, which
+         # onnxruntime 1.32 refuses above batch 1 (the spec asks for (B, S, half)); a right-padded
+         # prompt
+         lambda cfg: {"dims": {"batch": 1, "sequence": 8}, "int_high": {"input_ids": cfg["vocab_size"]},
+                      "mask_lengths": {"attention_mask": [6]}},
+         ("input_ids", "attention_mask"), ("logits",),
+         {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
+          "logits": {0: "batch", 1: "sequence"}},
+         None, "meta-llama/Llama-3.2-1B", committed=("dynamo",)),
     # BERT's relatives the same optimizer serves (model_type "bert"): built on demand, not committed.
     *[Spec(name, _hf(cls, conf, keys, 1), dict(_BERT_TINY, **extra), {},
            (lambda types: lambda cfg: _text_recipe(cfg, "vocab_size", types))("token_type_ids" in keys),
@@ -298,6 +317,30 @@ def _input_specs(spec: Spec, cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
 # -- build ------------------------------------------------------------------------------------------
 
+def _export_dynamo(spec: Spec, model, args, work: str) -> str:
+    """``model`` through torch's default exporter at :data:`DYNAMO_OPSET`, SDPA attention (what
+    ``scaled_dot_product_attention`` becomes: ONNX Attention), the spec's dynamic axes; the
+    weights it writes to a side file are put back inside the model (a fixture is one file)."""
+    import onnx
+    import torch
+
+    inner = getattr(model, "inner", model)
+    if hasattr(inner, "set_attn_implementation"):
+        inner.set_attn_implementation("sdpa")
+    dims: dict[str, Any] = {}
+    shapes = tuple({axis: dims.setdefault(name, torch.export.Dim(name)) for axis, name in spec.dynamic_axes[n].items()}
+                   for n in spec.input_names)
+    raw = os.path.join(work, "dynamo-raw.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, args, raw, input_names=list(spec.input_names), output_names=list(spec.output_names),
+                          opset_version=DYNAMO_OPSET, dynamo=True, dynamic_shapes=(shapes,))
+    out = os.path.join(work, "dynamo.onnx")
+    onnx.save(onnx.load(raw), out)  # external data loaded, saved inline
+    onnx.checker.check_model(out)
+    return out
+
+
 def _versions() -> dict[str, str]:
     import onnx
     import onnxruntime
@@ -342,6 +385,8 @@ def build_model(spec: Spec, cfg: dict[str, Any], name: str, out_root: str, varia
                               opset_version=OPSET, dynamo=False, do_constant_folding=True)
         onnx.checker.check_model(export_path)
         paths = {"export": export_path}
+        if "dynamo" in variants:
+            paths["dynamo"] = _export_dynamo(spec, model, args, work)
         opt_kwargs = spec.optimizer(cfg) if spec.optimizer else None
         if opt_kwargs and ({"opt", "opt-fp16"} & set(variants)):
             opt = optimize_model(export_path, **opt_kwargs)
@@ -368,6 +413,9 @@ def build_model(spec: Spec, cfg: dict[str, Any], name: str, out_root: str, varia
                     raise RuntimeError(f"{out_path}: onnxruntime cannot run it: {check['default']['error']}")
                 check["max_abs_diff_vs_torch"] = _max_diff(model_path, feeds, expected)
                 command = {
+                    "dynamo": f"torch.onnx.export(model, args, opset_version={DYNAMO_OPSET}, dynamo=True, "
+                              f"dynamic_shapes={{batch, sequence}}) after {spec.name}._from_config(cfg) with "
+                              f"set_attn_implementation('sdpa'); weights saved inside the model",
                     "export": f"torch.onnx.export(model, args, opset_version={OPSET}, dynamo=False, "
                               f"dynamic_axes={{batch, sequence}}) after {spec.name}._from_config(cfg, "
                               f"attn_implementation='eager')" if spec.optimizer else
@@ -383,12 +431,14 @@ def build_model(spec: Spec, cfg: dict[str, Any], name: str, out_root: str, varia
                     "sidecar_version": _fixtures.SIDECAR_VERSION,
                     "name": os.path.basename(out_path),
                     "kind": "transformers",
-                    "producer": {"tool": "torch.onnx.export" if variant == "export" else "onnxruntime optimizer",
+                    "producer": {"tool": {"export": "torch.onnx.export", "dynamo": "torch.onnx.export (dynamo)"}.get(
+                                     variant, "onnxruntime optimizer"),
                                  "versions": _versions(), "script": "models/make_transformers.py"},
-                    "command": " ; ".join(command[v] for v in VARIANTS[: VARIANTS.index(variant) + 1]),
+                    "command": command["dynamo"] if variant == "dynamo" else
+                               " ; ".join(command[v] for v in VARIANTS[: VARIANTS.index(variant) + 1]),
                     "source": {"model": spec.name, "mirrors": spec.mirrors, "seed": SEED,
                                "config": {k: (list(map(list, v)) if k == "blocks" else v) for k, v in sorted(cfg.items())}},
-                    "fused_ops": fused if variant != "export" and opt_kwargs else None,
+                    "fused_ops": fused if variant not in ("export", "dynamo") and opt_kwargs else None,
                     "files": files,
                     "total_bytes": sum(f["bytes"] for f in files.values()),
                     "model_file": "model.onnx",

@@ -44,6 +44,8 @@ REQUIRED = {
     "transformers/gpt2-tiny-opt", "transformers/gpt2-tiny-opt-fp16",
     "transformers/vit-tiny-opt", "transformers/vit-tiny-opt-fp16",
     "transformers/mobilenetv2-tiny-export",
+    # torch's default (dynamo) exporter at opset 23: ONNX Attention, RMSNormalization, RotaryEmbedding
+    "transformers/bert-tiny-dynamo", "transformers/vit-tiny-dynamo", "transformers/llama-tiny-dynamo",
 }
 
 

@@ -493,6 +493,31 @@ def test_transformer_fixture(path, sidecar, tmp_path):
     check_deployed(model, _fixture_feeds(sidecar, sorted(sidecar["feeds"])), _float_compare("fp16" in path), tmp_path)
 
 
+@pytest.mark.parametrize("path,sidecar", [p for p in _fixture_params("transformers") if p.id.endswith("-dynamo")])
+def test_dynamo_export_runs_natively_at_every_batch(path, sidecar):
+    """torch's default exporter at opset 23 writes ONNX's Attention (and, for Llama,
+    RMSNormalization and RotaryEmbedding): every node runs natively, and a batch of two prompts
+    (one right-padded) equals onnxruntime on each prompt alone.  (Row by row because onnxruntime
+    1.32 refuses the exporter's batch-1 rotary caches at batch 2, which the spec's broadcasting
+    and onnx.reference allow.)"""
+    model = os.path.join(path[: -len(".json")], sidecar["model_file"])
+    ops = {n.op_type for n in onnx.load(model, load_external_data=False).graph.node}
+    assert "Attention" in ops, ops
+    sess = session(model)
+    assert not sess.get_fallback_nodes(), sess.get_fallback_nodes()
+    inputs = sidecar["inventory"]["inputs"]
+    recipe = {"dims": {"batch": 2, "sequence": 8}}
+    if any(i["dtype"] == "int64" for i in inputs):
+        recipe["int_high"] = {"input_ids": 200, "token_type_ids": 2}
+        recipe["mask_lengths"] = {"attention_mask": [8, 5]}
+    feeds = fx.make_feeds(inputs, recipe)
+    got = sess.run(None, feeds)
+    for row in range(2):
+        want = ort_run(model, {k: v[row:row + 1] for k, v in feeds.items()}, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g[row:row + 1], w, **F32, err_msg=f"row {row}")
+
+
 @pytest.mark.parametrize("path,sidecar", [p for p in _fixture_params("transformers") if p.id.endswith("-export")])
 def test_export_saved_by_onnxruntime_optimizer(path, sidecar, tmp_path):
     """The exported fixtures as onnxruntime's extended graph optimizer saves them for shipping

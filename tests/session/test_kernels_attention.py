@@ -351,6 +351,26 @@ def test_onnx_rotary_embedding_23(case, dtype):
         check_all_paths(n, {"x": x, "c": cos[p], "s": sin[p]}, {}, tol(dtype), opset=23)
 
 
+@pytest.mark.parametrize("shape", [(2, 2, 5, 8), (3, 5, 16)], ids=["4d", "3d"])
+def test_onnx_rotary_embedding_23_broadcasts_one_batch_row_of_caches(shape):
+    """Without position_ids, caches of one batch row (1, S, half) serve every row: what torch's
+    exporter writes at opset 23 (onnx.reference broadcasts them; onnxruntime 1.32 refuses them
+    above batch 1) -- equal to the same caches repeated per row, which onnxruntime runs."""
+    rng = np.random.default_rng(6)
+    x = rand(rng, shape, np.float32)
+    attrs = dict(num_heads=2) if len(shape) == 3 else {}
+    s = shape[1] if len(shape) == 3 else shape[2]
+    cos, sin = rope_caches(16, 4, np.float32)
+    c, sn = cos[None, 3:3 + s], sin[None, 3:3 + s]
+    n = mk("RotaryEmbedding", ["x", "c", "s"], ["y"], domain="", **attrs)
+    want = check_all_paths(n, {"x": x, "c": np.repeat(c, shape[0], 0), "s": np.repeat(sn, shape[0], 0)}, {}, F32,
+                           opset=23)
+    check_all_paths(n, {"x": x, "c": c, "s": sn}, {}, F32, opset=23, want=want)
+    bad = single_node_model(n, {"x": x, "c": c[:, :-1], "s": sn[:, :-1]}, {}, 23)
+    with pytest.raises(onnxpack.errors.RuntimeFailure, match="caches must be"):
+        onnxpack.InferenceSession(bad.SerializeToString()).run(None, {"x": x, "c": c[:, :-1], "s": sn[:, :-1]})
+
+
 # ------------------------------------------------------------------------------------------------
 # GroupQueryAttention
 # ------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Attention ops of onnxruntime's transformer optimizer and of onnxruntime-genai's LLM builder:
 com.microsoft Attention, MultiHeadAttention, RotaryEmbedding, GroupQueryAttention, and ONNX
-RotaryEmbedding-23.
+RotaryEmbedding-23 and Attention-23 (torch's exporter at opset 23).
 
 Every op computes in float32 (float64 stays float64) and rounds its outputs once; the KV cache
 outputs (``present*``) keep the input dtype and copy past rows bit for bit.  Attention runs as
@@ -684,8 +684,13 @@ class RotaryEmbedding23(Kernel):
             cos = _gather_cache(self, cos_cache, position_ids, half, "cos_cache")
             sin = _gather_cache(self, sin_cache, position_ids, half, "sin_cache")
         else:
-            if cos_cache.shape != (b, s, half) or sin_cache.shape != (b, s, half):
-                raise _err(self, f"without position_ids the caches must be {[b, s, half]}, got {list(cos_cache.shape)}")
+            # (B, S, half) as the spec has them, or one batch row broadcast over the batch (what
+            # torch's exporter writes at opset 23 for position ids shared by the batch;
+            # onnx.reference broadcasts it, onnxruntime 1.32 refuses it for a batch above 1)
+            for cache in (cos_cache, sin_cache):
+                if cache.ndim != 3 or cache.shape[0] not in (1, b) or cache.shape[1:] != (s, half):
+                    raise _err(self, f"without position_ids the caches must be {[b, s, half]} (or {[1, s, half]}), "
+                                     f"got {list(cache.shape)}")
             cos, sin = cos_cache, sin_cache
         return (_rotate(x, cos, sin, b, s, self.heads, head, self.interleaved, rot),)
 
@@ -704,6 +709,178 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, b: int, s: int, hea
         cos, sin = cos[:, None], sin[:, None]
     y = apply_rotary(xh, cos, sin, interleaved, rot)
     return y.reshape(x.shape).astype(x.dtype, copy=False)
+
+
+# softmax_precision: the dtype the scores are cast to for the softmax (ONNX's TensorProto codes);
+# bfloat16 (16) has no numpy dtype and computes in float32.
+_SOFTMAX_PRECISION = {1: np.dtype(np.float32), 10: np.dtype(np.float16), 11: np.dtype(np.float64),
+                      16: np.dtype(np.float32)}
+
+
+@register("Attention", since=23)
+class Attention23(Kernel):
+    """ONNX Attention (opsets 23-25; what torch's exporter writes for ``scaled_dot_product_attention``
+    at opset 23 and later).
+
+    Q (B, Hq, S, H), K (B, Hkv, T, H), V (B, Hkv, T, Hv), or all three 3-D (B, S, heads * H) with
+    ``q_num_heads`` / ``kv_num_heads``; Hq a multiple of Hkv (grouped-query attention).  With
+    ``past_key`` / ``past_value`` the keys are the past's rows then K's (``present_*``).  The
+    additive bias: ``attn_mask`` (bool: False -> -inf; otherwise added as it is; a last axis shorter
+    than the keys is padded with -inf), the causal frontier (query i sees key j <= i + offset,
+    offset = past rows, or ``nonpad_kv_seqlen[b] - S`` per batch), the opset-25 window
+    (``left_window_size`` / ``right_window_size`` around ``offset + i``) and the keys at or past
+    ``nonpad_kv_seqlen[b]``.  Scores are ``scale * Q K^T``, then ``softcap * tanh(. / softcap)``,
+    then the bias, softmax; a query row with no visible key gives zeros (the spec's fully masked
+    row).  ``qk_matmul_output`` is the scores before softcap (mode 0), after it (1), with the bias
+    (2), or the softmax (3).  Computed in float32 (float64 stays float64; ``softmax_precision``
+    11 makes the softmax float64) and rounded once, as onnxruntime's CPU kernel does.
+    """
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.causal = bool(int(self.attr("is_causal", 0)))
+        self.q_heads = int(self.attr("q_num_heads", 0))
+        self.kv_heads = int(self.attr("kv_num_heads", 0))
+        self.mode = int(self.attr("qk_matmul_output_mode", 0))
+        scale = self.attr("scale")
+        self.scale = None if scale is None else float(scale)
+        self.softcap = float(self.attr("softcap", 0.0))
+        precision = self.attr("softmax_precision")
+        self.left = int(self.attr("left_window_size", -1)) if ctx.opset >= 25 else -1
+        self.right = int(self.attr("right_window_size", -1)) if ctx.opset >= 25 else -1
+        if self.mode not in (0, 1, 2, 3):
+            raise _err(self, f"qk_matmul_output_mode must be 0, 1, 2 or 3, got {self.mode}")
+        if precision is not None and int(precision) not in _SOFTMAX_PRECISION:
+            raise _err(self, f"softmax_precision must be one of {sorted(_SOFTMAX_PRECISION)}, got {precision}")
+        self.precision = None if precision is None else _SOFTMAX_PRECISION[int(precision)]
+        if self.left < -1 or self.right < -1:
+            raise _err(self, f"window sizes must be -1 or >= 0, got left {self.left}, right {self.right}")
+        if self.q_heads < 0 or self.kv_heads < 0:
+            raise _err(self, f"q_num_heads and kv_num_heads must be positive, got {self.q_heads}, {self.kv_heads}")
+        outs = list(node.output) + [""] * 4
+        self.want_present = bool(outs[1] or outs[2])
+        self.want_qk = bool(outs[3])
+        self.n_out = len(node.output)
+
+    def _heads(self, q, k, v):
+        """Q, K, V as (B, N, S, H) views, and whether they came 3-D."""
+        if not q.ndim == k.ndim == v.ndim or q.ndim not in (3, 4):
+            raise _err(self, f"Q, K and V must all be 3-D or all 4-D, got shapes {list(q.shape)}, {list(k.shape)}, "
+                             f"{list(v.shape)}")
+        if q.ndim == 3:
+            if self.q_heads <= 0 or self.kv_heads <= 0:
+                raise _err(self, "3-D Q, K, V need the q_num_heads and kv_num_heads attributes")
+            for x, n, what in ((q, self.q_heads, "Q"), (k, self.kv_heads, "K"), (v, self.kv_heads, "V")):
+                if x.shape[2] % n:
+                    raise _err(self, f"{what}'s hidden size {x.shape[2]} is not a multiple of its {n} heads")
+            q, k, v = (_bsd_to_bnsh(q, self.q_heads), _bsd_to_bnsh(k, self.kv_heads), _bsd_to_bnsh(v, self.kv_heads))
+        b, n, s, h = q.shape
+        if k.shape[0] != b or v.shape[0] != b or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+            raise _err(self, f"K {list(k.shape)} and V {list(v.shape)} do not match each other and Q {list(q.shape)}")
+        if k.shape[3] != h:
+            raise _err(self, f"Q's head size {h} differs from K's {k.shape[3]}")
+        if k.shape[1] == 0 or n % k.shape[1]:
+            raise _err(self, f"{n} query heads are not a multiple of {k.shape[1]} key/value heads")
+        return q, k, v
+
+    def _cache(self, k, v, past_key, past_value, nonpad):
+        if (past_key is None) != (past_value is None):
+            raise _err(self, "past_key and past_value must be given together")
+        if past_key is None:
+            return k, v, 0
+        if nonpad is not None:
+            raise _err(self, "nonpad_kv_seqlen cannot be used with past_key / past_value")
+        for past, x, what in ((past_key, k, "past_key"), (past_value, v, "past_value")):
+            if past.ndim != 4 or past.shape[:2] != x.shape[:2] or past.shape[3] != x.shape[3]:
+                raise _err(self, f"{what} must have shape {[x.shape[0], x.shape[1], 'P', x.shape[3]]}, got "
+                                 f"{list(past.shape)}")
+        if past_key.shape[2] != past_value.shape[2]:
+            raise _err(self, f"past_key has {past_key.shape[2]} rows, past_value {past_value.shape[2]}")
+        if past_key.dtype != k.dtype or past_value.dtype != v.dtype:
+            raise _err(self, "past_key / past_value must have the dtypes of K / V")
+        return (np.concatenate((past_key, k), axis=2), np.concatenate((past_value, v), axis=2), past_key.shape[2])
+
+    def _bias(self, mask, nonpad, b: int, n: int, s: int, t: int, past: int, fd) -> np.ndarray | None:
+        """The additive bias (0 / -inf / the float mask), broadcastable to (B, N, S, T), or None."""
+        ninf, zero = fd.type(-np.inf), fd.type(0)
+        bias = None
+        if mask is not None:
+            if mask.ndim > 4 or mask.ndim == 0:
+                raise _err(self, f"attn_mask must have rank 1 to 4, got shape {list(mask.shape)}")
+            if mask.shape[-1] > t:
+                raise _err(self, f"attn_mask's last axis {mask.shape[-1]} is longer than the {t} keys")
+            bias = np.where(mask, zero, ninf) if mask.dtype == np.bool_ else mask.astype(fd)
+            if mask.shape[-1] < t:
+                pad = np.full(mask.shape[:-1] + (t - mask.shape[-1],), ninf, fd)
+                bias = np.concatenate((bias, pad), axis=-1)
+            try:
+                np.broadcast_shapes(bias.shape, (b, n, s, t))
+            except ValueError:
+                raise _err(self, f"attn_mask of shape {list(mask.shape)} does not broadcast to {[b, n, s, t]}") from None
+        if nonpad is not None:
+            if nonpad.shape != (b,):
+                raise _err(self, f"nonpad_kv_seqlen must have shape {[b]}, got {list(nonpad.shape)}")
+            lens = nonpad.astype(np.int64)
+            offset = (lens - s)[:, None, None, None]  # per batch: (B, 1, 1, 1)
+        else:
+            offset = past
+        if self.causal or self.left >= 0 or self.right >= 0:
+            # distance = (offset + i) - j, as (S, T) or (B, 1, S, T)
+            dist = (np.arange(s)[:, None] - np.arange(t)[None, :]) + offset
+            allowed = dist >= 0 if self.causal else np.ones(np.shape(dist), bool)
+            if self.left >= 0:
+                allowed &= dist <= self.left
+            if self.right >= 0:
+                allowed &= -dist <= self.right
+            part = np.where(allowed, zero, ninf)
+            bias = part if bias is None else bias + part
+        if nonpad is not None:
+            part = np.where(np.arange(t)[None, :] < lens[:, None], zero, ninf)[:, None, None, :]
+            bias = part if bias is None else bias + part
+        return bias
+
+    def run(self, q, k, v, attn_mask=None, past_key=None, past_value=None, nonpad_kv_seqlen=None):
+        three_d = q.ndim == 3
+        out_dtype = q.dtype
+        qh, kh, vh = self._heads(q, k, v)
+        kh, vh, past = self._cache(kh, vh, past_key, past_value, nonpad_kv_seqlen)
+        present = (kh, vh) if self.want_present else None
+        b, n, s, h = qh.shape
+        t = kh.shape[2]
+        fd = _fd(np.result_type(q.dtype, k.dtype, v.dtype))
+        bias = self._bias(attn_mask, nonpad_kv_seqlen, b, n, s, t, past, fd)
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(h)
+        qf, kf, vf = _f(qh, fd), _f(kh, fd), _f(vh, fd)
+        nkv = kf.shape[1]
+        g = n // nkv
+        with _one_blas_thread(b * n * s * t * (h + vf.shape[-1])):
+            scores = np.matmul(qf.reshape(b, nkv, g * s, h), kf.swapaxes(-1, -2)).reshape(b, n, s, t)
+            scores *= fd.type(scale)
+            qk = scores.copy() if self.want_qk and self.mode == 0 else None
+            if self.softcap > 0:
+                scores /= fd.type(self.softcap)
+                np.tanh(scores, out=scores)
+                scores *= fd.type(self.softcap)
+            if self.want_qk and self.mode == 1:
+                qk = scores.copy()
+            if bias is not None:
+                scores += bias
+            if self.want_qk and self.mode == 2:
+                qk = scores.copy()
+            if self.precision is not None and self.precision != fd:
+                probs = softmax_rows(scores.astype(self.precision)).astype(fd)
+            else:
+                probs = softmax_rows(scores)
+            if self.want_qk and self.mode == 3:
+                qk = probs
+            y = np.matmul(probs.reshape(b, nkv, g * s, t), vf).reshape(b, n, s, vf.shape[-1])
+        y = (_bnsh_to_bsd(y) if three_d else y).astype(out_dtype, copy=False)
+        outs = [y]
+        if self.n_out > 1:
+            outs += [present[0] if present else None, present[1] if present else None]
+        if self.n_out > 3:
+            outs.append(None if qk is None else qk.astype(out_dtype, copy=False))
+        return tuple(outs[: self.n_out])
 
 
 @register("GroupQueryAttention", domain="com.microsoft", since=1)

@@ -1,6 +1,7 @@
 """onnxruntime's normalizations beyond ONNX: SkipLayerNormalization, SkipSimplifiedLayerNormalization
 (com.microsoft), SimplifiedLayerNormalization and LayerNormalization before opset 17 (registered by
-onnxruntime in the *default* domain from version 1), EmbedLayerNormalization (com.microsoft).
+onnxruntime in the *default* domain from version 1), EmbedLayerNormalization (com.microsoft); and
+ONNX's RMSNormalization-23, SimplifiedLayerNormalization's standard form.
 
 onnxruntime 1.32 has no com.microsoft LayerNormalization or SimplifiedLayerNormalization (its
 schema list has them only in the default domain), so neither is registered there.
@@ -268,6 +269,54 @@ class SimplifiedLayerNormalization(Kernel):
         y, inv = rms_norm_f(x.astype(fd), scale, self.epsilon, axis)
         sd = fd if fd == np.float64 else np.dtype(np.float32)
         return (_to(y, scale.dtype), _to(inv, sd))[: self.n_out]
+
+
+# stash_type -> the precision of RMSNormalization's first stage (bfloat16 has no numpy dtype)
+_STASH = {1: np.dtype(np.float32), 10: np.dtype(np.float16), 11: np.dtype(np.float64)}
+
+
+@register("RMSNormalization", since=23)
+class RMSNormalization(Kernel):
+    """ONNX RMSNormalization-23 (torch's exporter writes it for RMSNorm at opset 23):
+    ``Cast(X / sqrt(mean(X**2) + epsilon), X's dtype) * scale`` over the axes from ``axis`` on,
+    the first stage in ``stash_type``'s precision (float32 by default), as the op's function body
+    computes it; ``scale`` broadcasts to X (unidirectionally).  float32 over the last axis runs in
+    the JIT's one pass (``rms_rows``) when it is available."""
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.axis = int(self.attr("axis", -1))
+        self.epsilon = float(self.attr("epsilon", 1e-5))
+        stash = int(self.attr("stash_type", 1))
+        if stash not in _STASH:
+            raise InvalidArgument(
+                f"node {node.name!r} (RMSNormalization): stash_type must be one of {sorted(_STASH)}, got {stash}")
+        self.stash = _STASH[stash]
+
+    def run(self, x, scale):
+        axis = self.axis + x.ndim if self.axis < 0 else self.axis
+        if not 0 <= axis < max(x.ndim, 1):
+            raise InvalidArgument(
+                f"node {self.node.name!r} (RMSNormalization): axis {self.axis} out of range for rank {x.ndim}")
+        try:
+            fits = np.broadcast_shapes(scale.shape, x.shape) == x.shape
+        except ValueError:
+            fits = False
+        if not fits:
+            raise InvalidArgument(
+                f"node {self.node.name!r} (RMSNormalization): scale of shape {list(scale.shape)} does not "
+                f"broadcast to X's {list(x.shape)}")
+        if self.stash == np.float32 and axis == x.ndim - 1 and x.dtype == np.float32:
+            got = _rms_jit(x, None, scale, None, self.epsilon, False)
+            if got is not None:
+                return (got[0],)
+        xf = x.astype(self.stash)  # a fresh array: normalized in place
+        inv = np.mean(np.square(xf), axis=tuple(range(axis, x.ndim)), keepdims=True)
+        inv += self.stash.type(self.epsilon)
+        np.sqrt(inv, out=inv)
+        np.reciprocal(inv, out=inv)
+        xf *= inv
+        return (np.multiply(_to(xf, x.dtype), scale),)
 
 
 # -- EmbedLayerNormalization ----------------------------------------------------------------------
