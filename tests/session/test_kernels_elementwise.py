@@ -252,6 +252,15 @@ def test_activation(op, attrs, dtype):
     check(make_node(op, ["x"], ["y"], **attrs), [x])
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 7), (8, 1024), ()], ids=["small", "jit-size", "0d"])
+@pytest.mark.parametrize("alpha", [1.0, 1.702, 0.5])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64], ids=lambda d: np.dtype(d).name)
+def test_swish_opset24(shape, alpha, dtype):
+    """Swish (opset 24): x * sigmoid(alpha * x); alpha 1 on a large float32 tensor is the JIT's SiLU."""
+    x = rand(shape, dtype, -8, 8)
+    check(make_node("Swish", ["x"], ["y"], alpha=alpha), [x], opset=24)
+
+
 @pytest.mark.parametrize("slope_shape", [(1,), (4, 1, 1), (5,)], ids=str)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
 def test_prelu(slope_shape, dtype):

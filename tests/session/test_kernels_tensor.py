@@ -14,6 +14,7 @@ from onnx import TensorProto, helper
 
 from kernel_util import assert_outputs_match, make_node, run_native, run_reference
 
+from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import KernelContext, lookup
 from onnxpack.session.kernels import tensor
 
@@ -320,6 +321,68 @@ def test_arg_extreme(op, axis, keepdims, last):
 def test_cumsum(exclusive, reverse, dtype):
     x = x_((3, 4), dtype)
     check(make_node("CumSum", ["x", "a"], ["y"], exclusive=exclusive, reverse=reverse), [x, np.array(1, np.int32)], close=True)
+
+
+@pytest.mark.parametrize("reverse", [0, 1])
+@pytest.mark.parametrize("exclusive", [0, 1])
+@pytest.mark.parametrize("axis", [0, -1])
+@pytest.mark.parametrize("dtype", [np.float32, np.int64], ids=lambda d: np.dtype(d).name)
+def test_cumprod_opset26(exclusive, reverse, axis, dtype):
+    """CumProd (opset 26): the exclusive product starts from 1."""
+    x = rng.integers(1, 4, size=(3, 4)).astype(dtype) * np.where(rng.random((3, 4)) < 0.3, -1, 1).astype(dtype)
+    check(make_node("CumProd", ["x", "a"], ["y"], exclusive=exclusive, reverse=reverse), [x, np.array(axis, np.int64)],
+          26, close=True)
+
+
+TENSOR_SCATTER_CASES = [
+    # (cache shape, update rows, axis, mode, write indices or None)
+    ((2, 2, 6, 4), 1, -2, "linear", (3, 5)),
+    ((2, 2, 6, 4), 3, -2, "linear", None),
+    ((2, 2, 6, 4), 6, 2, "linear", (0, 0)),
+    ((2, 6, 4), 2, 1, "linear", (4, 1)),
+    ((2, 2, 6, 4), 3, -2, "circular", (4, 5)),
+    ((2, 2, 6, 4), 1, -2, "circular", (6, 11)),
+    ((2, 3, 5), 2, -1, "circular", (4, 0)),
+    ((2, 2, 6, 4), 0, -2, "linear", (2, 2)),
+]
+
+
+@pytest.mark.parametrize("case", TENSOR_SCATTER_CASES, ids=[f"{c[3]}-{k}" for k, c in enumerate(TENSOR_SCATTER_CASES)])
+def test_tensor_scatter_opset24(case):
+    """TensorScatter (a KV cache update outside Attention) vs onnx.reference; the past is never
+    written in place."""
+    shape, rows, axis, mode, where = case
+    past = x_(shape)
+    ushape = list(shape)
+    ushape[axis] = rows
+    update = x_(tuple(ushape))
+    names = ["p", "u"] + (["w"] if where is not None else [])
+    inputs = [past, update] + ([i64(*where)] if where is not None else [])
+    before = past.copy()
+    check(make_node("TensorScatter", names, ["y"], axis=axis, mode=mode), inputs, 24)
+    np.testing.assert_array_equal(past, before)
+
+
+@pytest.mark.parametrize("bad", ["past-end", "negative", "shape", "axis0", "mode", "indices"])
+def test_tensor_scatter_refuses_what_does_not_fit(bad):
+    past, update = x_((2, 2, 6, 4)), x_((2, 2, 2, 4))
+    where = i64(3, 5)
+    attrs = dict(axis=-2)
+    if bad == "past-end":
+        pass  # 5 + 2 rows > 6 in linear mode
+    elif bad == "negative":
+        where = i64(-1, 0)
+    elif bad == "shape":
+        update = x_((2, 3, 2, 4))
+    elif bad == "axis0":
+        attrs = dict(axis=0)
+    elif bad == "mode":
+        attrs = dict(mode="ring")
+    else:
+        where = i64(1, 2, 3)
+    node = make_node("TensorScatter", ["p", "u", "w"], ["y"], **attrs)
+    with pytest.raises(InvalidArgument, match="TensorScatter"):
+        run_native(node, [past, update, where], 24)
 
 
 @pytest.mark.parametrize("axis", [-1, 0, 1], ids=str)

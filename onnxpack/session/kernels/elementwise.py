@@ -130,6 +130,7 @@ def _jit_act(x: np.ndarray, act: _act.Activation) -> np.ndarray | None:
 
 
 _SIGMOID = _act.Activation("sigmoid")
+_SILU = _act.Activation("silu")
 _HARDSWISH = _act.Activation("hardswish", 1.0 / 6.0, 0.5)
 _GELU = _act.Activation("gelu")
 
@@ -544,6 +545,27 @@ class ThresholdedRelu(Kernel):
 
     def run(self, x):  # type: ignore[override]
         return (_same(np.where(x > self.alpha, x, 0), x),)
+
+
+@register("Swish", since=24)
+class Swish(Kernel):
+    """``x * sigmoid(alpha * x)`` (opset 24; alpha 1 is SiLU: the JIT's one pass for large float32
+    tensors); float16 is computed in float32 and rounded."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.alpha = float(self.attr("alpha", 1.0))
+
+    def run(self, x):  # type: ignore[override]
+        if self.alpha == 1.0:
+            y = _jit_act(x, _SILU)
+            if y is not None:
+                return (y,)
+        xf = x.astype(np.float32) if x.dtype == np.float16 else x
+        with np.errstate(over="ignore"):
+            d = np.exp(xf * xf.dtype.type(-self.alpha))
+            d += 1
+            return (_same(xf / d, x),)
 
 
 @register("Gelu", since=20)

@@ -556,6 +556,11 @@ class ArgMin(_ArgExtreme):
 
 @register("CumSum", since=11)
 class CumSum(Kernel):
+    """Running sums along ``axis`` (exclusive: starting from the identity; reverse: from the end)."""
+
+    _scan = staticmethod(np.cumsum)
+    _identity = 0
+
     def __init__(self, node, ctx: KernelContext) -> None:
         super().__init__(node, ctx)
         self.exclusive = bool(self.attr("exclusive", 0))
@@ -565,15 +570,75 @@ class CumSum(Kernel):
         ax = _norm_axis(_ints(axis)[0], x.ndim)
         src = np.flip(x, ax) if self.reverse else x
         if self.exclusive:
-            out = np.zeros_like(src)
+            out = np.full_like(src, self._identity)
             head = [slice(None)] * x.ndim
             tail = [slice(None)] * x.ndim
             head[ax] = slice(1, None)
             tail[ax] = slice(None, -1)
-            np.cumsum(src[tuple(tail)], axis=ax, dtype=x.dtype, out=out[tuple(head)])
+            self._scan(src[tuple(tail)], axis=ax, dtype=x.dtype, out=out[tuple(head)])
         else:
-            out = np.cumsum(src, axis=ax, dtype=x.dtype)
+            out = self._scan(src, axis=ax, dtype=x.dtype)
         return (np.flip(out, ax) if self.reverse else out,)
+
+
+@register("CumProd", since=26)
+class CumProd(CumSum):
+    """Running products (opset 26): CumSum's attributes, 1 as the exclusive start."""
+
+    _scan = staticmethod(np.cumprod)
+    _identity = 1
+
+
+@register("TensorScatter", since=24)
+class TensorScatter(Kernel):
+    """``update`` written into a copy of ``past_cache`` along ``axis`` from each batch row's
+    ``write_indices`` (zeros when absent) on: a KV cache update outside Attention (opset 24).
+    ``linear`` mode refuses a write past the cache's end; ``circular`` wraps around it (of
+    more updates than the cache holds, the last ones stay, as the spec's loop leaves them)."""
+
+    def __init__(self, node, ctx: KernelContext) -> None:
+        super().__init__(node, ctx)
+        self.mode = self.attr("mode", "linear")
+        if self.mode not in ("linear", "circular"):
+            raise InvalidArgument(f"node {node.name!r} (TensorScatter): mode must be 'linear' or 'circular', "
+                                  f"got {self.mode!r}")
+        self.axis = int(self.attr("axis", -2))
+
+    def run(self, past, update, write_indices=None):  # type: ignore[override]
+        name = self.node.name
+        ax = _norm_axis(self.axis, past.ndim)
+        if not 0 <= ax < past.ndim:
+            raise InvalidArgument(f"node {name!r} (TensorScatter): axis {self.axis} out of range for rank {past.ndim}")
+        if ax == 0:
+            raise InvalidArgument(f"node {name!r} (TensorScatter): axis {self.axis} is the batch axis")
+        length, count = past.shape[ax], update.shape[ax] if update.ndim == past.ndim else -1
+        if (update.ndim != past.ndim or update.dtype != past.dtype or count > length
+                or any(a != b for k, (a, b) in enumerate(zip(past.shape, update.shape)) if k != ax)):
+            raise InvalidArgument(f"node {name!r} (TensorScatter): update {update.dtype}{list(update.shape)} does not "
+                                  f"fit the cache {past.dtype}{list(past.shape)} along axis {ax}")
+        b = past.shape[0]
+        if write_indices is None:
+            start = np.zeros(b, np.int64)
+        elif write_indices.shape != (b,):
+            raise InvalidArgument(f"node {name!r} (TensorScatter): write_indices must have shape {[b]}, got "
+                                  f"{list(write_indices.shape)}")
+        else:
+            start = write_indices.astype(np.int64)
+        out = past.copy()
+        if count == 0 or out.size == 0:
+            return (out,)
+        upd = np.moveaxis(update, ax, 1)
+        if self.mode == "circular":
+            keep = min(count, length)  # earlier updates the later ones overwrite are skipped
+            pos = (start[:, None] + np.arange(count - keep, count)) % length
+            upd = upd[:, count - keep:]
+        else:
+            pos = start[:, None] + np.arange(count)
+            if start.min() < 0 or pos.max() >= length:
+                raise InvalidArgument(f"node {name!r} (TensorScatter): linear writes from {start.tolist()} of "
+                                      f"{count} rows do not fit a cache of {length}")
+        np.moveaxis(out, ax, 1)[np.arange(b)[:, None], pos] = upd
+        return (out,)
 
 
 @register("OneHot", since=9)
