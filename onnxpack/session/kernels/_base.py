@@ -45,6 +45,7 @@ __all__ = [
     "registered_ops",
     "normalize_domain",
     "same_view",
+    "broadcasts_to",
     "scratch_releaser",
     "release_scratch",
 ]
@@ -75,6 +76,15 @@ def same_view(a: Any, b: Any) -> bool:
     return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape
             and a.strides == b.strides and a.dtype == b.dtype
             and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
+
+
+def broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether an array of ``shape`` broadcasts to ``target`` without growing it (ONNX's
+    unidirectional broadcasting: a bias, a scale or a mask against the tensor it applies to)."""
+    try:
+        return np.broadcast_shapes(tuple(shape), tuple(target)) == tuple(target)
+    except ValueError:
+        return False
 
 
 @fast_init

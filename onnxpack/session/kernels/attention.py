@@ -30,7 +30,7 @@ import numpy as np
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import _act
-from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register, same_view
+from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, broadcasts_to, register, same_view
 from onnxpack.session.kernels.linalg import (adopt_pack, compute_dtype, identity_panels, layout_attrs, matmul_packed,
                                              pack_b, packed_shape)
 from onnxpack.session.kernels.qinteger import PackedMatMulWeight, check_eight_bit, per_channel, per_tensor, scale_bias
@@ -813,10 +813,8 @@ class Attention23(Kernel):
             if mask.shape[-1] < t:
                 pad = np.full(mask.shape[:-1] + (t - mask.shape[-1],), ninf, fd)
                 bias = np.concatenate((bias, pad), axis=-1)
-            try:
-                np.broadcast_shapes(bias.shape, (b, n, s, t))
-            except ValueError:
-                raise _err(self, f"attn_mask of shape {list(mask.shape)} does not broadcast to {[b, n, s, t]}") from None
+            if not broadcasts_to(bias.shape, (b, n, s, t)):
+                raise _err(self, f"attn_mask of shape {list(mask.shape)} does not broadcast to {[b, n, s, t]}")
         if nonpad is not None:
             if nonpad.shape != (b,):
                 raise _err(self, f"nonpad_kv_seqlen must have shape {[b]}, got {list(nonpad.shape)}")

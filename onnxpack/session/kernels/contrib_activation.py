@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from onnxpack.errors import InvalidArgument
-from onnxpack.session.kernels._base import Kernel, register
+from onnxpack.session.kernels._base import Kernel, broadcasts_to, register
 from onnxpack.session.kernels._erf import erf_f32
 
 logger = logging.getLogger(__name__)
@@ -203,11 +203,7 @@ class BiasSoftmax(Kernel):
                     "the softmax axes"
                 )
             bias = bias.reshape(bias.shape[:lead] + (1,) * (axis - lead) + bias.shape[lead:])
-        try:
-            ok = np.broadcast_shapes(bias.shape, data.shape) == data.shape
-        except ValueError:
-            ok = False
-        if not ok:
+        if not broadcasts_to(bias.shape, data.shape):
             raise InvalidArgument(
                 f"node {self.node.name!r} (BiasSoftmax): bias of shape {list(bias.shape)} does not broadcast to data "
                 f"{list(data.shape)}"

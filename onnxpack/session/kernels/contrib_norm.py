@@ -26,7 +26,7 @@ import numpy as np
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import _act
-from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
+from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, broadcasts_to, register
 from onnxpack.session.kernels.norm import LayerNormalization
 
 logger = logging.getLogger(__name__)
@@ -298,11 +298,7 @@ class RMSNormalization(Kernel):
         if not 0 <= axis < max(x.ndim, 1):
             raise InvalidArgument(
                 f"node {self.node.name!r} (RMSNormalization): axis {self.axis} out of range for rank {x.ndim}")
-        try:
-            fits = np.broadcast_shapes(scale.shape, x.shape) == x.shape
-        except ValueError:
-            fits = False
-        if not fits:
+        if not broadcasts_to(scale.shape, x.shape):
             raise InvalidArgument(
                 f"node {self.node.name!r} (RMSNormalization): scale of shape {list(scale.shape)} does not "
                 f"broadcast to X's {list(x.shape)}")
