@@ -17,6 +17,8 @@ onnx.reference computes in float16).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
@@ -220,8 +222,29 @@ def test_windows_are_ignored_before_opset25(qkv):
     np.testing.assert_array_equal(got[0], want[0])
 
 
+def test_edge_sizes_and_overflow():
+    """No key at all (T = 0, no past): zero rows, as for any fully masked row; no query: an empty
+    Y; scores that overflow float32 give the arithmetic's result without a numpy warning
+    (onnxruntime never warns)."""
+    rng = np.random.default_rng(17)
+    q = rnd(rng, 1, 2, 3, 4)
+    node, feeds = attention([q, rnd(rng, 1, 2, 0, 4), rnd(rng, 1, 2, 0, 5)])
+    got, _ = run_onnxpack(single_node_model(node, feeds, {}, 23), feeds)
+    assert got[0].shape == (1, 2, 3, 5) and not got[0].any()
+    node, feeds = attention([rnd(rng, 1, 2, 0, 4), rnd(rng, 1, 2, 3, 4), rnd(rng, 1, 2, 3, 4)])
+    got, _ = run_onnxpack(single_node_model(node, feeds, {}, 23), feeds)
+    assert got[0].shape == (1, 2, 0, 4)
+    big = [q * 1e20, rnd(rng, 1, 2, 3, 4) * 1e20, rnd(rng, 1, 2, 3, 4)]
+    node, feeds = attention(big)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got, _ = run_onnxpack(single_node_model(node, feeds, {}, 23), feeds)
+    assert got[0].shape == (1, 2, 3, 4)
+
+
 @pytest.mark.parametrize("case", ["rank", "heads-missing", "heads-multiple", "head-size", "past-alone",
-                                  "past-shape", "mask-long", "mask-broadcast", "nonpad-with-past", "mode"])
+                                  "past-shape", "mask-long", "mask-broadcast", "nonpad-with-past", "mode",
+                                  "head-size-0"])
 def test_bad_inputs_are_clear_errors(qkv, case):
     q, k, v = qkv
     rng = np.random.default_rng(14)
@@ -242,6 +265,8 @@ def test_bad_inputs_are_clear_errors(qkv, case):
         inputs = [q, k, v, rnd(rng, S, T + 2)]
     elif case == "mask-broadcast":
         inputs = [q, k, v, rnd(rng, 3, S, T)]
+    elif case == "head-size-0":
+        inputs = [rnd(rng, B, H, S, 0), rnd(rng, B, H, T, 0), v]
     elif case == "nonpad-with-past":
         inputs = [q, k, v, None, rnd(rng, B, H, 2, D), rnd(rng, B, H, 2, D), np.array([5, 5], np.int64)]
     else:

@@ -779,6 +779,8 @@ class Attention23(Kernel):
             raise _err(self, f"K {list(k.shape)} and V {list(v.shape)} do not match each other and Q {list(q.shape)}")
         if k.shape[3] != h:
             raise _err(self, f"Q's head size {h} differs from K's {k.shape[3]}")
+        if h == 0 and self.scale is None:
+            raise _err(self, "head size 0 leaves the default scale 1/sqrt(head size) undefined")
         if k.shape[1] == 0 or n % k.shape[1]:
             raise _err(self, f"{n} query heads are not a multiple of {k.shape[1]} key/value heads")
         return q, k, v
@@ -849,9 +851,26 @@ class Attention23(Kernel):
         bias = self._bias(attn_mask, nonpad_kv_seqlen, b, n, s, t, past, fd)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(h)
         qf, kf, vf = _f(qh, fd), _f(kh, fd), _f(vh, fd)
-        nkv = kf.shape[1]
+        if t == 0:  # no key at all: every row is fully masked (zeros), and so is every score output
+            y = np.zeros((b, n, s, vf.shape[-1]), fd)
+            qk = np.zeros((b, n, s, 0), fd) if self.want_qk else None
+        else:
+            y, qk = self._products(qf, kf, vf, bias, scale, fd)
+        y = (_bnsh_to_bsd(y) if three_d else y).astype(out_dtype, copy=False)
+        outs = [y]
+        if self.n_out > 1:
+            outs += [present[0] if present else None, present[1] if present else None]
+        if self.n_out > 3:
+            outs.append(None if qk is None else qk.astype(out_dtype, copy=False))
+        return tuple(outs[: self.n_out])
+
+    def _products(self, qf, kf, vf, bias, scale: float, fd) -> tuple[np.ndarray, np.ndarray | None]:
+        """(Y as (B, N, S, Hv), the qk_matmul_output or None) in ``fd``; overflowing scores
+        (inf, then NaN where inf meets inf) are the arithmetic's, unwarned as in onnxruntime."""
+        b, n, s, h = qf.shape
+        nkv, t = kf.shape[1], kf.shape[2]
         g = n // nkv
-        with _one_blas_thread(b * n * s * t * (h + vf.shape[-1])):
+        with _one_blas_thread(b * n * s * t * (h + vf.shape[-1])), np.errstate(over="ignore", invalid="ignore"):
             scores = np.matmul(qf.reshape(b, nkv, g * s, h), kf.swapaxes(-1, -2)).reshape(b, n, s, t)
             scores *= fd.type(scale)
             qk = scores.copy() if self.want_qk and self.mode == 0 else None
@@ -872,13 +891,7 @@ class Attention23(Kernel):
             if self.want_qk and self.mode == 3:
                 qk = probs
             y = np.matmul(probs.reshape(b, nkv, g * s, t), vf).reshape(b, n, s, vf.shape[-1])
-        y = (_bnsh_to_bsd(y) if three_d else y).astype(out_dtype, copy=False)
-        outs = [y]
-        if self.n_out > 1:
-            outs += [present[0] if present else None, present[1] if present else None]
-        if self.n_out > 3:
-            outs.append(None if qk is None else qk.astype(out_dtype, copy=False))
-        return tuple(outs[: self.n_out])
+        return y, qk
 
 
 @register("GroupQueryAttention", domain="com.microsoft", since=1)

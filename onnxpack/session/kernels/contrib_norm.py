@@ -306,6 +306,8 @@ class RMSNormalization(Kernel):
             got = _rms_jit(x, None, scale, None, self.epsilon, False)
             if got is not None:
                 return (got[0],)
+        if x.size == 0:  # nothing to normalize (numpy's mean of an empty axis would warn)
+            return (np.multiply(x, scale),)
         xf = x.astype(self.stash)  # a fresh array: normalized in place
         inv = np.mean(np.square(xf), axis=tuple(range(axis, x.ndim)), keepdims=True)
         inv += self.stash.type(self.epsilon)
