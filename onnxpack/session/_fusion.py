@@ -406,7 +406,8 @@ def match_activation(nodes, t, users_of, const_value, opset):
     """The activation reading ``t`` (its only readers), as ``(Activation, node indices, output)``.
 
     Recognized: Relu; Clip with constant bounds (attributes before opset 11); HardSwish;
-    HardSigmoid; LeakyRelu; Sigmoid; ``Mul(t, Sigmoid(t))`` (SiLU); ``Div(Mul(t, Clip(Add(t, 3),
+    HardSigmoid; LeakyRelu; Sigmoid; ``Mul(t, Sigmoid(t))`` (SiLU) and Swish-24 with alpha 1;
+    Gelu-20 (exact); ``Div(Mul(t, Clip(Add(t, 3),
     0, 6)), 6)`` (HardSwish as Paddle and TF export it, also with ``Mul(., 1/6)``); and
     ``Mul/Add/Sub/Div`` by a float scalar constant (an affine step); ``Max/Min`` with a float
     scalar constant (a one-sided clip, as TensorFlow exports write it); torch's exact GELU
@@ -462,6 +463,10 @@ def match_activation(nodes, t, users_of, const_value, opset):
             return Activation("leakyrelu", float(attrs(n).get("alpha", 0.01))), (users[0],), out
         if n.op_type == "Sigmoid":
             return Activation("sigmoid"), (users[0],), out
+        if n.op_type == "Swish" and opset >= 24 and float(attrs(n).get("alpha", 1.0)) == 1.0:
+            return Activation("silu"), (users[0],), out  # torch's SiLU as the opset-24 op
+        if n.op_type == "Gelu" and opset >= 20 and attrs(n).get("approximate", "none") in ("none", b"none"):
+            return Activation("gelu"), (users[0],), out  # torch's exact GELU as the opset-20 op
         if n.op_type in ("Max", "Min") and len(n.input) == 2:  # TF exports' bounds: Max(x, c)
             other = n.input[1] if n.input[0] == t else n.input[0]
             k = _scalar(const_value(other)) if other else None

@@ -829,3 +829,40 @@ def test_sole_output_is_the_named_first_output_of_a_one_output_node(outputs):
     first = node.output[0] if node.output else ""
     want = first if first and len([o for o in node.output if o]) == 1 else ""
     assert _sole_output(node) == want
+
+
+# -- the opset-20/24 activation ops as epilogues ---------------------------------------------------
+@pytest.mark.parametrize("producer", ["conv", "matmul-add"])
+@pytest.mark.parametrize("act", ["Swish", "Gelu", "Gelu-tanh", "Swish-alpha"])
+def test_gelu_and_swish_ops_fuse_into_their_producer(producer, act, jit_path):
+    """torch's exporter writes GELU as Gelu (opset 20) and SiLU as Swish (opset 24): the exact
+    Gelu and Swish with alpha 1 run as their Conv's / MatMul's epilogue, equal to the unfused
+    nodes (pre-packing off) to 1e-6 and to onnxruntime to 1e-5; the tanh Gelu and another
+    alpha stay nodes."""
+    rng = np.random.default_rng(41)
+    op = act.split("-")[0]
+    attrs = {"Gelu-tanh": dict(approximate="tanh"), "Swish-alpha": dict(alpha=1.5)}.get(act, {})
+    if producer == "conv":
+        inits = [numpy_helper.from_array(_w(8, 4, 3, 3), "W"), numpy_helper.from_array(_w(8), "B")]
+        nodes = [helper.make_node("Conv", ["x", "W", "B"], ["t"], name="p", pads=[1, 1, 1, 1])]
+        x = rng.standard_normal((2, 4, 9, 9)).astype(np.float32)
+    else:
+        inits = [numpy_helper.from_array(_w(16, 24), "W"), numpy_helper.from_array(_w(24), "B")]
+        nodes = [helper.make_node("MatMul", ["x", "W"], ["m"], name="p"),
+                 helper.make_node("Add", ["m", "B"], ["t"], name="add")]
+        x = rng.standard_normal((3, 5, 16)).astype(np.float32)
+    nodes.append(helper.make_node(op, ["t"], ["y"], name="act", **attrs))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)], ir_version=10).SerializeToString()
+    with onnxpack.InferenceSession(model) as s:
+        steps = [st.node.name for st in s.program.root.steps]
+        got = s.run(None, {"x": x})[0]
+    fused = act in ("Swish", "Gelu")
+    assert (len(steps) == 1) == fused, steps
+    so = onnxpack.SessionOptions()
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    with onnxpack.InferenceSession(model, so) as s:
+        unfused = s.run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, unfused, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got, _ort(model, {"x": x})[0], rtol=1e-5, atol=1e-5)
