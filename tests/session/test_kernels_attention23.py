@@ -167,6 +167,15 @@ def test_scale_softcap_precision(qkv, attrs):
     check(list(qkv), **attrs)
 
 
+def test_float16_softmax_precision_follows_the_spec(qkv):
+    """softmax_precision=10 on float32 inputs: the scores are cast to float16 for the softmax, as
+    the spec and onnx.reference do (onnxruntime 1.32 ignores the attribute: ~1e-3 away)."""
+    got = check(list(qkv), oracle="reference", tol=dict(rtol=1e-5, atol=1e-6), softmax_precision=10)
+    node, feeds = attention(list(qkv), softmax_precision=10)
+    ort_y = run_ort_model(single_node_model(node, feeds, {}, 23), feeds)[0]
+    assert 1e-4 < np.abs(got[0] - ort_y).max() < 1e-2
+
+
 def test_3d_grouped_query_attention_with_cache():
     """3-D Q/K/V with q_num_heads / kv_num_heads (4 query heads over 2 KV heads), V's head size
     differing from Q's; the cache in (B, kv_heads, P, head) as the spec lays it out."""
