@@ -359,8 +359,26 @@ class RunControl:
         return inner
 
 
+def missing_outputs(step: Step, outs: Sequence[Any], scope: str) -> None:
+    """Refuses a result with fewer values than the node names outputs: a node written with more
+    outputs than its op has (onnxruntime refuses such a model at load).  Without this its extra
+    outputs were silently never produced, and a node reading one failed with a bare KeyError."""
+    names = step.outputs
+    if len(outs) < len(names) and any(names[len(outs):]):
+        raise RuntimeFailure(
+            f"{step.label} in graph {scope!r}: the node names {len(names)} outputs, its op produces "
+            f"{len(outs)} ({[n for n in names[len(outs):] if n]} are never produced)")
+
+
 def call_step(step: Step, frame: Frame, args: Sequence[Any], scope: str) -> Sequence[Any]:
     """Calls the step's kernel the way it asks to be called (see ``Kernel.call_mode``)."""
+    outs = _call_step(step, frame, args, scope)
+    if len(outs) < len(step.outputs):
+        missing_outputs(step, outs, scope)
+    return outs
+
+
+def _call_step(step: Step, frame: Frame, args: Sequence[Any], scope: str) -> Sequence[Any]:
     kernel = step.kernel
     try:
         mode = kernel.call_mode
@@ -428,6 +446,8 @@ def run_plan(plan: Plan, inputs: Sequence[Any], parent: Frame | None = None,
                 values[name] = value if value.__class__ is np.ndarray or value is None or isinstance(
                     value, (np.ndarray, list)) else np.asarray(value)
         else:
+            if len(outs) < len(names):
+                missing_outputs(step, outs, plan.name)
             for name, value in zip(names, outs):
                 if name:
                     values[name] = value if isinstance(value, (np.ndarray, list)) or value is None else np.asarray(value)

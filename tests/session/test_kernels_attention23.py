@@ -251,6 +251,29 @@ def test_edge_sizes_and_overflow():
     assert got[0].shape == (1, 2, 3, 4)
 
 
+def test_fully_masked_rows_are_zero_whatever_their_scores():
+    """The spec decides a fully masked row on the bias, not the scores: NaN or inf in its Q row
+    still gives zeros there (as onnxruntime and onnx.reference); the other rows keep their NaN."""
+    rng = np.random.default_rng(18)
+    q, k, v = rnd(rng, 1, 1, 3, 4), rnd(rng, 1, 1, 3, 4), rnd(rng, 1, 1, 3, 4)
+    q[0, 0, 1] = np.nan
+    q[0, 0, 2] = np.inf
+    mask = np.ones((3, 3), bool)
+    mask[1] = False
+    mask[2] = False
+    got = check([q, k, v, mask])
+    assert np.all(got[0][0, 0, 1:] == 0) and np.isfinite(got[0][0, 0, 0]).all()
+
+
+@pytest.mark.parametrize("heads", [2**31 - 1, 2**62])
+def test_3d_heads_beyond_the_hidden_size_are_refused(heads):
+    """q_num_heads larger than a 3-D input's hidden size (0 here: every count divides it) is an
+    error naming the op, not a reshape error or a 288 GiB allocation (found by fuzzing)."""
+    x = np.zeros((1, 2, 0), np.float32)
+    node, feeds = attention([x, x, x], q_num_heads=heads, kv_num_heads=heads)
+    assert_clear_error(single_node_model(node, feeds, {}, 23), feeds, "positive multiple")
+
+
 @pytest.mark.parametrize("case", ["rank", "heads-missing", "heads-multiple", "head-size", "past-alone",
                                   "past-shape", "mask-long", "mask-broadcast", "nonpad-with-past", "mode",
                                   "head-size-0"])
@@ -305,8 +328,8 @@ def test_rms_normalization(axis, scale_shape, dtype, stash):
     scale = rng.standard_normal(scale_shape).astype(dtype)
     node, model = rms_model(x, scale, axis=axis, epsilon=1e-5, stash_type=stash)
     feeds = {"x": x, "s": scale}
-    # float64 with stash_type 1 normalizes in float32 (the function body's Cast): float32's tolerance
-    tol = F16 if dtype == np.float16 else dict(rtol=1e-10, atol=1e-12) if dtype == np.float64 and stash == 11 else F32
+    # float64 stays float64 whatever the stash type (as in onnxruntime and onnx.reference)
+    tol = F16 if dtype == np.float16 else dict(rtol=1e-10, atol=1e-12) if dtype == np.float64 else F32
     got, _ = run_onnxpack(model, feeds)
     assert_match(got, run_ort_model(model, feeds), tol, "onnxruntime")
     if stash == 1:
@@ -326,9 +349,35 @@ def test_rms_normalization_float16_rounds_before_scaling():
     assert np.all(np.abs(got.astype(np.float32) - want.astype(np.float32)) <= step)
 
 
-@pytest.mark.parametrize("bad", [dict(axis=3), dict(stash_type=7), "scale"])
+def test_rms_normalization_large_values():
+    """float32 rows whose squares overflow float32 normalize on the numpy path (a broadcast scale:
+    the mean of squares sums in float64), as in onnxruntime, without a warning; float64 X keeps
+    float64 (stash_type 1 lowers no precision: onnxruntime and onnx.reference compute it in
+    float64), so the same values times 1e10 normalize there.  (The JIT's last-axis pass sums in
+    float32: zeros for such rows, see RMSNormalization.)"""
+    rng = np.random.default_rng(19)
+    x = (rng.standard_normal((2, 64)) * 1e20).astype(np.float32)
+    scale = np.ones(1, np.float32)
+    _, model = rms_model(x, scale)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = run_onnxpack(model, {"x": x, "s": scale})[0][0]
+    np.testing.assert_allclose(got, run_ort_model(model, {"x": x, "s": scale})[0], rtol=1e-5)
+    x64 = x.astype(np.float64) * 1e10
+    want = x64 / np.sqrt(np.mean(x64 ** 2, axis=-1, keepdims=True) + 1e-5)
+    _, model = rms_model(x64, np.ones(64))
+    got = run_onnxpack(model, {"x": x64, "s": np.ones(64)})[0][0]
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    np.testing.assert_allclose(got, run_ort_model(model, {"x": x64, "s": np.ones(64)})[0], rtol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [dict(axis=3), dict(stash_type=7), "scale", "rank0", "int"])
 def test_rms_normalization_bad_nodes(bad):
     x = np.ones((2, 3, 8), np.float32)
     scale = np.ones((2, 2, 3, 8) if bad == "scale" else (8,), np.float32)
-    _, model = rms_model(x, scale, **({} if bad == "scale" else bad))
+    if bad == "rank0":
+        x, scale = np.float32(2.0).reshape(()), np.ones((), np.float32)
+    elif bad == "int":
+        x = np.ones((2, 3, 8), np.int64)
+    _, model = rms_model(x, scale, **(bad if isinstance(bad, dict) else {}))
     assert_clear_error(model, {"x": x, "s": scale}, "RMSNormalization")

@@ -9,6 +9,7 @@ shapes must match exactly.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from onnx import TensorProto
 
 from kernel_util import assert_outputs_match, make_node, run_native, run_reference
 
+from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import lookup
 from onnxpack.session.kernels import elementwise
 
@@ -259,6 +261,18 @@ def test_swish_opset24(shape, alpha, dtype):
     """Swish (opset 24): x * sigmoid(alpha * x); alpha 1 on a large float32 tensor is the JIT's SiLU."""
     x = rand(shape, dtype, -8, 8)
     check(make_node("Swish", ["x"], ["y"], alpha=alpha), [x], opset=24)
+
+
+def test_swish_takes_floats_only_and_does_not_warn():
+    """An integer X is refused (onnxruntime refuses the model; the op is typed float); inf and NaN
+    give the arithmetic's result without a numpy warning."""
+    with pytest.raises(InvalidArgument, match="Swish"):
+        run_native(make_node("Swish", ["x"], ["y"], alpha=float("nan")), [np.arange(3)], 24)
+    x = np.array([-np.inf, 1.0, np.nan, np.inf], np.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (y,) = run_native(make_node("Swish", ["x"], ["y"]), [x], 24)
+    assert np.isnan(y[[0, 2]]).all() and y[3] == np.inf
 
 
 @pytest.mark.parametrize("slope_shape", [(1,), (4, 1, 1), (5,)], ids=str)

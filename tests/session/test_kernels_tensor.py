@@ -334,6 +334,17 @@ def test_cumprod_opset26(exclusive, reverse, axis, dtype):
           26, close=True)
 
 
+@pytest.mark.parametrize("op", ["CumSum", "CumProd"])
+@pytest.mark.parametrize("x_shape,axis", [((3, 4), 2), ((3, 4), -3), ((3, 4), 2**40), ((), 0)],
+                         ids=["past-end", "before-start", "huge", "scalar"])
+def test_cumulative_axis_out_of_range_is_refused(op, x_shape, axis):
+    """An axis outside [-r, r) -- a scalar has none -- is an InvalidArgument naming the op (was
+    numpy's AxisError, an int conversion error, or an IndexError on an exclusive scalar)."""
+    node = make_node(op, ["x", "a"], ["y"], exclusive=1)
+    with pytest.raises(InvalidArgument, match=f"{op}.*out of range"):
+        run_native(node, [x_((x_shape)), np.array(axis, np.int64)], 26)
+
+
 TENSOR_SCATTER_CASES = [
     # (cache shape, update rows, axis, mode, write indices or None)
     ((2, 2, 6, 4), 1, -2, "linear", (3, 5)),

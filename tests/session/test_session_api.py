@@ -495,3 +495,25 @@ def test_creation_leaves_its_objects_old_and_the_callers_frozen_objects_frozen(f
     finally:
         gc.unfreeze()
         (gc.enable if was else gc.disable)()
+
+
+@pytest.mark.parametrize("planner", ["none", "greedy_by_size"])
+@pytest.mark.parametrize("read", [False, True], ids=["graph-output", "read-by-a-node"])
+def test_node_with_more_outputs_than_its_op_is_a_clear_error(planner, read):
+    """A node written with more outputs than its op has (onnxruntime refuses the model at load):
+    running it names the node and the outputs never produced -- the extra output was silently
+    absent, and a node reading it failed with a bare KeyError (found by fuzzing)."""
+    nodes = [helper.make_node("Relu", ["x"], ["y", "extra"], name="relu")]
+    outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    if read:
+        nodes.append(helper.make_node("Neg", ["extra"], ["z"], name="neg"))
+        outs.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, None))
+    else:
+        outs.append(helper.make_tensor_value_info("extra", TensorProto.FLOAT, None))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])], outs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    so = onnxpack.SessionOptions()
+    so.add_session_config_entry("onnxpack.memory_planner", planner)
+    sess = onnxpack.InferenceSession(model, so)
+    with pytest.raises(onnxpack.errors.RuntimeFailure, match=r"'relu' \(Relu\).*names 2 outputs.*\['extra'\]"):
+        sess.run(None, {"x": np.ones(2, np.float32)})

@@ -91,6 +91,11 @@ def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: b
     ``cos``/``sin`` broadcast against ``x[..., :rot_dim // 2]``.  Halves layout: pairs are
     ``(i, i + rot_dim/2)``; interleaved: ``(2i, 2i + 1)``.
     """
+    with np.errstate(invalid="ignore", over="ignore"):  # inf / NaN inputs: the arithmetic's, unwarned
+        return _apply_rotary(x, cos, sin, interleaved, rot_dim)
+
+
+def _apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool, rot_dim: int) -> np.ndarray:
     out = x.copy()
     half = rot_dim // 2
     if interleaved:
@@ -771,8 +776,8 @@ class Attention23(Kernel):
             if self.q_heads <= 0 or self.kv_heads <= 0:
                 raise _err(self, "3-D Q, K, V need the q_num_heads and kv_num_heads attributes")
             for x, n, what in ((q, self.q_heads, "Q"), (k, self.kv_heads, "K"), (v, self.kv_heads, "V")):
-                if x.shape[2] % n:
-                    raise _err(self, f"{what}'s hidden size {x.shape[2]} is not a multiple of its {n} heads")
+                if x.shape[2] % n or x.shape[2] < n:
+                    raise _err(self, f"{what}'s hidden size {x.shape[2]} is not a positive multiple of its {n} heads")
             q, k, v = (_bsd_to_bnsh(q, self.q_heads), _bsd_to_bnsh(k, self.kv_heads), _bsd_to_bnsh(v, self.kv_heads))
         b, n, s, h = q.shape
         if k.shape[0] != b or v.shape[0] != b or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
@@ -804,6 +809,10 @@ class Attention23(Kernel):
 
     def _bias(self, mask, nonpad, b: int, n: int, s: int, t: int, past: int, fd) -> np.ndarray | None:
         """The additive bias (0 / -inf / the float mask), broadcastable to (B, N, S, T), or None."""
+        with np.errstate(invalid="ignore", over="ignore"):  # a +inf mask meeting a -inf: NaN, unwarned
+            return self._bias_parts(mask, nonpad, b, n, s, t, past, fd)
+
+    def _bias_parts(self, mask, nonpad, b: int, n: int, s: int, t: int, past: int, fd) -> np.ndarray | None:
         ninf, zero = fd.type(-np.inf), fd.type(0)
         bias = None
         if mask is not None:
@@ -856,12 +865,13 @@ class Attention23(Kernel):
             qk = np.zeros((b, n, s, 0), fd) if self.want_qk else None
         else:
             y, qk = self._products(qf, kf, vf, bias, scale, fd)
-        y = (_bnsh_to_bsd(y) if three_d else y).astype(out_dtype, copy=False)
-        outs = [y]
-        if self.n_out > 1:
-            outs += [present[0] if present else None, present[1] if present else None]
-        if self.n_out > 3:
-            outs.append(None if qk is None else qk.astype(out_dtype, copy=False))
+        with np.errstate(over="ignore"):  # float16 outputs beyond its range: inf, as a cast gives
+            y = (_bnsh_to_bsd(y) if three_d else y).astype(out_dtype, copy=False)
+            outs = [y]
+            if self.n_out > 1:
+                outs += [present[0] if present else None, present[1] if present else None]
+            if self.n_out > 3:
+                outs.append(None if qk is None else qk.astype(out_dtype, copy=False))
         return tuple(outs[: self.n_out])
 
     def _products(self, qf, kf, vf, bias, scale: float, fd) -> tuple[np.ndarray, np.ndarray | None]:
@@ -888,6 +898,12 @@ class Attention23(Kernel):
                 probs = softmax_rows(scores.astype(self.precision)).astype(fd)
             else:
                 probs = softmax_rows(scores)
+            if bias is not None:
+                # A row whose bias hides every key is zeros whatever its scores (NaN or inf ones
+                # included), as the spec decides it: on the bias, not the logits.
+                dead = np.isneginf(bias).all(axis=-1, keepdims=True)
+                if dead.any():
+                    probs = np.where(dead, fd.type(0), probs)
             if self.want_qk and self.mode == 3:
                 qk = probs
             y = np.matmul(probs.reshape(b, nkv, g * s, t), vf).reshape(b, n, s, vf.shape[-1])

@@ -271,17 +271,21 @@ class SimplifiedLayerNormalization(Kernel):
         return (_to(y, scale.dtype), _to(inv, sd))[: self.n_out]
 
 
-# stash_type -> the precision of RMSNormalization's first stage (bfloat16 has no numpy dtype)
-_STASH = {1: np.dtype(np.float32), 10: np.dtype(np.float16), 11: np.dtype(np.float64)}
+# stash_type -> the least precision of RMSNormalization's first stage (bfloat16: float32, numpy
+# has no bfloat16)
+_STASH = {1: np.dtype(np.float32), 10: np.dtype(np.float16), 11: np.dtype(np.float64), 16: np.dtype(np.float32)}
 
 
 @register("RMSNormalization", since=23)
 class RMSNormalization(Kernel):
     """ONNX RMSNormalization-23 (torch's exporter writes it for RMSNorm at opset 23):
     ``Cast(X / sqrt(mean(X**2) + epsilon), X's dtype) * scale`` over the axes from ``axis`` on,
-    the first stage in ``stash_type``'s precision (float32 by default), as the op's function body
-    computes it; ``scale`` broadcasts to X (unidirectionally).  float32 over the last axis runs in
-    the JIT's one pass (``rms_rows``) when it is available."""
+    as the op's function body computes it; ``scale`` broadcasts to X (unidirectionally).  The
+    first stage runs in ``stash_type``'s precision (float32 by default) or X's when that is wider
+    (float64 X stays float64, as in onnxruntime and onnx.reference), its mean of squares summed in
+    float64; float32 over the last axis runs in the JIT's one pass (``rms_rows``, shared with
+    SimplifiedLayerNormalization) when it is available, whose float32 sums overflow for rows of
+    values beyond ~1e19 (zeros there)."""
 
     def __init__(self, node, ctx) -> None:
         super().__init__(node, ctx)
@@ -295,26 +299,31 @@ class RMSNormalization(Kernel):
 
     def run(self, x, scale):
         axis = self.axis + x.ndim if self.axis < 0 else self.axis
-        if not 0 <= axis < max(x.ndim, 1):
+        if not 0 <= axis < x.ndim:
             raise InvalidArgument(
                 f"node {self.node.name!r} (RMSNormalization): axis {self.axis} out of range for rank {x.ndim}")
+        if x.dtype.kind != "f" or scale.dtype.kind != "f":
+            raise InvalidArgument(f"node {self.node.name!r} (RMSNormalization): X and scale must be float tensors, "
+                                  f"got {x.dtype} and {scale.dtype}")
         if not broadcasts_to(scale.shape, x.shape):
             raise InvalidArgument(
                 f"node {self.node.name!r} (RMSNormalization): scale of shape {list(scale.shape)} does not "
                 f"broadcast to X's {list(x.shape)}")
-        if self.stash == np.float32 and axis == x.ndim - 1 and x.dtype == np.float32:
+        stage = np.promote_types(self.stash, x.dtype)
+        if stage == np.float32 and axis == x.ndim - 1 and x.dtype == np.float32:
             got = _rms_jit(x, None, scale, None, self.epsilon, False)
             if got is not None:
                 return (got[0],)
         if x.size == 0:  # nothing to normalize (numpy's mean of an empty axis would warn)
             return (np.multiply(x, scale),)
-        xf = x.astype(self.stash)  # a fresh array: normalized in place
-        inv = np.mean(np.square(xf), axis=tuple(range(axis, x.ndim)), keepdims=True)
-        inv += self.stash.type(self.epsilon)
-        np.sqrt(inv, out=inv)
-        np.reciprocal(inv, out=inv)
-        xf *= inv
-        return (np.multiply(_to(xf, x.dtype), scale),)
+        with np.errstate(all="ignore"):  # inf / NaN inputs, a zero row with epsilon 0: the arithmetic's
+            xf = x.astype(stage)  # a fresh array: normalized in place
+            inv = np.mean(np.square(xf, dtype=np.float64), axis=tuple(range(axis, x.ndim)), keepdims=True)
+            inv += self.epsilon
+            np.sqrt(inv, out=inv)
+            np.reciprocal(inv, out=inv)
+            xf *= inv.astype(stage, copy=False)
+            return (np.multiply(_to(xf, x.dtype), scale),)
 
 
 # -- EmbedLayerNormalization ----------------------------------------------------------------------

@@ -557,12 +557,14 @@ class Swish(Kernel):
         self.alpha = float(self.attr("alpha", 1.0))
 
     def run(self, x):  # type: ignore[override]
+        if x.dtype.kind != "f":
+            raise InvalidArgument(f"node {self.node.name!r} (Swish): X must be a float tensor, got {x.dtype}")
         if self.alpha == 1.0:
             y = _jit_act(x, _SILU)
             if y is not None:
                 return (y,)
         xf = x.astype(np.float32) if x.dtype == np.float16 else x
-        with np.errstate(over="ignore"):
+        with np.errstate(all="ignore"):  # inf / NaN inputs: the arithmetic's result, unwarned
             d = np.exp(xf * xf.dtype.type(-self.alpha))
             d += 1
             return (_same(xf / d, x),)

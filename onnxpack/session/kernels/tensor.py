@@ -567,17 +567,22 @@ class CumSum(Kernel):
         self.reverse = bool(self.attr("reverse", 0))
 
     def run(self, x, axis):  # type: ignore[override]
-        ax = _norm_axis(_ints(axis)[0], x.ndim)
+        given = _ints(axis)[0]
+        if not -x.ndim <= given < x.ndim:
+            raise InvalidArgument(f"node {self.node.name!r} ({self.op_type}): axis {given} out of range for rank "
+                                  f"{x.ndim}" + (" (a scalar has no axis)" if x.ndim == 0 else ""))
+        ax = _norm_axis(given, x.ndim)
         src = np.flip(x, ax) if self.reverse else x
-        if self.exclusive:
-            out = np.full_like(src, self._identity)
-            head = [slice(None)] * x.ndim
-            tail = [slice(None)] * x.ndim
-            head[ax] = slice(1, None)
-            tail[ax] = slice(None, -1)
-            self._scan(src[tuple(tail)], axis=ax, dtype=x.dtype, out=out[tuple(head)])
-        else:
-            out = self._scan(src, axis=ax, dtype=x.dtype)
+        with np.errstate(over="ignore", invalid="ignore"):  # the arithmetic's inf / NaN, unwarned
+            if self.exclusive:
+                out = np.full_like(src, self._identity)
+                head = [slice(None)] * x.ndim
+                tail = [slice(None)] * x.ndim
+                head[ax] = slice(1, None)
+                tail[ax] = slice(None, -1)
+                self._scan(src[tuple(tail)], axis=ax, dtype=x.dtype, out=out[tuple(head)])
+            else:
+                out = self._scan(src, axis=ax, dtype=x.dtype)
         return (np.flip(out, ax) if self.reverse else out,)
 
 
