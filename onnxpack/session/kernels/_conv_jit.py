@@ -61,7 +61,7 @@ from numba.extending import intrinsic
 from onnxpack.session.kernels import _erf as _erf_mod
 from onnxpack.session.kernels._sgemm_jit import TILE, conv_tile1, conv_tile2, conv_tile4, conv_tile6, prefetch
 
-__all__ = ["depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_shift", "wino_input", "wino_output", "bias_act", "pad_planes", "maxpool2d", "act_inplace", "expf_array"]
+__all__ = ["depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_shift", "wino_input", "wino_output", "bias_act", "maxpool2d", "act_inplace", "expf_array"]
 
 _FM = {"contract"}
 # For kernels whose only reduction is a float64 sum of squares: reassociation lets it vectorize.
@@ -1192,32 +1192,6 @@ def bias_act(y, bias, codes, params, res, post_codes, post_params, chan):
         m = nm - n * m_
         # (np.int64(0), not 0: a literal 0 would make numba compile bias_act_row a second time)
         bias_act_row(y[n, m], n, m, np.int64(0), bias, codes, params, res, post_codes, post_params, chan)
-
-
-@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
-def pad_planes(x, xp, top, left):
-    """``xp`` (N, C, Hp, Wp) = zeros with ``x`` (N, C, H, W) placed at row ``top``, column
-    ``left`` (cut where it reaches past ``xp``): each element of ``xp`` written once (numpy's
-    fill, then the strided copy, writes it twice)."""
-    n_, c_, h_, w_ = x.shape
-    hp, wp = xp.shape[2], xp.shape[3]
-    cols = max(0, min(w_, wp - left))
-    for n in range(n_):
-        for c in range(c_):
-            for r in range(hp):
-                dst = xp[n, c, r]
-                i = r - top
-                if i < 0 or i >= h_:
-                    for j in range(wp):
-                        dst[j] = _F0
-                    continue
-                src = x[n, c, i]
-                for j in range(left):
-                    dst[j] = _F0
-                for j in range(cols):
-                    dst[left + j] = src[j]
-                for j in range(left + cols, wp):
-                    dst[j] = _F0
 
 
 @njit(inline="always", fastmath=_FM, error_model="numpy")
