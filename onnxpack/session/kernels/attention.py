@@ -768,7 +768,7 @@ class Attention23(Kernel):
         self.n_out = len(node.output)
 
     def _heads(self, q, k, v):
-        """Q, K, V as (B, N, S, H) views, and whether they came 3-D."""
+        """Q, K, V as (B, N, S, H) views (3-D inputs split into their heads), checked against each other."""
         if not q.ndim == k.ndim == v.ndim or q.ndim not in (3, 4):
             raise _err(self, f"Q, K and V must all be 3-D or all 4-D, got shapes {list(q.shape)}, {list(k.shape)}, "
                              f"{list(v.shape)}")
@@ -809,10 +809,6 @@ class Attention23(Kernel):
 
     def _bias(self, mask, nonpad, b: int, n: int, s: int, t: int, past: int, fd) -> np.ndarray | None:
         """The additive bias (0 / -inf / the float mask), broadcastable to (B, N, S, T), or None."""
-        with np.errstate(invalid="ignore", over="ignore"):  # a +inf mask meeting a -inf: NaN, unwarned
-            return self._bias_parts(mask, nonpad, b, n, s, t, past, fd)
-
-    def _bias_parts(self, mask, nonpad, b: int, n: int, s: int, t: int, past: int, fd) -> np.ndarray | None:
         ninf, zero = fd.type(-np.inf), fd.type(0)
         bias = None
         if mask is not None:
@@ -857,7 +853,8 @@ class Attention23(Kernel):
         b, n, s, h = qh.shape
         t = kh.shape[2]
         fd = _fd(np.result_type(q.dtype, k.dtype, v.dtype))
-        bias = self._bias(attn_mask, nonpad_kv_seqlen, b, n, s, t, past, fd)
+        with np.errstate(invalid="ignore", over="ignore"):  # a +inf mask meeting a -inf: NaN, unwarned
+            bias = self._bias(attn_mask, nonpad_kv_seqlen, b, n, s, t, past, fd)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(h)
         qf, kf, vf = _f(qh, fd), _f(kh, fd), _f(vh, fd)
         if t == 0:  # no key at all: every row is fully masked (zeros), and so is every score output

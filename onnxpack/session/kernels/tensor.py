@@ -616,12 +616,11 @@ class TensorScatter(Kernel):
             raise InvalidArgument(f"node {name!r} (TensorScatter): axis {self.axis} out of range for rank {past.ndim}")
         if ax == 0:
             raise InvalidArgument(f"node {name!r} (TensorScatter): axis {self.axis} is the batch axis")
-        length, count = past.shape[ax], update.shape[ax] if update.ndim == past.ndim else -1
-        if (update.ndim != past.ndim or update.dtype != past.dtype or count > length
+        if (update.ndim != past.ndim or update.dtype != past.dtype or update.shape[ax] > past.shape[ax]
                 or any(a != b for k, (a, b) in enumerate(zip(past.shape, update.shape)) if k != ax)):
             raise InvalidArgument(f"node {name!r} (TensorScatter): update {update.dtype}{list(update.shape)} does not "
                                   f"fit the cache {past.dtype}{list(past.shape)} along axis {ax}")
-        b = past.shape[0]
+        length, count, b = past.shape[ax], update.shape[ax], past.shape[0]
         if write_indices is None:
             start = np.zeros(b, np.int64)
         elif write_indices.shape != (b,):
