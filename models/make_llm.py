@@ -109,6 +109,9 @@ class Arch:
     pad: str | None
     split_regex: str = _QWEN2_SPLIT
     committed: tuple[str, ...] = ()  # the variants built by default, committed under models/fixtures/llm
+    # How the checkpoint stores its experts' fused 3-D weights: (E, in, out) like gpt-oss, else
+    # (E, out, in) like transformers' other MoE families (see :func:`randomize`).
+    experts_in_first: bool = False
 
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -194,6 +197,28 @@ ARCHS: dict[str, Arch] = {a.name: a for a in [
               conv_L_cache=3, tie_word_embeddings=True),
          ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>", "<|endoftext|>",
          committed=("int4",)),
+    # gpt-oss-20b: mixture of experts (com.microsoft QMoE / MoE: 4 experts, top 2, swiglu with
+    # alpha 1.702, beta 1 and limit 7, expert biases), attention sinks, alternating sliding-window
+    # (32) and full layers, yarn rope (original context 256: yarn's correction range needs
+    # 0 < low < high < head_dim / 2 - 1), untied head.  The builder's int4/int8 read the checkpoint's
+    # MXFP4 experts (see :func:`_gpt_oss_mxfp4`).
+    Arch("gpt-oss", "gpt_oss", "GptOssForCausalLM", "openai/gpt-oss-20b",
+         dict(_TINY, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=32,
+              max_position_embeddings=1024, layer_types=["sliding_attention", "full_attention"],
+              tie_word_embeddings=False, rms_norm_eps=1e-5,
+              rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                               "truncate": False, "original_max_position_embeddings": 256, "rope_theta": 150000.0}),
+         ("<|endoftext|>", "<|start|>", "<|message|>", "<|end|>", "<|return|>"), None, "<|return|>", "<|endoftext|>",
+         committed=("int4",), experts_in_first=True),
+    # LFM2-8B-A1B: LFM2's conv + attention layers, the first one with a dense MLP, the others a
+    # mixture of experts routed in the graph (sigmoid scores + a load-balancing bias, TopK,
+    # QMoE's router_weights).
+    Arch("lfm2-moe", "lfm2_moe", "Lfm2MoeForCausalLM", "LiquidAI/LFM2-8B-A1B",
+         dict(_TINY, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], num_dense_layers=1,
+              moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, use_expert_bias=True,
+              norm_topk_prob=True, routed_scaling_factor=1.0, conv_L_cache=3, tie_word_embeddings=True),
+         ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>", "<|endoftext|>",
+         committed=("int4",)),
     Arch("mistral", "mistral", "MistralForCausalLM", "mistralai/Mistral-7B-Instruct-v0.1",
          dict(_TINY, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=32,
               rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
@@ -259,12 +284,14 @@ def write_tokenizer(arch: Arch, hf_dir: str, vocab_size: int = TINY_VOCAB) -> di
     return ids
 
 
-def randomize(model, seed: int) -> None:
+def randomize(model, seed: int, experts_in_first: bool = False) -> None:
     """Give every parameter trained-model-like random values (see the module docstring).
 
     Weights N(0, 1/fan_in) (fan_in: the input features of a Linear or Embedding row, in x kh x kw
-    of a Conv, the first axis of a transformers ``Conv1D``, which stores [in, out]); 1-D
-    parameters (norm weights, biases) get N(0, 0.1²) added to their initial value.
+    of a Conv, the first axis of a transformers ``Conv1D``, which stores [in, out], one expert's
+    input features of a mixture of experts' fused (E, out, in) weights, or (E, in, out) with
+    ``experts_in_first``); 1-D parameters (norm weights, biases) get N(0, 0.1²) added to their
+    initial value.
     """
     import math
 
@@ -284,9 +311,42 @@ def randomize(model, seed: int) -> None:
                     continue
                 if type(module).__name__ == "Conv1D":
                     fan_in = p.shape[0]
+                elif p.ndim == 3 and "experts" in mod_name.split(".")[-1:]:
+                    fan_in = p.shape[1] if experts_in_first else p.shape[2]
                 else:
                     fan_in = math.prod(p.shape[1:])
                 p.copy_((noise / fan_in ** 0.5).to(p.dtype))
+
+
+_FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of the 8 codes (bit 3: sign)
+
+
+def _gpt_oss_mxfp4(model) -> dict[str, Any]:
+    """gpt-oss's experts as its released checkpoints store them, which the builder's int4/int8
+    re-quantize from: MXFP4 (``<proj>_blocks`` (E, out, in/32, 16) uint8, two codes per byte, the
+    even element low; ``<proj>_scales`` (E, out, in/32) power-of-two exponents + 127).  The random
+    experts are rounded to those values in place, so the float checkpoint and its MXFP4 tensors
+    are the same model."""
+    import torch
+
+    mags = torch.tensor(_FP4_E2M1)
+    extra = {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for proj in ("gate_up_proj", "down_proj"):
+                p = getattr(layer.mlp.experts, proj)  # (E, in, out)
+                w = p.transpose(-1, -2).float()
+                e, n, k = w.shape
+                x = w.reshape(e, n, k // 32, 32)
+                exp = torch.ceil(torch.log2(x.abs().amax(-1).clamp_min(1e-30) / 6.0)).clamp(-127, 127)
+                scaled = x / torch.pow(2.0, exp).unsqueeze(-1)
+                idx = (scaled.abs().unsqueeze(-1) - mags).abs().argmin(-1)
+                codes = idx.to(torch.uint8) | ((scaled < 0).to(torch.uint8) << 3)
+                extra[f"model.layers.{i}.mlp.experts.{proj}_blocks"] = (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+                extra[f"model.layers.{i}.mlp.experts.{proj}_scales"] = (exp + 127).to(torch.uint8).contiguous()
+                rounded = mags[idx] * torch.where(scaled < 0, -1.0, 1.0) * torch.pow(2.0, exp).unsqueeze(-1)
+                p.copy_(rounded.reshape(e, n, k).transpose(-1, -2).to(p.dtype))
+    return extra
 
 
 def write_checkpoint(arch: Arch, hf_dir: str, overrides: dict[str, Any] | None = None,
@@ -308,10 +368,18 @@ def write_checkpoint(arch: Arch, hf_dir: str, overrides: dict[str, Any] | None =
     cfg = AutoConfig.for_model(arch.model_type, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
-    randomize(model, seed)
+    randomize(model, seed, arch.experts_in_first)
+    mxfp4 = _gpt_oss_mxfp4(model) if arch.model_type == "gpt_oss" else None
     model.generation_config = GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
                                                pad_token_id=cfg.pad_token_id)
     model.save_pretrained(hf_dir)
+    if mxfp4:
+        from safetensors.torch import load_file, save_file
+
+        path = os.path.join(hf_dir, "model.safetensors")
+        tensors = load_file(path)
+        tensors.update(mxfp4)
+        save_file(tensors, path, metadata={"format": "pt"})
     with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as f:
         return json.load(f)
 

@@ -40,6 +40,8 @@ MAX_BYTES = 1_000_000  # a fixture folder stays well under 1 MB: git history kee
 REQUIRED = {
     *(f"llm/{arch}-{v}" for arch in ("qwen2", "llama") for v in ("int4", "fp16", "fp32", "fp16-cuda")),
     "llm/phi3-int4", "llm/phi3-longrope-int4", "llm/gemma2-int4",
+    # mixtures of experts (com.microsoft QMoE): gpt-oss (sinks, sliding window), LFM2-MoE
+    "llm/gpt-oss-int4", "llm/lfm2-moe-int4",
     "transformers/bert-tiny-export", "transformers/bert-tiny-opt", "transformers/bert-tiny-opt-fp16",
     "transformers/gpt2-tiny-opt", "transformers/gpt2-tiny-opt-fp16",
     "transformers/vit-tiny-opt", "transformers/vit-tiny-opt-fp16",
@@ -90,9 +92,15 @@ def test_fixture_runs_in_onnxruntime_on_its_feeds(path, sidecar):
         sess = _session(model_path)
         outputs = sess.run(None, fx.make_feeds(sidecar["inventory"]["inputs"], recipe))
         expected = sidecar["ort_check"][mode]
+        feeds = fx.make_feeds(sidecar["inventory"]["inputs"], recipe)
+        total = feeds["attention_mask"].shape[1] if "attention_mask" in feeds else None
         for meta, value in zip(sess.get_outputs(), outputs):
             assert list(value.shape) == expected[meta.name]["shape"], (mode, meta.name)
             assert str(value.dtype) == expected[meta.name]["dtype"], (mode, meta.name)
+            if meta.name.startswith("present") and value.ndim == 4 and total is not None:
+                # A window-sized cache (gpt-oss, Gemma 2) defines its first ``total`` rows: the
+                # others hold what onnxruntime found in the memory (NaN at times).
+                value = value[:, :, :total]
             if np.issubdtype(value.dtype, np.floating):
                 assert np.isfinite(value).all(), (mode, meta.name)
 

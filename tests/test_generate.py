@@ -65,11 +65,11 @@ def _ort_greedy(folder: pathlib.Path, prompt, n, tmp_path) -> list[int]:
 
 
 @pytest.mark.parametrize("fixture", ["qwen2-fp32", "llama-fp32", "qwen2-int4", "llama-int4", "phi3-int4", "gemma2-int4",
-                                     "qwen3-int4", "granite-int4", "lfm2-int4"])
+                                     "qwen3-int4", "granite-int4", "lfm2-int4", "gpt-oss-int4", "lfm2-moe-int4"])
 def test_greedy_tokens_equal_an_onnxruntime_loop(fixture, tmp_path):
-    """gemma2-int4 generates past its 32-token sliding window (local layer 0)."""
+    """gemma2-int4 and gpt-oss-int4 generate past their 32-token sliding window (local layer 0)."""
     folder = FIXTURES / fixture
-    n = 40 if fixture.startswith("gemma2") else 10
+    n = 40 if fixture.startswith(("gemma2", "gpt-oss")) else 10
     want = _ort_greedy(folder, PROMPT, n, tmp_path)
     with Generator(folder) as gen:
         got = list(gen.generate(PROMPT, max_new_tokens=n, stop=()))
