@@ -153,3 +153,26 @@ def test_group_normalization_matches_onnxruntime(opset, groups):
     consts = {"sc": rng.standard_normal(n_params).astype(np.float32), "bi": rng.standard_normal(n_params).astype(np.float32)}
     node = _h.make_node("GroupNormalization", ["x", "sc", "bi"], ["y"], num_groups=groups, epsilon=1e-3)
     check_all_paths(node, {"x": x}, consts, dict(rtol=1e-5, atol=1e-5), opset=opset)
+
+
+# -- LpNormalization (native: the builder's Qwen3.5 L2-normalizes queries and keys with it) -------
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("axis", [-1, 0, 1, 2])
+def test_lp_normalization_matches_onnxruntime(p, axis, dtype):
+    """Slices whose norm is zero give zeros, as onnxruntime's kernel (onnx.reference: NaN)."""
+    x = np.random.default_rng(5).standard_normal((2, 3, 5)).astype(dtype)
+    x[0, 0] = 0
+    x[:, :, 0] = 0
+    node = make_node("LpNormalization", ["x"], ["y"], axis=axis, p=p)
+    got = run_native(node, [x], 17)
+    want = run_ort(node, [x], 17)
+    assert_close(got, want, dtype)
+    assert np.isfinite(got[0]).all()
+
+
+def test_lp_normalization_refuses_other_norms():
+    from onnxpack.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="p must be 1 or 2"):
+        run_native(make_node("LpNormalization", ["x"], ["y"], p=3), [np.ones((2, 2), np.float32)], 17)

@@ -341,3 +341,36 @@ class LRN(Kernel):
         square_sum = csum[:, stop] - csum[:, start]
         y = xs / (sd.type(self.bias) + sd.type(self.alpha / self.size) * square_sum) ** sd.type(self.beta)
         return (_f(y, x.dtype),)
+
+
+@register("LpNormalization", since=1)
+class LpNormalization(Kernel):
+    """``x / ||x||_p`` along ``axis`` (p 1 or 2), in float32 (float64 stays float64); a slice
+    whose norm is zero gives zeros, as onnxruntime's kernel (onnx.reference divides: NaN).
+    The builder's Qwen3.5 L2-normalizes its linear attention's queries and keys with it."""
+
+    op_type = "LpNormalization"
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        self.axis = int(self.attr("axis", -1))
+        self.p = int(self.attr("p", 2))
+        if self.p not in (1, 2):
+            raise InvalidArgument(f"node {node.name!r} (LpNormalization): p must be 1 or 2, got {self.p}")
+
+    def run(self, x):
+        if x.dtype.kind != "f":
+            raise InvalidArgument(f"node {self.node.name!r} (LpNormalization): X must be a float tensor, got {x.dtype}")
+        if not -x.ndim <= self.axis < x.ndim:
+            raise InvalidArgument(f"node {self.node.name!r} (LpNormalization): axis {self.axis} is out of range "
+                                  f"for a rank-{x.ndim} input")
+        sd = _stat_dtype(x.dtype)
+        xs = _f(x, sd)
+        if self.p == 2:
+            norm = np.sqrt(np.einsum("...i,...i->...", np.moveaxis(xs, self.axis, -1), np.moveaxis(xs, self.axis, -1)))
+        else:
+            norm = np.abs(xs).sum(axis=self.axis)
+        norm = np.expand_dims(norm, self.axis)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            y = np.where(norm == 0, sd.type(0), xs / norm)
+        return (_f(y, x.dtype),)
