@@ -112,6 +112,9 @@ class Arch:
     # How the checkpoint stores its experts' fused 3-D weights: (E, in, out) like gpt-oss, else
     # (E, out, in) like transformers' other MoE families (see :func:`randomize`).
     experts_in_first: bool = False
+    # The transformers class of a multimodal checkpoint (its text decoder is what the builder
+    # exports; ``tiny`` then holds a ``text_config``), else AutoModelForCausalLM.
+    model_class: str | None = None
 
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -219,6 +222,25 @@ ARCHS: dict[str, Arch] = {a.name: a for a in [
               norm_topk_prob=True, routed_scaling_factor=1.0, conv_L_cache=3, tie_word_embeddings=True),
          ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>", "<|endoftext|>",
          committed=("int4",)),
+    # Qwen3.5-MoE (Qwen3.5-35B-A3B): layers of gated DeltaNet linear attention (com.microsoft
+    # LinearAttention, LinearAttentionGate, GatedRMSNorm, CausalConvWithState with SiLU, carried
+    # conv and recurrent states) and of gated full attention (GroupQueryAttention after
+    # MRotaryEmbedding, 3-row position ids), a mixture of experts with a shared expert (QMoE,
+    # GatedAdd).  The checkpoint is the multimodal one (a one-layer vision tower the builder skips).
+    Arch("qwen3.5-moe", "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", "Qwen/Qwen3.5-35B-A3B",
+         dict(text_config=dict(
+             hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+             max_position_embeddings=256, layer_types=["linear_attention", "full_attention"],
+             linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+             linear_num_value_heads=4, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4,
+             num_experts_per_tok=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.5,
+                              "mrope_section": [3, 3, 2], "mrope_interleaved": True}),
+              tie_word_embeddings=False,
+              vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                 patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)),
+         ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>", "<|endoftext|>",
+         committed=("int4",), model_class="Qwen3_5MoeForConditionalGeneration"),
     Arch("mistral", "mistral", "MistralForCausalLM", "mistralai/Mistral-7B-Instruct-v0.1",
          dict(_TINY, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=32,
               rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
@@ -357,21 +379,26 @@ def write_checkpoint(arch: Arch, hf_dir: str, overrides: dict[str, Any] | None =
 
     os.makedirs(hf_dir, exist_ok=True)
     ids = write_tokenizer(arch, hf_dir)
-    kwargs = dict(arch.tiny, vocab_size=TINY_VOCAB)
+    special = dict(bos_token_id=ids.get(arch.bos) if arch.bos else None, eos_token_id=ids[arch.eos],
+                   pad_token_id=ids.get(arch.pad) if arch.pad else None)
+    kwargs = json.loads(json.dumps(arch.tiny))  # a deep copy (text_config is a dict)
+    if "text_config" in kwargs:  # a multimodal checkpoint: the vocabulary is its text decoder's
+        kwargs["text_config"].update(vocab_size=TINY_VOCAB, **special)
+    else:
+        kwargs["vocab_size"] = TINY_VOCAB
     kwargs.update(overrides or {})
-    kwargs.update(
-        bos_token_id=ids.get(arch.bos) if arch.bos else None,
-        eos_token_id=ids[arch.eos],
-        pad_token_id=ids.get(arch.pad) if arch.pad else None,
-        architectures=[arch.architecture],
-    )
+    kwargs.update(special, architectures=[arch.architecture])
     cfg = AutoConfig.for_model(arch.model_type, **kwargs)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    if arch.model_class:
+        import transformers
+
+        model = getattr(transformers, arch.model_class)._from_config(cfg, dtype=getattr(torch, dtype))
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     randomize(model, seed, arch.experts_in_first)
     mxfp4 = _gpt_oss_mxfp4(model) if arch.model_type == "gpt_oss" else None
-    model.generation_config = GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
-                                               pad_token_id=cfg.pad_token_id)
+    model.generation_config = GenerationConfig(**special)
     model.save_pretrained(hf_dir)
     if mxfp4:
         from safetensors.torch import load_file, save_file

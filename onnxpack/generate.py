@@ -13,9 +13,13 @@ decode step does no copy of the cache and its time stays flat as the context gro
 attention is not GroupQueryAttention (the builder's fp16 CPU graphs use MultiHeadAttention with a
 growing cache) get their ``present_*`` back as new arrays, which become the next ``past_*``.
 Layers the config lists under ``sliding_window`` (Gemma-2's local attention) keep a cache of
-``window_size`` rows instead, in either layout.  Layers whose ``layer_types`` entry is ``conv``
-(LFM2's short convolutions) have no KV cache but a fixed-size convolution state
-(``past_conv_names`` / ``present_conv_names``), carried from step to step the same way.
+``window_size`` rows instead, in either layout.  Layers without attention have no KV cache but
+fixed-size states carried from step to step the same way: a convolution state (LFM2's short
+convolutions, Qwen3.5's linear attention: ``past_conv_names`` / ``present_conv_names``) and a
+recurrent state (Qwen3.5's gated DeltaNet: ``past_recurrent_names`` / ``present_recurrent_names``).
+Which layers have which is read off the model's inputs (the config's ``layer_types``, where
+present, must agree).  Position ids of three rows (Qwen-VL's multimodal rotary positions) get the
+text positions in every row.
 
 Tokenization needs the optional ``tokenizers`` package (``pip install onnxpack[genai]``); token ids
 work without it.
@@ -101,6 +105,10 @@ class GenAIConfig:
     conv_layers: frozenset[int] = frozenset()
     past_conv: str | None = None
     present_conv: str | None = None
+    # Qwen3.5's linear-attention layers: a recurrent state too (the Generator finds which layers
+    # have one among the model's inputs).
+    past_recurrent: str | None = None
+    present_recurrent: str | None = None
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
@@ -166,6 +174,9 @@ class GenAIConfig:
                 conv_layers=conv_layers,
                 past_conv=None if past_conv is None else str(past_conv),
                 present_conv=None if present_conv is None else str(present_conv),
+                past_recurrent=None if ins.get("past_recurrent_names") is None else str(ins["past_recurrent_names"]),
+                present_recurrent=(None if outs.get("present_recurrent_names") is None
+                                   else str(outs["present_recurrent_names"])),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(f"{path}: missing or invalid field ({type(e).__name__}: {e})") from e
@@ -213,13 +224,20 @@ class Generator:
                                         prepacked_weights_container=prepacked_weights_container)
         inputs = {a.name: a for a in self.session.get_inputs()}
         self._inputs = inputs
-        attention = cfg.attention_layers
-        key0 = cfg.past_key % attention[0] if attention else None
-        if (key0 is not None and key0 not in inputs) or cfg.input_ids not in inputs or any(
-                cfg.past_conv % i not in inputs for i in cfg.conv_layers):
+        # What each layer carries, as the model's inputs say: a KV cache, a convolution state, a
+        # recurrent state (a config without layer_types, Qwen3.5's, lists no conv layers).
+        self._attention = tuple(i for i in range(cfg.layers) if cfg.past_key % i in inputs)
+        declared = cfg.conv_layers and (set(cfg.attention_layers) != set(self._attention) or any(
+            cfg.past_conv % i not in inputs for i in cfg.conv_layers))
+        if cfg.input_ids not in inputs or declared or any(cfg.past_value % i not in inputs for i in self._attention):
             raise ModelLoadError(f"{cfg.folder}: the model lacks an input named in genai_config.json "
-                                 f"({key0!r}, {cfg.input_ids!r} or a convolution state)")
-        key0 = key0 or cfg.past_conv % min(cfg.conv_layers)
+                                 f"({cfg.input_ids!r}, a layer's past value, or a state its layer_types lists)")
+        self._states = [(past % i, present % i) for past, present in ((cfg.past_conv, cfg.present_conv),
+                                                                    (cfg.past_recurrent, cfg.present_recurrent))
+                        if past and present for i in range(cfg.layers) if past % i in inputs]
+        if not self._attention and not self._states:
+            raise ModelLoadError(f"{cfg.folder}: the model has none of the cache inputs genai_config.json names")
+        key0 = cfg.past_key % self._attention[0] if self._attention else self._states[0][0]
         self._cache_dtype = _np_dtype(inputs[key0].type)
         self.max_length = min(max_length or cfg.search.max_length, cfg.context_length)
         if self.max_length < 1:
@@ -307,12 +325,13 @@ class _Cache:
         cfg = gen.config
         self.length = 0
         self.capacity = capacity
-        attention = cfg.attention_layers
+        attention = gen._attention
         self.names = [(cfg.past_key % i, cfg.present_key % i) for i in attention]
         self.names += [(cfg.past_value % i, cfg.present_value % i) for i in attention]
-        # A convolution state (LFM2) has the shape the model declares, batch 1: (1, channels, K - 1).
-        conv = {cfg.past_conv % i: _state_shape(gen._inputs[cfg.past_conv % i]) for i in cfg.conv_layers}
-        self.names += [(cfg.past_conv % i, cfg.present_conv % i) for i in sorted(cfg.conv_layers)]
+        # A convolution or recurrent state has the shape the model declares, batch 1 (LFM2's
+        # (1, channels, K - 1); Qwen3.5's recurrent (1, heads, d_k, d_v)).
+        conv = {past: _state_shape(gen._inputs[past]) for past, _ in gen._states}
+        self.names += gen._states
         # A sliding-window layer's cache is window_size rows in either layout (its attention keeps
         # the last tokens in it; onnxruntime refuses a shorter one).
         window = {p for i in cfg.sliding_layers for p in (cfg.past_key % i, cfg.past_value % i)}
@@ -345,7 +364,10 @@ class _Cache:
         if cfg.attention_mask and cfg.attention_mask in gen._inputs:
             feed[cfg.attention_mask] = np.ones((1, total), np.int64)
         if cfg.position_ids and cfg.position_ids in gen._inputs:
-            feed[cfg.position_ids] = np.arange(self.length, total, dtype=np.int64)[None, :]
+            pos = np.arange(self.length, total, dtype=np.int64)[None, :]
+            if len(gen._inputs[cfg.position_ids].shape) == 3:  # (3, batch, sequence): one row per M-RoPE axis
+                pos = np.ascontiguousarray(np.broadcast_to(pos, (3, 1, s)))
+            feed[cfg.position_ids] = pos
         if self.binding is not None:
             b = self.binding
             for name, value in feed.items():
@@ -377,11 +399,11 @@ def _shrink_options() -> Any:
 
 
 def _state_shape(arg: Any) -> tuple[int, ...]:
-    """A convolution state's shape for one sequence: the declared dims, batch 1."""
+    """A convolution or recurrent state's shape for one sequence: the declared dims, batch 1."""
     dims = list(arg.shape)
-    if len(dims) != 3 or not all(isinstance(d, int) and d >= 0 for d in dims[1:]):
-        raise ModelLoadError(f"convolution state {arg.name!r}: expected (batch, channels, K - 1) with fixed "
-                             f"channels and length, the model declares {dims}")
+    if len(dims) < 2 or not all(isinstance(d, int) and d >= 0 for d in dims[1:]):
+        raise ModelLoadError(f"state {arg.name!r}: expected (batch, ...) with every other dimension fixed, "
+                             f"the model declares {dims}")
     return (1, *dims[1:])
 
 

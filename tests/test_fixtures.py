@@ -42,6 +42,8 @@ REQUIRED = {
     "llm/phi3-int4", "llm/phi3-longrope-int4", "llm/gemma2-int4",
     # mixtures of experts (com.microsoft QMoE): gpt-oss (sinks, sliding window), LFM2-MoE
     "llm/gpt-oss-int4", "llm/lfm2-moe-int4",
+    # Qwen3.5-MoE: gated DeltaNet linear attention (LinearAttention, recurrent + conv states), M-RoPE
+    "llm/qwen3.5-moe-int4",
     "transformers/bert-tiny-export", "transformers/bert-tiny-opt", "transformers/bert-tiny-opt-fp16",
     "transformers/gpt2-tiny-opt", "transformers/gpt2-tiny-opt-fp16",
     "transformers/vit-tiny-opt", "transformers/vit-tiny-opt-fp16",

@@ -37,12 +37,15 @@ def _ort_greedy(folder: pathlib.Path, prompt, n, tmp_path) -> list[int]:
     dtype = np.float16 if "float16" in sess.get_inputs()[2].type else np.float32
     # a sliding-window layer's cache: window_size rows (genai_config's "sliding_window"), zero at first
     rows = {i: cfg.window_size if i in cfg.sliding_layers else 0 for i in range(cfg.layers)}
-    attention = cfg.attention_layers
+    shapes = {i.name: i.shape for i in sess.get_inputs()}
+    attention = [i for i in range(cfg.layers) if cfg.past_key % i in shapes]
     past = {cfg.past_key % i: np.zeros((1, cfg.kv_heads, rows[i], cfg.head_size), dtype) for i in attention}
     past |= {cfg.past_value % i: np.zeros((1, cfg.kv_heads, rows[i], cfg.head_size), dtype) for i in attention}
-    # LFM2's convolution layers: a (1, channels, K - 1) state, zero at first
-    shapes = {i.name: i.shape for i in sess.get_inputs()}
-    past |= {cfg.past_conv % i: np.zeros((1, *shapes[cfg.past_conv % i][1:]), dtype) for i in cfg.conv_layers}
+    # LFM2's and Qwen3.5's convolution states (1, channels, K - 1), Qwen3.5's recurrent states:
+    # zero at first, each layer's that the model has
+    states = [(p % i, q % i) for p, q in ((cfg.past_conv, cfg.present_conv), (cfg.past_recurrent, cfg.present_recurrent))
+              if p for i in range(cfg.layers) if p % i in shapes]
+    past |= {p: np.zeros((1, *shapes[p][1:]), dtype) for p, _ in states}
     ids, out, length = list(prompt), [], 0
     declared = {i.name for i in sess.get_inputs()}
     for _ in range(n):
@@ -50,14 +53,15 @@ def _ort_greedy(folder: pathlib.Path, prompt, n, tmp_path) -> list[int]:
         if cfg.attention_mask in declared:
             feed[cfg.attention_mask] = np.ones((1, length + len(ids)), np.int64)
         if cfg.position_ids and cfg.position_ids in declared:
-            feed[cfg.position_ids] = np.arange(length, length + len(ids), dtype=np.int64)[None]
+            pos = np.arange(length, length + len(ids), dtype=np.int64)[None]
+            feed[cfg.position_ids] = np.stack([pos] * 3) if len(shapes[cfg.position_ids]) == 3 else pos
         res = dict(zip(names, sess.run(None, feed)))
         length += len(ids)
         for i in attention:
             past[cfg.past_key % i] = res[cfg.present_key % i]
             past[cfg.past_value % i] = res[cfg.present_value % i]
-        for i in cfg.conv_layers:
-            past[cfg.past_conv % i] = res[cfg.present_conv % i]
+        for p, q in states:
+            past[p] = res[q]
         tok = int(np.argmax(res[cfg.logits][0, -1]))
         out.append(tok)
         ids = [tok]
@@ -65,7 +69,8 @@ def _ort_greedy(folder: pathlib.Path, prompt, n, tmp_path) -> list[int]:
 
 
 @pytest.mark.parametrize("fixture", ["qwen2-fp32", "llama-fp32", "qwen2-int4", "llama-int4", "phi3-int4", "gemma2-int4",
-                                     "qwen3-int4", "granite-int4", "lfm2-int4", "gpt-oss-int4", "lfm2-moe-int4"])
+                                     "qwen3-int4", "granite-int4", "lfm2-int4", "gpt-oss-int4", "lfm2-moe-int4",
+                                     "qwen3.5-moe-int4"])
 def test_greedy_tokens_equal_an_onnxruntime_loop(fixture, tmp_path):
     """gemma2-int4 and gpt-oss-int4 generate past their 32-token sliding window (local layer 0)."""
     folder = FIXTURES / fixture
