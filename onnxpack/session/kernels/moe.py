@@ -45,9 +45,9 @@ import math
 import struct
 
 import numpy as np
-from onnx import helper
 
 from onnxpack.errors import InvalidArgument
+from onnxpack.graph._proto import AttributeProto, NodeProto
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
 from onnxpack.session.kernels.linalg import as_compute
 
@@ -547,9 +547,13 @@ class _QuantExperts:
         level = kernel.accuracy_level
         if bits == 8 and not row_wise:
             level = 4  # onnxruntime's 8-bit block-wise experts always round the activations to int8
-        node = helper.make_node("MatMulNBits", ["A", "B", "scales"] + (["zp"] if zq is not None else []), ["Y"],
-                                domain="com.microsoft", name=f"{kernel.node.name}/fc{j + 1}", K=k, N=n, bits=bits,
-                                block_size=bs, accuracy_level=level)
+        node = NodeProto()  # (onnx itself is never imported to run a model: graph/_proto.py)
+        node.op_type, node.domain, node.name = "MatMulNBits", "com.microsoft", f"{kernel.node.name}/fc{j + 1}"
+        node.input.extend(["A", "B", "scales"] + (["zp"] if zq is not None else []))
+        node.output.append("Y")
+        for name, value in (("K", k), ("N", n), ("bits", bits), ("block_size", bs), ("accuracy_level", level)):
+            a = node.attribute.add()
+            a.name, a.type, a.i = name, AttributeProto.INT, value
         subs = []
         wb, sb = n * nb * blob, n * nb
         for i in range(e):
