@@ -451,3 +451,24 @@ def test_branchwise_rms_norm_errors():
         run_pack(node, dict(x=x, s=np.ones(5, np.float32)))
     with pytest.raises(OnnxpackError, match="multiple of num_branches 3"):
         run_pack(node, dict(x=np.ones((2, 10), np.float32), s=np.ones(4, np.float32)))
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_linear_attention_numpy_loop_equals_the_jit(rule, monkeypatch):
+    """Both paths of the recurrence (the numba kernel where numba is installed, which the tests
+    above check against onnxruntime, and the numpy loop) agree, window slots included."""
+    from onnxpack.session.kernels import linear_attention
+
+    if linear_attention._jit() is None:
+        pytest.skip("numba is not installed: only the numpy loop runs")
+    for heads, window, per_key in (((4, 2, 2), 0, False), ((2, 4, 2), 3, True), ((2, 2, 1), 2, False)):
+        hq, hkv, nk = heads
+        feeds = la_inputs(2, 5, hq, hkv, nk, 8, 6, past=True, per_key=per_key, seed=7, window=window)
+        node = la_node(hq, hkv, rule, state_window=window) if window else la_node(hq, hkv, rule)
+        feeds = {n: v for n, v in feeds.items() if n in node.input}
+        model = single_node_model(node, feeds, {}, 21)
+        jit_out, _ = run_onnxpack(model, feeds)
+        monkeypatch.setattr(linear_attention, "_jit", lambda: None)
+        numpy_out, _ = run_onnxpack(model, feeds)
+        monkeypatch.undo()
+        assert_match(jit_out, numpy_out, F32, "numba vs numpy")

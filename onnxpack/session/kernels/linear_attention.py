@@ -95,6 +95,18 @@ _F = np.float32
 _RULES = ("linear", "gated", "delta", "gated_delta")
 
 
+_NO_GATE = np.ones((1, 1, 1, 1), np.float32)  # the JIT's decay / beta / window when a rule has none
+_NO_BETA = np.ones((1, 1, 1), np.float32)
+_NO_WINDOW = np.zeros((0, 1, 1, 1, 1), np.float32)
+
+
+def _jit():
+    """The recurrence's numba kernel (:mod:`._la_jit`), or None (the numpy loop)."""
+    from onnxpack.session.kernels import _act
+
+    return _act.load_jit("_la_jit", "LinearAttention")
+
+
 def _f32(x: np.ndarray) -> np.ndarray:
     return as_compute(x).astype(_F, copy=False)
 
@@ -239,6 +251,17 @@ class LinearAttention(_Op):
 
         out = np.empty((b, t, hkv, q5.shape[3], dv), _F)
         present = np.zeros((w, *state_shape), _F) if w else None
+        jit = _jit() if t else None
+        if jit is not None:  # the same recurrence with each head's state in cache (see _la_jit)
+            s = np.array(s, dtype=_F, order="C")  # a copy: never the caller's past
+            jit.recurrence(np.ascontiguousarray(q5), np.ascontiguousarray(k4), np.ascontiguousarray(v4),
+                           np.ascontiguousarray(g4.reshape(b, t, hkv, -1)) if self.gated else _NO_GATE,
+                           np.ascontiguousarray(b4.reshape(b, t, -1)) if self.delta else _NO_BETA,
+                           s, out, present if w else _NO_WINDOW, self.gated, self.delta, scale)
+            y = out.reshape(b, t, hout * dv).astype(query.dtype, copy=False)
+            if w:
+                return y, present.astype(sdt, copy=False)
+            return y, s.astype(sdt, copy=False)
         if t and self.gated:
             s = s * g4[:, 0]  # the first token's decay, fused with the state's copy
         elif past_state is not None:
