@@ -369,3 +369,20 @@ def test_qmoe_bad_attributes_are_clear_errors(attrs, message):
     model = single_node_model(node, feeds, consts, 21)
     with pytest.raises(OnnxpackError, match=message):
         onnxpack.InferenceSession(model.SerializeToString()).run(None, feeds)
+
+
+def test_qmoe_biases_computed_at_run_time(tmp_path):
+    """Packed experts serve call after call; biases that are fresh arrays each run (a node's
+    outputs) are read anew."""
+    node, feeds, consts, quant = qmoe_case(np.random.default_rng(13))
+    b1 = consts.pop("b1")
+    node.input[4] = "b1_run"
+    scale = helper.make_node("Mul", ["b1_in", "one"], ["b1_run"])
+    model = single_node_model(node, {**feeds, "b1_in": b1}, {**consts, "one": np.ones(1, np.float32)}, 21)
+    model.graph.node.insert(0, scale)
+    sess = onnxpack.InferenceSession(model.SerializeToString())
+    for k in range(3):
+        bias = (b1 * (k + 1)).astype(np.float32)
+        got = sess.run(None, {**feeds, "b1_in": bias})
+        want = _reference_of(node, feeds, {**consts, "b1": bias}, quant)
+        assert_match(got, [want], F32, f"call {k}")

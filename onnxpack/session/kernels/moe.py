@@ -204,12 +204,18 @@ class MoE(Kernel):
             rw = None if router_weights is None else as_compute(router_weights).astype(np.float32, copy=False)
             chosen, mix = route(logits, self.k, self.normalize or self.always_normalize, self.sparse_mixer, rw,
                                 self.normalize)
-            for ex in np.unique(chosen):
-                tok, slot = np.nonzero(chosen == ex)
-                a = np.ascontiguousarray(x2[tok])
-                y = self._expert(int(ex), a, experts, biases)
-                y *= mix[tok, slot][:, None]
-                out[tok] += y  # (a token chooses an expert once: its rows are distinct)
+            if t == 1:  # a decoding step: its k experts, one row each
+                for ex, weight in zip(chosen[0].tolist(), mix[0].tolist()):
+                    y = self._expert(ex, x2, experts, biases)
+                    y *= np.float32(weight)
+                    out += y
+            else:
+                for ex in np.unique(chosen):
+                    tok, slot = np.nonzero(chosen == ex)
+                    a = np.ascontiguousarray(x2[tok])
+                    y = self._expert(int(ex), a, experts, biases)
+                    y *= mix[tok, slot][:, None]
+                    out[tok] += y  # (a token chooses an expert once: its rows are distinct)
         return out.reshape(x.shape).astype(x.dtype, copy=False)
 
     def _expert(self, e: int, a: np.ndarray, experts, biases) -> np.ndarray:
@@ -345,6 +351,9 @@ class QMoE(MoE):
         self._packed: dict[tuple[str, int], np.ndarray] = {}
         self._shapes: dict[tuple[str, int], tuple[int, ...]] = {}
         self._subs: dict[tuple, list] = {}
+        # (hidden size, experts, biases, the bias arrays): the last call's, when every quantized
+        # input was packed (the same experts serve every call of that hidden size)
+        self._kept: tuple | None = None
 
     # -- geometry of one projection ---------------------------------------------------------------
     def _geometry(self, j: int, shape: tuple[int, ...]) -> tuple[int, int, int, int, int]:
@@ -391,6 +400,7 @@ class QMoE(MoE):
         kind, j = self._role(input_index)
         self._packed[(kind, j)] = buffers[0]
         self._subs.clear()
+        self._kept = None
 
     def expected_packed(self, input_index: int, info: TensorInfo):
         if self.pack_spec(input_index, info) is None:
@@ -442,8 +452,16 @@ class QMoE(MoE):
     def run(self, x, router_probs, fc1_w=None, fc1_s=None, fc1_b=None, fc2_w=None, fc2_s=None, fc2_b=None,
             fc3_w=None, fc3_s=None, fc3_b=None, fc1_z=None, fc2_z=None, fc3_z=None, router_weights=None, *rest):
         t, h = self._tokens(x)
-        experts = _QuantExperts(self, h, (fc1_w, fc2_w, fc3_w), (fc1_s, fc2_s, fc3_s), (fc1_z, fc2_z, fc3_z))
-        biases = self._biases(experts, fc1_b, fc2_b, fc3_b)
+        given = (fc1_w, fc2_w, fc3_w, fc1_s, fc2_s, fc3_s, fc1_z, fc2_z, fc3_z)
+        kept = self._kept
+        if (kept is not None and kept[0] == h and all(v is None for v in given)
+                and all(a is b for a, b in zip(kept[3], (fc1_b, fc2_b, fc3_b)))):
+            experts, biases = kept[1], kept[2]  # every quantized input packed: as the last call's
+        else:
+            experts = _QuantExperts(self, h, (fc1_w, fc2_w, fc3_w), (fc1_s, fc2_s, fc3_s), (fc1_z, fc2_z, fc3_z))
+            biases = self._biases(experts, fc1_b, fc2_b, fc3_b)
+            if all(v is None for v in given):
+                self._kept = (h, experts, biases, (fc1_b, fc2_b, fc3_b))
         return (self._layer(x, router_probs, router_weights, experts, biases),)
 
 
