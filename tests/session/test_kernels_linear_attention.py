@@ -156,6 +156,15 @@ def test_linear_attention_empty_sequence():
     np.testing.assert_array_equal(state, feeds["p"])
 
 
+@pytest.mark.parametrize("rule", RULES)
+def test_linear_attention_empty_batch_matches_onnxruntime(rule):
+    """Batch 0 (found by fuzzing: a reshape of the empty decay failed in numpy): empty outputs."""
+    feeds = la_inputs(0, 3, 2, 2, 2, 4, 4, past=True, per_key=rule == "gated")
+    node = la_node(2, 2, rule)
+    want = check(node, {n: v for n, v in feeds.items() if n in node.input}, F32)
+    assert want[0].shape == (0, 3, 8) and want[1].shape == (0, 2, 4, 4)
+
+
 @pytest.mark.parametrize("window", [1, 3])
 def test_linear_attention_state_window(window):
     """onnxruntime's CPU kernel refuses state_window > 0; slot j of the present must be

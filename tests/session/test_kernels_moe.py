@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
@@ -267,6 +268,33 @@ def qmoe_case(rng, act="swiglu", *, fusion=1, k=2, e=4, h=64, inter=32, rows=5, 
     return node, feeds, consts, quant
 
 
+def _ort(model, feeds, disable_prepacking: bool = False):
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.add_session_config_entry("session.disable_prepacking", "1" if disable_prepacking else "0")
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def check_qmoe(node, feeds, consts, want=None, tol=F32):
+    """onnxpack == onnxruntime on each path, against onnxruntime's same configuration: packed
+    weights (where both round a block-wise projection's activations to int8 when its QNBit GEMM
+    takes them), pre-packing disabled and weights fed at run time (both in float32).  ``want``
+    (float32 paths) replaces onnxruntime where it refuses the case.  Returns the packed path's."""
+    model = single_node_model(node, feeds, consts, 21)
+    packs = _packs(node, consts)
+    got, stats = run_onnxpack(model, feeds)
+    assert stats["weights_packed"] == packs, stats
+    assert_match(got, _ort(model, feeds) if want is None else want, tol, "prepacked")
+    got2, stats2 = run_onnxpack(model, feeds, disable_prepacking=True)
+    assert stats2["weights_packed"] == 0
+    unpacked = _ort(model, feeds, disable_prepacking=True) if want is None else want
+    assert_match(got2, unpacked, tol, "prepacking disabled")
+    as_inputs = single_node_model(node, {**feeds, **consts}, {}, 21)
+    got3, _ = run_onnxpack(as_inputs, {**feeds, **consts})
+    assert_match(got3, unpacked, tol, "weights as inputs")
+    return got
+
+
 def _packs(node, consts) -> int:
     """Weights and scales are packed, and zero points of 8 bits (narrower ones say not how many
     blocks a row has: unpacked per call)."""
@@ -287,26 +315,24 @@ def _packs(node, consts) -> int:
 ])
 def test_qmoe_matches_onnxruntime(case):
     node, feeds, consts, quant = qmoe_case(np.random.default_rng(6), **case)
-    want = check_all_paths(node, feeds, consts, F32, packs=_packs(node, consts))
-    # Block-wise 8-bit experts (and 4-bit ones at accuracy_level 4) multiply activations rounded
-    # to int8 per block in onnxruntime (and in onnxpack's int8 GEMV, which agrees with it above):
-    # the float64 reference is ~1 % off there.
+    packed = check_qmoe(node, feeds, consts)
+    # onnxruntime without its pre-packing multiplies every projection in float32: the reference's
     int8 = case.get("block", 32) and (case.get("bits") == 8 or case.get("accuracy_level") == 4)
-    tol = dict(rtol=0, atol=0.03 * float(np.abs(want[0]).max())) if int8 else F32
-    assert_match([_reference_of(node, feeds, consts, quant)], want, tol, "reference vs onnxruntime")
+    tol = dict(rtol=0, atol=0.03 * float(np.abs(packed[0]).max())) if int8 else F32
+    assert_match([_reference_of(node, feeds, consts, quant)], packed, tol, "reference vs onnxruntime")
 
 
 def test_qmoe_float16_matches_onnxruntime():
     node, feeds, consts, _ = qmoe_case(np.random.default_rng(7), dtype=np.float16, sdtype=np.float16)
-    check_all_paths(node, feeds, consts, F16, packs=4)
+    check_qmoe(node, feeds, consts, tol=F16)
 
 
 def test_qmoe_routing_is_always_normalized_as_onnxruntime_cpu():
     """onnxruntime's CPU QMoE divides the chosen probabilities by their sum whatever
     normalize_routing_weights says (its float MoE honours it): so does QMoE here."""
     node, feeds, consts, quant = qmoe_case(np.random.default_rng(8), normalize_routing_weights=0)
-    want = check_all_paths(node, feeds, consts, F32, packs=4)
-    assert_match([_reference_of(node, feeds, consts, quant)], want, F32)
+    got = check_qmoe(node, feeds, consts)
+    assert_match([_reference_of(node, feeds, consts, quant)], got, F32)
 
 
 @pytest.mark.parametrize("case", [
@@ -318,9 +344,9 @@ def test_qmoe_routing_is_always_normalized_as_onnxruntime_cpu():
 def test_qmoe_beyond_onnxruntime_cpu_matches_the_spec(case):
     node, feeds, consts, quant = qmoe_case(np.random.default_rng(9), **case)
     want = [_reference_of(node, feeds, consts, quant)]
-    # an 8-bit block-wise projection multiplies int8-rounded activations, as onnxruntime's do
+    # a packed 8-bit block-wise projection multiplies int8-rounded activations, as onnxruntime's do
     tol = dict(rtol=0, atol=0.03 * float(np.abs(want[0]).max())) if 8 in quant["bits"][:2] else F32
-    check_all_paths(node, feeds, consts, tol, packs=_packs(node, consts), want=want)
+    check_qmoe(node, feeds, consts, want=want, tol=tol)
 
 
 def test_qmoe_saved_packs_map_back(tmp_path):
@@ -386,3 +412,32 @@ def test_qmoe_biases_computed_at_run_time(tmp_path):
         got = sess.run(None, {**feeds, "b1_in": bias})
         want = _reference_of(node, feeds, {**consts, "b1": bias}, quant)
         assert_match(got, [want], F32, f"call {k}")
+
+
+def test_moe_attribute_defaults_and_limits_as_onnxruntime():
+    """k defaults to 1 (the schema's); a NaN swiglu_limit clamps nothing (as onnxruntime reads
+    it); QMoE's weights_prepacked -1 (the default) and 0 name the raw layout."""
+    rng = np.random.default_rng(14)
+    node, feeds, consts = moe_case(rng, "silu")
+    node.attribute.remove(next(a for a in node.attribute if a.name == "k"))
+    check_all_paths(node, feeds, consts, F32)
+    node, feeds, consts = moe_case(rng, "swiglu", fusion=1, swiglu_limit=float("nan"), activation_alpha=1.702)
+    want = check_all_paths(node, feeds, consts, F32)
+    assert np.isfinite(want[0]).all()
+    for prepacked in (-1, 0):
+        node, feeds, consts, _ = qmoe_case(rng, weights_prepacked=prepacked)
+        check_qmoe(node, feeds, consts)
+
+
+@pytest.mark.parametrize("op,attrs,message", [
+    ("MoE", dict(swiglu_limit=-1.0), "swiglu_limit must be >= 0"),  # onnxruntime aborts the process
+    ("QMoE", dict(weights_prepacked=1), "CUDA layout"),
+])
+def test_moe_refused_attributes(op, attrs, message):
+    rng = np.random.default_rng(15)
+    if op == "MoE":
+        node, feeds, consts = moe_case(rng, "swiglu", fusion=1, **attrs)
+    else:
+        node, feeds, consts, _ = qmoe_case(rng, **attrs)
+    with pytest.raises(OnnxpackError, match=message):
+        onnxpack.InferenceSession(single_node_model(node, feeds, consts, 21).SerializeToString()).run(None, feeds)

@@ -255,8 +255,8 @@ class LinearAttention(_Op):
         if jit is not None:  # the same recurrence with each head's state in cache (see _la_jit)
             s = np.array(s, dtype=_F, order="C")  # a copy: never the caller's past
             jit.recurrence(np.ascontiguousarray(q5), np.ascontiguousarray(k4), np.ascontiguousarray(v4),
-                           np.ascontiguousarray(g4.reshape(b, t, hkv, -1)) if self.gated else _NO_GATE,
-                           np.ascontiguousarray(b4.reshape(b, t, -1)) if self.delta else _NO_BETA,
+                           np.ascontiguousarray(g4.reshape(b, t, hkv, dk if per_key else 1)) if self.gated else _NO_GATE,
+                           np.ascontiguousarray(b4.reshape(b, t, beta.shape[2])) if self.delta else _NO_BETA,
                            s, out, present if w else _NO_WINDOW, self.gated, self.delta, scale)
             y = out.reshape(b, t, hout * dv).astype(query.dtype, copy=False)
             if w:

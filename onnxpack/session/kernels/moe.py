@@ -33,10 +33,12 @@ for a few rows (decoding), dequantized tiles and BLAS for more — int4 stays in
 weights are used as stored (float16/bfloat16 experts are widened per call, only the chosen ones).
 
 Precision: computed in float32 for float16/bfloat16 inputs too (onnxruntime multiplies float16
-experts in float16), output in the input's dtype.  onnxruntime's CPU QMoE multiplies block-wise
-8-bit experts (and 4-bit ones with ``accuracy_level=4``) with the activations rounded to int8 per
-block; so do these kernels where :class:`.quant.MatMulNBits` does (its JIT int8 GEMV), and in
-float32 elsewhere.
+experts in float16), output in the input's dtype.  onnxruntime's CPU QMoE multiplies a projection
+with the activations rounded to int8 per block where its QNBit GEMM packed the weights — block-wise,
+K a multiple of the block size, 8 bits or 4 bits at ``accuracy_level=4`` — and dequantizes and
+multiplies in float32 elsewhere (row-wise scales, a partial last block, and weights it did not
+pre-pack: fed at run time, or with ``session.disable_prepacking``); so do these kernels,
+projection by projection, where :class:`.quant.MatMulNBits` has the int8 path (its JIT GEMV).
 """
 
 from __future__ import annotations
@@ -130,9 +132,7 @@ class MoE(Kernel):
         super().__init__(node, ctx)
         name = f"node {node.name!r} ({self.op_type})"
         self._where = name
-        if "k" not in self.attrs:
-            raise InvalidArgument(f"{name}: missing attribute 'k'")
-        self.k = int(self.attr("k"))
+        self.k = int(self.attr("k", 1))  # the schema's default
         self.act = str(self.attr("activation_type", "relu")).lower()
         if self.act not in _ACTIVATIONS:
             raise InvalidArgument(f"{name}: activation_type {self.act!r} is not one of {list(_ACTIVATIONS)} "
@@ -141,6 +141,10 @@ class MoE(Kernel):
         self.beta = float(self.attr("activation_beta", 0.0))
         self.fusion = int(self.attr("swiglu_fusion", 0))
         self.limit = float(self.attr("swiglu_limit", math.inf))
+        if math.isnan(self.limit):
+            self.limit = math.inf  # no clamp, as onnxruntime reads a NaN limit
+        if self.limit < 0:  # (onnxruntime's CPU kernel aborts the process on one)
+            raise InvalidArgument(f"{name}: swiglu_limit must be >= 0, got {self.limit}")
         self.normalize = int(self.attr("normalize_routing_weights", 0)) == 1
         self.sparse_mixer = int(self.attr("use_sparse_mixer", 0)) == 1
         if self.act == "swiglu" and self.fusion not in (0, 1, 2):
@@ -341,8 +345,9 @@ class QMoE(MoE):
         if self.block_size and (self.block_size < 16 or self.block_size & (self.block_size - 1)):
             raise InvalidArgument(f"{self._where}: block_size must be a power of 2 and >= 16, got {self.block_size}")
         self.accuracy_level = int(self.attr("accuracy_level", 0))
-        if int(self.attr("weights_prepacked", 0)) not in (0,) and "weights_prepacked" in self.attrs:
-            raise InvalidArgument(f"{self._where}: weights_prepacked={self.attr('weights_prepacked')} is a CUDA layout")
+        if int(self.attr("weights_prepacked", -1)) not in (-1, 0):  # -1 (default) and 0: raw weights on CPU
+            raise InvalidArgument(f"{self._where}: weights_prepacked={self.attr('weights_prepacked')} is a CUDA "
+                                  "layout (the raw [E, N, K * bits / 8] weights have 0 or -1)")
         names = list(node.input)
         extra = [i for i in range(15, len(names)) if names[i]]
         if extra:
@@ -562,9 +567,15 @@ class _QuantExperts:
         blob = bs * bits // 8
         if bq.size != e * n * nb * blob or sc.size != e * n * nb or (zq is not None and zq.size != e * n * nb):
             raise InvalidArgument(f"{where}: fc{j + 1}'s packed buffers do not match {e} experts of {n}x{k}")
-        level = kernel.accuracy_level
-        if bits == 8 and not row_wise:
-            level = 4  # onnxruntime's 8-bit block-wise experts always round the activations to int8
+        # onnxruntime rounds a projection's activations to int8 per block where its QNBit GEMM
+        # took the weights when it pre-packed them: block-wise, K a multiple of the block, and 8
+        # bits (it has no float kernel for them) or accuracy_level 4; elsewhere (weights fed at run
+        # time, pre-packing disabled) it dequantizes and multiplies in float.  So here: where this
+        # kernel packed the weight.
+        level = 0
+        if (kernel._packed.get(("w", j)) is not None and not row_wise and k % bs == 0
+                and (bits == 8 or (bits == 4 and kernel.accuracy_level == 4))):
+            level = 4
         node = NodeProto()  # (onnx itself is never imported to run a model: graph/_proto.py)
         node.op_type, node.domain, node.name = "MatMulNBits", "com.microsoft", f"{kernel.node.name}/fc{j + 1}"
         node.input.extend(["A", "B", "scales"] + (["zp"] if zq is not None else []))
