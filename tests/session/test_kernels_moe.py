@@ -382,7 +382,8 @@ def test_qmoe_bad_inputs_are_clear_errors(bad, message):
 @pytest.mark.parametrize("attrs,message", [
     (dict(k=5), "more than the 4 experts"),
     (dict(block_size=24), "block_size must be a power of 2"),
-    (dict(expert_weight_bits=3), "bits must be 2, 4 or 8"),
+    (dict(expert_weight_bits=5), "bits must be 2, 3, 4 or 8"),
+    (dict(expert_weight_bits=3), "INT3 profile"),  # without weights_prepacked=0, as onnxruntime
     (dict(activation_type="geglu"), "activation_type"),
     (dict(quant_type="fp4"), "quant_type"),
 ])
@@ -441,3 +442,64 @@ def test_moe_refused_attributes(op, attrs, message):
         node, feeds, consts, _ = qmoe_case(rng, **attrs)
     with pytest.raises(OnnxpackError, match=message):
         onnxpack.InferenceSession(single_node_model(node, feeds, consts, 21).SerializeToString()).run(None, feeds)
+
+
+def _three_bit_stream(q: np.ndarray) -> np.ndarray:
+    """3-bit codes (..., K) -> one little-endian bit stream per row, uint8 (..., ceil(3K / 8))."""
+    bits = ((q[..., None] >> np.arange(3)) & 1).reshape(*q.shape[:-1], -1).astype(np.uint8)
+    return np.packbits(bits, axis=-1, bitorder="little")
+
+
+@pytest.mark.parametrize("block,zp,dtype", [(32, False, np.float16), (64, False, np.float16), (64, True, np.float16),
+                                           (32, False, np.float32)])
+def test_qmoe_int3_profile_matches_onnxruntime(block, zp, dtype):
+    """The INT3 profile (onnxruntime 1.32's schema): 3-bit codes, one bit stream per row, (u - 4) *
+    scale; zero points, when given, all 4 (onnxruntime's CPU kernel refuses explicit ones: the
+    reference decides); float16 or bfloat16 activations (float32 refused, as onnxruntime).
+    Computed as 4-bit codes with zero point 4."""
+    rng = np.random.default_rng(16)
+    e, h, inter, rows = 4, 64, 64, 5
+    consts = {}
+    for j, (n, k) in enumerate(((2 * inter, h), (h, inter)), start=1):
+        consts[f"w{j}"] = _three_bit_stream(rng.integers(0, 8, (e, n, k)))
+        consts[f"s{j}"] = (rng.random((e, n, k // block)) * 0.05 + 0.02).astype(dtype)
+        if zp:
+            consts[f"z{j}"] = _three_bit_stream(np.full((e, n, k // block), 4))
+    feeds = {"x": rng.standard_normal((rows, h)).astype(dtype), "r": rng.standard_normal((rows, e)).astype(dtype)}
+    node = _node("QMoE", QMOE_NAMES, {**feeds, **consts}, k=2, activation_type="swiglu", swiglu_fusion=1,
+                 expert_weight_bits=3, block_size=block, normalize_routing_weights=1, activation_beta=-0.5,
+                 weights_prepacked=0)
+    model = single_node_model(node, feeds, consts, 21)
+    if dtype == np.float32:
+        with pytest.raises(OnnxpackError, match="float16 or bfloat16"):
+            onnxpack.InferenceSession(model.SerializeToString()).run(None, feeds)
+        return
+    w = {f"w{j}": _codes_int3(consts[f"w{j}"], consts[f"s{j}"], block, k) for j, k in ((1, h), (2, inter))}
+    ref = [reference(feeds["x"].astype(np.float64), feeds["r"], w["w1"], w["w2"], k=2, act="swiglu", fusion=1,
+                     beta=-0.5, normalize=True).astype(dtype)]
+    want = ref if zp else _ort(model, feeds)
+    got, stats = run_onnxpack(model, feeds)
+    assert stats["weights_packed"] == 4, stats
+    assert_match(got, want, F16, "prepacked")
+    assert_match(run_onnxpack(model, feeds, disable_prepacking=True)[0], want, F16, "prepacking disabled")
+    assert_match(ref, want, F16, "reference vs onnxruntime")
+
+
+def _codes_int3(stream, scales, block, k):
+    bits = np.unpackbits(stream, axis=-1, bitorder="little")[..., :3 * k].reshape(*stream.shape[:-1], k, 3)
+    q = bits[..., 0] + 2 * bits[..., 1] + 4 * bits[..., 2]
+    return (q - 4.0) * np.repeat(scales.astype(np.float64), block, axis=-1)
+
+
+def test_qmoe_int3_zero_points_other_than_four_are_refused():
+    rng = np.random.default_rng(17)
+    node, feeds, consts, _ = qmoe_case(rng, bits=4, dtype=np.float16)
+    e, h, inter = 4, 64, 32
+    consts = {"w1": _three_bit_stream(rng.integers(0, 8, (e, 2 * inter, h))), "s1": np.ones((e, 2 * inter, 2), np.float16),
+              "w2": _three_bit_stream(rng.integers(0, 8, (e, h, inter))), "s2": np.ones((e, h, 1), np.float16),
+              "z1": _three_bit_stream(np.full((e, 2 * inter, 2), 3)), "z2": _three_bit_stream(np.full((e, h, 1), 4))}
+    node = _node("QMoE", QMOE_NAMES, {**feeds, **consts}, k=2, activation_type="swiglu", swiglu_fusion=1,
+                 expert_weight_bits=3, block_size=32, weights_prepacked=0)
+    model = single_node_model(node, feeds, consts, 21)
+    with pytest.raises(OnnxpackError, match="every 3-bit zero point must be 4"):
+        onnxpack.InferenceSession(model.SerializeToString()).run(None, feeds)

@@ -20,7 +20,10 @@ Per token (a row of ``input``, 2-D ``(tokens, hidden)`` or 3-D ``(batch, seq, hi
 Weights: ``fc1`` is (E, N, K) — every expert's (out features, in features) matrix, as the
 builder writes it — and for QMoE its rows are ``K * bits / 8`` bytes of little-end-first codes
 with scales (E, N) (one per row) or (E, N, ceil(K / block_size)) and optional packed zero points
-(default ``2 ** (bits - 1)``): ``w = (q - zero_point) * scale``.  An MoE's float (E, K, N)
+(default ``2 ** (bits - 1)``): ``w = (q - zero_point) * scale``.  The INT3 profile (3-bit codes,
+one bit stream per row, zero point 4; swiglu, fused, blocks of 32-128, float16 / bfloat16
+activations, ``weights_prepacked=0``, all as its schema demands) is packed and computed as 4-bit
+codes with zero point 4 (4/3 of its bytes).  An MoE's float (E, K, N)
 "legacy" layout (what onnxruntime's checker accepts for backward compatibility) multiplies
 untransposed.
 
@@ -339,9 +342,13 @@ class QMoE(MoE):
         self.bits = int(self.attr("expert_weight_bits", 4))
         self.proj_bits = tuple(int(self.attr(f"fc{j}_expert_weight_bits", self.bits)) for j in (1, 2, 3))
         for b in self.proj_bits:
-            if b not in (2, 4, 8):
-                raise InvalidArgument(f"{self._where}: expert weight bits must be 2, 4 or 8, got {b}")
+            if b not in (2, 3, 4, 8):
+                raise InvalidArgument(f"{self._where}: expert weight bits must be 2, 3, 4 or 8, got {b}")
         self.block_size = int(self.attr("block_size", 0))
+        if 3 in self.proj_bits and (self.act != "swiglu" or self.fusion != 1 or self.block_size not in (32, 64, 128)
+                                    or self.attrs.get("weights_prepacked") != 0):
+            raise InvalidArgument(f"{self._where}: 3-bit experts (the INT3 profile) need activation_type swiglu, "
+                                  f"swiglu_fusion 1, block_size 32, 64 or 128 and weights_prepacked 0, all explicit")
         if self.block_size and (self.block_size < 16 or self.block_size & (self.block_size - 1)):
             raise InvalidArgument(f"{self._where}: block_size must be a power of 2 and >= 16, got {self.block_size}")
         self.accuracy_level = int(self.attr("accuracy_level", 0))
@@ -359,10 +366,13 @@ class QMoE(MoE):
         # (hidden size, experts, biases, the bias arrays): the last call's, when every quantized
         # input was packed (the same experts serve every call of that hidden size)
         self._kept: tuple | None = None
+        self._fours: dict[tuple[int, int, int], np.ndarray] = {}  # 3-bit experts' zero points
 
     # -- geometry of one projection ---------------------------------------------------------------
     def _geometry(self, j: int, shape: tuple[int, ...]) -> tuple[int, int, int, int, int]:
-        """(experts, N, K, bits, block) of projection ``j``'s weight of ``shape`` (E, N, K*bits/8)."""
+        """(experts, N, K, bits, block) of projection ``j``'s weight of ``shape`` (E, N, K*bits/8).
+        3-bit codes (the INT3 profile: one bit stream per row) are packed and computed as 4-bit
+        ones (:func:`_stored_bits`) with zero point 4."""
         bits = self.proj_bits[j]
         e, n, kb = shape
         k = kb * 8 // bits
@@ -414,7 +424,7 @@ class QMoE(MoE):
         shape = tuple(info.shape)
         if kind == "w":
             e, n, k, bits, bs = self._geometry(j, shape)
-            count = e * n * -(-k // bs) * (bs * bits // 8)
+            count = e * n * -(-k // bs) * (bs * _stored_bits(bits) // 8)
         else:  # scales (E, N) or (E, N, n_blocks); 8-bit zero points (E, N, n_blocks)
             count = math.prod(shape)
         return [(_packed_dtype(kind, info.dtype), (count,))]
@@ -432,6 +442,10 @@ class QMoE(MoE):
                 return None
             e, n, k, bits, bs = self._geometry(j, arr.shape)
             nb = -(-k // bs)
+            if bits == 3:  # the row's bit stream as 4-bit codes, two to a byte (the even one low)
+                arr = _three_bit_codes(arr, k)
+                arr = (arr[..., 0::2] | (arr[..., 1::2] << 4)).astype(np.uint8)
+                bits = 4
             blob = bs * bits // 8
             rows = arr.reshape(e, n, -1)
             if rows.shape[2] != nb * blob:  # a partial last block: pad each row with zero codes
@@ -457,6 +471,9 @@ class QMoE(MoE):
     def run(self, x, router_probs, fc1_w=None, fc1_s=None, fc1_b=None, fc2_w=None, fc2_s=None, fc2_b=None,
             fc3_w=None, fc3_s=None, fc3_b=None, fc1_z=None, fc2_z=None, fc3_z=None, router_weights=None, *rest):
         t, h = self._tokens(x)
+        if 3 in self.proj_bits and x.dtype.name not in ("float16", "bfloat16"):
+            raise InvalidArgument(f"{self._where}: 3-bit experts (the INT3 profile) take float16 or bfloat16 "
+                                  f"activations, got {x.dtype}")
         given = (fc1_w, fc2_w, fc3_w, fc1_s, fc2_s, fc3_s, fc1_z, fc2_z, fc3_z)
         kept = self._kept
         if (kept is not None and kept[0] == h and all(v is None for v in given)
@@ -468,6 +485,21 @@ class QMoE(MoE):
             if all(v is None for v in given):
                 self._kept = (h, experts, biases, (fc1_b, fc2_b, fc3_b))
         return (self._layer(x, router_probs, router_weights, experts, biases),)
+
+
+def _stored_bits(bits: int) -> int:
+    """The width a projection's codes are packed and computed in: 3-bit codes as 4-bit ones."""
+    return 4 if bits == 3 else bits
+
+
+def _three_bit_codes(packed: np.ndarray, count: int) -> np.ndarray:
+    """The first ``count`` 3-bit codes of each row of ``packed`` (uint8 (..., bytes)): one bit
+    stream per row, the low bits first (code i at bits 3i .. 3i + 2)."""
+    bits = np.unpackbits(np.ascontiguousarray(packed, dtype=np.uint8), axis=-1, bitorder="little")
+    if bits.shape[-1] < 3 * count:
+        raise InvalidArgument(f"3-bit codes: a row of {packed.shape[-1]} bytes holds fewer than {count} codes")
+    trip = bits[..., :3 * count].reshape(*packed.shape[:-1], count, 3)
+    return trip[..., 0] | (trip[..., 1] << 1) | (trip[..., 2] << 2)
 
 
 def _tile() -> int:
@@ -551,6 +583,11 @@ class _QuantExperts:
             if z.dtype != np.uint8 or tuple(z.shape) != want:
                 raise InvalidArgument(f"{where}: fc{j + 1}_zero_points must be uint8 of shape {list(want)}, "
                                       f"got {z.dtype}{list(z.shape)}")
+            if bits == 3:
+                if (_three_bit_codes(z, nb) != 4).any():
+                    raise InvalidArgument(f"{where}: fc{j + 1}_zero_points: every 3-bit zero point must be 4 "
+                                          "(the INT3 profile's)")
+                z = None  # the implicit 4, below
         packed = []
         for kind, arr in (("w", w), ("s", s), ("z", z)):
             buf = kernel._packed.get((kind, j))
@@ -560,6 +597,12 @@ class _QuantExperts:
         bq, sc, zq = packed
         if sc is None:
             raise InvalidArgument(f"{where}: fc{j + 1}_scales is missing")
+        if bits == 3:  # 4-bit codes with the INT3 profile's zero point, 4, in every block
+            zq = kernel._fours.get((e, n, nb))
+            if zq is None or len(kernel._fours) > 8:
+                kernel._fours.clear()
+                zq = kernel._fours[(e, n, nb)] = np.full(e * n * nb, 4, np.uint8)
+            bits = 4
         key = (j, id(bq), id(sc), id(zq))
         subs = kernel._subs.get(key)
         if subs is not None:
