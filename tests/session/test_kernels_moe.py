@@ -450,9 +450,13 @@ def _three_bit_stream(q: np.ndarray) -> np.ndarray:
     return np.packbits(bits, axis=-1, bitorder="little")
 
 
-@pytest.mark.parametrize("block,zp,dtype", [(32, False, np.float16), (64, False, np.float16), (64, True, np.float16),
-                                           (32, False, np.float32)])
-def test_qmoe_int3_profile_matches_onnxruntime(block, zp, dtype):
+@pytest.mark.parametrize("block,zp,dtype,normalize,level", [
+    (32, False, np.float16, 1, 0), (64, False, np.float16, 1, 0), (64, True, np.float16, 1, 0),
+    (32, False, np.float32, 1, 0),
+    (32, False, np.float16, 0, 0),  # onnxruntime's INT3 path honours normalize_routing_weights
+    (64, False, np.float16, 1, 4),  # and multiplies in float whatever accuracy_level says
+])
+def test_qmoe_int3_profile_matches_onnxruntime(block, zp, dtype, normalize, level):
     """The INT3 profile (onnxruntime 1.32's schema): 3-bit codes, one bit stream per row, (u - 4) *
     scale; zero points, when given, all 4 (onnxruntime's CPU kernel refuses explicit ones: the
     reference decides); float16 or bfloat16 activations (float32 refused, as onnxruntime).
@@ -467,8 +471,8 @@ def test_qmoe_int3_profile_matches_onnxruntime(block, zp, dtype):
             consts[f"z{j}"] = _three_bit_stream(np.full((e, n, k // block), 4))
     feeds = {"x": rng.standard_normal((rows, h)).astype(dtype), "r": rng.standard_normal((rows, e)).astype(dtype)}
     node = _node("QMoE", QMOE_NAMES, {**feeds, **consts}, k=2, activation_type="swiglu", swiglu_fusion=1,
-                 expert_weight_bits=3, block_size=block, normalize_routing_weights=1, activation_beta=-0.5,
-                 weights_prepacked=0)
+                 expert_weight_bits=3, block_size=block, normalize_routing_weights=normalize, activation_beta=-0.5,
+                 weights_prepacked=0, accuracy_level=level)
     model = single_node_model(node, feeds, consts, 21)
     if dtype == np.float32:
         with pytest.raises(OnnxpackError, match="float16 or bfloat16"):
@@ -476,7 +480,7 @@ def test_qmoe_int3_profile_matches_onnxruntime(block, zp, dtype):
         return
     w = {f"w{j}": _codes_int3(consts[f"w{j}"], consts[f"s{j}"], block, k) for j, k in ((1, h), (2, inter))}
     ref = [reference(feeds["x"].astype(np.float64), feeds["r"], w["w1"], w["w2"], k=2, act="swiglu", fusion=1,
-                     beta=-0.5, normalize=True).astype(dtype)]
+                     beta=-0.5, normalize=bool(normalize)).astype(dtype)]
     want = ref if zp else _ort(model, feeds)
     got, stats = run_onnxpack(model, feeds)
     assert stats["weights_packed"] == 4, stats
@@ -503,3 +507,17 @@ def test_qmoe_int3_zero_points_other_than_four_are_refused():
     model = single_node_model(node, feeds, consts, 21)
     with pytest.raises(OnnxpackError, match="every 3-bit zero point must be 4"):
         onnxpack.InferenceSession(model.SerializeToString()).run(None, feeds)
+
+
+def test_qmoe_block_size_beyond_the_row_as_onnxruntime():
+    """A block_size of K or more is one block per row: packed at the row's size (a huge
+    block_size allocated its size per row: 5 GiB for a 3 KB model at 2**26), and (E, N) scales
+    with it are row-wise, as onnxruntime reads them."""
+    rng = np.random.default_rng(18)
+    for block in (1 << 26, 128):
+        node, feeds, consts, quant = qmoe_case(rng, block=0, h=64, inter=32)
+        node.attribute.extend([helper.make_attribute("block_size", block)])
+        model = single_node_model(node, feeds, consts, 21)
+        got, stats = run_onnxpack(model, feeds)
+        assert stats["bytes_packed"] < 64 * sum(v.nbytes for v in consts.values()), stats
+        assert_match(got, _ort(model, feeds), F32, f"block_size {block}")

@@ -339,7 +339,8 @@ class QMoE(MoE):
     Routing as onnxruntime's CPU QMoE: the chosen experts' probabilities are always divided by
     their sum (its kernel takes the softmax of the k chosen logits whatever
     ``normalize_routing_weights`` says; measured on onnxruntime 1.32, where its float ``MoE``
-    honours the attribute); ``router_weights`` are divided by their sum when it is 1.
+    and its INT3 path honour the attribute, as they do here); ``router_weights`` are divided by
+    their sum when it is 1.
     """
 
     op_type = "QMoE"
@@ -367,6 +368,8 @@ class QMoE(MoE):
         if self.block_size and (self.block_size < 16 or self.block_size & (self.block_size - 1)):
             raise InvalidArgument(f"{self._where}: block_size must be a power of 2 and >= 16, got {self.block_size}")
         self.accuracy_level = int(self.attr("accuracy_level", 0))
+        # onnxruntime's INT3 path honours normalize_routing_weights (its 2/4/8-bit kernel does not)
+        self.always_normalize = 3 not in self.proj_bits
         if int(self.attr("weights_prepacked", -1)) not in (-1, 0):  # -1 (default) and 0: raw weights on CPU
             raise InvalidArgument(f"{self._where}: weights_prepacked={self.attr('weights_prepacked')} is a CUDA "
                                   "layout (the raw [E, N, K * bits / 8] weights have 0 or -1)")
@@ -391,7 +394,9 @@ class QMoE(MoE):
         bits = self.proj_bits[j]
         e, n, kb = shape
         k = kb * 8 // bits
-        return e, n, k, bits, (self.block_size or _pow2_block(k))
+        # One block per row (row-wise scales, or a block_size of K or more): a block of the next
+        # power of two >= K, whatever the attribute says (a row is never padded to a huge block).
+        return e, n, k, bits, min(self.block_size or _pow2_block(k), _pow2_block(k))
 
     # -- pre-packing ------------------------------------------------------------------------------
     def _role(self, input_index: int) -> tuple[str, int] | None:
@@ -590,6 +595,10 @@ class _QuantExperts:
         s_shape = tuple(s.shape) if s is not None else kernel._shapes.get(("s", j))
         if s_shape is not None:
             want = (e, n) if row_wise else (e, n, nb)
+            if not row_wise and nb == 1 and s_shape == (e, n):
+                # one scale per row with a block_size of K or more: row-wise, as onnxruntime
+                # reads (E, N) scales whatever block_size says
+                want, row_wise = (e, n), True
             if s_shape != want or (s is not None and s.dtype.kind != "f" and s.dtype.name != "bfloat16"):
                 raise InvalidArgument(f"{where}: fc{j + 1}_scales must be float of shape {list(want)}, "
                                       f"got {'' if s is None else s.dtype}{list(s_shape)}")
@@ -632,8 +641,8 @@ class _QuantExperts:
         # time, pre-packing disabled) it dequantizes and multiplies in float.  So here: where this
         # kernel packed the weight.
         level = 0
-        if (kernel._packed.get(("w", j)) is not None and not row_wise and k % bs == 0
-                and (bits == 8 or (bits == 4 and kernel.accuracy_level == 4))):
+        if (kernel._packed.get(("w", j)) is not None and not row_wise and k % kernel.block_size == 0
+                and kernel.proj_bits[j] != 3 and (bits == 8 or (bits == 4 and kernel.accuracy_level == 4))):
             level = 4
         node = NodeProto()  # (onnx itself is never imported to run a model: graph/_proto.py)
         node.op_type, node.domain, node.name = "MatMulNBits", "com.microsoft", f"{kernel.node.name}/fc{j + 1}"
