@@ -20,6 +20,7 @@ the same).  The highest since-version not above the model's opset for that domai
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -85,6 +86,18 @@ def broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
         return np.broadcast_shapes(tuple(shape), tuple(target)) == tuple(target)
     except ValueError:
         return False
+
+
+def quiet_floats(run: Callable[..., Any]) -> Callable[..., Any]:
+    """``run`` (a kernel's) with numpy's floating-point warnings off: inf / NaN inputs give the
+    arithmetic's inf / NaN, as onnxruntime's kernels do, without a RuntimeWarning per call."""
+
+    @functools.wraps(run)
+    def quiet(*args: Any, **kwargs: Any) -> Any:
+        with np.errstate(all="ignore"):
+            return run(*args, **kwargs)
+
+    return quiet
 
 
 @fast_init

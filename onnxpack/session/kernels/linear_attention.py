@@ -73,27 +73,13 @@ transition capture) is not implemented here.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 
 from onnxpack.errors import InvalidArgument
-from onnxpack.session.kernels._base import Kernel, register
+from onnxpack.session.kernels._base import Kernel, quiet_floats, register
 from onnxpack.session.kernels.linalg import as_compute
-
-
-def _quiet(run):
-    """``run`` with numpy's floating-point warnings off: inf / NaN inputs give the arithmetic's
-    inf / NaN, as onnxruntime's kernels do, without a RuntimeWarning per call."""
-
-    @functools.wraps(run)
-    def quiet(*args, **kwargs):
-        with np.errstate(all="ignore"):
-            return run(*args, **kwargs)
-
-    return quiet
-
 
 __all__ = [
     "LinearAttention",
@@ -197,7 +183,7 @@ class LinearAttention(_Op):
         self.gated = self.rule in ("gated", "gated_delta")
         self.delta = self.rule in ("delta", "gated_delta")
 
-    @_quiet
+    @quiet_floats
     def run(self, query, key=None, value=None, past_state=None, decay=None, beta=None):
         self._need_float(query=query, key=key, value=value, past_state=past_state, decay=decay, beta=beta)
         if query is None or key is None or value is None:
@@ -320,7 +306,7 @@ class LinearAttention27(LinearAttention):
             if given != needed:
                 raise self._err(f"update_rule {self.rule!r} {'requires' if needed else 'forbids'} the {what} input")
 
-    @_quiet
+    @quiet_floats
     def run(self, query, key=None, value=None, past_state=None, decay=None, beta=None):
         if query is not None and key is not None and query.ndim == 3 and key.ndim == 3 and self.hq \
                 and query.shape[2] % self.hq == 0 and key.shape[2] != self.hkv * (query.shape[2] // self.hq):
@@ -344,7 +330,7 @@ class LinearAttentionGate(_Op):
         outs = list(node.output)
         self.want_beta = len(outs) > 1 and bool(outs[1])
 
-    @_quiet
+    @quiet_floats
     def run(self, a, dt_bias, decay_scale, b=None):
         self._need_float(a=a, dt_bias=dt_bias, decay_scale=decay_scale, b=b)
         if a is None or dt_bias is None or decay_scale is None:
@@ -381,7 +367,7 @@ class GatedRMSNorm(_Op):
         self.silu = act != "sigmoid"
         self.eps = _F(self.attr("epsilon", 1e-5))
 
-    @_quiet
+    @quiet_floats
     def run(self, x, scale, gate):
         self._need_float(X=x, scale=scale, gate=gate)
         if x is None or scale is None or gate is None:
@@ -412,7 +398,7 @@ class GatedAdd(_Op):
     op_type = "GatedAdd"
     domain = "com.microsoft"
 
-    @_quiet
+    @quiet_floats
     def run(self, x, y, gate, gate_weight=None):
         self._need_float(X=x, Y=y, gate=gate, gate_weight=gate_weight)
         if x is None or y is None or gate is None:
@@ -451,7 +437,7 @@ class BranchwiseRMSNorm(_Op):
             raise self._err(f"num_branches must be >= 0, got {self.branches}")
         self.eps = _F(self.attr("epsilon", 1e-5))
 
-    @_quiet
+    @quiet_floats
     def run(self, x, scale=None):
         self._need_float(X=x, scale=scale)
         if self.branches:
@@ -518,7 +504,7 @@ class MRotaryEmbedding(_Op):
         self.scale = float(self.attr("scale", 1.0))
         self._streams: dict[int, np.ndarray] = {}
 
-    @_quiet
+    @quiet_floats
     def run(self, x, position_ids, cos_cache, sin_cache):
         self._need_float(input=x, cos_cache=cos_cache, sin_cache=sin_cache)
         if x is None or x.ndim not in (3, 4):

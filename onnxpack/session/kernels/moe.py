@@ -46,7 +46,6 @@ projection by projection, where :class:`.quant.MatMulNBits` has the int8 path (i
 
 from __future__ import annotations
 
-import functools
 import math
 import struct
 
@@ -54,21 +53,8 @@ import numpy as np
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.graph._proto import AttributeProto, NodeProto
-from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
+from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, quiet_floats, register
 from onnxpack.session.kernels.linalg import as_compute
-
-
-def _quiet(run):
-    """``run`` with numpy's floating-point warnings off: inf / NaN inputs give the arithmetic's
-    inf / NaN, as onnxruntime's kernels do, without a RuntimeWarning per call."""
-
-    @functools.wraps(run)
-    def quiet(*args, **kwargs):
-        with np.errstate(all="ignore"):
-            return run(*args, **kwargs)
-
-    return quiet
-
 
 __all__ = ["MoE", "QMoE", "route"]
 
@@ -177,7 +163,7 @@ class MoE(Kernel):
     def _fused(self) -> bool:
         return self.act == "swiglu" and self.fusion in (1, 2)
 
-    @_quiet
+    @quiet_floats
     def run(self, x, router_probs, fc1_w=None, fc1_b=None, fc2_w=None, fc2_b=None, fc3_w=None, fc3_b=None):
         t, h = self._tokens(x)
         experts = _DenseExperts(self, fc1_w, fc2_w, fc3_w, h)
@@ -488,7 +474,7 @@ class QMoE(MoE):
         return np.concatenate([to_tiles(codes[i][:, :, None]) for i in range(e)]) if e else np.empty(0, np.uint8)
 
     # -- compute --------------------------------------------------------------------------------
-    @_quiet
+    @quiet_floats
     def run(self, x, router_probs, fc1_w=None, fc1_s=None, fc1_b=None, fc2_w=None, fc2_s=None, fc2_b=None,
             fc3_w=None, fc3_s=None, fc3_b=None, fc1_z=None, fc2_z=None, fc3_z=None, router_weights=None, *rest):
         t, h = self._tokens(x)
