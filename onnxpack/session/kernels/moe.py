@@ -54,19 +54,15 @@ import numpy as np
 from onnxpack.errors import InvalidArgument
 from onnxpack.graph._proto import AttributeProto, NodeProto
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, quiet_floats, register
+from onnxpack.session.kernels.contrib_activation import tanh_gelu_inplace
 from onnxpack.session.kernels.linalg import as_compute
+from onnxpack.session.kernels.quant import TILE, MatMulNBits, _as_storage, _float_storage, to_tiles, unpack_nbits
+from onnxpack.session.kernels.rnn import _sigmoid
 
 __all__ = ["MoE", "QMoE", "route"]
 
 _ACTIVATIONS = ("relu", "gelu", "silu", "identity", "swiglu")
 _SPARSE_MIXER_EPS = 0.01  # Phi-3.5-MoE's router jitter: the sparse mixer's relative threshold is twice it
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    out = np.tanh(x * np.float32(0.5))
-    out += 1
-    out *= 0.5
-    return out
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:
@@ -264,8 +260,6 @@ class MoE(Kernel):
             g *= _sigmoid(g)
             return g
         if self.act == "gelu":  # the tanh approximation, as onnxruntime's MoE kernels (CPU and CUDA)
-            from onnxpack.session.kernels.contrib_activation import tanh_gelu_inplace
-
             return tanh_gelu_inplace(g)
         return g
 
@@ -409,7 +403,7 @@ class QMoE(MoE):
             # the last block's code and padding): those are unpacked per call, with the weight's
             # geometry.
             return None
-        attrs = struct.pack("<qqBqB", self.proj_bits[j], self.block_size, ord(kind), _tile(), j)
+        attrs = struct.pack("<qqBqB", self.proj_bits[j], self.block_size, ord(kind), TILE, j)
         return PackSpec("qmoe", _QMOE_PACK_VERSION, attrs + struct.pack("<q", len(info.shape)), 1)
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...] | None:
@@ -439,8 +433,6 @@ class QMoE(MoE):
         """Projection ``j``'s weight ("w"), scales ("s") or zero points ("z") in the tiled layout,
         expert after expert (None when the tensor's shape is not one this kernel can read: the run
         says what is wrong)."""
-        from onnxpack.session.kernels.quant import _as_storage, to_tiles, unpack_nbits
-
         arr = np.asarray(arr)
         bits = self.proj_bits[j]
         if kind == "w":
@@ -458,20 +450,20 @@ class QMoE(MoE):
                 padded = np.zeros((e, n, nb * blob), np.uint8)
                 padded[:, :, :rows.shape[2]] = rows
                 rows = padded
-            return np.concatenate([to_tiles(rows[i].reshape(n, nb, blob)) for i in range(e)]) if e else np.empty(0, np.uint8)
+            return _expert_tiles(rows.reshape(e, n, nb, blob))
         if arr.ndim not in (2, 3):
             return None
         e, n = arr.shape[:2]
         if kind == "s":
             per = _as_storage(arr).reshape(e, n, -1)
-            return np.concatenate([to_tiles(per[i][:, :, None]) for i in range(e)]) if e else np.empty(0, per.dtype)
+            return _expert_tiles(per[..., None])
         if arr.ndim == 2:  # row-wise zero points: packed along N
             n = arr.shape[1] * 8 // bits if geometry is None else geometry[1]
             codes = unpack_nbits(arr, bits, n)[:, :, None]
         else:
             nb = arr.shape[2] * 8 // bits if geometry is None else geometry[2]
             codes = unpack_nbits(arr, bits, nb)
-        return np.concatenate([to_tiles(codes[i][:, :, None]) for i in range(e)]) if e else np.empty(0, np.uint8)
+        return _expert_tiles(codes[..., None])
 
     # -- compute --------------------------------------------------------------------------------
     @quiet_floats
@@ -509,15 +501,12 @@ def _three_bit_codes(packed: np.ndarray, count: int) -> np.ndarray:
     return trip[..., 0] | (trip[..., 1] << 1) | (trip[..., 2] << 2)
 
 
-def _tile() -> int:
-    from onnxpack.session.kernels.quant import TILE
-
-    return TILE
+def _expert_tiles(x: np.ndarray) -> np.ndarray:
+    """(E, N, n_blocks, r) per-expert block data -> every expert's tiled layout, one after another."""
+    return np.concatenate([to_tiles(x[i]) for i in range(x.shape[0])]) if x.shape[0] else np.empty(0, x.dtype)
 
 
 def _packed_dtype(kind: str, dtype) -> np.dtype:
-    from onnxpack.session.kernels.quant import _float_storage
-
     return np.dtype(np.uint8) if kind in "wz" else _float_storage(dtype)
 
 
@@ -572,8 +561,6 @@ class _QuantExperts:
     def _projection(kernel: QMoE, j: int, geo, w, s, z) -> list:
         """Expert ``e``'s MatMulNBits kernel for projection ``j``, for every e (kept on the kernel
         while its packed buffers stay the same)."""
-        from onnxpack.session.kernels.quant import MatMulNBits
-
         where = kernel._where
         e, n, k, bits, bs = geo
         nb = -(-k // bs)
