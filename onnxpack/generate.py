@@ -330,7 +330,7 @@ class _Cache:
         self.names += [(cfg.past_value % i, cfg.present_value % i) for i in attention]
         # A convolution or recurrent state has the shape the model declares, batch 1 (LFM2's
         # (1, channels, K - 1); Qwen3.5's recurrent (1, heads, d_k, d_v)).
-        conv = {past: _state_shape(gen._inputs[past]) for past, _ in gen._states}
+        states = {past: _state_shape(gen._inputs[past]) for past, _ in gen._states}
         self.names += gen._states
         # A sliding-window layer's cache is window_size rows in either layout (its attention keeps
         # the last tokens in it; onnxruntime refuses a shorter one).
@@ -342,7 +342,7 @@ class _Cache:
         if gen.shared:
             from onnxpack import OrtValue
 
-            self.past = {p: np.zeros(conv[p] if p in conv else (1, cfg.kv_heads, rows(p, capacity), cfg.head_size),
+            self.past = {p: np.zeros(states[p] if p in states else (1, cfg.kv_heads, rows(p, capacity), cfg.head_size),
                                      gen._cache_dtype) for p, _ in self.names}
             # Bound once: each step rebinds only the inputs that change (ids, mask, positions).
             self.binding = b = gen.session.io_binding()
@@ -352,7 +352,7 @@ class _Cache:
                 b.bind_ortvalue_output(present, buf)  # the same buffer: updated in place
             b.bind_output(cfg.logits)  # (bound last: the last of the run's outputs)
         else:
-            self.past = {p: np.zeros(conv[p] if p in conv else (1, cfg.kv_heads, rows(p, 0), cfg.head_size),
+            self.past = {p: np.zeros(states[p] if p in states else (1, cfg.kv_heads, rows(p, 0), cfg.head_size),
                                      gen._cache_dtype) for p, _ in self.names}
             self.binding = None
 
