@@ -28,7 +28,7 @@ import numpy as np
 
 from onnxpack.errors import OnnxpackError, PrepackFormatError, PrepackWarning
 from onnxpack.prepack import entry_format as fmt
-from onnxpack.graph import byte_array, stat_identity
+from onnxpack.graph import byte_array, mapped_view, stat_identity
 from onnxpack.prepack._weights import (
     PrePackedWeights,
     full_digest,
@@ -293,8 +293,8 @@ class LoadRecord:
             self._records[(rec.scope, rec.name)] = rec
             self._stored[(rec.scope, rec.name)] = (key, value)
 
-    def _trusted_indexes(self) -> list[tuple[dict[bytes, bytes], fmt.RecordIndex]]:
-        """(manifest, record index) of every data file whose seal holds and whose manifest has an
+    def _trusted_indexes(self) -> list[tuple[dict[bytes, bytes], fmt.RecordIndex, str]]:
+        """(manifest, record index, data file) of every data file whose seal holds and whose manifest has an
         index (a file that is not trusted, or a version-1 manifest, has none: its records' JSON is
         parsed and checked as always)."""
         out = []
@@ -306,14 +306,14 @@ class LoadRecord:
             except _FileRejected:
                 continue  # reported when one of its blobs is looked up
             if state.mode == "trusted" and state.index is not None:
-                out.append((state.manifest, state.index))
+                out.append((state.manifest, state.index, location))
         return out
 
     def _from_index(self, key: str, value: str, indexes: list) -> bool:
         """Registers the record stored as (``key``, ``value``) to be built from a trusted index
         whose manifest sealed exactly this key and value; False when none did."""
         kd, vd = fmt._entry(key, value)
-        for manifest, index in indexes:
+        for manifest, index, location in indexes:
             if manifest.get(kd) != vd:
                 continue
             row = index.row(kd)
@@ -322,7 +322,7 @@ class LoadRecord:
             scope, name = index.names(row)
             if fmt._key_of(scope, name) != key:
                 return False  # the JSON path names the mismatch
-            self._indexed[(scope, name)] = (index, row)
+            self._indexed[(scope, name)] = (index, row, location)
             self._stored[(scope, name)] = (key, value)
             self._digests[(scope, name)] = (kd, vd)
             return True
@@ -337,7 +337,7 @@ class LoadRecord:
     def _record(self, scope: str, name: str) -> fmt.WeightRecord | None:
         rec = self._records.get((scope, name))
         if rec is None and (scope, name) in self._indexed:
-            index, row = self._indexed.pop((scope, name))
+            index, row, _ = self._indexed.pop((scope, name))
             try:
                 rec = self._records[(scope, name)] = index.record(row)
             except PrepackFormatError as exc:  # (the index's checks make this a bug)
@@ -354,6 +354,14 @@ class LoadRecord:
         ``repack()`` packs the weight now (the kernel's ``prepack``), called only by a full
         verification, which compares the blob with it.
         """
+        indexed = self._indexed.get((scope, name))
+        if indexed is not None and external is not None:
+            try:
+                mapped = self._find_row(*indexed, scope, name, spec, dtype, shape, check, external)
+            except (PrepackFormatError, OnnxpackError, ValueError):
+                mapped = None  # _find reports it
+            if mapped is not None:
+                return mapped
         rec = self._record(scope, name)
         if rec is None:
             return None
@@ -377,6 +385,50 @@ class LoadRecord:
                 self.rejected += 1
                 _warn(f"{_where(scope, name)} ignored, re-packing: {exc}")
             return None
+
+    def _find_row(self, index: fmt.RecordIndex, row: int, location: str, scope: str, name: str, spec: Any,
+                  dtype: Any, shape: Sequence[int], check: Any, external: Any) -> PrePackedWeights | None:
+        """:meth:`_find` of an indexed record in its common form — one pack of one buffer in the
+        trusted data file whose index lists it, bound to its weight's bytes in that file — read
+        straight from the index rows, without building the record.  It only accepts: whenever
+        any of :meth:`_find`'s checks would not pass (or the record is not of this form), it
+        returns None and :meth:`_find` decides, with its errors and warnings.  (A warm start looks
+        up every packed weight this way: an LLM's 242.)"""
+        _scope, _name, digest_hex, packs = index.row_texts(row)
+        if len(packs) != 1 or len(packs[0][1]) != 1 or packs[0][1][0] != location or len(digest_hex) != 64:
+            return None
+        key = packs[0][0]
+        if key != content_key(spec, bytes.fromhex(digest_hex[:32]), dtype, shape) or external.location != location:
+            return None
+        source_offset, source_length, b = index.row_source(row)
+        if source_offset != external.offset or source_length != external.length:
+            return None  # (no offset recorded: _find digests the weight)
+        state = self._states.get(location)
+        if state is None or state.__class__ is not _State or state.mode != "trusted":
+            return None
+        digests = self._digests.get((scope, name))
+        if digests is None or state.manifest.get(digests[0]) != digests[1]:
+            return None
+        offset, length = b[5], b[6]
+        data, size = self._mapping(location, scope, name)
+        end = offset + length
+        if end > size:
+            return None
+        if not (getattr(spec, "identity", False) and offset == external.offset and length == external.length):
+            weights, conflicts = self._occupied()
+            if length and (location, offset, end, key) in conflicts:
+                return None
+            starts, reach = weights.get(location, ((), ()))
+            k = bisect.bisect_left(starts, end)
+            if length and k and reach[k - 1][0] > offset:
+                return None
+        view = mapped_view(data, fmt.dtype_of_code(b[2]), tuple(b[7][:b[3]]), offset)
+        if length < ALWAYS_VERIFY_BELOW and fmt.crc32(view) != b[1]:
+            return None
+        views = (view,)
+        if check(views) is not None:
+            return None
+        return PrePackedWeights(key, views, "model", self.model.check_files)
 
     def _state(self, location: str) -> _State:
         """How the blobs in data file ``location`` are checked (see :class:`_State`); raises
@@ -499,17 +551,22 @@ class LoadRecord:
                     f"the blob is not this weight's pack ({mismatch}): the record binds another blob")
         return PrePackedWeights(key, views, "model", self.model.check_files)
 
+    def _mapping(self, location: str, scope: str, name: str) -> tuple[Any, int]:
+        """(the mapping of data file ``location``, every view a slice of it; its size), mapped
+        when first asked for (``scope``/``name``: the blob that asks, named in errors)."""
+        got = self._buffers.get(location)
+        if got is None:
+            data, size = self.model.data_buffer(location, _where(scope, name))
+            whole = byte_array(data)  # every view a slice of it (see mapped_view)
+            got = self._buffers[location] = (data if whole is None else whole, size)
+        return got
+
     def _views(self, pack: fmt.PackRecord, rec: fmt.WeightRecord, key: str,
                own: tuple[str, int, int] | None = None) -> tuple[np.ndarray, ...]:
         """Views of ``pack`` (of ``rec``)'s buffers after the bounds and overlap checks."""
         views = []
         for i, b in enumerate(pack.buffers):
-            got = self._buffers.get(b.location)
-            if got is None:
-                data, size = self.model.data_buffer(b.location, _where(rec.scope, rec.name))
-                whole = byte_array(data)  # every view a slice of it (see mapped_view)
-                got = self._buffers[b.location] = (data if whole is None else whole, size)
-            data, size = got
+            data, size = self._mapping(b.location, rec.scope, rec.name)
             if b.offset + b.length > size:
                 raise PrepackFormatError(
                     f"buffer {i} [{b.offset}, {b.offset + b.length}) lies outside {b.location!r} of {size} bytes"
@@ -518,6 +575,16 @@ class LoadRecord:
                 self._check_overlap(i, b, key)
             views.append(b.view(data, size))
         return tuple(views)
+
+    def _occupied(self) -> tuple[dict[str, tuple[list, list]], set]:
+        """:func:`_occupied_ranges` of the model's weights and every record's buffers, made once."""
+        if self._ranges is None:
+            spans = [(b.location, b.offset, b.offset + b.length, p.key)
+                     for rec in self._records.values() for p in rec.packs for b in p.buffers]
+            for index in {id(ix): ix for ix, _, _ in self._indexed.values()}.values():
+                spans.extend(index.spans())
+            self._ranges = _occupied_ranges(self.model, spans)
+        return self._ranges
 
     def _check_overlap(self, i: int, b: fmt.BufferRecord, key: str) -> None:
         """Refuses a buffer whose bytes overlap a weight or another record's buffer.
@@ -529,13 +596,7 @@ class LoadRecord:
         known without reading a byte.  The same range under the same key (two equal weights
         sharing one blob) is fine.
         """
-        if self._ranges is None:
-            spans = [(b.location, b.offset, b.offset + b.length, p.key)
-                     for rec in self._records.values() for p in rec.packs for b in p.buffers]
-            for index in {id(ix): ix for ix, _ in self._indexed.values()}.values():
-                spans.extend(index.spans())
-            self._ranges = _occupied_ranges(self.model, spans)
-        weights, conflicts = self._ranges
+        weights, conflicts = self._occupied()
         end = b.offset + b.length
         if b.length and (b.location, b.offset, end, key) in conflicts:
             raise PrepackFormatError(

@@ -512,6 +512,15 @@ _B_ROW = np.dtype([("loc", *_REF), ("crc", "<u4"), ("dtype", "u1"), ("ndim", "u1
 # Buffer dtypes by code (the row's ``dtype`` byte): the allowed dtypes, in a fixed order.
 _DTYPE_CODES = tuple(sorted(ALLOWED_DTYPES))
 _NP_DTYPES: dict[str, np.dtype] = {}  # BufferRecord.view's dtypes, by their string
+
+
+def dtype_of_code(code: int) -> np.dtype:
+    """The numpy dtype of a record-index buffer row's dtype code (checked with the index)."""
+    name = _DTYPE_CODES[code]
+    dtype = _NP_DTYPES.get(name)
+    if dtype is None:
+        dtype = _NP_DTYPES[name] = np.dtype(name)
+    return dtype
 _MAX_VIEW_BYTES = 2**62  # the graph layer's largest array (shape_fits)
 _HEX64_RE = re.compile(r"[0-9a-f]{64}")
 
@@ -829,6 +838,18 @@ class RecordIndex:
         if self._ascii is not None:
             return self._ascii[ref[0]:ref[0] + ref[1]]
         return self._text[ref[0]:ref[0] + ref[1]].decode("utf-8", "surrogatepass")
+
+    def row_texts(self, i: int) -> tuple[str, str, str, list[tuple[str, list[str]]]]:
+        """Weight row ``i``'s texts (one :meth:`row` returned): scope, name, source digest, and
+        per pack its key and its buffers' files."""
+        return self._texts[i]
+
+    def row_source(self, i: int) -> tuple[int | None, int, tuple]:
+        """Weight row ``i``'s source offset (None: not recorded), source length, and the buffer
+        row of its first pack's first buffer (location ref, crc32, dtype code, ndim, -, offset,
+        length, shape; see :func:`_buffer_row`)."""
+        w = self._wl[i]
+        return (None if w[5] < 0 else w[5]), w[6], self._bl[self._pl[w[3]][1]]
 
     def names(self, i: int) -> tuple[str, str]:
         """(scope, name) of weight row ``i`` (one :meth:`row` returned)."""
