@@ -8,9 +8,10 @@ embedding).  Build it once with the side virtualenv (see models/README.md)::
 
 then::
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python3 benchmarks/bench_llm.py [--repeats 3]
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python3 benchmarks/bench_llm.py [--repeats 3] [--create-repeats 7]
 
-Every figure comes from fresh processes, one at a time, medians of ``--repeats``:
+Every figure comes from fresh processes, one at a time, medians of ``--create-repeats`` (creates)
+or ``--repeats`` (decoding), the runtimes interleaved:
 
 * create: onnxpack cold (the builder's model: packs every weight), onnxpack warm (after
   ``onnxpack optimize``: maps the saved packs), onnxruntime; RssAnon/RssFile/PSS after create;
@@ -182,8 +183,12 @@ def _quantized_bytes(folder: pathlib.Path) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(CACHE / "qwen2.5-0.5b-int4"))
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--contexts", default="32,1024")
+    p.add_argument("--repeats", type=int, default=3, help="fresh processes per decode figure")
+    p.add_argument("--create-repeats", type=int, default=7,
+                   help="fresh processes per create figure (a create is short: the machine's bursts of load "
+                        "weigh on a median of few)")
+    p.add_argument("--contexts", default="32,128,1024",
+                   help="prompt lengths: decode after each, and its prefill (128: the issue's prefill figure)")
     p.add_argument("--new-tokens", type=int, default=49,
                    help="tokens generated per decode process (the first is the prefill's)")
     p.add_argument("--processes", type=int, default=4)
@@ -215,7 +220,7 @@ def main(argv=None) -> int:
         # lands on every runtime's samples alike, not on one runtime's.
         kinds = {"onnxpack cold": ("onnxpack", src), "onnxpack warm": ("onnxpack", opt), "onnxruntime": ("ort", src)}
         rows: dict[str, list] = {k: [] for k in kinds}
-        for _ in range(args.repeats):
+        for _ in range(args.create_repeats):
             for label, (runtime, folder) in kinds.items():
                 rows[label].append(run_child(_CREATE, runtime, folder, drop_env=BLAS_ENV, what=f"create {runtime}"))
         med = {k: statistics.median(r["create_s"] for r in v) for k, v in rows.items()}
@@ -229,7 +234,7 @@ def main(argv=None) -> int:
                                      [r["create_s"] for r in rows["onnxruntime"]])
         results["create"]["paired_warm_ratio"] = paired_create
         print(f"warm create / onnxruntime create: {med['onnxpack warm'] / med['onnxruntime']:.3f} (goal <= 0.05; "
-              f"median of the {args.repeats} interleaved pairs' ratios: {paired_create:.3f})")
+              f"median of the {args.create_repeats} interleaved pairs' ratios: {paired_create:.3f})")
         print(f"packed bytes {packed / _MB:.1f} MB / quantized bytes {quant / _MB:.1f} MB = {packed / quant:.2f} (goal <= 1.25)")
 
         decode: dict = {}
