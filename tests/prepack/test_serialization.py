@@ -347,6 +347,63 @@ def test_invalid_entry_falls_back(case, saved_mlp):
     _equal(got, expected)
 
 
+@pytest.fixture
+def row_lookups(monkeypatch) -> list[tuple[str, bool]]:
+    """(weight name, whether the record index's row gave its blob) per LoadRecord._find_row call
+    (the warm path that builds no record)."""
+    from onnxpack.prepack import _record
+
+    calls: list[tuple[str, bool]] = []
+    find_row = _record.LoadRecord._find_row
+
+    def counting(self, index, row, location, scope, name, *args):
+        got = find_row(self, index, row, location, scope, name, *args)
+        calls.append((name, got is not None))
+        return got
+
+    monkeypatch.setattr(_record.LoadRecord, "_find_row", counting)
+    return calls
+
+
+def test_warm_load_reads_blobs_from_the_record_index(saved_mlp, row_lookups):
+    """An unchanged saved model's blobs come through the record index's rows, and give the saved
+    session's outputs."""
+    out, expected = saved_mlp
+    with _Warnings() as w:
+        s = InferenceSession(str(out))
+        got = s.run(None, sample_models.sample_inputs("mlp"))
+    assert not w.prepack
+    stats = s.get_prepack_stats()
+    assert stats["weights_packed"] == 0 and stats["blobs_from_model"] == 3
+    assert sorted(row_lookups) == [("W1", True), ("W2", True), ("W3", True)]
+    _equal(got, expected)
+
+
+def test_graph_edit_under_a_trusted_data_file_repacks(saved_mlp, row_lookups):
+    """Editing the graph (not the records) leaves the data file trusted and its record index in
+    use: fc1 as Gemm(transB=0) over the same bytes read transposed asks for another pack of W1,
+    which the index's row must not satisfy (its key binds the old shape): a warning, a re-pack,
+    and the edited model's outputs."""
+    out, _ = saved_mlp
+    proto = onnx.load(str(out), load_external_data=False)
+    node = next(n for n in proto.graph.node if n.name == "fc1")
+    for a in node.attribute:
+        if a.name == "transB":
+            a.i = 0
+    w1 = next(t for t in proto.graph.initializer if t.name == node.input[1])
+    w1.dims[:] = list(w1.dims)[::-1]
+    pathlib.Path(out).write_bytes(proto.SerializeToString())
+    feeds = sample_models.sample_inputs("mlp")
+    with _Warnings() as w:
+        s = InferenceSession(str(out))
+        got = s.run(None, feeds)
+    assert len(w.prepack) == 1 and "W1" in w.prepack[0], w.prepack
+    stats = s.get_prepack_stats()
+    assert stats["weights_packed"] == 1 and stats["blobs_from_model"] == 2 and stats["blobs_rejected"] == 1
+    assert sorted(row_lookups) == [("W1", False), ("W2", True), ("W3", True)]  # the full path refused W1's
+    _close(got, _reference(out, feeds))
+
+
 def test_stale_weight_is_repacked(saved_mlp):
     """The weight's bytes changed in the data file after the blob was saved."""
     out, _ = saved_mlp
