@@ -49,8 +49,11 @@ private 4x copy per process).
 Pre-packing: the zero point is *not* folded in: the pre-packing contract keys a pack by its own
 input only, so a pack that baked in another input (the zero point) could be handed to a node
 with the same weight and another zero point.  Conv weights are packed as their integers in
-float32, (g, M/g, C/g, *kernel) like ``Conv`` (family ``qconv``), DynamicQuantizeLSTM's W/R as
-(num_dir, K, 4H): 4 bytes per weight instead of 1.
+float32, (g, M/g, C/g, *kernel) like ``Conv`` (family ``qconv``): 4 bytes per weight instead of
+1.  DynamicQuantizeLSTM's W and R are lanes per direction (family ``qlstm`` version 2): its
+recurrence multiplies one row of h by R at every step, where reading R as int8 instead of float32
+is most of the step (ddddocr's quantized OCR LSTM, 32 steps x 2 directions of 512 x 2048: 17.8 ms
+with float32 R on the exact sgemm, ~4 ms with the int8 GEMM on the lanes, one thread).
 """
 
 from __future__ import annotations
@@ -93,6 +96,9 @@ _PACK_VERSION = 1
 # MatMul-like weights (families qmatmul / qgemm): version 2 keeps them 8-bit (int8 lanes, see
 # to_lanes); version 1 was float32 (K, N), 4x the bytes.
 _MATMUL_PACK_VERSION = 2
+# DynamicQuantizeLSTM's W and R (family qlstm): version 2 keeps them 8-bit (each direction's int8
+# lanes and column sums); version 1 was float32 (num_dir, K, 4H), 4x the bytes.
+_LSTM_PACK_VERSION = 2
 _EIGHT_BIT = ("int8", "uint8")
 _LANE_TILE = 128  # columns per tile of the lanes layout (_qgemm_jit.TILE)
 # The int8 GEMM's result is exact in (wrapping) int32 arithmetic while the true result fits in
@@ -376,13 +382,13 @@ def lanes_tiles(lanes: np.ndarray, k: int, n: int, unsigned: bool):
 
 
 def _qjit():
-    """The int8 GEMM kernels (AVX-512 VNNI) or None: from the native code cache when it has them
-    (no numba in the process), else numba's :mod:`._qgemm_jit`."""
+    """The int8 GEMM kernels (AVX-512 VNNI or AVX2) or None: from the native code cache when it
+    has them (no numba in the process), else numba's :mod:`._qgemm_jit`."""
     native = _act.native()
     if native is not None and native.has_qgemm():
         return native
     module = _act.load_jit("_qgemm_jit", "MatMulInteger")
-    return module if module is not None and module.int8_dot else None
+    return module if module is not None and module.available else None
 
 
 def lanes_matmul(a: np.ndarray, a_zp, lanes: np.ndarray, colsum: np.ndarray, k: int, n: int,
@@ -666,10 +672,11 @@ class ConvInteger(PackedConvWeight, Kernel):
         return (acc.astype(np.int32),)
 
 
-def _dynamic_quantize_shifted(a: np.ndarray) -> tuple[np.ndarray, np.float32, int]:
+def _dynamic_quantize_shifted(a: np.ndarray, params: tuple | None = None) -> tuple[np.ndarray, np.float32, int]:
     """uint8 dynamic quantization of a float32 tensor, returned as ``q - zero_point`` (float32),
-    the scale, and max |q - zero_point|: the quantized integers without a uint8 round trip."""
-    scale, zp = dynamic_qparams(a)
+    the scale, and max |q - zero_point|: the quantized integers without a uint8 round trip.
+    ``params``: ``dynamic_qparams(a)`` when the caller has them."""
+    scale, zp = dynamic_qparams(a) if params is None else params
     q = np.divide(a, scale, dtype=np.float32)
     np.rint(q, out=q)
     z = np.float32(zp)
@@ -681,8 +688,9 @@ def _dynamic_quantize_shifted(a: np.ndarray) -> tuple[np.ndarray, np.float32, in
 def _dynamic_quantize_uint8(a: np.ndarray) -> tuple[np.ndarray, np.float32, int]:
     """uint8 dynamic quantization of a float32 tensor (DynamicQuantizeLinear's integers: the same
     as :func:`_dynamic_quantize_shifted` plus the zero point), its scale and zero point."""
-    q, scale, _ = _dynamic_quantize_shifted(a)
-    _, zp = dynamic_qparams(a)
+    params = dynamic_qparams(a)
+    q, scale, _ = _dynamic_quantize_shifted(a, params)
+    zp = params[1]
     q += np.float32(zp)
     return q.astype(np.uint8), scale, int(zp)
 
@@ -769,24 +777,43 @@ class DynamicQuantizeLSTM(LSTM):
         super().__init__(node, ctx)
         self.what = f"node {node.name!r} (DynamicQuantizeLSTM)"
         self._wdtype: dict[int, np.dtype] = {}
+        self._wshape: dict[int, tuple[int, ...]] = {}
 
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
         if input_index in (1, 2):
             if len(info.shape) != 3 or np.dtype(info.dtype).name not in _EIGHT_BIT:
                 return None
             self._wdtype[input_index] = np.dtype(info.dtype)
-            return PackSpec("qlstm", _PACK_VERSION, bytes([input_index]), 1)
+            self._wshape[input_index] = tuple(int(d) for d in info.shape)
+            return PackSpec("qlstm", _LSTM_PACK_VERSION, bytes([input_index]), 2)
         return super().pack_spec(input_index, info)
 
     def expected_packed(self, input_index: int, info: TensorInfo):
         if input_index in (1, 2):
-            return None if self.pack_spec(input_index, info) is None else [(_F32, tuple(info.shape))]
+            if self.pack_spec(input_index, info) is None:
+                return None
+            nd, k, n = info.shape
+            return [(np.dtype(np.int8), (nd, -(-k // 4) * 4 * n)), (np.dtype(np.int32), (nd, n))]
         return super().expected_packed(input_index, info)
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
-        if input_index in (1, 2):  # already (num_dir, K, 4H): the layout the GEMMs read
-            return (np.ascontiguousarray(weight, dtype=np.float32),)
+        if input_index in (1, 2):  # (num_dir, K, 4H): each direction's (K, 4H) as int8 lanes
+            check_eight_bit(weight, "W" if input_index == 1 else "R", self.what)
+            packs = [to_lanes(weight[d]) for d in range(weight.shape[0])]
+            return (np.stack([p[0] for p in packs]), np.stack([p[1] for p in packs]))
         return super().prepack(input_index, weight)
+
+    def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
+        if input_index in (1, 2):
+            lanes, colsum = buffers
+            nd, k, n = self._wshape[input_index]
+            packed = _LanesWeight(lanes, colsum, nd, k, n, self._wdtype[input_index] == np.uint8)
+            if input_index == 1:
+                self._wt = packed
+            else:
+                self._rt = packed
+            return
+        super().use_prepacked(input_index, buffers)
 
     def run(self, x, w=None, r=None, b=None, seq_lens=None, h0=None, c0=None, p=None,
             w_scale=None, w_zero_point=None, r_scale=None, r_zero_point=None):
@@ -814,8 +841,49 @@ class DynamicQuantizeLSTM(LSTM):
 
     def _project(self, a: np.ndarray, weight: np.ndarray, d: int, which: int, q) -> np.ndarray:
         scale, zp, dtype = q[which]
-        af, a_scale, a_span = _dynamic_quantize_shifted(np.ascontiguousarray(a, dtype=np.float32))
         z = zp[d] if zp.shape[1] > 1 else zp[d, 0]
-        acc = int_matmul(af, None, weight, dtype, z, a_shifted=True, a_span=a_span, what=self.what)
         s = scale[d] if scale.shape[1] > 1 else scale[d, 0]
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if isinstance(weight, _LanesDirection):
+            # The int8 GEMM on the packed lanes (one byte per weight: a step's h @ R reads 1/4 of
+            # the bytes a float32 copy would); its exact integers are the float path's.
+            aq, a_scale, a_zp = _dynamic_quantize_uint8(a)
+            acc = lanes_matmul(aq, np.uint8(a_zp), weight.lanes, weight.colsum, weight.k, weight.n, weight.unsigned, z)
+            if acc is not None:
+                return acc.astype(np.float32) * (np.float32(a_scale) * s)
+            weight = weight.dense()
+        af, a_scale, a_span = _dynamic_quantize_shifted(a)
+        acc = int_matmul(af, None, weight, dtype, z, a_shifted=True, a_span=a_span, what=self.what)
         return acc.astype(np.float32) * (np.float32(a_scale) * s)
+
+
+class _LanesWeight:
+    """DynamicQuantizeLSTM's packed W or R: each direction's (K, 4H) weight as int8 lanes
+    (:func:`to_lanes`) with its column sums; ``shape`` is the float layout's (num_dir, K, 4H),
+    which the LSTM's plumbing reads, and indexing by a direction gives that direction's weight."""
+
+    def __init__(self, lanes: np.ndarray, colsum: np.ndarray, nd: int, k: int, n: int, unsigned: bool) -> None:
+        self.lanes, self.colsum, self.k, self.n, self.unsigned = lanes, colsum, k, n, unsigned
+        self.shape = (nd, k, n)
+        self._dense: dict[int, np.ndarray] = {}
+
+    def __getitem__(self, d: int) -> _LanesDirection:
+        return _LanesDirection(self, d)
+
+
+class _LanesDirection:
+    """One direction of a :class:`_LanesWeight`."""
+
+    def __init__(self, owner: _LanesWeight, d: int) -> None:
+        self.lanes, self.colsum = owner.lanes[d], owner.colsum[d]
+        self.k, self.n, self.unsigned = owner.k, owner.n, owner.unsigned
+        self._owner, self._d = owner, d
+
+    def dense(self) -> np.ndarray:
+        """The weight's integers as float32 (K, 4H), for the exact float32 GEMM where the int8
+        GEMM does not run (no numba, or a CPU without AVX2): unpacked once per direction and kept
+        (a private float32 copy, 4x the pack: only on that fallback)."""
+        got = self._owner._dense.get(self._d)
+        if got is None:
+            got = self._owner._dense[self._d] = from_lanes(self.lanes, self.k, self.n, self.unsigned)
+        return got
