@@ -308,7 +308,7 @@ def test_dynamic_quantize_lstm_matches_onnxruntime(case):
     assert sess.get_prepack_stats()["weights_packed"] == 3
 
 
-# -- the int8 lanes pack and the VNNI GEMM -------------------------------------------------------
+# -- the int8 lanes pack and its GEMM -------------------------------------------------------------
 
 from onnxpack.session.kernels import qinteger  # noqa: E402
 
@@ -332,12 +332,12 @@ def test_lanes_round_trip_and_stay_8_bit(k, n, bdt):
 @pytest.mark.parametrize("zps", ["none", "scalar", "row-col"])
 @pytest.mark.parametrize("adt,bdt", [(np.uint8, np.int8), (np.uint8, np.uint8), (np.int8, np.int8), (np.int8, np.uint8)],
                          ids=["u8s8", "u8u8", "s8s8", "s8u8"])
-def test_vnni_gemm_is_exact(adt, bdt, zps, shape):
-    """The int8 GEMM on the lanes (AVX-512 VNNI) against int64 numpy: every dtype pair, zero points
-    none / per tensor / per row and column, 4-row and 1-row passes, K not a multiple of 4, the
-    last tile's odd columns, extreme values."""
+def test_int8_gemm_is_exact(adt, bdt, zps, shape):
+    """The int8 GEMM on the lanes (AVX-512 VNNI, or AVX2 with the activation bytes split) against
+    int64 numpy: every dtype pair, zero points none / per tensor / per row and column, 4-row and
+    1-row passes, K not a multiple of 4, the last tile's odd columns, extreme values."""
     if qinteger._qjit() is None:
-        pytest.skip("the int8 GEMM needs numba and a CPU with AVX-512 VNNI")
+        pytest.skip("the int8 GEMM needs numba and a CPU with AVX-512 VNNI or AVX2")
     m, k, n = shape
     rng = np.random.default_rng(m * k + n)
     a, b = ints(rng, adt, (m, k)), ints(rng, bdt, (k, n))
@@ -353,6 +353,21 @@ def test_vnni_gemm_is_exact(adt, bdt, zps, shape):
         (b.astype(np.int64) - (0 if bz is None else np.asarray(bz, np.int64)))
     assert got is not None and got.dtype == np.int32
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("wval", [-128, 127])
+@pytest.mark.parametrize("m,k,n", [(4, 64, 24), (1, 70, 40), (5, 3, 9)])
+def test_int8_gemm_saturation_cases(wval, m, k, n):
+    """Where a pairwise int16 sum of products saturates (255 * -128 twice is -65,280; 255 * 127
+    twice 64,770): the GEMM still gives the exact int32 sums (onnxruntime's AVX2 kernel does not)."""
+    if qinteger._qjit() is None:
+        pytest.skip("the int8 GEMM needs numba and a CPU with AVX-512 VNNI or AVX2")
+    a = np.full((m, k), 255, np.uint8)
+    a[:, ::3] = 254  # not all equal: the split of every byte matters
+    b = np.full((k, n), wval, np.int8)
+    lanes, colsum = qinteger.to_lanes(b)
+    got = qinteger.lanes_matmul(a, None, lanes, colsum, k, n, False, None)
+    np.testing.assert_array_equal(got, a.astype(np.int64) @ b.astype(np.int64))
 
 
 @pytest.mark.parametrize("jit", ["jit", "numpy"])

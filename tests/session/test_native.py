@@ -232,7 +232,7 @@ if jit.int8_dot:  # the int8-activation GEMV (accuracy_level 4), serial and para
                            np.float32(8), y, n, nb, 16, quant.TILE, 2)
         assert (np.abs(y - a @ w) <= bound * 1.01 + 1e-4).all(), name
 from onnxpack.session.kernels import qinteger  # the integer MatMuls' int8 GEMM, serial and parallel
-if jit.has_qgemm():  # (AVX-512 VNNI only; the int8 GEMVs above also run on AVX2)
+if jit.has_qgemm():  # (AVX-512 VNNI or AVX2)
     assert qinteger._qjit() is jit, "the native int8 GEMM was not taken"
     for m, k, n in ((3, 70, 150), (64, 256, 300)):
         a = rng.integers(0, 256, (m, k)).astype(np.uint8)
