@@ -316,6 +316,15 @@ def find_conv_fusions(
     return out
 
 
+def _other_operand(node: NodeProto, name: str) -> str | None:
+    """The other input of a two-input ``node`` that reads ``name`` once, else None (a hostile or
+    malformed node may hold one input, or three)."""
+    ins = node.input[:]
+    if len(ins) != 2 or ins.count(name) != 1:
+        return None
+    return ins[1] if ins[0] == name else ins[0]
+
+
 def _scalar(v: np.ndarray | None) -> float | None:
     if v is None or v.size != 1 or v.dtype.kind != "f":
         return None
@@ -376,8 +385,8 @@ def _match_gelu(nodes, t, users, users_of, const_value):
     if ai is None:
         return None
     add = nodes[ai]
-    one = add.input[1] if add.input[0] == nodes[ei].output[0] else add.input[0]
-    if _scalar(const_value(one)) != 1.0:
+    one = _other_operand(add, nodes[ei].output[0])
+    if one is None or _scalar(const_value(one)) != 1.0:
         return None
     e1 = add.output[0]
     if sorted(mul.input) == sorted([t, e1]):
@@ -388,13 +397,13 @@ def _match_gelu(nodes, t, users, users_of, const_value):
         if hi is None:
             return None
         h = nodes[hi]
-        half = h.input[1] if h.input[0] == mul.output[0] else h.input[0]
-        if _scalar(const_value(half)) != 0.5:
+        half = _other_operand(h, mul.output[0])
+        if half is None or _scalar(const_value(half)) != 0.5:
             return None
         return Activation("gelu", 1.0), (si, ei, ai, mi, hi), h.output[0]  # a = 1: the 0.5 last
     # 0.5 applied to t first: Mul(Mul(t, 0.5), e1)
-    half = mul.input[1] if mul.input[0] == t else mul.input[0]
-    if _scalar(const_value(half)) != 0.5:
+    half = _other_operand(mul, t)
+    if half is None or _scalar(const_value(half)) != 0.5:
         return None
     fi = only(mul.output[0], "Mul")
     if fi is None or sorted(nodes[fi].input) != sorted([mul.output[0], e1]) or users_of(e1) != [fi]:
@@ -501,8 +510,8 @@ def match_activation(nodes, t, users_of, const_value, opset):
         return gelu
     if set(by_op) == {"Add", "Mul"}:
         (ai, add), (mi, mul) = by_op["Add"], by_op["Mul"]
-        three = add.input[1] if add.input[0] == t else add.input[0]
-        if _scalar(const_value(three)) != 3.0:
+        three = _other_operand(add, t)
+        if three is None or _scalar(const_value(three)) != 3.0:
             return None
         cu = users_of(add.output[0])
         if cu is None or len(cu) != 1 or nodes[cu[0]].op_type != "Clip":
@@ -639,8 +648,8 @@ def find_matmul_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], pro
         users = users_of(t)
         if users is not None and len(users) == 1:
             add = nodes[users[0]]
-            if add.op_type == "Add" and add.domain in ("", "ai.onnx") and add.input[:].count(t) == 1:
-                other = add.input[1] if add.input[0] == t else add.input[0]
+            other = _other_operand(add, t)
+            if add.op_type == "Add" and add.domain in ("", "ai.onnx") and other is not None:
                 c = const_value(other) if other else None
                 if c is not None and c.dtype.kind == "f" and (c.size == 1 or (c.shape[-1] == n and c.size == n)):
                     bias = other
@@ -712,8 +721,8 @@ def find_nbits_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], prot
         users = users_of(t)
         if users is not None and len(users) == 1 and (len(node.input) < 6 or not node.input[5]):
             add = nodes[users[0]]
-            if add.op_type == "Add" and add.domain in ("", "ai.onnx") and add.input[:].count(t) == 1:
-                other = add.input[1] if add.input[0] == t else add.input[0]
+            other = _other_operand(add, t)
+            if add.op_type == "Add" and add.domain in ("", "ai.onnx") and other is not None:
                 meta = const_meta(other) if other else None
                 n = next((a.i for a in node.attribute[:] if a.name == "N"), None)
                 if n is not None and meta is not None and meta.dtype.kind == "f" and math.prod(meta.shape) == n and (

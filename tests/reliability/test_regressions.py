@@ -178,6 +178,42 @@ def test_attribute_of_the_wrong_type_is_an_invalid_graph():
         InferenceSession(m.SerializeToString())
 
 
+def _one_input_chains():
+    """Graphs whose fusion candidates hold a binary node left with one input (the proto fuzzer's
+    bit flips made one: an Add after a MatMul with a constant weight, seed 4343000000021)."""
+    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "W")
+    half = numpy_helper.from_array(np.array(0.5, np.float32), "half")
+    root2 = numpy_helper.from_array(np.array(2 ** -0.5, np.float32), "r2")
+    one = numpy_helper.from_array(np.array(1.0, np.float32), "one")
+    three = numpy_helper.from_array(np.array(3.0, np.float32), "three")
+    mm = helper.make_node("MatMul", ["x", "W"], ["t"])
+    cases = {
+        "matmul-bias": [mm, helper.make_node("Add", ["t"], ["y"])],
+        "gelu-add": [mm, helper.make_node("Mul", ["t", "r2"], ["s"]), helper.make_node("Erf", ["s"], ["e"]),
+                     helper.make_node("Add", ["e"], ["e1"]), helper.make_node("Mul", ["t", "e1"], ["p"]),
+                     helper.make_node("Mul", ["p", "half"], ["y"])],
+        "gelu-half": [mm, helper.make_node("Mul", ["t", "r2"], ["s"]), helper.make_node("Erf", ["s"], ["e"]),
+                      helper.make_node("Add", ["e", "one"], ["e1"]), helper.make_node("Mul", ["t", "e1"], ["p"]),
+                      helper.make_node("Mul", ["p"], ["y"])],
+        "hardswish-add": [mm, helper.make_node("Add", ["t"], ["a"]), helper.make_node("Clip", ["a"], ["c"]),
+                          helper.make_node("Mul", ["t", "c"], ["y"])],
+    }
+    for name, nodes in cases.items():
+        g = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w, half, root2, one, three])
+        yield name, helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("name,model", list(_one_input_chains()), ids=[n for n, _ in _one_input_chains()])
+def test_fusion_candidate_with_one_input_is_an_invalid_graph(name, model):
+    """The fusion planner reads a binary node's other operand only when it has two inputs: the
+    one-input node is then the node's own error at creation (was an IndexError from the planner)."""
+    from onnxpack.errors import InvalidGraph
+
+    with pytest.raises(InvalidGraph, match="input"):
+        InferenceSession(model.SerializeToString())
+
+
 # -- issue 12, round two: what the consistent-forgery, live-file and attribute families found ------
 
 
