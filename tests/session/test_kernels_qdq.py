@@ -358,6 +358,9 @@ DQL_INPUTS = {
     "constant": lambda r: np.full((7,), 2.5, np.float32),
     "ties": lambda r: (np.arange(-20, 236, dtype=np.float32) * (10.0 / 255) + 5.0 / 255).reshape(16, 16),
     "wide": lambda r: (r.standard_normal((64, 64)) * 1e4).astype(np.float32),
+    # From 4,096 elements the quantization runs as one JIT pass (with numba): the same codes.
+    "ties-large": lambda r: np.tile(np.arange(-20, 236, dtype=np.float32) * (10.0 / 255) + 5.0 / 255, 40).reshape(40, 256),
+    "random-large": lambda r: (r.standard_normal((3, 64, 100)) * 2.5 + 0.7).astype(np.float32),
 }
 
 

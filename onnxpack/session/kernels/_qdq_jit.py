@@ -1,4 +1,5 @@
-"""numba kernel for the fused QuantizeLinear -> DequantizeLinear pair (optional, the ``jit`` extra).
+"""numba kernels for the fused QuantizeLinear -> DequantizeLinear pair and DynamicQuantizeLinear's
+quantization (optional, the ``jit`` extra).
 
 Imported by :class:`onnxpack.session.kernels.qdq.FakeQuant` on its first run, only when numba is
 installed and ``ONNXPACK_DISABLE_JIT`` is not ``1``; the numpy twin in ``qdq.py`` computes the
@@ -15,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["fake_quant"]
+__all__ = ["fake_quant", "quantize_u8"]
 
 
 @njit(cache=True)
@@ -36,6 +37,24 @@ def fake_quant(x, scale, low, high, out):  # pragma: no cover - compiled; tested
                 if q > hi:
                     q = hi
                 out[o, c, i] = q * s + zero
+    return out
+
+
+@njit(cache=True)
+def quantize_u8(x, scale, zp, out):  # pragma: no cover - compiled; tested through DynamicQuantizeLinear
+    """``out = uint8(clamp(rint(x / scale) + zp, 0, 255))`` over a flat float32 ``x`` (NaN to 0),
+    the arithmetic of ``qdq.quantize_u8`` in one pass: the division in float32, round half to
+    even, the zero point added in float32, then the clamp."""
+    zero = np.float32(0.0)
+    top = np.float32(255.0)
+    z = np.float32(zp)
+    for i in range(x.shape[0]):
+        q = np.rint(x[i] / scale) + z
+        if not (q >= zero):  # NaN too, as numpy's fmax makes it
+            q = zero
+        if q > top:
+            q = top
+        out[i] = np.uint8(q)
     return out
 
 

@@ -228,6 +228,10 @@ def quantize(x: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None = N
     raise InvalidArgument(f"{what}: cannot quantize to {out_dtype}")
 
 
+# Below this many elements numpy's passes cost less than a call into the JIT.
+_QUANTIZE_JIT_MIN = 4096
+
+
 def dynamic_qparams(x: np.ndarray) -> tuple[np.float32, np.uint8]:
     """uint8 scale and zero point of a float tensor, as onnxruntime's GetQuantizationParameter."""
     if x.size:
@@ -242,7 +246,14 @@ def dynamic_qparams(x: np.ndarray) -> tuple[np.float32, np.uint8]:
 
 
 def quantize_u8(x: np.ndarray, scale: np.float32, zp: np.uint8) -> np.ndarray:
-    """Per-tensor uint8 quantization of a float32 tensor (the dynamic-quantization fast path)."""
+    """Per-tensor uint8 quantization of a float32 tensor (the dynamic-quantization fast path):
+    one pass with numba (``_qdq_jit.quantize_u8``, the same arithmetic), else six numpy ones."""
+    if x.size >= _QUANTIZE_JIT_MIN and x.dtype == np.float32:
+        jit = _fq_jit()
+        if jit is not None:
+            out = np.empty(x.shape, np.uint8)
+            jit.quantize_u8(np.ascontiguousarray(x).reshape(-1), np.float32(scale), np.float32(zp), out.reshape(-1))
+            return out
     q = np.asarray(np.divide(x, scale, dtype=np.float32))
     np.rint(q, out=q)
     q += np.float32(zp)
