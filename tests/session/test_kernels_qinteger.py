@@ -355,6 +355,35 @@ def test_int8_gemm_is_exact(adt, bdt, zps, shape):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("shape", LANE_SHAPES, ids=[f"m{m}k{k}n{n}" for m, k, n in LANE_SHAPES])
+@pytest.mark.parametrize("zps", ["none", "scalar", "row-col"])
+@pytest.mark.parametrize("adt", [np.uint8, np.int8], ids=["u8", "s8"])
+def test_int8_gemm_signed_form_is_exact(adt, zps, shape):
+    """Weights in [-127, 127] (symmetric int8, no_min_lane): the GEMM's signed form (AVX2: the
+    sums of (a - 128) * w, the column sums' term shifted back) against int64 numpy, through the
+    scalar and the per-row / per-column corrections, with and without the form."""
+    if qinteger._qjit() is None:
+        pytest.skip("the int8 GEMM needs numba and a CPU with AVX-512 VNNI or AVX2")
+    m, k, n = shape
+    rng = np.random.default_rng(7 * m + k + n)
+    a = ints(rng, adt, (m, k))
+    b = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    b[0] = -127
+    if zps == "none":
+        az = bz = None
+    elif zps == "scalar":
+        az, bz = ints(rng, adt, ()), ints(rng, np.int8, ())
+    else:
+        az, bz = ints(rng, adt, (m,)), ints(rng, np.int8, (n,))
+    lanes, colsum = qinteger.to_lanes(b)
+    assert qinteger.no_min_lane(lanes)
+    want = (a.astype(np.int64) - (0 if az is None else np.asarray(az, np.int64).reshape(-1, 1) if zps != "scalar" else int(az))) @ \
+        (b.astype(np.int64) - (0 if bz is None else np.asarray(bz, np.int64)))
+    for no_min in (True, False):
+        got = qinteger.lanes_matmul(a, az, lanes, colsum, k, n, False, bz, no_min)
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("wval", [-128, 127])
 @pytest.mark.parametrize("m,k,n", [(4, 64, 24), (1, 70, 40), (5, 3, 9)])
 def test_int8_gemm_saturation_cases(wval, m, k, n):

@@ -59,9 +59,9 @@ Q_SLOTS = 21
 _Q_PACK = struct.Struct("<19q2d")
 # The integer MatMuls' int8 GEMM (``_qgemm_jit.native_entries``): A (uint8 (M, KP)), the lanes
 # (int8, their length), out (int32 (M, N)), groups of 4 k; then two loop slots per thread.
-(QG_A, QG_M, QG_KP, QG_W, QG_WLEN, QG_OUT, QG_N, QG_GROUPS) = range(8)
-QG_SLOTS = 8
-_QG_PACK = struct.Struct("<8q")
+(QG_A, QG_M, QG_KP, QG_W, QG_WLEN, QG_OUT, QG_N, QG_GROUPS, QG_SIGNS) = range(9)
+QG_SLOTS = 9
+_QG_PACK = struct.Struct("<9q")
 
 _SCALES = {np.dtype(np.float32): "f32", np.dtype(np.uint16): "u16"}
 _local = threading.local()
@@ -341,14 +341,21 @@ class _Kernels:
         self._dequant(8, *args)
 
     def has_qgemm(self) -> bool:
-        """Whether the cache has the integer MatMuls' int8 GEMM (built on a CPU with VNNI)."""
+        """Whether the cache has the integer MatMuls' int8 GEMM (built on a CPU with VNNI or AVX2)."""
         return "qgemm" in self._lib.addresses
 
-    def _qgemm(self, a, w, out, n, groups, threads) -> None:
+    @property
+    def signs_form(self) -> bool:
+        """``_qgemm_jit.signs_form`` of the build: whether ``qgemm(..., signs=1)`` computes the
+        sums of (a - 128) * W."""
+        return "qgemm_signs_form" in self._lib.addresses
+
+    def _qgemm(self, a, w, out, n, groups, threads, signs) -> None:
         """``_qgemm_jit.qgemm``: ``a`` uint8 (M, 4*groups), ``w`` int8 lanes, ``out`` int32 (M, N),
         all C-contiguous."""
         buf, address = _block()
-        _QG_PACK.pack_into(buf, 0, _addr(a), a.shape[0], a.shape[1], _addr(w), w.size, _addr(out), n, groups)
+        _QG_PACK.pack_into(buf, 0, _addr(a), a.shape[0], a.shape[1], _addr(w), w.size, _addr(out), n, groups,
+                           int(signs))
         threads = min(max(1, int(threads)), _SLOTS)
         if threads > 1:
             self._lib.parallel("qgemm_omp", address, threads)
@@ -358,8 +365,8 @@ class _Kernels:
     def qgemm(self, *args) -> None:
         self._qgemm(*args)
 
-    def qgemm_serial(self, a, w, out, n, groups, threads) -> None:
-        self._qgemm(a, w, out, n, groups, 1)
+    def qgemm_serial(self, a, w, out, n, groups, threads, signs) -> None:
+        self._qgemm(a, w, out, n, groups, 1, signs)
 
     def act_inplace(self, flat: np.ndarray, codes: np.ndarray, params: np.ndarray) -> None:
         """``_conv_jit.act_inplace``: float32 ``flat`` (C-contiguous, 1-D), int64 ``codes``,

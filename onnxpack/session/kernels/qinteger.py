@@ -392,8 +392,14 @@ def _qjit():
     return module if module is not None and module.available else None
 
 
+def no_min_lane(lanes: np.ndarray) -> bool:
+    """Whether no stored lane byte is -128 (int8 weights in [-127, 127], as symmetric quantizers
+    write them): then :func:`lanes_matmul` may take the AVX2 GEMM's faster signed form."""
+    return bool(lanes.size == 0 or lanes.min() > -128)
+
+
 def lanes_matmul(a: np.ndarray, a_zp, lanes: np.ndarray, colsum: np.ndarray, k: int, n: int,
-                 b_unsigned: bool, b_zp) -> np.ndarray | None:
+                 b_unsigned: bool, b_zp, no_min: bool = False) -> np.ndarray | None:
     """``(a - a_zp) @ (B - b_zp)`` exactly, as int32 (..., N), with the int8 GEMM on the lanes; None
     when it does not apply here (no VNNI JIT, a zero point of another shape, K too large): the
     caller then takes the float32 path.
@@ -402,7 +408,9 @@ def lanes_matmul(a: np.ndarray, a_zp, lanes: np.ndarray, colsum: np.ndarray, k: 
     a scalar or one per column.  With ``a_u`` = A as unsigned bytes (int8 + 128), ``w_s`` the
     stored lanes (uint8 weights - 128) and ``A' = 128·[A signed] + a_zp``, ``B' = 128·[B
     unsigned] - b_zp``: ``sum_k (a - a_zp)(b - b_zp) = a_u·w_s + B'·rowsum(a_u) - A'·colsum(w_s)
-    - K·A'·B'``, every term an exact integer.
+    - K·A'·B'``, every term an exact integer.  ``no_min``: the caller knows :func:`no_min_lane`
+    holds for ``lanes``; on AVX2 the GEMM then sums ``(a_u - 128)·w_s`` (one multiply per product
+    instead of two), and the column sums' term takes ``A' - 128``.
     """
     jit = _qjit()
     if jit is None or k > _LANES_MAX_K or a.ndim < 1 or a.shape[-1] != k or a.dtype not in _EIGHT_BIT_DTYPES:
@@ -427,11 +435,13 @@ def lanes_matmul(a: np.ndarray, a_zp, lanes: np.ndarray, colsum: np.ndarray, k: 
     else:
         au = a2  # uint8 rows already in groups of 4: no copy
     out = np.empty((m, n), np.int32)
+    signs = 1 if no_min and jit.signs_form else 0
     threads = _act.threads()
     if threads > 1 and m * k * n >= 1 << 21:
-        jit.qgemm(au, lanes, out, n, groups, threads)
+        jit.qgemm(au, lanes, out, n, groups, threads, signs)
     else:
-        jit.qgemm_serial(au, lanes, out, n, groups, 1)
+        jit.qgemm_serial(au, lanes, out, n, groups, 1, signs)
+    c_less = 128 * signs  # the GEMM's own shift of a_u: less to take off with the column sums
     # The corrections in int32, in place: every term is an integer and the exact result fits in
     # int32 (|result| <= K * 255 * 255 < 2**31 for K <= _LANES_MAX_K), so wrapping int32
     # arithmetic (numpy's) ends on the exact value.
@@ -443,10 +453,10 @@ def lanes_matmul(a: np.ndarray, a_zp, lanes: np.ndarray, colsum: np.ndarray, k: 
         b_sh = (128 if b_unsigned else 0) - (0 if bz is None else int(bz.reshape(())))
         if b_sh:
             out += (au.sum(axis=1, dtype=np.int64) * b_sh).astype(np.int32).reshape(-1, 1)
-        if a_sh:
-            out -= colsum * np.int32(a_sh)
-            if b_sh:
-                out -= np.int64(k * a_sh * b_sh).astype(np.int32)  # (wraps as the rest does)
+        if a_sh != c_less:
+            out -= colsum * np.int32(a_sh - c_less)
+        if a_sh and b_sh:
+            out -= np.int64(k * a_sh * b_sh).astype(np.int32)  # (wraps as the rest does)
         return out.reshape(*lead, n)
     a_shift = np.int64(128 if signed_a else 0)
     if az is not None:
@@ -457,8 +467,8 @@ def lanes_matmul(a: np.ndarray, a_zp, lanes: np.ndarray, colsum: np.ndarray, k: 
     if np.any(b_shift):
         rows = au.sum(axis=1, dtype=np.int64).reshape(-1, 1) * b_shift  # (M, 1) or (M, N)
         out += rows.astype(np.int32)
-    if np.any(a_shift):
-        cols = a_shift * colsum.astype(np.int64).reshape(1, -1) + np.int64(k) * a_shift * b_shift
+    if np.any(a_shift) or c_less:
+        cols = (a_shift - c_less) * colsum.astype(np.int64).reshape(1, -1) + np.int64(k) * a_shift * b_shift
         out -= cols.astype(np.int32)
     return out.reshape(*lead, n)
 
@@ -476,6 +486,7 @@ class PackedMatMulWeight:
         self._lanes: tuple[np.ndarray, np.ndarray] | None = None  # (lanes, column sums)
         self._b_dtype: np.dtype | None = None
         self._tile_l1: list[float] | None = None  # the same per tile of lanes_tiles, computed once
+        self._no_min: bool | None = None  # no_min_lane of the packed lanes, at the first product
 
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
         if input_index != self.weight_index or len(info.shape) != 2 or np.dtype(info.dtype).name not in _EIGHT_BIT:
@@ -545,7 +556,9 @@ class PackedMatMulWeight:
         if a.ndim == 0 or a.shape[-1] != k:
             raise InvalidArgument(f"{what}: inner dimensions differ: A {list(a.shape)}, B ({k}, {n})")
         unsigned = self._b_dtype == np.uint8
-        got = lanes_matmul(a, a_zp, lanes, colsum, k, n, unsigned, b_zp)
+        if self._no_min is None:
+            self._no_min = no_min_lane(lanes)
+        got = lanes_matmul(a, a_zp, lanes, colsum, k, n, unsigned, b_zp, self._no_min)
         if got is not None:
             return got
         # No int8 GEMM here: the weight's integers as float32 for the exact sgemm, a tile at a
@@ -862,7 +875,8 @@ class DynamicQuantizeLSTM(LSTM):
             # The int8 GEMM on the packed lanes (one byte per weight: a step's h @ R reads 1/4 of
             # the bytes a float32 copy would); its exact integers are the float path's.
             aq, a_scale, a_zp = _dynamic_quantize_uint8(a)
-            acc = lanes_matmul(aq, np.uint8(a_zp), weight.lanes, weight.colsum, weight.k, weight.n, weight.unsigned, z)
+            acc = lanes_matmul(aq, np.uint8(a_zp), weight.lanes, weight.colsum, weight.k, weight.n, weight.unsigned, z,
+                               weight.no_min())
             if acc is not None:
                 return acc.astype(np.float32) * (np.float32(a_scale) * s)
             weight = weight.dense()
@@ -880,6 +894,7 @@ class _LanesWeight:
         self.lanes, self.colsum, self.k, self.n, self.unsigned = lanes, colsum, k, n, unsigned
         self.shape = (nd, k, n)
         self._dense: dict[int, np.ndarray] = {}
+        self._no_min: dict[int, bool] = {}
 
     def __getitem__(self, d: int) -> _LanesDirection:
         return _LanesDirection(self, d)
@@ -892,6 +907,13 @@ class _LanesDirection:
         self.lanes, self.colsum = owner.lanes[d], owner.colsum[d]
         self.k, self.n, self.unsigned = owner.k, owner.n, owner.unsigned
         self._owner, self._d = owner, d
+
+    def no_min(self) -> bool:
+        """:func:`no_min_lane` of this direction's lanes, computed once."""
+        got = self._owner._no_min.get(self._d)
+        if got is None:
+            got = self._owner._no_min[self._d] = no_min_lane(self.lanes)
+        return got
 
     def dense(self) -> np.ndarray:
         """The weight's integers as float32 (K, 4H), for the exact float32 GEMM where the int8
