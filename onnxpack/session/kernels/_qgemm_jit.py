@@ -45,36 +45,46 @@ __all__ = ["qgemm", "qgemm_serial", "int8_dot", "available", "TILE", "native_ent
 TILE = 128
 
 
+def _qdot_setup(context, builder, sig, args, rows: int, vecs: int, vbytes: int, vtype):
+    """What every ``_qdot`` codegen starts from: the ``rows`` output row pointers, and
+    ``loads(g)``: group ``g``'s ``vecs`` weight vectors (``vbytes`` bytes of lanes each, type
+    ``vtype``) and each row's 4-byte group of A as an int32."""
+    out, ooff, ostride, w, woff, wstride, a, aoff, astride, ngroups = args
+
+    def const(v):
+        return ir.Constant(_I64, v)
+
+    outs = [builder.gep(array_data(context, builder, sig.args[0], out, _I32),
+                        [builder.add(ooff, builder.mul(const(r), ostride))]) for r in range(rows)]
+    wp = builder.gep(array_data(context, builder, sig.args[3], w, _I8), [woff])
+    aps = [builder.gep(array_data(context, builder, sig.args[6], a, _I8), [builder.add(aoff, builder.mul(const(r), astride))])
+           for r in range(rows)]
+
+    def loads(g):
+        row0 = builder.mul(g, wstride)
+        wv = [builder.load(builder.bitcast(builder.gep(wp, [builder.add(row0, const(vbytes * h))]), vtype.as_pointer()),
+                           align=1) for h in range(vecs)]
+        quads = [builder.load(builder.bitcast(builder.gep(ap, [builder.mul(g, const(4))]), _I32.as_pointer()), align=1)
+                 for ap in aps]
+        return wv, quads
+
+    return outs, loads, ngroups, const
+
+
 def _qdot_codegen(vecs: int, rows: int):
     """``vecs`` vectors of 16 columns (64 bytes of lanes each, contiguous) for ``rows`` rows of
     A: per group of 4 k, the weight lanes are loaded once and multiplied with each row's
     broadcast group."""
 
     def codegen(context, builder, sig, args):
-        out, ooff, ostride, w, woff, wstride, a, aoff, astride, ngroups = args
-
-        def const(v):
-            return ir.Constant(_I64, v)
-
-        outs = [builder.gep(array_data(context, builder, sig.args[0], out, _I32),
-                            [builder.add(ooff, builder.mul(const(r), ostride))]) for r in range(rows)]
-        wp = builder.gep(array_data(context, builder, sig.args[3], w, _I8), [woff])
-        aps = [builder.gep(array_data(context, builder, sig.args[6], a, _I8), [builder.add(aoff, builder.mul(const(r), astride))])
-               for r in range(rows)]
+        outs, loads, ngroups, _ = _qdot_setup(context, builder, sig, args, rows, vecs, 64, _V16)
         dp = vpdpbusd(builder)
 
         def step(g, accs):
-            row0 = builder.mul(g, wstride)
-            wv = [builder.load(builder.bitcast(builder.gep(wp, [builder.add(row0, const(64 * h))]), _V16.as_pointer()),
-                               align=1) for h in range(vecs)]
-            new = []
-            for r in range(rows):
-                quad = builder.load(builder.bitcast(builder.gep(aps[r], [builder.mul(g, const(4))]), _I32.as_pointer()),
-                                    align=1)
-                ab = splat(builder, quad)
-                # vpdpbusd: the first factor's bytes are unsigned (A), the second's signed (lanes).
-                new.append([builder.call(dp, [acc, ab, v]) for acc, v in zip(accs[r], wv)])
-            return new
+            wv, quads = loads(g)
+            # vpdpbusd: the first factor's bytes are unsigned (A), the second's signed (lanes).
+            return [[builder.call(dp, [acc, splat(builder, quad), v]) for acc, v in zip(acc_row, wv)]
+                    for acc_row, quad in zip(accs, quads)]
 
         store_rows(builder, outs, accumulate(builder, ngroups, rows, vecs, step))
         return context.get_dummy_value()
@@ -89,19 +99,11 @@ def _qdot_avx2_codegen(vecs: int, rows: int, signs: bool = False):
     the sums of ``(a - 128) * w`` instead, for weights without -128 (see :func:`_qgemm_avx2`)."""
 
     def codegen(context, builder, sig, args):
-        out, ooff, ostride, w, woff, wstride, a, aoff, astride, ngroups = args
-
-        def const(v):
-            return ir.Constant(_I64, v)
+        outs, loads, ngroups, const = _qdot_setup(context, builder, sig, args, rows, vecs, 32, _V32I8)
 
         def i32s(v):
             return ir.Constant(_V8I32, [ir.Constant(_I32, v)] * 8)
 
-        outs = [builder.gep(array_data(context, builder, sig.args[0], out, _I32),
-                            [builder.add(ooff, builder.mul(const(r), ostride))]) for r in range(rows)]
-        wp = builder.gep(array_data(context, builder, sig.args[3], w, _I8), [woff])
-        aps = [builder.gep(array_data(context, builder, sig.args[6], a, _I8), [builder.add(aoff, builder.mul(const(r), astride))])
-               for r in range(rows)]
         maddubs = _avx2_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, _V32I8)
         maddwd = _avx2_fn(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, _V16I16)
         psign = _avx2_fn(builder, "llvm.x86.avx2.psign.b", _V32I8, _V32I8)
@@ -110,41 +112,30 @@ def _qdot_avx2_codegen(vecs: int, rows: int, signs: bool = False):
         low7, top, seven, flip = i32s(0x7F7F7F7F), i32s(0x01010101), i32s(7), i32s(0x80808080 - 2**32)
         zero8 = ir.Constant(_V32I8, [ir.Constant(_I8, 0)] * 32)
 
-        def step_signs(g, accs):
+        def row_signs(acc_row, quad, wv):
             # a - 128 as signed bytes; |a - 128| (at most 128) times each lane's w signed like
             # a - 128 (|w| <= 127): every pair sum within 2 * 128 * 127 = 32,512.
-            row0 = builder.mul(g, wstride)
-            wv = [builder.load(builder.bitcast(builder.gep(wp, [builder.add(row0, const(32 * h))]), _V32I8.as_pointer()),
-                               align=1) for h in range(vecs)]
-            new = []
-            for r in range(rows):
-                quad = builder.load(builder.bitcast(builder.gep(aps[r], [builder.mul(g, const(4))]), _I32.as_pointer()),
-                                    align=1)
-                sa = builder.bitcast(builder.xor(splat(builder, quad, 8), flip), _V32I8)
-                mag = builder.select(builder.icmp_signed("<", sa, zero8), builder.sub(zero8, sa), sa)
-                new.append([builder.add(acc, builder.call(maddwd, [builder.call(maddubs, [mag, builder.call(psign, [v, sa])]),
-                                                                   ones]))
-                            for acc, v in zip(accs[r], wv)])
-            return new
+            sa = builder.bitcast(builder.xor(splat(builder, quad, 8), flip), _V32I8)
+            mag = builder.select(builder.icmp_signed("<", sa, zero8), builder.sub(zero8, sa), sa)
+            return [builder.add(acc, builder.call(maddwd, [builder.call(maddubs, [mag, builder.call(psign, [v, sa])]), ones]))
+                    for acc, v in zip(acc_row, wv)]
+
+        def row_split(acc_row, quad, wv):
+            ab = splat(builder, quad, 8)
+            lo = builder.bitcast(builder.and_(ab, low7), _V32I8)
+            hi = builder.bitcast(builder.and_(builder.lshr(ab, seven), top), _V32I8)
+            # vpmaddubsw: the first factor's bytes are unsigned (A's parts), the second's signed.
+            return [builder.add(builder.add(acc, builder.call(maddwd, [builder.call(maddubs, [lo, v]), ones])),
+                                builder.call(maddwd, [builder.call(maddubs, [hi, v]), c128]))
+                    for acc, v in zip(acc_row, wv)]
+
+        combine = row_signs if signs else row_split
 
         def step(g, accs):
-            row0 = builder.mul(g, wstride)
-            wv = [builder.load(builder.bitcast(builder.gep(wp, [builder.add(row0, const(32 * h))]), _V32I8.as_pointer()),
-                               align=1) for h in range(vecs)]
-            new = []
-            for r in range(rows):
-                quad = builder.load(builder.bitcast(builder.gep(aps[r], [builder.mul(g, const(4))]), _I32.as_pointer()),
-                                    align=1)
-                ab = splat(builder, quad, 8)
-                lo = builder.bitcast(builder.and_(ab, low7), _V32I8)
-                hi = builder.bitcast(builder.and_(builder.lshr(ab, seven), top), _V32I8)
-                # vpmaddubsw: the first factor's bytes are unsigned (A's parts), the second's signed.
-                new.append([builder.add(builder.add(acc, builder.call(maddwd, [builder.call(maddubs, [lo, v]), ones])),
-                                        builder.call(maddwd, [builder.call(maddubs, [hi, v]), c128]))
-                            for acc, v in zip(accs[r], wv)])
-            return new
+            wv, quads = loads(g)
+            return [combine(acc_row, quad, wv) for acc_row, quad in zip(accs, quads)]
 
-        results = accumulate(builder, ngroups, rows, vecs, step_signs if signs else step, _V8I32)
+        results = accumulate(builder, ngroups, rows, vecs, step, _V8I32)
         for dst, res_row in zip(outs, results):
             for i, res in enumerate(res_row):
                 builder.store(res, builder.bitcast(builder.gep(dst, [const(8 * i)]), _V8I32.as_pointer()), align=4)
@@ -203,8 +194,8 @@ def _odd_columns(a, w, out, n, groups, base, n0, width, c0, shift):
 @njit(cache=True)
 def _tiles_avx2(a, w, out, n, groups, t0, t1, signs):
     """:func:`_tiles` on AVX2: 16 columns x 4 rows per pass, then 8 columns; leftover rows 32
-    columns at a time, then 8.  ``signs``: the vector columns hold the sums of ``(a - 128) * w``
-    (the odd columns the plain sums either way; see :func:`_qgemm_avx2`)."""
+    columns at a time, then 8.  ``signs``: every column holds the sums of ``(a - 128) * w``
+    (see :func:`_qgemm_avx2`)."""
     m_rows = a.shape[0]
     kp = a.shape[1]
     nfull = n // TILE
