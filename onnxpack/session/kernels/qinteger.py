@@ -34,26 +34,28 @@ Zero points: the activation's zero point is subtracted while widening (one pass,
 the weight's is either subtracted from the (small) weight per call or applied afterwards as
 ``rowsum(a) * zp_b``, whichever touches fewer elements.  Both are exact.
 
-Integer GEMM on AVX-512 VNNI
-----------------------------
+Integer GEMM on AVX-512 VNNI or AVX2
+------------------------------------
 MatMul-like weights (MatMulInteger, DynamicQuantizeMatMul, MatMulIntegerToFloat, QLinearMatMul,
 QGemm) are packed as int8 *lanes* (:func:`to_lanes`, family ``qmatmul``/``qgemm`` version 2): one
 byte per weight, 4 consecutive k of a column side by side, plus the column sums.  Where numba
 runs on a CPU with AVX-512 VNNI, :func:`lanes_matmul` multiplies uint8 activations by them with
 ``vpdpbusd`` (:mod:`._qgemm_jit`) in exact int32 and applies the zero points and the
 signed/unsigned shifts with row and column sums: 128x768 @ 768x3072 with zero points, one thread,
-1.6-1.7 ms (8.0 ms for the exact sgemm; onnxruntime 1.55 ms side by side).  Elsewhere the lanes are unpacked to
-float32 per call, a tile of columns at a time, for the exact sgemm (not kept: that would be a
-private 4x copy per process).
+1.6-1.7 ms (8.0 ms for the exact sgemm; onnxruntime 1.55 ms side by side).  On AVX2 the same
+lanes go through ``vpmaddubsw`` / ``vpmaddwd`` with the activation bytes split so no pair sum
+saturates, or in a signed form for weights without -128 (see :mod:`._qgemm_jit`; exact either
+way).  Without numba the lanes are unpacked to float32 per call, a tile of columns at a time, for
+the exact sgemm (not kept: that would be a private 4x copy per process).
 
 Pre-packing: the zero point is *not* folded in: the pre-packing contract keys a pack by its own
 input only, so a pack that baked in another input (the zero point) could be handed to a node
 with the same weight and another zero point.  Conv weights are packed as their integers in
 float32, (g, M/g, C/g, *kernel) like ``Conv`` (family ``qconv``): 4 bytes per weight instead of
 1.  DynamicQuantizeLSTM's W and R are lanes per direction (family ``qlstm`` version 2): its
-recurrence multiplies one row of h by R at every step, where reading R as int8 instead of float32
-is most of the step (ddddocr's quantized OCR LSTM, 32 steps x 2 directions of 512 x 2048: 17.8 ms
-with float32 R on the exact sgemm, ~4 ms with the int8 GEMM on the lanes, one thread).
+recurrence multiplies one row of h by R at every step (ddddocr's quantized OCR LSTM, 32 steps x 2
+directions of 512 x 2048, one thread: 17 ms with float32 R on the exact sgemm, 10 ms on the int8
+GEMM, most of the rest Python per step).
 """
 
 from __future__ import annotations
