@@ -177,6 +177,14 @@ _qdot32x1_signs = _qdot_intrinsic(4, 1, True, True)
 _qdot8x1_signs = _qdot_intrinsic(1, 1, True, True)
 
 
+@njit(cache=True, inline="always")
+def _tile(t, n, groups):
+    """Column tile ``t`` of the lanes: its width (TILE, or the last tile's rest), the offset of its
+    bytes in the lanes, its first column."""
+    nfull = n // TILE
+    return (TILE if t < nfull else n - nfull * TILE), t * TILE * groups * 4, t * TILE
+
+
 @njit(cache=True)
 def _odd_columns(a, w, out, n, groups, base, n0, width, c0, shift):
     """Columns ``c0 <= c < width`` of one tile (those no vector covers), one product at a time:
@@ -198,11 +206,8 @@ def _tiles_avx2(a, w, out, n, groups, t0, t1, signs):
     (see :func:`_qgemm_avx2`)."""
     m_rows = a.shape[0]
     kp = a.shape[1]
-    nfull = n // TILE
     for t in range(t0, t1):
-        width = TILE if t < nfull else n - nfull * TILE
-        base = t * TILE * groups * 4
-        n0 = t * TILE
+        width, base, n0 = _tile(t, n, groups)
         vec = width - width % 8
         m = 0
         while m + 4 <= m_rows and vec > 0:
@@ -241,11 +246,8 @@ def _tiles(a, w, out, n, groups, t0, t1):
     """Column tiles ``t0 <= t < t1`` of ``out = a @ W`` (see the module docstring)."""
     m_rows = a.shape[0]
     kp = a.shape[1]
-    nfull = n // TILE
     for t in range(t0, t1):
-        width = TILE if t < nfull else n - nfull * TILE
-        base = t * TILE * groups * 4
-        n0 = t * TILE
+        width, base, n0 = _tile(t, n, groups)
         vec = width - width % 64
         m = 0
         while m + 4 <= m_rows and vec > 0:
