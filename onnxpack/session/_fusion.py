@@ -210,9 +210,8 @@ def _match_epilogue(nodes, t: str, users_of, const_value, opset: int, is_const: 
             users = users_of(t)
             if users is not None and len(users) == 1:
                 add = nodes[users[0]]
-                if (add.op_type in ("Add", "Sum") and add.domain in ("", "ai.onnx") and len(add.input) == 2
-                        and add.input[:].count(t) == 1):
-                    other = add.input[1] if add.input[0] == t else add.input[0]
+                other = _other_operand(add, t)
+                if add.op_type in ("Add", "Sum") and add.domain in ("", "ai.onnx") and other is not None:
                     if other and not is_const(other):
                         residual = other
                         absorbed.append(users[0])
@@ -337,11 +336,9 @@ def _match_channel_fold(nodes, t, users_of, const_value, m: int, rank: int | Non
     if users is None or len(users) != 1:
         return None
     node = nodes[users[0]]
-    if node.op_type not in ("Mul", "Add", "Sub", "Div") or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+    other = _other_operand(node, t)
+    if node.op_type not in ("Mul", "Add", "Sub", "Div") or node.domain not in ("", "ai.onnx") or other is None:
         return None
-    if node.input[:].count(t) != 1:
-        return None
-    other = node.input[1] if node.input[0] == t else node.input[0]
     if node.op_type in ("Sub", "Div") and node.input[0] != t:
         return None
     c = const_value(other) if other else None
@@ -476,14 +473,14 @@ def match_activation(nodes, t, users_of, const_value, opset):
             return Activation("silu"), (users[0],), out  # torch's SiLU as the opset-24 op
         if n.op_type == "Gelu" and opset >= 20 and attrs(n).get("approximate", "none") in ("none", b"none"):
             return Activation("gelu"), (users[0],), out  # torch's exact GELU as the opset-20 op
-        if n.op_type in ("Max", "Min") and len(n.input) == 2:  # TF exports' bounds: Max(x, c)
-            other = n.input[1] if n.input[0] == t else n.input[0]
+        if n.op_type in ("Max", "Min") and len(ins) == 2:  # TF exports' bounds: Max(x, c)
+            other = _other_operand(n, t)
             k = _scalar(const_value(other)) if other else None
             if k is None or np.isnan(k):
                 return None
             return (Activation("clip", k, np.inf) if n.op_type == "Max" else Activation("clip", -np.inf, k)), (users[0],), out
-        if n.op_type in ("Mul", "Add", "Sub", "Div") and len(n.input) == 2:
-            other = n.input[1] if n.input[0] == t else n.input[0]
+        if n.op_type in ("Mul", "Add", "Sub", "Div") and len(ins) == 2:
+            other = _other_operand(n, t)
             k = _scalar(const_value(other)) if other else None
             if k is None:
                 return None
