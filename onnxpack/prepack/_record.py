@@ -406,9 +406,7 @@ class LoadRecord:
         state = self._states.get(location)
         if state is None or state.__class__ is not _State or state.mode != "trusted":
             return None
-        digests = self._digests.get((scope, name))
-        if digests is None or state.manifest.get(digests[0]) != digests[1]:
-            return None
+        # (The manifest binds this record: _from_index registered it only when it did.)
         offset, length = b[5], b[6]
         data, size = self._mapping(location, scope, name)
         end = offset + length
