@@ -843,8 +843,17 @@ def _direct_f64(model_feeds):
     return (y - init["mu"].reshape(1, -1, 1, 1)) * a.reshape(1, -1, 1, 1) + init["bb"].reshape(1, -1, 1, 1)
 
 
+@pytest.fixture
+def winograd_any_size(monkeypatch):
+    """Winograd packs every 3x3 conv it can take: with the JIT, a conv of few channels (these
+    tests' small ones) would run conv_shift instead (see test_few_channel_conv_runs_shift_not_winograd)."""
+    from onnxpack.session.kernels import conv as conv_mod
+
+    monkeypatch.setattr(conv_mod, "_WINO_OVER_SHIFT", 0)
+
+
 @pytest.mark.parametrize("case", list(WINO), ids=list(WINO))
-def test_winograd_matches_direct_convolution(case, jit_mode):
+def test_winograd_matches_direct_convolution(case, jit_mode, winograd_any_size):
     mf = conv_model(tail="none", **WINO[case])
     model, feeds = mf
     sess = onnxpack.InferenceSession(model)
@@ -857,7 +866,7 @@ def test_winograd_matches_direct_convolution(case, jit_mode):
     np.testing.assert_allclose(got, _ort(model, feeds)[0], **TOL)
 
 
-def test_winograd_pack_is_saved_and_mapped(tmp_path):
+def test_winograd_pack_is_saved_and_mapped(tmp_path, winograd_any_size):
     model, feeds = conv_model(tail="relu", x_shape=(1, 16, 12, 12), m=16)
     src = tmp_path / "m.onnx"
     src.write_bytes(model)
@@ -870,6 +879,19 @@ def test_winograd_pack_is_saved_and_mapped(tmp_path):
     assert warm.get_prepack_stats()["weights_packed"] == 0
     assert any(r["key"].startswith("conv_bn_wino/") and r["origin"] == "model" for r in warm.get_prepack_log())
     np.testing.assert_array_equal(warm.run(None, feeds)[0], want)
+
+
+@pytest.mark.parametrize("channels", [(16, 16), (16, 32), (32, 32), (40, 40), (32, 64)])
+def test_few_channel_conv_runs_shift_not_winograd(channels, jit_mode):
+    """With the JIT, a 3x3 stride-1 conv packs for Winograd only when C*M/(C+M) > 18 (fewer
+    channels run conv_shift, faster there); without it, every conv of >= 8 channels does.  Both
+    agree with onnxruntime."""
+    c, m = channels
+    model, feeds = conv_model(tail="silu", x_shape=(1, c, 20, 24), m=m)
+    sess = onnxpack.InferenceSession(model)
+    wino = any("_wino/" in r["key"] for r in sess.get_prepack_log())
+    assert wino == (jit_mode == "numpy" or c * m > 18 * (c + m)), sess.get_prepack_log()
+    np.testing.assert_allclose(sess.run(None, feeds)[0], _ort(model, feeds)[0], **TOL)
 
 
 def test_weight_untransform_recovers_the_filters():

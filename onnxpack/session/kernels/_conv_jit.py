@@ -1101,13 +1101,19 @@ def conv_shift(x, w, y, taps, c, plane, wp, wo, rows, bias, codes, params, res, 
         for co in range(m):
             row = y[img, co, r0 * wo:r1 * wo]
             src = co * bstride
+            # Unsigned indices: with signed ones numba wraps every index that might be negative
+            # and the row copies do not vectorize (measured on the wake-word's 24-channel 1x3
+            # conv, 16 x 74x32 outputs in rows of 32: 4.6 -> 3.7 ms a call, the tiles alone 2.6).
             if wp == wo:
-                for q in range((r1 - r0) * wo):
-                    row[q] = bbuf[src + q]
+                s = np.uint64(src)
+                for q in range(np.uint64((r1 - r0) * wo)):
+                    row[q] = bbuf[s + q]
             else:
                 for r in range(r1 - r0):
-                    for q in range(wo):
-                        row[r * wo + q] = bbuf[src + r * wp + q]
+                    d = np.uint64(r * wo)
+                    s = np.uint64(src + r * wp)
+                    for q in range(np.uint64(wo)):
+                        row[d + q] = bbuf[s + q]
             bias_act_row(row, img, co, r0 * wo, bias, codes, params, res, post_codes, post_params, chan)
 
 

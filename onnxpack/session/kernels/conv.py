@@ -85,6 +85,14 @@ _SHIFT_MAX_TAPS = 800
 # on the kernel alone (one thread): the wake-word's 24-channel 1x3 conv 10.0 / 5.6 / 4.5 / 4.1 /
 # 5.2 ms at 64 / 128 / 256 / 512 / 1024, a 64-channel 3x3 on 40x40 2.4 / 2.0 / 2.0 / 2.1 / 2.0 ms.
 _SHIFT_BAND = 256
+# A 3x3 stride-1 conv of C inputs and M outputs that conv_shift can run (the JIT, C and M within
+# _SHIFT_MAX_CHANNELS) packs for Winograd only when C*M/(C+M) exceeds this: Winograd's transforms
+# cost per channel, its GEMMs per channel pair, and with few channels conv_shift's direct sum wins.
+# Measured one thread, conv + SiLU as YOLOv8n has them, shift's time / Winograd's: 16 -> 16 on
+# 160x160 0.65, 80x80 0.88, 20x20 0.79; 16 -> 32 on 80x80 0.88; 32 -> 32 0.85-0.96; 16 -> 64 on
+# 40x40 0.88; 24 -> 48 1.00 (C*M/(C+M) = 16); 40 -> 40 on 40x40 and 80x80 1.05-1.07 (20);
+# 32 -> 64 on 40x40 1.07-1.20 (21); 48 -> 48 on 40x40 and 80x80 1.10; 80 -> 80 on 20x20 1.15.
+_WINO_OVER_SHIFT = 18
 # Below this many 2x2 output tiles (batch included) a Winograd conv runs as im2col + one GEMM.
 _WINO_MIN_TILES = 24
 _EMPTY1 = np.zeros(0, np.float32)
@@ -625,7 +633,12 @@ class Conv(Kernel):
             return False
         if self.sp.kernel_shape and tuple(int(k) for k in self.sp.kernel_shape) != (3, 3):
             return False
-        return min(info.shape[0], info.shape[1]) >= _winograd.MIN_CHANNELS
+        m, c = int(info.shape[0]), int(info.shape[1])
+        if min(m, c) < _winograd.MIN_CHANNELS:
+            return False
+        # Where conv_shift would run it, a conv with few channels is faster there (see _WINO_OVER_SHIFT).
+        return not (_SHIFT_ON and max(c, m) <= _SHIFT_MAX_CHANNELS and c * 9 <= _SHIFT_MAX_TAPS
+                    and c * m <= _WINO_OVER_SHIFT * (c + m) and _act.jit_possible())
 
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
         if input_index != 1 or compute_dtype(info.dtype) is None or len(info.shape) < 3:
