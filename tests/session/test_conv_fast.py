@@ -413,6 +413,27 @@ def test_convs_with_few_outputs_match_onnxruntime(shape, tail, jit_mode):
     assert kinds == ({conv_mod._TINY} if jit_mode == "jit" else {conv_mod._GATHER}), kinds
 
 
+GATHERED = {  # (x shape, w shape, strides, pads, dilations): small column matrices, padding read as zero
+    "wakeword-1x3-batch16": ((16, 12, 6, 4), (20, 12, 1, 3), (1, 1), (0, 1, 0, 1), (1, 1)),
+    "3x1-batch1": ((1, 40, 7, 5), (6, 40, 3, 1), (1, 1), (0, 0, 0, 0), (1, 1)),
+    "3x3-s2-batch3": ((3, 5, 9, 8), (7, 5, 3, 3), (2, 2), (1, 1, 1, 1), (1, 1)),
+    "dilated-batch2": ((2, 4, 8, 8), (3, 4, 3, 3), (1, 1), (2, 2, 2, 2), (2, 2)),
+}
+
+
+@pytest.mark.parametrize("shape", list(GATHERED), ids=list(GATHERED))
+def test_gathered_columns_match_onnxruntime(shape, jit_mode):
+    """The _GATHER path (one gather through indices made once per input shape; with the JIT,
+    gather_cols), every image of the batch, the padding's indices reading a zero."""
+    from onnxpack.session.kernels import conv as conv_mod
+
+    model, feeds = _tiny_model(*GATHERED[shape], "relu")
+    sess = onnxpack.InferenceSession(model)
+    np.testing.assert_allclose(sess.run(None, feeds)[0], _ort(model, feeds)[0], **TOL)
+    kinds = {p.kind for st in sess.program.root.steps if st.node.op_type == "Conv" for p in st.kernel._plans.values()}
+    assert kinds == {conv_mod._GATHER}, kinds
+
+
 @pytest.mark.parametrize("shape", [(1, 258, 3), (2, 5, 1), (1, 3, 40)], ids=["stft", "batch-2", "long-rows"])
 def test_epilogue_without_channel_tables_keeps_the_bits(shape):
     """bias_act without per-channel tables (its loop written out, see its docstring) gives the

@@ -812,7 +812,11 @@ class Conv(Kernel):
         elif kind == _GATHER:
             # A small column matrix: one gather through indices made once per input shape (the
             # padding reads an appended zero), instead of a padded copy and a copy per tap.
-            if n == 1:
+            if plan.jit is not None:
+                xz = np.concatenate((xc.reshape(n, -1), plan.zero), axis=1)
+                cols = np.empty(plan.cols_shape, np.float32)
+                plan.jit.gather_cols(xz, plan.idx.reshape(-1), cols.reshape(n, -1))
+            elif n == 1:
                 cols = np.concatenate((xc.reshape(-1), plan.zero)).take(plan.idx).reshape(plan.cols_shape)
             else:
                 xz = np.concatenate((xc.reshape(n, -1), plan.zero), axis=1)
@@ -972,7 +976,8 @@ class Conv(Kernel):
                 if len(self._gather) < 16:
                     self._gather[key] = idx
             p.idx = idx
-            p.zero = np.zeros(1 if n == 1 else (n, 1), cd)
+            # (N, 1) for the JIT's gather (gather_cols: one row per image) and numpy's batched one
+            p.zero = np.zeros(1 if n == 1 and (jit is None or cd != np.float32) else (n, 1), cd)
             p.cols_shape = (n, g, cg * kprod, length)
         elif (_SHIFT_ON and g == 1 and jit is not None and cd == np.float32 and length > 0 and kprod > 1 and nd <= 2
               and all(s == 1 for s in strides) and min(begin) >= 0 and max(c, m) <= _SHIFT_MAX_CHANNELS
