@@ -957,7 +957,7 @@ def test_layer_norm_last_axis(bias, jit_mode):
         np.testing.assert_allclose(g, w, **TOL)
 
 
-def test_constant_node_weights_fold_like_initializers(jit_mode):
+def test_constant_node_weights_fold_like_initializers(jit_mode, winograd_any_size):
     """Paddle exports keep Conv weights and BatchNormalization statistics in Constant nodes (and
     the HardSwish constants too): they fold exactly as initializers do."""
     import onnx
