@@ -778,3 +778,47 @@ def test_a_node_missing_a_required_input_is_refused_at_creation(op, attrs, opset
         return
     with pytest.raises(InvalidGraph, match="requires 2"):
         InferenceSession(model)
+
+
+EMPTY_BATCH = {  # (C, M, kernel, pads, strides, group, H, W): each of Conv's paths
+    "gather": (16, 16, (3, 3), [1, 1, 1, 1], [1, 1], 1, 10, 10),
+    "shift": (16, 16, (3, 3), [1, 1, 1, 1], [1, 1], 1, 40, 40),
+    "winograd-pack": (64, 64, (3, 3), [1, 1, 1, 1], [1, 1], 1, 40, 40),
+    "im2col": (8, 96, (5, 5), [2, 2, 2, 2], [1, 1], 1, 40, 40),
+    "stride2": (16, 32, (3, 3), [1, 1, 1, 1], [2, 2], 1, 40, 40),
+    "pointwise": (32, 64, (1, 1), [0, 0, 0, 0], [1, 1], 1, 20, 20),
+    "depthwise": (16, 16, (3, 3), [1, 1, 1, 1], [1, 1], 16, 20, 20),
+}
+
+
+@pytest.mark.parametrize("jit", ["numba", "numpy"])
+@pytest.mark.parametrize("case", list(EMPTY_BATCH), ids=list(EMPTY_BATCH))
+def test_conv_and_layer_norm_on_an_empty_batch(case, jit, monkeypatch):
+    # Found by the conv differential fuzz (seeds 5159000, 5224001): a model with a dynamic batch
+    # run at batch 0 raised "cannot reshape array of size 0 into shape (0,newaxis)" on every Conv
+    # path but the depthwise one (reshapes by the batch size with a -1, which a size of 0 leaves
+    # ambiguous), and so did LayerNormalization's numpy path; onnxruntime returns empty tensors.
+    if jit == "numpy":
+        monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+    c, m, k, pads, strides, group, h, w = EMPTY_BATCH[case]
+    rng = np.random.default_rng(3)
+    weight = rng.standard_normal((m, c // group) + k).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=list(k), pads=pads, strides=strides,
+                              group=group),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("LayerNormalization", ["r", "s"], ["y"], axis=1)]
+    out_hw = [(h + pads[0] + pads[2] - k[0]) // strides[0] + 1, (w + pads[1] + pads[3] - k[1]) // strides[1] + 1]
+    inits = [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(rng.standard_normal(m).astype(np.float32), "b"),
+             numpy_helper.from_array(np.ones([m] + out_hw, np.float32), "s")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", c, h, w])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    import onnxruntime as ort
+
+    with InferenceSession(model) as s:
+        for n in (2, 0, 1):  # a batch before and after the empty one: the plans per shape
+            x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+            got = s.run(None, {"x": x})[0]
+            want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+            assert got.shape == want.shape == (n, m, *out_hw)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -586,7 +586,7 @@ class _ConvPlan:
     __slots__ = ("kind", "n", "m", "g", "length", "ks", "strides", "dils", "begin", "out_shape", "yshape",
                  "wm_shape", "wm", "wk_shape", "wk", "fn", "jit_args", "big", "count", "zero_bias", "full",
                  "sub", "idx", "zero", "extent", "cols_shape", "small", "pre", "post", "channels", "jit", "enc",
-                 "table", "rows3", "chunk", "phased", "padded", "at", "split")
+                 "table", "rows3", "chunk", "phased", "padded", "at", "split", "empty")
 
 
 
@@ -740,6 +740,13 @@ class Conv(Kernel):
                 raise InvalidArgument(
                     f"node {self.node.name!r} (Conv): bias must have shape [{plan.m}], got {list(bias.shape)}")
         out_dtype = x.dtype
+        if plan.empty:
+            # No output element (a batch of 0 images, no output channel or position): nothing to
+            # compute, and the paths below reshape by the batch size, which a size of 0 leaves
+            # ambiguous.  onnxruntime returns the empty tensor too.
+            if out is not None and out.shape == plan.yshape and out.dtype == out_dtype:
+                return out
+            return np.empty(plan.yshape, out_dtype)
         kind = plan.kind
         if kind <= _DIRECT:
             # The JIT folds the padding, bias and the inner activations into its one pass.
@@ -908,6 +915,7 @@ class Conv(Kernel):
         p.n, p.m, p.g, p.length = n, m, g, length
         p.ks, p.strides, p.dils, p.begin, p.out_shape = ks, strides, dils, begin, out_shape
         p.yshape = (n, m) + tuple(out_shape)
+        p.empty = math.prod(p.yshape) == 0
         p.wm_shape = (g, mg, cg * kprod)
         p.wm = None
         if w is None:

@@ -247,8 +247,10 @@ class LayerNormalization(Kernel):
         axes = tuple(range(axis, x.ndim))
         mean = xs.mean(axis=axes, keepdims=True)
         d = xs - mean
-        var = np.einsum("...i,...i->...", d.reshape(*d.shape[:axis], -1), d.reshape(*d.shape[:axis], -1))
-        var = var.reshape(mean.shape) / max(1, int(np.prod(x.shape[axis:])))
+        inner = int(np.prod(x.shape[axis:]))
+        flat = d.reshape(*d.shape[:axis], inner)  # (not -1: a batch of 0 rows leaves that ambiguous)
+        var = np.einsum("...i,...i->...", flat, flat)
+        var = var.reshape(mean.shape) / max(1, inner)
         inv = 1.0 / np.sqrt(var + sd.type(self.epsilon))
         d *= inv
         d *= _f(scale, sd)
