@@ -822,3 +822,40 @@ def test_conv_and_layer_norm_on_an_empty_batch(case, jit, monkeypatch):
             want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
             assert got.shape == want.shape == (n, m, *out_hw)
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("jit", ["numba", "numpy"])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan], ids=["inf", "-inf", "nan"])
+def test_winograd_conv_keeps_an_infinity_or_nan_where_it_is(bad, jit, monkeypatch):
+    # Found by the conv differential fuzz (216 cases, every one a Winograd-packed conv): the input
+    # transform subtracts inputs, so one infinity became NaN over its 4x4 tiles' outputs (and a
+    # NaN spread to every output of its tiles; a Relu after turned onnxruntime's -inf into 0 where
+    # ours stayed NaN).  A plane holding a non-finite value now runs the direct convolution.
+    from onnxpack.session.kernels import _winograd
+
+    if jit == "numpy":
+        monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+    calls = []
+    real = _winograd.conv3x3
+    monkeypatch.setattr(_winograd, "conv3x3", lambda *a: calls.append(real(*a)) or calls[-1])
+    c = m = 64  # C*M/(C+M) = 32: packed for Winograd with the JIT too
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((m, c, 3, 3)) / 24).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, 20, 20])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)], ir_version=8).SerializeToString()
+    import onnxruntime as ort
+
+    ref = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    with InferenceSession(model) as s:
+        assert any("_wino/" in r["key"] for r in s.get_prepack_log())
+        x = rng.standard_normal((1, c, 20, 20)).astype(np.float32)
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], ref.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)
+        assert calls and calls[-1] is not None  # finite: Winograd's
+        x[0, 3, 9, 9] = bad
+        got, want = s.run(None, {"x": x})[0], ref.run(None, {"x": x})[0]
+        assert calls[-1] is None  # declined: the direct path
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, equal_nan=True)
+        assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(np.isinf(got), np.isinf(want))

@@ -1266,7 +1266,7 @@ def rows_act(y, bias, codes, params, res, post_codes, post_params, r0, r1):
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
-def wino_input(x, v, ph, pw, th, tw, p0, p1):
+def wino_input(x, v, ph, pw, th, tw, p0, p1, bad):
     """Winograd F(2x2, 3x3) input transform ``V = B^T d B`` of every 4x4 tile, planes ``p0..p1``.
 
     ``x`` (N, C, H, W) float32; ``v`` (16, C, N*th*tw): row ``4a + b`` holds element (a, b) of
@@ -1274,6 +1274,11 @@ def wino_input(x, v, ph, pw, th, tw, p0, p1):
     zeros in front).  Each plane is copied once into a zeroed scratch of the padded size; then
     per tile row four full-width row combinations (``B^T`` on rows) and per tile column the
     column combinations, all loops over contiguous or stride-2 data.
+
+    ``bad[0]`` is set to 1 when a plane holds an infinity or a NaN: the transforms subtract
+    inputs, so one infinity becomes NaN across its tiles (and a NaN spreads to every output of
+    its tiles) where a direct convolution keeps it to the outputs that read it; the caller then
+    convolves directly (found by a differential fuzz against onnxruntime).
     """
     n_, c_, h_, w_ = x.shape
     hp = 2 * th + 2
@@ -1288,11 +1293,16 @@ def wino_input(x, v, ph, pw, th, tw, p0, p1):
     for p in range(p0, p1):
         n = p // c_
         c = p - n * c_
+        finite = True
         for r in range(rows):
             dst = pl[r + ph, pw:pw + cols]
             src = x[n, c, r, 0:cols]
             for q in range(cols):
-                dst[q] = src[q]
+                e = src[q]
+                dst[q] = e
+                finite &= e - e == _F0  # false for an infinity or a NaN
+        if not finite:
+            bad[0] = 1
         base0 = n * th * tw
         for i in range(th):
             r0 = pl[2 * i]

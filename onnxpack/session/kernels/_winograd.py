@@ -75,7 +75,8 @@ def conv3x3(x: np.ndarray, u: np.ndarray, bias: np.ndarray | None, begin: tuple[
             out_shape: tuple[int, int], acts) -> np.ndarray:
     """The stride-1, dilation-1 3x3 convolution of float32 ``x`` (N, C, H, W) by the transformed
     filters ``u`` (16, M, C), plus ``bias`` and ``acts``; padding ``begin`` in front (the end
-    padding is implied by ``out_shape``)."""
+    padding is implied by ``out_shape``).  None when ``x`` holds an infinity or a NaN: the
+    transforms would spread it (inf - inf) beyond the outputs that read it; convolve directly."""
     n, c, h, w = x.shape
     m = u.shape[1]
     oh, ow = out_shape
@@ -87,9 +88,14 @@ def conv3x3(x: np.ndarray, u: np.ndarray, bias: np.ndarray | None, begin: tuple[
     threads = _act.threads() if tiles * c * 16 >= (1 << 17) else 1
     if jit is not None:
         v = np.empty((16, c, tiles), np.float32)
+        bad = np.zeros(1, np.int64)
         _act.tuner(("wino_input", x.shape, tuple(begin))).run(
-            lambda a, b: jit.wino_input(x, v, begin[0], begin[1], th, tw, a, b), n * c, threads)
+            lambda a, b: jit.wino_input(x, v, begin[0], begin[1], th, tw, a, b, bad), n * c, threads)
+        if bad[0]:
+            return None
     else:
+        if not np.isfinite(x).all():
+            return None
         v = _input_numpy(x, begin, th, tw)
     mx = _act.matmul(u, v)  # (16, M, tiles): 16 BLAS GEMMs
     y = np.empty((n, m, oh, ow), np.float32)

@@ -1086,18 +1086,22 @@ class Conv(Kernel):
             if len(self._plans) < 64:
                 self._plans[key] = geo
         begin, out_shape, enough = geo
-        if not enough:
+        y = None
+        if enough:
+            bias = None if b is None else as_compute(b).astype(np.float32, copy=False)
+            if bias is not None and bias.shape != (m,):
+                raise InvalidArgument(
+                    f"node {self.node.name!r} (Conv): bias must have shape [{m}], got {list(bias.shape)}")
+            inner, outer = ((), self._pre) if self._has_channel else (self._pre, ())
+            y = _winograd.conv3x3(xc, u, bias, begin, out_shape, inner)  # None: an inf or NaN input
+        if y is None:
             # Too few tiles for 16 GEMMs to pay (resnet's 7x7 maps: 16 tiles, 2x slower than one
-            # GEMM): im2col with the filters recovered from U once (G's left inverse, float64).
+            # GEMM), or a non-finite input: the direct path, with the filters recovered from U
+            # once (G's left inverse, float64).
             w = self._w_from_u
             if w is None:
                 w = self._w_from_u = _winograd.weight_untransform(u)
             return self._conv(x, w, b, out, res)
-        bias = None if b is None else as_compute(b).astype(np.float32, copy=False)
-        if bias is not None and bias.shape != (m,):
-            raise InvalidArgument(f"node {self.node.name!r} (Conv): bias must have shape [{m}], got {list(bias.shape)}")
-        inner, outer = ((), self._pre) if self._has_channel else (self._pre, ())
-        y = _winograd.conv3x3(xc, u, bias, begin, out_shape, inner)
         y = self._finish(y, None, outer, res, self._post, out_dtype, self._channels(y.dtype))
         if out is not None and out.shape == y.shape and out.dtype == y.dtype:
             out[...] = y
