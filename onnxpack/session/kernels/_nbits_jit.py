@@ -372,6 +372,12 @@ def array_data(context, builder, ty, val, elt):
     return builder.bitcast(context.make_array(ty)(context, builder, val).data, elt.as_pointer())
 
 
+def row_pointers(builder, base, off, stride, rows: int) -> list:
+    """The ``rows`` pointers ``base + off + r * stride`` (offsets in elements): a tile's rows of
+    its output or of A."""
+    return [builder.gep(base, [builder.add(off, builder.mul(ir.Constant(_I64, r), stride))]) for r in range(rows)]
+
+
 def _dot_codegen(nibbles: bool, halves: int, rows: int):
     """Code of the ``_dot*`` intrinsics: ``halves`` runs of 64 columns side by side (128 columns
     read 4 rows of 128 contiguous bytes per group: one sequential stream) for ``rows`` rows of A
@@ -383,12 +389,10 @@ def _dot_codegen(nibbles: bool, halves: int, rows: int):
         def const(v):
             return ir.Constant(_I64, v)
 
-        outs = [builder.gep(array_data(context, builder, sig.args[0], isum, _I32),
-                            [builder.add(ioff, builder.mul(const(r), istride))]) for r in range(rows)]
+        outs = row_pointers(builder, array_data(context, builder, sig.args[0], isum, _I32), ioff, istride, rows)
         wp = builder.gep(array_data(context, builder, sig.args[3], bq, _I8), [boff])
-        aps = [builder.bitcast(builder.gep(array_data(context, builder, sig.args[6], aq, _I8),
-                                           [builder.add(aoff, builder.mul(const(r), astride))]), _I32.as_pointer())
-               for r in range(rows)]
+        aps = [builder.bitcast(p, _I32.as_pointer())
+               for p in row_pointers(builder, array_data(context, builder, sig.args[6], aq, _I8), aoff, astride, rows)]
         dp = vpdpbusd(builder)
 
         def step(g, accs):
@@ -497,12 +501,10 @@ def _dot_codegen_avx2(nibbles: bool, cols: int, rows: int):
         def const(v):
             return ir.Constant(_I64, v)
 
-        outs = [builder.gep(array_data(context, builder, sig.args[0], isum, _I32),
-                            [builder.add(ioff, builder.mul(const(r), istride))]) for r in range(rows)]
+        outs = row_pointers(builder, array_data(context, builder, sig.args[0], isum, _I32), ioff, istride, rows)
         wp = builder.gep(array_data(context, builder, sig.args[3], bq, _I8), [boff])
-        aps = [builder.bitcast(builder.gep(array_data(context, builder, sig.args[6], aq, _I8),
-                                           [builder.add(aoff, builder.mul(const(r), astride))]), _I32.as_pointer())
-               for r in range(rows)]
+        aps = [builder.bitcast(p, _I32.as_pointer())
+               for p in row_pointers(builder, array_data(context, builder, sig.args[6], aq, _I8), aoff, astride, rows)]
         maddubs = _avx2_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, _V32I8)
         maddwd = _avx2_fn(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, _V16I16)
         ones = ir.Constant(_V16I16, [ir.Constant(ir.IntType(16), 1)] * 16)

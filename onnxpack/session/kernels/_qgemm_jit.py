@@ -38,7 +38,7 @@ from numba.extending import intrinsic
 
 from onnxpack.session.kernels._nbits_jit import (_I8, _I32, _I64, _V16, _V8I32, _V16I16, _V32I8, _avx2_fn, _compiled,
                                                  accumulate, array_data, int8_avx2_supported, int8_dot_supported,
-                                                 splat, store_rows, vpdpbusd)
+                                                 row_pointers, splat, store_rows, vpdpbusd)
 
 __all__ = ["qgemm", "qgemm_serial", "int8_dot", "available", "TILE", "native_entries"]
 
@@ -54,11 +54,9 @@ def _qdot_setup(context, builder, sig, args, rows: int, vecs: int, vbytes: int, 
     def const(v):
         return ir.Constant(_I64, v)
 
-    outs = [builder.gep(array_data(context, builder, sig.args[0], out, _I32),
-                        [builder.add(ooff, builder.mul(const(r), ostride))]) for r in range(rows)]
+    outs = row_pointers(builder, array_data(context, builder, sig.args[0], out, _I32), ooff, ostride, rows)
     wp = builder.gep(array_data(context, builder, sig.args[3], w, _I8), [woff])
-    aps = [builder.gep(array_data(context, builder, sig.args[6], a, _I8), [builder.add(aoff, builder.mul(const(r), astride))])
-           for r in range(rows)]
+    aps = row_pointers(builder, array_data(context, builder, sig.args[6], a, _I8), aoff, astride, rows)
 
     def loads(g):
         row0 = builder.mul(g, wstride)

@@ -35,7 +35,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from onnxpack.session.kernels._nbits_jit import accumulate, array_data, declare, prefetch_fn, splat
+from onnxpack.session.kernels._nbits_jit import accumulate, array_data, declare, prefetch_fn, row_pointers, splat
 
 __all__ = ["sgemm_panels", "prefetch", "conv_tile6", "conv_tile4", "conv_tile2", "conv_tile1", "NR", "KC", "LANES", "TILE"]
 
@@ -73,10 +73,10 @@ def _tile_codegen(rows: int):
             return builder.bitcast(builder.gep(p, [const(LANES * i)]), _VF.as_pointer())
 
         op = array_data(context, builder, sig.args[0], out, _F32)
-        outs = [builder.gep(op, [builder.add(ooff, builder.mul(const(r), ostride))]) for r in range(rows)]
+        outs = row_pointers(builder, op, ooff, ostride, rows)
         wp = builder.gep(array_data(context, builder, sig.args[3], w, _F32), [woff])
         ap = array_data(context, builder, sig.args[6], a, _F32)
-        aps = [builder.gep(ap, [builder.add(aoff, builder.mul(const(r), astride))]) for r in range(rows)]
+        aps = row_pointers(builder, ap, aoff, astride, rows)
         fma = declare(builder, f"llvm.fma.v{LANES}f32", _VF)
         zero = ir.Constant(_VF, None)
         # The starting sums: zero, or what an earlier block of K left in the output.
@@ -193,7 +193,7 @@ def _conv_tile_codegen(rows: int):
         xp = array_data(context, builder, sig.args[3], x, _F32)
         wp = array_data(context, builder, sig.args[6], w, _F32)
         tp = array_data(context, builder, sig.args[11], taps, _I64)
-        wrows = [builder.gep(wp, [builder.add(woff, builder.mul(const(r), wrow))]) for r in range(rows)]
+        wrows = row_pointers(builder, wp, woff, wrow, rows)
         fma = declare(builder, f"llvm.fma.v{LANES}f32", _VF)
 
         def tap(t, accs):
@@ -208,8 +208,7 @@ def _conv_tile_codegen(rows: int):
             return accumulate(builder, nk, rows, vecs, channel, _VF, init=accs)
 
         sums = accumulate(builder, ntaps, rows, vecs, tap, _VF)
-        for r in range(rows):
-            dst = builder.gep(op, [builder.add(ooff, builder.mul(const(r), ostride))])
+        for r, dst in enumerate(row_pointers(builder, op, ooff, ostride, rows)):
             for i in range(vecs):
                 builder.store(sums[r][i], vptr(dst, i), align=4)
         return context.get_dummy_value()
