@@ -330,11 +330,13 @@ def _export_dynamo(spec: Spec, model, args, work: str) -> str:
     dims: dict[str, Any] = {}
     shapes = tuple({axis: dims.setdefault(name, torch.export.Dim(name)) for axis, name in spec.dynamic_axes[n].items()}
                    for n in spec.input_names)
+    if hasattr(model, "inner"):  # the transformers wrapper's forward(*args): one spec for the varargs
+        shapes = (shapes,)
     raw = os.path.join(work, "dynamo-raw.onnx")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(model, args, raw, input_names=list(spec.input_names), output_names=list(spec.output_names),
-                          opset_version=DYNAMO_OPSET, dynamo=True, dynamic_shapes=(shapes,))
+                          opset_version=DYNAMO_OPSET, dynamo=True, dynamic_shapes=shapes)
     out = os.path.join(work, "dynamo.onnx")
     onnx.save(onnx.load(raw), out)  # external data loaded, saved inline
     onnx.checker.check_model(out)
