@@ -617,6 +617,98 @@ def test_stride1_conv_split_over_threads_equals_one_thread(monkeypatch):
     np.testing.assert_array_equal(got, want)
 
 
+# One-group stride-2 convs: conv_shift over the padded input's four stride phases (tap (i, j)
+# reads phase (i % 2, j % 2) shifted by (i // 2, j // 2)).  Even and odd planes, pads on any side
+# (wider than one phase row, or none), 5x5 and 1x3 / 3x1 kernels (phases a tap never reads), one
+# output position, a batch, outputs not a multiple of the 6-row micro-tile.
+SHIFT2 = {
+    "3x3-pad1-even": ((2, 16, 20, 18), (24, 16, 3, 3), [1, 1, 1, 1]),
+    "3x3-pad1-odd": ((1, 8, 15, 13), (13, 8, 3, 3), [1, 1, 1, 1]),
+    "3x3-nopad": ((1, 8, 14, 11), (7, 8, 3, 3), [0, 0, 0, 0]),
+    "3x3-asym": ((2, 6, 12, 9), (9, 6, 3, 3), [0, 1, 2, 0]),
+    "5x5-pad2": ((1, 8, 17, 16), (11, 8, 5, 5), [2, 2, 2, 2]),
+    "5x5-pad3-wide": ((1, 4, 9, 10), (5, 4, 5, 5), [3, 1, 2, 4]),
+    "1x3": ((1, 12, 10, 21), (12, 12, 1, 3), [0, 1, 0, 1]),
+    "3x1": ((1, 12, 21, 10), (12, 12, 3, 1), [1, 0, 1, 0]),
+    "one-output": ((1, 16, 2, 2), (8, 16, 3, 3), [1, 1, 0, 0]),
+    "tiny-plane": ((3, 5, 3, 4), (7, 5, 3, 3), [1, 1, 1, 1]),
+}
+SHIFT2_CASES = [(shape, tail) for shape in SHIFT2 for tail in ("none", "silu", "lab")]
+
+
+@pytest.mark.parametrize("shape,tail", SHIFT2_CASES, ids=[f"{a}-{b}" for a, b in SHIFT2_CASES])
+def test_stride2_convs_from_the_input_phases_match_onnxruntime(shape, tail, jit_mode, monkeypatch):
+    """Every geometry of the stride-2 conv_shift path against onnxruntime, packed and fused, and
+    with pre-packing off; input channels also cut into blocks of 3 (later blocks add to the
+    tile's sums); the path taken is asserted."""
+    from onnxpack.session.kernels import conv as conv_mod
+
+    monkeypatch.setattr(conv_mod, "_GATHER_MAX", 0)
+    x_shape, w_shape, pads = SHIFT2[shape]
+    model, feeds = _tiny_model(x_shape, w_shape, [2, 2], pads, [1, 1], tail)
+    want = _ort(model, feeds)
+    for block in (0, 3):
+        monkeypatch.setattr(conv_mod, "_SHIFT_CB", block)
+        for how, sess in _sessions(model).items():
+            np.testing.assert_allclose(sess.run(None, feeds)[0], want[0], **TOL, err_msg=f"{how}, block {block}")
+            if jit_mode == "jit":
+                assert _conv_kinds(sess) == {conv_mod._SHIFT}, (how, _conv_kinds(sess))
+            else:
+                assert conv_mod._SHIFT not in _conv_kinds(sess)
+
+
+def test_stride2_conv_keeps_non_finite_values_in_their_windows(jit_mode, monkeypatch):
+    """NaN and Inf in the input reach exactly the outputs whose stride-2 windows hold them (the
+    phases' junk column and the positions past the last output are never kept)."""
+    from onnxpack.session.kernels import conv as conv_mod
+
+    monkeypatch.setattr(conv_mod, "_GATHER_MAX", 0)
+    model, feeds = _tiny_model((1, 6, 12, 12), (5, 6, 3, 3), [2, 2], [1, 1, 1, 1], [1, 1], "none")
+    x = feeds["x"].copy()
+    x[0, 2, 5, 7], x[0, 4, 11, 0] = np.nan, np.inf
+    got = onnxpack.InferenceSession(model).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, _ort(model, {"x": x})[0], **TOL, equal_nan=True)
+    # (5, 7) is read by output rows 2, 3 and columns 3, 4; (11, 0) by row 5 (pad 1: rows 2r - 1 .. 2r + 1), column 0
+    bad = ~np.isfinite(got[0, 0])
+    assert bad[2:4, 3:5].all() and bad[5, 0] and bad.sum() == 5
+
+
+def test_stride2_conv_split_over_threads_equals_one_thread(monkeypatch):
+    """The stride-2 path's bands cut over onnxpack's threads: the same bits as one thread."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from onnxpack.session.kernels import conv as conv_mod
+
+    if _act.jit() is None:
+        pytest.skip("numba not installed")
+    model, feeds = _tiny_model((2, 32, 80, 80), (48, 32, 3, 3), [2, 2], [1, 1, 1, 1], [1, 1], "relu")
+    want = onnxpack.InferenceSession(model).run(None, feeds)[0]
+    with threadpoolctl.threadpool_limits(1):
+        monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
+        sess = onnxpack.InferenceSession(model)
+        got = sess.run(None, feeds)[0]
+        plan = next(iter(next(st for st in sess.program.root.steps if st.node.op_type == "Conv").kernel._plans.values()))
+    assert plan.kind == conv_mod._SHIFT and plan.phased and plan.big
+    np.testing.assert_array_equal(got, want)
+
+
+def test_pad_phases_matches_numpy():
+    """The JIT's stride-2 phase split of a zero-padded input (pads wider than a phase row too)
+    against numpy's pad and reshape."""
+    jit = _act.jit()
+    if jit is None:
+        pytest.skip("numba not installed")
+    rng = _rng(3)
+    for h, w, top, left, hq, wq in [(16, 16, 1, 1, 9, 9), (7, 9, 1, 1, 4, 5), (8, 8, 0, 0, 4, 4), (5, 6, 2, 3, 6, 7),
+                                    (6, 5, 1, 0, 3, 3), (1, 1, 1, 1, 2, 2), (4, 4, 3, 3, 2, 2), (9, 3, 0, 4, 6, 2)]:
+        x = rng.standard_normal((2, 3, h, w)).astype(np.float32)
+        got = np.full((2, 3, 2, 2, hq, wq), np.nan, np.float32)
+        jit.pad_phases(x, got, top, left)
+        padded = np.zeros((2, 3, 2 * hq + top + h, 2 * wq + left + w), np.float32)
+        padded[:, :, top:top + h, left:left + w] = x
+        want = padded[:, :, :2 * hq, :2 * wq].reshape(2, 3, hq, 2, wq, 2).transpose(0, 1, 3, 5, 2, 4)
+        np.testing.assert_array_equal(got, want, err_msg=str((h, w, top, left, hq, wq)))
+
+
 # Kernels of more than conv._WINDOW_TAPS taps: im2col is one strided-window copy (an STFT's
 # one channel: its windows copied row by row, handed to BLAS transposed); with a stride that
 # leaves the input's last samples unread, the padding step is a view.
@@ -985,6 +1077,10 @@ def test_gemm_split_over_onnxpack_threads(shape, monkeypatch):
     """BLAS on one thread and ONNXPACK_NUM_THREADS=2: GEMMs are cut into blocks over onnxpack's
     own threads (robust to a descheduled worker); same results as one BLAS call."""
     threadpoolctl = pytest.importorskip("threadpoolctl")
+    from onnxpack.session.kernels import conv as conv_mod
+
+    if shape == "im2col-s2":  # (the JIT runs stride-2 convs of these sizes over the input's phases)
+        monkeypatch.setattr(conv_mod, "_S2_MAX_TAPS", {})
     model, feeds = conv_model(tail="silu", x_shape=(2, 32, 40, 40), **SPLIT[shape])
     want = onnxpack.InferenceSession(model).run(None, feeds)[0]
     calls = []

@@ -61,7 +61,7 @@ from numba.extending import intrinsic
 from onnxpack.session.kernels import _erf as _erf_mod
 from onnxpack.session.kernels._sgemm_jit import TILE, conv_tile1, conv_tile2, conv_tile4, conv_tile6, prefetch
 
-__all__ = ["gather_cols", "depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_shift", "wino_input", "wino_output", "bias_act", "maxpool2d", "act_inplace", "expf_array"]
+__all__ = ["gather_cols", "depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "pad_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_shift", "wino_input", "wino_output", "bias_act", "maxpool2d", "act_inplace", "expf_array"]
 
 _FM = {"contract"}
 # For kernels whose only reduction is a float64 sum of squares: reassociation lets it vectorize.
@@ -955,6 +955,52 @@ def stride_phases(x, ph4):
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def pad_phases(x, xp, top, left):
+    """``xp`` (N, C, 2, 2, HQ, WQ) = the stride-2 phases of ``x`` (N, C, H, W) zero-padded by
+    ``top`` rows and ``left`` columns (and with zeros wherever a phase reaches past the input):
+    ``xp[n, c, a, b, r, s] = x[n, c, 2r + a - top, 2s + b - left]`` or 0.  One de-interleaving
+    pass per input row, both column phases at once (a stride-2 read of one phase alone does not
+    vectorize), over flat unsigned indices (views per row cost ~60 ns a row); the borders
+    written apart.  conv_shift reads the result for stride-2 convs."""
+    n_, c_, h_, w_ = x.shape
+    hq, wq = xp.shape[4], xp.shape[5]
+    xf = x.reshape(-1)
+    df = xp.reshape(-1)
+    pplane = hq * wq
+    # the output columns s where column phase b reads inside the row: 0 <= 2s + b - left < W
+    lo0 = min(wq, max(0, (left + 1) // 2))
+    lo1 = min(wq, max(0, left // 2))
+    hi0 = max(lo0, min(wq, (w_ - 1 + left) // 2 + 1))
+    hi1 = max(lo1, min(wq, (w_ - 2 + left) // 2 + 1))
+    lo, hi = max(lo0, lo1), min(hi0, hi1)
+    cnt = np.uint64(max(0, hi - lo))
+    for nc in range(n_ * c_):
+        for a in range(2):
+            for r in range(hq):
+                i = 2 * r + a - top
+                d0 = nc * 4 * pplane + 2 * a * pplane + r * wq
+                d1 = d0 + pplane
+                if i < 0 or i >= h_:
+                    for q in range(wq):
+                        df[d0 + q] = _F0
+                        df[d1 + q] = _F0
+                    continue
+                src = (nc * h_ + i) * w_
+                for q in range(lo):
+                    df[d0 + q] = xf[src + 2 * q - left] if lo0 <= q < hi0 else _F0
+                    df[d1 + q] = xf[src + 2 * q + 1 - left] if lo1 <= q < hi1 else _F0
+                for q in range(max(lo, hi), wq):
+                    df[d0 + q] = xf[src + 2 * q - left] if lo0 <= q < hi0 else _F0
+                    df[d1 + q] = xf[src + 2 * q + 1 - left] if lo1 <= q < hi1 else _F0
+                s0 = np.uint64(src + 2 * lo - left)
+                e0 = np.uint64(d0 + lo)
+                e1 = np.uint64(d1 + lo)
+                for q in range(cnt):
+                    df[e0 + q] = xf[s0 + np.uint64(2) * q]
+                    df[e1 + q] = xf[s0 + np.uint64(2) * q + np.uint64(1)]
+
+
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
 def im2col2d(x, ph4, cols, kh_, kw_, sh, sw, dh, dw, ph, pw, oh_, ow_, n, oh0, oh1):
     """Output rows ``oh0 <= oh < oh1`` of image ``n``'s column matrix for a 2-D convolution,
     straight from its unpadded input.
@@ -1032,28 +1078,34 @@ def im2col2d(x, ph4, cols, kh_, kw_, sh, sw, dh, dw, ph, pw, oh_, ow_, n, oh0, o
 
 
 @njit(inline="always", nogil=True)
-def _shift_tile(x, xoff, xstride, w, taps, c, m, out, ooff, ostride):
+def _shift_tile(x, xoff, xstride, w, taps, c, cb, m, out, ooff, ostride):
     """Every output channel of one tile of ``TILE`` positions, channel ``co`` to
     ``out.flat[ooff + co*ostride:][:TILE]``: tiles of 6 channels, then 4, 2 and 1 (see
-    ``_sgemm_jit.conv_tileR``)."""
+    ``_sgemm_jit.conv_tileR``), over blocks of ``cb`` input channels (the later blocks add to
+    the sums: a block's inputs stay in L1 while every output channel passes over them)."""
     nt = taps.shape[0]
     wrow = c * nt
-    co = 0
-    while co + 6 <= m:
-        conv_tile6(out, ooff + co * ostride, ostride, x, xoff, xstride, w, co * wrow, wrow, nt, c, taps)
-        co += 6
-    if co + 4 <= m:
-        conv_tile4(out, ooff + co * ostride, ostride, x, xoff, xstride, w, co * wrow, wrow, nt, c, taps)
-        co += 4
-    if co + 2 <= m:
-        conv_tile2(out, ooff + co * ostride, ostride, x, xoff, xstride, w, co * wrow, wrow, nt, c, taps)
-        co += 2
-    if co < m:
-        conv_tile1(out, ooff + co * ostride, ostride, x, xoff, xstride, w, co * wrow, wrow, nt, c, taps)
+    for c0 in range(0, c, cb):
+        nk = min(cb, c - c0)
+        acc = np.int64(c0 > 0)
+        xo = xoff + c0 * xstride
+        wo = c0 * nt
+        co = 0
+        while co + 6 <= m:
+            conv_tile6(out, ooff + co * ostride, ostride, x, xo, xstride, w, co * wrow + wo, wrow, nt, nk, taps, acc)
+            co += 6
+        if co + 4 <= m:
+            conv_tile4(out, ooff + co * ostride, ostride, x, xo, xstride, w, co * wrow + wo, wrow, nt, nk, taps, acc)
+            co += 4
+        if co + 2 <= m:
+            conv_tile2(out, ooff + co * ostride, ostride, x, xo, xstride, w, co * wrow + wo, wrow, nt, nk, taps, acc)
+            co += 2
+        if co < m:
+            conv_tile1(out, ooff + co * ostride, ostride, x, xo, xstride, w, co * wrow + wo, wrow, nt, nk, taps, acc)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
-def conv_shift(x, w, y, taps, c, plane, wp, wo, rows, bias, codes, params, res, post_codes, post_params, chan, i0, i1):
+def conv_shift(x, w, y, taps, lead, c, plane, wp, wo, rows, cb, bias, codes, params, res, post_codes, post_params, chan, i0, i1):
     """Bands ``i0 <= i < i1`` of a one-group, stride-1 convolution computed straight from the
     (padded) input, no im2col, with :func:`bias_act`'s epilogue (same arguments) in the same
     pass.  In an input plane padded to rows of ``wp`` floats, output position ``(oh, ow)`` reads
@@ -1078,9 +1130,8 @@ def conv_shift(x, w, y, taps, c, plane, wp, wo, rows, bias, codes, params, res, 
     ho = y.shape[2] // wo
     span = (ho - 1) * wp + wo  # the flattened positions up to the last output
     bands = (ho + rows - 1) // rows
-    last = taps[taps.shape[0] - 1]
+    last = taps.max()  # the farthest tap (a stride-2 conv's phases do not list it last)
     reach = TILE + last
-    ahead = last + 4 * TILE
     bstride = (rows * wp + TILE - 1) // TILE * TILE
     bbuf = np.empty(m * bstride, np.float32)
     tail = np.empty(0, np.float32)
@@ -1093,10 +1144,14 @@ def conv_shift(x, w, y, taps, c, plane, wp, wo, rows, bias, codes, params, res, 
         b1 = min(span, (r1 - 1) * wp + wo)
         xbase = img * c * plane
         for p0 in range(b0, b1, TILE):
-            if p0 + TILE <= span:
+            # Positions past the last output read on into the next channel's plane (or the
+            # caller's slack after the last one): values no output keeps.  A copy only where a
+            # tile would read past the end of ``x``.
+            if xbase + (c - 1) * plane + p0 + reach <= x.shape[0]:
                 for ci in range(c):
-                    prefetch(x, xbase + ci * plane + p0 + ahead)
-                _shift_tile(x, xbase + p0, plane, w, taps, c, m, bbuf, p0 - b0, bstride)
+                    for o in lead:
+                        prefetch(x, xbase + ci * plane + p0 + o)
+                _shift_tile(x, xbase + p0, plane, w, taps, c, cb, m, bbuf, p0 - b0, bstride)
                 continue
             if tail.shape[0] == 0:
                 tail = np.empty(c * reach, np.float32)
@@ -1108,7 +1163,7 @@ def conv_shift(x, w, y, taps, c, plane, wp, wo, rows, bias, codes, params, res, 
                     tail[ci * reach + q] = x[src + q]
                 for q in range(have, reach):
                     tail[ci * reach + q] = _F0
-            _shift_tile(tail, 0, reach, w, taps, c, m, tbuf, 0, TILE)
+            _shift_tile(tail, 0, reach, w, taps, c, cb, m, tbuf, 0, TILE)
             for co in range(m):
                 for q in range(b1 - p0):
                     bbuf[co * bstride + p0 - b0 + q] = tbuf[co * TILE + q]

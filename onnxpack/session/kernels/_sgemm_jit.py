@@ -57,6 +57,30 @@ _F32, _I64 = ir.FloatType(), ir.IntType(64)
 _VF = ir.VectorType(_F32, LANES)
 
 
+def _start_sums(builder, acc_in, outs, vecs: int, vptr):
+    """Each row's ``vecs`` starting accumulators: zero, or (``acc_in != 0``) the vectors at its
+    pointer in ``outs`` (what an earlier block of the sum left there)."""
+    zero = ir.Constant(_VF, None)
+    entry = builder.block
+    load = builder.append_basic_block("init.load")
+    ready = builder.append_basic_block("init.ready")
+    builder.cbranch(builder.icmp_signed("!=", acc_in, ir.Constant(_I64, 0)), load, ready)
+    builder.position_at_end(load)
+    loaded = [[builder.load(vptr(out, i), align=4) for i in range(vecs)] for out in outs]
+    builder.branch(ready)
+    builder.position_at_end(ready)
+    inits = []
+    for row in loaded:
+        phis = []
+        for v in row:
+            p = builder.phi(_VF)
+            p.add_incoming(zero, entry)
+            p.add_incoming(v, load)
+            phis.append(p)
+        inits.append(phis)
+    return inits
+
+
 def _tile_codegen(rows: int):
     """``rows`` rows of ``a`` times ``TILE`` columns of one panel block: ``rows x vecs`` vector
     accumulators, from zero or (``acc != 0``) from the output's current values, stored back at
@@ -78,25 +102,8 @@ def _tile_codegen(rows: int):
         ap = array_data(context, builder, sig.args[6], a, _F32)
         aps = row_pointers(builder, ap, aoff, astride, rows)
         fma = declare(builder, f"llvm.fma.v{LANES}f32", _VF)
-        zero = ir.Constant(_VF, None)
         # The starting sums: zero, or what an earlier block of K left in the output.
-        entry = builder.block
-        load = builder.append_basic_block("init.load")
-        ready = builder.append_basic_block("init.ready")
-        builder.cbranch(builder.icmp_signed("!=", acc_in, const(0)), load, ready)
-        builder.position_at_end(load)
-        loaded = [[builder.load(vptr(outs[r], i), align=4) for i in range(vecs)] for r in range(rows)]
-        builder.branch(ready)
-        builder.position_at_end(ready)
-        inits = []
-        for r in range(rows):
-            row = []
-            for i in range(vecs):
-                p = builder.phi(_VF)
-                p.add_incoming(zero, entry)
-                p.add_incoming(loaded[r][i], load)
-                row.append(p)
-            inits.append(row)
+        inits = _start_sums(builder, acc_in, outs, vecs, vptr)
         pre = builder.block
         loop = builder.append_basic_block("k.loop")
         done = builder.append_basic_block("k.done")
@@ -181,7 +188,7 @@ def _conv_tile_codegen(rows: int):
     vecs = TILE // LANES
 
     def codegen(context, builder, sig, args):
-        out, ooff, ostride, x, xoff, xstride, w, woff, wrow, ntaps, nk, taps = args
+        out, ooff, ostride, x, xoff, xstride, w, woff, wrow, ntaps, nk, taps, acc_in = args
 
         def const(v):
             return ir.Constant(_I64, v)
@@ -207,8 +214,9 @@ def _conv_tile_codegen(rows: int):
 
             return accumulate(builder, nk, rows, vecs, channel, _VF, init=accs)
 
-        sums = accumulate(builder, ntaps, rows, vecs, tap, _VF)
-        for r, dst in enumerate(row_pointers(builder, op, ooff, ostride, rows)):
+        outs = row_pointers(builder, op, ooff, ostride, rows)
+        sums = accumulate(builder, ntaps, rows, vecs, tap, _VF, init=_start_sums(builder, acc_in, outs, vecs, vptr))
+        for r, dst in enumerate(outs):
             for i in range(vecs):
                 builder.store(sums[r][i], vptr(dst, i), align=4)
         return context.get_dummy_value()
@@ -217,19 +225,19 @@ def _conv_tile_codegen(rows: int):
 
 
 def _conv_tile_intrinsic(rows: int):
-    def impl(typingctx, out, ooff, ostride, x, xoff, xstride, w, woff, wrow, ntaps, nk, taps):
+    def impl(typingctx, out, ooff, ostride, x, xoff, xstride, w, woff, wrow, ntaps, nk, taps, acc_in):
         if not (all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == types.float32 for a in (out, x, w))
                 and isinstance(taps, types.Array) and taps.layout == "C" and taps.dtype == types.int64):
             return None
         i64 = types.int64
-        return types.void(out, i64, i64, x, i64, i64, w, i64, i64, i64, i64, taps), _conv_tile_codegen(rows)
+        return types.void(out, i64, i64, x, i64, i64, w, i64, i64, i64, i64, taps, i64), _conv_tile_codegen(rows)
 
     impl.__name__ = impl.__qualname__ = f"conv_tile{rows}"
     return intrinsic(impl)
 
 
-# ``conv_tileR(out, ooff, ostride, x, xoff, xstride, w, woff, wrow, ntaps, nk, taps)``: for R rows
-# r, ``out.flat[ooff + r*ostride:][:TILE] =`` the sum over taps t < ntaps and input channels
+# ``conv_tileR(out, ooff, ostride, x, xoff, xstride, w, woff, wrow, ntaps, nk, taps, acc)``: for R rows
+# r, ``out.flat[ooff + r*ostride:][:TILE] (+)=`` (``+=`` when ``acc != 0``) the sum over taps t < ntaps and input channels
 # k < nk of ``w.flat[woff + r*wrow + k*ntaps + t]`` (a weight laid out (M, C, taps)) times the
 # TILE floats at ``x.flat[xoff + taps[t] + k*xstride:]`` (input channel k's plane shifted by the
 # tap's offset).  The accumulators stay in registers over every tap and channel.

@@ -81,6 +81,17 @@ _SHIFT_ON = os.environ.get("ONNXPACK_CONV_SHIFT", "1") != "0"
 # 128 -> 128 3x3 on 20x20 1.30, 64 -> 64 5x5 (1,600 taps) 1.42, 512 -> 512 3 taps 1.30.
 _SHIFT_MAX_CHANNELS = 80
 _SHIFT_MAX_TAPS = 800
+# Stride-2 convs run conv_shift over the input's four stride phases (one group, no dilation) up to
+# this many taps per output (C * kh * kw), by the tile width (64 positions with AVX-512, 16 with
+# AVX2); beyond, im2col + GEMM.  Measured one thread, 3x3 + SiLU, against im2col + OpenBLAS on the
+# same input (phases' time / im2col's): AVX-512 (Sapphire Rapids) 16 -> 32 on 160x160 0.63,
+# 32 -> 64 on 80x80 0.65, 64 -> 128 on 40x40 0.69, 128 -> 128 on 20x20 0.60, 128 -> 256 on 20x20
+# 0.69, 256 -> 256 on 28x28 0.82, 512 -> 512 on 14x14 0.68; AVX2 code on the same machine
+# (OpenBLAS's Haswell kernels): 0.78 / 0.82 / 0.83 / 0.64 / 0.86, then 256 -> 256 1.03 and
+# 512 -> 512 1.25.
+_S2_MAX_TAPS = {64: 512 * 9, 16: 128 * 9}
+_SHIFT_L1 = 24 << 10
+_SHIFT_CB = int(os.environ.get("ONNXPACK_SHIFT_CB", "0"))
 # Flattened output positions per band of conv_shift's epilogue (its scratch: M x that).  Measured
 # on the kernel alone (one thread): the wake-word's 24-channel 1x3 conv 10.0 / 5.6 / 4.5 / 4.1 /
 # 5.2 ms at 64 / 128 / 256 / 512 / 1024, a 64-channel 3x3 on 40x40 2.4 / 2.0 / 2.0 / 2.1 / 2.0 ms.
@@ -338,6 +349,21 @@ def _place(x: np.ndarray, xp: np.ndarray, begin, value) -> None:
     xp[tuple(dst)] = x[tuple(src)]
 
 
+def _shift_lead(taps, far, tile: int) -> np.ndarray:
+    """conv_shift's prefetch offsets from a tile's start: each input stream's farthest tap
+    (``far``: one for a stride-1 plane, one per stride-2 phase), four tiles ahead."""
+    return np.array([int(f) + 4 * tile for f in far], np.int64)
+
+
+def _shift_block(c: int, rows: int, kw: int, tile: int) -> int:
+    """Input channels per block of conv_shift's tiles: a tile reads, per channel, about ``rows``
+    runs of ``tile + kw`` floats; a block's fit in ``_SHIFT_L1`` bytes."""
+    if _SHIFT_CB:
+        return max(1, min(c, _SHIFT_CB))
+    per = 4 * rows * (tile + kw)
+    return max(1, min(c, _SHIFT_L1 // per))
+
+
 def _padded_extent(in_shape, begin, out, kernel, strides, dilations):
     return tuple(
         (o - 1) * s + (k - 1) * d + 1 for o, k, s, d in zip(out, kernel, strides, dilations)
@@ -586,7 +612,7 @@ class _ConvPlan:
     __slots__ = ("kind", "n", "m", "g", "length", "ks", "strides", "dils", "begin", "out_shape", "yshape",
                  "wm_shape", "wm", "wk_shape", "wk", "fn", "jit_args", "big", "count", "zero_bias", "full",
                  "sub", "idx", "zero", "extent", "cols_shape", "small", "pre", "post", "channels", "jit", "enc",
-                 "table", "rows3", "chunk", "phased", "padded", "at", "split", "empty")
+                 "table", "rows3", "chunk", "phased", "padded", "at", "split", "empty", "slack", "pad_size")
 
 
 
@@ -776,11 +802,16 @@ class Conv(Kernel):
                 wk = np.ascontiguousarray(wm).reshape(plan.wk_shape)
             xf = np.ascontiguousarray(xc)
             if plan.padded is not None:  # the padded copy, in this thread's scratch
-                xp = _scratch("pad", plan.padded, np.float32)
-                if xp is None:
-                    xp = np.empty(plan.padded, np.float32)
-                _place(xf.reshape(plan.n, plan.padded[1], -1, xf.shape[-1]), xp, plan.at, 0)
-                xf = xp
+                # (then plan.slack floats that the last tile may read: see conv_shift)
+                flat = _scratch("pad", (plan.pad_size + plan.slack,), np.float32)
+                if flat is None:
+                    flat = np.empty(plan.pad_size + plan.slack, np.float32)
+                xp = flat[:plan.pad_size].reshape(plan.padded)
+                if plan.phased:  # stride 2: the padded input's four phases
+                    plan.jit.pad_phases(xf, xp, plan.at[0], plan.at[1])
+                else:
+                    _place(xf.reshape(plan.n, plan.padded[1], -1, xf.shape[-1]), xp, plan.at, 0)
+                xf = flat
             xf = xf.reshape(-1)
             fn = plan.jit.conv_shift
             y3 = y.reshape(plan.rows3)
@@ -926,6 +957,7 @@ class Conv(Kernel):
                     wm = self._w_as[cd] = self._w.reshape(p.wm_shape).astype(cd)
             p.wm = wm
         p.wk = p.full = p.sub = p.idx = p.zero = p.extent = p.cols_shape = p.padded = p.at = None
+        p.phased = False
         p.small = False
         pre, post = self._pre, self._post
         # Per-channel steps run only in the epilogue's row pass (bias_act), not inside the
@@ -1006,11 +1038,42 @@ class Conv(Kernel):
             # M x that).
             rows = max(1, _SHIFT_BAND // wp)
             p.count = n * -(-ho // rows)
-            p.jit_args = (taps, c, hp * wp, wp, wo, rows)
+            p.jit_args = (taps, _shift_lead(taps, [taps.max()], jit.TILE), c, hp * wp, wp, wo, rows,
+                          _shift_block(c, kh, kw, jit.TILE))
             # The padded input's shape and where the input sits in it (none: the input as it is).
             if (hp, wp) != ((1, *in_shape) if nd == 1 else in_shape) or any(begin):
                 p.padded = (n, c, hp, wp)
                 p.at = (0, begin[0]) if nd == 1 else tuple(begin)
+                p.slack = jit.TILE + int(taps.max())
+                p.pad_size = math.prod(p.padded)
+        elif (_SHIFT_ON and g == 1 and jit is not None and cd == np.float32 and length > 0 and kprod > 1 and nd == 2
+              and tuple(strides) == (2, 2) and tuple(dils) == (1, 1) and min(begin) >= 0
+              and c * kprod <= _S2_MAX_TAPS.get(jit.TILE, 0)):
+            # Stride 2: the padded input split into its four stride phases (rows and columns even /
+            # odd), each a plane of (ho + (kh-1)//2) x (wo + (kw-1)//2); tap (i, j) reads phase
+            # (i % 2, j % 2) shifted by (i // 2, j // 2), so a tile of output positions is again a
+            # run of consecutive floats per tap and channel: conv_shift over the phases, every
+            # tap computed once (im2col + GEMM copied 9 columns per output first).
+            p.kind = _SHIFT
+            ho, wo = out_shape
+            kh, kw = ks
+            hq, wq = ho + (kh - 1) // 2, wo + (kw - 1) // 2
+            pplane = hq * wq
+            taps = np.array([(2 * (i % 2) + j % 2) * pplane + (i // 2) * wq + j // 2
+                             for i in range(kh) for j in range(kw)], np.int64)
+            p.wk_shape = (m * c * kprod,)
+            p.big = n * m * c * kprod * length >= _PARALLEL_MACS
+            rows = max(1, _SHIFT_BAND // wq)
+            p.count = n * -(-ho // rows)
+            # one prefetch stream per phase: each phase's farthest tap
+            far = [max(t for t in taps if t // pplane == ph) for ph in range(4) if any(t // pplane == ph for t in taps)]
+            p.jit_args = (taps, _shift_lead(taps, far, jit.TILE), c, 4 * pplane, wq, wo, rows,
+                          _shift_block(c, kh + 2, kw, jit.TILE))
+            p.padded = (n, c, 2, 2, hq, wq)
+            p.at = tuple(begin)
+            p.phased = True
+            p.slack = jit.TILE + int(taps.max())
+            p.pad_size = math.prod(p.padded)
         elif not depthwise and jit is not None and length > 0 and _jit_im2col(nd, kprod, begin, strides, in_shape,
                                                                                  out_shape):
             p.kind = _IM2COL_JIT
