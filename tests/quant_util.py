@@ -208,21 +208,27 @@ def assert_steps(got: np.ndarray, want: np.ndarray, steps: int = 0, *, max_fract
         assert frac <= max_fraction, f"{frac:.3%} of the values differ (allowed {max_fraction:.3%})"
 
 
+_QUANTIZERS = ("QuantizeLinear", "DynamicQuantizeLinear")
+
+
 def _cut_at_quantize(model: onnx.ModelProto, codes: dict[str, np.ndarray]) -> onnx.ModelProto:
-    """``model`` without the QuantizeLinear nodes whose outputs are in ``codes``: those outputs
-    become graph inputs (fed the codes), the nodes' float inputs graph outputs."""
+    """``model`` without the QuantizeLinear / DynamicQuantizeLinear nodes whose first output is in
+    ``codes``: their outputs in ``codes`` become graph inputs (fed those values: a dynamic one's
+    codes, scale and zero point), the nodes' float inputs graph outputs."""
     cut = onnx.ModelProto.FromString(model.SerializeToString())
     graph = cut.graph
-    keep = [n for n in graph.node if not (n.op_type == "QuantizeLinear" and n.output[0] in codes)]
-    removed = [n for n in graph.node if n.op_type == "QuantizeLinear" and n.output[0] in codes]
+    keep = [n for n in graph.node if not (n.op_type in _QUANTIZERS and n.output[0] in codes)]
+    removed = [n for n in graph.node if n.op_type in _QUANTIZERS and n.output[0] in codes]
     del graph.node[:]
     graph.node.extend(keep)
     inputs = {i.name for i in graph.input}
     outputs = {o.name for o in graph.output}
     for n in removed:
-        code = codes[n.output[0]]
-        graph.input.append(helper.make_tensor_value_info(n.output[0], helper.np_dtype_to_tensor_dtype(code.dtype),
-                                                         code.shape))
+        for name in n.output:
+            if name in codes:
+                code = codes[name]
+                graph.input.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(code.dtype),
+                                                                 code.shape))
         if n.input[0] not in inputs and n.input[0] not in outputs:
             graph.output.append(onnx.ValueInfoProto(name=n.input[0]))
             outputs.add(n.input[0])
@@ -303,3 +309,65 @@ def assert_qdq_model_close(model: onnx.ModelProto | str, feeds: dict[str, np.nda
     for k, (g, w) in enumerate(zip(ours, theirs)):
         step = steps[k] if k < n_out else None
         close(g, w, step, f"segment output {out_names[k]!r}", 0.0)
+
+
+def assert_dynamic_model_close(model: str, feeds: dict[str, np.ndarray], got: Sequence[np.ndarray],
+                               want: Sequence[np.ndarray], what: str, options: dict[str, str] | None = None) -> None:
+    """onnxpack's float outputs ``got`` of the dynamically quantized ``model`` (a path) against
+    onnxruntime's ``want`` (optimizations off, :func:`ort_exact`).
+
+    Each DynamicQuantizeLinear rounds a float tensor that both runtimes computed, and their float
+    ops differ by an ulp now and then (onnxruntime's own kernels differ by CPU: its AVX-512
+    SimplifiedLayerNormalization is an ulp from its AVX2 one on a T5 encoder): a value within that
+    ulp of a rounding boundary takes the neighbouring code, and every value computed from it moves
+    by about one activation step times a weight.  So, as :func:`assert_qdq_model_close` does for
+    QDQ models:
+
+    1. end to end: every output within rtol 1e-5 and 1e-5 of its largest magnitude; or, when
+       some value is not, no value further than 1% of that magnitude and at most 10% of them
+       beyond the tight tolerance (one moved code reaches a row of an attention output);
+    2. then segment by segment: the model cut at every DynamicQuantizeLinear, onnxpack (session
+       ``options``) and onnxruntime both fed onnxruntime's codes, scales and zero points there:
+       every segment output (the quantized float tensors and the model's outputs) within rtol 1e-5
+       and 1e-5 of its largest magnitude.  A wrong kernel anywhere fails here.
+    """
+
+    def tight(g, w) -> bool:
+        return np.allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max(initial=0)))
+
+    for k, (g, w) in enumerate(zip(got, want)):
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.dtype == w.dtype and g.shape == w.shape, (what, k, g.dtype, w.dtype, g.shape, w.shape)
+    if all(tight(np.asarray(g), np.asarray(w)) for g, w in zip(got, want)):
+        return
+    for k, (g, w) in enumerate(zip(got, want)):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        scale = float(np.abs(w).max(initial=0))
+        diff = np.abs(g - w)
+        assert float(diff.max(initial=0)) <= 0.01 * scale, (what, k, float(diff.max()), scale)
+        loose = diff > 1e-5 * np.abs(w) + 1e-5 * scale
+        assert loose.mean() <= 0.10, f"{what}, output {k}: {loose.mean():.2%} of the values beyond rtol 1e-5"
+    proto = onnx.load(model)
+    dql = [n for n in proto.graph.node if n.op_type == "DynamicQuantizeLinear"]
+    assert dql, f"{what}: outputs differ beyond float32 rounding and the model has no DynamicQuantizeLinear"
+    exposed = onnx.ModelProto.FromString(proto.SerializeToString())
+    names = {o.name for o in exposed.graph.output}
+    exposed.graph.output.extend(onnx.ValueInfoProto(name=o) for n in dql for o in n.output if o and o not in names)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    by_name = dict(zip([o.name for o in exposed.graph.output],
+                       ort.InferenceSession(ort_exact(exposed.SerializeToString()), so,
+                                            providers=["CPUExecutionProvider"]).run(None, feeds)))
+    codes = {o: by_name[o] for n in dql for o in n.output if o}
+    cut = _cut_at_quantize(proto, codes)
+    cut_feeds = {**feeds, **codes}
+    theirs = ort.InferenceSession(ort_exact(cut.SerializeToString()), so, providers=["CPUExecutionProvider"]).run(
+        None, cut_feeds)
+    opts = onnxpack.SessionOptions()
+    for key, value in (options or {}).items():
+        opts.add_session_config_entry(key, value)
+    ours = onnxpack.InferenceSession(cut.SerializeToString(), opts).run(None, cut_feeds)
+    for name, g, w in zip([o.name for o in cut.graph.output], ours, theirs):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max(initial=0)),
+                                   err_msg=f"{what}: segment output {name!r}")

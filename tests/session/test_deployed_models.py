@@ -25,7 +25,11 @@ which onnxruntime computes exactly on every x86 CPU: ``quant_util.ort_exact``):
   outputs after it by more: ``quant_util.assert_qdq_model_close`` then also compares the model
   segment by segment, both runtimes fed onnxruntime's codes (measured: identical).
   Dynamic models end in float ops after integer GEMMs: rtol 1e-5, atol 1e-5 of the output's
-  magnitude (measured <= 3e-7 relative).
+  magnitude (measured <= 3e-7 relative), or, where an ulp of float arithmetic before a
+  DynamicQuantizeLinear moved a code (seen on a T5 encoder: onnxruntime's AVX-512
+  SimplifiedLayerNormalization is an ulp from its AVX2 one and from ours), within 1% of the
+  magnitude end to end and the tight tolerance segment by segment, both runtimes fed onnxruntime's
+  codes at every DynamicQuantizeLinear (``quant_util.assert_dynamic_model_close``).
 * ``models/fixtures/transformers`` (torch export and onnxruntime's optimizer, fp32 and fp16):
   float32 rtol 1e-4 / atol 1e-5 (measured max |diff| 1.2e-6 on outputs of magnitude ~4); fp16
   (keep_io_types: float32 outputs of float16 arithmetic) rtol/atol 1e-2 (measured 4.1e-3: one or
@@ -46,7 +50,8 @@ which onnxruntime computes exactly on every x86 CPU: ``quant_util.ort_exact``):
 * the sample transformer through the weight-only quantizers (MatMulNBits, int4 DequantizeLinear,
   MatMulBnb4): rtol 1e-4, atol 1e-4 of the output's magnitude (measured <= 2.2e-6 relative).
 * the optimizer's float32 fixtures through ``quantize_dynamic`` (QAttention,
-  QEmbedLayerNormalization): the dynamic models' tolerance (measured <= 2.3e-7 relative).
+  QEmbedLayerNormalization): the dynamic models' comparison (measured <= 2.3e-7 relative end to
+  end, but the T5 encoder's one moved code on an AVX-512 CPU).
 
 Timing (2-core dev machine, shared): 37-46 s, of which resnet50 (upgrade to opset 13, quantize
 6 s, pack, save 100 MB of fp32 blobs, load warm and from the cache file) ~20 s.
@@ -70,7 +75,7 @@ import onnxpack
 import onnxpack_sample_models as sample_models
 from onnxpack.session import optimize
 from kernel_util import ort_save_optimized
-from quant_util import assert_qdq_model_close, ort_exact
+from quant_util import assert_dynamic_model_close, assert_qdq_model_close, ort_exact
 
 quantization = pytest.importorskip("onnxruntime.quantization")
 
@@ -222,9 +227,12 @@ def test_quantized_model(name, mode, tmp_path):
     assert mode == "dynamic" or all(s is not None for s in steps), steps
 
     def compare(got, want, what):
+        options = {"session.disable_prepacking": "1"} if what == "no prepacking" else {}
         if mode.startswith("qdq"):  # float ops between Q/DQ pairs: see assert_qdq_model_close
-            options = {"session.disable_prepacking": "1"} if what == "no prepacking" else {}
             assert_qdq_model_close(path, feeds, got, steps, options, want=want, segments=None)
+            return
+        if mode == "dynamic":  # float ops before each DynamicQuantizeLinear: see assert_dynamic_model_close
+            assert_dynamic_model_close(path, feeds, got, want, what, options)
             return
         for g, w, step in zip(got, want, steps):
             assert g.dtype == w.dtype and g.shape == w.shape, what
@@ -464,6 +472,20 @@ def _fixture_feeds(sidecar: dict, modes) -> list[dict]:
     return [fx.make_feeds(sidecar["inventory"]["inputs"], sidecar["feeds"][m]) for m in modes if m in sidecar["feeds"]]
 
 
+def _dynamic_compare(path: str, feeds_list: list[dict]):
+    """``compare`` for check_deployed on a dynamically quantized model: ``assert_dynamic_model_close``
+    (a code that an ulp of float arithmetic moved, then the model cut at every
+    DynamicQuantizeLinear), with the feeds whose onnxruntime outputs ``want`` is."""
+    wants = [ort_run(path, feeds, ort.GraphOptimizationLevel.ORT_DISABLE_ALL) for feeds in feeds_list]
+
+    def compare(got, want, what):
+        feeds = next(f for f, w in zip(feeds_list, wants) if all(np.array_equal(a, b) for a, b in zip(w, want)))
+        options = {"session.disable_prepacking": "1"} if what == "no prepacking" else {}
+        assert_dynamic_model_close(path, feeds, got, want, what, options)
+
+    return compare
+
+
 def _relative_compare(rtol: float, atol_of_max: float):
     """``compare`` for check_deployed: dtype and shape equal, values within ``rtol`` and
     ``atol_of_max`` times the largest magnitude of onnxruntime's output."""
@@ -550,11 +572,10 @@ def test_optimized_transformer_quantized_dynamically(path, sidecar, weight_type,
         assert {"QAttention", "QEmbedLayerNormalization"} <= ops, ops
     assert ops & {"MatMulInteger", "DynamicQuantizeMatMul", "QAttention"}, ops
 
-    compare = _relative_compare(1e-5, 1e-5)
-
+    feeds_list = _fixture_feeds(sidecar, sorted(sidecar["feeds"]))
     work = tmp_path / "work"
     work.mkdir()
-    check_deployed(out, _fixture_feeds(sidecar, sorted(sidecar["feeds"])), compare, work)
+    check_deployed(out, feeds_list, _dynamic_compare(out, feeds_list), work)
 
 
 def _kv_specified(proto: onnx.ModelProto):
