@@ -81,6 +81,15 @@ _SHIFT_ON = os.environ.get("ONNXPACK_CONV_SHIFT", "1") != "0"
 # 128 -> 128 3x3 on 20x20 1.30, 64 -> 64 5x5 (1,600 taps) 1.42, 512 -> 512 3 taps 1.30.
 _SHIFT_MAX_CHANNELS = 80
 _SHIFT_MAX_TAPS = 800
+# Those limits are AVX2's (tiles of 16 positions).  With AVX-512 (tiles of 64, and input channels
+# in L1-sized blocks) conv_shift wins further, measured the same way on a Sapphire Rapids core
+# (3x3 + SiLU, Winograd off): 96 -> 96 3x3 on 40x40 0.60, 64 -> 64 5x5 (1,600 taps) on 40x40
+# 0.45, 128 -> 128 5x5 on 20x20 0.96, 128 -> 128 3x3 on 10x10 0.81, 256 -> 64 3x3 on 10x10 0.65;
+# then 256 -> 256 3x3 on 28x28 1.07 and 512 -> 512 on 14x14 1.16, but on maps of one tile OpenBLAS
+# loses whatever the channels (its GEMM of 49 columns): 512 -> 512 on 7x7 0.82, 1024 -> 1024 on
+# 7x7 0.95 (resnet's last stage, which its Winograd pack hands to the direct path: too few tiles).
+_SHIFT_MAX_TAPS_WIDE = 1600
+_SHIFT_MAX_TAPS_ONE_TILE = 1024 * 9
 # Stride-2 convs run conv_shift over the input's four stride phases (one group, no dilation) up to
 # this many taps per output (C * kh * kw), by the tile width (64 positions with AVX-512, 16 with
 # AVX2); beyond, im2col + GEMM.  Measured one thread, 3x3 + SiLU, against im2col + OpenBLAS on the
@@ -347,6 +356,16 @@ def _place(x: np.ndarray, xp: np.ndarray, begin, value) -> None:
         dst.append(slice(lo, hi))
         src.append(slice(lo - b, hi - b))
     xp[tuple(dst)] = x[tuple(src)]
+
+
+def _shift_fits(c: int, m: int, kprod: int, length: int, tile: int) -> bool:
+    """Whether a stride-1 conv of ``c`` -> ``m`` channels, ``kprod`` taps and ``length`` output
+    positions per image runs conv_shift rather than im2col + GEMM (the limits' measurements above
+    _SHIFT_MAX_CHANNELS), by the tile width: AVX2's 16 positions or AVX-512's 64."""
+    taps = c * kprod
+    if tile >= 64:
+        return taps <= _SHIFT_MAX_TAPS_WIDE or (length <= tile and taps <= _SHIFT_MAX_TAPS_ONE_TILE)
+    return max(c, m) <= _SHIFT_MAX_CHANNELS and taps <= _SHIFT_MAX_TAPS
 
 
 def _shift_lead(taps, far, tile: int) -> np.ndarray:
@@ -1020,8 +1039,7 @@ class Conv(Kernel):
             p.zero = np.zeros(1 if n == 1 and (jit is None or cd != np.float32) else (n, 1), cd)
             p.cols_shape = (n, g, cg * kprod, length)
         elif (_SHIFT_ON and g == 1 and jit is not None and cd == np.float32 and length > 0 and kprod > 1 and nd <= 2
-              and all(s == 1 for s in strides) and min(begin) >= 0 and max(c, m) <= _SHIFT_MAX_CHANNELS
-              and c * kprod <= _SHIFT_MAX_TAPS):
+              and all(s == 1 for s in strides) and min(begin) >= 0 and _shift_fits(c, m, kprod, length, jit.TILE)):
             # Stride 1: every tap of a tile of output positions is a run of consecutive inputs in the
             # padded plane, read in place (conv_shift; no im2col).
             p.kind = _SHIFT
