@@ -301,11 +301,14 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
         return np.matmul(a, b, out=out)
     if out is None:
         out = np.empty(((batch,) if (a.ndim == 3 or b.ndim == 3) else ()) + (m, n), dtype=np.result_type(a, b))
+    # Whether a split pays is measured per shape (SplitTuner): MobileNetV2's 1x1 convs (2-5 M
+    # multiply-adds) ran 2x slower split on this VM, where a pool thread takes ~70 us to wake.
+    split = tuner(("matmul", a.shape, b.shape, a.dtype.char)).run
     if out.ndim == 3 and batch >= 2 * t:
         def run(lo, hi):
             np.matmul(a[lo:hi] if a.ndim == 3 else a, b[lo:hi] if b.ndim == 3 else b, out=out[lo:hi])
 
-        parallel(run, batch, t)
+        split(run, batch, t)
         return out
     # Column blocks of at least 64 (a BLAS micro-panel's multiple); rows when N is narrow.
     if n >= 128 * t:
@@ -315,13 +318,13 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
             c0, c1 = lo * n // blocks, hi * n // blocks
             np.matmul(a, b[..., c0:c1], out=out[..., c0:c1])
 
-        parallel(run, blocks, t)
+        split(run, blocks, t)
         return out
     if m >= 16 * t:
         def run(lo, hi):
             np.matmul(a[..., lo:hi, :], b, out=out[..., lo:hi, :])
 
-        parallel(run, m, t)
+        split(run, m, t)
         return out
     return np.matmul(a, b, out=out)
 
