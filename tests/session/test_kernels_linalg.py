@@ -202,7 +202,7 @@ def test_panels_only_where_they_pay(forced, flags, want, monkeypatch):
                                    (100, 1100, 70), (0, 8, 64), (3, 0, 64)])
 def test_matmul_panels_equals_float64_product(m, k, n, threads, jit, monkeypatch):
     """Every row remainder (6, 4, 2 and 1-row tiles), a last panel narrower than 64, K past one
-    block of 512, empty operands, one and two threads, the JIT and numpy's batched BLAS."""
+    block of KC rows (several, and not a multiple of it), empty operands, one and two threads, the JIT and numpy's batched BLAS."""
     from onnxpack.session.kernels import _act
     from onnxpack.session.kernels.linalg import matmul_panels, pack_panels
 
