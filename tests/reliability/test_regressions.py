@@ -859,3 +859,20 @@ def test_winograd_conv_keeps_an_infinity_or_nan_where_it_is(bad, jit, monkeypatc
         assert calls[-1] is None  # declined: the direct path
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, equal_nan=True)
         assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(np.isinf(got), np.isinf(want))
+
+
+def test_conv_scratch_is_never_short_of_its_alignment_offset():
+    """conv._scratch reused a thread's buffer made for a smaller request when it held the new
+    request's bytes but not past its 64-byte-aligned start: the scratch came back up to 63 bytes
+    short and its reshape failed (found by a differential fuzz of stride-2 convs: two convs whose
+    padded inputs differed by a few floats, "cannot reshape array of size 144961 into shape
+    (144964,)").  Every request gets a full, aligned buffer whatever came before."""
+    from onnxpack.session.kernels import conv
+
+    for first in range(1000, 1064):
+        conv._conv_scratch.clear()
+        conv._scratch("regression", (first,), np.uint8)
+        for extra in range(64):
+            got = conv._scratch("regression", (first + extra,), np.uint8)
+            assert got.size == first + extra and got.ctypes.data % 64 == 0
+    conv._conv_scratch.clear()

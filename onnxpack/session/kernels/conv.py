@@ -313,7 +313,9 @@ def _scratch(name: str, shape: tuple[int, ...], dtype) -> np.ndarray | None:
                 _conv_scratch.pop(k, None)
         bufs = _conv_scratch.setdefault(key, {})
     buf = bufs.get(name)
-    if buf is None or buf.size < nbytes:
+    # (a buffer made for a smaller request may hold nbytes but not nbytes past its aligned start:
+    # a scratch that came back short by its alignment offset failed to reshape)
+    if buf is None or buf.size - (-buf.ctypes.data % 64) < nbytes:
         buf = bufs[name] = np.empty(nbytes + 64, np.uint8)
     start = -buf.ctypes.data % 64  # 64-byte aligned, as a fresh large numpy array is
     return buf[start:start + nbytes].view(dtype).reshape(shape)
