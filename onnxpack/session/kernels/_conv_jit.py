@@ -64,6 +64,11 @@ from onnxpack.session.kernels._sgemm_jit import TILE, conv_tile1, conv_tile2, co
 __all__ = ["gather_cols", "depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "pad_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_shift", "wino_input", "wino_output", "bias_act", "maxpool2d", "act_inplace", "expf_array"]
 
 _FM = {"contract"}
+# Depthwise kernels activate a plane right after computing it (still in L1) from this many
+# outputs; smaller planes are activated in one call over the whole range they wrote: a call
+# passes its arrays counted in and out, ~20 ns, as much as a 7x7 plane's activation (MobileNetV2's
+# 960 x 7x7 depthwise + Clip 147 -> 126 us a call on one AVX-512 core).
+_ACTS_PLANE_MIN = 256
 # For kernels whose only reduction is a float64 sum of squares: reassociation lets it vectorize.
 _FM_SUM = {"contract", "reassoc"}
 
@@ -473,7 +478,10 @@ def depthwise3_same(x, w, bias, y, codes, params, nc0, nc1):
             dst[i] = src[i]
         out = yf[nc * hw:(nc + 1) * hw]
         _dw_plane3(out, s, w[nc % c_], bias[nc % c_], ok, w_, hw)
-        acts_plane(out, codes, params)
+        if hw >= _ACTS_PLANE_MIN:
+            acts_plane(out, codes, params)
+    if hw < _ACTS_PLANE_MIN:
+        acts_plane(yf[nc0 * hw:nc1 * hw], codes, params)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
@@ -504,7 +512,10 @@ def depthwise5_same(x, w, bias, y, codes, params, nc0, nc1):
             dst[i] = src[i]
         out = yf[nc * hw:(nc + 1) * hw]
         _dw_plane5(out, s, w[nc % c_], bias[nc % c_], ok, w_, hw)
-        acts_plane(out, codes, params)
+        if hw >= _ACTS_PLANE_MIN:
+            acts_plane(out, codes, params)
+    if hw < _ACTS_PLANE_MIN:
+        acts_plane(yf[nc0 * hw:nc1 * hw], codes, params)
 
 
 @njit(inline="always", fastmath=_FM, error_model="numpy")
@@ -684,7 +695,10 @@ def depthwise3_s2(x, w, bias, y, codes, params, nc0, nc1):
         _split_phases(xf, nc * hw, h_, w_, s, psz, ow_)
         out = yf[nc * ohw:(nc + 1) * ohw]
         _s2_taps3(out, s, psz, ow_, w[nc % c_], bias[nc % c_], okl, True)
-        acts_plane(out, codes, params)
+        if ohw >= _ACTS_PLANE_MIN:
+            acts_plane(out, codes, params)
+    if ohw < _ACTS_PLANE_MIN:
+        acts_plane(yf[nc0 * ohw:nc1 * ohw], codes, params)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
@@ -764,7 +778,10 @@ def depthwise5_s2(x, w, bias, y, codes, params, nc0, nc1):
             v = v + g2
             v = v + g3
             out[i] = v + (g4 if okr[i] != _F0 else _F0)
-        acts_plane(out, codes, params)
+        if ohw >= _ACTS_PLANE_MIN:
+            acts_plane(out, codes, params)
+    if ohw < _ACTS_PLANE_MIN:
+        acts_plane(yf[nc0 * ohw:nc1 * ohw], codes, params)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
