@@ -40,9 +40,10 @@ from onnxpack.session.kernels._nbits_jit import accumulate, array_data, declare,
 __all__ = ["sgemm_panels", "prefetch", "conv_tile6", "conv_tile4", "conv_tile2", "conv_tile1", "NR", "KC", "LANES", "TILE"]
 
 NR = 64  # columns per panel: the packed layout (4 vectors of 16 float32)
-KC = 128  # rows of a panel per pass (32 KB of it: L1-resident while all rows of ``a`` pass;
-# 512, an L2-resident block, read the panel from L2 once per tile of 6 rows: BERT-base 159 -> 153 ms
-# a run on one AVX-512 thread with 128, an encoder FFN GEMM of 32 x 384 x 1536 0.447 -> 0.389 ms)
+# Rows of a panel per pass: 32 KB of it, L1-resident while all rows of ``a`` pass.  With 512 (an
+# L2-resident block) each 6-row tile read the panel from L2: 512 -> 128 took BERT-base from 159 to
+# 153 ms a run on one AVX-512 thread, an encoder FFN GEMM of 32 x 384 x 1536 from 0.447 to 0.389 ms.
+KC = 128
 
 
 def _host_lanes() -> int:

@@ -100,7 +100,7 @@ _SHIFT_MAX_TAPS_ONE_TILE = 1024 * 9
 # 512 -> 512 1.25.
 _S2_MAX_TAPS = {64: 512 * 9, 16: 128 * 9}
 _SHIFT_L1 = 24 << 10
-_SHIFT_CB = int(os.environ.get("ONNXPACK_SHIFT_CB", "0"))
+_SHIFT_CB = 0  # input channels per block of conv_shift's tiles when set (tests); else from _SHIFT_L1
 # Flattened output positions per band of conv_shift's epilogue (its scratch: M x that).  Measured
 # on the kernel alone (one thread): the wake-word's 24-channel 1x3 conv 10.0 / 5.6 / 4.5 / 4.1 /
 # 5.2 ms at 64 / 128 / 256 / 512 / 1024, a 64-channel 3x3 on 40x40 2.4 / 2.0 / 2.0 / 2.1 / 2.0 ms.
@@ -370,19 +370,29 @@ def _shift_fits(c: int, m: int, kprod: int, length: int, tile: int) -> bool:
     return max(c, m) <= _SHIFT_MAX_CHANNELS and taps <= _SHIFT_MAX_TAPS
 
 
-def _shift_lead(taps, far, tile: int) -> np.ndarray:
-    """conv_shift's prefetch offsets from a tile's start: each input stream's farthest tap
-    (``far``: one for a stride-1 plane, one per stride-2 phase), four tiles ahead."""
-    return np.array([int(f) + 4 * tile for f in far], np.int64)
-
-
-def _shift_block(c: int, rows: int, kw: int, tile: int) -> int:
-    """Input channels per block of conv_shift's tiles: a tile reads, per channel, about ``rows``
-    runs of ``tile + kw`` floats; a block's fit in ``_SHIFT_L1`` bytes."""
-    if _SHIFT_CB:
-        return max(1, min(c, _SHIFT_CB))
-    per = 4 * rows * (tile + kw)
-    return max(1, min(c, _SHIFT_L1 // per))
+def _shift_plan(p, tile: int, c: int, taps: np.ndarray, far: list[int], plane: int, wp: int, ho: int, wo: int,
+                runs: int, kw: int, padded: tuple | None, at: tuple | None) -> None:
+    """The fields of a conv_shift plan (stride 1 over a padded plane, or stride 2 over its phases):
+    ``taps`` each tap's offset in a channel's ``plane`` floats (rows of ``wp``), ``far`` each input
+    stream's farthest tap (prefetched four tiles ahead), ``runs`` about how many runs of
+    ``tile + kw`` floats a tile reads per channel (its input channels go in blocks of
+    ``_SHIFT_L1`` bytes of those), ``padded`` / ``at`` the padded copy's shape and where the input
+    sits in it (None: the input read as it is)."""
+    n, m = p.n, p.m
+    macs = m * c * taps.shape[0]
+    p.kind = _SHIFT
+    p.wk_shape = (macs,)
+    p.big = n * macs * p.length >= _PARALLEL_MACS
+    # Output rows per band of conv_shift's epilogue: ~_SHIFT_BAND positions (its scratch: M x that).
+    rows = max(1, _SHIFT_BAND // wp)
+    p.count = n * -(-ho // rows)
+    block = _SHIFT_CB or _SHIFT_L1 // (4 * runs * (tile + kw))
+    p.jit_args = (taps, np.array([f + 4 * tile for f in far], np.int64), c, plane, wp, wo, rows, max(1, min(c, block)))
+    if padded is not None:
+        # (then the floats a last tile may read past the copy: see conv_shift)
+        p.padded, p.at = padded, at
+        p.slack = tile + int(taps.max())
+        p.pad_size = math.prod(padded)
 
 
 def _padded_extent(in_shape, begin, out, kernel, strides, dilations):
@@ -1044,7 +1054,6 @@ class Conv(Kernel):
               and all(s == 1 for s in strides) and min(begin) >= 0 and _shift_fits(c, m, kprod, length, jit.TILE)):
             # Stride 1: every tap of a tile of output positions is a run of consecutive inputs in the
             # padded plane, read in place (conv_shift; no im2col).
-            p.kind = _SHIFT
             p.extent = _padded_extent(in_shape, begin, out_shape, ks, strides, dils)
             hp, wp = (1, *p.extent) if nd == 1 else p.extent
             ho, wo = (1, *out_shape) if nd == 1 else out_shape
@@ -1052,20 +1061,11 @@ class Conv(Kernel):
             dh, dw = (1, *dils) if nd == 1 else dils
             kh, kw = (1, *ks) if nd == 1 else ks
             taps = np.array([i * dh * wp + j * dw for i in range(kh) for j in range(kw)], np.int64)
-            p.wk_shape = (m * c * kprod,)
-            p.big = n * m * c * kprod * length >= _PARALLEL_MACS
-            # Output rows per band of conv_shift's epilogue: ~_SHIFT_BAND positions (its scratch:
-            # M x that).
-            rows = max(1, _SHIFT_BAND // wp)
-            p.count = n * -(-ho // rows)
-            p.jit_args = (taps, _shift_lead(taps, [taps.max()], jit.TILE), c, hp * wp, wp, wo, rows,
-                          _shift_block(c, kh, kw, jit.TILE))
             # The padded input's shape and where the input sits in it (none: the input as it is).
+            padded = at = None
             if (hp, wp) != ((1, *in_shape) if nd == 1 else in_shape) or any(begin):
-                p.padded = (n, c, hp, wp)
-                p.at = (0, begin[0]) if nd == 1 else tuple(begin)
-                p.slack = jit.TILE + int(taps.max())
-                p.pad_size = math.prod(p.padded)
+                padded, at = (n, c, hp, wp), ((0, begin[0]) if nd == 1 else tuple(begin))
+            _shift_plan(p, jit.TILE, c, taps, [int(taps.max())], hp * wp, wp, ho, wo, kh, kw, padded, at)
         elif (_SHIFT_ON and g == 1 and jit is not None and cd == np.float32 and length > 0 and kprod > 1 and nd == 2
               and tuple(strides) == (2, 2) and tuple(dils) == (1, 1) and min(begin) >= 0
               and c * kprod <= _S2_MAX_TAPS.get(jit.TILE, 0)):
@@ -1074,26 +1074,18 @@ class Conv(Kernel):
             # (i % 2, j % 2) shifted by (i // 2, j // 2), so a tile of output positions is again a
             # run of consecutive floats per tap and channel: conv_shift over the phases, every
             # tap computed once (im2col + GEMM copied 9 columns per output first).
-            p.kind = _SHIFT
             ho, wo = out_shape
             kh, kw = ks
             hq, wq = ho + (kh - 1) // 2, wo + (kw - 1) // 2
             pplane = hq * wq
             taps = np.array([(2 * (i % 2) + j % 2) * pplane + (i // 2) * wq + j // 2
                              for i in range(kh) for j in range(kw)], np.int64)
-            p.wk_shape = (m * c * kprod,)
-            p.big = n * m * c * kprod * length >= _PARALLEL_MACS
-            rows = max(1, _SHIFT_BAND // wq)
-            p.count = n * -(-ho // rows)
-            # one prefetch stream per phase: each phase's farthest tap
-            far = [max(t for t in taps if t // pplane == ph) for ph in range(4) if any(t // pplane == ph for t in taps)]
-            p.jit_args = (taps, _shift_lead(taps, far, jit.TILE), c, 4 * pplane, wq, wo, rows,
-                          _shift_block(c, kh + 2, kw, jit.TILE))
-            p.padded = (n, c, 2, 2, hq, wq)
-            p.at = tuple(begin)
+            far: dict[int, int] = {}  # one prefetch stream per phase: its farthest tap
+            for t in taps.tolist():
+                far[t // pplane] = max(far.get(t // pplane, t), t)
+            _shift_plan(p, jit.TILE, c, taps, list(far.values()), 4 * pplane, wq, ho, wo, kh + 2, kw,
+                        (n, c, 2, 2, hq, wq), tuple(begin))
             p.phased = True
-            p.slack = jit.TILE + int(taps.max())
-            p.pad_size = math.prod(p.padded)
         elif not depthwise and jit is not None and length > 0 and _jit_im2col(nd, kprod, begin, strides, in_shape,
                                                                                  out_shape):
             p.kind = _IM2COL_JIT
