@@ -869,3 +869,67 @@ def test_gelu_and_swish_ops_fuse_into_their_producer(producer, act, jit_path):
         unfused = s.run(None, {"x": x})[0]
     np.testing.assert_allclose(got, unfused, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(got, _ort(model, {"x": x})[0], rtol=1e-5, atol=1e-5)
+
+
+# -- onnxruntime's fused GELUs (its transformer optimizer's output) as MatMul epilogues ----------
+MS_GELU = {
+    "biasgelu": ("BiasGelu", True, "const", True),        # MatMul -> BiasGelu(t, B)
+    "add-gelu": ("Gelu", False, "const", True),           # MatMul -> Add(B) -> Gelu
+    "biasgelu-fed-bias": ("BiasGelu", True, "input", False),  # a bias fed at run time: a node
+    "biasgelu-2d-bias": ("BiasGelu", True, "2d", False),  # (1, N): refused by the op, not fused
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("case", list(MS_GELU), ids=list(MS_GELU))
+def test_onnxruntime_gelu_ops_fuse_into_matmul(case, dtype, jit_path):
+    """``com.microsoft`` BiasGelu (with a constant 1-D bias) and Gelu after a MatMul by a constant
+    weight run as the MatMul's epilogue (bias, then the exact GELU in float32, one rounding: the
+    op's own arithmetic); equal to the unfused nodes (pre-packing off) to 1e-6 (float16: its
+    ulp, the fused MatMul rounding its product once before the epilogue as the node does) and to
+    onnxruntime to 1e-5 (2e-3)."""
+    op, bias_in_op, bias_kind, fused = MS_GELU[case]
+    rng = np.random.default_rng(43)
+    t = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    w = (rng.standard_normal((16, 24)) * 0.5).astype(dtype)
+    b = rng.standard_normal(24).astype(dtype)
+    inits = [numpy_helper.from_array(w, "W")]
+    inputs = [helper.make_tensor_value_info("x", t, [3, 5, 16])]
+    feed = {"x": rng.standard_normal((3, 5, 16)).astype(dtype) * 2}
+    if bias_kind == "input":
+        inputs.append(helper.make_tensor_value_info("B", t, [24]))
+        feed["B"] = b
+    else:
+        inits.append(numpy_helper.from_array(b.reshape(1, 24) if bias_kind == "2d" else b, "B"))
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["m"], name="p")]
+    if bias_in_op:
+        nodes.append(helper.make_node(op, ["m", "B"], ["y"], name="act", domain="com.microsoft"))
+    else:
+        nodes += [helper.make_node("Add", ["m", "B"], ["t"], name="add"),
+                  helper.make_node(op, ["t"], ["y"], name="act", domain="com.microsoft")]
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", t, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                              ir_version=9).SerializeToString()
+    with onnxpack.InferenceSession(model) as s:
+        steps = [st.node.name for st in s.program.root.steps]
+        if bias_kind == "2d":  # the op's 1-D bias check still runs: the fusion takes no other shape
+            with pytest.raises(onnxpack.errors.OrtRuntimeFailure, match="must be 1-D"):
+                s.run(None, feed)
+            assert steps == ["p", "act"]
+            return
+        got = s.run(None, feed)[0]
+    assert (len(steps) == 1) == fused, steps
+    so = onnxpack.SessionOptions()
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    with onnxpack.InferenceSession(model, so) as s:
+        assert len(s.program.root.steps) == len(nodes)
+        unfused = s.run(None, feed)[0]
+    assert got.dtype == unfused.dtype == np.dtype(dtype)
+    want = _ort(model, feed)[0]
+    if dtype == np.float32:
+        np.testing.assert_allclose(got, unfused, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        g32, u32 = got.astype(np.float32), unfused.astype(np.float32)
+        np.testing.assert_allclose(g32, u32, rtol=1e-3, atol=1e-3)
+        np.testing.assert_allclose(g32, want.astype(np.float32), rtol=2e-3, atol=2e-3)
