@@ -192,7 +192,9 @@ SKIP_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("outputs", [1, 4], ids=["y", "all-outputs"])
 @pytest.mark.parametrize("case", SKIP_CASES, ids=[c[0] for c in SKIP_CASES])
-def test_skip_layer_norm(case, outputs, dtype):
+def test_skip_layer_norm(case, outputs, dtype, jit_path):
+    """Against onnxruntime on the JIT's row kernel (float32 sums, float16 widened), from the
+    native code cache, and on numpy's path."""
     _, xs, ss, beta, bias = case
     rng = np.random.default_rng(4)
     feeds = {"x": rand(rng, xs, dtype, 2, 0.5), "s": rand(rng, ss, dtype)}

@@ -267,22 +267,33 @@ class LayerNormalization(Kernel):
         d = x.shape[-1]
         if scale.dtype != np.float32 or scale.size != d or (bias is not None and (bias.dtype != np.float32 or bias.size != d)):
             return None
-        jit = _act.jit()
-        if jit is None:
+        got = layer_norm_rows(np.ascontiguousarray(x).reshape(-1, d), scale, bias, self.epsilon)
+        if got is None:
             return None
-        x2 = np.ascontiguousarray(x).reshape(-1, d)
-        y = np.empty_like(x2)
-        rows = x2.shape[0]
-        mean = np.empty(rows, np.float32)
-        inv = np.empty(rows, np.float32)
-        b = _EMPTY if bias is None else np.ascontiguousarray(bias).reshape(d)
-        s = np.ascontiguousarray(scale).reshape(d)
-        eps = np.float32(self.epsilon)
-        threads = _act.threads() if x2.size >= (1 << 16) else 1
-        _act.tuner(("layer_norm_rows", x2.shape)).run(
-            lambda a, c: jit.layer_norm_rows(x2, s, b, eps, y, mean, inv, a, c), rows, threads)
+        y, mean, inv = got
         shape = x.shape[:-1] + (1,)
         return (y.reshape(x.shape), mean.reshape(shape), inv.reshape(shape))[: max(1, len(self.node.output))]
+
+
+def layer_norm_rows(x2: np.ndarray, scale: np.ndarray, bias: np.ndarray | None, eps: float) -> tuple | None:
+    """LayerNorm over the last axis of a C-contiguous float32 ``x2`` (R, D) by the JIT's
+    ``layer_norm_rows`` (split over onnxpack's threads when large and it pays): ``(y (R, D),
+    mean (R,), inv_std (R,))``, float32; None without the JIT.  ``scale`` / ``bias`` (None: no
+    bias) hold D float32 values."""
+    jit = _act.jit()
+    if jit is None:
+        return None
+    rows, d = x2.shape
+    y = np.empty_like(x2)
+    mean = np.empty(rows, np.float32)
+    inv = np.empty(rows, np.float32)
+    b = _EMPTY if bias is None else np.ascontiguousarray(bias).reshape(d)
+    s = np.ascontiguousarray(scale).reshape(d)
+    e = np.float32(eps)
+    threads = _act.threads() if x2.size >= (1 << 16) else 1
+    _act.tuner(("layer_norm_rows", x2.shape)).run(lambda a, c: jit.layer_norm_rows(x2, s, b, e, y, mean, inv, a, c),
+                                                  rows, threads)
+    return y, mean, inv
 
 
 @register("InstanceNormalization", since=1)
