@@ -184,3 +184,37 @@ def test_split_conv_equals_one_thread_whichever_the_tuner_picks(monkeypatch):
         np.testing.assert_array_equal(sess.run(None, {"x": x})[0], want)
     (plan,) = [p for st in sess.program.root.steps for p in st.kernel._plans.values()]
     assert plan.split is not None and plan.split.choice is not None
+
+
+@pytest.mark.parametrize("m,k,n", [(300, 40, 70), (64, 40, 300), (64, 40, 257), (40, 16, 1000), (20, 8, 100)],
+                         ids=["rows", "columns", "columns-ragged", "columns-wide", "too-small"])
+def test_split_matmul_computes_every_block_once(m, k, n, monkeypatch):
+    """_act.matmul forced to split over two threads (rows of A from 256 of them or when B is
+    narrow, else column blocks of 64): every output element is numpy's product (each block's
+    BLAS call sums the same products), none left unwritten."""
+    from onnxpack.session.kernels import _act
+
+    monkeypatch.setattr(_act, "_SPLIT_MACS", 1)
+    monkeypatch.setattr(_act, "threads", lambda: 2)
+    monkeypatch.setattr(_act, "blas_threads", lambda: 1)
+    rng = np.random.default_rng(9)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    tuner = _act.tuner(("matmul", a.shape, b.shape, a.dtype.char))
+    tuner.threads, tuner.choice = 2, True
+    calls = []
+    real = np.matmul
+
+    def counted(x, y, out=None):
+        calls.append(out.shape if out is not None else None)
+        return real(x, y, out=out)
+
+    monkeypatch.setattr(_act.np, "matmul", counted)
+    out = np.full((m, n), np.nan, np.float32)
+    got = _act.matmul(a, b, out=out)
+    monkeypatch.setattr(_act.np, "matmul", real)
+    assert got is out
+    np.testing.assert_allclose(got, a @ b, rtol=1e-5, atol=1e-5)
+    assert len(calls) == (1 if m < 32 else 2), calls
+    if len(calls) == 2 and m >= _act._ROW_SPLIT_M:
+        assert calls == [(m // 2, n), (m - m // 2, n)]
