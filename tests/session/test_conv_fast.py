@@ -1096,7 +1096,7 @@ def test_gemm_split_over_onnxpack_threads(shape, monkeypatch):
     # 1.8e-6 on outputs of magnitude ~4 where an im2col block split the reduction differently)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(np.abs(want).max()))
     if shape != "depthwise":
-        assert len(calls) > 2  # the GEMM ran as several blocks
+        assert len(calls) >= 2  # the GEMM ran as several blocks (one per thread, or the batch's)
 
 
 def test_matmul_split_shapes(monkeypatch):
