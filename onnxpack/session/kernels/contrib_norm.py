@@ -47,35 +47,39 @@ def layer_norm_f(x: np.ndarray, gamma, beta, eps: float, axis: int = -1):
     """LayerNorm of a float32/float64 ``x`` over its axes from ``axis`` on, in place on ``x``.
 
     Returns ``(y, mean, inv_std)`` with the statistics shaped like ``x`` with those axes 1.
-    ``x`` must be a fresh array (it becomes ``y``).
+    ``x`` must be a fresh array (it becomes ``y``).  Infinities and NaN propagate as NaN without
+    numpy's warnings (onnxruntime warns of nothing either).
     """
     axes = tuple(range(axis % x.ndim, x.ndim))
-    mean = x.mean(axis=axes, keepdims=True)
-    x -= mean
-    var = np.mean(np.square(x), axis=axes, keepdims=True)
-    inv = var
-    inv += x.dtype.type(eps)
-    np.sqrt(inv, out=inv)
-    np.reciprocal(inv, out=inv)
-    x *= inv
-    x *= gamma
-    if beta is not None:
-        x += beta
+    with np.errstate(all="ignore"):
+        # Sums in float64, as the JIT's rows (norm.layer_norm_rows): a float32 row near the
+        # float32 maximum has a finite mean, as in onnxruntime (float32 sums overflowed to inf).
+        mean = x.mean(axis=axes, keepdims=True, dtype=np.float64).astype(x.dtype)
+        x -= mean
+        inv = np.mean(np.square(x), axis=axes, keepdims=True, dtype=np.float64).astype(x.dtype)
+        inv += x.dtype.type(eps)
+        np.sqrt(inv, out=inv)
+        np.reciprocal(inv, out=inv)
+        x *= inv
+        x *= gamma
+        if beta is not None:
+            x += beta
     return x, mean, inv
 
 
 def rms_norm_f(x: np.ndarray, gamma, eps: float, axis: int = -1):
     """RMS norm (``x / sqrt(mean(x**2) + eps) * gamma``) in place on a fresh float ``x``.
 
-    Returns ``(y, inv_std)``.
+    Returns ``(y, inv_std)``; no numpy warnings (see :func:`layer_norm_f`).
     """
     axes = tuple(range(axis % x.ndim, x.ndim))
-    inv = np.mean(np.square(x), axis=axes, keepdims=True)
-    inv += x.dtype.type(eps)
-    np.sqrt(inv, out=inv)
-    np.reciprocal(inv, out=inv)
-    x *= inv
-    x *= gamma
+    with np.errstate(all="ignore"):
+        inv = np.mean(np.square(x), axis=axes, keepdims=True)
+        inv += x.dtype.type(eps)
+        np.sqrt(inv, out=inv)
+        np.reciprocal(inv, out=inv)
+        x *= inv
+        x *= gamma
     return x, inv
 
 
