@@ -735,3 +735,77 @@ def test_bert_like_graph_saved_with_packed_blobs(dtype, tmp_path):
     o2.add_session_config_entry("session.disable_prepacking", "1")
     with onnxpack.InferenceSession(str(src), o2) as plain:
         np.testing.assert_allclose(plain.run(None, feeds)[0].astype(np.float64), want.astype(np.float64), **t)
+
+
+# -- the JIT attention (attend_heads) against the numpy products it replaces ---------------------
+JIT_ATTEND = {  # (B, N, Nkv, S, T, H, bias shape or None)
+    "bert": (1, 12, 12, 128, 128, 64, (1, 1, 1, 128)),
+    "batch-key-mask": (2, 4, 4, 9, 9, 16, (2, 1, 1, 9)),
+    "grouped": (2, 6, 2, 7, 11, 8, (1, 6, 7, 11)),
+    "per-row-bias": (1, 3, 3, 5, 70, 130, (1, 1, 5, 70)),  # H > the GEMM's K block; T past a panel
+    "long-keys": (1, 2, 1, 3, 300, 5, (300,)),  # T past the P @ V K block; a 1-D bias
+    "no-bias": (1, 2, 2, 65, 65, 64, None),
+    "2d-bias": (1, 2, 2, 4, 6, 3, (4, 6)),
+}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", list(JIT_ATTEND), ids=list(JIT_ATTEND))
+def test_jit_attention_equals_numpy_products(case, threads, monkeypatch):
+    """``attend_heads`` (heads split over two threads or not) against ``_attend_products`` (numpy's
+    batched BLAS and softmax): within float32 rounding of the output's scale, with masked keys
+    (-10000 and -inf), a row whose every key is masked (zeros, as numpy's path gives), a NaN
+    query (its rows NaN), and the q / k / v views the kernels pass (strided, not copies)."""
+    from onnxpack.session.kernels import _act
+    from onnxpack.session.kernels import attention as A
+
+    if _act.load_jit("_attn_jit", "attention") is None:
+        pytest.skip("numba not installed")
+    b, n, nkv, s, t, h, bshape = JIT_ATTEND[case]
+    rng = np.random.default_rng(len(case))
+    qkv = rng.standard_normal((b, s, n * h + 2)).astype(np.float32)
+    q = qkv[..., 1:1 + n * h].reshape(b, s, n, h).transpose(0, 2, 1, 3)  # a strided view
+    k = rng.standard_normal((b, nkv, t, h)).astype(np.float32)
+    v = rng.standard_normal((b, nkv, t, h)).astype(np.float32)
+    q[0, 0, 0, 0] = np.nan
+    bias = None
+    if bshape is not None:
+        bias = np.where(rng.random(bshape) < 0.25, np.float32(-10000), np.float32(0)).astype(np.float32)
+        flat = bias.reshape(-1, bshape[-1])
+        flat[-1, 0] = -np.inf
+        if flat.shape[0] > 1 or len(bshape) == 1:
+            flat[0, :] = -np.inf  # every key of these rows masked
+    monkeypatch.setattr(A, "_SPLIT_ATTENTION_MACS", 0)
+    monkeypatch.setattr(_act, "threads", lambda: threads)
+    want, _ = A._attend_products(q, k, v, 0.3, bias, None, 0.0, None, None, False)
+
+    def numpy_path(*_args):
+        raise AssertionError("the JIT attention did not run")
+
+    monkeypatch.setattr(A, "_attend_products", numpy_path)
+    got, raw = A._attend(q, k, v, 0.3, bias)
+    assert raw is None and got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(got).any()  # the NaN query's row
+    scale = float(np.nanmax(np.abs(want)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * scale)
+    if threads == 2:
+        tuner = _act.tuner(("attend_heads", q.shape, k.shape))
+        assert tuner.threads == 2
+
+
+def test_jit_attention_takes_only_its_cases(monkeypatch):
+    """A bias that does not broadcast, a mask of excluded keys, a softcap or a float16 query go
+    to numpy's path (which raises its own error for the bias)."""
+    from onnxpack.session.kernels import attention as A
+
+    calls = []
+    monkeypatch.setattr(A, "_attend_products", lambda *a: calls.append(a) or (np.zeros(1), None))
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 2, 4, 8)).astype(np.float32)
+    k = v = rng.standard_normal((1, 2, 5, 8)).astype(np.float32)
+    A._attend(q, k, v, 1.0, np.zeros((3, 1, 1, 5), np.float32))
+    A._attend(q, k, v, 1.0, exclude=np.zeros((1, 1, 4, 5), bool))
+    A._attend(q, k, v, 1.0, softcap=5.0)
+    A._attend(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), 1.0)
+    assert len(calls) == 4

@@ -1,5 +1,6 @@
-"""numba kernel for one decoding step of GroupQueryAttention (optional; the numpy twin is
-``attention.GroupQueryAttention``'s general path).
+"""numba kernels for one decoding step of GroupQueryAttention (optional; the numpy twin is
+``attention.GroupQueryAttention``'s general path), and for whole-sequence attention over blocks
+of heads (:func:`attend_heads`; its numpy twin is ``attention._attend_products``).
 
 Imported lazily (:func:`onnxpack.session.kernels._act.load_jit`) on the first decoding step, only
 when numba is installed and ``ONNXPACK_DISABLE_JIT`` is not ``1``; processes that find the native
@@ -21,9 +22,10 @@ import math
 import numpy as np
 from numba import njit, types
 
-from onnxpack.session.kernels._conv_jit import _expf
+from onnxpack.session.kernels._conv_jit import _LANES, _expf
+from onnxpack.session.kernels._sgemm_jit import KC, _rows
 
-__all__ = ["gqa_decode", "native_entries"]
+__all__ = ["attend_heads", "gqa_decode", "native_entries"]
 
 _FM = {"contract", "reassoc"}
 
@@ -156,6 +158,111 @@ def gqa_decode(q, k, v, pk, pv, pos, lo, cos, sin, half, interleaved, scale, sof
             j += 1
 
 
+_LOWEST = np.float32(np.finfo(np.float32).min)
+_PANEL = 64  # the packed operands' panel width (_sgemm_jit.NR)
+
+
+@njit(cache=True, fastmath={"contract"}, nogil=True, error_model="numpy")
+def attend_heads(q, k, v, bias, scale, out, i0, i1):
+    """Heads ``i0 <= i < i1`` (``i = b * N + n``) of ``softmax(scale * q @ k^T + bias) @ v``, as
+    :func:`attention._attend_products` computes it without softcap, masks or sinks: one call a
+    block of heads, no GIL, so a thread pool runs heads side by side.
+
+    ``q`` (B, N, S, H), ``k``/``v`` (B, Nkv, T, H) float32 of any strides (query head ``n`` reads
+    KV head ``n // (N / Nkv)``); ``bias`` float32 (B|1, N|1, S|1, T), or T = 0 for none;
+    ``out`` (B, N, S, H).  Per head: q copied to rows, K^T and V packed into 64-column panels
+    (once per KV head and batch), ``q @ k^T`` and ``p @ v`` by the panel GEMM's tiles
+    (``_sgemm_jit._rows``), and between them each row's softmax as the numpy path computes it: the
+    scaled scores plus the bias, the row's maximum (at least the lowest float, so a row of -inf
+    gives zeros), ``_expf`` of the differences, their sum (1 where it is 0) and one division per
+    element.  Sums run in another order than numpy's BLAS: results differ in the last bits.
+    """
+    nb, n_, s_, h_ = q.shape
+    nkv = k.shape[1]
+    t_ = k.shape[2]
+    group = n_ // nkv
+    tp = (t_ + _PANEL - 1) // _PANEL * _PANEL
+    hp = (h_ + _PANEL - 1) // _PANEL * _PANEL
+    qb = np.empty((s_, h_), np.float32)
+    kt = np.zeros((tp // _PANEL) * h_ * _PANEL, np.float32)
+    vp = np.zeros((hp // _PANEL) * tp * _PANEL, np.float32)
+    sc = np.zeros((s_, tp), np.float32)
+    ob = np.empty((s_, hp), np.float32)
+    has_bias = bias.shape[3] > 0
+    lanes = np.empty(_LANES, np.float32)
+    sums = np.empty(_LANES, np.float32)
+    last = -1
+    for it in range(i0, i1):
+        b = it // n_
+        n = it - b * n_
+        g = n // group
+        if b * nkv + g != last:
+            last = b * nkv + g
+            for p in range(tp // _PANEL):
+                t1 = min(_PANEL, t_ - p * _PANEL)
+                for d in range(h_):
+                    row = (p * h_ + d) * _PANEL
+                    for j in range(t1):
+                        kt[row + j] = k[b, g, p * _PANEL + j, d]
+            for t in range(t_):
+                for d in range(h_):
+                    vp[((d // _PANEL) * tp + t) * _PANEL + d % _PANEL] = v[b, g, t, d]
+        for i in range(s_):
+            for d in range(h_):
+                qb[i, d] = q[b, n, i, d]
+        for p in range(tp // _PANEL):
+            for k0 in range(0, h_, KC):
+                _rows(sc, p * _PANEL, tp, kt, (p * h_ + k0) * _PANEL, _PANEL, qb, k0, min(KC, h_ - k0), 1 if k0 > 0 else 0)
+        bb = b if bias.shape[0] > 1 else 0
+        bn = n if bias.shape[1] > 1 else 0
+        for i in range(s_):
+            # (indexed, not through row views: a view costs reference counting per row)
+            bi = i if bias.shape[2] > 1 else 0
+            if has_bias:
+                for t in range(t_):
+                    sc[i, t] = sc[i, t] * scale + bias[bb, bn, bi, t]
+            else:
+                for t in range(t_):
+                    sc[i, t] = sc[i, t] * scale
+            # The maximum over 16 interleaved lanes (vectorizes).  A NaN score is not seen here
+            # (comparisons skip it) but its exp is NaN, so the sum and every weight of the row
+            # are NaN, as numpy's NaN maximum makes them; +inf gives inf - inf = NaN alike.
+            for j in range(_LANES):
+                lanes[j] = _LOWEST
+            body = t_ - t_ % _LANES
+            for t in range(0, body, _LANES):
+                for j in range(_LANES):
+                    z = sc[i, t + j]
+                    lanes[j] = z if z > lanes[j] else lanes[j]
+            m = _LOWEST
+            for j in range(_LANES):
+                m = lanes[j] if lanes[j] > m else m
+            for t in range(body, t_):
+                m = sc[i, t] if sc[i, t] > m else m
+            for t in range(t_):
+                sc[i, t] = _expf(sc[i, t] - m)
+            for j in range(_LANES):
+                sums[j] = 0.0
+            for t in range(0, body, _LANES):
+                for j in range(_LANES):
+                    sums[j] += sc[i, t + j]
+            total = np.float32(0.0)
+            for j in range(_LANES):
+                total += sums[j]
+            for t in range(body, t_):
+                total += sc[i, t]
+            if total == 0:
+                total = np.float32(1.0)
+            for t in range(t_):
+                sc[i, t] = sc[i, t] / total
+        for p in range(hp // _PANEL):
+            for k0 in range(0, tp, KC):
+                _rows(ob, p * _PANEL, hp, vp, (p * tp + k0) * _PANEL, _PANEL, sc, k0, min(KC, tp - k0), 1 if k0 > 0 else 0)
+        for i in range(s_):
+            for d in range(h_):
+                out[b, n, i, d] = ob[i, d]
+
+
 def native_entries() -> dict:
     """name -> numba cfunc of this module's native entries: ``gqa_f32``, :func:`gqa_decode` over an
     argument block laid out as ``_jit_native.Q_*`` names it (float32 arrays; scale and softcap as
@@ -222,4 +329,4 @@ def native_entries() -> dict:
 # the parameters named here are arrays the kernels only read.
 from onnxpack.session.kernels._act import one_specialization as _act_one_specialization  # noqa: E402
 
-_act_one_specialization(globals(), frozenset({"q", "k", "v", "cos", "sin"}))
+_act_one_specialization(globals(), frozenset({"q", "k", "v", "cos", "sin", "bias"}))
