@@ -50,7 +50,7 @@ from onnxpack.graph._proto import AttributeProto, NodeProto, get_attribute_value
 from onnxpack.session.kernels._act import Activation
 
 __all__ = ["ConvFusion", "Fusion", "MatMulFusion", "apply_fusions", "bn_fold", "find_conv_fusions",
-           "find_fake_quant_fusions", "find_gated_nbits", "find_matmul_fusions", "find_nbits_fusions",
+           "find_attention_chains", "find_fake_quant_fusions", "find_gated_nbits", "find_matmul_fusions", "find_nbits_fusions",
            "find_relu_fusions", "fused_node", "inputs_index", "match_activation", "nodes_with_index", "plan_fusions"]
 
 
@@ -689,6 +689,76 @@ def find_matmul_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], pro
 _RELU_PRODUCERS = frozenset({"Add", "Sum", "Sub", "Mul", "BatchNormalization"})
 
 
+def find_attention_chains(nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
+                          const_value: Callable[[str], np.ndarray | None], is_const: Callable[[str], bool],
+                          opset: int, taken: set[int]) -> list[Fusion]:
+    """``MatMul(Q, K) [Mul / Div by a scalar float constant] [Add(mask)] Softmax(axis -1)
+    MatMul(., V)`` (pure): an exported attention (torch's BERT-class encoders write it so) as one
+    step of kernel ``attention_chain``, inputs ``(Q, K, V, mask or "")``.  Q and K must not be
+    constants (a MatMul by a weight is a GEMM, not this), each value of the chain must be read
+    only by the next node and not be a graph output, and the Softmax's axis must be -1 (written
+    so, or its opset-13 default)."""
+    used = set(taken)
+    users_of = _sole_users(nodes, readers, protected, used)
+
+    def sole(name: str, ops: tuple[str, ...]) -> int | None:
+        us = users_of(name)
+        if us is None or len(us) != 1:
+            return None
+        n = nodes[us[0]]
+        return us[0] if n.op_type in ops and n.domain in ("", "ai.onnx") and sole_output(n) else None
+
+    out: list[Fusion] = []
+    for k, node in enumerate(nodes):
+        if (k in used or node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.input) != 2
+                or not all(node.input) or any(is_const(n) for n in node.input)):
+            continue
+        chain: list[int] = []
+        t = node.output[0]
+        scale, op, mask = None, "Mul", ""
+        i = sole(t, ("Mul", "Div", "Add", "Softmax"))
+        if i is not None and nodes[i].op_type in ("Mul", "Div") and len(nodes[i].input) == 2:
+            other = _other_operand(nodes[i], t)
+            c = const_value(other) if other else None
+            if (c is None or c.dtype.kind != "f" or c.size != 1 or list(nodes[i].input).count(t) != 1
+                    or (nodes[i].op_type == "Div" and nodes[i].input[0] != t)):
+                continue
+            scale, op = c, nodes[i].op_type
+            chain.append(i)
+            t = sole_output(nodes[i])
+            i = sole(t, ("Add", "Softmax"))
+        if i is not None and nodes[i].op_type == "Add" and len(nodes[i].input) == 2:
+            other = _other_operand(nodes[i], t)
+            if not other or list(nodes[i].input).count(t) != 1:
+                continue
+            mask = other
+            chain.append(i)
+            t = sole_output(nodes[i])
+            i = sole(t, ("Softmax",))
+        if i is None or nodes[i].op_type != "Softmax":
+            continue
+        axis = _attrs(nodes[i]).get("axis", -1 if opset >= 13 else 1)
+        if axis != -1:
+            continue
+        chain.append(i)
+        t = sole_output(nodes[i])
+        j = sole(t, ("MatMul",))
+        if j is None or len(nodes[j].input) != 2 or nodes[j].input[0] != t or not nodes[j].input[1] or nodes[j].input[1] == t:
+            continue
+        chain.append(j)
+        fused = NodeProto()
+        fused.CopyFrom(node)  # the first MatMul's name: reports name the chain by it
+        fused.ClearField("attribute")
+        del fused.input[:]
+        fused.input.extend([node.input[0], node.input[1], nodes[j].input[1], mask])
+        del fused.output[:]
+        fused.output.extend([sole_output(nodes[j])])
+        out.append(Fusion(fused, k, tuple(chain), kernel="attention_chain",
+                          params={"scale": scale, "divide": op == "Div"}))
+        used.update((k, *chain))
+    return out
+
+
 def find_relu_fusions(
     nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str], taken: set[int]
 ) -> list[ConvFusion]:
@@ -1093,6 +1163,9 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
     for f in nbits:
         taken.update((f.anchor, *f.absorbed))
     for f in find_gated_nbits(nodes, readers, protected, nbits, taken):
+        out.append(f)
+        taken.update((f.anchor, *f.absorbed))
+    for f in find_attention_chains(nodes, readers, protected, const_value, is_const, opset, taken):
         out.append(f)
         taken.update((f.anchor, *f.absorbed))
     for f in find_relu_fusions(nodes, readers, protected, taken):

@@ -933,3 +933,93 @@ def test_onnxruntime_gelu_ops_fuse_into_matmul(case, dtype, jit_path):
         g32, u32 = got.astype(np.float32), unfused.astype(np.float32)
         np.testing.assert_allclose(g32, u32, rtol=1e-3, atol=1e-3)
         np.testing.assert_allclose(g32, want.astype(np.float32), rtol=2e-3, atol=2e-3)
+
+
+# -- an exported attention (MatMul, scale, mask, Softmax, MatMul) as one step -------------------
+CHAIN = {  # scale op, mask kind, softmax axis attribute, opset, dtype, fused
+    "mul-mask-input": ("Mul", "input", None, 17, np.float32, True),
+    "div-mask-const": ("Div", "const", -1, 17, np.float32, True),
+    "no-scale": (None, "input", None, 17, np.float32, True),
+    "no-mask": ("Mul", None, None, 17, np.float32, True),
+    "masked-rows": ("Mul", "rows", None, 17, np.float32, True),
+    "f16": ("Mul", "input", None, 17, np.float16, True),
+    "opset11-axis-1": ("Mul", "input", None, 11, np.float32, False),
+    "opset11-axis-last": ("Mul", "input", -1, 11, np.float32, True),
+    "axis-2": ("Mul", "input", 2, 17, np.float32, False),
+    "probs-read-twice": ("Mul", "input", None, 17, np.float32, False),
+}
+
+
+@pytest.mark.parametrize("case", list(CHAIN), ids=list(CHAIN))
+def test_exported_attention_chain_is_one_step(case, jit_path):
+    """torch's BERT export writes attention as ``MatMul(Q, K^T) -> Mul/Div(scale) -> Add(mask) ->
+    Softmax -> MatMul(., V)``: it runs as one step (the JIT's attention when numba is there),
+    equal to the nodes one by one (pre-packing off: no such fusion) to float32 rounding and to
+    onnxruntime; a Softmax over another axis, the probabilities read twice stay nodes."""
+    op, mask_kind, axis, opset, dtype, fused = CHAIN[case]
+    rng = np.random.default_rng(44)
+    t = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    b, n, s, h = 2, 3, 9, 16
+    feeds = {"q": rng.standard_normal((b, n, s, h)).astype(dtype), "k": rng.standard_normal((b, n, s, h)).astype(dtype),
+             "v": rng.standard_normal((b, n, s, h)).astype(dtype)}
+    inputs = [helper.make_tensor_value_info(x, t, [b, n, s, h]) for x in ("q", "k", "v")]
+    inits = []
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["qk"], name="qk")]
+    last = "qk"
+    if op is not None:
+        c = np.array(0.25 if op == "Mul" else 4.0 ** 0.5 * 1.7, dtype)
+        inits.append(numpy_helper.from_array(c, "c"))
+        nodes.append(helper.make_node(op, [last, "c"], ["sc"]))
+        last = "sc"
+    if mask_kind is not None:
+        mask = np.where(rng.random((b, 1, 1, s)) < 0.3, -10000.0, 0.0).astype(dtype)
+        if mask_kind == "rows":
+            mask = np.where(rng.random((b, 1, s, s)) < 0.3, -np.inf, 0.0).astype(dtype)
+            mask[0, 0, 2, :] = -np.inf  # a row of only -inf: Softmax gives NaN
+        if mask_kind == "const":
+            inits.append(numpy_helper.from_array(mask, "mask"))
+        else:
+            inputs.append(helper.make_tensor_value_info("mask", t, list(mask.shape)))
+            feeds["mask"] = mask
+        nodes.append(helper.make_node("Add", [last, "mask"], ["masked"]))
+        last = "masked"
+    nodes.append(helper.make_node("Softmax", [last], ["p"], **({} if axis is None else {"axis": axis})))
+    nodes.append(helper.make_node("MatMul", ["p", "v"], ["y"], name="pv"))
+    outputs = [helper.make_tensor_value_info("y", t, None)]
+    if case == "probs-read-twice":
+        outputs.append(helper.make_tensor_value_info("p", t, None))
+    graph = helper.make_graph(nodes, "g", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8).SerializeToString()
+    from onnxpack.session.kernels import attention as A
+
+    jit_runs = []
+    real = A._attend_heads
+
+    def counted(*args, **kwargs):
+        got = real(*args, **kwargs)
+        jit_runs.append(got is not None)
+        return got
+
+    with onnxpack.InferenceSession(model) as sess, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(A, "_attend_heads", counted)
+        mp.setattr(A, "_JIT_MIN_KEYS", 1)  # (9 keys: the JIT's kernel on this small geometry too)
+        kinds = [type(st.kernel).__name__ for st in sess.program.root.steps]
+        got = sess.run(None, feeds)
+    assert ("AttentionChain" in kinds) == fused, kinds
+    # the JIT's attention (numba's module: it is not in the native code cache) for float32
+    assert any(jit_runs) == (fused and jit_path != "numpy" and dtype == np.float32), jit_runs
+    so = onnxpack.SessionOptions()
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    with onnxpack.InferenceSession(model, so) as sess:
+        assert "AttentionChain" not in [type(st.kernel).__name__ for st in sess.program.root.steps]
+        unfused = sess.run(None, feeds)
+    want = _ort(model, feeds)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == np.float32 else dict(rtol=2e-3, atol=2e-3)
+    for g, u, w in zip(got, unfused, want, strict=True):
+        assert g.dtype == u.dtype == w.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(u))
+        np.testing.assert_allclose(g.astype(np.float32), u.astype(np.float32), **tol)
+        np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), **tol)
+    if mask_kind == "rows":
+        assert np.isnan(got[0][0, 0, 2]).all()

@@ -776,6 +776,7 @@ def test_jit_attention_equals_numpy_products(case, threads, monkeypatch):
         if flat.shape[0] > 1 or len(bshape) == 1:
             flat[0, :] = -np.inf  # every key of these rows masked
     monkeypatch.setattr(A, "_SPLIT_ATTENTION_MACS", 0)
+    monkeypatch.setattr(A, "_JIT_MIN_KEYS", 1)  # (small geometries too: the kernel is what is tested)
     monkeypatch.setattr(_act, "threads", lambda: threads)
     want, _ = A._attend_products(q, k, v, 0.3, bias, None, 0.0, None, None, False)
 
@@ -795,8 +796,8 @@ def test_jit_attention_equals_numpy_products(case, threads, monkeypatch):
 
 
 def test_jit_attention_takes_only_its_cases(monkeypatch):
-    """A bias that does not broadcast, a mask of excluded keys, a softcap or a float16 query go
-    to numpy's path (which raises its own error for the bias)."""
+    """A bias that does not broadcast, a mask of excluded keys, a softcap, a float16 query or
+    fewer keys than a panel go to numpy's path (which raises its own error for the bias)."""
     from onnxpack.session.kernels import attention as A
 
     calls = []
@@ -808,4 +809,5 @@ def test_jit_attention_takes_only_its_cases(monkeypatch):
     A._attend(q, k, v, 1.0, exclude=np.zeros((1, 1, 4, 5), bool))
     A._attend(q, k, v, 1.0, softcap=5.0)
     A._attend(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), 1.0)
-    assert len(calls) == 4
+    A._attend(q, k, v, 1.0)  # 5 keys: fewer than a panel of 64 (numpy's products are faster)
+    assert len(calls) == 5

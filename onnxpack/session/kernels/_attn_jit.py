@@ -163,14 +163,17 @@ _PANEL = 64  # the packed operands' panel width (_sgemm_jit.NR)
 
 
 @njit(cache=True, fastmath={"contract"}, nogil=True, error_model="numpy")
-def attend_heads(q, k, v, bias, scale, out, i0, i1):
+def attend_heads(q, k, v, bias, scale, divide, floor, out, i0, i1):
     """Heads ``i0 <= i < i1`` (``i = b * N + n``) of ``softmax(scale * q @ k^T + bias) @ v``, as
     :func:`attention._attend_products` computes it without softcap, masks or sinks: one call a
     block of heads, no GIL, so a thread pool runs heads side by side.
 
     ``q`` (B, N, S, H), ``k``/``v`` (B, Nkv, T, H) float32 of any strides (query head ``n`` reads
     KV head ``n // (N / Nkv)``); ``bias`` float32 (B|1, N|1, S|1, T), or T = 0 for none;
-    ``out`` (B, N, S, H).  Per head: q copied to rows, K^T and V packed into 64-column panels
+    ``out`` (B, N, S, H).  The scores are ``q @ k^T`` times ``scale`` (divided by it when
+    ``divide``), then plus the bias: two roundings, as two nodes or numpy's two passes make them.
+    ``floor`` bounds each row's maximum from below: the lowest float makes a row of -inf scores
+    weights of 0 (the attention ops' rule), -inf makes them NaN (Softmax's).  Per head: q copied to rows, K^T and V packed into 64-column panels
     (once per KV head and batch), ``q @ k^T`` and ``p @ v`` by the panel GEMM's tiles
     (``_sgemm_jit._rows``), and between them each row's softmax as the numpy path computes it: the
     scaled scores plus the bias, the row's maximum (at least the lowest float, so a row of -inf
@@ -218,23 +221,26 @@ def attend_heads(q, k, v, bias, scale, out, i0, i1):
         for i in range(s_):
             # (indexed, not through row views: a view costs reference counting per row)
             bi = i if bias.shape[2] > 1 else 0
-            if has_bias:
+            if divide:
                 for t in range(t_):
-                    sc[i, t] = sc[i, t] * scale + bias[bb, bn, bi, t]
+                    sc[i, t] = sc[i, t] / scale
             else:
                 for t in range(t_):
                     sc[i, t] = sc[i, t] * scale
+            if has_bias:  # (a loop of its own: no product and sum contracted into one rounding)
+                for t in range(t_):
+                    sc[i, t] = sc[i, t] + bias[bb, bn, bi, t]
             # The maximum over 16 interleaved lanes (vectorizes).  A NaN score is not seen here
             # (comparisons skip it) but its exp is NaN, so the sum and every weight of the row
             # are NaN, as numpy's NaN maximum makes them; +inf gives inf - inf = NaN alike.
             for j in range(_LANES):
-                lanes[j] = _LOWEST
+                lanes[j] = floor
             body = t_ - t_ % _LANES
             for t in range(0, body, _LANES):
                 for j in range(_LANES):
                     z = sc[i, t + j]
                     lanes[j] = z if z > lanes[j] else lanes[j]
-            m = _LOWEST
+            m = floor
             for j in range(_LANES):
                 m = lanes[j] if lanes[j] > m else m
             for t in range(body, t_):

@@ -32,7 +32,8 @@ import numpy as np
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import _act
-from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, broadcasts_to, register, same_view
+from onnxpack.session.kernels._base import (Kernel, PackSpec, TensorInfo, broadcasts_to, register, register_fused,
+                                            same_view)
 from onnxpack.session.kernels.linalg import (adopt_pack, compute_dtype, identity_panels, layout_attrs, matmul_packed,
                                              pack_b, packed_shape)
 from onnxpack.session.kernels.qinteger import PackedMatMulWeight, check_eight_bit, per_channel, per_tensor, scale_bias
@@ -141,13 +142,20 @@ def _attend(q, k, v, scale: float, bias=None, *, exclude=None, softcap: float = 
 # (whether that pays is measured per shape: _act.SplitTuner).
 _SPLIT_ATTENTION_MACS = 1 << 22
 _NO_BIAS = np.zeros((1, 1, 1, 0), np.float32)
+# Below a 64-key panel, the JIT's products compute mostly its zero padding: numpy's batched
+# products were faster (measured one thread, 2 x 12 heads of 16 tokens: 68 us against 84 us
+# for the chain of nodes; 12 heads of 32 tokens 97 against 107; 128 tokens 840 against 664).
+_JIT_MIN_KEYS = 64
 
 
-def _attend_heads(q, k, v, scale: float, bias, macs: int):
+def _attend_heads(q, k, v, scale, bias, macs: int, *, divide: bool = False, floor=_LOWEST):
     """:func:`_attend_products` (no softcap, mask, sink or scores output) by the JIT's
     ``attend_heads``: each block of heads one call without the GIL (numpy's path is ~10 calls a
     head, and splits over threads only through the BLAS), or None without the JIT or for a bias
-    that is not float.  Measured one thread, BERT-base's 12 heads of 128 tokens: 0.90 -> 0.58 ms."""
+    that is not float.  Measured one thread, BERT-base's 12 heads of 128 tokens: 0.90 -> 0.58 ms.
+    ``divide``: the scores divided by ``scale``; ``floor``: see ``attend_heads``."""
+    if k.shape[2] < _JIT_MIN_KEYS:
+        return None
     jit = _act.load_jit("_attn_jit", "attention")
     if jit is None:
         return None
@@ -166,9 +174,10 @@ def _attend_heads(q, k, v, scale: float, bias, macs: int):
     b, n, s, h = q.shape
     out = np.empty((b, n, s, h), np.float32)
     sc = np.float32(scale)
+    floor = np.float32(floor)
     threads = _act.threads() if macs >= _SPLIT_ATTENTION_MACS else 1
-    _act.tuner(("attend_heads", q.shape, k.shape)).run(lambda lo, hi: jit.attend_heads(q, k, v, b4, sc, out, lo, hi),
-                                                      b * n, threads)
+    _act.tuner(("attend_heads", q.shape, k.shape)).run(
+        lambda lo, hi: jit.attend_heads(q, k, v, b4, sc, divide, floor, out, lo, hi), b * n, threads)
     return out
 
 
@@ -217,6 +226,46 @@ def _attend_products(q, k, v, scale, bias, exclude, softcap, post_bias, sink, qk
     softmax_rows(scores, sink)
     out = np.matmul(scores.reshape(b, nkv, g * s, -1), v).reshape(b, n, s, v.shape[-1])
     return out, raw
+
+
+@register_fused("attention_chain")
+class AttentionChain(Kernel):
+    """An exported attention, ``MatMul(Q, K) [* or / scale] [+ mask] Softmax(axis -1)
+    MatMul(., V)`` (``_fusion.find_attention_chains``), as one step: inputs Q, K, V, mask.
+
+    float32 Q (B, N, S, H), K (B, N, H, T), V (B, N, T, H) with a float32 scale and mask run
+    the JIT's ``attend_heads`` (K read transposed in place; the scale applied as its node does, a
+    product or a division, then the mask: two roundings; Softmax's rule for a row of -inf: NaN);
+    every other case runs the nodes' own operations one after the other (numpy's matmul and
+    broadcasting, this module's softmax).  Torch's BERT-base export: 12 heads of 128 tokens
+    0.9 -> 0.6 ms a layer on one thread, and its heads split over threads.
+    """
+
+    def __init__(self, node, ctx, *, scale: np.ndarray | None = None, divide: bool = False) -> None:
+        super().__init__(node, ctx)
+        self.scale = scale
+        self.divide = divide
+
+    def run(self, q, k, v, mask=None):
+        sc = self.scale
+        if (q.dtype == k.dtype == v.dtype == _F32 and q.ndim == k.ndim == v.ndim == 4
+                and q.shape[:2] == k.shape[:2] == v.shape[:2] and q.shape[3] == k.shape[2] == v.shape[3]
+                and k.shape[3] == v.shape[2] and q.shape[2] > 1 and q.size and k.size
+                and (sc is None or sc.dtype == _F32) and (mask is None or mask.dtype == _F32)):
+            b, n, s, h = q.shape
+            got = _attend_heads(q, k.swapaxes(-1, -2), v, 1.0 if sc is None else sc.reshape(()), mask,
+                                b * n * s * k.shape[3] * 2 * h, divide=self.divide, floor=-np.inf)
+            if got is not None:
+                return (got,)
+        from onnxpack.session.kernels.reduce import _softmax
+
+        with np.errstate(all="ignore"):  # (the nodes' kernels warn of nothing either)
+            y = np.matmul(q, k)
+            if sc is not None:
+                y = np.divide(y, sc) if self.divide else np.multiply(y, sc)
+            if mask is not None:
+                y = np.add(y, mask)
+            return (np.matmul(_softmax(y, -1), v),)
 
 
 def _bsd_to_bnsh(x: np.ndarray, heads: int) -> np.ndarray:

@@ -209,7 +209,9 @@ def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
     fast = _softmax_jit(x, axis, None)
     if fast is not None:
         return fast
-    with np.errstate(over="ignore"):  # float16 -65504 - max: -inf, whose exp is the 0 it stands for
+    # float16 -65504 - max: -inf, whose exp is the 0 it stands for; a row of -inf: NaN, silently
+    # (onnxruntime warns of nothing)
+    with np.errstate(over="ignore", invalid="ignore"):
         y = np.asarray(x - np.max(x, axis=axis, keepdims=True))
     np.exp(y, out=y)
     y /= np.sum(y, axis=axis, keepdims=True)
