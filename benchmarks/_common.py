@@ -30,7 +30,7 @@ from typing import Any
 
 __all__ = [
     "ROOT", "BENCH_DIR", "BLAS_ENV", "blas_info", "proc_memory", "run_child", "run_json",
-    "median_seconds", "write_json", "session_feeds", "print_table",
+    "median_seconds", "write_json", "session_feeds", "print_table", "build_native_cache",
 ]
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parent
@@ -43,6 +43,15 @@ _BLAS_KEYS = ("user_api", "internal_api", "version", "architecture", "num_thread
 _STATUS_KEYS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
 # A failed child's stderr tail kept in the error: enough for a traceback, not a flood.
 _STDERR_TAIL = 4000
+
+
+def build_native_cache() -> None:
+    """Builds the JIT's native code cache now if this tree's kernels changed since it was built
+    (a no-op when it is current): what the first process to load a JIT kernel otherwise starts
+    in the background, taking a core for ~20-40 s -- which, during a measurement, slowed three
+    models' two-thread runs 20x in one run of bench_models.py."""
+    subprocess.run([sys.executable, "-m", "onnxpack.session.kernels._jit_native"], check=False,
+                   env={k: v for k, v in os.environ.items() if k not in BLAS_ENV}, cwd=str(ROOT))
 
 
 def blas_info() -> list[dict]:

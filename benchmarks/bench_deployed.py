@@ -42,7 +42,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import BLAS_ENV, BENCH_DIR, ROOT, blas_info, print_table, run_child, write_json  # noqa: E402
+from _common import BLAS_ENV, BENCH_DIR, ROOT, blas_info, build_native_cache, print_table, run_child, write_json  # noqa: E402
 
 BERT_PATH = pathlib.Path(os.environ.get("ONNXPACK_MODELS_CACHE", pathlib.Path.home() / ".cache" / "onnxpack" / "models"))
 BERT_MODEL = BERT_PATH / "bert-base-opt" / "model.onnx"
@@ -292,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(k in os.environ for k in BLAS_ENV):
         print(f"note: {', '.join(k for k in BLAS_ENV if k in os.environ)} set: numpy's GEMM is slowed; "
               "run with env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE")
+    build_native_cache()
     results: dict = {"blas": blas_info(), "threads": args.threads, "repeat": args.repeat, "creates": args.creates}
     with tempfile.TemporaryDirectory() as tmp:
         if args.only in (None, "resnet"):

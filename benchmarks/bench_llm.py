@@ -45,7 +45,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from _common import BLAS_ENV, blas_info, print_table, run_child, write_json  # noqa: E402
+from _common import BLAS_ENV, blas_info, build_native_cache, print_table, run_child, write_json  # noqa: E402
 
 RESULTS = HERE / "results" / "llm.json"
 
@@ -197,8 +197,7 @@ def main(argv=None) -> int:
     if args.numba:
         os.environ["ONNXPACK_DISABLE_NATIVE"] = "1"
     else:  # what the first process using the JIT does in the background, done here before measuring
-        subprocess.run([sys.executable, "-m", "onnxpack.session.kernels._jit_native"], check=False,
-                       env={k: v for k, v in os.environ.items() if k not in BLAS_ENV}, cwd=str(HERE.parent))
+        build_native_cache()
     # onnxpack's modules byte-compiled, as ``pip install`` leaves a package: a process that
     # compiles them from source (PYTHONDONTWRITEBYTECODE, stale caches) keeps ~3 MB more private
     # heap after importing onnxpack (measured 9.2 vs 6.0 MB RssAnon), which the sharing figure

@@ -49,7 +49,7 @@ import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
 import onnxpack  # noqa: E402
-from _common import blas_info, write_json  # noqa: E402
+from _common import blas_info, build_native_cache, write_json  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "models.json"
 MODELS_CACHE = Path(os.environ.get("ONNXPACK_MODELS_CACHE", Path.home() / ".cache" / "onnxpack" / "models"))
@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                  "`models/make_transformers.py --shape NAME` in the side virtualenv)")
     if args.models:
         models = {k: models[k] for k in args.models.split(",")}
+    build_native_cache()
     if args.profile:
         with threadpoolctl.threadpool_limits(int(args.threads.split(",")[0])):
             for name in args.profile.split(","):
