@@ -146,7 +146,8 @@ def _hardswish(x: np.ndarray) -> np.ndarray:
     y = _jit_act(x, _HARDSWISH)
     if y is not None:
         return y
-    return x * np.clip(x / 6 + 0.5, 0, 1)
+    with np.errstate(over="ignore", invalid="ignore"):  # -inf * 0 is NaN, silently
+        return x * np.clip(x / 6 + 0.5, 0, 1)
 
 
 def _sigmoid_numpy(x: np.ndarray) -> np.ndarray:
@@ -589,18 +590,19 @@ class Gelu(Kernel):
             if y is not None:
                 return (y,)
         xf = x.astype(np.float32) if x.dtype == np.float16 else x
-        if self.tanh:
-            inner = xf * xf
-            inner *= 0.044715
-            inner += 1
-            inner *= xf
-            inner *= math.sqrt(2.0 / math.pi)
-            y = np.tanh(inner, out=inner)
-        else:
-            y = _erf(xf * (1.0 / math.sqrt(2.0)))
-        y += 1
-        y *= xf
-        y *= 0.5
+        with np.errstate(over="ignore", invalid="ignore"):  # inf * 0 is NaN, silently (onnxruntime warns of nothing)
+            if self.tanh:
+                inner = xf * xf
+                inner *= 0.044715
+                inner += 1
+                inner *= xf
+                inner *= math.sqrt(2.0 / math.pi)
+                y = np.tanh(inner, out=inner)
+            else:
+                y = _erf(xf * (1.0 / math.sqrt(2.0)))
+            y += 1
+            y *= xf
+            y *= 0.5
         return (_same(y, x),)
 
 
