@@ -251,7 +251,7 @@ class AttentionChain(Kernel):
         if (q.dtype == k.dtype == v.dtype == _F32 and q.ndim == k.ndim == v.ndim == 4
                 and q.shape[:2] == k.shape[:2] == v.shape[:2] and q.shape[3] == k.shape[2] == v.shape[3]
                 and k.shape[3] == v.shape[2] and q.shape[2] > 1 and q.size and k.size
-                and (sc is None or sc.dtype == _F32) and (mask is None or mask.dtype == _F32)):
+                and (sc is None or (sc.dtype == _F32 and sc.ndim <= 4)) and (mask is None or mask.dtype == _F32)):
             b, n, s, h = q.shape
             got = _attend_heads(q, k.swapaxes(-1, -2), v, 1.0 if sc is None else sc.reshape(()), mask,
                                 b * n * s * k.shape[3] * 2 * h, divide=self.divide, floor=-np.inf)
