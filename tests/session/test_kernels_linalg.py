@@ -199,10 +199,12 @@ def test_panels_only_where_they_pay(forced, flags, want, monkeypatch):
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "numpy"])
 @pytest.mark.parametrize("threads", ["1", "2"])
 @pytest.mark.parametrize("m,k,n", [(1, 1, 64), (5, 3, 100), (6, 40, 64), (7, 600, 130), (32, 384, 384),
-                                   (100, 1100, 70), (0, 8, 64), (3, 0, 64)])
+                                   (100, 1100, 70), (0, 8, 64), (3, 0, 64), (131, 50, 64), (65, 20, 3200)])
 def test_matmul_panels_equals_float64_product(m, k, n, threads, jit, monkeypatch):
     """Every row remainder (6, 4, 2 and 1-row tiles), a last panel narrower than 64, K past one
-    block of KC rows (several, and not a multiple of it), empty operands, one and two threads, the JIT and numpy's batched BLAS."""
+    block of KC rows (several, and not a multiple of it), empty operands, one and two threads
+    (split by rows from 64 of them and fewer than 48 panels, else by panels), the JIT and numpy's
+    batched BLAS."""
     from onnxpack.session.kernels import _act
     from onnxpack.session.kernels.linalg import matmul_panels, pack_panels
 
