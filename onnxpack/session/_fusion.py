@@ -418,18 +418,18 @@ def match_activation(nodes, t, users_of, const_value, opset):
     ``Mul/Add/Sub/Div`` by a float scalar constant (an affine step); ``Max/Min`` with a float
     scalar constant (a one-sided clip, as TensorFlow exports write it); torch's exact GELU
     (``x * (erf(x / sqrt 2) + 1) * 0.5``, see :func:`_match_gelu`) and onnxruntime's
-    ``com.microsoft`` Gelu.
+    ``com.microsoft`` Gelu and FastGelu (without its bias input).
     """
     users = users_of(t)
     if users is None:
         return None
     ops = [nodes[u] for u in users]
-    if len(ops) == 1 and ops[0].domain == "com.microsoft" and ops[0].op_type == "Gelu":
-        # onnxruntime's exact GELU (its transformer optimizer's fusion): float32 arithmetic,
-        # one rounding to the input's dtype, as the fused epilogue computes it.
+    if len(ops) == 1 and ops[0].domain == "com.microsoft" and ops[0].op_type in ("Gelu", "FastGelu"):
+        # onnxruntime's exact and tanh GELUs (its transformer optimizer's fusions): float32
+        # arithmetic, one rounding to the input's dtype, as the fused epilogue computes them.
         n = ops[0]
         if len(n.input) == 1 and n.input[0] == t and sole_output(n):
-            return Activation("gelu"), (users[0],), sole_output(n)
+            return Activation("gelu" if n.op_type == "Gelu" else "fastgelu"), (users[0],), sole_output(n)
         return None
     if any(n.domain not in ("", "ai.onnx") for n in ops):
         return None
@@ -631,8 +631,8 @@ def find_matmul_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], pro
     """``MatMul(A, W) [+ bias] [activations] [+ residual [activations]]`` chains (pure).
 
     ``W`` is a constant float matrix; the bias a float constant along its last axis (shape
-    ``(N,)``, ``(1, ..., N)`` or a scalar), or onnxruntime's ``BiasGelu`` with a constant ``(N,)``
-    bias (the bias, then an exact GELU); activations as :func:`match_activation` finds them
+    ``(N,)``, ``(1, ..., N)`` or a scalar), or onnxruntime's ``BiasGelu`` / ``FastGelu`` with a
+    constant ``(N,)`` bias (the bias, then the exact / tanh GELU); activations as :func:`match_activation` finds them
     (torch's erf GELU included); the residual a non-constant ``Add`` operand.  Each name in the
     chain must be read only by the next node and not be a graph output.
     """
@@ -662,16 +662,17 @@ def find_matmul_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], pro
                     bias = other
                     absorbed.append(users[0])
                     t = add.output[0]
-            elif (add.op_type == "BiasGelu" and add.domain == "com.microsoft" and len(add.input) == 2
-                  and add.input[0] == t and add.input[1] != t and sole_output(add)):
-                # onnxruntime's BiasGelu(t, B) = exact GELU of t + B, B 1-D along the last axis:
-                # the bias and a GELU of the epilogue (float32 arithmetic, one rounding).
+            elif (add.op_type in ("BiasGelu", "FastGelu") and add.domain == "com.microsoft" and len(add.input) == 2
+                  and add.input[0] == t and add.input[1] and add.input[1] != t and sole_output(add)):
+                # onnxruntime's BiasGelu(t, B) / FastGelu(t, B) = the exact / tanh GELU of t + B,
+                # B 1-D along the last axis: the bias and a GELU of the epilogue (float32
+                # arithmetic, one rounding).
                 c = const_value(add.input[1])
                 if c is not None and c.dtype.kind == "f" and c.shape == (n,):
                     bias = add.input[1]
                     absorbed.append(users[0])
                     t = sole_output(add)
-                    lead = [Activation("gelu")]
+                    lead = [Activation("gelu" if add.op_type == "BiasGelu" else "fastgelu")]
         pre, residual, post, t = _match_epilogue(nodes, t, users_of, const_value, opset,
                                                  lambda n: const_meta(n) is not None, absorbed)
         pre = lead + pre

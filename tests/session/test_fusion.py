@@ -875,6 +875,9 @@ def test_gelu_and_swish_ops_fuse_into_their_producer(producer, act, jit_path):
 MS_GELU = {
     "biasgelu": ("BiasGelu", True, "const", True),        # MatMul -> BiasGelu(t, B)
     "add-gelu": ("Gelu", False, "const", True),           # MatMul -> Add(B) -> Gelu
+    "fastgelu-bias": ("FastGelu", True, "const", True),   # MatMul -> FastGelu(t, B) (GPT-2 optimized)
+    "add-fastgelu": ("FastGelu", False, "const", True),   # MatMul -> Add(B) -> FastGelu(t)
+    "fastgelu-fed-bias": ("FastGelu", True, "input", False),
     "biasgelu-fed-bias": ("BiasGelu", True, "input", False),  # a bias fed at run time: a node
     "biasgelu-2d-bias": ("BiasGelu", True, "2d", False),  # (1, N): refused by the op, not fused
 }
@@ -883,9 +886,9 @@ MS_GELU = {
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("case", list(MS_GELU), ids=list(MS_GELU))
 def test_onnxruntime_gelu_ops_fuse_into_matmul(case, dtype, jit_path):
-    """``com.microsoft`` BiasGelu (with a constant 1-D bias) and Gelu after a MatMul by a constant
-    weight run as the MatMul's epilogue (bias, then the exact GELU in float32, one rounding: the
-    op's own arithmetic); equal to the unfused nodes (pre-packing off) to 1e-6 (float16: its
+    """``com.microsoft`` BiasGelu / FastGelu (with a constant 1-D bias) and Gelu / FastGelu after
+    a MatMul by a constant weight run as the MatMul's epilogue (bias, then the exact or tanh GELU
+    in float32, one rounding: the op's own arithmetic); equal to the unfused nodes (pre-packing off) to 1e-6 (float16: its
     ulp, the fused MatMul rounding its product once before the epilogue as the node does) and to
     onnxruntime to 1e-5 (2e-3)."""
     op, bias_in_op, bias_kind, fused = MS_GELU[case]

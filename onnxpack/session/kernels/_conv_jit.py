@@ -169,6 +169,9 @@ def _erff(x):
 # tanh's odd polynomial below |x| = _TANH_SPLIT (tanh(x) = x + x * u * P(u), u = x * x; a
 # least-squares fit on Chebyshev nodes), where 1 - 2 / (exp(2|x|) + 1) would cancel.
 _TANH_SPLIT = np.float32(0.55)
+# FastGelu's constants (contrib_activation's): sqrt(2/pi) and 0.044715 * sqrt(2/pi).
+_FAST_A = np.float32(0.7978845608028654)
+_FAST_B = np.float32(0.035677408136300125)
 _T4 = np.float32(-0.006657443316005701)
 _T3 = np.float32(0.0213397471560988)
 _T2 = np.float32(-0.05391574144584575)
@@ -256,6 +259,13 @@ def _act_row(row, act, a, b, c):
             if q > c:
                 q = c
             row[i] = q * a + _F0
+    elif act == 12:
+        # onnxruntime's FastGelu, in contrib_activation.tanh_gelu_inplace's order:
+        # x * ((1 + tanh(x * (A + B * x * x))) * 0.5).
+        for i in range(n):
+            v = row[i]
+            t = _tanhf((v * v * _FAST_B + _FAST_A) * v)
+            row[i] = v * ((t + _F1) * _HALF)
 
 
 @njit(inline="always", fastmath=_FM, error_model="numpy")

@@ -58,15 +58,17 @@ def gelu_inplace(xf: np.ndarray, half_last: bool = False) -> np.ndarray:
 
 
 def tanh_gelu_inplace(xf: np.ndarray) -> np.ndarray:
-    """FastGelu: ``0.5 * x * (1 + tanh(0.7978845608 * x + 0.0356774081 * x**3))`` in place."""
-    inner = xf * xf
-    inner *= _FAST_B
-    inner += _FAST_A
-    inner *= xf
-    np.tanh(inner, out=inner)
-    inner += 1
-    inner *= 0.5
-    xf *= inner
+    """FastGelu: ``0.5 * x * (1 + tanh(0.7978845608 * x + 0.0356774081 * x**3))`` in place
+    (infinities: -inf gives NaN as the formula does, without numpy's warnings)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        inner = xf * xf
+        inner *= _FAST_B
+        inner += _FAST_A
+        inner *= xf
+        np.tanh(inner, out=inner)
+        inner += 1
+        inner *= 0.5
+        xf *= inner
     return xf
 
 
