@@ -418,22 +418,26 @@ def match_activation(nodes, t, users_of, const_value, opset):
     ``Mul/Add/Sub/Div`` by a float scalar constant (an affine step); ``Max/Min`` with a float
     scalar constant (a one-sided clip, as TensorFlow exports write it); torch's exact GELU
     (``x * (erf(x / sqrt 2) + 1) * 0.5``, see :func:`_match_gelu`) and onnxruntime's
-    ``com.microsoft`` Gelu and FastGelu (without its bias input).
+    ``com.microsoft`` Gelu, FastGelu (without its bias input) and QuickGelu.
     """
     users = users_of(t)
     if users is None:
         return None
     ops = [nodes[u] for u in users]
-    if len(ops) == 1 and ops[0].domain == "com.microsoft" and ops[0].op_type in ("Gelu", "FastGelu"):
-        # onnxruntime's exact and tanh GELUs (its transformer optimizer's fusions): float32
-        # arithmetic, one rounding to the input's dtype, as the fused epilogue computes them.
+    attrs = lambda n: {a.name: get_attribute_value(a) for a in n.attribute[:]}  # noqa: E731
+    if len(ops) == 1 and ops[0].domain == "com.microsoft" and ops[0].op_type in ("Gelu", "FastGelu", "QuickGelu"):
+        # onnxruntime's exact, tanh and sigmoid GELUs (its transformer optimizer's fusions):
+        # float32 arithmetic, one rounding to the input's dtype, as the fused epilogue computes them.
         n = ops[0]
         if len(n.input) == 1 and n.input[0] == t and sole_output(n):
-            return Activation("gelu" if n.op_type == "Gelu" else "fastgelu"), (users[0],), sole_output(n)
+            if n.op_type == "QuickGelu":
+                act = Activation("quickgelu", float(attrs(n).get("alpha", 1.702)))
+            else:
+                act = Activation("gelu" if n.op_type == "Gelu" else "fastgelu")
+            return act, (users[0],), sole_output(n)
         return None
     if any(n.domain not in ("", "ai.onnx") for n in ops):
         return None
-    attrs = lambda n: {a.name: get_attribute_value(a) for a in n.attribute[:]}  # noqa: E731
     if len(users) == 1:
         n = ops[0]
         ins = tuple(n.input[:])

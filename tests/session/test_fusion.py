@@ -878,6 +878,7 @@ MS_GELU = {
     "fastgelu-bias": ("FastGelu", True, "const", True),   # MatMul -> FastGelu(t, B) (GPT-2 optimized)
     "add-fastgelu": ("FastGelu", False, "const", True),   # MatMul -> Add(B) -> FastGelu(t)
     "fastgelu-fed-bias": ("FastGelu", True, "input", False),
+    "add-quickgelu": ("QuickGelu", False, "const", True),  # MatMul -> Add(B) -> QuickGelu (CLIP-class)
     "biasgelu-fed-bias": ("BiasGelu", True, "input", False),  # a bias fed at run time: a node
     "biasgelu-2d-bias": ("BiasGelu", True, "2d", False),  # (1, N): refused by the op, not fused
 }
@@ -886,9 +887,9 @@ MS_GELU = {
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("case", list(MS_GELU), ids=list(MS_GELU))
 def test_onnxruntime_gelu_ops_fuse_into_matmul(case, dtype, jit_path):
-    """``com.microsoft`` BiasGelu / FastGelu (with a constant 1-D bias) and Gelu / FastGelu after
-    a MatMul by a constant weight run as the MatMul's epilogue (bias, then the exact or tanh GELU
-    in float32, one rounding: the op's own arithmetic); equal to the unfused nodes (pre-packing off) to 1e-6 (float16: its
+    """``com.microsoft`` BiasGelu / FastGelu (with a constant 1-D bias) and Gelu / FastGelu /
+    QuickGelu after a MatMul by a constant weight run as the MatMul's epilogue (bias, then the
+    exact, tanh or sigmoid GELU in float32, one rounding: the op's own arithmetic); equal to the unfused nodes (pre-packing off) to 1e-6 (float16: its
     ulp, the fused MatMul rounding its product once before the epilogue as the node does) and to
     onnxruntime to 1e-5 (2e-3)."""
     op, bias_in_op, bias_kind, fused = MS_GELU[case]
@@ -908,8 +909,9 @@ def test_onnxruntime_gelu_ops_fuse_into_matmul(case, dtype, jit_path):
     if bias_in_op:
         nodes.append(helper.make_node(op, ["m", "B"], ["y"], name="act", domain="com.microsoft"))
     else:
+        attrs = {"alpha": 1.5} if op == "QuickGelu" else {}
         nodes += [helper.make_node("Add", ["m", "B"], ["t"], name="add"),
-                  helper.make_node(op, ["t"], ["y"], name="act", domain="com.microsoft")]
+                  helper.make_node(op, ["t"], ["y"], name="act", domain="com.microsoft", **attrs)]
     graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", t, None)], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
                               ir_version=9).SerializeToString()

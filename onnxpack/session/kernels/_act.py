@@ -33,7 +33,7 @@ __all__ = ["Activation", "apply", "jit", "parallel", "threads", "matmul", "set_o
 
 # Kind -> code understood by _conv_jit._act_row.
 CODES = {"none": 0, "relu": 1, "clip": 2, "hardswish": 3, "silu": 4, "sigmoid": 5, "leakyrelu": 6,
-         "hardsigmoid": 7, "affine": 8, "gelu": 9, "fakequant": 10, "channel": 11, "fastgelu": 12}
+         "hardsigmoid": 7, "affine": 8, "gelu": 9, "fakequant": 10, "channel": 11, "fastgelu": 12, "quickgelu": 13}
 
 _ENV_DISABLE = "ONNXPACK_DISABLE_JIT"
 _jit_modules: dict[str, Any] = {}  # module name -> the module, or None when it cannot be imported
@@ -482,7 +482,8 @@ def tuner(key: Hashable) -> SplitTuner:
 @dataclasses.dataclass(frozen=True)
 class Activation:
     """``kind`` with parameters: clip ``[a, b]``; hardswish/hardsigmoid ``a*x + b``; leakyrelu
-    slope ``a``; affine ``a*x + b``; fastgelu: onnxruntime's FastGelu (tanh GELU); fakequant (a QuantizeLinear -> DequantizeLinear pair of one
+    slope ``a``; affine ``a*x + b``; fastgelu: onnxruntime's FastGelu (tanh GELU); quickgelu
+    ``x * sigmoid(a * x)`` (onnxruntime's QuickGelu); fakequant (a QuantizeLinear -> DequantizeLinear pair of one
     per-tensor scale ``a``): ``clamp(rint(x / a), b, c) * a`` with ``[b, c]`` the integer range
     shifted by the zero point (NaN goes to ``b``, ``-0`` to ``+0``: the pair's bits); channel:
     ``x * A[m] + B[m]`` per channel ``m`` of a Conv's output, ``(A, B)`` the kernel's table
@@ -555,6 +556,10 @@ def _apply_numpy(y: np.ndarray, act: Activation) -> np.ndarray:
         from onnxpack.session.kernels.contrib_activation import tanh_gelu_inplace
 
         tanh_gelu_inplace(y)
+    elif kind == "quickgelu":
+        from onnxpack.session.kernels.contrib_activation import quick_gelu_inplace
+
+        quick_gelu_inplace(y, act.a)
     elif kind == "fakequant":  # FakeQuant's numpy arithmetic (qdq.py), in place
         s = t(act.a)
         np.divide(y, s, out=y)

@@ -266,6 +266,11 @@ def _act_row(row, act, a, b, c):
             v = row[i]
             t = _tanhf((v * v * _FAST_B + _FAST_A) * v)
             row[i] = v * ((t + _F1) * _HALF)
+    elif act == 13:
+        # onnxruntime's QuickGelu, x / (1 + exp(-a * x)) (contrib_activation.quick_gelu_inplace)
+        for i in range(n):
+            v = row[i]
+            row[i] = v / (_F1 + _expf(v * -a))
 
 
 @njit(inline="always", fastmath=_FM, error_model="numpy")

@@ -21,7 +21,7 @@ from onnxpack.session.kernels._erf import erf_f32
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["compute_float", "gelu_inplace", "tanh_gelu_inplace"]
+__all__ = ["compute_float", "gelu_inplace", "quick_gelu_inplace", "tanh_gelu_inplace"]
 
 _SQRT1_2 = 1.0 / math.sqrt(2.0)
 # FastGelu's constants as onnxruntime writes them: sqrt(2/pi) and 0.044715 * sqrt(2/pi).
@@ -69,6 +69,16 @@ def tanh_gelu_inplace(xf: np.ndarray) -> np.ndarray:
         inner += 1
         inner *= 0.5
         xf *= inner
+    return xf
+
+
+def quick_gelu_inplace(xf: np.ndarray, alpha: float) -> np.ndarray:
+    """QuickGelu: ``x / (1 + exp(-alpha * x))`` in place on a fresh float array."""
+    with np.errstate(over="ignore", invalid="ignore"):  # exp overflows to inf where sigmoid is 0; -inf: NaN
+        s = xf * (-alpha)
+        np.exp(s, out=s)
+        s += 1
+        np.divide(xf, s, out=xf)
     return xf
 
 
@@ -131,13 +141,7 @@ class QuickGelu(Kernel):
     def run(self, x):
         if x.ndim == 0:
             return (self.run(x.reshape(1))[0].reshape(()),)
-        xf = compute_float(x)
-        s = xf * (-self.alpha)
-        with np.errstate(over="ignore"):  # exp overflows to inf where sigmoid is 0
-            np.exp(s, out=s)
-        s += 1
-        np.divide(xf, s, out=xf)
-        return (_out(xf, x),)
+        return (_out(quick_gelu_inplace(compute_float(x), self.alpha), x),)
 
 
 @register("BiasSplitGelu", domain="com.microsoft", since=1)
