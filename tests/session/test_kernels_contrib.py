@@ -102,7 +102,7 @@ def node(op, inputs, outputs, domain=MS, **attrs):
     ],
     ids=["gelu", "biasgelu", "fastgelu", "fastgelu-bias", "quickgelu", "quickgelu-alpha"],
 )
-def test_activations(op, attrs, extra, dtype):
+def test_activations(op, attrs, extra, dtype, jit_path):
     rng = np.random.default_rng(0)
     x = rand(rng, (2, 5, 16), dtype, 2.5)
     x.reshape(-1)[:4] = [0, -20, 20, 1e-3]  # saturated tails and near zero

@@ -2,8 +2,11 @@
 BiasAdd and BiasSoftmax.
 
 All compute in float32 (float64 stays float64) and round once to the input's dtype, as
-onnxruntime's CPU kernels do for float16 (they widen to float, compute, narrow).  The exact GELU
-uses :func:`erf_f32` (float64 inputs use the float64 erf of ``elementwise``).  BiasAdd,
+onnxruntime's CPU kernels do for float16 (they widen to float, compute, narrow).  Gelu,
+BiasGelu, FastGelu and QuickGelu run the JIT's activation pass on float32 (the code a MatMul
+epilogue runs when they fuse into it); the numpy functions here serve float64 and machines
+without numba.  The exact GELU there uses :func:`erf_f32` (float64 inputs use the float64 erf of
+``elementwise``).  BiasAdd,
 BiasSoftmax and BiasSplitGelu have no CPU kernel in onnxruntime 1.32 (CUDA only); they are
 implemented from the op schema so that models optimized for GPU still run here.
 """
@@ -16,6 +19,7 @@ import math
 import numpy as np
 
 from onnxpack.errors import InvalidArgument
+from onnxpack.session.kernels import _act
 from onnxpack.session.kernels._base import Kernel, broadcasts_to, register
 from onnxpack.session.kernels._erf import erf_f32
 
@@ -82,6 +86,17 @@ def quick_gelu_inplace(xf: np.ndarray, alpha: float) -> np.ndarray:
     return xf
 
 
+_GELU = _act.Activation("gelu")
+_FAST_GELU = _act.Activation("fastgelu")
+
+
+def _activate(xf: np.ndarray, act) -> np.ndarray:
+    """``act`` in place on the fresh float array ``xf``: the JIT's one pass for float32 (the
+    fused MatMul epilogues' code, from the native code cache or numba), else the numpy functions
+    above (float64, or without numba)."""
+    return _act.apply(xf, (act,))
+
+
 def _check_bias(kernel: Kernel, x: np.ndarray, bias: np.ndarray, name: str = "bias") -> None:
     if bias.ndim != 1 or x.ndim == 0 or bias.shape[0] != x.shape[-1]:
         raise InvalidArgument(
@@ -102,7 +117,7 @@ class MsGelu(Kernel):
     def run(self, x):
         if x.ndim == 0:
             return (self.run(x.reshape(1))[0].reshape(()),)
-        return (_out(gelu_inplace(compute_float(x)), x),)
+        return (_out(_activate(compute_float(x), _GELU), x),)
 
 
 @register("BiasGelu", domain="com.microsoft", since=1)
@@ -113,7 +128,7 @@ class BiasGelu(Kernel):
         _check_bias(self, a, b, "B")
         xf = compute_float(a)
         xf += b
-        return (_out(gelu_inplace(xf), a),)
+        return (_out(_activate(xf, _GELU), a),)
 
 
 @register("FastGelu", domain="com.microsoft", since=1)
@@ -127,7 +142,7 @@ class FastGelu(Kernel):
         if bias is not None:
             _check_bias(self, x, bias)
             xf += bias
-        return (_out(tanh_gelu_inplace(xf), x),)
+        return (_out(_activate(xf, _FAST_GELU), x),)
 
 
 @register("QuickGelu", domain="com.microsoft", since=1)
@@ -141,7 +156,7 @@ class QuickGelu(Kernel):
     def run(self, x):
         if x.ndim == 0:
             return (self.run(x.reshape(1))[0].reshape(()),)
-        return (_out(quick_gelu_inplace(compute_float(x), self.alpha), x),)
+        return (_out(_activate(compute_float(x), _act.Activation("quickgelu", self.alpha)), x),)
 
 
 @register("BiasSplitGelu", domain="com.microsoft", since=1)
