@@ -24,6 +24,7 @@ from numba import njit, types
 
 from onnxpack.session.kernels._conv_jit import _LANES, _expf
 from onnxpack.session.kernels._sgemm_jit import KC, _rows
+from onnxpack.session.kernels._sgemm_jit import NR as _PANEL  # the packed operands' panel width
 
 __all__ = ["attend_heads", "gqa_decode", "native_entries"]
 
@@ -158,10 +159,6 @@ def gqa_decode(q, k, v, pk, pv, pos, lo, cos, sin, half, interleaved, scale, sof
             j += 1
 
 
-_LOWEST = np.float32(np.finfo(np.float32).min)
-_PANEL = 64  # the packed operands' panel width (_sgemm_jit.NR)
-
-
 @njit(cache=True, fastmath={"contract"}, nogil=True, error_model="numpy")
 def attend_heads(q, k, v, bias, scale, divide, floor, out, i0, i1):
     """Heads ``i0 <= i < i1`` (``i = b * N + n``) of ``softmax(scale * q @ k^T + bias) @ v``, as
@@ -173,12 +170,13 @@ def attend_heads(q, k, v, bias, scale, divide, floor, out, i0, i1):
     ``out`` (B, N, S, H).  The scores are ``q @ k^T`` times ``scale`` (divided by it when
     ``divide``), then plus the bias: two roundings, as two nodes or numpy's two passes make them.
     ``floor`` bounds each row's maximum from below: the lowest float makes a row of -inf scores
-    weights of 0 (the attention ops' rule), -inf makes them NaN (Softmax's).  Per head: q copied to rows, K^T and V packed into 64-column panels
-    (once per KV head and batch), ``q @ k^T`` and ``p @ v`` by the panel GEMM's tiles
-    (``_sgemm_jit._rows``), and between them each row's softmax as the numpy path computes it: the
-    scaled scores plus the bias, the row's maximum (at least the lowest float, so a row of -inf
-    gives zeros), ``_expf`` of the differences, their sum (1 where it is 0) and one division per
-    element.  Sums run in another order than numpy's BLAS: results differ in the last bits.
+    weights of 0 (the attention ops' rule), -inf makes them NaN (Softmax's).
+
+    Per head: q copied to rows, K^T and V packed into 64-column panels (once per KV head and
+    batch), ``q @ k^T`` and ``p @ v`` by the panel GEMM's tiles (``_sgemm_jit._rows``), and between
+    them each row's softmax as the numpy path computes it: the row's maximum (at least ``floor``),
+    ``_expf`` of the differences, their sum (1 where it is 0) and one division per element.  Sums
+    run in another order than numpy's BLAS: results differ in the last bits.
     """
     nb, n_, s_, h_ = q.shape
     nkv = k.shape[1]
