@@ -124,6 +124,107 @@ def _covered(calls: list, count: int) -> bool:
     return bool(np.all(seen == 1))
 
 
+# -- parallel: the pool under the split kernels ------------------------------------------------------
+@pytest.mark.parametrize("count,threads", [(1, 2), (2, 2), (7, 2), (1000, 2), (33, 3), (5, 8)])
+def test_parallel_computes_every_item_once(count, threads):
+    """Every item of [0, count) once, whatever the chunking and the helpers' timing; the calls are
+    made on more than one thread when there are chunks for two (the caller is not the only one
+    working) — checked over repeated calls, since the caller may legitimately take every chunk."""
+    import time
+
+    from onnxpack.session.kernels import _act
+
+    idents: set[int] = set()
+    for _ in range(20):
+        calls: list = []
+        lock = threading.Lock()
+
+        def fn(a, b):
+            time.sleep(0.0005)  # releases the GIL: a helper gets chunks
+            with lock:
+                calls.append((a, b))
+                idents.add(threading.get_ident())
+
+        _act.parallel(fn, count, threads)
+        assert _covered(calls, count)
+    assert len(idents) > 1 or min(count, threads) == 1
+
+
+def test_parallel_from_concurrent_callers_and_errors():
+    """Four threads calling parallel at once each get their own items computed once; an exception in
+    a chunk reaches the caller (after the other chunks finished), and the pool still works after it."""
+    from onnxpack.session.kernels import _act
+
+    results: dict[int, list] = {}
+    errors: list = []
+
+    def caller(key):
+        try:
+            for _ in range(10):
+                out = np.zeros(257, np.int64)
+
+                def fn(a, b):
+                    out[a:b] += 1
+
+                _act.parallel(fn, out.size, 2)
+                results.setdefault(key, []).append(bool(np.all(out == 1)))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and all(all(v) and len(v) == 10 for v in results.values()) and len(results) == 4
+
+    def boom(a, b):
+        if a == 0:
+            raise ValueError("chunk 0 failed")
+
+    with pytest.raises(ValueError, match="chunk 0 failed"):
+        _act.parallel(boom, 100, 2)
+    out = np.zeros(100, np.int64)
+    _act.parallel(lambda a, b: out.__setitem__(slice(a, b), out[a:b] + 1), 100, 2)
+    assert np.all(out == 1)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_parallel_in_a_forked_child():
+    """A child forked after the pool started has none of its threads: parallel makes new ones there
+    (the work is shared again, not left to the caller) and computes every item once, without
+    waiting for a helper that does not exist."""
+    import os
+
+    from onnxpack.session.kernels import _act
+
+    _act.parallel(lambda a, b: None, 10, 2)  # the pool exists in the parent
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            import time
+
+            out = np.zeros(64, np.int64)
+            idents = set()
+
+            def fn(a, b):
+                time.sleep(0.0005)
+                out[a:b] += 1
+                idents.add(threading.get_ident())
+
+            for _ in range(5):
+                _act.parallel(fn, out.size, 2)
+            os.write(w, b"ok" if np.all(out == 5) and len(idents) > 1 else b"bad")
+        finally:
+            os._exit(0)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    got = os.read(r, 16)
+    os.close(r)
+    assert got == b"ok" and status == 0
+
+
 @pytest.mark.parametrize("cost,want_split", [("per-call", False), ("per-item", True)])
 def test_split_tuner_keeps_the_faster_way(cost, want_split):
     """A kernel whose cost is per call (each chunk pays a fixed 4 ms, as a thread hand-off does
