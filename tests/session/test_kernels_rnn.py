@@ -191,6 +191,48 @@ def test_lstm_jit_recurrence_equals_numpy_loop(case, pack, monkeypatch):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("layout", [0, 1])
+def test_bidirectional_lstm_directions_on_two_threads(layout, monkeypatch):
+    """A bidirectional LSTM's two JIT recurrences split over two threads (the split forced): each
+    direction on its own thread, outputs bit for bit those of the directions one after the other,
+    and within float32 rounding of the numpy loop."""
+    import threading
+
+    from onnxpack.session.kernels import _act
+
+    mod = _act.load_jit("_rnn_jit", "test")
+    if mod is None:
+        pytest.skip("numba is not installed")
+    node, values = make_case("LSTM", seq=12, batch=3, hidden=40, inp=24, layout=layout,
+                             direction="bidirectional", init=True)
+    idents = []
+    real = mod.lstm_standard
+
+    def recorded(*a):
+        idents.append(threading.get_ident())
+        import time
+
+        time.sleep(0.01)  # both directions in flight at once when split
+        return real(*a)
+
+    monkeypatch.setattr(mod, "lstm_standard", recorded)
+    monkeypatch.setattr(_act, "threads", lambda: 2)
+    outs = {}
+    for split in (True, False):
+        tuner = _act.SplitTuner()
+        tuner.threads, tuner.choice = 2, split
+        monkeypatch.setattr(_act, "tuner", lambda key, _t=tuner: _t)
+        idents.clear()
+        outs[split] = run_native(node, values, 14, pack=[1, 2, 3])
+        assert len(idents) == 2 and (len(set(idents)) == 2) == split
+    for a, b in zip(outs[True], outs[False]):
+        np.testing.assert_array_equal(a, b)
+    monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+    ref = run_native(node, values, 14, pack=[1, 2, 3])
+    for a, b in zip(outs[True], ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def _mlas_inputs() -> np.ndarray:
     """Both tails, the clamps (9, 18) and around them, zeros, normal draws, NaN and infinities."""
     grid = np.linspace(-25, 25, 100001, dtype=np.float32)
