@@ -10,7 +10,9 @@ its graph's inputs and outputs.  :func:`run_plan` is the only loop that executes
 runs, subgraph runs (If/Loop/Scan call back into it with their frame) and the memory planner's
 recording and arena runs all go through it; the planner plugs in as a :class:`StepHook`, which
 decides how one step is called (e.g. writing into a preallocated buffer) and may look at its
-outputs.
+outputs.  A plain run (no hook, no run control) of a plan that has run before goes through the
+plan's generated function instead (:mod:`~onnxpack.session._codegen`): the same loop unrolled
+into Python source, its values local variables.
 
 Running a plan creates a :class:`Frame` — a dict of values plus the enclosing frame — so
 concurrent runs share nothing mutable.
@@ -398,6 +400,35 @@ def store(value: Any) -> Any:
     return value if isinstance(value, (np.ndarray, list)) or value is None else np.asarray(value)
 
 
+_DECLINED = object()
+
+
+def _no_outer(name: str) -> Any:
+    raise KeyError(name)
+
+
+def _generated(plan: Plan, runs: int | None) -> Any:
+    """The plan's generated function on its second plain run; until then its run count (kept on
+    the plan, which is frozen: its ``__dict__`` directly); ``_DECLINED`` when the plan has what the
+    generated function does not do (see _codegen)."""
+    if not runs:
+        plan.__dict__["_fast"] = 1
+        return 1
+    from onnxpack.session import _codegen
+
+    try:
+        fast = _codegen.generate(plan, store, missing_outputs)
+    except _codegen.Declined as exc:
+        logger.debug("graph %r runs on the step loop: %s", plan.name, exc)
+        fast = _DECLINED
+    except Exception as exc:  # noqa: BLE001 - never a run's failure: the loop computes the same
+        logger.warning("graph %r: no generated function (%s: %s); running the step loop", plan.name,
+                       type(exc).__name__, exc)
+        fast = _DECLINED
+    plan.__dict__["_fast"] = fast
+    return fast
+
+
 def run_plan(plan: Plan, inputs: Sequence[Any], parent: Frame | None = None,
              hook: StepHook | None = None, control: RunControl | None = None) -> list[Any]:
     """Runs ``plan`` on ``inputs`` (in ``plan.input_names`` order); the one step loop.
@@ -409,6 +440,13 @@ def run_plan(plan: Plan, inputs: Sequence[Any], parent: Frame | None = None,
         control = parent.control
     if control is not None:
         hook = control.hook(plan, hook, parent is None)
+    if hook is None and len(inputs) == len(plan.input_names):
+        # A plain run: the plan's generated function (_codegen) once it has run twice.
+        fast = plan.__dict__.get("_fast")
+        if fast is None or fast.__class__ is int:
+            fast = _generated(plan, fast)
+        if fast is not _DECLINED and fast.__class__ is not int:
+            return fast(inputs, _no_outer if parent is None else parent.get)
     values = dict(plan.constants)
     for name, value in zip(plan.input_names, inputs):
         values[name] = value
