@@ -99,6 +99,8 @@ def generate(plan: Any, store: Callable[[Any], Any], missing_outputs: Callable[.
                 live.add(outs[0])
             else:
                 body(f"        K{k}.run({args})")
+        elif not outs:  # (a specialized plan's shape guard)
+            body(f"        K{k}.run({args})")
         else:
             body(f"        _o = K{k}.run({args})")
             body(f"        if len(_o) < {len(outs)}: _missing(_steps[{k}], _o, _scope)")
