@@ -705,3 +705,43 @@ def test_resize_coordinates_in_float32_as_onnxruntime(case):
     node = helper.make_node("Resize", ["x", "", "s"], ["y"], mode=mode, coordinate_transformation_mode=coord,
                             nearest_mode=nearest)
     check_all_paths(node, {"x": x}, {"s": np.array(scales, np.float32)}, dict(rtol=1e-5, atol=1e-6), opset=13)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.uint8, np.int32], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("coord,nearest,scales", [
+    ("half_pixel", "round_prefer_floor", (1, 1, 2, 2)),
+    ("asymmetric", "floor", (1, 2, 3, 1)),
+    ("half_pixel", "round_prefer_ceil", (2, 1, 2, 4)),
+    ("half_pixel", "round_prefer_floor", (1, 1, 0.5, 2)),  # one axis shrinks: the take per axis
+    ("asymmetric", "floor", (1, 1, 1.5, 2)),  # one axis a repeat, the other not
+], ids=["hp-2x2", "asym-2x3", "hp-ceil-mixed", "hp-shrink", "asym-1.5x2"])
+def test_resize_nearest_integer_upsampling_equals_onnxruntime(coord, nearest, scales, dtype, monkeypatch):
+    """Nearest resizes that repeat every element k times along each resampled axis run as one
+    broadcast copy (no np.take); the rest gather per axis.  Both give onnxruntime's output bit for
+    bit, for two input shapes on one kernel (its index plans are kept per length)."""
+    import onnxruntime as ort
+
+    import onnxpack
+
+    T = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    node = helper.make_node("Resize", ["x", "", "s"], ["y"], mode="nearest", coordinate_transformation_mode=coord,
+                            nearest_mode=nearest)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", T, None)],
+                              [helper.make_tensor_value_info("y", T, None)],
+                              initializer=[helper.make_tensor("s", TensorProto.FLOAT, [4], list(scales))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)], ir_version=9).SerializeToString()
+    want_fast = all(float(s).is_integer() for s in scales)
+    takes = []
+    real_take = np.take
+    monkeypatch.setattr(tensor.np, "take", lambda *a, **k: takes.append(1) or real_take(*a, **k))
+    rng = np.random.default_rng(7)
+    sess = onnxpack.InferenceSession(model)
+    ref = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    for shape in [(2, 3, 5, 4), (1, 3, 7, 6)]:
+        x = (rng.standard_normal(shape) * 50).astype(dtype)
+        takes.clear()
+        got = sess.run(None, {"x": x})[0]
+        assert bool(takes) != want_fast
+        want = ref.run(None, {"x": x})[0]
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)

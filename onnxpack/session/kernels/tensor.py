@@ -1055,6 +1055,7 @@ class Resize(Kernel):
         self.policy = self.attr("keep_aspect_ratio_policy", "stretch")
         axes = self.attr("axes")
         self.axes = [int(a) for a in axes] if axes else None
+        self._nearest_plans: dict = {}  # (n_in, n_out, scale) -> (source indices, repeat factor or 0)
         unsupported = []
         if self.mode not in _RESIZE_MODES:
             unsupported.append(f"mode={self.mode!r}")
@@ -1099,9 +1100,9 @@ class Resize(Kernel):
             # onnxruntime copies the input when the output has its shape, whatever the scales say
             # (a 1.09 scale of 6 columns is 6 columns: read as the identity there, not resampled)
             return (x.copy(),)
-        work = x if x.dtype.kind == "f" and x.dtype != np.float16 else x.astype(np.float32)
         if self.mode == "nearest":
-            work = x  # nearest only moves elements: no arithmetic, no dtype change
+            return (self._resize_nearest(x, factors, out_shape),)
+        work = x if x.dtype.kind == "f" and x.dtype != np.float16 else x.astype(np.float32)
         for axis, (scale, n_out) in enumerate(zip(factors, out_shape)):
             n_in = work.shape[axis]
             if n_out == n_in and math.isclose(scale, 1.0):
@@ -1112,13 +1113,63 @@ class Resize(Kernel):
                 work = np.empty(shape, dtype=work.dtype)
                 continue
             coords = self._source_coords(n_in, n_out, scale)
-            if self.mode == "nearest":
-                work = np.take(work, self._nearest(coords, n_in), axis=axis)
-            elif self.mode == "linear":
+            if self.mode == "linear":
                 work = self._linear(work, axis, coords, n_in)
             else:
                 work = self._cubic(work, axis, coords, n_in)
         return (_cast_back(work, x.dtype),)
+
+    def _resize_nearest(self, x: np.ndarray, factors: list[float], out_shape: list[int]) -> np.ndarray:
+        """Nearest: each resampled axis one gather of source indices (no arithmetic, no dtype
+        change).  The indices of an axis depend only on its lengths and scale: made once and kept.
+        When every resampled axis repeats each source element ``k`` times in order (an integer
+        upsampling, as a YOLO neck's 2x), the input is copied into the output's strided phases
+        instead of a take per axis (2x of 1x128x20x20: 220 -> 80 us)."""
+        plans = []
+        for axis, (scale, n_out) in enumerate(zip(factors, out_shape)):
+            n_in = x.shape[axis]
+            if n_out == n_in and math.isclose(scale, 1.0):
+                continue
+            key = (n_in, n_out, scale)
+            got = self._nearest_plans.get(key)
+            if got is None:
+                if n_out == 0 or n_in == 0:
+                    got = (None, 0)
+                else:
+                    idx = self._nearest(self._source_coords(n_in, n_out, scale), n_in)
+                    k = n_out // n_in
+                    repeat = k >= 1 and n_out == k * n_in and np.array_equal(idx, np.arange(n_out) // k)
+                    got = (idx, k if repeat else 0)
+                if len(self._nearest_plans) < 64:
+                    self._nearest_plans[key] = got
+            plans.append((axis, n_out) + got)
+        if plans and all(idx is not None and k for _, _, idx, k in plans) and math.prod(k for *_, k in plans) <= 16:
+            # y viewed as (..., n_in, k, ...) for each repeated axis; x copied once per phase
+            # (j, ...) of the repeats: y[..., i, j, ...] = x[..., i, ...] (a broadcast over the k
+            # axes instead made numpy's innermost loop k long: slower than the takes).
+            reps = {axis: k for axis, _, _, k in plans}
+            view = []
+            for axis, n in enumerate(x.shape):
+                view.extend((n, reps[axis]) if axis in reps else (n,))
+            y = np.empty(out_shape, x.dtype)
+            yv = y.reshape(view)
+            for phase in itertools.product(*(range(reps[a]) for a in sorted(reps))):
+                at, it = [], iter(phase)
+                for axis in range(x.ndim):
+                    at.append(slice(None))
+                    if axis in reps:
+                        at.append(next(it))
+                yv[tuple(at)] = x
+            return y
+        work = x
+        for axis, n_out, idx, _k in plans:
+            if idx is None:
+                shape = list(work.shape)
+                shape[axis] = n_out
+                work = np.empty(shape, dtype=work.dtype)
+            else:
+                work = np.take(work, idx, axis=axis)
+        return work if work is not x else x.copy()
 
     def _source_coords(self, n_in: int, n_out: int, scale: float) -> np.ndarray:
         y = np.arange(n_out, dtype=np.float64)
@@ -1212,6 +1263,7 @@ class _LegacyResize(Resize):
         self.mode = "linear" if self.mode == "bilinear" else self.mode
         self.coord, self.nearest_mode, self.cubic_a = "asymmetric", "floor", -0.75
         self.exclude_outside, self.policy, self.axes = False, "stretch", None
+        self._nearest_plans = {}
 
     def _nearest(self, coords: np.ndarray, n_in: int) -> np.ndarray:
         idx = np.ceil(coords) if coords.shape[0] < n_in else np.floor(coords)
