@@ -1045,6 +1045,9 @@ class Resize(Kernel):
     so the session falls back to onnx.reference.  Resize-10 and Upsample: :class:`_LegacyResize`.
     """
 
+    # Nearest's source indices per (length in, length out, scale) -> (indices, repeat factor or 0).
+    _nearest_plans: dict | None = None
+
     def __init__(self, node, ctx: KernelContext) -> None:
         super().__init__(node, ctx)
         self.mode = self.attr("mode", "nearest")
@@ -1055,7 +1058,6 @@ class Resize(Kernel):
         self.policy = self.attr("keep_aspect_ratio_policy", "stretch")
         axes = self.attr("axes")
         self.axes = [int(a) for a in axes] if axes else None
-        self._nearest_plans: dict = {}  # (n_in, n_out, scale) -> (source indices, repeat factor or 0)
         unsupported = []
         if self.mode not in _RESIZE_MODES:
             unsupported.append(f"mode={self.mode!r}")
@@ -1125,13 +1127,16 @@ class Resize(Kernel):
         When every resampled axis repeats each source element ``k`` times in order (an integer
         upsampling, as a YOLO neck's 2x), the input is copied into the output's strided phases
         instead of a take per axis (2x of 1x128x20x20: 220 -> 80 us)."""
+        cache = self._nearest_plans
+        if cache is None:  # (per kernel; subclasses need not call Resize.__init__)
+            cache = self._nearest_plans = {}
         plans = []
         for axis, (scale, n_out) in enumerate(zip(factors, out_shape)):
             n_in = x.shape[axis]
             if n_out == n_in and math.isclose(scale, 1.0):
                 continue
             key = (n_in, n_out, scale)
-            got = self._nearest_plans.get(key)
+            got = cache.get(key)
             if got is None:
                 if n_out == 0 or n_in == 0:
                     got = (None, 0)
@@ -1140,8 +1145,8 @@ class Resize(Kernel):
                     k = n_out // n_in
                     repeat = k >= 1 and n_out == k * n_in and np.array_equal(idx, np.arange(n_out) // k)
                     got = (idx, k if repeat else 0)
-                if len(self._nearest_plans) < 64:
-                    self._nearest_plans[key] = got
+                if len(cache) < 64:
+                    cache[key] = got
             plans.append((axis, n_out) + got)
         if plans and all(idx is not None and k for _, _, idx, k in plans) and math.prod(k for *_, k in plans) <= 16:
             # y viewed as (..., n_in, k, ...) for each repeated axis; x copied once per phase
@@ -1263,7 +1268,6 @@ class _LegacyResize(Resize):
         self.mode = "linear" if self.mode == "bilinear" else self.mode
         self.coord, self.nearest_mode, self.cubic_a = "asymmetric", "floor", -0.75
         self.exclude_outside, self.policy, self.axes = False, "stretch", None
-        self._nearest_plans = {}
 
     def _nearest(self, coords: np.ndarray, n_in: int) -> np.ndarray:
         idx = np.ceil(coords) if coords.shape[0] < n_in else np.floor(coords)
