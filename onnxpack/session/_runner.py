@@ -33,6 +33,7 @@ from onnxpack.session._run_options import SessionControl, check_run_options, che
 from onnxpack.session._specialize import Specializer, worth_specializing
 from onnxpack.session._threads import blas_threads, global_intra_op_threads, owned_threads
 from onnxpack.session.kernels import blas_threads as current_blas_threads, release_scratch
+from onnxpack.session.kernels._act import stop_spinning
 from onnxpack.session.options import SessionOptions
 
 __all__ = ["Runner"]
@@ -106,14 +107,17 @@ class Runner:
         control = SessionControl(ro, profiler, binder) if ro is not None or profiler or binder else None
         threads = self.threads if self.per_session_threads else global_intra_op_threads()
         owned = (threads if threads > 0 else current_blas_threads()) if program.owns_threads else 0
-        if owned > 1:
-            with owned_threads(owned):
+        try:
+            if owned > 1:
+                with owned_threads(owned):
+                    values = self._loop(plan, inputs, control)
+            elif threads > 0:
+                with blas_threads(threads):
+                    values = self._loop(plan, inputs, control)
+            else:
                 values = self._loop(plan, inputs, control)
-        elif threads > 0:
-            with blas_threads(threads):
-                values = self._loop(plan, inputs, control)
-        else:
-            values = self._loop(plan, inputs, control)
+        finally:
+            stop_spinning()  # the pool's helpers sleep until the next run's first split
         result = dict(zip(plan.output_names, values))
         if profiler is not None:
             profiler.event("Session", "model_run", t0, time.perf_counter_ns())

@@ -225,6 +225,108 @@ def test_parallel_in_a_forked_child():
     assert got == b"ok" and status == 0
 
 
+def _polling_pool():
+    """The pool with its helpers polling between splits (numba loaded, x86-64), or a skip."""
+    import platform
+
+    from onnxpack.session.kernels import _act
+
+    pytest.importorskip("numba")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the helpers poll on x86-64 only")
+    pool = _act._Pool.get()
+    if pool.spinner() is None:
+        pytest.skip("the JIT is disabled")
+    return pool
+
+
+def test_parallel_with_polling_helpers_computes_every_item_once_and_reports_errors():
+    """The polling hand-off (helpers publish their counts outside the GIL, the caller polls for
+    them): every item once over many back-to-back splits of short chunks, from two callers at
+    once, and a helper's exception reaches its caller."""
+    from onnxpack.session.kernels import _act
+
+    _polling_pool()
+    errors: list = []
+
+    def caller():
+        try:
+            for count in (2, 3, 17, 100, 1000) * 20:
+                out = np.zeros(count, np.int64)
+
+                def fn(a, b):
+                    out[a:b] += 1
+
+                _act.parallel(fn, count, 2)
+                assert np.all(out == 1), count
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and not any(t.is_alive() for t in threads)
+    idents = set()
+
+    def boom(a, b):
+        import time
+
+        time.sleep(0.001)
+        idents.add(threading.get_ident())
+        if a >= 50:
+            raise ValueError("late chunk failed")
+
+    with pytest.raises(ValueError, match="late chunk failed"):
+        _act.parallel(boom, 100, 2)
+    assert len(idents) == 2  # the failing chunks ran on both threads' shares
+
+
+def test_stop_spinning_stops_the_polling_helpers():
+    """A helper told to poll for a long time keeps a core busy until stop_spinning (what every
+    session run calls when it returns); then the process uses no CPU while it sleeps."""
+    import time
+
+    from onnxpack.session.kernels import _act
+
+    pool = _polling_pool()
+    saved = pool.limit
+    pool.limit = 10**12  # poll "forever"
+    seen = []
+    try:
+        for _ in range(3):  # (a shared machine may not run the helper in some window)
+            _act.parallel(lambda a, b: time.sleep(0.001), 4, 2)
+            c0 = time.process_time()
+            time.sleep(0.1)
+            busy = time.process_time() - c0
+            _act.stop_spinning()
+            time.sleep(0.01)
+            c0 = time.process_time()
+            time.sleep(0.1)
+            idle = time.process_time() - c0
+            seen.append((busy, idle))
+            if busy > 0.05 and idle < 0.02:
+                break
+    finally:
+        pool.limit = saved
+        _act.stop_spinning()
+    assert any(busy > 0.05 for busy, _ in seen) and all(idle < 0.02 for _, idle in seen), seen
+
+
+def test_a_session_run_stops_the_polling(monkeypatch):
+    from onnxpack.session import _runner
+
+    calls = []
+    monkeypatch.setattr(_runner, "stop_spinning", lambda: calls.append(1))
+    with onnxpack.InferenceSession(str(MODELS / "mlp.onnx")) as sess:
+        x = np.zeros([d if isinstance(d, int) else 1 for d in sess.get_inputs()[0].shape], np.float32)
+        sess.run(None, {sess.get_inputs()[0].name: x})
+        with pytest.raises(Exception):
+            sess.run(None, {sess.get_inputs()[0].name: x.astype(np.int32)})
+    assert len(calls) >= 1
+
+
 @pytest.mark.parametrize("cost,want_split", [("per-call", False), ("per-item", True)])
 def test_split_tuner_keeps_the_faster_way(cost, want_split):
     """A kernel whose cost is per call (each chunk pays a fixed 4 ms, as a thread hand-off does

@@ -17,7 +17,9 @@ import dataclasses
 import importlib
 import logging
 import os
+import platform
 import queue
+import sys
 import statistics
 import threading
 import time
@@ -361,75 +363,163 @@ def parallel(fn, count: int, threads: int) -> None:
     too: when another process holds the other core and a pool thread is not scheduled, the
     caller simply takes every chunk instead of waiting for a fixed share (a static split, as
     OpenBLAS does, waits a whole scheduler slice there).  The caller waits only for chunks a pool
-    thread has started, on a lock (no spinning).
+    thread has started.
 
-    The pool is plain threads reading one queue (``_Pool``), the bookkeeping one uncontended
-    lock: on this project's 2-core VM, each futex wake is what a split costs (~30 us: the other
-    vCPU halts when idle), and ``concurrent.futures``' Future and Condition objects added ~40 us
-    to every call on top of the one wake a split needs (a 260 us kernel: 233 -> 203 us on two
-    threads, a 1.1 ms one 652 -> 605 us; benchmarks in the session 47 note).
+    The pool is plain threads reading one queue (:class:`_Pool`), the bookkeeping one uncontended
+    lock: on this project's 2-core VM each futex wake costs ~15-40 us (the other vCPU halts when
+    idle), and ``concurrent.futures``' Future and Condition objects added ~40 us to every call.
+    Where the JIT is loaded (x86-64), helpers poll for the next split for a moment instead of
+    sleeping and the caller polls for their results (:mod:`._spin_jit`): a 70 us kernel on two
+    threads 100 -> 55 us, a 270 us one 235 -> 165 us (session 47's note); a session run stops the
+    polling when it returns (:func:`stop_spinning`).
     """
     threads = max(1, min(threads, count))
     if threads == 1:
         fn(0, count)
         return
     pool = _Pool.get()
+    spin = pool.spinner()
+    helpers = threads - 1
     chunks = min(count, 4 * threads)
     bounds = [count * k // chunks for k in range(chunks + 1)]
     mutex = threading.Lock()
     done = threading.Lock()
     done.acquire()
-    # [next chunk, chunks claimed and not finished, caller waiting, first error]
-    state = [0, 0, False, None]
+    # Chunks each helper finished, published by the helper after it let go of the GIL (spin only).
+    flags = np.zeros(helpers, np.int64) if spin is not None else None
+    # [next chunk, chunks claimed by helpers, chunks they finished, caller asleep on done,
+    #  first error, helper slots handed out]
+    state = [0, 0, 0, False, None, 0]
 
-    def work() -> None:
-        while True:
-            with mutex:
-                k = state[0]
-                if k >= chunks:
-                    return
-                state[0] = k + 1
+    def claim(helper: bool) -> int:
+        with mutex:
+            k = state[0]
+            if k >= chunks:
+                return -1
+            state[0] = k + 1
+            if helper:
                 state[1] += 1
-            try:
-                fn(bounds[k], bounds[k + 1])
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-                state[3] = exc
-            with mutex:
-                state[1] -= 1
-                if state[2] and not state[1]:
-                    done.release()
+            return k
 
-    pool.submit(work, threads - 1)
-    work()
+    def run(k: int) -> None:
+        try:
+            fn(bounds[k], bounds[k + 1])
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            state[4] = exc
+
+    def helper() -> tuple | None:
+        k = claim(True)
+        if k < 0:
+            return None
+        mine = 0
+        while k >= 0:
+            run(k)
+            mine += 1
+            k = claim(True)
+        with mutex:
+            state[2] += mine
+            if state[3] and state[2] == state[1]:
+                done.release()
+            slot = state[5]
+            state[5] += 1
+        return None if flags is None else (flags, slot, mine)
+
+    pool.submit(helper, helpers)
+    k = claim(False)
+    while k >= 0:
+        run(k)
+        k = claim(False)
     with mutex:
-        wait = state[2] = state[1] > 0
-    if wait:
-        done.acquire()
-    if state[3] is not None:
-        raise state[3]
+        want = state[1]
+    if want and not (spin is not None and spin.wait_sum(flags, want, pool.limit)):
+        with mutex:
+            wait = state[3] = state[2] < state[1]
+        if wait:
+            done.acquire()
+    if state[4] is not None:
+        raise state[4]
+
+
+def stop_spinning() -> None:
+    """Ends the helpers' polling (see :func:`parallel`): a session run calls it when it returns."""
+    pool = _Pool._instance
+    if pool is not None and pool._spin is not None:
+        pool.ctl[1] = 1
 
 
 class _Pool:
-    """Daemon threads that run the callables put on one queue (``parallel``'s helpers).  A forked
-    child starts with none (the parent's threads do not exist there): :meth:`get` makes new ones."""
+    """Daemon threads that run the callables put on one queue (:func:`parallel`'s helpers).  A
+    forked child starts with none (the parent's threads do not exist there): :meth:`get` makes
+    new ones.
+
+    With :mod:`._spin_jit` (numba already in the process, x86-64, the JIT not disabled) a helper
+    that finished a task polls ``ctl[0]`` (bumped by every submit) for up to ``limit`` pauses
+    (~250 us) before sleeping on the queue, and publishes its result in that same call, outside
+    the GIL; ``ctl[1]`` set stops the polling.
+    """
 
     _instance: _Pool | None = None
     _pid = 0
+    SPIN_US = 250.0  # how long a helper polls for the next split
+    DELAY_US = 3.0  # how long it lets the submitter enter its own share first
 
     def __init__(self, size: int) -> None:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.ctl = np.zeros(2, np.int64)  # [submits, stop polling]
+        self._spin: Any = None
+        self._spin_tried = False
+        self.limit = self.delay = 0
         for i in range(size):
             threading.Thread(target=self._serve, name=f"onnxpack-jit-{i}", daemon=True).start()
 
-    def _serve(self) -> None:
-        get = self.queue.get
-        while True:
-            get()()
+    def spinner(self) -> Any:
+        """:mod:`._spin_jit`, or None (helpers sleep between tasks)."""
+        if self._spin is None and not self._spin_tried and "numba" in sys.modules:
+            self._spin_tried = True
+            if platform.machine().lower() in ("x86_64", "amd64"):
+                spin = load_jit("_spin_jit", "thread pool")
+                if spin is not None:
+                    spin.pauses(1000)
+                    t0 = time.perf_counter()
+                    spin.pauses(20000)
+                    per = max((time.perf_counter() - t0) / 20000, 1e-9)  # seconds a pause
+                    self.limit = max(1, int(self.SPIN_US * 1e-6 / per))
+                    self.delay = int(self.DELAY_US * 1e-6 / per)
+                    self._spin = spin
+        return self._spin
 
-    def submit(self, task: Callable[[], None], copies: int) -> None:
+    def _serve(self) -> None:
+        get, get_nowait, ctl = self.queue.get, self.queue.get_nowait, self.ctl
+        pending = None  # the last task's result to publish: (flags, slot, value)
+        none = np.zeros(1, np.int64)
+        while True:
+            seq = int(ctl[0])  # (read before the queue: a submit after it changes it)
+            try:
+                task = get_nowait()
+            except queue.Empty:
+                task = None
+                spin = self._spin
+                if spin is not None and not ctl[1]:
+                    flags, slot, value = pending if pending is not None else (none, -1, 0)
+                    pending = None
+                    spin.wait_change(ctl, seq, self.limit, self.delay, flags, slot, value)
+                    try:
+                        task = get_nowait()
+                    except queue.Empty:
+                        task = None
+            if pending is not None:  # (published under the GIL: another task came first)
+                pending[0][pending[1]] = pending[2]
+                pending = None
+            if task is None:
+                task = get()
+            pending = task()
+
+    def submit(self, task: Callable[[], Any], copies: int) -> None:
         put = self.queue.put
         for _ in range(copies):
             put(task)
+        if self._spin is not None:
+            self._spin.bump(self.ctl)
 
     @classmethod
     def get(cls) -> _Pool:
