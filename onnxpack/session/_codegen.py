@@ -34,6 +34,11 @@ from onnxpack.errors import RuntimeFailure
 __all__ = ["generate", "Declined"]
 
 
+# Plans longer than this stay on the loop: generating costs ~40 us a step (once), and a model of
+# hundreds of thousands of nodes would pause its second run for seconds.
+MAX_STEPS = 20000
+
+
 class Declined(Exception):
     """The plan has something the generated function does not do (the loop runs it)."""
 
@@ -45,6 +50,8 @@ def _fail(step: Any, scope: str, exc: BaseException) -> RuntimeFailure:
 def generate(plan: Any, store: Callable[[Any], Any], missing_outputs: Callable[..., None]) -> Callable:
     """The function ``run(inputs, get)`` doing ``plan``'s plain run (``get``: the enclosing frame's
     lookup, or None for a root plan), or raises :class:`Declined`."""
+    if len(plan.steps) > MAX_STEPS:
+        raise Declined(f"{len(plan.steps)} steps (more than {MAX_STEPS})")
     names: dict[str, str] = {}  # value name -> local identifier
     glob: dict[str, Any] = {"_nd": np.ndarray, "_RF": RuntimeFailure, "_store": store, "_missing": missing_outputs,
                             "_fail": _fail, "_scope": plan.name, "_steps": plan.steps}
