@@ -479,13 +479,21 @@ class _Pool:
             if platform.machine().lower() in ("x86_64", "amd64"):
                 spin = load_jit("_spin_jit", "thread pool")
                 if spin is not None:
-                    spin.pauses(1000)
-                    t0 = time.perf_counter()
-                    spin.pauses(20000)
-                    per = max((time.perf_counter() - t0) / 20000, 1e-9)  # seconds a pause
-                    self.limit = max(1, int(self.SPIN_US * 1e-6 / per))
-                    self.delay = int(self.DELAY_US * 1e-6 / per)
-                    self._spin = spin
+                    try:  # every entry compiled (or loaded) here, where a failure only means no polling
+                        probe = np.zeros(2, np.int64)
+                        spin.wait_change(probe, 0, 1, 0, probe, -1, 0)
+                        spin.wait_sum(probe, 0, 1)
+                        spin.bump(probe)
+                        spin.pauses(1000)
+                        t0 = time.perf_counter()
+                        spin.pauses(20000)
+                        per = max((time.perf_counter() - t0) / 20000, 1e-9)  # seconds a pause
+                    except Exception as exc:  # noqa: BLE001 - the helpers then sleep between tasks
+                        logger.info("thread pool: no polling (%s: %s)", type(exc).__name__, exc)
+                    else:
+                        self.limit = max(1, int(self.SPIN_US * 1e-6 / per))
+                        self.delay = int(self.DELAY_US * 1e-6 / per)
+                        self._spin = spin
         return self._spin
 
     def _serve(self) -> None:
