@@ -43,8 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from onnxpack.errors import RuntimeFailure
-from onnxpack.session._program import Frame, Plan, RunControl, Step, StepHook, call_step, run_plan, store
+from onnxpack.session._program import Frame, Plan, RunControl, Step, StepHook, call_step, run_plan, step_failure, store
 from onnxpack.session.planner import MemoryConfig, PlanResult, TensorLifetime, compute_lifetimes
 from onnxpack.session.planner import plan as plan_tensors
 
@@ -314,7 +313,7 @@ class _Planned(StepHook):
             try:
                 done = step.kernel.run_into(outs, *args)
             except Exception as exc:
-                raise RuntimeFailure(f"{step.label} in graph {plan.name!r} failed: {type(exc).__name__}: {exc}") from exc
+                raise step_failure(step, plan.name, exc) from exc
             if isinstance(done, (tuple, list)):  # the outputs, each in its given buffer
                 return list(done)
             if done is not False:

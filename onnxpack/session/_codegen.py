@@ -43,18 +43,16 @@ class Declined(Exception):
     """The plan has something the generated function does not do (the loop runs it)."""
 
 
-def _fail(step: Any, scope: str, exc: BaseException) -> RuntimeFailure:
-    return RuntimeFailure(f"{step.label} in graph {scope!r} failed: {type(exc).__name__}: {exc}")
-
-
-def generate(plan: Any, store: Callable[[Any], Any], missing_outputs: Callable[..., None]) -> Callable:
+def generate(plan: Any, store: Callable[[Any], Any], missing_outputs: Callable[..., None],
+             step_failure: Callable[..., Exception]) -> Callable:
     """The function ``run(inputs, get)`` doing ``plan``'s plain run (``get``: the enclosing frame's
-    lookup, or None for a root plan), or raises :class:`Declined`."""
+    lookup; for a root plan one that raises KeyError), or raises :class:`Declined`.  ``store``,
+    ``missing_outputs`` and ``step_failure`` are the loop's own helpers (_program)."""
     if len(plan.steps) > MAX_STEPS:
         raise Declined(f"{len(plan.steps)} steps (more than {MAX_STEPS})")
     names: dict[str, str] = {}  # value name -> local identifier
     glob: dict[str, Any] = {"_nd": np.ndarray, "_RF": RuntimeFailure, "_store": store, "_missing": missing_outputs,
-                            "_fail": _fail, "_scope": plan.name, "_steps": plan.steps}
+                            "_fail": step_failure, "_scope": plan.name, "_steps": plan.steps}
     consts: dict[str, str] = {}
     for j, n in enumerate(plan.constants):
         consts[n] = f"C{j}"

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from onnxpack.errors import OnnxpackError, RuntimeFailure, RuntimeInvalidArgument
+from onnxpack.errors import OnnxpackError, RuntimeInvalidArgument
 from onnxpack.session._ortvalue import OrtValue, _device_name, elem_dtype, value_type
-from onnxpack.session._program import Frame, Plan, Step, StepHook, call_step
+from onnxpack.session._program import Frame, Plan, Step, StepHook, call_step, step_failure
 from onnxpack.session.kernels import same_view
 
 if TYPE_CHECKING:
@@ -319,7 +319,7 @@ class _BindHook(StepHook):
             except OnnxpackError:
                 raise
             except Exception as exc:
-                raise RuntimeFailure(f"{step.label} in graph {plan.name!r} failed: {type(exc).__name__}: {exc}") from exc
+                raise step_failure(step, plan.name, exc) from exc
             if isinstance(done, (tuple, list)):  # the outputs, bound ones in their buffers
                 return list(done)
             if done is not False:

@@ -54,6 +54,7 @@ __all__ = [
     "prune",
     "run_plan",
     "schedule",
+    "step_failure",
     "topological_order",
 ]
 
@@ -380,6 +381,12 @@ def call_step(step: Step, frame: Frame, args: Sequence[Any], scope: str) -> Sequ
     return outs
 
 
+def step_failure(step: Step, scope: str, exc: BaseException) -> RuntimeFailure:
+    """The error a run reports for a kernel's exception: the step and graph named, the cause kept
+    by the caller's ``raise ... from exc``."""
+    return RuntimeFailure(f"{step.label} in graph {scope!r} failed: {type(exc).__name__}: {exc}")
+
+
 def _call_step(step: Step, frame: Frame, args: Sequence[Any], scope: str) -> Sequence[Any]:
     kernel = step.kernel
     try:
@@ -392,7 +399,7 @@ def _call_step(step: Step, frame: Frame, args: Sequence[Any], scope: str) -> Seq
     except RuntimeFailure:
         raise
     except Exception as exc:
-        raise RuntimeFailure(f"{step.label} in graph {scope!r} failed: {type(exc).__name__}: {exc}") from exc
+        raise step_failure(step, scope, exc) from exc
 
 
 def store(value: Any) -> Any:
@@ -417,7 +424,7 @@ def _generated(plan: Plan, runs: int | None) -> Any:
     from onnxpack.session import _codegen
 
     try:
-        fast = _codegen.generate(plan, store, missing_outputs)
+        fast = _codegen.generate(plan, store, missing_outputs, step_failure)
     except _codegen.Declined as exc:
         logger.debug("graph %r runs on the step loop: %s", plan.name, exc)
         fast = _DECLINED
@@ -475,7 +482,7 @@ def run_plan(plan: Plan, inputs: Sequence[Any], parent: Frame | None = None,
             except RuntimeFailure:
                 raise
             except Exception as exc:
-                raise RuntimeFailure(f"{step.label} in graph {plan.name!r} failed: {type(exc).__name__}: {exc}") from exc
+                raise step_failure(step, plan.name, exc) from exc
         names = step.outputs
         if len(names) == 1:
             name = names[0]

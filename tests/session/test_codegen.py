@@ -145,7 +145,7 @@ def test_declines_frame_steps_and_reads_the_loop_would_resolve_elsewhere():
 
     plan = _plan([(FrameKernel(), ["x"], ["y"])], ["x"], ["y"])
     with pytest.raises(_codegen.Declined):
-        _codegen.generate(plan, _program.store, _program.missing_outputs)
+        _codegen.generate(plan, _program.store, _program.missing_outputs, _program.step_failure)
     for _ in range(3):
         np.testing.assert_array_equal(run_plan(plan, [np.ones(1)])[0], [1.0])
     assert plan.__dict__["_fast"] is _program._DECLINED
@@ -155,14 +155,14 @@ def test_declines_frame_steps_and_reads_the_loop_would_resolve_elsewhere():
              Step(helper.make_node("Custom", ["t"], ["y"], name="b"), _Fn(lambda a: a), ("t",), ("y",)))
     odd = Plan("g", "g", ("x",), ("y",), {}, steps)
     with pytest.raises(_codegen.Declined):
-        _codegen.generate(odd, _program.store, _program.missing_outputs)
+        _codegen.generate(odd, _program.store, _program.missing_outputs, _program.step_failure)
     # A plan longer than MAX_STEPS: declined (the loop runs it; no seconds-long generation).
     long = _plan([(_Fn(lambda a: a), ["x"], ["t0"])] + [(_Fn(lambda a: a), [f"t{k}"], [f"t{k + 1}"]) for k in range(9)],
                  ["x"], ["t9"])
     import unittest.mock
 
     with unittest.mock.patch.object(_codegen, "MAX_STEPS", 5), pytest.raises(_codegen.Declined, match="more than 5"):
-        _codegen.generate(long, _program.store, _program.missing_outputs)
+        _codegen.generate(long, _program.store, _program.missing_outputs, _program.step_failure)
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer", "subgraphs", "shared_weight", "fp16_mlp"])
