@@ -413,6 +413,78 @@ def test_split_conv_equals_one_thread_whichever_the_tuner_picks(monkeypatch):
     assert plan.split is not None and plan.split.choice is not None
 
 
+@pytest.mark.parametrize("stride,c,m,residual", [(1, 128, 100, True), (2, 128, 64, False), (1, 96, 54, True)],
+                         ids=["s1-residual", "s2-phases", "s1-m54"])
+def test_conv_shift_over_channel_blocks_equals_one_thread(stride, c, m, residual, monkeypatch):
+    """A 3x3 conv on a 7x7 map (conv_shift, one band) with a bias, a folded BatchNormalization,
+    a residual Add and Relu, split over blocks of output channels on two threads (forced):
+    bit for bit the one-thread result, which matches onnxruntime."""
+    import onnxruntime as ort
+
+    from onnxpack.session.kernels import _act, conv
+
+    if _act.jit() is None:
+        pytest.skip("numba not installed")
+    rng = np.random.default_rng(9)
+    hw = 7 * stride
+    F = TensorProto.FLOAT
+    inits = [onnx.numpy_helper.from_array((rng.standard_normal((m, c, 3, 3)) * 0.1).astype(np.float32), "w"),
+             onnx.numpy_helper.from_array(rng.standard_normal(m).astype(np.float32), "b")]
+    for name, v in (("s", rng.uniform(0.5, 2, m)), ("bb", rng.standard_normal(m)), ("mu", rng.standard_normal(m)),
+                    ("var", rng.uniform(0.5, 2, m))):
+        inits.append(onnx.numpy_helper.from_array(v.astype(np.float32), name))
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1], strides=[stride, stride]),
+             helper.make_node("BatchNormalization", ["c", "s", "bb", "mu", "var"], ["n"])]
+    inputs = [helper.make_tensor_value_info("x", F, [1, c, hw, hw])]
+    last = "n"
+    if residual:
+        nodes.append(helper.make_node("Add", ["n", "r"], ["a"]))
+        inputs.append(helper.make_tensor_value_info("r", F, [1, m, 7, 7]))
+        last = "a"
+    nodes.append(helper.make_node("Relu", [last], ["y"]))
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", F, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString()
+    feeds = {"x": rng.standard_normal((1, c, hw, hw)).astype(np.float32)}
+    if residual:
+        feeds["r"] = rng.standard_normal((1, m, 7, 7)).astype(np.float32)
+    one = onnxpack.SessionOptions()
+    one.intra_op_num_threads = 1
+    want = onnxpack.InferenceSession(model, one).run(None, feeds)[0]
+    monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
+    monkeypatch.setattr(conv, "_PARALLEL_MACS", 1)
+    calls = []
+    real = conv._run_channel_blocks
+    monkeypatch.setattr(conv, "_run_channel_blocks", lambda *a: calls.append(1) or real(*a))
+    sess = onnxpack.InferenceSession(model)
+    sess.run(None, feeds)
+    (plan,) = [p for st in sess.program.root.steps if isinstance(st.kernel, conv.Conv)
+               for p in st.kernel._plans.values() if isinstance(p, conv._ConvPlan) and p.kind == conv._SHIFT]
+    assert plan.count == 1
+    plan.split.threads, plan.split.choice = 2, True
+    idents = set()
+    real_jit = plan.jit
+    real_fn = real_jit.conv_shift
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real_jit, name)
+
+        @staticmethod
+        def conv_shift(*a):
+            idents.add(threading.get_ident())
+            import time
+
+            time.sleep(0.005)
+            return real_fn(*a)
+
+    plan.jit = Spy()
+    got = sess.run(None, feeds)[0]
+    assert calls and len(idents) == 2
+    np.testing.assert_array_equal(got, want)
+    ref = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("m,k,n", [(300, 40, 70), (64, 40, 300), (64, 40, 257), (40, 16, 1000), (20, 8, 100)],
                          ids=["rows", "columns", "columns-ragged", "columns-wide", "too-small"])
 def test_split_matmul_computes_every_block_once(m, k, n, monkeypatch):

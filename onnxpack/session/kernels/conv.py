@@ -105,6 +105,9 @@ _SHIFT_CB = 0  # input channels per block of conv_shift's tiles when set (tests)
 # on the kernel alone (one thread): the wake-word's 24-channel 1x3 conv 10.0 / 5.6 / 4.5 / 4.1 /
 # 5.2 ms at 64 / 128 / 256 / 512 / 1024, a 64-channel 3x3 on 40x40 2.4 / 2.0 / 2.0 / 2.1 / 2.0 ms.
 _SHIFT_BAND = 256
+# Output channels from which a batch-1 conv_shift with fewer bands than threads (a 7x7 map is one
+# band) splits over blocks of its output channels instead (_run_channel_blocks).
+_SHIFT_SPLIT_MIN_M = 48
 # A 3x3 stride-1 conv of C inputs and M outputs that conv_shift can run (the JIT, C and M within
 # _SHIFT_MAX_CHANNELS) packs for Winograd only when C*M/(C+M) exceeds this: Winograd's transforms
 # cost per channel, its GEMMs per channel pair, and with few channels conv_shift's direct sum wins.
@@ -658,6 +661,32 @@ def _run_items(fn, args, plan: _ConvPlan) -> None:
         fn(*args, 0, plan.count)
 
 
+def _run_channel_blocks(fn, args, plan: _ConvPlan, threads: int) -> None:
+    """conv_shift (``args`` as :func:`_run_items` takes them, with its epilogue's arguments) over
+    blocks of output channels, one per thread, for a batch of one image with fewer bands than
+    threads: resnet's and YOLO's last stages (3x3 convs on 7x7 or 10x10 maps) are one band, and
+    stayed on one thread.  Each block is the kernel on its rows of the weight, output, bias,
+    residual and per-channel tables; block edges fall on multiples of 6 channels (the
+    micro-kernel's tile), so every channel's sums are the ones a single call makes.  Whether the
+    split pays is the plan's SplitTuner's call (its band split never runs for such a plan)."""
+    x, w, y3, *rest = args
+    jit_args = tuple(rest[:len(plan.jit_args)])
+    bias, codes, params, res, pcodes, pparams, table = rest[len(plan.jit_args):]
+    m = plan.m
+    cuts = [0] + [m * i // threads // 6 * 6 for i in range(1, threads)] + [m]
+    wrow = w.shape[0] // m
+
+    def run(lo: int, hi: int) -> None:
+        for b in range(lo, hi):
+            m0, m1 = cuts[b], cuts[b + 1]
+            if m1 > m0:
+                fn(x, w[m0 * wrow:m1 * wrow], y3[:, m0:m1], *jit_args, bias[m0:m1] if bias.shape[0] else bias,
+                   codes, params, res[:, m0:m1] if res.shape[0] else res, pcodes, pparams,
+                   np.ascontiguousarray(table[:, m0:m1]) if table.shape[0] else table, 0, plan.count)
+
+    plan.split.run(run, threads, threads)
+
+
 @register("Conv", since=1)
 class Conv(Kernel):
     """N-D convolution (1-D, 2-D, 3-D), groups, dilations, strides, pads and auto_pad."""
@@ -854,6 +883,10 @@ class Conv(Kernel):
                 args = (xf, wk, y3) + plan.jit_args + (_EMPTY1 if bias is None else bias, codes, params, r, pcodes,
                                                        pparams, plan.table)
                 bias = res = None
+                threads = _act.threads() if plan.big else 1
+                if threads > plan.count and plan.n == 1 and plan.m >= _SHIFT_SPLIT_MIN_M:
+                    _run_channel_blocks(fn, args, plan, threads)
+                    return y if y.dtype == out_dtype else y.astype(out_dtype)
             _run_items(fn, args, plan)
             if bias is None and res is None:
                 return y if y.dtype == out_dtype else y.astype(out_dtype)
