@@ -305,7 +305,7 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     if out is None:
         out = np.empty(((batch,) if (a.ndim == 3 or b.ndim == 3) else ()) + (m, n), dtype=np.result_type(a, b))
     # Whether a split pays is measured per shape (SplitTuner): MobileNetV2's 1x1 convs (2-5 M
-    # multiply-adds) ran 2x slower split on this VM, where a pool thread takes ~70 us to wake.
+    # multiply-adds) ran 2x slower split on this VM, where a sleeping thread takes ~15-40 us to wake.
     split = tuner(("matmul", a.shape, b.shape, a.dtype.char)).run
     if out.ndim == 3 and batch >= 2 * t:
         def run(lo, hi):
@@ -546,10 +546,12 @@ class SplitTuner:
     its own calls.
 
     Why: what a split costs depends on the machine more than on the work.  On this project's
-    2-core VM a pool thread takes ~70 us to wake, and every chunk hands the GIL across threads:
-    a 68 us kernel took 196 us on two threads (a 1.1 ms one 0.76 ms), and MobileNetV2's
-    depthwise convolutions ran 2-4x slower split than on one thread; on bare metal the same split
-    pays from tens of microseconds.  No fixed threshold in multiply-adds serves both.
+    2-core VM a sleeping thread takes ~15-40 us to wake, and every chunk hands the GIL across
+    threads: with session 46's pool a 68 us kernel took 196 us on two threads (a 1.1 ms one
+    0.76 ms), and MobileNetV2's depthwise convolutions ran 2-4x slower split than on one thread
+    (the polling helpers of :func:`parallel` have since cut that cost, not removed it); on bare
+    metal the same split pays from tens of microseconds.  No fixed threshold in multiply-adds
+    serves both.
 
     So each kernel geometry (one tuner) times its calls: the first is not counted (JIT loading,
     cold caches), then calls alternate between the split and one thread until each has
