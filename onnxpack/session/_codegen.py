@@ -138,4 +138,7 @@ def generate(plan: Any, store: Callable[[Any], Any], missing_outputs: Callable[.
     source = "\n".join(lines) + "\n"
     code = compile(source, f"<onnxpack plan {plan.name!r}>", "exec")
     exec(code, glob)  # noqa: S102 - our own generated source: identifiers and repr()'d names only
-    return glob["_run"]
+    # Taken out of its own globals: a function in the dict it reads would be a reference cycle,
+    # and the kernels and constants it reaches would outlive a dropped session until Python's
+    # cyclic collector ran (the loop frees them at once).
+    return glob.pop("_run")

@@ -221,3 +221,26 @@ def test_a_plan_of_no_steps_and_a_generator_failure():
         logging.getLogger("onnxpack.session._program").removeHandler(handler)
     assert plan.__dict__["_fast"] is _program._DECLINED
     assert any("generator bug" in r.getMessage() for r in records)
+
+
+def test_a_dropped_session_frees_its_kernels_without_the_cyclic_collector():
+    """The generated function holds the plan's kernels and constants; it must not keep them alive
+    past the session (no reference cycle: freed by reference counting, as with the loop)."""
+    import gc
+
+    path = str(MODELS / "mlp.onnx")
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        sess = onnxpack.InferenceSession(path)
+        x = np.zeros([d if isinstance(d, int) else 1 for d in sess.get_inputs()[0].shape], np.float32)
+        for _ in range(3):
+            sess.run(None, {sess.get_inputs()[0].name: x})
+        assert callable(sess.program.root.__dict__.get("_fast"))
+        kernel = weakref.ref(sess.program.root.steps[0].kernel)
+        sess.close()
+        del sess
+        assert kernel() is None
+    finally:
+        if enabled:
+            gc.enable()
