@@ -517,3 +517,19 @@ def test_split_matmul_computes_every_block_once(m, k, n, monkeypatch):
     assert len(calls) == (1 if m < 32 else 2), calls
     if len(calls) == 2 and m >= _act._ROW_SPLIT_M:
         assert calls == [(m // 2, n), (m - m // 2, n)]
+
+
+def test_a_process_exits_cleanly_right_after_a_split_with_polling_helpers():
+    """A process that splits work and exits at once: the polling helper is stopped at exit
+    (atexit), never left inside the JIT's code while the interpreter shuts down."""
+    import subprocess
+    import sys
+
+    _polling_pool()
+    code = ("import time, numba\n"
+            "from onnxpack.session.kernels import _act\n"
+            "_act.parallel(lambda a, b: time.sleep(0.001), 4, 2)\n"
+            "assert _act._Pool.get()._spin is not None\n")
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]

@@ -13,6 +13,7 @@ numba is importable and ``ONNXPACK_DISABLE_JIT`` is not ``1`` (the switch MatMul
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import importlib
 import logging
@@ -494,6 +495,9 @@ class _Pool:
                         self.limit = max(1, int(self.SPIN_US * 1e-6 / per))
                         self.delay = int(self.DELAY_US * 1e-6 / per)
                         self._spin = spin
+                        # At exit, no helper left inside the JIT's code while the interpreter
+                        # (and numba with it) shuts down.
+                        atexit.register(stop_spinning)
         return self._spin
 
     def _serve(self) -> None:
