@@ -11,6 +11,7 @@ fallback node; with and without the activation memory planner.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -130,8 +131,6 @@ def test_parallel_computes_every_item_once(count, threads):
     """Every item of [0, count) once, whatever the chunking and the helpers' timing; the calls are
     made on more than one thread when there are chunks for two (the caller is not the only one
     working) — checked over repeated calls, since the caller may legitimately take every chunk."""
-    import time
-
     from onnxpack.session.kernels import _act
 
     idents: set[int] = set()
@@ -203,8 +202,6 @@ def test_parallel_in_a_forked_child():
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through the pipe
         try:
-            import time
-
             out = np.zeros(64, np.int64)
             idents = set()
 
@@ -271,8 +268,6 @@ def test_parallel_with_polling_helpers_computes_every_item_once_and_reports_erro
     idents = set()
 
     def boom(a, b):
-        import time
-
         time.sleep(0.001)
         idents.add(threading.get_ident())
         if a >= 50:
@@ -286,8 +281,6 @@ def test_parallel_with_polling_helpers_computes_every_item_once_and_reports_erro
 def test_stop_spinning_stops_the_polling_helpers():
     """A helper told to poll for a long time keeps a core busy until stop_spinning (what every
     session run calls when it returns); then the process uses no CPU while it sleeps."""
-    import time
-
     from onnxpack.session.kernels import _act
 
     pool = _polling_pool()
@@ -357,8 +350,6 @@ def test_split_tuner_keeps_the_faster_way(cost, want_split):
     on a slow VM) ends on one thread; one whose cost is per item (2 ms each, the GIL released as
     a JIT kernel releases it) ends split.  Every call computes every item exactly once, whichever
     way it runs."""
-    import time
-
     from onnxpack.session.kernels import _act
 
     lock = threading.Lock()
@@ -472,8 +463,6 @@ def test_conv_shift_over_channel_blocks_equals_one_thread(stride, c, m, residual
         @staticmethod
         def conv_shift(*a):
             idents.add(threading.get_ident())
-            import time
-
             time.sleep(0.005)
             return real_fn(*a)
 
@@ -517,6 +506,115 @@ def test_split_matmul_computes_every_block_once(m, k, n, monkeypatch):
     assert len(calls) == (1 if m < 32 else 2), calls
     if len(calls) == 2 and m >= _act._ROW_SPLIT_M:
         assert calls == [(m // 2, n), (m - m // 2, n)]
+
+    # With an epilogue: called once per block, after that block's product is written, and every
+    # output element in exactly one block.
+    tuner = _act.tuner(("matmul", a.shape, b.shape, a.dtype.char, True))
+    tuner.threads, tuner.choice = 2, True
+    blocks, seen = [], np.zeros((m, n), np.int64)
+    want = a @ b
+
+    def after(r0, r1, c0, c1):
+        blocks.append((r0, r1, c0, c1))
+        np.testing.assert_allclose(out[r0:r1, c0:c1], want[r0:r1, c0:c1], rtol=1e-5, atol=1e-5)
+        seen[r0:r1, c0:c1] += 1
+
+    out = np.full((m, n), np.nan, np.float32)
+    assert _act.matmul(a, b, out=out, after=after) is out
+    assert np.all(seen == 1) and len(blocks) == len(calls), blocks
+
+
+@pytest.mark.parametrize("m,hw,channel_steps", [(300, 8, 1), (64, 24, 1), (300, 8, 2), (48, 24, 2)],
+                         ids=["rows", "columns", "rows-two-tables", "columns-two-tables"])
+def test_split_conv_epilogue_by_blocks_equals_one_thread(m, hw, channel_steps, monkeypatch):
+    """A 1x1 conv followed by what onnxruntime's QDQ quantizer writes around an unfolded
+    BatchNormalization (QuantizeLinear -> DequantizeLinear pairs, the BatchNormalization as a
+    per-channel step, a residual Add, Relu): on two threads (split forced) each thread runs the
+    epilogue of its own block of output channels (rows) or positions (columns), bit for bit the
+    one-thread result, which matches onnxruntime within one quantization step."""
+    import onnxruntime as ort
+
+    from onnxpack.session.kernels import _act, conv
+
+    if _act.jit() is None:
+        pytest.skip("numba not installed")
+    rng = np.random.default_rng(11)
+    c = 40
+    F = TensorProto.FLOAT
+    inits = [onnx.numpy_helper.from_array((rng.standard_normal((m, c, 1, 1)) * 0.2).astype(np.float32), "w"),
+             onnx.numpy_helper.from_array(rng.standard_normal(m).astype(np.float32), "b")]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c0"])]
+    last = "c0"
+
+    def fake_quant(src, k):
+        inits.extend([onnx.numpy_helper.from_array(np.array(0.02 + 0.01 * k, np.float32), f"s{k}"),
+                      onnx.numpy_helper.from_array(np.array(3 * k - 4, np.int8), f"z{k}")])
+        nodes.extend([helper.make_node("QuantizeLinear", [src, f"s{k}", f"z{k}"], [f"q{k}"]),
+                      helper.make_node("DequantizeLinear", [f"q{k}", f"s{k}", f"z{k}"], [f"d{k}"])])
+        return f"d{k}"
+
+    k = 0
+    for j in range(channel_steps):
+        last = fake_quant(last, k)
+        k += 1
+        for name, v in ((f"bs{j}", rng.uniform(0.5, 2, m)), (f"bb{j}", rng.standard_normal(m)),
+                        (f"mu{j}", rng.standard_normal(m)), (f"var{j}", rng.uniform(0.5, 2, m))):
+            inits.append(onnx.numpy_helper.from_array(v.astype(np.float32), name))
+        nodes.append(helper.make_node("BatchNormalization", [last, f"bs{j}", f"bb{j}", f"mu{j}", f"var{j}"],
+                                      [f"n{j}"]))
+        last = fake_quant(f"n{j}", k)
+        k += 1
+    nodes += [helper.make_node("Add", [last, "r"], ["a"]), helper.make_node("Relu", ["a"], ["u"])]
+    last = fake_quant("u", k)
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [1, c, hw, hw]),
+                                           helper.make_tensor_value_info("r", F, [1, m, hw, hw])],
+                              [helper.make_tensor_value_info(last, F, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString()
+    feeds = {"x": rng.standard_normal((1, c, hw, hw)).astype(np.float32),
+             "r": rng.standard_normal((1, m, hw, hw)).astype(np.float32)}
+    one = onnxpack.SessionOptions()
+    one.intra_op_num_threads = 1
+    want = onnxpack.InferenceSession(model, one).run(None, feeds)[0]
+    monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
+    monkeypatch.setattr(_act, "_SPLIT_MACS", 1)
+    monkeypatch.setattr(_act, "blas_threads", lambda: 1)
+    sess = onnxpack.InferenceSession(model)
+    sess.run(None, feeds)
+    (plan,) = [p for st in sess.program.root.steps if isinstance(st.kernel, conv.Conv)
+               for p in st.kernel._plans.values() if isinstance(p, conv._ConvPlan)]
+    assert plan.kind == conv._ONE and not plan.small and plan.table.shape[0] == channel_steps
+    for key, t in _act._TUNERS.items():
+        if key[0] == "matmul" and key[-1] is True:
+            t.threads, t.choice = 2, True
+    idents, blocks = set(), []
+    real_jit = plan.jit
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real_jit, name)
+
+        @staticmethod
+        def bias_act(y, *a):
+            idents.add(threading.get_ident())
+            blocks.append(("rows", y.shape[1]))
+            time.sleep(0.005)  # so that the other thread takes the other block
+            return real_jit.bias_act(y, *a)
+
+        @staticmethod
+        def bias_act_rows(y, n, at, length, *a):
+            idents.add(threading.get_ident())
+            blocks.append(("columns", length))
+            time.sleep(0.005)
+            return real_jit.bias_act_rows(y, n, at, length, *a)
+
+    plan.jit = Spy()
+    got = sess.run(None, feeds)[0]
+    assert len(idents) == 2 and len(blocks) == 2, blocks
+    assert {b[0] for b in blocks} == {"rows" if m >= _act._ROW_SPLIT_M else "columns"}
+    np.testing.assert_array_equal(got, want)
+    ref = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    step = 0.02 + 0.01 * k
+    assert np.abs(got - ref).max() <= step * 1.01
 
 
 def test_a_process_exits_cleanly_right_after_a_split_with_polling_helpers():

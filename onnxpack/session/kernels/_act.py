@@ -283,7 +283,8 @@ _SPLIT_MACS = 1 << 21
 _ROW_SPLIT_M = 256  # from this many rows of A a GEMM splits by rows (see matmul)
 
 
-def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None,
+           after: Callable[[int, int, int, int], Any] | None = None) -> np.ndarray:
     """``np.matmul(a, b)`` (2-D by 2-D, or batched 3-D), split over onnxpack's threads when the
     BLAS runs single-threaded and ``ONNXPACK_NUM_THREADS`` asks for more.
 
@@ -294,20 +295,27 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     one block of rows or columns per thread (or blocks of the batch) taken from :func:`parallel`'s
     shared counter, and the caller computes whatever blocks no other thread took: never slower
     than one thread.  Otherwise this is ``np.matmul`` itself.
+
+    ``after(r0, r1, c0, c1)`` (2-D operands only), when given, is the caller's epilogue: it is
+    called once per computed block ``out[r0:r1, c0:c1]``, in the thread that computed the block,
+    right after its GEMM (while the block is still in that core's cache), and once over the whole
+    output when the GEMM is not split.  A convolution's bias and activations thus run on both
+    threads instead of on one after the split GEMM.
     """
     t = threads()
-    if t <= 1 or blas_threads() > 1 or a.ndim not in (2, 3) or b.ndim not in (2, 3):
-        return np.matmul(a, b, out=out)
+    if (t <= 1 or blas_threads() > 1 or a.ndim not in (2, 3) or b.ndim not in (2, 3)
+            or (after is not None and (a.ndim != 2 or b.ndim != 2))):
+        return _whole(a, b, out, after)
     m, k = a.shape[-2:]
     n = b.shape[-1]
     batch = max(a.shape[0] if a.ndim == 3 else 1, b.shape[0] if b.ndim == 3 else 1)
     if batch * m * k * n < _SPLIT_MACS or a.dtype != b.dtype or a.dtype.kind != "f":
-        return np.matmul(a, b, out=out)
+        return _whole(a, b, out, after)
     if out is None:
         out = np.empty(((batch,) if (a.ndim == 3 or b.ndim == 3) else ()) + (m, n), dtype=np.result_type(a, b))
     # Whether a split pays is measured per shape (SplitTuner): MobileNetV2's 1x1 convs (2-5 M
     # multiply-adds) ran 2x slower split on this VM, where a sleeping thread takes ~15-40 us to wake.
-    split = tuner(("matmul", a.shape, b.shape, a.dtype.char)).run
+    split = tuner(("matmul", a.shape, b.shape, a.dtype.char, after is not None)).run
     if out.ndim == 3 and batch >= 2 * t:
         def run(lo, hi):
             np.matmul(a[lo:hi] if a.ndim == 3 else a, b[lo:hi] if b.ndim == 3 else b, out=out[lo:hi])
@@ -322,20 +330,34 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     # one thread), else column blocks of a multiple of 64 (a BLAS micro-panel's).
     if m >= _ROW_SPLIT_M or n < 128 * t:
         if m < 16 * t:
-            return np.matmul(a, b, out=out)
+            return _whole(a, b, out, after)
 
         def run(lo, hi):
-            np.matmul(a[..., lo * m // t:hi * m // t, :], b, out=out[..., lo * m // t:hi * m // t, :])
+            r0, r1 = lo * m // t, hi * m // t
+            np.matmul(a[..., r0:r1, :], b, out=out[..., r0:r1, :])
+            if after is not None:
+                after(r0, r1, 0, n)
 
         split(run, t, t)
         return out
     cuts = [i * (n // 64) // t * 64 for i in range(t)] + [n]
 
     def run(lo, hi):
-        np.matmul(a, b[..., cuts[lo]:cuts[hi]], out=out[..., cuts[lo]:cuts[hi]])
+        c0, c1 = cuts[lo], cuts[hi]
+        np.matmul(a, b[..., c0:c1], out=out[..., c0:c1])
+        if after is not None:
+            after(0, m, c0, c1)
 
     split(run, t, t)
     return out
+
+
+def _whole(a: np.ndarray, b: np.ndarray, out: np.ndarray | None, after) -> np.ndarray:
+    """:func:`matmul` on this thread: ``np.matmul``, then ``after`` over the whole output."""
+    y = np.matmul(a, b, out=out)
+    if after is not None:
+        after(0, y.shape[-2], 0, y.shape[-1])
+    return y
 
 
 def _find_blas_get_threads():

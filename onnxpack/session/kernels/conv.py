@@ -969,6 +969,15 @@ class Conv(Kernel):
                 return self._epilogue(plan, y, bias, res, out_dtype)
             cols = im2col(xp, plan.ks, plan.out_shape, plan.strides, plan.dils, "cols").reshape(plan.cols_shape)
         mm = np.matmul if plan.small else _act.matmul  # _act.matmul is np.matmul below _SPLIT_MACS
+        if (not plan.small and n == 1 and plan.g == 1 and (out is None or out.dtype == np.float32)
+                and _act.threads() > 1):
+            # The epilogue by blocks, each in the thread that computed it (see _block_epilogue).
+            y = out if out is not None else np.empty(plan.yshape, np.float32)
+            after = self._block_epilogue(plan, y, bias, res)
+            if after is not None:
+                _act.matmul(wm[0], cols[0, 0], out=y.reshape(plan.m, plan.length), after=after)
+                return y if y.dtype == out_dtype else y.astype(out_dtype)
+            out = y
         if out is not None:
             mm(wm[0], cols[0, 0], out=out.reshape(plan.m, plan.length))
             y = out  # already (n, m, *out_shape): keep the object, run_into checks identity
@@ -1157,6 +1166,38 @@ class Conv(Kernel):
             p.table = p.channels[1] if p.channels[1] is not None else _EMPTY_CHAN
             p.rows3 = (n, m, length)
         return p
+
+    @staticmethod
+    def _block_epilogue(plan: _ConvPlan, y: np.ndarray, bias, res):
+        """The epilogue of a batch-1 convolution's output ``y`` (fresh or the caller's, float32,
+        C-contiguous) as ``after(r0, r1, c0, c1)`` for :func:`._act.matmul`: the JIT's one pass
+        over a block of output channels (rows of the GEMM) or of positions (columns), so that on
+        two threads each runs the epilogue of its own block while it is in its cache (one thread
+        ran the whole epilogue after the split GEMM: a QDQ ResNet-50's fake-quantization chains,
+        ~10 % of its run).  None when the epilogue is not that pass (nothing to do, no JIT, a
+        broadcasting residual): then :meth:`_epilogue` runs after the GEMM."""
+        jit = plan.jit
+        if (jit is None or not plan.length or not plan.m or (bias is None and res is None and not plan.pre)
+                or (res is not None and res.shape != y.shape)):
+            return None
+        codes, params, pcodes, pparams = plan.enc
+        b = _EMPTY1 if bias is None else bias
+        r = _EMPTY3 if res is None else np.ascontiguousarray(res, dtype=np.float32).reshape(plan.rows3)
+        table, length = plan.table, plan.length
+        y3 = y.reshape(plan.rows3)
+
+        def after(r0: int, r1: int, c0: int, c1: int) -> None:
+            if c1 - c0 == length:  # output channels r0..r1: bias_act on their rows
+                chan = table[:, r0:r1]
+                if not chan.flags.c_contiguous:  # (two or more per-channel steps) read-only as the plan's
+                    chan = np.ascontiguousarray(chan)
+                    chan.flags.writeable = False
+                jit.bias_act(y3[:, r0:r1], b[r0:r1] if bias is not None else b, codes, params,
+                             r[:, r0:r1] if res is not None else r, pcodes, pparams, chan)
+            else:  # positions c0..c1 of every channel
+                jit.bias_act_rows(y3, 0, c0, c1 - c0, b, codes, params, r, pcodes, pparams, table)
+
+        return after
 
     def _epilogue(self, plan: _ConvPlan, y, bias, res, out_dtype) -> np.ndarray:
         """:meth:`_finish` with the plan's chain: its common case (one JIT pass over a fresh
