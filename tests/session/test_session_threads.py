@@ -404,6 +404,59 @@ def test_split_conv_equals_one_thread_whichever_the_tuner_picks(monkeypatch):
     assert plan.split is not None and plan.split.choice is not None
 
 
+@pytest.mark.parametrize("stride,batch", [(2, 1), (2, 3), (1, 2)], ids=["s2-stem", "s2-stem-batch3", "s1-direct"])
+def test_direct_conv_split_in_one_block_per_thread_equals_one_thread(stride, batch, monkeypatch):
+    """An RGB stem (conv3_s2_small at stride 2, conv2d_small at stride 1), whose every call
+    first lays out its images' input planes, split over two threads (forced) in one block of
+    output planes per thread, not in finer chunks that would each lay them out again: every
+    plane computed once, bit for bit the one-thread result, which matches onnxruntime."""
+    import onnxruntime as ort
+
+    from onnxpack.session.kernels import _act, conv
+
+    if _act.jit() is None:
+        pytest.skip("numba not installed")
+    rng = np.random.default_rng(13)
+    m = 10
+    w = (rng.standard_normal((m, 3, 3, 3)) * 0.3).astype(np.float32)
+    b = rng.standard_normal(m).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1], strides=[stride, stride]),
+             helper.make_node("Clip", ["c", "lo", "hi"], ["y"])]
+    inits = [onnx.numpy_helper.from_array(w, "w"), onnx.numpy_helper.from_array(b, "b"),
+             onnx.numpy_helper.from_array(np.array(0, np.float32), "lo"),
+             onnx.numpy_helper.from_array(np.array(6, np.float32), "hi")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, 48, 48])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString()
+    feeds = {"x": rng.standard_normal((batch, 3, 48, 48)).astype(np.float32)}
+    one = onnxpack.SessionOptions()
+    one.intra_op_num_threads = 1
+    want = onnxpack.InferenceSession(model, one).run(None, feeds)[0]
+    monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
+    sess = onnxpack.InferenceSession(model)
+    sess.run(None, feeds)
+    (plan,) = [p for st in sess.program.root.steps if isinstance(st.kernel, conv.Conv)
+               for p in st.kernel._plans.values() if isinstance(p, conv._ConvPlan)]
+    assert plan.per_image and plan.fn.__name__ == ("conv3_s2_small" if stride == 2 else "conv2d_small")
+    plan.big = True
+    plan.split.threads, plan.split.choice = 2, True
+    calls, idents = [], set()
+    real = plan.fn
+
+    def spy(*a):
+        idents.add(threading.get_ident())
+        calls.append((a[-2], a[-1]))
+        time.sleep(0.005)
+        return real(*a)
+
+    plan.fn = spy
+    got = sess.run(None, feeds)[0]
+    assert sorted(calls) == [(0, batch * m // 2), (batch * m // 2, batch * m)] and len(idents) == 2, calls
+    np.testing.assert_array_equal(got, want)
+    ref = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("stride,c,m,residual", [(1, 128, 100, True), (2, 128, 64, False), (1, 96, 54, True)],
                          ids=["s1-residual", "s2-phases", "s1-m54"])
 def test_conv_shift_over_channel_blocks_equals_one_thread(stride, c, m, residual, monkeypatch):

@@ -646,7 +646,7 @@ class _ConvPlan:
     __slots__ = ("kind", "n", "m", "g", "length", "ks", "strides", "dils", "begin", "out_shape", "yshape",
                  "wm_shape", "wm", "wk_shape", "wk", "fn", "jit_args", "big", "count", "zero_bias", "full",
                  "sub", "idx", "zero", "extent", "cols_shape", "small", "pre", "post", "channels", "jit", "enc",
-                 "table", "rows3", "chunk", "phased", "padded", "at", "split", "empty", "slack", "pad_size")
+                 "table", "rows3", "chunk", "phased", "padded", "at", "split", "empty", "slack", "pad_size", "per_image")
 
 
 
@@ -655,7 +655,12 @@ def _run_items(fn, args, plan: _ConvPlan) -> None:
     when the plan is ``big`` and splitting it pays here (its :class:`~._act.SplitTuner`), else
     one call."""
     threads = _act.threads() if plan.big else 1
-    if threads > 1:
+    if threads > 1 and plan.per_image:
+        # One block of items per thread: each call first lays out its image's input planes
+        # (an RGB stem's stride phases), which finer chunks would each redo.
+        count = plan.count
+        plan.split.run(lambda a, b: fn(*args, a * count // threads, b * count // threads), threads, threads)
+    elif threads > 1:
         plan.split.run(lambda a, b: fn(*args, a, b), plan.count, threads)
     else:
         fn(*args, 0, plan.count)
@@ -1030,7 +1035,7 @@ class Conv(Kernel):
                     wm = self._w_as[cd] = self._w.reshape(p.wm_shape).astype(cd)
             p.wm = wm
         p.wk = p.full = p.sub = p.idx = p.zero = p.extent = p.cols_shape = p.padded = p.at = None
-        p.phased = False
+        p.phased = p.per_image = False
         p.small = False
         pre, post = self._pre, self._post
         # Per-channel steps run only in the epilogue's row pass (bias_act), not inside the
@@ -1063,6 +1068,7 @@ class Conv(Kernel):
             p.wk_shape = (m, c) + tuple(ks)
             p.big = math.prod(p.yshape) * c * kprod >= _PARALLEL_MACS
             p.fn = jit.conv3_s2_small
+            p.per_image = True  # (each call splits its images' input planes into phases first)
             p.jit_args = _act.encode(inner)
         elif (g == 1 and nd == 2 and jit is not None and length > 0 and kprod > 1 and c * kprod <= _DIRECT_TAPS
                 and m <= (_DIRECT_MAX_OUT if max(strides) == 1 else _DIRECT_MAX_OUT_STRIDED) and min(begin) >= 0):
@@ -1071,6 +1077,7 @@ class Conv(Kernel):
             p.wk_shape = (m, c) + tuple(ks)
             p.big = math.prod(p.yshape) * c * kprod >= _PARALLEL_MACS
             p.fn = jit.conv2d_small
+            p.per_image = True  # (each call scatters its images' input planes first)
             p.jit_args = (strides[0], strides[1], dils[0], dils[1], begin[0], begin[1]) + _act.encode(inner)
         elif kprod == 1 and not any(begin) and not any(end):
             p.kind = _ONE
