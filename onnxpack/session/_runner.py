@@ -17,6 +17,7 @@ facade takes — ``run``, ``run_async``, ``run_with_ort_values``, ``run_with_iob
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -33,7 +34,7 @@ from onnxpack.session._run_options import SessionControl, check_run_options, che
 from onnxpack.session._specialize import Specializer, worth_specializing
 from onnxpack.session._threads import blas_threads, global_intra_op_threads, owned_threads
 from onnxpack.session.kernels import blas_threads as current_blas_threads, release_scratch
-from onnxpack.session.kernels._act import stop_spinning
+from onnxpack.session.kernels._act import first_run, stop_spinning
 from onnxpack.session.options import SessionOptions
 
 __all__ = ["Runner"]
@@ -64,6 +65,7 @@ class Runner:
         self.threads = options.intra_op_num_threads
         self.profiler = profiler
         self._pruned: OrderedDict[tuple[str, ...], Plan] = OrderedDict()
+        self._ran = False  # a run has started (the first one maps the weights' pages: see _act.first_run)
 
     def output_names(self, output_names: Sequence[str] | None) -> list[str]:
         outputs = self.program.root.output_names
@@ -107,15 +109,17 @@ class Runner:
         control = SessionControl(ro, profiler, binder) if ro is not None or profiler or binder else None
         threads = self.threads if self.per_session_threads else global_intra_op_threads()
         owned = (threads if threads > 0 else current_blas_threads()) if program.owns_threads else 0
+        first, self._ran = not self._ran, True
         try:
-            if owned > 1:
-                with owned_threads(owned):
+            with first_run() if first else contextlib.nullcontext():
+                if owned > 1:
+                    with owned_threads(owned):
+                        values = self._loop(plan, inputs, control)
+                elif threads > 0:
+                    with blas_threads(threads):
+                        values = self._loop(plan, inputs, control)
+                else:
                     values = self._loop(plan, inputs, control)
-            elif threads > 0:
-                with blas_threads(threads):
-                    values = self._loop(plan, inputs, control)
-            else:
-                values = self._loop(plan, inputs, control)
         finally:
             stop_spinning()  # the pool's helpers sleep until the next run's first split
         result = dict(zip(plan.output_names, values))

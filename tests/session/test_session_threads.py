@@ -378,6 +378,70 @@ def test_split_tuner_keeps_the_faster_way(cost, want_split):
     assert calls == [(0, count)]
 
 
+def test_split_tuner_measures_again_and_follows_a_change(monkeypatch):
+    """A choice made while splitting was slow (the other core busy, say) is measured again every
+    RECHECK calls, and the tuner follows when the costs have changed; calls made inside a
+    session's first run (first_run) are never samples."""
+    from onnxpack.session.kernels import _act
+
+    monkeypatch.setattr(_act.SplitTuner, "RECHECK", 10)
+    slow_split = [True]
+
+    def fn(a, b):
+        # per call 2 ms while "slow_split" (a split pays twice); else 2 ms per item (halved split)
+        time.sleep(0.002 if slow_split[0] else 0.001 * (b - a))
+
+    tuner = _act.SplitTuner()
+    with _act.first_run():
+        for _ in range(10):
+            tuner.run(fn, 4, 2)
+    assert tuner.one == [] and tuner.split == [] and tuner.choice is None
+    for _ in range(2 * _act.SplitTuner.TRIALS):  # (the uncounted first call was in the first run)
+        tuner.run(fn, 4, 2)
+    assert tuner.choice is False
+    slow_split[0] = False
+    for _ in range(_act.SplitTuner.RECHECK - 1):
+        tuner.run(fn, 4, 2)
+    assert tuner.choice is False  # not yet measured again
+    tuner.run(fn, 4, 2)
+    assert tuner.choice is None
+    for _ in range(2 * _act.SplitTuner.TRIALS):
+        tuner.run(fn, 4, 2)
+    assert tuner.choice is True
+
+
+def test_a_sessions_first_run_takes_no_tuner_sample(monkeypatch):
+    """A session's first run is run under _act.first_run (its weights' pages fault in on first
+    touch, which made splits look slow): its splits record nothing; the second run's do."""
+    from onnxpack.session.kernels import _act
+
+    seen = []
+    real = _act.SplitTuner.run
+
+    def spy(self, fn, count, threads):
+        seen.append(_act._first_runs[0])
+        return real(self, fn, count, threads)
+
+    if _act.jit() is None:
+        pytest.skip("numba not installed")
+    monkeypatch.setattr(_act.SplitTuner, "run", spy)
+    monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
+    w = np.random.default_rng(5).standard_normal((32, 1, 3, 3)).astype(np.float32)
+    node = helper.make_node("Conv", ["x", "w"], ["y"], group=32, pads=[1, 1, 1, 1])  # a depthwise conv that splits
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32, 96, 96])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [onnx.numpy_helper.from_array(w, "w")])
+    sess = onnxpack.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+                                     .SerializeToString())
+    feeds = {"x": np.ones((1, 32, 96, 96), np.float32)}
+    sess.run(None, feeds)
+    first = list(seen)
+    seen.clear()
+    sess.run(None, feeds)
+    assert first and all(v >= 1 for v in first), first
+    assert seen and all(v == 0 for v in seen), seen
+
+
 def test_split_conv_equals_one_thread_whichever_the_tuner_picks(monkeypatch):
     """A depthwise conv big enough to split, run through its tuner's trials at two threads:
     every run bit-identical to the one-thread result."""
