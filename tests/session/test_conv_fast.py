@@ -738,6 +738,9 @@ MAXPOOL = {
     "1x2-s12": dict(kernel_shape=[1, 2], strides=[1, 2]),
     "3x3-s2-pad1": dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
     "5x5-s1-pad2": dict(kernel_shape=[5, 5], pads=[2, 2, 2, 2]),
+    "13x13-s1-pad6": dict(kernel_shape=[13, 13], pads=[6, 6, 6, 6]),  # YOLOX's SPP: wider than the plane
+    "9x7-s1-asym": dict(kernel_shape=[9, 7], pads=[4, 0, 2, 3]),
+    "3x3-s1-nopad": dict(kernel_shape=[3, 3]),
     "3x3-s2-ceil": dict(kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1),
     "2x3-s3x2-asym-ceil": dict(kernel_shape=[2, 3], strides=[3, 2], pads=[1, 0, 0, 2], ceil_mode=1),
     "same-upper": dict(kernel_shape=[3, 2], auto_pad="SAME_UPPER"),

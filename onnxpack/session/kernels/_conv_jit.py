@@ -993,7 +993,13 @@ def maxpool2d(x, y, kh, kw, sh, sw, dh, dw, ph, pw, zero):
 
     Written this way on purpose: a version that read a single window row in place (the scratch
     row bound to either the scratch or a view of ``x``) ran 2x slower on every geometry.
+
+    Unit strides and dilations (YOLO's SPP / SPPF pools: 5x5, 9x9, 13x13 windows on 10x10 to
+    20x20 maps) take :func:`_maxpool_s1`'s passes over the whole padded plane instead.
     """
+    if sh == 1 and sw == 1 and dh == 1 and dw == 1:
+        _maxpool_s1(x, y, kh, kw, ph, pw, zero)
+        return
     n_, c_, h_, w_ = x.shape
     oh_, ow_ = y.shape[2], y.shape[3]
     row = np.empty(w_, np.float32)
@@ -1037,6 +1043,65 @@ def maxpool2d(x, y, kh, kw, sh, sw, dh, dw, ph, pw, zero):
                         v = row[j]
                         m = m if (m >= v or m != m) else v
                 dst[ow] = m
+
+
+@njit(inline="always", error_model="numpy")
+def _maxpool_s1(x, y, kh, kw, ph, pw, zero):
+    """:func:`maxpool2d` at unit strides and dilations: each plane copied once into a scratch
+    padded with -inf to ``(OH + KH - 1) x (OW + KW - 1)``, then the window's columns and rows
+    as shifted passes over that whole flattened plane (each output's window is a run of
+    consecutive positions in a row, then of rows at the padded width: one long vectorized loop
+    per tap instead of a loop over each output's window; the extra columns each padded row
+    yields are dropped at the end).  The same maxima, NaN rule and -inf of an all-padding
+    window.  Measured (kernel alone, one thread, 2 x 192 planes of 13x13; YOLOX's SPP):
+    5x5 338 -> 147 us, 9x9 487 -> 262, 13x13 680 -> 414; 2 x 128 of 10x10 5x5 (YOLOv8n's
+    SPPF) 147 -> 61."""
+    n_, c_, h_, w_ = x.shape
+    oh_, ow_ = y.shape[2], y.shape[3]
+    wp = ow_ + kw - 1
+    hp = oh_ + kh - 1
+    size = hp * wp
+    p = np.empty(size + kw, np.float32)
+    for i in range(p.shape[0]):
+        p[i] = _NEG_INF
+    hm = np.empty(size, np.float32)
+    v = np.empty(oh_ * wp, np.float32)
+    for nc in range(n_ * c_):
+        n = nc // c_
+        c = nc - n * c_
+        # The plane at (ph, pw); the rest of p stays -inf (the same positions every plane).
+        for r in range(h_):
+            pr = r + ph
+            if pr < 0 or pr >= hp:
+                continue
+            src = x[n, c, r]
+            base = pr * wp
+            for j in range(w_):
+                pc = j + pw
+                if pc >= 0 and pc < wp:
+                    p[base + pc] = src[j]
+        for i in range(size):
+            hm[i] = p[i]
+        for t in range(1, kw):  # hm[i] = max(p[i .. i + kw))
+            pt = p[t:]
+            for i in range(size):
+                a = hm[i]
+                b = pt[i]
+                hm[i] = (a if (a >= b or a != a) else b) - zero
+        rows = oh_ * wp
+        for i in range(rows):
+            v[i] = hm[i]
+        for t in range(1, kh):  # v[i] = max(hm[i + t * wp]) over the window's rows
+            ht = hm[t * wp:]
+            for i in range(rows):
+                a = v[i]
+                b = ht[i]
+                v[i] = (a if (a >= b or a != a) else b) - zero
+        for oh in range(oh_):
+            dst = y[n, c, oh]
+            src = v[oh * wp:]
+            for ow in range(ow_):
+                dst[ow] = src[ow]
 
 
 @njit(cache=True, nogil=True)
