@@ -637,6 +637,18 @@ def _s2_setup(h_, w_, planes):
 
 
 @njit(inline="always", fastmath=_FM, error_model="numpy")
+def _s2_views(s, psz, ow_, t0):
+    """The nine views a 3x3 stride-2 tap reads (:func:`_split_phases`' layout), each starting at
+    output ``t0``'s value: phases (odd, odd) up-left, (even, odd) left, (odd, odd) left,
+    (odd, even) up, (even, even), (odd, even), (odd, odd) up, (even, odd), (odd, odd).  Views at
+    constant shifts, all indexed from 0: numba then knows an index is not negative (no
+    wrap-around test per element, which kept a loop from an offset from vectorizing)."""
+    b0 = 1 + ow_ + t0  # phase row 0, column 0
+    return (s[3 * psz + b0 - ow_ - 1:], s[psz + b0 - 1:], s[3 * psz + b0 - 1:], s[2 * psz + b0 - ow_:], s[b0:],
+            s[2 * psz + b0:], s[3 * psz + b0 - ow_:], s[psz + b0:], s[3 * psz + b0:])
+
+
+@njit(inline="always", fastmath=_FM, error_model="numpy")
 def _s2_taps3(out, s, psz, ow_, wc, bc, okl, first):
     """``out[i] (=|+=) [bc +] sum of the 3x3 taps wc`` for every output ``i`` of a stride-2
     conv with one zero of padding in front, from one plane's phases at ``s[:4 * psz]``
@@ -644,18 +656,7 @@ def _s2_taps3(out, s, psz, ow_, wc, bc, okl, first):
     ``i`` shifted by ``-OW`` for the row above and ``-1`` for the column to the left; the left
     column's taps are kept where ``okl`` says that column exists (a select: an Inf or NaN at
     the previous row's end never leaks).  ``first``: store (with the bias), else accumulate."""
-    # Views at constant shifts, all indexed from 0 (numba then knows the index is not negative:
-    # no wrap-around test per element, which kept a loop from an offset from vectorizing).
-    b0 = 1 + ow_  # phase row 0, column 0
-    ee = s[b0:]
-    eo = s[psz + b0:]
-    eo_l = s[psz + b0 - 1:]
-    oe = s[2 * psz + b0:]
-    oe_u = s[2 * psz + b0 - ow_:]
-    oo = s[3 * psz + b0:]
-    oo_l = s[3 * psz + b0 - 1:]
-    oo_u = s[3 * psz + b0 - ow_:]
-    oo_ul = s[3 * psz + b0 - ow_ - 1:]
+    oo_ul, eo_l, oo_l, oe_u, ee, oe, oo_u, eo, oo = _s2_views(s, psz, ow_, 0)
     o = out
     ok = okl
     w00 = wc[0, 0]
@@ -830,16 +831,7 @@ def _s2_taps3x4(o0, o1, o2, o3, s, psz, ow_, w, m, ci, bias, okl, first, t0, tl)
     loaded once for the four (the per-channel pass loads 9 values and the output for 9 products).
     ``first``: store the bias plus the taps, else accumulate (two loops: a select per element
     between the bias and the output kept the loop from vectorizing, 3x slower)."""
-    b0 = 1 + ow_ + t0
-    ee = s[b0:]
-    eo = s[psz + b0:]
-    eo_l = s[psz + b0 - 1:]
-    oe = s[2 * psz + b0:]
-    oe_u = s[2 * psz + b0 - ow_:]
-    oo = s[3 * psz + b0:]
-    oo_l = s[3 * psz + b0 - 1:]
-    oo_u = s[3 * psz + b0 - ow_:]
-    oo_ul = s[3 * psz + b0 - ow_ - 1:]
+    oo_ul, eo_l, oo_l, oe_u, ee, oe, oo_u, eo, oo = _s2_views(s, psz, ow_, t0)
     ok = okl[t0:]
     ka = _w9(w[m, ci])
     kb = _w9(w[m + 1, ci])
