@@ -821,6 +821,31 @@ def test_jit_activation_equals_numpy(act):
     assert np.all(err <= bound), float(np.max(err / bound))
 
 
+@pytest.mark.parametrize("bias,residual", [(True, True), (True, False), (False, True), (False, False)],
+                         ids=["bias-residual", "bias", "residual", "neither"])
+def test_bias_act_rows_by_position_blocks_equals_bias_act(bias, residual):
+    """The epilogue of a conv_shift band or of a split GEMM's column block (bias_act_rows over
+    positions at..at+length of every channel, no per-channel steps) equals bias_act over the
+    whole output bit for bit, whatever the blocks, NaN and Inf included."""
+    j = _act.jit()
+    if j is None:
+        pytest.skip("numba not installed")
+    rng = _rng(21)
+    m, n = 37, 301
+    y0 = rng.standard_normal((1, m, n)).astype(np.float32) * 4
+    y0[0, 3, 5], y0[0, 30, 300], y0[0, 0, 0] = np.nan, np.inf, -np.inf
+    b = rng.standard_normal(m).astype(np.float32) if bias else np.zeros(0, np.float32)
+    r = rng.standard_normal((1, m, n)).astype(np.float32) if residual else _act.NO_RESIDUAL
+    codes, params = _act.encode([_act.Activation("silu"), _act.Activation("clip", -1.0, 3.0)])
+    pcodes, pparams = _act.encode([_act.Activation("relu")] if residual else [])
+    want = y0.copy()
+    j.bias_act(want, b, codes, params, r, pcodes, pparams, _act.NO_CHANNELS)
+    got = y0.copy()
+    for at, stop in ((0, 64), (64, 65), (65, 300), (300, 301)):
+        j.bias_act_rows(got, 0, at, stop - at, b, codes, params, r, pcodes, pparams, _act.NO_CHANNELS)
+    np.testing.assert_array_equal(got, want)
+
+
 KEEPING = [(_act.Activation("relu"), lambda x: np.where(x < 0, np.float32(0), x)),
            (_act.Activation("clip", -0.5, 2.0), lambda x: np.where(x > 2, np.float32(2), np.where(x < -0.5, np.float32(-0.5), x))),
            (_act.Activation("clip", -np.inf, 0.0), lambda x: np.where(x > 0, np.float32(0), x)),
