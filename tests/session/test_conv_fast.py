@@ -846,6 +846,49 @@ def test_bias_act_rows_by_position_blocks_equals_bias_act(bias, residual):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "no-residual"])
+def test_bias_act_rows_with_channel_steps_equals_numpy(residual):
+    """bias_act_rows with per-channel steps (a QDQ model's fake quantizations around an unfolded
+    BatchNormalization, two tables), over uneven position blocks: bit for bit the numpy chain in
+    the graph's order (bias, then each step: FakeQuant's numpy arithmetic, ``x * A[m] + B[m]``
+    as two roundings, then the residual and the steps after it)."""
+    j = _act.jit()
+    if j is None:
+        pytest.skip("numba not installed")
+    rng = _rng(22)
+    m, n = 33, 130
+    y0 = (rng.standard_normal((1, m, n)) * 3).astype(np.float32)
+    y0[0, 2, 7], y0[0, 31, 129], y0[0, 0, 0] = np.nan, np.inf, -np.inf
+    b = rng.standard_normal(m).astype(np.float32)
+    r = rng.standard_normal((1, m, n)).astype(np.float32) if residual else _act.NO_RESIDUAL
+    chan = rng.standard_normal((2, m, 2)).astype(np.float32)
+    fq1, fq2 = _act.Activation("fakequant", 0.05, -111.0, 144.0), _act.Activation("fakequant", 0.03, 0.0, 255.0)
+    pre = [fq1, _act.Activation("channel", 0.0), fq1, _act.Activation("channel", 1.0), _act.Activation("relu")]
+    post = [_act.Activation("relu"), fq2] if residual else []
+    codes, params = _act.encode(pre)
+    pcodes, pparams = _act.encode(post)
+    want = y0.copy()
+    want += b.reshape(1, m, 1)
+
+    def steps(acts):
+        for a in acts:
+            if a.kind == "channel":
+                k = int(a.a)
+                want[...] = want * chan[k, :, 0].reshape(1, m, 1)
+                want[...] = want + chan[k, :, 1].reshape(1, m, 1)
+            else:
+                _act.apply_numpy(want, a)
+
+    steps(pre)
+    if residual:
+        want += r
+        steps(post)
+    got = y0.copy()
+    for at, stop in ((0, 17), (17, 18), (18, 130)):
+        j.bias_act_rows(got, 0, at, stop - at, b, codes, params, r, pcodes, pparams, chan)
+    np.testing.assert_array_equal(got, want)
+
+
 KEEPING = [(_act.Activation("relu"), lambda x: np.where(x < 0, np.float32(0), x)),
            (_act.Activation("clip", -0.5, 2.0), lambda x: np.where(x > 2, np.float32(2), np.where(x < -0.5, np.float32(-0.5), x))),
            (_act.Activation("clip", -np.inf, 0.0), lambda x: np.where(x > 0, np.float32(0), x)),

@@ -291,24 +291,27 @@ def acts_plane(row, codes, params):
     _acts(row, codes, params)
 
 
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def act_one(row, act, a, b, c):
+    """One activation (:func:`_act_row`) over ``row``, compiled once as a function of its own
+    (see :func:`acts_plane`): :func:`bias_act_rows` calls it per step of a chain that holds
+    per-channel steps."""
+    _act_row(row, act, a, b, c)
+
+
 @njit(error_model="numpy")
 def _channel_affine(row, a, b):
-    """``row * a + b`` without ``contract``: a product, then a sum (two roundings), the bits of
-    BatchNormalization's numpy ``y = x * a; y += b``."""
-    for i in range(row.shape[0]):
-        row[i] = row[i] * a + b
-
-
-@njit(inline="always", fastmath=_FM, error_model="numpy")
-def _acts_ch(row, codes, params, chan, m):
-    """:func:`_acts` over a row of output channel ``m``, where code 11 (channel) is
-    ``row * chan[k, m, 0] + chan[k, m, 1]`` with ``k = params[j, 0]``."""
-    for j in range(codes.shape[0]):
-        if codes[j] == 11:
-            k = int(params[j, 0])
-            _channel_affine(row, chan[k, m, 0], chan[k, m, 1])
-        else:
-            _act_row(row, codes[j], params[j, 0], params[j, 1], params[j, 2])
+    """``row * a + b`` as a product, then a sum (two roundings): the bits of BatchNormalization's
+    numpy ``y = x * a; y += b``.  Two passes, the product stored between them: numba applies a
+    caller's fast-math flags to the code it inlines, so a single ``row[i] * a + b`` here became
+    one fused multiply-add inside bias_act_rows (1 ulp from the unfused BatchNormalization on
+    ~25 % of values, found by comparing with numpy; a float64 product rounded to float32 was
+    narrowed back by LLVM and fused too)."""
+    n = row.shape[0]
+    for i in range(n):
+        row[i] = row[i] * a
+    for i in range(n):
+        row[i] = row[i] + b
 
 
 @njit(inline="always", fastmath=_FM, error_model="numpy")
@@ -1410,13 +1413,13 @@ def bias_act(y, bias, codes, params, res, post_codes, post_params, chan):
     activations before the residual, ``res`` like ``y`` or empty (no residual), ``post_*`` the
     activations after it; ``chan`` (K, M, 2) the per-channel steps' tables (code 11).
 
-    Without per-channel steps (the common case) the rows run :func:`_bias_act_row`'s arithmetic
-    written out here: numba compiles each row's view handed to that inlined helper with a
-    counted reference, ~60 ns a row whatever the row's length — measured 15-17 us of a 17 us call
-    on Silero VAD's 258 x 3 STFT output, 6 us with this loop (two copies of the activation code,
-    one per list: one copy shared by both lists through a loop over them, as
-    :func:`_bias_act_row` has, ran 1.5-2x slower on those rows).  With them, each image calls
-    :func:`bias_act_rows` (compiled once, shared with :func:`conv_shift`).
+    Without per-channel steps (the common case) the rows' arithmetic is written out here, the
+    activation code inlined: a row's view handed to an inlined helper with the other arrays cost
+    ~60 ns a row whatever the row's length — measured 15-17 us of a 17 us call on Silero VAD's
+    258 x 3 STFT output, 6 us with this loop (two copies of the activation code, one per list:
+    one copy shared by both lists through a loop over them ran 1.5-2x slower on those rows).
+    With them, each image calls :func:`bias_act_rows` (compiled once, shared with
+    :func:`conv_shift`).
     """
     n_, m_, l_ = y.shape
     if chan.shape[0] == 0:
@@ -1442,57 +1445,47 @@ def bias_act(y, bias, codes, params, res, post_codes, post_params, chan):
         bias_act_rows(y, n, np.int64(0), l_, bias, codes, params, res, post_codes, post_params, chan)
 
 
-@njit(inline="always", fastmath=_FM, error_model="numpy")
-def _bias_act_row(row, n, m, at, bias, codes, params, res, post_codes, post_params, chan):
-    """:func:`bias_act` on ``row``: output channel ``m`` of image ``n`` from position ``at``."""
-    l_ = row.shape[0]
-    if bias.shape[0] > 0:
-        bv = bias[m]
-        for i in range(l_):
-            row[i] += bv
-    # One inlined copy of the activation code for both lists (a loop over them): each copy of
-    # _act_row (a dozen vectorized loops, exp and erf among them) costs ~5-8 s of LLVM time on a
-    # machine's first run of a convolution.
-    for phase in range(2 if res.shape[0] > 0 else 1):
-        if phase == 1:
-            rr = res[n, m]
-            for i in range(l_):
-                row[i] += rr[at + i]
-        _acts_ch(row, codes if phase == 0 else post_codes, params if phase == 0 else post_params, chan, m)
-
-
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
 def bias_act_rows(y, n, at, length, bias, codes, params, res, post_codes, post_params, chan):
-    """:func:`_bias_act_row` over positions ``at .. at + length`` of every output channel of
-    image ``n`` of ``y`` (N, M, L): the epilogue of a :func:`conv_shift` band and of
-    :func:`bias_act` with per-channel steps, compiled once as a function of its own (see
-    :func:`acts_plane`).  One call a band, not one a channel: a call passes eleven arrays, each
-    counted in and out, ~120 ns a call with nothing to compute (the wake-word's 24-channel 1x3
-    conv made 4,224 such calls a run).
+    """:func:`bias_act`'s epilogue over positions ``at .. at + length`` of every output channel of
+    image ``n`` of ``y`` (N, M, L): the epilogue of a :func:`conv_shift` band, of a split GEMM's
+    column block and of :func:`bias_act` with per-channel steps (code 11: ``row * chan[k, m, 0] +
+    chan[k, m, 1]``, ``k = params[j, 0]``).  One call a band, not one a channel: a call passes
+    eleven arrays, each counted in and out, ~120 ns a call with nothing to compute (the
+    wake-word's 24-channel 1x3 conv made 4,224 such calls a run).
 
-    Without per-channel steps each row is the bias, then :func:`acts_plane` (a call, not another
-    inlined copy of the activation code), the residual, :func:`acts_plane` again: handing each
-    row's view and the other ten arrays to the inlined :func:`_bias_act_row` cost ~130 ns a row
-    (measured: 64 rows x 256 positions 26 -> 11 us, 1,280 x 49 in two halves 353 -> 114 us; a
-    split GEMM's column blocks and every conv_shift band pay it)."""
-    if chan.shape[0] == 0:
-        has_bias = bias.shape[0] > 0
-        has_res = res.shape[0] > 0
-        for m in range(y.shape[1]):
-            row = y[n, m, at:at + length]
-            if has_bias:
-                bv = bias[m]
-                for i in range(length):
-                    row[i] += bv
-            acts_plane(row, codes, params)
-            if has_res:
+    Each row is the bias, the activations before the residual, the residual, the ones after:
+    without per-channel steps a call of :func:`acts_plane` per list, with them a call of
+    :func:`act_one` (or the channel's affine) per step — calls, not inlined copies of the
+    activation code (each copy costs ~5-8 s of LLVM time on a machine's first run), and none
+    handed this call's eleven arrays: an inlined helper taking them cost ~130 ns a row
+    (measured: 64 rows x 256 positions in two blocks 26 -> 11 us; a QDQ chain of fake
+    quantizations around a BatchNormalization on 2,048 rows x 49 positions 507 -> 219 us)."""
+    has_bias = bias.shape[0] > 0
+    has_res = res.shape[0] > 0
+    plain = chan.shape[0] == 0
+    for m in range(y.shape[1]):
+        row = y[n, m, at:at + length]
+        if has_bias:
+            bv = bias[m]
+            for i in range(length):
+                row[i] += bv
+        for phase in range(2 if has_res else 1):
+            if phase == 1:
                 rr = res[n, m, at:at + length]
                 for i in range(length):
                     row[i] += rr[i]
-                acts_plane(row, post_codes, post_params)
-        return
-    for m in range(y.shape[1]):
-        _bias_act_row(y[n, m, at:at + length], n, m, at, bias, codes, params, res, post_codes, post_params, chan)
+            cl = codes if phase == 0 else post_codes
+            pl = params if phase == 0 else post_params
+            if plain:
+                acts_plane(row, cl, pl)
+                continue
+            for j in range(cl.shape[0]):
+                if cl[j] == 11:
+                    k = int(pl[j, 0])
+                    _channel_affine(row, chan[k, m, 0], chan[k, m, 1])
+                else:
+                    act_one(row, cl[j], pl[j, 0], pl[j, 1], pl[j, 2])
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
@@ -1509,7 +1502,7 @@ def rows_act(y, bias, codes, params, res, post_codes, post_params, r0, r1):
         if has_bias:
             for i in range(n):
                 row[i] += bias[i]
-        for phase in range(2 if has_res else 1):  # one copy of the activation code (see _bias_act_row)
+        for phase in range(2 if has_res else 1):  # one copy of the activation code (see bias_act)
             if phase == 1:
                 rr = res[r]
                 for i in range(n):
