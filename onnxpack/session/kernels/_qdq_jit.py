@@ -19,7 +19,7 @@ from numba import njit
 __all__ = ["fake_quant", "quantize_u8"]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def fake_quant(x, scale, low, high, out):  # pragma: no cover - compiled; tested through FakeQuant
     """``out = clamp(rint(x / scale), low, high) * scale + 0`` over ``x`` seen as (outer, C, inner):
     ``scale``/``low``/``high`` are float32 arrays of length C (1 for per-tensor)."""
