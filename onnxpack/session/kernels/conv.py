@@ -666,6 +666,13 @@ def _run_items(fn, args, plan: _ConvPlan) -> None:
         fn(*args, 0, plan.count)
 
 
+def _channel_rows(bias: np.ndarray, res: np.ndarray, table: np.ndarray, m0: int, m1: int) -> tuple:
+    """The JIT epilogue's bias, residual (N, M, L) and per-channel tables (K, M, 2) for output
+    channels ``m0 .. m1`` (the empty ones as they are; the tables contiguous, as numba takes them)."""
+    return (bias[m0:m1] if bias.shape[0] else bias, res[:, m0:m1] if res.shape[0] else res,
+            np.ascontiguousarray(table[:, m0:m1]) if table.shape[0] else table)
+
+
 def _run_channel_blocks(fn, args, plan: _ConvPlan, threads: int) -> None:
     """conv_shift (``args`` as :func:`_run_items` takes them, with its epilogue's arguments) over
     blocks of output channels, one per thread, for a batch of one image with fewer bands than
@@ -685,9 +692,9 @@ def _run_channel_blocks(fn, args, plan: _ConvPlan, threads: int) -> None:
         for b in range(lo, hi):
             m0, m1 = cuts[b], cuts[b + 1]
             if m1 > m0:
-                fn(x, w[m0 * wrow:m1 * wrow], y3[:, m0:m1], *jit_args, bias[m0:m1] if bias.shape[0] else bias,
-                   codes, params, res[:, m0:m1] if res.shape[0] else res, pcodes, pparams,
-                   np.ascontiguousarray(table[:, m0:m1]) if table.shape[0] else table, 0, plan.count)
+                b, r, t = _channel_rows(bias, res, table, m0, m1)
+                fn(x, w[m0 * wrow:m1 * wrow], y3[:, m0:m1], *jit_args, b, codes, params, r, pcodes, pparams, t, 0,
+                   plan.count)
 
     plan.split.run(run, threads, threads)
 
@@ -1195,12 +1202,8 @@ class Conv(Kernel):
 
         def after(r0: int, r1: int, c0: int, c1: int) -> None:
             if c1 - c0 == length:  # output channels r0..r1: bias_act on their rows
-                chan = table[:, r0:r1]
-                if not chan.flags.c_contiguous:  # (two or more per-channel steps) read-only as the plan's
-                    chan = np.ascontiguousarray(chan)
-                    chan.flags.writeable = False
-                jit.bias_act(y3[:, r0:r1], b[r0:r1] if bias is not None else b, codes, params,
-                             r[:, r0:r1] if res is not None else r, pcodes, pparams, chan)
+                rb, rr, rt = _channel_rows(b, r, table, r0, r1)
+                jit.bias_act(y3[:, r0:r1], rb, codes, params, rr, pcodes, pparams, rt)
             else:  # positions c0..c1 of every channel
                 jit.bias_act_rows(y3, 0, c0, c1 - c0, b, codes, params, r, pcodes, pparams, table)
 
