@@ -29,13 +29,19 @@ import numpy as np
 from onnxpack.session._program import Step
 from onnxpack.session.kernels import normalize_domain
 
-__all__ = ["FOLDABLE_OPS", "MAX_BYTES", "fold_constants"]
+__all__ = ["COMPUTED_MAX_BYTES", "FOLDABLE_OPS", "MAX_BYTES", "fold_constants"]
 
 # Values (inputs and outputs) above this size are not folded: a large constant expression
 # computed at creation would cost time and a held copy.  Shape arithmetic is a few bytes; 1 MiB
 # also takes in weights that exporters re-slice at every run (Silero VAD builds its LSTM's W and
 # R, 256 KB each, with Slice + Concat + Unsqueeze of the LSTMCell weights).
 MAX_BYTES = 1 << 20
+
+# A constant computed from a weight (a DequantizeLinear or Cast chain: a QDQ model's
+# BatchNormalization statistics and biases, an fp16 model's widened biases) folds up to this size:
+# computing it at each creation costs ~10-20 us, where its step cost as much at every run; a
+# larger one keeps its step, whose kernel may pack the value (Cast) so that a warm start maps it.
+COMPUTED_MAX_BYTES = 64 << 10
 
 # Deterministic, cheap default-domain ops whose kernels are plain numpy (no JIT, no subgraphs).
 FOLDABLE_OPS = frozenset({
@@ -82,13 +88,15 @@ def fold_constants(steps: Sequence[Step], lookup: Callable[[str], Any | None],
         if not outs:
             continue
         if step.kernel is None:  # an unbound constant expression: its value is the lookup's, later
-            # Only Constant tensors and reshaping chains over a weight (Unsqueeze of a Constant
-            # axis list...): a computing chain (Cast, DequantizeLinear) keeps its step where a
-            # step reads it, whose kernel packs the value and so maps it at a warm start instead
-            # of computing it; steps that fold read it through ``lookup`` all the same.
+            # Constant tensors and reshaping chains over a weight (Unsqueeze of a Constant axis
+            # list...) up to ``max_bytes``; a computing chain (Cast, DequantizeLinear) only up to
+            # COMPUTED_MAX_BYTES: a larger one keeps its step where a step reads it, whose kernel
+            # packs the value (Cast) and so maps it at a warm start instead of computing it.
+            # Steps that fold read any chain through ``lookup`` all the same.
             refs = [lookup(o) for o in outs]
-            if all(w is not None and (w.derived is None or w.derived.is_view)
-                   and _nbytes(w.shape, w.dtype) <= max_bytes and np.dtype(w.dtype).kind in "biuf" for w in refs):
+            if all(w is not None and np.dtype(w.dtype).kind in "biuf"
+                   and _nbytes(w.shape, w.dtype) <= (max_bytes if w.derived is None or w.derived.is_view
+                                                     else min(max_bytes, COMPUTED_MAX_BYTES)) for w in refs):
                 for o, w in zip(outs, refs):
                     folded[o] = _once(lambda w=w: np.array(w.value(), copy=True))
             continue

@@ -25,6 +25,7 @@ import onnxpack
 from onnxpack import cli
 from onnxpack.errors import InvalidArgument, OnnxpackError
 from onnxpack.session.kernels.rnn import ACTIVATIONS
+from onnxpack.session._fold import COMPUTED_MAX_BYTES
 
 F, H, I64 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64
 TOL = {np.dtype(np.float32): dict(rtol=1e-5, atol=1e-6), np.dtype(np.float16): dict(rtol=1e-3, atol=1e-3),
@@ -352,14 +353,19 @@ def test_layernorm_mixed_dtypes_at_opset_17_are_refused_as_onnxruntime_does():
 @pytest.mark.parametrize("leaf", ["initializer", "constant-node"])
 @pytest.mark.parametrize("mid", [H, TensorProto.INT32, TensorProto.DOUBLE, TensorProto.BFLOAT16],
                          ids=["via-f16", "via-i32", "via-f64", "via-bf16"])
-def test_cast_of_a_cast_of_a_constant(tmp_path, mid, leaf):
-    """W → Cast(mid) → Cast(float) → MatMul and → Add: the MatMul packs the twice-cast weight
-    (a constant expression, both Casts leave the plan), the Add's Cast packs its own result; the
-    values are onnxruntime's exactly (casts are exact, the MatMul sums 24 terms), cold, without
-    pre-packing, warm after ``onnxpack optimize`` with no warning, and from the cache file."""
+@pytest.mark.parametrize("bias", [(2, 8), (1100, 2, 8)], ids=["small-bias", "large-bias"])
+def test_cast_of_a_cast_of_a_constant(tmp_path, mid, leaf, bias):
+    """W → Cast(mid) → Cast(float) → MatMul and B → Cast(mid) → Cast(float) → Add: the MatMul
+    packs the twice-cast weight (a constant expression, both Casts leave the plan); the Add's
+    operand, a computed constant read unpacked, folds when small (computed once at creation: no
+    step, no pack) and above ``_fold.COMPUTED_MAX_BYTES`` keeps its last Cast, which packs its own
+    result (mapped at a warm start); the values are onnxruntime's exactly (casts are exact, the
+    MatMul sums 24 terms), cold, without pre-packing, warm after ``onnxpack optimize`` with no
+    warning, and from the cache file."""
     rng = np.random.default_rng(mid)
     w = (rng.standard_normal((24, 8)) * 40).astype(np.float32)
-    b = (rng.standard_normal((2, 8)) * 40).astype(np.float32)
+    b = (rng.standard_normal(bias) * 40).astype(np.float32)
+    large = b.nbytes > COMPUTED_MAX_BYTES
     nodes = [helper.make_node("Cast", ["w"], ["w1"], to=mid), helper.make_node("Cast", ["w1"], ["w2"], to=F),
              helper.make_node("MatMul", ["x", "w2"], ["y"]),
              helper.make_node("Cast", ["b"], ["b1"], to=mid), helper.make_node("Cast", ["b1"], ["b2"], to=F),
@@ -371,14 +377,14 @@ def test_cast_of_a_cast_of_a_constant(tmp_path, mid, leaf):
         nodes = [helper.make_node("Constant", [], ["w"], value=numpy_helper.from_array(w, "w")),
                  helper.make_node("Constant", [], ["b"], value=numpy_helper.from_array(b, "b"))] + nodes
     src = tmp_path / "cast.onnx"
-    src.write_bytes(model(nodes, [vi("x", F, [2, 24])], [vi("z", F, [2, 8])], inits))
+    src.write_bytes(model(nodes, [vi("x", F, [2, 24])], [vi("z", F, list(bias))], inits))
     feeds = {"x": rng.standard_normal((2, 24)).astype(np.float32)}
     want = ort_run(str(src), feeds)
     cold = session(str(src))
     assert_same(cold.run(None, feeds), want, "cold")
     assert sorted((e["node"] or e["op_type"], e["op_type"]) for e in cold.get_prepack_log()) == [
-        ("Cast", "Cast"), ("MatMul", "MatMul")]
-    assert [s.node.op_type for s in cold.program.root.steps] == ["MatMul", "Cast", "Add"]
+        ("Cast", "Cast"), ("MatMul", "MatMul")][0 if large else 1:]
+    assert [s.node.op_type for s in cold.program.root.steps] == ["MatMul", "Cast", "Add"] if large else ["MatMul", "Add"]
     assert_same(session(str(src), prepack=False).run(None, feeds), want, "no prepack")
     out = tmp_path / "cast.opt.onnx"
     assert cli.main(["optimize", str(src), "-o", str(out), "--no-progress"]) == 0
@@ -386,14 +392,14 @@ def test_cast_of_a_cast_of_a_constant(tmp_path, mid, leaf):
         warnings.simplefilter("error")  # no "blob ignored, re-packing" on the warm load
         warm = session(str(out))
     stats = warm.get_prepack_stats()
-    assert stats["weights_packed"] == 0 and stats["blobs_from_model"] == 2
+    assert stats["weights_packed"] == 0 and stats["blobs_from_model"] == 1 + large
     assert_same(warm.run(None, feeds), want, "warm")
     assert_same(ort_run(str(out), feeds), want, "onnxruntime on the saved model")
     so = onnxpack.SessionOptions()
     so.add_session_config_entry("onnxpack.prepacked_cache_path", str(tmp_path / "cache.bin"))
     onnxpack.InferenceSession(str(src), so)
     cached = onnxpack.InferenceSession(str(src), so)
-    assert cached.get_prepack_stats()["blobs_from_cache"] == 2
+    assert cached.get_prepack_stats()["blobs_from_cache"] == 1 + large
     assert_same(cached.run(None, feeds), want, "cache file")
 
 

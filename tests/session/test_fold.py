@@ -136,9 +136,13 @@ def test_folded_values_are_owned_copies():
     np.testing.assert_array_equal(sess.run(None, {"x": np.zeros(4, np.float32)})[0], w[2:6])
 
 
-def test_steps_fold_through_a_cast_chain_that_keeps_its_pack():
-    """A Cast of a constant is a derived chain whose step packs its value (mapped at a warm
-    start): it is not folded itself, but a foldable step reading it folds through it."""
+@pytest.mark.parametrize("large", [False, True], ids=["small-bias", "large-bias"])
+def test_steps_fold_through_a_cast_chain_that_keeps_its_pack(large):
+    """A Cast of a constant is a derived chain: a foldable step reading it folds through it;
+    read by a step that does not fold, it folds itself when small (computed at creation) and
+    above ``_fold.COMPUTED_MAX_BYTES`` keeps its step, which packs the value (mapped at a warm start)."""
+    bias = np.arange(3000 * 12 if large else 2, dtype=np.float16).reshape((3000, 2, 3, 2) if large else (2,))
+    assert (bias.size * 4 > _fold.COMPUTED_MAX_BYTES) == large
     nodes = [_const("c", np.array([2, 3], np.int32)),
              helper.make_node("Cast", ["c"], ["c64"], to=I64),
              _const("m1", np.array([-1], np.int64)),
@@ -148,11 +152,15 @@ def test_steps_fold_through_a_cast_chain_that_keeps_its_pack():
              helper.make_node("Add", ["r", "b32"], ["y"])]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [12])],
                               [helper.make_tensor_value_info("y", F, None)],
-                              [numpy_helper.from_array(np.arange(2, dtype=np.float16), "bias")])
+                              [numpy_helper.from_array(bias, "bias")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
     sess = onnxpack.InferenceSession(model)
-    assert _ops(sess) == ["Reshape", "Cast", "Add"]  # the bias Cast packs its result
-    assert [e["op_type"] for e in sess.get_prepack_log()] == ["Cast"]
+    if large:
+        assert _ops(sess) == ["Reshape", "Cast", "Add"]  # the bias Cast packs its result
+        assert [e["op_type"] for e in sess.get_prepack_log()] == ["Cast"]
+    else:
+        assert _ops(sess) == ["Reshape", "Add"] and sess.get_prepack_log() == []
+        assert sess.program.root.constants["b32"].dtype == np.float32
     x = np.arange(12, dtype=np.float32)
     (want,) = ReferenceEvaluator(onnx.load_from_string(model)).run(None, {"x": x})
     np.testing.assert_array_equal(sess.run(None, {"x": x})[0], want)
