@@ -765,14 +765,21 @@ def find_attention_chains(nodes: Sequence[NodeProto], readers: dict[str, int], p
 
 
 def find_relu_fusions(
-    nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str], taken: set[int]
-) -> list[ConvFusion]:
-    """``Add/Sum/Sub/Mul/BatchNormalization -> Relu`` pairs where Relu is the producer's only reader.
+    nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str], taken: set[int],
+    const_value: Callable[[str], np.ndarray | None] | None = None, opset: int = 1,
+) -> list[tuple[ConvFusion, tuple[Activation, ...]]]:
+    """``Add/Sum/Sub/Mul/BatchNormalization -> Relu`` pairs where Relu is the producer's only
+    reader; after a BatchNormalization (given ``const_value``), a chain of Relus and per-tensor
+    fake-quant pairs (``QuantizeLinear -> DequantizeLinear``, see :func:`match_activation`): a
+    QDQ model's BatchNormalization that cannot fold into its Conv (its statistics are graph
+    inputs, or a fake-quant pair stands between them) with the pair quantizing its output.  Both
+    are exact in its float32 result, so the fused epilogue gives the unfused nodes' bits.
 
-    Returned as :class:`ConvFusion` with ``conv`` the producer and ``bn`` None; ``taken`` holds
-    node indices already part of another fusion.
+    Returned as :class:`ConvFusion` with ``conv`` the producer and ``bn`` None, each with its
+    activations; ``taken`` holds node indices already part of another fusion.
     """
     by_input = _by_input(nodes)
+    users_of = _sole_users(nodes, readers, protected, taken)
     out = []
     for k, node in enumerate(nodes):
         if k in taken or node.op_type not in _RELU_PRODUCERS or node.domain not in ("", "ai.onnx"):
@@ -782,12 +789,28 @@ def find_relu_fusions(
                 or any(a.name == "training_mode" and a.i for a in node.attribute[:])):
             continue  # only inference BN's one output (training mode runs in onnx.reference)
         name = node.output[0]
+        if node.op_type == "BatchNormalization" and const_value is not None:
+            acts: list[Activation] = []
+            absorbed: list[int] = []
+            t = name
+            while True:
+                got = match_activation(nodes, t, users_of, const_value, opset)
+                if got is None or got[0].kind not in ("relu", "fakequant"):
+                    break
+                acts.append(got[0])
+                absorbed.extend(got[1])
+                t = got[2]
+            if acts:
+                taken.update((k, *absorbed))
+                out.append((ConvFusion(k, None, None, nodes=tuple(absorbed), output=t), tuple(acts)))
+            continue
         users = by_input.get(name, [])
         if len(users) != 1 or readers.get(name, 0) != 1 or name in protected or users[0] in taken:
             continue
         relu = nodes[users[0]]
         if relu.op_type == "Relu" and relu.domain in ("", "ai.onnx"):
-            out.append(ConvFusion(k, None, users[0]))
+            taken.update((k, users[0]))
+            out.append((ConvFusion(k, None, users[0]), (Activation("relu"),)))
     return out
 
 
@@ -906,8 +929,11 @@ _FAKE_QUANT_TYPES = {"int8": (-128, 127), "uint8": (0, 255), "int16": (-32768, 3
 def find_fake_quant_fusions(
     nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
     const_value: Callable[[str], np.ndarray | None], opset: int, taken: set[int],
+    is_const: Callable[[str], bool] | None = None,
 ) -> list[Fusion]:
-    """``QuantizeLinear -> DequantizeLinear`` pairs that are one rounding of a float tensor.
+    """``QuantizeLinear -> DequantizeLinear`` pairs that are one rounding of a float tensor
+    computed at run time (a pair over a constant, ``is_const``, is a derived constant: the
+    weight's reader packs the rounded value, see ``_derive.py``).
 
     The pair fuses when: both are default-domain nodes at opset >= 13 without ``block_size``,
     ``output_dtype`` or ``precision``; the Q's output is read by the DQ alone (and is no graph
@@ -929,6 +955,8 @@ def find_fake_quant_fusions(
         name = q.output[0] if q.output else ""
         d = dq_of.get(name)
         if d is None or readers.get(name, 0) != 1 or name in protected or d in taken:
+            continue
+        if is_const is not None and q.input and is_const(q.input[0]):
             continue
         dq = nodes[d]
         got = _fake_quant_pair(q, dq, const_value, opset)
@@ -1173,10 +1201,9 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
     for f in find_attention_chains(nodes, readers, protected, const_value, is_const, opset, taken):
         out.append(f)
         taken.update((f.anchor, *f.absorbed))
-    for f in find_relu_fusions(nodes, readers, protected, taken):
-        out.append(Fusion(fused_node(nodes, f), f.conv, f.absorbed, epilogue=(Activation("relu"),)))
-        taken.update((f.conv, *f.absorbed))
-    out.extend(find_fake_quant_fusions(nodes, readers, protected, const_value, opset, taken))
+    for f, acts in find_relu_fusions(nodes, readers, protected, taken, const_value, opset):
+        out.append(Fusion(fused_node(nodes, f), f.conv, f.absorbed, epilogue=acts))
+    out.extend(find_fake_quant_fusions(nodes, readers, protected, const_value, opset, taken, is_const))
     return out
 
 

@@ -9,6 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxpack
+from onnxpack.errors import OnnxpackError
 from onnxpack.session._fusion import find_conv_fusions
 
 F = TensorProto.FLOAT
@@ -400,6 +401,90 @@ def test_fake_quant_pair_not_fused(case):
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     for g, w in zip(got, ort.InferenceSession(model, so, providers=["CPUExecutionProvider"]).run(None, x)):
         np.testing.assert_array_equal(g, w)
+
+
+# -- BatchNormalization -> fake-quant pair (-> Relu): a QDQ model's standalone BN ----------------
+def bn_qdq_model(*, relu: bool, stats_as_inputs: bool, x_type: int = F) -> bytes:
+    """x(1,5,6,7) -> BatchNormalization -> QuantizeLinear -> DequantizeLinear [-> Relu] -> y, as
+    onnxruntime's quantizer writes a BN it could not fold: scale and mean as dequantized int8
+    constants (their DequantizeLinear nodes read by the BN, which packs nothing), bias and var
+    plain initializers, with ``stats_as_inputs`` also graph inputs (overridable by a feed, as in
+    the light ResNet-50 that onnxruntime's quantizer leaves such BNs in)."""
+    rng = np.random.default_rng(5)
+    c = 5
+    s_scale, m_scale = np.float32(0.02), np.float32(0.05)
+    inits = [numpy_helper.from_array(rng.integers(-120, 120, c).astype(np.int8), "s_q"),
+             numpy_helper.from_array(s_scale, "s_s"), numpy_helper.from_array(np.int8(3), "s_z"),
+             numpy_helper.from_array(rng.integers(-120, 120, c).astype(np.int8), "m_q"),
+             numpy_helper.from_array(m_scale, "m_s"), numpy_helper.from_array(np.int8(0), "m_z"),
+             numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "b"),
+             numpy_helper.from_array((rng.random(c) + 0.2).astype(np.float32), "v"),
+             numpy_helper.from_array(np.float32(0.04), "y_s"), numpy_helper.from_array(np.uint8(120), "y_z")]
+    nodes = [helper.make_node("DequantizeLinear", ["s_q", "s_s", "s_z"], ["s"], name="dq_s"),
+             helper.make_node("DequantizeLinear", ["m_q", "m_s", "m_z"], ["m"], name="dq_m"),
+             helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["n"], name="bn", epsilon=1e-3),
+             helper.make_node("QuantizeLinear", ["n", "y_s", "y_z"], ["nq"], name="q"),
+             helper.make_node("DequantizeLinear", ["nq", "y_s", "y_z"], ["nd"], name="dq")]
+    last = "nd"
+    if relu:
+        nodes.append(helper.make_node("Relu", ["nd"], ["r"], name="relu"))
+        last = "r"
+    nodes.append(helper.make_node("Identity", [last], ["y"], name="out"))
+    inputs = [helper.make_tensor_value_info("x", x_type, [1, c, 6, 7])]
+    if stats_as_inputs:
+        inputs += [helper.make_tensor_value_info(n, F, [c]) for n in ("b", "v")]
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", F, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8).SerializeToString()
+
+
+@pytest.mark.parametrize("jit", ["numba", "numpy"])
+@pytest.mark.parametrize("stats_as_inputs", [False, True], ids=["stats-constant", "stats-graph-inputs"])
+@pytest.mark.parametrize("relu", [False, True], ids=["bn-qdq", "bn-qdq-relu"])
+def test_batchnorm_then_fake_quant_pair_is_one_step(relu, stats_as_inputs, jit, monkeypatch):
+    """A BatchNormalization that stays a node, quantized after: one step (the BN with the pair,
+    and a Relu after it, as its epilogue), and its dequantized int8 statistics folded at creation
+    (no DequantizeLinear step left: they are small constants computed from weights).  Bit for bit
+    the unfused nodes (pre-packing off: every node its own step) with the JIT and with numpy,
+    also with the overridable statistics fed; within one quantization step of onnxruntime (its
+    BN rounds ``x * A + B`` its own way: a value at a rounding tie may land one code over)."""
+    if jit == "numba":
+        pytest.importorskip("numba")
+    else:
+        monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+    model = bn_qdq_model(relu=relu, stats_as_inputs=stats_as_inputs)
+    x = RNG.standard_normal((1, 5, 6, 7)).astype(np.float32) * 3
+    feeds = [{"x": x}]
+    if stats_as_inputs:
+        feeds.append({"x": x, "b": np.linspace(-1, 1, 5, dtype=np.float32), "v": np.full(5, 0.7, np.float32)})
+    with onnxpack.InferenceSession(model) as s:
+        kinds = [(st.node.op_type, type(st.kernel).__name__) for st in s.program.root.steps]
+        assert kinds == [("BatchNormalization", "ActAfter"), ("Identity", "Identity")], kinds
+        assert [a.kind for a in s.program.root.steps[0].kernel.acts] == ["fakequant"] + ["relu"] * relu
+        got = [s.run(None, f)[0] for f in feeds]
+    opts = onnxpack.SessionOptions()
+    opts.add_session_config_entry("session.disable_prepacking", "1")
+    with onnxpack.InferenceSession(model, opts) as s:
+        assert "BatchNormalization" in [st.node.op_type for st in s.program.root.steps]
+        unfused = [s.run(None, f)[0] for f in feeds]
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    o = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    for g, u, f in zip(got, unfused, feeds):
+        _same_bits(g, u)
+        want = o.run(None, f)[0]
+        steps = np.abs(g.astype(np.float64) - want) / 0.04
+        assert steps.max() <= 1 + 1e-6 and (steps > 1e-6).mean() <= 0.05, (steps.max(), (steps > 1e-6).mean())
+    if stats_as_inputs:
+        assert not np.array_equal(got[0], got[1])  # the fed statistics were used
+
+
+def test_batchnorm_fake_quant_epilogue_refuses_a_non_float32_input():
+    """QuantizeLinear with a float32 scale reads float32 (onnxruntime refuses the model): a
+    double BN fused with the pair is a clear error, not a quantization in another precision."""
+    model = bn_qdq_model(relu=False, stats_as_inputs=False, x_type=TensorProto.DOUBLE)
+    with onnxpack.InferenceSession(model) as s:
+        with pytest.raises(OnnxpackError, match="float32 input, got float64"):
+            s.run(None, {"x": np.ones((1, 5, 6, 7))})
 
 
 # -- MatMulNBits -> bias Add -> activations ------------------------------------------------------

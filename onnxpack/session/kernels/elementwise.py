@@ -809,6 +809,7 @@ class ActAfter(Kernel):
         self.inner = inner
         self.acts = tuple(acts)
         self._exact = _act.numpy_suffices(self.acts)
+        self._quantizes = any(a.kind == "fakequant" for a in self.acts)
         self.writes_into = inner.writes_into  # type: ignore[misc]
         self.call_mode = inner.call_mode
         # A producer that can apply the activations itself: ``run_acts(acts, *inputs)`` returns
@@ -841,6 +842,11 @@ class ActAfter(Kernel):
         if y.dtype.kind != "f" and not self._exact:
             raise InvalidArgument(f"node {self.node.name!r} ({self.op_type}): fused activations need a float "
                                   f"result, got {y.dtype}")
+        if y.dtype != np.float32 and self._quantizes:
+            # A fused QuantizeLinear with a float32 scale reads float32 (the spec's T1): another
+            # dtype is a model onnxruntime refuses, not one to quantize in another precision.
+            raise InvalidArgument(f"node {self.node.name!r} ({self.node.op_type}): a fused QuantizeLinear with a "
+                                  f"float32 scale needs a float32 input, got {y.dtype}")
         if y.dtype in (np.float32, np.float64) or self._exact:
             return _act.apply(y, self.acts)
         wide = _act.apply(y.astype(np.float32), self.acts)
