@@ -6,7 +6,9 @@ nodes, others add ``Identity``, ``Transpose``, ``Reshape`` or ``(Un)Squeeze`` in
 compile step treats the result of such a chain as a constant: the consumer's kernel packs it like
 any weight (a Conv packs the dequantized weight, folded with its BatchNormalization), the chain's
 nodes drop out of the plan once nothing reads them unpacked, and a QDQ model keeps its int8 weights
-on disk while its packs are saved and mapped beside them.
+on disk while its packs are saved and mapped beside them.  A float weight that the graph itself
+quantizes (``QuantizeLinear -> DequantizeLinear`` on it, as onnxruntime's quantizer writes with
+``AddQDQPairToWeight`` and PyTorch exports quantization-aware models) is such a chain as well.
 
 ``Cast`` belongs here too: exporters widen fp16 weights with ``Cast(W) -> float32``, and models
 from onnxruntime's test data cast a constant twice (``Cast(Cast(W))``); with Cast in a chain the
@@ -41,7 +43,8 @@ __all__ = ["Derivation", "derive"]
 # (domain, op_type) of the ops a chain may hold; their input 0 is the weight, any other input a
 # small constant (scale, zero point, shape, axes).
 FOLDABLE = frozenset({
-    ("", "Identity"), ("", "DequantizeLinear"), ("com.microsoft", "DequantizeLinear"), ("", "Transpose"),
+    ("", "Identity"), ("", "DequantizeLinear"), ("com.microsoft", "DequantizeLinear"),
+    ("", "QuantizeLinear"), ("com.microsoft", "QuantizeLinear"), ("", "Transpose"),
     ("", "Reshape"), ("", "Squeeze"), ("", "Unsqueeze"), ("", "Flatten"), ("", "Cast"),
 })
 _FOLDABLE_OPS = frozenset(op for _domain, op in FOLDABLE)
@@ -227,6 +230,16 @@ def _infer(node: NodeProto, shape: tuple[int, ...], dtype: np.dtype, others: lis
         if np.dtype(scale.dtype).name in ("float32", "float16", "bfloat16", "float64"):
             return shape, np.dtype(scale.dtype)
         return shape, np.dtype(np.float32)
+    if op == "QuantizeLinear":
+        # A float weight quantized in the graph (``Q -> DQ`` on a weight: onnxruntime's quantizer
+        # with AddQDQPairToWeight, PyTorch's exported quantization-aware models).  Only the
+        # 8- and 16-bit integer codes of a float32 weight with a zero point of that type: the
+        # kernel's result type is then the zero point's, whatever the opset.
+        zp = others[1] if len(others) > 1 else None
+        if (zp is None or dtype != np.float32 or attrs.get("output_dtype") or attrs.get("precision")
+                or np.dtype(zp.dtype).name not in ("int8", "uint8", "int16", "uint16")):
+            raise ValueError("not a plain integer quantization of a float32 weight")
+        return shape, np.dtype(zp.dtype)
     if op == "Transpose":
         perm = attrs.get("perm") or list(range(len(shape)))[::-1]
         if sorted(perm) != list(range(len(shape))):

@@ -98,3 +98,45 @@ def test_a_cast_its_kernel_declines_is_not_derived():
     assert derive(node, _weights().get, {"": 19}) is None
     node = helper.make_node("Cast", ["W"], ["c"], to=TensorProto.FLOAT16)
     assert derive(node, _weights().get, {"": 19}).dtype == np.float16
+
+
+@pytest.mark.parametrize("zp_type,opset", [("int8", 13), ("uint8", 13), ("int16", 21), ("uint16", 21)])
+def test_a_float_weight_quantized_in_the_graph_is_derived(zp_type, opset):
+    """QuantizeLinear -> DequantizeLinear over a float weight (AddQDQPairToWeight, exported QAT
+    models): the codes are the zero point's type and the pair's value is onnx.reference's."""
+    from onnx.reference import ReferenceEvaluator
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((4, 6)).astype(np.float32)
+    scale = np.array([0.02, 0.01, 0.05, 0.003], np.float32)
+    zp = np.array([3, 0, 1, 2], zp_type)
+    tensors = [numpy_helper.from_array(a, n) for a, n in ((w, "Wf"), (scale, "S"), (zp, "Z"))]
+    weights = {t.name: WeightRef("", t.name, Tensor(t, None)) for t in tensors}
+    nodes = [helper.make_node("QuantizeLinear", ["Wf", "S", "Z"], ["q"], axis=0),
+             helper.make_node("DequantizeLinear", ["q", "S", "Z"], ["d"], axis=0)]
+    got: dict[str, WeightRef | None] = {}
+    for n in nodes:
+        got[n.output[0]] = derive(n, lambda name: got.get(name) or weights.get(name), {"": opset})
+    assert got["q"].dtype == np.dtype(zp_type) and got["d"].dtype == np.float32 and got["d"].shape == (4, 6)
+    graph = helper.make_graph(nodes, "g", [], [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None)
+                                               for n in ("q", "d")], tensors)
+    want = ReferenceEvaluator(helper.make_model(graph, opset_imports=[helper.make_opsetid("", max(opset, 19))])).run(None, {})
+    for name, v in zip(("q", "d"), want):
+        np.testing.assert_array_equal(got[name].value(), v)
+        assert got[name].value().dtype == v.dtype
+
+
+@pytest.mark.parametrize("case", ["no-zero-point", "float16-weight", "int4-zero-point", "output-dtype", "int8-weight"])
+def test_other_quantizations_of_a_weight_are_left_to_run(case):
+    """Only float32 weights to 8/16-bit codes of a given zero point derive: the result type is
+    then known without running the kernel; the rest runs as a node (onnxruntime's semantics)."""
+    w = np.ones((2, 3), np.float16 if case == "float16-weight" else np.int8 if case == "int8-weight" else np.float32)
+    tensors = [numpy_helper.from_array(w, "Wf"), numpy_helper.from_array(np.array(0.5, w.dtype if w.dtype.kind == "f" else np.float32), "S")]
+    if case == "int4-zero-point":
+        tensors.append(helper.make_tensor("Z", TensorProto.INT4, [], [1]))
+    elif case != "no-zero-point":
+        tensors.append(numpy_helper.from_array(np.array(1, np.uint8), "Z"))
+    weights = {t.name: WeightRef("", t.name, Tensor(t, None)) for t in tensors}
+    attrs = {"output_dtype": TensorProto.UINT8} if case == "output-dtype" else {}
+    node = helper.make_node("QuantizeLinear", ["Wf", "S"] + (["Z"] if "Z" in weights else []), ["q"], **attrs)
+    assert derive(node, weights.get, {"": 21}) is None

@@ -39,8 +39,8 @@ from quant_util import assert_qdq_model_close, ort_exact
 quantization = pytest.importorskip("onnxruntime.quantization")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-MODES = ["qdq", "qdq-channel", "qdq-uint8", "qdq-int16", "qdq-int4", "qdq-uint16-contrib", "qdq-ortopt", "qop",
-         "qop-channel", "dynamic"]
+MODES = ["qdq", "qdq-channel", "qdq-uint8", "qdq-int16", "qdq-int4", "qdq-uint16-contrib", "qdq-ortopt",
+         "qdq-weightpair", "qop", "qop-channel", "dynamic"]
 # integer op -> index of its weight input (pre-packed when it is an initializer)
 WEIGHT_INPUT = {"QLinearConv": 3, "QLinearMatMul": 3, "QGemm": 3, "MatMulInteger": 1, "ConvInteger": 1}
 
@@ -123,6 +123,8 @@ def quantized(tmp_path_factory):
                     kwargs.update(activation_type=qt.QInt16, weight_type=qt.QInt16)
                 elif mode.endswith("int4"):  # int4 weights: com.microsoft Q/DQ at the model's opset
                     kwargs.update(activation_type=qt.QUInt8, weight_type=qt.QInt4)
+                elif mode.endswith("weightpair"):  # float weights, each through a Q -> DQ pair in the graph
+                    kwargs.update(per_channel=True, extra_options={"AddQDQPairToWeight": True})
                 elif mode.endswith("uint16-contrib"):
                     kwargs.update(activation_type=qt.QUInt16, weight_type=qt.QUInt8, extra_options={"UseQDQContribOps": True})
                 quantization.quantize_static(str(src), str(out), _Reader(_calibration(feeds)), **kwargs)
@@ -226,6 +228,40 @@ def test_prepacked_quantized_weights_are_saved_and_mapped_back(quantized, tmp_pa
     stats = warm.get_prepack_stats()
     assert stats["weights_packed"] == 0 and stats["blobs_from_model"] >= 4
     for a, b in zip(warm.run(None, feeds), cold_out):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["cnn", "transformer"])
+def test_float_weights_quantized_in_the_graph_are_packed(quantized, tmp_path, name):
+    """``AddQDQPairToWeight`` keeps each weight float behind a QuantizeLinear -> DequantizeLinear
+    pair (so do PyTorch's exported quantization-aware models): the pair over a weight is a
+    constant, rounded once and packed by the weight's reader, never re-quantized at each run; the
+    packs are saved and mapped back (nothing packed warm, the cold outputs bit for bit), and
+    onnxruntime runs the saved model as it runs the source."""
+    path, feeds = quantized(name, "qdq-weightpair")
+    model = onnx.load(str(path))
+    inits = {t.name for t in model.graph.initializer}
+    packing = {i for n in model.graph.node if n.op_type in ("Conv", "MatMul", "Gemm") for i in n.input}
+    dq_of = {n.input[0]: n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    weight_pairs = [n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] in inits
+                    and dq_of.get(n.output[0]) in packing]
+    assert len(weight_pairs) >= 2  # the quantizer still writes the pairs this test is about
+    out = tmp_path / f"{name}.opt.onnx"
+    so = onnxpack.SessionOptions()
+    so.optimized_model_filepath = str(out)
+    so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+    cold = onnxpack.InferenceSession(str(path), so)
+    quantizes_weights = [st.node.name for st in cold.program.root.steps
+                         if st.node.op_type == "QuantizeLinear" and st.inputs[0] in inits]
+    assert quantizes_weights == []
+    assert cold.get_prepack_stats()["weights_packed"] >= len(weight_pairs)
+    cold_out = cold.run(None, feeds)
+    warm = onnxpack.InferenceSession(str(out))
+    stats = warm.get_prepack_stats()
+    assert stats["weights_packed"] == 0 and stats["blobs_from_model"] >= len(weight_pairs)
+    for a, b in zip(warm.run(None, feeds), cold_out):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(_ort(out, feeds), _ort(path, feeds)):
         np.testing.assert_array_equal(a, b)
 
 
