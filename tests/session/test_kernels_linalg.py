@@ -199,9 +199,11 @@ def test_panels_only_where_they_pay(forced, flags, want, monkeypatch):
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "numpy"])
 @pytest.mark.parametrize("threads", ["1", "2"])
 @pytest.mark.parametrize("m,k,n", [(1, 1, 64), (5, 3, 100), (6, 40, 64), (7, 600, 130), (32, 384, 384),
-                                   (100, 1100, 70), (0, 8, 64), (3, 0, 64), (131, 50, 64), (65, 20, 3200)])
+                                   (100, 1100, 70), (0, 8, 64), (3, 0, 64), (131, 50, 64), (65, 20, 3200),
+                                   (8, 300, 128), (20, 130, 192)])
 def test_matmul_panels_equals_float64_product(m, k, n, threads, jit, monkeypatch):
-    """Every row remainder (6, 4, 2 and 1-row tiles), a last panel narrower than 64, K past one
+    """Every row remainder (6, 4, 2 and 1-row tiles; 8 left as two 4-row tiles), a last panel
+    narrower than 64, K past one
     block of KC rows (several, and not a multiple of it), empty operands, one and two threads
     (split by rows from 64 of them and fewer than 48 panels, else by panels), the JIT and numpy's
     batched BLAS."""
@@ -230,6 +232,29 @@ def test_matmul_panels_equals_float64_product(m, k, n, threads, jit, monkeypatch
         out2 = np.zeros((m, 2 * n), np.float32)[:, ::2]
         matmul_panels(wide[:, ::2], pack_panels(b), n, out2)
         np.testing.assert_allclose(out2, want, **PANEL_TOL)
+
+
+@pytest.mark.parametrize("m", [8, 14, 20, 33])
+def test_panel_gemm_rows_do_not_depend_on_their_tile(m):
+    """Each output row is its own chain of fused multiply-adds over K in order, whichever tile
+    (6, 4, 2 or 1 rows) computes it and whatever the kernel prefetches meanwhile: a row alone
+    gives the bits it has among others (K over three KC blocks, a narrow last panel)."""
+    from onnxpack.session.kernels import _act
+    from onnxpack.session.kernels.linalg import pack_panels
+
+    jit = _act.load_jit("_sgemm_jit", "test")
+    if jit is None:
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(m)
+    k, n = 3 * jit.KC + 5, 150
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    w = pack_panels(rng.standard_normal((k, n)).astype(np.float32))
+    out, tail = np.empty((m, n), np.float32), np.empty((m, 64), np.float32)
+    jit.sgemm_panels(a, w.reshape(-1), out, tail, 0, w.shape[0])
+    for r in range(m):
+        one, t1 = np.empty((1, n), np.float32), np.empty((1, 64), np.float32)
+        jit.sgemm_panels(a[r:r + 1].copy(), w.reshape(-1), one, t1, 0, w.shape[0])
+        np.testing.assert_array_equal(one[0].view(np.uint32), out[r].view(np.uint32))
 
 
 @pytest.mark.parametrize("case", [("3d", (2, 5, 40), (40, 128), {}), ("vec", (40,), (40, 192), {}),

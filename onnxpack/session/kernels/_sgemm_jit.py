@@ -251,30 +251,47 @@ conv_tile1 = _conv_tile_intrinsic(1)
 
 
 @njit(cache=True, nogil=True)
-def _rows(dst, doff, ds, w, woff, ws, a, aoff, nk, acc):
+def _rows(dst, doff, ds, w, woff, ws, a, aoff, nk, acc, nxt, nlines):
     """Every row of ``a`` (M, K) times one 64-column block of B (see ``_tileR``): per ``TILE``
-    columns of it, tiles of 6 rows, then 4, 2 and 1."""
+    columns of it, tiles of 6 rows, then 4 (two where 6 + 2 would be left), 2 and 1.  Before each
+    tile, its share of the ``nlines`` cache lines of the next block (at ``w.flat[nxt:]``, none
+    when ``nxt < 0``) is prefetched: the first tile over a block otherwise waits on it."""
     m_rows, k = a.shape
+    per = -(-nlines // -(-m_rows // 6)) if nxt >= 0 else 0
+    line = 0
     for c in range(0, NR, TILE):
         m = 0
-        while m + 6 <= m_rows:
-            _tile6(dst, doff + m * ds + c, ds, w, woff + c, ws, a, aoff + m * k, k, nk, acc)
-            m += 6
-        if m + 4 <= m_rows:
-            _tile4(dst, doff + m * ds + c, ds, w, woff + c, ws, a, aoff + m * k, k, nk, acc)
-            m += 4
-        if m + 2 <= m_rows:
-            _tile2(dst, doff + m * ds + c, ds, w, woff + c, ws, a, aoff + m * k, k, nk, acc)
-            m += 2
-        if m < m_rows:
-            _tile1(dst, doff + m * ds + c, ds, w, woff + c, ws, a, aoff + m * k, k, nk, acc)
+        while m < m_rows:
+            for _ in range(per):
+                if line < nlines:
+                    prefetch(w, nxt + line * 16)
+                    line += 1
+            left = m_rows - m
+            if left >= 6 and left != 8:
+                _tile6(dst, doff + m * ds + c, ds, w, woff + c, ws, a, aoff + m * k, k, nk, acc)
+                m += 6
+            elif left >= 4:
+                _tile4(dst, doff + m * ds + c, ds, w, woff + c, ws, a, aoff + m * k, k, nk, acc)
+                m += 4
+            elif left >= 2:
+                _tile2(dst, doff + m * ds + c, ds, w, woff + c, ws, a, aoff + m * k, k, nk, acc)
+                m += 2
+            else:
+                _tile1(dst, doff + m * ds + c, ds, w, woff + c, ws, a, aoff + m * k, k, nk, acc)
+                m += 1
 
 
 @njit(cache=True, nogil=True)
 def sgemm_panels(a, w, out, tail, p0, p1):
     """Panels ``p0 <= p < p1`` of ``out = a @ B`` (see the module docstring): ``a`` (M, K),
     ``w`` the panels flat, ``out`` (M, N), ``tail`` an (M, 64) scratch for a last panel narrower
-    than 64 columns (its valid columns are copied to ``out``).  K >= 1."""
+    than 64 columns (its valid columns are copied to ``out``).  K >= 1.
+
+    While one block of a panel (``KC`` rows of it) is multiplied, the next block in this order
+    (the next panel's, or the first panel's of the next ``KC`` rows) is prefetched: the weights
+    come from L3 or memory, and the hardware prefetcher does not follow the jump between panels
+    (BERT-base's GEMMs, 128 rows, weights cycled as a model runs them, one thread: 120 -> 140
+    GFLOP/s at 768 x 768, 124 -> 144 at 3072 x 768; MiniLM's, 32 rows: 76 -> 87)."""
     m_rows, k = a.shape
     n = out.shape[1]
     full = n // NR
@@ -282,10 +299,16 @@ def sgemm_panels(a, w, out, tail, p0, p1):
         nk = min(KC, k - k0)
         acc = 1 if k0 > 0 else 0
         for p in range(p0, p1):
-            if p < full:
-                _rows(out, p * NR, n, w, p * k * NR + k0 * NR, NR, a, k0, nk, acc)
+            if p + 1 < p1:
+                nxt, nlines = (p + 1) * k * NR + k0 * NR, nk * NR // 16
+            elif k0 + KC < k:
+                nxt, nlines = p0 * k * NR + (k0 + KC) * NR, min(KC, k - k0 - KC) * NR // 16
             else:
-                _rows(tail, 0, NR, w, p * k * NR + k0 * NR, NR, a, k0, nk, acc)
+                nxt, nlines = -1, 0
+            if p < full:
+                _rows(out, p * NR, n, w, p * k * NR + k0 * NR, NR, a, k0, nk, acc, nxt, nlines)
+            else:
+                _rows(tail, 0, NR, w, p * k * NR + k0 * NR, NR, a, k0, nk, acc, nxt, nlines)
     if p1 > full:
         c0 = full * NR
         for r in range(m_rows):
