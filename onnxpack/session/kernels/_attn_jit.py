@@ -213,7 +213,8 @@ def attend_heads(q, k, v, bias, scale, divide, floor, out, i0, i1):
                 qb[i, d] = q[b, n, i, d]
         for p in range(tp // _PANEL):
             for k0 in range(0, h_, KC):
-                _rows(sc, p * _PANEL, tp, kt, (p * h_ + k0) * _PANEL, _PANEL, qb, k0, min(KC, h_ - k0), 1 if k0 > 0 else 0)
+                _rows(sc, p * _PANEL, tp, kt, (p * h_ + k0) * _PANEL, _PANEL, qb, k0, min(KC, h_ - k0), 1 if k0 > 0 else 0,
+                      -1, 0)
         bb = b if bias.shape[0] > 1 else 0
         bn = n if bias.shape[1] > 1 else 0
         for i in range(s_):
@@ -261,7 +262,8 @@ def attend_heads(q, k, v, bias, scale, divide, floor, out, i0, i1):
                 sc[i, t] = sc[i, t] / total
         for p in range(hp // _PANEL):
             for k0 in range(0, tp, KC):
-                _rows(ob, p * _PANEL, hp, vp, (p * tp + k0) * _PANEL, _PANEL, sc, k0, min(KC, tp - k0), 1 if k0 > 0 else 0)
+                _rows(ob, p * _PANEL, hp, vp, (p * tp + k0) * _PANEL, _PANEL, sc, k0, min(KC, tp - k0), 1 if k0 > 0 else 0,
+                      -1, 0)
         for i in range(s_):
             for d in range(h_):
                 out[b, n, i, d] = ob[i, d]
