@@ -51,7 +51,7 @@ from onnxpack.session.kernels._act import Activation
 
 __all__ = ["ConvFusion", "Fusion", "MatMulFusion", "apply_fusions", "bn_fold", "find_conv_fusions",
            "find_attention_chains", "find_fake_quant_fusions", "find_gated_nbits", "find_matmul_fusions", "find_nbits_fusions",
-           "find_relu_fusions", "fused_node", "inputs_index", "match_activation", "nodes_with_index", "plan_fusions"]
+           "find_relu_fusions", "fused_node", "group_sibling_matmuls", "inputs_index", "match_activation", "nodes_with_index", "plan_fusions"]
 
 
 @fast_init
@@ -566,6 +566,54 @@ class MatMulFusion:
 
 _NIBBLE_TYPES = ("int4", "uint4")
 
+
+
+def group_sibling_matmuls(nodes: Sequence[NodeProto], fusions: list[Fusion], taken: set[int],
+                          const_meta: Callable[[str], ConstMeta | None]) -> list[Fusion]:
+    """``fusions`` with the MatMuls that multiply one activation by constant float32 weights of
+    one K (a transformer layer's query, key and value projections, exported as three MatMuls,
+    each perhaps fused with its bias and activations: ``kernel="matmul"`` without a residual)
+    joined into one ``kernel="matmul_group"`` fusion: inputs ``A, B_1 .. B_n``, outputs the
+    members' outputs, ``params`` each member's ``(bias, pre, post)`` and name, anchored at the
+    first member (its inputs are A and constants, so the group cannot close a cycle).  The
+    members' nodes join ``taken``."""
+    by_a: dict[str, list[tuple[int, Fusion | None, NodeProto]]] = {}
+    for f in fusions:
+        if f.kernel == "matmul" and not f.params.get("residual") and len(f.node.input) == 2 and f.node.input[0]:
+            by_a.setdefault(f.node.input[0], []).append((f.anchor, f, f.node))
+    for k, node in enumerate(nodes):
+        if k in taken or node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+            continue
+        ins = node.input[:]
+        if len(ins) == 2 and ins[0] and ins[1] != ins[0] and sole_output(node) and len(node.output) == 1:
+            by_a.setdefault(ins[0], []).append((k, None, node))
+    grouped: set[int] = set()  # ids of the member fusions
+    groups: list[Fusion] = []
+    for a, cands in by_a.items():
+        by_k: dict[int, list[tuple[int, Fusion | None, NodeProto]]] = {}
+        for k, f, node in cands:
+            meta = const_meta(node.input[1])
+            if meta is not None and len(meta.shape) == 2 and meta.dtype == np.float32 and node.input[1] != a:
+                by_k.setdefault(int(meta.shape[0]), []).append((k, f, node))
+        for members in by_k.values():
+            if len(members) < 2:
+                continue
+            members.sort(key=lambda m: m[0])
+            node = NodeProto()
+            node.op_type = "MatMul"
+            node.name = "+".join(n.name or f"#{k}" for k, _f, n in members)
+            node.input.extend([a, *(n.input[1] for _k, _f, n in members)])
+            node.output.extend([n.output[0] for _k, _f, n in members])
+            specs = tuple((None, (), ()) if f is None else (f.params["bias"], f.params["pre"], f.params["post"])
+                          for _k, f, _n in members)
+            absorbed = tuple(i for j, (k, f, _n) in enumerate(members)
+                             for i in ((k,) if j else ()) + (f.absorbed if f is not None else ()))
+            groups.append(Fusion(node, members[0][0], absorbed, kernel="matmul_group",
+                                 params={"members": specs, "names": tuple(n.name for _k, _f, n in members)}))
+            grouped.update(id(f) for _k, f, _n in members if f is not None)
+            taken.update(k for k, _f, _n in members)
+            taken.update(absorbed)
+    return [f for f in fusions if id(f) not in grouped] + groups
 
 
 def find_dq_matmul_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
@@ -1192,6 +1240,7 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
         params = {"bias": bias, "pre": f.pre, "residual": f.residual is not None, "post": f.post}
         out.append(Fusion(node, f.matmul, f.nodes, kernel="matmul", params=params))
         taken.update((f.matmul, *f.nodes))
+    out = group_sibling_matmuls(nodes, out, taken, const_meta)
     nbits = find_nbits_fusions(nodes, readers, protected, const_value, opset, taken, const_meta)
     for f in nbits:
         taken.update((f.anchor, *f.absorbed))
