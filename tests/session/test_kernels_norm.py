@@ -46,6 +46,38 @@ def test_batchnorm(shape, opset, dtype):
     assert_close(run_native(node, inputs, opset), want, dtype)
 
 
+@pytest.mark.parametrize("threads", ["1", "2"])
+@pytest.mark.parametrize("acts", ["relu", "fakequant-relu", "none"])
+@pytest.mark.parametrize("shape", [(1, 64, 40, 40), (2, 5, 7), (3, 300), (1, 7, 3, 4, 5)])
+def test_batchnorm_fused_pass_is_the_unfused_bits(shape, acts, threads, monkeypatch):
+    """BatchNormalization with its fused activations (``run_acts``: one JIT pass, split by
+    channel rows over two threads for a large tensor) gives the bits of ``run`` and the
+    activations applied after it by numpy, including a transposed (non-contiguous) input,
+    signed zeros, NaN and infinities."""
+    from onnxpack.session.kernels import KernelContext, _act, lookup
+    from onnxpack.session.kernels._act import Activation
+
+    if _act.jit() is None:
+        pytest.skip("numba is not installed")
+    monkeypatch.setenv("ONNXPACK_NUM_THREADS", threads)
+    monkeypatch.setattr(_act, "_SPLIT_MACS", 1)
+    rng = np.random.default_rng(len(shape) * 7 + shape[1])
+    x, s, b, m, v = bn_inputs(rng, shape, np.float32)
+    x = x * 4
+    x.reshape(-1)[:5] = [0.0, -0.0, np.nan, np.inf, -np.inf]
+    if len(shape) == 4:  # a view with other strides: the kernel works on a contiguous copy
+        x = np.ascontiguousarray(x.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
+    chain = {"relu": (Activation("relu"),), "none": (),
+             "fakequant-relu": (Activation("fakequant", 0.05, -128.0 - 3, 127.0 - 3), Activation("relu"))}[acts]
+    node = make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], epsilon=1e-3)
+    k = lookup("", "BatchNormalization", 15)(node, KernelContext(15, {"": 15}))
+    for _ in range(3):  # the split tuner's samples: one thread and split alternate
+        got = k.run_acts(chain, x, s, b, m, v)[0]
+        want = _act.apply(k.run(x, s, b, m, v)[0].copy(), chain)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_batchnorm_opset6_attributes_and_spatial0():
     """Opset 6's is_test/spatial are accepted; spatial=0 takes per-activation statistics."""
     rng = np.random.default_rng(1)

@@ -314,6 +314,30 @@ def _channel_affine(row, a, b):
         row[i] = row[i] + b
 
 
+@njit(cache=True, nogil=True, error_model="numpy")
+def affine_act(x, a, b, codes, params, y, r0, r1):
+    """``y[n, c, :] = acts(x[n, c, :] * a[c] + b[c])`` for the flattened rows ``r0 <= n * C + c <
+    r1`` of ``x`` and ``y`` (N, C, L) float32: BatchNormalization with its fused activations in
+    one pass over memory, where numpy's ``y = x * a; y += b`` and the activations took two or
+    three.  The product and the sum are two roundings, as numpy's (compiled without fast-math,
+    so nothing contracts them into one fused multiply-add: see :func:`_channel_affine`); the
+    activations are :func:`acts_plane`'s (not inlined: its fast-math stays in it)."""
+    c_, l_ = x.shape[1], x.shape[2]
+    for r in range(r0, r1):
+        n = r // c_
+        c = r - n * c_
+        xr = x[n, c]
+        yr = y[n, c]
+        av = a[c]
+        bv = b[c]
+        for i in range(l_):
+            yr[i] = xr[i] * av
+        for i in range(l_):
+            yr[i] = yr[i] + bv
+        if codes.shape[0]:
+            acts_plane(yr, codes, params)
+
+
 @njit(inline="always", fastmath=_FM, error_model="numpy")
 def _scatter(xf, xbase, h_, w_, xp, sh, sw, ph, pw, hq, wq):
     """One (H, W) plane of ``xf`` (flat, from ``xbase``) into ``xp``'s ``sh * sw`` stride

@@ -114,6 +114,10 @@ class GroupNormalization(Kernel):
         return (_f(y, x.dtype),)
 
 
+# Elements of a BatchNormalization's input from which its fused pass splits over the threads.
+_PARALLEL_ELEMENTS = 1 << 16
+
+
 @register("BatchNormalization", since=1)
 class BatchNormalization(Kernel):
     """Batch normalization for every opset: inference mode, and the training mode of opsets 7-13.
@@ -159,11 +163,11 @@ class BatchNormalization(Kernel):
         return outs[: max(1, len(self.node.output))]
 
     def run_acts(self, acts, x, scale, bias, mean, var):
-        """``run`` then the activations ``acts`` (a fused Relu: :class:`.elementwise.ActAfter`)
-        in two passes instead of three: ``x * A`` by numpy into a fresh array, then ``+ B`` and
-        the activations in one JIT pass (``bias_act``), the same bits as ``run``'s ``y = x * A;
-        y += B`` and the activation after.  None (the caller runs ``run``) unless float32,
-        per-channel statistics and the JIT."""
+        """``run`` then the activations ``acts`` (a fused Relu or fake-quant pair:
+        :class:`.elementwise.ActAfter`) in one JIT pass over the tensor (``_conv_jit.affine_act``:
+        ``x * A``, ``+ B``, the activations, per channel row, split over the threads for large
+        tensors): the same bits as ``run``'s ``y = x * A; y += B`` and the activations after.
+        None (the caller runs ``run``) unless float32, per-channel statistics and the JIT."""
         if self.train or x.dtype != np.float32 or x.ndim < 2 or np.ndim(scale) != 1 or not x.size:
             return None
         jit = _act.jit()
@@ -172,10 +176,15 @@ class BatchNormalization(Kernel):
         a, b = batch_norm_affine(scale, bias, mean, var, self.epsilon, x.dtype)
         if a.shape != (x.shape[1],) or b.shape != a.shape:
             return None  # run names the mismatch
-        y = np.multiply(x, a.reshape((1, -1) + (1,) * (x.ndim - 2)), order="C")
+        x3 = np.ascontiguousarray(x).reshape(x.shape[0], x.shape[1], -1)
+        y = np.empty(x.shape, np.float32)
+        y3 = y.reshape(x3.shape)
         codes, params = _act.encode(acts)
-        jit.bias_act(y.reshape(x.shape[0], x.shape[1], -1), np.ascontiguousarray(b), codes, params,
-                     _act.NO_RESIDUAL, *_act.encode(()), _act.NO_CHANNELS)
+        a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+        rows = x3.shape[0] * x3.shape[1]
+        threads = _act.threads() if x.size >= _PARALLEL_ELEMENTS else 1
+        _act.tuner(("affine_act", x3.shape, codes.shape[0])).run(
+            lambda r0, r1: jit.affine_act(x3, a, b, codes, params, y3, r0, r1), rows, threads)
         return (y,)
 
     def _train(self, x, scale, bias, mean, var):
