@@ -234,11 +234,13 @@ def test_matmul_panels_equals_float64_product(m, k, n, threads, jit, monkeypatch
         np.testing.assert_allclose(out2, want, **PANEL_TOL)
 
 
+@pytest.mark.parametrize("n", [150, 364], ids=["small-weight", "prefetched-weight"])
 @pytest.mark.parametrize("m", [8, 14, 20, 33])
-def test_panel_gemm_rows_do_not_depend_on_their_tile(m):
+def test_panel_gemm_rows_do_not_depend_on_their_tile(m, n):
     """Each output row is its own chain of fused multiply-adds over K in order, whichever tile
-    (6, 4, 2 or 1 rows) computes it and whatever the kernel prefetches meanwhile: a row alone
-    gives the bits it has among others (K over three KC blocks, a narrow last panel)."""
+    (6, 4, 2 or 1 rows) computes it and whether the kernel prefetches meanwhile (a weight from
+    PREFETCH_MIN floats): a row alone gives the bits it has among others (K over three KC
+    blocks, a narrow last panel)."""
     from onnxpack.session.kernels import _act
     from onnxpack.session.kernels.linalg import pack_panels
 
@@ -246,9 +248,10 @@ def test_panel_gemm_rows_do_not_depend_on_their_tile(m):
     if jit is None:
         pytest.skip("numba is not installed")
     rng = np.random.default_rng(m)
-    k, n = 3 * jit.KC + 5, 150
+    k = 3 * jit.KC + 5
     a = rng.standard_normal((m, k)).astype(np.float32)
     w = pack_panels(rng.standard_normal((k, n)).astype(np.float32))
+    assert (w.size >= jit.PREFETCH_MIN) == (n == 364)
     out, tail = np.empty((m, n), np.float32), np.empty((m, 64), np.float32)
     jit.sgemm_panels(a, w.reshape(-1), out, tail, 0, w.shape[0])
     for r in range(m):

@@ -44,6 +44,9 @@ NR = 64  # columns per panel: the packed layout (4 vectors of 16 float32)
 # L2-resident block) each 6-row tile read the panel from L2: 512 -> 128 took BERT-base from 159 to
 # 153 ms a run on one AVX-512 thread, an encoder FFN GEMM of 32 x 384 x 1536 from 0.447 to 0.389 ms.
 KC = 128
+# Weights (float32 elements, panels included) from which sgemm_panels prefetches the next block:
+# 512 KiB, a quarter of this VM's L2.
+PREFETCH_MIN = 1 << 17
 
 
 def _host_lanes() -> int:
@@ -291,15 +294,21 @@ def sgemm_panels(a, w, out, tail, p0, p1):
     (the next panel's, or the first panel's of the next ``KC`` rows) is prefetched: the weights
     come from L3 or memory, and the hardware prefetcher does not follow the jump between panels
     (BERT-base's GEMMs, 128 rows, weights cycled as a model runs them, one thread: 120 -> 140
-    GFLOP/s at 768 x 768, 124 -> 144 at 3072 x 768; MiniLM's, 32 rows: 76 -> 87)."""
+    GFLOP/s at 768 x 768, 124 -> 144 at 3072 x 768; MiniLM's, 32 rows: 76 -> 87).  Only for a
+    weight of at least ``PREFETCH_MIN`` floats: a smaller one may be in L2 already (a small model's
+    weights stay there between runs), where the hints only cost (32 x 384 x 384 on one weight
+    reused: 70 -> 77 us)."""
     m_rows, k = a.shape
     n = out.shape[1]
     full = n // NR
+    ahead = w.shape[0] >= PREFETCH_MIN
     for k0 in range(0, k, KC):
         nk = min(KC, k - k0)
         acc = 1 if k0 > 0 else 0
         for p in range(p0, p1):
-            if p + 1 < p1:
+            if not ahead:
+                nxt, nlines = -1, 0
+            elif p + 1 < p1:
                 nxt, nlines = (p + 1) * k * NR + k0 * NR, nk * NR // 16
             elif k0 + KC < k:
                 nxt, nlines = p0 * k * NR + (k0 + KC) * NR, min(KC, k - k0 - KC) * NR // 16
