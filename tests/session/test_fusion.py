@@ -1164,15 +1164,15 @@ def test_exported_attention_chain_is_one_step(case, jit_path):
 
 
 # -- sibling MatMuls: one activation, several constant weights ------------------------------------
-def sibling_model(*, with_residual: bool = False) -> bytes:
-    """x(2,5,64): Q = x @ Wq + bq, K = x @ Wk (no bias), V = Relu(x @ Wv + bv), as an exported
+def sibling_model(*, with_residual: bool = False, tokens: int = 5) -> bytes:
+    """x(2,tokens,64): Q = x @ Wq + bq, K = x @ Wk (no bias), V = Relu(x @ Wv + bv), as an exported
     attention layer's projections; Z = x @ Wz with another K (of x's transpose: never grouped);
     with ``with_residual`` also R = x @ Wr + x (a residual member: stays its own step)."""
     rng = np.random.default_rng(11)
     inits = [numpy_helper.from_array(rng.standard_normal((64, n)).astype(np.float32), name)
              for name, n in (("Wq", 64), ("Wk", 128), ("Wv", 192), ("Wr", 64))]
     inits += [numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), name) for name, n in (("bq", 64), ("bv", 192))]
-    inits.append(numpy_helper.from_array(rng.standard_normal((5, 64)).astype(np.float32), "Wz"))
+    inits.append(numpy_helper.from_array(rng.standard_normal((tokens, 64)).astype(np.float32), "Wz"))
     nodes = [helper.make_node("MatMul", ["x", "Wq"], ["q0"], name="q"), helper.make_node("Add", ["q0", "bq"], ["Q"], name="qb"),
              helper.make_node("MatMul", ["x", "Wk"], ["K"], name="k"),
              helper.make_node("MatMul", ["x", "Wv"], ["v0"], name="v"), helper.make_node("Add", ["v0", "bv"], ["v1"], name="vb"),
@@ -1182,27 +1182,29 @@ def sibling_model(*, with_residual: bool = False) -> bytes:
     if with_residual:
         nodes += [helper.make_node("MatMul", ["x", "Wr"], ["r0"], name="r"), helper.make_node("Add", ["r0", "x"], ["R"], name="rres")]
         outs.append("R")
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [2, 5, 64])],
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [2, tokens, 64])],
                               [helper.make_tensor_value_info(o, F, None) for o in outs], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
 
 
 @pytest.mark.usefixtures("panels_on")
+@pytest.mark.parametrize("tokens", [5, 40], ids=["10-rows", "80-rows"])
 @pytest.mark.parametrize("threads", ["1", "2"])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["qkv", "qkv-and-residual"])
-def test_sibling_matmuls_run_as_one_group(with_residual, threads, tmp_path, monkeypatch):
+def test_sibling_matmuls_run_as_one_group(with_residual, threads, tokens, tmp_path, monkeypatch):
     """The projections of one activation by constant weights of one K run as one step (one GEMM
     over all their panels, one split), each with its own bias and activations; a member with a
     residual, and a MatMul of another K, stay their own steps.  The outputs are the ungrouped
     steps' bits (every element the same sum), onnxruntime's within float32 rounding, the same
-    warm from the saved packs (mapped, nothing packed), on one thread and two."""
+    warm from the saved packs (mapped, nothing packed), on one thread and two (with 80 rows the
+    GEMMs split by rows, with 10 by panels), two threads giving one thread's bits."""
     from onnxpack.session import _fusion
     from onnxpack.session.kernels import _act
 
     monkeypatch.setenv("ONNXPACK_NUM_THREADS", threads)
     monkeypatch.setattr(_act, "_SPLIT_MACS", 1)  # split even these small products
-    model = sibling_model(with_residual=with_residual)
-    feed = {"x": RNG.standard_normal((2, 5, 64)).astype(np.float32)}
+    model = sibling_model(with_residual=with_residual, tokens=tokens)
+    feed = {"x": RNG.standard_normal((2, tokens, 64)).astype(np.float32)}
     src = tmp_path / "siblings.onnx"
     src.write_bytes(model)
     with onnxpack.InferenceSession(str(src)) as s:
@@ -1217,6 +1219,11 @@ def test_sibling_matmuls_run_as_one_group(with_residual, threads, tmp_path, monk
             ungrouped = s.run(None, feed)
     for g, u in zip(got, ungrouped):
         _same_bits(g, u)
+    with monkeypatch.context() as one:
+        one.setenv("ONNXPACK_NUM_THREADS", "1")
+        with onnxpack.InferenceSession(str(src)) as s:
+            for g, u in zip(got, s.run(None, feed)):
+                _same_bits(g, u)
     for g, w in zip(got, _ort(model, feed)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
     out = tmp_path / "siblings.opt.onnx"
