@@ -255,17 +255,11 @@ class _Compiler:
             read = {n for step in steps for n in (*step.args, *step.implicit) if n} | set(output_names)
             for n, v in folded.items():
                 if n in read:
-                    try:
-                        value = v()
-                        # Read-only: a graph output that folded is copied for the user (to_user)
-                        # instead of handing out a view that would change every later run.
-                        value.setflags(write=False)
-                        constants[n] = value
-                    except OnnxpackError:
-                        raise
-                    except Exception as exc:  # e.g. a Reshape of a weight to a shape numpy cannot hold
-                        raise InvalidGraph(f"graph {name!r}: constant {n!r} (computed from the model's weights) "
-                                           f"cannot be computed: {type(exc).__name__}: {exc}") from exc
+                    value = _compute_folded(v, n, None, name)
+                    # Read-only: a graph output that folded is copied for the user (to_user)
+                    # instead of handing out a view that would change every later run.
+                    value.setflags(write=False)
+                    constants[n] = value
         return Plan(
             name=name, path=scope.path, input_names=tuple(input_names), output_names=tuple(output_names),
             constants=constants, steps=schedule(steps, input_names, output_names, constants),
@@ -289,7 +283,7 @@ class _Compiler:
         for i, name in enumerate(step.inputs):
             if not name or i in packed or name not in folded:
                 continue
-            value = folded[name]()
+            value = _compute_folded(folded[name], name, step.node)
             if value.dtype.kind not in "fc":
                 continue  # shapes, axes, indices: nothing to pack
             info = TensorInfo(name, value.dtype, tuple(value.shape), np_dtype_to_tensor_dtype(value.dtype))
@@ -575,6 +569,21 @@ class _Unbound:
         self.inputs = inputs
         self.outputs = outputs
         self.implicit = implicit
+
+
+def _compute_folded(compute: Callable[[], np.ndarray], name: str, node: NodeProto | None,
+                    graph: str | None = None) -> np.ndarray:
+    """A folded constant's value; anything but an onnxpack error computing it (a Reshape of a
+    weight to a shape numpy cannot hold, a hostile chain's dequantization) is the model's
+    InvalidGraph, naming the constant and its reader or graph."""
+    try:
+        return compute()
+    except OnnxpackError:
+        raise
+    except Exception as exc:
+        where = f"graph {graph!r}" if node is None else f"node {node.name!r} ({node.op_type})"
+        raise InvalidGraph(f"{where}: constant {name!r} (computed from the model's weights) cannot be computed: "
+                           f"{type(exc).__name__}: {exc}") from exc
 
 
 def _all_folded(step: Step, folded: Mapping[str, Any]) -> bool:

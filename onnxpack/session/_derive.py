@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from onnxpack.errors import InvalidGraph, OnnxpackError
 from onnxpack.graph._proto import (
     AttributeProto, NodeProto, TensorProto, get_attribute_value, np_dtype_to_tensor_dtype, tensor_dtype_to_np_dtype,
 )
@@ -119,10 +120,18 @@ class Derivation:
         return h.digest()
 
     def compute(self, leaf: np.ndarray) -> np.ndarray:
-        """The value, from the leaf weight's value."""
+        """The value, from the leaf weight's value.  What a hostile chain makes numpy raise here
+        (at creation: the value is being packed or folded) is the model's InvalidGraph."""
         x = self._prev.compute(leaf) if self._prev is not None else leaf
-        args = [None if w is None else w.value() for w in self._values]
-        return np.asarray(self.kernel().run(x, *args)[0])
+        try:
+            args = [None if w is None else w.value() for w in self._values]
+            return np.asarray(self.kernel().run(x, *args)[0])
+        except OnnxpackError:
+            raise
+        except Exception as exc:
+            node = self._node
+            raise InvalidGraph(f"node {node.name!r} ({node.op_type}): constant {node.output[0]!r} (computed from the "
+                               f"model's weights) cannot be computed: {type(exc).__name__}: {exc}") from exc
 
     @property
     def elem_type(self) -> int:

@@ -252,3 +252,29 @@ def test_a_folded_graph_output_is_copied_for_the_user():
     got = sess.run(None, {"x": x})[0]
     got[...] = 7  # the user's array: writing it must not change what later runs return
     np.testing.assert_array_equal(sess.run(None, {"x": x})[0], [2, 3])
+
+
+@pytest.mark.parametrize("reader", ["Add", "Gemm"], ids=["read-unpacked", "offered-for-packing"])
+def test_a_folded_constant_that_cannot_be_computed_is_the_models_error(reader, monkeypatch):
+    """A small computed constant (a dequantized weight) is computed at creation: whatever its
+    computation raises that is not onnxpack's own error (numpy's, on a hostile chain) comes out
+    as InvalidGraph naming the constant, both where a step reads it unpacked and where the
+    compile step first offers it to its reader's packing."""
+    from onnxpack.errors import InvalidGraph
+    from onnxpack.session.kernels import qdq
+
+    def broken(self, *args):
+        raise ValueError("operands could not be broadcast")
+    monkeypatch.setattr(qdq.DequantizeLinear, "run", broken)
+    inits = [numpy_helper.from_array(np.ones((4, 6), np.int8), "W"), numpy_helper.from_array(np.float32(0.5), "S"),
+             numpy_helper.from_array(np.int8(0), "Z")]
+    nodes = [helper.make_node("DequantizeLinear", ["W", "S", "Z"], ["w"])]
+    if reader == "Add":
+        nodes.append(helper.make_node("Add", ["x", "w"], ["y"], name="reader"))
+    else:  # Gemm with transB: a pack it declines for the derived weight's layout is still offered the value
+        nodes.append(helper.make_node("Gemm", ["x", "w"], ["y"], name="reader", transA=1))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [4, 6])],
+                              [helper.make_tensor_value_info("y", F, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8).SerializeToString()
+    with pytest.raises(InvalidGraph, match="constant 'w' .*cannot be computed: ValueError"):
+        onnxpack.InferenceSession(model)
