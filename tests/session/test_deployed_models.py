@@ -18,7 +18,8 @@ which onnxruntime computes exactly on every x86 CPU: ``quant_util.ort_exact``):
 
 * onnx's light squeezenet quantized by ``onnxruntime.quantization`` in every mode (static QDQ per
   tensor and per channel, QOperator, dynamic), light resnet50 static QDQ per channel (real random
-  weights: models/build.py), and the sample models (mlp, cnn, transformer) QDQ/QOperator/dynamic;
+  weights: models/build.py), and the sample models (mlp, cnn, transformer) QDQ/QOperator/dynamic
+  and QDQ with float weights behind Q/DQ pairs (``AddQDQPairToWeight``);
   calibration: 2 seeded random batches.  Static models end in a DequantizeLinear (then maybe
   float ops): within one quantization step of that DequantizeLinear; QDQ Convs and MatMuls run in
   float between Q/DQ pairs, in another summation order, which can move a code by one and the
@@ -183,8 +184,10 @@ def quantize(src: str, out: str, mode: str, feeds: dict) -> None:
         quantization.quantize_dynamic(src, out)
         return
     fmt = quantization.QuantFormat.QOperator if mode == "qop" else quantization.QuantFormat.QDQ
+    # qdq-weightpair: float weights behind a Q -> DQ pair each (AddQDQPairToWeight), per channel
+    extra = {"AddQDQPairToWeight": True} if mode == "qdq-weightpair" else {}
     quantization.quantize_static(src, out, _Reader(_calibration(feeds)), quant_format=fmt,
-                                 per_channel=mode == "qdq-channel")
+                                 per_channel=mode in ("qdq-channel", "qdq-weightpair"), extra_options=extra)
 
 
 def _output_steps(model: onnx.ModelProto) -> list[float | None]:
@@ -205,7 +208,7 @@ def _output_steps(model: onnx.ModelProto) -> list[float | None]:
 
 QUANT_CASES = [("light_squeezenet", m) for m in ("qdq", "qdq-channel", "qop", "dynamic")]
 QUANT_CASES += [("light_resnet50", "qdq-channel")]
-QUANT_CASES += [(s, m) for s in ("mlp", "cnn", "transformer") for m in ("qdq", "qop", "dynamic")]
+QUANT_CASES += [(s, m) for s in ("mlp", "cnn", "transformer") for m in ("qdq", "qop", "dynamic", "qdq-weightpair")]
 
 
 @pytest.mark.parametrize("name,mode", QUANT_CASES, ids=[f"{n.removeprefix('light_')}-{m}" for n, m in QUANT_CASES])
