@@ -585,7 +585,7 @@ def group_sibling_matmuls(nodes: Sequence[NodeProto], fusions: list[Fusion], tak
         if k in taken or node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
             continue
         ins = node.input[:]
-        if len(ins) == 2 and ins[0] and ins[1] != ins[0] and sole_output(node) and len(node.output) == 1:
+        if len(ins) == 2 and ins[0] and sole_output(node) and len(node.output) == 1:
             by_a.setdefault(ins[0], []).append((k, None, node))
     grouped: set[int] = set()  # ids of the member fusions
     groups: list[Fusion] = []

@@ -281,6 +281,9 @@ def jit_possible() -> bool:
 
 # GEMMs below this many multiply-adds are never split (a thread hand-off costs ~10-20 us).
 _SPLIT_MACS = 1 << 21
+# Row-wise JIT passes (epilogues, normalizations, softmax) over fewer elements than this run on
+# one thread; from it their SplitTuner decides.
+SPLIT_ELEMENTS = 1 << 16
 _ROW_SPLIT_M = 256  # from this many rows of A a GEMM splits by rows (see matmul)
 
 

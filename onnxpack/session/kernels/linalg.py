@@ -448,8 +448,6 @@ class Gemm(Kernel):
         return (y,)
 
 
-# Rows of a fused MatMul's output below which its epilogue runs on one thread.
-_PARALLEL_ELEMENTS = 1 << 16
 _EMPTY1 = np.zeros(0, np.float32)
 _EMPTY2 = np.zeros((0, 0), np.float32)
 
@@ -519,7 +517,7 @@ class FusedMatMul(MatMul):
         pcodes, pparams = _act.encode(post)
         r2 = _EMPTY2 if res is None else np.ascontiguousarray(res, dtype=np.float32).reshape(y2.shape)
         args = (y2, _EMPTY1 if bias is None else bias, codes, params, r2, pcodes, pparams)
-        threads = _act.threads() if y.size >= _PARALLEL_ELEMENTS else 1
+        threads = _act.threads() if y.size >= _act.SPLIT_ELEMENTS else 1
         _act.tuner(("rows_act", y2.shape, codes.shape[0], r2.shape[0] > 0)).run(
             lambda lo, hi: jit.rows_act(*args, lo, hi), y2.shape[0], threads)
         return y

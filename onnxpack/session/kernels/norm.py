@@ -114,10 +114,6 @@ class GroupNormalization(Kernel):
         return (_f(y, x.dtype),)
 
 
-# Elements of a BatchNormalization's input from which its fused pass splits over the threads.
-_PARALLEL_ELEMENTS = 1 << 16
-
-
 @register("BatchNormalization", since=1)
 class BatchNormalization(Kernel):
     """Batch normalization for every opset: inference mode, and the training mode of opsets 7-13.
@@ -182,7 +178,7 @@ class BatchNormalization(Kernel):
         codes, params = _act.encode(acts)
         a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
         rows = x3.shape[0] * x3.shape[1]
-        threads = _act.threads() if x.size >= _PARALLEL_ELEMENTS else 1
+        threads = _act.threads() if x.size >= _act.SPLIT_ELEMENTS else 1
         _act.tuner(("affine_act", x3.shape, codes.shape[0])).run(
             lambda r0, r1: jit.affine_act(x3, a, b, codes, params, y3, r0, r1), rows, threads)
         return (y,)
@@ -299,7 +295,7 @@ def layer_norm_rows(x2: np.ndarray, scale: np.ndarray, bias: np.ndarray | None, 
     b = _EMPTY if bias is None else np.ascontiguousarray(bias).reshape(d)
     s = np.ascontiguousarray(scale).reshape(d)
     e = np.float32(eps)
-    threads = _act.threads() if x2.size >= (1 << 16) else 1
+    threads = _act.threads() if x2.size >= _act.SPLIT_ELEMENTS else 1
     _act.tuner(("layer_norm_rows", x2.shape)).run(lambda a, c: jit.layer_norm_rows(x2, s, b, e, y, mean, inv, a, c),
                                                   rows, threads)
     return y, mean, inv

@@ -233,7 +233,7 @@ def _softmax_jit(x: np.ndarray, axis: int, out: np.ndarray | None) -> np.ndarray
     y = np.empty(x.shape, np.float32) if out is None else out
     y2 = y.reshape(x2.shape)
     rows = x2.shape[0]
-    threads = _act.threads() if x2.size >= (1 << 16) else 1
+    threads = _act.threads() if x2.size >= _act.SPLIT_ELEMENTS else 1
     _act.tuner(("softmax_rows", x2.shape)).run(lambda a, b: jit.softmax_rows(x2, y2, a, b), rows, threads)
     return y
 
