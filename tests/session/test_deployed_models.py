@@ -581,6 +581,96 @@ def test_optimized_transformer_quantized_dynamically(path, sidecar, weight_type,
     check_deployed(out, feeds_list, _dynamic_compare(out, feeds_list), work)
 
 
+# onnxruntime's transformer optimizer with each of its switches (FusionOptions), on the committed
+# BERT export: what a user who turns one on ships.  opt_level=0: the optimizer's own fusions only
+# (its onnxruntime pre-pass imports torch).  (name, FusionOptions fields, float16 conversion:
+# None, or keep_io_types)
+_OPTIMIZER_SWITCHES = [
+    ("default", {}, None),
+    ("gelu-approximation", {"enable_gelu_approximation": True}, None),
+    ("multi-head-attention", {"use_multi_head_attention": True}, None),
+    ("raw-attention-mask", {"use_raw_attention_mask": True}, None),
+    ("mask-index-end", {"attention_mask_format": "MaskIndexEnd"}, None),
+    ("mask-as-attention-mask", {"attention_mask_format": "AttentionMask"}, None),
+    ("no-mask", {"attention_mask_format": "NoMask"}, None),
+    ("no-attention", {"disable_attention": True}, None),
+    ("no-skip-layer-norm", {"disable_skip_layer_norm": True}, None),
+    ("no-embed-layer-norm", {"disable_embed_layer_norm": True}, None),
+    ("no-bias-gelu", {"disable_bias_gelu": True}, None),
+    ("no-bias-skip-layer-norm", {"disable_bias_skip_layer_norm": True}, None),
+    ("fp16", {}, True),
+    ("fp16-io", {}, False),
+    ("fp16-fastgelu-mha", {"enable_gelu_approximation": True, "use_multi_head_attention": True}, True),
+]
+
+
+def _ort_optimize(model: str, out: str, switches: dict, fp16, heads: int = 4, hidden: int = 64) -> set[str]:
+    """``optimize_model`` (model_type bert) with ``switches`` set on its FusionOptions, then
+    ``convert_float_to_float16(keep_io_types=fp16)`` unless ``fp16`` is None; saved to ``out``.
+    Returns the com.microsoft op types of the result."""
+    from onnxruntime.transformers import optimizer
+    from onnxruntime.transformers.fusion_options import AttentionMaskFormat, FusionOptions
+
+    options = FusionOptions("bert")
+    for key, value in switches.items():
+        setattr(options, key, getattr(AttentionMaskFormat, value) if key == "attention_mask_format" else value)
+    opt = optimizer.optimize_model(model, model_type="bert", num_heads=heads, hidden_size=hidden,
+                                   optimization_options=options, opt_level=0)
+    if fp16 is not None:
+        opt.convert_float_to_float16(keep_io_types=fp16)
+    opt.save_model_to_file(out)
+    return {n.op_type for n in onnx.load(out, load_external_data=False).graph.node if n.domain == "com.microsoft"}
+
+
+def _bert_export():
+    path, sidecar = next((p, s) for p, s in SIDECARS if p.endswith("bert-tiny-export.json"))
+    return os.path.join(path[: -len(".json")], sidecar["model_file"]), sidecar
+
+
+@pytest.mark.parametrize("name,switches,fp16", _OPTIMIZER_SWITCHES, ids=[c[0] for c in _OPTIMIZER_SWITCHES])
+def test_transformer_optimizer_switches(name, switches, fp16, tmp_path):
+    """The BERT export through onnxruntime's transformer optimizer with each FusionOptions switch
+    (attention as MultiHeadAttention, the mask as raw / index / none, each fusion turned off,
+    FastGelu, float16 with float16 or float32 inputs and outputs): steps 1-5 (a sweep of these
+    switches over ten exported families, BERT's relatives, GPT-2, ViT, CLIP, T5, BART, GPT-NeoX,
+    found every one equal to onnxruntime)."""
+    model, sidecar = _bert_export()
+    out = str(tmp_path / "opt.onnx")
+    ops = _ort_optimize(model, out, switches, fp16)
+    assert ops, ops  # the optimizer fused something
+    inputs = {i.name: i.type.tensor_type.elem_type for i in onnx.load(out, load_external_data=False).graph.input}
+    feeds_list = [{k: v.astype(onnx.helper.tensor_dtype_to_np_dtype(inputs[k])) for k, v in feeds.items() if k in inputs}
+                  for feeds in _fixture_feeds(sidecar, sorted(sidecar["feeds"]))]
+    work = tmp_path / "work"
+    work.mkdir()
+    check_deployed(out, feeds_list, _float_compare(fp16 is not None), work)
+
+
+@pytest.mark.parametrize("fp16", [None, True], ids=["fp32", "fp16"])
+def test_gemm_fast_gelu(fp16, tmp_path):
+    """``enable_gemm_fast_gelu`` fuses MatMul + FastGelu into com.microsoft GemmFastGelu, which
+    onnxruntime's CPU provider cannot run: onnxpack runs it, packing W as a MatMul, and equals
+    onnxruntime on the same optimizer output without that switch (MatMul then FastGelu); the
+    saved model maps its packs warm and gives the cold outputs exactly."""
+    model, sidecar = _bert_export()
+    fused, plain = str(tmp_path / "fused.onnx"), str(tmp_path / "plain.onnx")
+    assert "GemmFastGelu" in _ort_optimize(model, fused, {"enable_gelu_approximation": True,
+                                                          "enable_gemm_fast_gelu": True}, fp16)
+    assert "FastGelu" in _ort_optimize(model, plain, {"enable_gelu_approximation": True}, fp16)
+    cold = session(fused)
+    assert not cold.get_fallback_nodes()
+    gemm_nodes = {n.name for n in onnx.load(fused, load_external_data=False).graph.node if n.op_type == "GemmFastGelu"}
+    assert gemm_nodes <= {e["node"] for e in cold.get_prepack_log()}  # W packed
+    saved = tmp_path / "saved.onnx"
+    optimize(fused, str(saved))
+    warm = session(str(saved))
+    assert warm.get_prepack_stats()["weights_packed"] == 0
+    for feeds in _fixture_feeds(sidecar, sorted(sidecar["feeds"])):
+        got = cold.run(None, feeds)
+        _float_compare(fp16 is not None)(got, ort_run(plain, feeds), "GemmFastGelu against MatMul + FastGelu")
+        _exact(warm.run(None, feeds), got, "warm")
+
+
 def _kv_specified(proto: onnx.ModelProto):
     """The rows of each ``present.*`` output that a step defines: the first ``total`` (the
     attention mask's length), or all of a window-sized cache's when ``total`` is longer (a

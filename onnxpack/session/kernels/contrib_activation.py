@@ -25,7 +25,7 @@ from onnxpack.session.kernels._erf import erf_f32
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["compute_float", "gelu_inplace", "quick_gelu_inplace", "tanh_gelu_inplace"]
+__all__ = ["compute_float", "fast_gelu", "gelu_inplace", "quick_gelu_inplace", "tanh_gelu_inplace"]
 
 _SQRT1_2 = 1.0 / math.sqrt(2.0)
 # FastGelu's constants as onnxruntime writes them: sqrt(2/pi) and 0.044715 * sqrt(2/pi).
@@ -131,18 +131,25 @@ class BiasGelu(Kernel):
         return (_out(_activate(xf, _GELU), a),)
 
 
+def fast_gelu(kernel: Kernel, x: np.ndarray, bias: np.ndarray | None, out_dtype) -> np.ndarray:
+    """FastGelu's result: the tanh-approximated GELU of ``x (+ bias)`` (bias 1-D along the last
+    axis; checked for ``kernel``'s errors) in ``out_dtype``.  ``x`` is not modified."""
+    if x.ndim == 0:
+        return fast_gelu(kernel, x.reshape(1), bias, out_dtype).reshape(())
+    xf = compute_float(x)
+    if bias is not None:
+        _check_bias(kernel, x, bias)
+        xf += bias
+    y = _activate(xf, _FAST_GELU)
+    return y if y.dtype == out_dtype else y.astype(out_dtype)
+
+
 @register("FastGelu", domain="com.microsoft", since=1)
 class FastGelu(Kernel):
     """tanh-approximated GELU of ``X (+ bias)``."""
 
     def run(self, x, bias=None):
-        if x.ndim == 0:
-            return (self.run(x.reshape(1), bias)[0].reshape(()),)
-        xf = compute_float(x)
-        if bias is not None:
-            _check_bias(self, x, bias)
-            xf += bias
-        return (_out(_activate(xf, _FAST_GELU), x),)
+        return (fast_gelu(self, x, bias, x.dtype),)
 
 
 @register("QuickGelu", domain="com.microsoft", since=1)

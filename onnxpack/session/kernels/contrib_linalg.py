@@ -1,5 +1,6 @@
 """com.microsoft::FusedMatMul: ``alpha * op(A) @ op(B)``, a MatMul with Transposes and a scale
-folded in by onnxruntime's optimizer.
+folded in by onnxruntime's optimizer; FusedGemm (Gemm + activation); GemmFastGelu (MatMul +
+FastGelu, see :class:`GemmFastGelu`).
 
 ``op`` first applies ``transBatch`` (the first axis moves behind the other batch axes, to
 position ``rank - 2``: ``(d0, d1, .., d_{r-2}, d_{r-1}) -> (d1, .., d_{r-2}, d0, d_{r-1})``),
@@ -20,12 +21,14 @@ import numpy as np
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
-from onnxpack.session.kernels.linalg import (Gemm, adopt_pack, as_compute, compute_dtype, identity_panels, layout_attrs,
-                                             matmul_packed, pack_b, pack_scaled_b, packed_shape)
+from onnxpack.session.kernels.contrib_activation import fast_gelu
+from onnxpack.session.kernels.linalg import (Gemm, MatMul, _batched, adopt_pack, as_compute, compute_dtype,
+                                             identity_panels, layout_attrs, matmul_packed, pack_b, pack_scaled_b,
+                                             packed_shape)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FusedMatMul"]
+__all__ = ["FusedMatMul", "GemmFastGelu"]
 
 _PACK_VERSION = 2  # 2: a float32 B of >= 64 columns is panels (linalg.pack_b)
 
@@ -121,3 +124,35 @@ class FusedMatMul(Kernel):
                 f"{list(b.shape) if b is not None else [self._b.shape[-2], self._n]} do not multiply ({exc})"
             ) from None
         return (y if y.dtype == a.dtype else y.astype(a.dtype),)
+
+
+@register("GemmFastGelu", domain="com.microsoft", since=1)
+class GemmFastGelu(MatMul):
+    """``FastGelu(X @ W + bias)`` (bias optional, 1-D along the last axis): what onnxruntime's
+    transformer optimizer writes for a MatMul followed by FastGelu with
+    ``FusionOptions.enable_gemm_fast_gelu`` (meant for its GPU providers: its CPU provider has no
+    kernel for it).  ``W`` is packed as MatMul packs it (same key: the same bytes); the product
+    stays in the compute dtype until after the activation, so a float16 model rounds once.
+    """
+
+    op_type = "GemmFastGelu"
+
+    def run(self, x, w=None, bias=None):  # type: ignore[override]
+        if compute_dtype(x.dtype) is None:
+            raise InvalidArgument(f"node {self.node.name!r} (GemmFastGelu): unsupported input dtype {x.dtype}")
+        if x.ndim == 0 or (w is not None and w.ndim == 0):
+            raise InvalidArgument(f"node {self.node.name!r} (GemmFastGelu): inputs must not be scalars")
+        try:
+            if self._b is not None:
+                y = matmul_packed(self._packed_a(x), self._b, self._n)
+            else:
+                y = _batched(as_compute(x), as_compute(w))
+        except ValueError as exc:
+            raise InvalidArgument(
+                f"node {self.node.name!r} (GemmFastGelu): shapes {list(x.shape)} and "
+                f"{list(w.shape) if w is not None else [self._b.shape[-2], self._n]} do not multiply ({exc})"
+            ) from None
+        return (fast_gelu(self, y, bias, x.dtype),)
+
+    def run_into(self, outs, x, w=None, bias=None) -> bool:
+        return False  # run computes it (the activation reads the product)
