@@ -240,7 +240,8 @@ def test_panel_gemm_rows_do_not_depend_on_their_tile(m, n):
     """Each output row is its own chain of fused multiply-adds over K in order, whichever tile
     (6, 4, 2 or 1 rows) computes it and whether the kernel prefetches meanwhile (a weight from
     PREFETCH_MIN floats): a row alone gives the bits it has among others (K over three KC
-    blocks, a narrow last panel)."""
+    blocks, a narrow last panel).  Up to six short rows (``SMALL_A``) run each panel over all of K
+    at once: the same bits again, alone and three at a time."""
     from onnxpack.session.kernels import _act
     from onnxpack.session.kernels.linalg import pack_panels
 
@@ -258,6 +259,11 @@ def test_panel_gemm_rows_do_not_depend_on_their_tile(m, n):
         one, t1 = np.empty((1, n), np.float32), np.empty((1, 64), np.float32)
         jit.sgemm_panels(a[r:r + 1].copy(), w.reshape(-1), one, t1, 0, w.shape[0])
         np.testing.assert_array_equal(one[0].view(np.uint32), out[r].view(np.uint32))
+    assert 3 * k <= jit.SMALL_A
+    for r in range(0, m - 2, 3):
+        three, t3 = np.empty((3, n), np.float32), np.empty((3, 64), np.float32)
+        jit.sgemm_panels(a[r:r + 3].copy(), w.reshape(-1), three, t3, 0, w.shape[0])
+        np.testing.assert_array_equal(three.view(np.uint32), out[r:r + 3].view(np.uint32))
 
 
 @pytest.mark.parametrize("case", [("3d", (2, 5, 40), (40, 128), {}), ("vec", (40,), (40, 192), {}),

@@ -47,6 +47,13 @@ KC = 128
 # Weights (float32 elements, panels included) from which sgemm_panels prefetches the next block:
 # 512 KiB, a quarter of this VM's L2.
 PREFETCH_MIN = 1 << 17
+# At most this many floats of ``a`` (and at most 6 rows: one tile) make sgemm_panels run each panel
+# over all of K at once, in storage order: half of L1, so the rows stay there while the panel
+# streams through (one tile reads each block once, so the KC blocks bought no reuse; they only
+# made the weight stream jump between panels).  Weights cycled as a model runs them, one thread:
+# a GEMV (M = 1) 1280 x 1000 268 -> 206 us, 2048 x 1000 436 -> 341; 4 rows x 1280 292 -> 233,
+# 6 x 768 x 768 150 -> 109; with 4 rows of K = 2048 (32 KB) 496 -> 531, 6 x 2048 611 -> 751.
+SMALL_A = 6144
 
 
 def _host_lanes() -> int:
@@ -297,27 +304,36 @@ def sgemm_panels(a, w, out, tail, p0, p1):
     GFLOP/s at 768 x 768, 124 -> 144 at 3072 x 768; MiniLM's, 32 rows: 76 -> 87).  Only for a
     weight of at least ``PREFETCH_MIN`` floats: a smaller one may be in L2 already (a small model's
     weights stay there between runs), where the hints only cost (32 x 384 x 384 on one weight
-    reused: 70 -> 77 us)."""
+    reused: 70 -> 77 us).  A few short rows (``SMALL_A``) take each panel whole instead."""
     m_rows, k = a.shape
     n = out.shape[1]
     full = n // NR
     ahead = w.shape[0] >= PREFETCH_MIN
-    for k0 in range(0, k, KC):
-        nk = min(KC, k - k0)
-        acc = 1 if k0 > 0 else 0
+    if m_rows <= 6 and m_rows * k <= SMALL_A:
+        # One tile holds every row: each panel whole, panel after panel (see SMALL_A); the same
+        # chain of multiply-adds per output as the blocks below, so the same bits.
         for p in range(p0, p1):
-            if not ahead:
-                nxt, nlines = -1, 0
-            elif p + 1 < p1:
-                nxt, nlines = (p + 1) * k * NR + k0 * NR, nk * NR // 16
-            elif k0 + KC < k:
-                nxt, nlines = p0 * k * NR + (k0 + KC) * NR, min(KC, k - k0 - KC) * NR // 16
-            else:
-                nxt, nlines = -1, 0
             if p < full:
-                _rows(out, p * NR, n, w, p * k * NR + k0 * NR, NR, a, k0, nk, acc, nxt, nlines)
+                _rows(out, p * NR, n, w, p * k * NR, NR, a, 0, k, 0, -1, 0)
             else:
-                _rows(tail, 0, NR, w, p * k * NR + k0 * NR, NR, a, k0, nk, acc, nxt, nlines)
+                _rows(tail, 0, NR, w, p * k * NR, NR, a, 0, k, 0, -1, 0)
+    else:
+        for k0 in range(0, k, KC):
+            nk = min(KC, k - k0)
+            acc = 1 if k0 > 0 else 0
+            for p in range(p0, p1):
+                if not ahead:
+                    nxt, nlines = -1, 0
+                elif p + 1 < p1:
+                    nxt, nlines = (p + 1) * k * NR + k0 * NR, nk * NR // 16
+                elif k0 + KC < k:
+                    nxt, nlines = p0 * k * NR + (k0 + KC) * NR, min(KC, k - k0 - KC) * NR // 16
+                else:
+                    nxt, nlines = -1, 0
+                if p < full:
+                    _rows(out, p * NR, n, w, p * k * NR + k0 * NR, NR, a, k0, nk, acc, nxt, nlines)
+                else:
+                    _rows(tail, 0, NR, w, p * k * NR + k0 * NR, NR, a, k0, nk, acc, nxt, nlines)
     if p1 > full:
         c0 = full * NR
         for r in range(m_rows):
