@@ -225,6 +225,25 @@ def test_pool_1d_and_3d_match_onnxruntime(op):
         assert_close(run_native(node, [x], OPSET), run_ort(node, [x], OPSET, optimize=False), np.float32)
 
 
+@pytest.mark.parametrize("shape,attrs", [
+    ((1, 64, 7, 7), dict(kernel_shape=[7, 7])),  # resnet's last pool
+    ((2, 3, 4, 5), dict(kernel_shape=[4, 5], strides=[2, 2], count_include_pad=1)),
+    ((2, 3, 6), dict(kernel_shape=[6])),
+    ((1, 2, 3, 4, 5), dict(kernel_shape=[3, 4, 5])),
+    ((1, 2, 5, 5), dict(kernel_shape=[5, 5], pads=[1, 1, 1, 1])),  # padded: the general path
+    ((1, 2, 5, 5), dict(kernel_shape=[5, 5], ceil_mode=1, strides=[2, 2])),
+], ids=["7x7", "strided-incl", "1d", "3d", "padded", "ceil"])
+def test_average_pool_over_whole_planes_matches_onnxruntime(shape, attrs):
+    """An AveragePool whose one window is each whole plane (a global average written as a pool)
+    takes the row-sum GEMV: onnxruntime's values, NaN and inf where a plane holds them."""
+    x = np.random.default_rng(11).standard_normal(shape).astype(np.float32)
+    x.reshape(-1)[[3, 40 % x.size]] = np.nan, np.inf
+    node = make_node("AveragePool", ["x"], ["y"], **attrs)
+    got, want = run_native(node, [x], 19), run_ort(node, [x], 19, optimize=False)
+    assert got[0].shape == want[0].shape
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("op", ["GlobalAveragePool", "GlobalMaxPool"])
 @pytest.mark.parametrize("shape", [(2, 3, 5, 6), (1, 4, 7), (1, 2, 3, 4, 5)], ids=["2d", "1d", "3d"])
