@@ -1024,7 +1024,18 @@ def maxpool2d(x, y, kh, kw, sh, sw, dh, dw, ph, pw, zero):
         return
     n_, c_, h_, w_ = x.shape
     oh_, ow_ = y.shape[2], y.shape[3]
-    row = np.empty(w_, np.float32)
+    # The window rows' maximum goes to ``row``, a view into ``prow``: the row between -inf borders
+    # of ``pw`` floats before and enough after for the last window, so the column pass below is
+    # kw shifted passes (vectorized, no bounds per tap) over the span the windows start in, then
+    # every ``sw``-th of them.  (A loop over each output's taps with bounds checks ran ~1.5 ns a
+    # tap: resnet's 3x3 stride-2 pool of 64 x 112x112 0.95 -> 0.32 ms.)
+    span = (ow_ - 1) * sw + 1
+    width = max(pw + w_, span + (kw - 1) * dw)
+    prow = np.empty(width, np.float32)
+    for j in range(width):
+        prow[j] = _NEG_INF
+    row = prow[pw:pw + w_]
+    cm = np.empty(span, np.float32)
     for nc in range(n_ * c_):
         n = nc // c_
         c = nc - n * c_
@@ -1056,15 +1067,16 @@ def maxpool2d(x, y, kh, kw, sh, sw, dh, dw, ph, pw, zero):
                     b = row[2 * ow + 1]
                     dst[ow] = (a if (a >= b or a != a) else b) - zero
                 continue
+            for i in range(span):
+                cm[i] = prow[i]
+            for t in range(1, kw):
+                src = prow[t * dw:t * dw + span]
+                for i in range(span):
+                    a = cm[i]
+                    b = src[i]
+                    cm[i] = (a if (a >= b or a != a) else b) - zero
             for ow in range(ow_):
-                q = ow * sw - pw
-                m = _NEG_INF
-                for t in range(kw):
-                    j = q + t * dw
-                    if j >= 0 and j < w_:
-                        v = row[j]
-                        m = m if (m >= v or m != m) else v
-                dst[ow] = m
+                dst[ow] = cm[ow * sw]
 
 
 @njit(inline="always", error_model="numpy")

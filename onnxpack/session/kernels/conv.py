@@ -122,7 +122,7 @@ _EMPTY1 = np.zeros(0, np.float32)
 # 2-D float32 MaxPools without indices whose windows span several rows run the JIT's maxpool2d
 # (its "zero" argument is this 0.0): measured one thread, kernel vs numpy's padded copy and
 # separable passes, the wake-word 2x2 stride-2 pool of 16 x 24 x 72x32 0.22 vs 0.59 ms, 2x2 over
-# 32 x 160x160 0.10 vs 0.40, resnet's 3x3 stride 2 over 64 x 112x112 0.88 vs 1.06, YOLOv8n's
+# 32 x 160x160 0.10 vs 0.40, resnet's 3x3 stride 2 over 64 x 112x112 0.37 vs 1.06, YOLOv8n's
 # 5x5 over 128 x 10x10 0.095 vs 0.12.  Pools of one row (1x2) keep numpy (0.24 vs 0.20 ms).
 _F32_ZERO = np.float32(0.0)
 # Depthwise convs of at least this many multiply-adds split their planes over the BLAS's
