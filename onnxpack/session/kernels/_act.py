@@ -386,11 +386,15 @@ def parallel(fn, count: int, threads: int) -> None:
     """``fn(start, stop)`` over ``[0, count)`` on up to ``threads`` threads (the caller's and pool
     threads; the JIT kernels release the GIL).
 
-    Work is cut into ``4 * threads`` chunks taken from a shared counter, and the caller works
+    Work is cut into ``2 * threads`` chunks taken from a shared counter, and the caller works
     too: when another process holds the other core and a pool thread is not scheduled, the
     caller simply takes every chunk instead of waiting for a fixed share (a static split, as
     OpenBLAS does, waits a whole scheduler slice there).  The caller waits only for chunks a pool
-    thread has started.
+    thread has started.  Each chunk's Python (claiming it, calling ``fn``) takes the GIL, and a
+    thread that waits for the GIL sleeps and is woken through the other vCPU (~15-40 us here):
+    with ``4 * threads`` chunks a 40 us kernel took ~104 us on two threads, with ``2 * threads``
+    ~48 us (a 145 us one 110 -> 108, a 575 us one 390 -> 366; one chunk per thread gained nothing
+    more, and would leave the caller a whole share to redo when a helper is descheduled).
 
     The pool is plain threads reading one queue (:class:`_Pool`), the bookkeeping one uncontended
     lock: on this project's 2-core VM each futex wake costs ~15-40 us (the other vCPU halts when
@@ -407,7 +411,7 @@ def parallel(fn, count: int, threads: int) -> None:
     pool = _Pool.get()
     spin = pool.spinner()
     helpers = threads - 1
-    chunks = min(count, 4 * threads)
+    chunks = min(count, 2 * threads)
     bounds = [count * k // chunks for k in range(chunks + 1)]
     mutex = threading.Lock()
     done = threading.Lock()
