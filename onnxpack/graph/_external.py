@@ -347,9 +347,21 @@ class DataFiles:
         loc = ExternalLocation(location, mapped.path, offset, length, mapped.file_id)
         return loc, mapped.buffer
 
+    def _mapped(self) -> tuple[_MappedFile, ...]:
+        """Every mapping once, from a snapshot of the table taken in one step.
+
+        Another session's thread may call :meth:`check` (sessions sharing packed blobs through a
+        container each guard the files the blobs map, see ``PrePackedWeights.check_source``)
+        while this model's own thread closes it: iterating the table itself there raised
+        "dictionary changed size during iteration" in the other session's run (seen in CI:
+        eight threads creating, running and closing sessions on one container).  ``tuple()`` of
+        a dict's values is built without running Python code, so no other thread can change the
+        table in between."""
+        return tuple({id(m): m for m in tuple(self._files.values())}.values())
+
     def paths(self) -> set[str]:
         """Real paths of every data file mapped so far."""
-        return {m.path for m in self._files.values()}
+        return {m.path for m in self._mapped()}
 
     def identity(self, location: str) -> tuple[int, ...] | None:
         """:func:`stat_identity` of the mapped file ``location`` when it was opened (None if not
@@ -361,7 +373,7 @@ class DataFiles:
         """Raises ExternalDataError if a mapped file was truncated or rewritten since it was
         mapped (one ``fstat`` per file): reading a truncated mapping kills the process with
         SIGBUS, and a rewritten one gives other weights than the ones loaded."""
-        for m in {id(m): m for m in self._files.values()}.values():
+        for m in self._mapped():
             m.check()
 
     def close(self) -> None:
@@ -371,7 +383,7 @@ class DataFiles:
         and closing a mapping under a live view would crash the process.  The OS unmaps each file
         once the last view is garbage-collected.
         """
-        for m in {id(m): m for m in self._files.values()}.values():
+        for m in self._mapped():
             m.close()
         self._files.clear()
         self._closed = True

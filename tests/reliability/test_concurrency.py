@@ -72,6 +72,55 @@ def test_threads_sharing_one_container(bases, tmp_path, sample):
     assert n == THREADS * 4
 
 
+def test_file_checks_from_other_threads_while_the_table_changes():
+    """A session guards the data files its shared blobs map, which another session (another
+    thread) may be closing: ``DataFiles.check`` / ``paths`` must not iterate the file table while
+    it changes.  With the interpreter switching threads every microsecond, the table rewritten in
+    one thread and checked in another; iterating the table itself raised "dictionary changed size
+    during iteration" here within a few thousand checks (and once in CI, in
+    test_threads_sharing_one_container)."""
+    import sys
+    import threading
+
+    from onnxpack.graph._external import DataFiles, _MappedFile
+
+    files = DataFiles(None)
+    mapped = [_MappedFile(f"/nowhere/{i}", 0, (0, i, 0, 0), None, -1) for i in range(64)]
+    for i, m in enumerate(mapped):
+        files._files[f"l{i}"] = m
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def rewrite():
+        i = 0
+        while not stop.is_set():
+            key = f"l{i % 64}"
+            m = files._files.pop(key, None)
+            files._files[key] = m if m is not None else mapped[i % 64]
+            i += 1
+
+    def check():
+        try:
+            for _ in range(20000):
+                files.check()
+                assert files.paths() <= {m.path for m in mapped}
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        writer, reader = threading.Thread(target=rewrite), threading.Thread(target=check)
+        writer.start()
+        reader.start()
+        reader.join()
+        stop.set()
+        writer.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+
+
 def run_processes(bases: dict, folder: str, processes: int, repeats: int) -> tuple[int, set[str], int]:
     """``processes`` spawned processes share one optimized model and one (initially absent) cache
     file; returns (sessions run, distinct output digests, cache entries)."""
