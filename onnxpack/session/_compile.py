@@ -36,7 +36,7 @@ from onnxpack.graph import Model, Scope
 from onnxpack.graph._proto import AttributeProto, NodeProto, TensorProto, np_dtype_to_tensor_dtype
 from onnxpack.prepack import PackSources, PrepackedWeightsContainer, WeightRef
 from onnxpack.session._api import declared_dim
-from onnxpack.session._derive import derive
+from onnxpack.session._derive import compute_constant, derive
 from onnxpack.session._fold import fold_constants
 from onnxpack.session._api import override_dims
 from onnxpack.session._fusion import ConstMeta, Fusion, apply_fusions, inputs_index, nodes_with_index, plan_fusions
@@ -255,7 +255,7 @@ class _Compiler:
             read = {n for step in steps for n in (*step.args, *step.implicit) if n} | set(output_names)
             for n, v in folded.items():
                 if n in read:
-                    value = _compute_folded(v, n, None, name)
+                    value = compute_constant(v, n, f"graph {name!r}")
                     # Read-only: a graph output that folded is copied for the user (to_user)
                     # instead of handing out a view that would change every later run.
                     value.setflags(write=False)
@@ -283,7 +283,7 @@ class _Compiler:
         for i, name in enumerate(step.inputs):
             if not name or i in packed or name not in folded:
                 continue
-            value = _compute_folded(folded[name], name, step.node)
+            value = compute_constant(folded[name], name, f"node {step.node.name!r} ({step.node.op_type})")
             if value.dtype.kind not in "fc":
                 continue  # shapes, axes, indices: nothing to pack
             info = TensorInfo(name, value.dtype, tuple(value.shape), np_dtype_to_tensor_dtype(value.dtype))
@@ -569,21 +569,6 @@ class _Unbound:
         self.inputs = inputs
         self.outputs = outputs
         self.implicit = implicit
-
-
-def _compute_folded(compute: Callable[[], np.ndarray], name: str, node: NodeProto | None,
-                    graph: str | None = None) -> np.ndarray:
-    """A folded constant's value; anything but an onnxpack error computing it (a Reshape of a
-    weight to a shape numpy cannot hold, a hostile chain's dequantization) is the model's
-    InvalidGraph, naming the constant and its reader or graph."""
-    try:
-        return compute()
-    except OnnxpackError:
-        raise
-    except Exception as exc:
-        where = f"graph {graph!r}" if node is None else f"node {node.name!r} ({node.op_type})"
-        raise InvalidGraph(f"{where}: constant {name!r} (computed from the model's weights) cannot be computed: "
-                           f"{type(exc).__name__}: {exc}") from exc
 
 
 def _all_folded(step: Step, folded: Mapping[str, Any]) -> bool:

@@ -123,19 +123,31 @@ class Derivation:
         """The value, from the leaf weight's value.  What a hostile chain makes numpy raise here
         (at creation: the value is being packed or folded) is the model's InvalidGraph."""
         x = self._prev.compute(leaf) if self._prev is not None else leaf
-        try:
+        node = self._node
+
+        def run() -> np.ndarray:
             args = [None if w is None else w.value() for w in self._values]
             return np.asarray(self.kernel().run(x, *args)[0])
-        except OnnxpackError:
-            raise
-        except Exception as exc:
-            node = self._node
-            raise InvalidGraph(f"node {node.name!r} ({node.op_type}): constant {node.output[0]!r} (computed from the "
-                               f"model's weights) cannot be computed: {type(exc).__name__}: {exc}") from exc
+
+        return compute_constant(run, node.output[0], f"node {node.name!r} ({node.op_type})")
 
     @property
     def elem_type(self) -> int:
         return np_dtype_to_tensor_dtype(self.dtype)
+
+
+def compute_constant(compute: Callable[[], np.ndarray], name: str, where: str) -> np.ndarray:
+    """``compute()``, a constant computed from the model's weights at creation (a derived value
+    being packed, a folded step's value); anything but an onnxpack error it raises (a hostile
+    chain's dequantization, a Reshape of a weight to a shape numpy cannot hold) is the model's
+    InvalidGraph, naming the constant and ``where`` (its node or graph)."""
+    try:
+        return compute()
+    except OnnxpackError:
+        raise
+    except Exception as exc:
+        raise InvalidGraph(f"{where}: constant {name!r} (computed from the model's weights) cannot be computed: "
+                           f"{type(exc).__name__}: {exc}") from exc
 
 
 def derive(node: NodeProto, weight_of: Callable[[str], WeightRef | None], opsets: dict[str, int]) -> WeightRef | None:

@@ -22,9 +22,8 @@ import numpy as np
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
 from onnxpack.session.kernels.contrib_activation import fast_gelu
-from onnxpack.session.kernels.linalg import (Gemm, MatMul, _batched, adopt_pack, as_compute, compute_dtype,
-                                             identity_panels, layout_attrs, matmul_packed, pack_b, pack_scaled_b,
-                                             packed_shape)
+from onnxpack.session.kernels.linalg import (Gemm, MatMul, adopt_pack, as_compute, compute_dtype, identity_panels,
+                                             layout_attrs, matmul_packed, pack_b, pack_scaled_b, packed_shape)
 
 logger = logging.getLogger(__name__)
 
@@ -143,10 +142,7 @@ class GemmFastGelu(MatMul):
         if x.ndim == 0 or (w is not None and w.ndim == 0):
             raise InvalidArgument(f"node {self.node.name!r} (GemmFastGelu): inputs must not be scalars")
         try:
-            if self._b is not None:
-                y = matmul_packed(self._packed_a(x), self._b, self._n)
-            else:
-                y = _batched(as_compute(x), as_compute(w))
+            y = self._product(x, w)
         except ValueError as exc:
             raise InvalidArgument(
                 f"node {self.node.name!r} (GemmFastGelu): shapes {list(x.shape)} and "

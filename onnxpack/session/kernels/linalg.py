@@ -314,18 +314,21 @@ class MatMul(Kernel):
                                   "float32: both inputs must have one type")
         return a2
 
-    def run(self, a, b=None):
-        out_dtype = a.dtype
+    def _product(self, a: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+        """``a @ B`` in B's compute dtype (float ``a``), a fresh array: from the pack, else from
+        ``b`` as given."""
         if self._b is not None:
             if a.ndim == 0:
                 raise InvalidArgument(f"node {self.node.name!r}: MatMul input A must not be a scalar")
-            y = matmul_packed(self._packed_a(a), self._b, self._n)
-        else:
-            if compute_dtype(a.dtype) is None:  # integer MatMul: numpy's own loop
-                return (np.matmul(a, b),)
-            y = _batched(as_compute(a), as_compute(b))
-        if y.dtype != out_dtype:
-            y = y.astype(out_dtype)
+            return matmul_packed(self._packed_a(a), self._b, self._n)
+        return _batched(as_compute(a), as_compute(b))
+
+    def run(self, a, b=None):
+        if self._b is None and compute_dtype(a.dtype) is None:  # integer MatMul: numpy's own loop
+            return (np.matmul(a, b),)
+        y = self._product(a, b)
+        if y.dtype != a.dtype:
+            y = y.astype(a.dtype)
         return (y,)
 
     def run_into(self, outs, a, b=None) -> bool:
