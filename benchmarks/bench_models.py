@@ -15,9 +15,10 @@ not built: ``/work/side/bin/python models/make_transformers.py --shape bert-base
 
 Method (issue 16): one process, onnxruntime with ``session.intra_op.allow_spinning=0`` and
 ``intra_op_num_threads`` = the thread setting, numpy's BLAS limited to the same count
-(threadpoolctl); per round one run of each runtime (interleaved, alternating which goes first);
-one warm-up run each, which also checks agreement (max |difference| per output); medians over
-the rounds.  Ratio = onnxpack median / onnxruntime median; the geometric mean is over every model
+(threadpoolctl); one run each that checks agreement (max |difference| per output); warm-up runs,
+interleaved, at least 30 and 1 s of each runtime (on several threads onnxpack picks its thread
+mode from its own first runs: the JSON's ``thread_mode``); then per round one run of each runtime
+(interleaved, alternating which goes first); medians over the rounds.  Ratio = onnxpack median / onnxruntime median; the geometric mean is over every model
 measured.  Goals: every model <= 1.5x, geometric mean <= 1.2x, resnet50 <= 1.2x, BERT-base <= 1.3x.
 
 ``--split``: at T > 1 threads, numpy's BLAS runs on one thread and ``ONNXPACK_NUM_THREADS=T``
@@ -110,6 +111,10 @@ def _feeds_for(sess, feeds: dict) -> dict:
     return {k: v for k, v in feeds.items() if k in names}
 
 
+WARMUP_RUNS = 30
+WARMUP_S = 1.0
+
+
 def bench_one(name: str, factory, runs: int, threads: int) -> dict:
     path, feeds = factory()
     so = ort.SessionOptions()
@@ -136,8 +141,19 @@ def bench_one(name: str, factory, runs: int, threads: int) -> dict:
             diffs.append(float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))))
     scale = max((float(np.max(np.abs(np.asarray(b, np.float64)))) if np.asarray(b).size else 0.0)
                 for b in outs["onnxruntime"])
-    times = defaultdict(list)
+    # Warm-up, interleaved: at least WARMUP_RUNS runs and WARMUP_S seconds of each runtime.  On
+    # several threads onnxpack picks its thread mode from its first runs (session/_threads.py's
+    # ModeTuner: a block of each mode, ~25 runs or 2 x 0.25 s); the rounds measure the steady state.
     order = list(runners)
+    spent = dict.fromkeys(order, 0.0)
+    done = 0
+    while done < WARMUP_RUNS or min(spent.values()) < WARMUP_S:
+        for k in order:
+            t = time.perf_counter()
+            runners[k]()
+            spent[k] += time.perf_counter() - t
+        done += 1
+    times = defaultdict(list)
     for r in range(runs):
         for k in (order if r % 2 == 0 else order[::-1]):
             t = time.perf_counter()
@@ -146,7 +162,9 @@ def bench_one(name: str, factory, runs: int, threads: int) -> dict:
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     return {"model": name, "path": path, "threads": threads, "median_ms": med,
             "ratio": med["onnxpack"] / med["onnxruntime"], "max_abs_diff": diffs, "output_scale": scale,
-            "create_onnxpack_s": create_ours, "fallback_nodes": len(ours.get_fallback_nodes()),
+            "create_onnxpack_s": create_ours, "fallback_nodes": len(ours.get_fallback_nodes()), "warmup_runs": done,
+            "thread_mode": {None: "undecided", True: "owned", False: "blas"}[ours._runner.modes.choice] if threads > 1
+            else "one thread",
             "all_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()}}
 
 
@@ -255,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(r)
                 m = r["median_ms"]
                 print(f"{name:20s} {m['onnxpack']:12.2f} {m['onnxruntime']:15.2f} {r['ratio']:6.2f}x  "
-                      f"{max(r['max_abs_diff']):.2e} ({r['output_scale']:.2g})", flush=True)
+                      f"{max(r['max_abs_diff']):.2e} ({r['output_scale']:.2g})"
+                      + (f"  mode {r['thread_mode']}" if threads > 1 else ""), flush=True)
         g = _geomean([r["ratio"] for r in rows])
         print(f"geometric mean of {len(rows)} ratios: {g:.2f}x; within 1.5x: "
               f"{sum(r['ratio'] <= GOALS['each'] for r in rows)}/{len(rows)}")

@@ -32,7 +32,7 @@ from onnxpack.session._profile import Profiler
 from onnxpack.session._program import Plan, Program, prune, run_plan
 from onnxpack.session._run_options import SessionControl, check_run_options, check_terminate
 from onnxpack.session._specialize import Specializer, worth_specializing
-from onnxpack.session._threads import blas_threads, global_intra_op_threads, owned_threads
+from onnxpack.session._threads import ModeTuner, blas_libraries, blas_threads, global_intra_op_threads, owned_threads
 from onnxpack.session.kernels import blas_threads as current_blas_threads, release_scratch
 from onnxpack.session.kernels._act import first_run, stop_spinning
 from onnxpack.session.options import SessionOptions
@@ -66,6 +66,7 @@ class Runner:
         self.profiler = profiler
         self._pruned: OrderedDict[tuple[str, ...], Plan] = OrderedDict()
         self._ran = False  # a run has started (the first one maps the weights' pages: see _act.first_run)
+        self.modes = ModeTuner(program.owns_threads)  # the thread mode of runs on several threads
 
     def output_names(self, output_names: Sequence[str] | None) -> list[str]:
         outputs = self.program.root.output_names
@@ -108,9 +109,16 @@ class Runner:
         profiler = self.profiler if self.profiler is not None and self.profiler.active else None
         control = SessionControl(ro, profiler, binder) if ro is not None or profiler or binder else None
         threads = self.threads if self.per_session_threads else global_intra_op_threads()
-        owned = (threads if threads > 0 else current_blas_threads()) if program.owns_threads else 0
+        n = threads if threads > 0 else current_blas_threads()
         first, self._ran = not self._ran, True
+        own, which, key = program.owns_threads, -1, None
+        if n > 1 and not first and control is None and plan is program.root and blas_libraries(quiet=True):
+            # Plain runs of the whole model choose their thread mode from the session's own runs.
+            key = tuple(getattr(v, "shape", None) for v in inputs)
+            own, which = self.modes.pick(key)
+        owned = n if own else 0
         try:
+            t_run = time.perf_counter()
             with first_run() if first else contextlib.nullcontext():
                 if owned > 1:
                     with owned_threads(owned):
@@ -120,6 +128,8 @@ class Runner:
                         values = self._loop(plan, inputs, control)
                 else:
                     values = self._loop(plan, inputs, control)
+            if which >= 0:
+                self.modes.record(key, which, time.perf_counter() - t_run)
         finally:
             stop_spinning()  # the pool's helpers sleep until the next run's first split
         result = dict(zip(plan.output_names, values))

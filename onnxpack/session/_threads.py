@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Hashable, Iterator
 from typing import Any
 
-__all__ = ["blas_threads", "owned_threads", "set_global_thread_pool_sizes", "global_intra_op_threads", "blas_libraries"]
+__all__ = ["blas_threads", "owned_threads", "set_global_thread_pool_sizes", "global_intra_op_threads", "blas_libraries",
+           "ModeTuner"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +38,17 @@ _libs: list[Any] | None = None  # threadpoolctl controllers of the loaded BLAS l
 _global_intra = 0
 
 
-def blas_libraries() -> list[Any]:
-    """threadpoolctl's controllers of the BLAS libraries numpy loaded (``[]`` without threadpoolctl)."""
+def blas_libraries(quiet: bool = False) -> list[Any]:
+    """threadpoolctl's controllers of the BLAS libraries numpy loaded (``[]`` without threadpoolctl,
+    which logs a warning once unless ``quiet``)."""
     global _libs
     if _libs is None:
         try:
             import numpy  # noqa: F401  (loads the BLAS library to control)
             from threadpoolctl import ThreadpoolController
         except ImportError:
+            if quiet:
+                return []
             logger.warning("intra_op_num_threads is set but threadpoolctl is not installed, so numpy's BLAS threads "
                            "cannot be limited; the setting is ignored (pip install threadpoolctl)")
             _libs = []
@@ -148,6 +154,88 @@ def owned_threads(n: int) -> Iterator[None]:
         return
     with blas_threads(1), _Counted(_owners, n, set_owned_threads):
         yield
+
+
+class ModeTuner:
+    """Which thread mode a session's runs on ``n > 1`` threads take, decided from its own runs:
+    BLAS on ``n`` threads (onnxpack's own kernels split over ``n`` too), or owned
+    (:func:`owned_threads`: BLAS on one, onnxpack's kernels and its GEMM splits on ``n``).
+
+    Why: neither wins everywhere, and which one does is a property of the model on the machine,
+    not of its op types.  Measured on this project's 2-vCPU VM, steady state, each mode in a
+    process of its own (owned time / BLAS time): a CRNN 0.66, openWakeWord's embedding CNN 0.72,
+    YOLOX 0.77, resnet50 0.83, PP-PicoDet 0.92, PP-OCR's detector 0.93, YOLOv8n 0.99,
+    MobileNetV2 0.97-1.02, but a MobileNet-style orientation classifier 1.10-1.25 and a
+    mel-spectrogram front end 1.40-1.57: OpenBLAS splits a small GEMM between its own threads
+    for less than onnxpack's pool pays to hand a share over (the GIL), while after each of its
+    calls OpenBLAS's workers poll the other core for a while and slow onnxpack's own split
+    kernels beside them.  A fixed rule (owned when a kernel's heavy work is onnxpack's own,
+    ``Program.owns_threads``) is the starting mode.
+
+    Measuring: the session's first run is not counted (it maps the weights' pages), then runs
+    take the starting mode until ``TRIALS`` of them are counted, then the other mode as long.  A
+    block's runs count from its ``SKIP + 1``-th and ``SETTLE`` seconds after its first: each
+    mode's kernels tune their own splits in their first runs (see ``kernels._act.SplitTuner``),
+    and after a BLAS-mode run OpenBLAS's workers poll for up to ~0.1 s (``THREAD_TIMEOUT``),
+    slowing whatever onnxpack's own threads do meanwhile: measured in blocks of six runs
+    alternating with the other mode, MobileNetV2 ran owned 1.21x slower than on BLAS, each mode
+    in a process of its own the same speed (12.1-12.2 vs 11.9-12.3 ms).  The mode with the lower
+    median then runs; every ``RECHECK`` runs after that the session measures again.  Only runs
+    of one set of input shapes count: a run with other shapes restarts an undecided measurement
+    (a model whose shapes change at every run, a decoder's growing cache, keeps the starting
+    mode).  The mode changes no result beyond the rounding of a GEMM split differently, only its
+    time; concurrent runs may record each other's time: harmless.
+    """
+
+    SKIP = 7
+    SETTLE = 0.25  # seconds from a block's first run before its runs count (see above)
+    TRIALS = 5
+    RECHECK = 2000
+    __slots__ = ("start", "choice", "key", "phase", "runs", "since", "times", "calls", "lock")
+
+    def __init__(self, start: bool) -> None:
+        self.start = start  # the starting mode: True = owned
+        self.lock = threading.Lock()
+        self.choice: bool | None = None  # the mode chosen (True = owned); None while measuring
+        self.key: Hashable = None  # the input shapes being measured
+        self.phase = 0  # the block being measured: 0 the starting mode's, 1 the other's
+        self.runs = 0  # runs taken in this block
+        self.since = 0.0  # when this block's first run started
+        self.times: tuple[list[float], list[float]] = ([], [])  # counted times per block
+        self.calls = 0  # runs since the choice was made
+
+    def pick(self, key: Hashable) -> tuple[bool, int]:
+        """The mode of the next run with inputs of shapes ``key`` (True = owned), and the block
+        its time counts in (-1: not counted)."""
+        with self.lock:
+            if self.choice is not None:
+                self.calls += 1
+                if self.calls < self.RECHECK:
+                    return self.choice, -1
+                self.choice, self.key = None, None  # measure again from this run
+            if key != self.key:
+                self.key, self.times, self.phase, self.runs = key, ([], []), 0, 0
+            phase = 1 if len(self.times[0]) >= self.TRIALS else 0
+            now = time.perf_counter()
+            if phase != self.phase or self.runs == 0:
+                self.phase, self.runs, self.since = phase, 0, now
+            self.runs += 1
+            settled = self.runs > self.SKIP and now - self.since >= self.SETTLE
+            return self.start != bool(phase), (phase if settled else -1)
+
+    def record(self, key: Hashable, which: int, seconds: float) -> None:
+        """The time of a run :meth:`pick` counted in ``which``."""
+        with self.lock:
+            if which < 0 or key != self.key or self.choice is not None:
+                return
+            self.times[which].append(seconds)
+            first, other = self.times
+            if len(first) >= self.TRIALS and len(other) >= self.TRIALS:
+                better = statistics.median(other) < statistics.median(first)
+                self.choice = self.start != better
+                self.calls = 0
+                logger.debug("thread mode: %s (medians: starting mode %.3g s, other %.3g s)",
+                             "owned" if self.choice else "BLAS", statistics.median(first), statistics.median(other))
 
 
 def set_global_thread_pool_sizes(intra_op_num_threads: int = 0, inter_op_num_threads: int = 0) -> None:

@@ -748,3 +748,89 @@ def test_a_process_exits_cleanly_right_after_a_split_with_polling_helpers():
     for _ in range(3):
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _fast_mode_tuner(start: bool, settle: float = 0.0):
+    from onnxpack.session._threads import ModeTuner
+
+    class Tuner(ModeTuner):
+        SETTLE = settle
+
+    return Tuner(start)
+
+
+@pytest.mark.parametrize("start", [False, True])
+@pytest.mark.parametrize("owned_faster", [False, True])
+def test_mode_tuner_measures_each_mode_in_a_block_and_keeps_the_faster(start, owned_faster):
+    """Runs take the starting mode for a block (its first SKIP runs not counted), then the other
+    mode for a block; the mode of the lower median wins and holds until RECHECK runs later."""
+    tuner = _fast_mode_tuner(start)
+    per = tuner.SKIP + tuner.TRIALS
+    key = ((1, 3, 8, 8),)
+    seen = []
+    while tuner.choice is None:
+        owned, which = tuner.pick(key)
+        seen.append((owned, which))
+        tuner.record(key, which, 1.0 if owned == owned_faster else 2.0)
+        assert len(seen) <= 2 * per
+    assert seen == ([(start, -1)] * tuner.SKIP + [(start, 0)] * tuner.TRIALS
+                    + [(not start, -1)] * tuner.SKIP + [(not start, 1)] * tuner.TRIALS)
+    assert tuner.choice is owned_faster
+    for _ in range(tuner.RECHECK - 1):
+        assert tuner.pick(((2, 3, 8, 8),)) == (owned_faster, -1)  # decided: any shapes take it
+    assert tuner.pick(key) == (start, -1) and tuner.choice is None  # measured again
+
+
+def test_mode_tuner_counts_one_set_of_shapes_and_waits_for_the_settle_time():
+    """A run with other input shapes restarts an undecided measurement; a block's runs count only
+    SETTLE seconds after its first (OpenBLAS's workers poll for a while after its last call)."""
+    tuner = _fast_mode_tuner(False)
+    a, b = ((1, 4),), ((2, 4),)
+    for _ in range(tuner.SKIP + tuner.TRIALS - 1):
+        owned, which = tuner.pick(a)
+        tuner.record(a, which, 1.0)
+    assert len(tuner.times[0]) == tuner.TRIALS - 1
+    assert tuner.pick(b) == (False, -1) and tuner.times == ([], [])
+    slow = _fast_mode_tuner(False, settle=60.0)
+    for _ in range(4 * (slow.SKIP + slow.TRIALS)):
+        owned, which = slow.pick(a)
+        assert (owned, which) == (False, -1)
+        slow.record(a, which, 1.0)
+    assert slow.choice is None and slow.times == ([], [])
+
+
+def test_a_session_on_two_threads_tries_both_modes_and_every_run_agrees(monkeypatch):
+    """A session at intra_op_num_threads=2 (a conv net with a classifier Gemm) runs blocks of
+    both thread modes, then keeps one: every run equals the one-thread session's output (up to
+    the rounding of a GEMM split differently)."""
+    from onnxpack.session._threads import ModeTuner, blas_libraries
+
+    if not blas_libraries(quiet=True):
+        pytest.skip("the BLAS thread count cannot be set here (threadpoolctl)")
+    monkeypatch.setattr(ModeTuner, "SETTLE", 0.0)
+    rng = np.random.default_rng(7)
+    inits = [onnx.numpy_helper.from_array(rng.standard_normal((64, 16, 3, 3)).astype(np.float32) * 0.1, "w1"),
+             onnx.numpy_helper.from_array(rng.standard_normal((64, 64, 1, 1)).astype(np.float32) * 0.1, "w2"),
+             onnx.numpy_helper.from_array(rng.standard_normal((64, 128)).astype(np.float32) * 0.1, "fc")]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"]),
+             helper.make_node("GlobalAveragePool", ["c2"], ["p"]),
+             helper.make_node("Flatten", ["p"], ["f"]),
+             helper.make_node("Gemm", ["f", "fc"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 48, 48])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 128])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString()
+    x = rng.standard_normal((1, 16, 48, 48)).astype(np.float32)
+    one = onnxpack.SessionOptions()
+    one.intra_op_num_threads = 1
+    want = onnxpack.InferenceSession(model, one).run(None, {"x": x})[0]
+    two = onnxpack.SessionOptions()
+    two.intra_op_num_threads = 2
+    sess = onnxpack.InferenceSession(model, two)
+    modes = sess._runner.modes
+    for _ in range(1 + 2 * (ModeTuner.SKIP + ModeTuner.TRIALS) + 3):
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
+    # Both blocks were timed (the second one runs the other mode), and a mode was kept.
+    assert modes.choice is not None
+    assert len(modes.times[0]) >= ModeTuner.TRIALS and len(modes.times[1]) >= ModeTuner.TRIALS

@@ -595,10 +595,48 @@ class SplitTuner:
     otherwise decide for as long as the process lives.  A new thread count measures at once.
     Splitting never changes a result (the kernels split their work by independent items), only
     its time.  Concurrent runs may both record a sample: harmless.
+
+    The two thread modes of a run (BLAS on the session's threads, or BLAS on one and onnxpack's
+    kernels on them: see ``session._threads``) measure and decide apart: what a split costs
+    depends on whether OpenBLAS's own workers are polling the other core, and a session may try
+    both modes (``session._threads.ModeTuner``).
     """
 
     TRIALS = 3
     RECHECK = 512
+    __slots__ = ("modes",)
+
+    def __init__(self) -> None:
+        self.modes = (_SplitChoice(), _SplitChoice())  # [0]: BLAS mode, [1]: owned mode
+
+    def run(self, fn: Callable[[int, int], Any], count: int, threads: int) -> None:
+        """``fn(start, stop)`` over ``[0, count)``: split over ``threads`` or on this thread."""
+        self.modes[1 if owned[0] else 0].run(fn, count, threads)
+
+    def current(self) -> _SplitChoice:
+        """The measurements and choice of the thread mode now in force."""
+        return self.modes[1 if owned[0] else 0]
+
+    # The current mode's state (tests, logs); setting ``threads`` or ``choice`` sets both modes'
+    # (a test forcing a split whichever mode its run takes).
+    def _both(name: str) -> property:
+        def put(self, value) -> None:
+            for m in self.modes:
+                setattr(m, name, value)
+
+        return property(lambda self: getattr(self.current(), name), put)
+
+    threads = _both("threads")
+    choice = _both("choice")
+    one = property(lambda self: self.current().one)
+    split = property(lambda self: self.current().split)
+    del _both
+
+
+class _SplitChoice:
+    """One thread mode's measurements and choice for a :class:`SplitTuner` (its ``TRIALS`` and
+    ``RECHECK``)."""
+
     __slots__ = ("threads", "one", "split", "choice", "started", "calls")
 
     def __init__(self) -> None:
@@ -620,7 +658,7 @@ class SplitTuner:
         choice = self.choice
         if choice is not None:
             self.calls += 1
-            if self.calls >= self.RECHECK:  # measure again from the next call
+            if self.calls >= SplitTuner.RECHECK:  # measure again from the next call
                 self.one, self.split, self.choice = [], [], None
             if choice:
                 parallel(fn, count, threads)
@@ -638,7 +676,7 @@ class SplitTuner:
         else:
             fn(0, count)
         (self.split if use_split else self.one).append(time.perf_counter() - t0)
-        if len(self.one) >= self.TRIALS and len(self.split) >= self.TRIALS:
+        if len(self.one) >= SplitTuner.TRIALS and len(self.split) >= SplitTuner.TRIALS:
             self.choice = statistics.median(self.split) < statistics.median(self.one)
             self.calls = 0
 
