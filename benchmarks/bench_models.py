@@ -18,7 +18,8 @@ Method (issue 16): one process, onnxruntime with ``session.intra_op.allow_spinni
 (threadpoolctl); one run each that checks agreement (max |difference| per output); warm-up runs,
 interleaved, at least 30 and 1 s of each runtime (on several threads onnxpack picks its thread
 mode from its own first runs: the JSON's ``thread_mode``); then per round one run of each runtime
-(interleaved, alternating which goes first); medians over the rounds.  Ratio = onnxpack median / onnxruntime median; the geometric mean is over every model
+(interleaved, alternating which goes first, each run 0.15 s after the previous one ended: see
+PAUSE_S); medians over the rounds.  Ratio = onnxpack median / onnxruntime median; the geometric mean is over every model
 measured.  Goals: every model <= 1.5x, geometric mean <= 1.2x, resnet50 <= 1.2x, BERT-base <= 1.3x.
 
 ``--split``: at T > 1 threads, numpy's BLAS runs on one thread and ``ONNXPACK_NUM_THREADS=T``
@@ -113,6 +114,13 @@ def _feeds_for(sess, feeds: dict) -> dict:
 
 WARMUP_RUNS = 30
 WARMUP_S = 1.0
+# Every measured run starts this long after the previous one ended.  After a GEMM on several
+# threads OpenBLAS's workers poll for ~0.1 s (measured: a whole core of CPU time for 100 ms,
+# then nothing), so onnxruntime's run right after onnxpack's on BLAS threads had one core, not
+# two: 15-25 % slower on MobileNetV2, 8 % on the orientation classifier.  onnxruntime's threads
+# do not spin (allow_spinning=0).  With the pause neither runtime runs beside the other's idle
+# threads; each run is a model run after a moment's idleness.
+PAUSE_S = 0.15
 
 
 def bench_one(name: str, factory, runs: int, threads: int) -> dict:
@@ -156,6 +164,7 @@ def bench_one(name: str, factory, runs: int, threads: int) -> dict:
     times = defaultdict(list)
     for r in range(runs):
         for k in (order if r % 2 == 0 else order[::-1]):
+            time.sleep(PAUSE_S)
             t = time.perf_counter()
             runners[k]()
             times[k].append(time.perf_counter() - t)

@@ -12,7 +12,8 @@ facade takes — ``run``, ``run_async``, ``run_with_ort_values``, ``run_with_iob
 4. a :class:`~onnxpack.session._run_options.SessionControl` is made only if the run needs one
    (run options, profiling, bound outputs): otherwise the plain loop runs;
 5. the root plan runs — through the memory planner if configured — under the session's BLAS
-   thread limit.
+   thread limit, on several threads in the thread mode its :class:`~._threads.ModeTuner` picks
+   (plain runs of the whole model are timed for it).
 """
 
 from __future__ import annotations
@@ -66,7 +67,11 @@ class Runner:
         self.profiler = profiler
         self._pruned: OrderedDict[tuple[str, ...], Plan] = OrderedDict()
         self._ran = False  # a run has started (the first one maps the weights' pages: see _act.first_run)
-        self.modes = ModeTuner(program.owns_threads)  # the thread mode of runs on several threads
+        # The thread mode of runs on several threads: fixed by onnxpack.thread_mode, else tuned.
+        mode = config["onnxpack.thread_mode"]
+        self.modes = ModeTuner(program.owns_threads if mode == "auto" else mode == "owned")
+        if mode != "auto":
+            self.modes.fix()
 
     def output_names(self, output_names: Sequence[str] | None) -> list[str]:
         outputs = self.program.root.output_names
@@ -111,7 +116,7 @@ class Runner:
         threads = self.threads if self.per_session_threads else global_intra_op_threads()
         n = threads if threads > 0 else current_blas_threads()
         first, self._ran = not self._ran, True
-        own, which, key = program.owns_threads, -1, None
+        own, which, key = self.modes.current(), -1, None
         if n > 1 and not first and control is None and plan is program.root and blas_libraries(quiet=True):
             # Plain runs of the whole model choose their thread mode from the session's own runs.
             key = tuple(getattr(v, "shape", None) for v in inputs)

@@ -180,7 +180,8 @@ class ModeTuner:
     slowing whatever onnxpack's own threads do meanwhile: measured in blocks of six runs
     alternating with the other mode, MobileNetV2 ran owned 1.21x slower than on BLAS, each mode
     in a process of its own the same speed (12.1-12.2 vs 11.9-12.3 ms).  The mode with the lower
-    median then runs; every ``RECHECK`` runs after that the session measures again.  Only runs
+    median then runs; ``RECHECK`` runs and ``RECHECK_S`` seconds later (both: a fast model's
+    measuring must stay a small share of its runs) the session measures again.  Only runs
     of one set of input shapes count: a run with other shapes restarts an undecided measurement
     (a model whose shapes change at every run, a decoder's growing cache, keeps the starting
     mode).  The mode changes no result beyond the rounding of a GEMM split differently, only its
@@ -190,7 +191,8 @@ class ModeTuner:
     SKIP = 7
     SETTLE = 0.25  # seconds from a block's first run before its runs count (see above)
     TRIALS = 5
-    RECHECK = 2000
+    RECHECK = 2000  # runs, and ...
+    RECHECK_S = 60.0  # ... seconds after a choice before measuring again (both)
     __slots__ = ("start", "choice", "key", "phase", "runs", "since", "times", "calls", "lock")
 
     def __init__(self, start: bool) -> None:
@@ -200,9 +202,19 @@ class ModeTuner:
         self.key: Hashable = None  # the input shapes being measured
         self.phase = 0  # the block being measured: 0 the starting mode's, 1 the other's
         self.runs = 0  # runs taken in this block
-        self.since = 0.0  # when this block's first run started
+        self.since = 0.0  # when this block's first run started, or the choice was made
         self.times: tuple[list[float], list[float]] = ([], [])  # counted times per block
         self.calls = 0  # runs since the choice was made
+
+    def current(self) -> bool:
+        """The mode of runs that are not measured (a session's first, runs with run options or
+        profiling, on a pruned plan): the one chosen, else the starting mode."""
+        choice = self.choice
+        return self.start if choice is None else choice
+
+    def fix(self) -> None:
+        """Keeps the starting mode for good (``onnxpack.thread_mode`` set)."""
+        self.choice, self.calls, self.since = self.start, -(1 << 62), float("inf")
 
     def pick(self, key: Hashable) -> tuple[bool, int]:
         """The mode of the next run with inputs of shapes ``key`` (True = owned), and the block
@@ -210,7 +222,7 @@ class ModeTuner:
         with self.lock:
             if self.choice is not None:
                 self.calls += 1
-                if self.calls < self.RECHECK:
+                if self.calls < self.RECHECK or time.perf_counter() - self.since < self.RECHECK_S:
                     return self.choice, -1
                 self.choice, self.key = None, None  # measure again from this run
             if key != self.key:
@@ -233,7 +245,7 @@ class ModeTuner:
             if len(first) >= self.TRIALS and len(other) >= self.TRIALS:
                 better = statistics.median(other) < statistics.median(first)
                 self.choice = self.start != better
-                self.calls = 0
+                self.calls, self.since = 0, time.perf_counter()
                 logger.debug("thread mode: %s (medians: starting mode %.3g s, other %.3g s)",
                              "owned" if self.choice else "BLAS", statistics.median(first), statistics.median(other))
 

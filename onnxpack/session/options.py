@@ -58,6 +58,15 @@ def _text(key: str, value: str) -> str:
     return value
 
 
+THREAD_MODES = ("auto", "blas", "owned")
+
+
+def _thread_mode(key: str, value: str) -> str:
+    if value not in THREAD_MODES:
+        raise ConfigError(f"config {key!r}: expected one of {', '.join(THREAD_MODES)}, got {value!r}")
+    return value
+
+
 def _planner(key: str, value: str) -> str:
     if value not in PLANNERS:
         raise ConfigError(f"config {key!r}: expected one of {', '.join(PLANNERS)}, got {value!r}")
@@ -83,6 +92,8 @@ CONFIG_KEYS: dict[str, tuple[Callable[[str, str], Any], str, str]] = {
     "onnxpack.memory_planner": (_planner, "none", "activation memory planner: " + "|".join(PLANNERS)),
     "onnxpack.specialize_shapes": (_bool, "1", "1 runs a root plan specialized per set of input shapes "
                                    "(shape arithmetic folded, If inlined, guarded)"),
+    "onnxpack.thread_mode": (_thread_mode, "auto", "runs on several threads: blas (numpy's BLAS on them), owned "
+                             "(BLAS on one, onnxpack's kernels on them) or auto (a block of each, the faster kept)"),
 }
 
 

@@ -750,11 +750,12 @@ def test_a_process_exits_cleanly_right_after_a_split_with_polling_helpers():
         assert done.returncode == 0, done.stderr[-2000:]
 
 
-def _fast_mode_tuner(start: bool, settle: float = 0.0):
+def _fast_mode_tuner(start: bool, settle: float = 0.0, recheck_s: float = 0.0):
     from onnxpack.session._threads import ModeTuner
 
     class Tuner(ModeTuner):
         SETTLE = settle
+        RECHECK_S = recheck_s
 
     return Tuner(start)
 
@@ -763,7 +764,8 @@ def _fast_mode_tuner(start: bool, settle: float = 0.0):
 @pytest.mark.parametrize("owned_faster", [False, True])
 def test_mode_tuner_measures_each_mode_in_a_block_and_keeps_the_faster(start, owned_faster):
     """Runs take the starting mode for a block (its first SKIP runs not counted), then the other
-    mode for a block; the mode of the lower median wins and holds until RECHECK runs later."""
+    mode for a block; the mode of the lower median wins and holds until RECHECK runs (and
+    RECHECK_S seconds) later."""
     tuner = _fast_mode_tuner(start)
     per = tuner.SKIP + tuner.TRIALS
     key = ((1, 3, 8, 8),)
@@ -779,6 +781,13 @@ def test_mode_tuner_measures_each_mode_in_a_block_and_keeps_the_faster(start, ow
     for _ in range(tuner.RECHECK - 1):
         assert tuner.pick(((2, 3, 8, 8),)) == (owned_faster, -1)  # decided: any shapes take it
     assert tuner.pick(key) == (start, -1) and tuner.choice is None  # measured again
+    # With RECHECK_S not yet passed, RECHECK runs are not enough.
+    patient = _fast_mode_tuner(start, recheck_s=60.0)
+    while patient.choice is None:
+        owned, which = patient.pick(key)
+        patient.record(key, which, 1.0 if owned == owned_faster else 2.0)
+    for _ in range(2 * patient.RECHECK):
+        assert patient.pick(key) == (owned_faster, -1)
 
 
 def test_mode_tuner_counts_one_set_of_shapes_and_waits_for_the_settle_time():
@@ -799,15 +808,41 @@ def test_mode_tuner_counts_one_set_of_shapes_and_waits_for_the_settle_time():
     assert slow.choice is None and slow.times == ([], [])
 
 
-def test_a_session_on_two_threads_tries_both_modes_and_every_run_agrees(monkeypatch):
-    """A session at intra_op_num_threads=2 (a conv net with a classifier Gemm) runs blocks of
-    both thread modes, then keeps one: every run equals the one-thread session's output (up to
-    the rounding of a GEMM split differently)."""
-    from onnxpack.session._threads import ModeTuner, blas_libraries
+@pytest.mark.parametrize("mode", ["blas", "owned"])
+def test_thread_mode_config_fixes_the_mode(mode, monkeypatch):
+    """``onnxpack.thread_mode`` = blas / owned: every run takes that mode, none is measured; an
+    unknown mode is an error naming the choices."""
+    from onnxpack.errors import ConfigError
+    from onnxpack.session import _runner
+    from onnxpack.session._threads import ModeTuner
 
-    if not blas_libraries(quiet=True):
-        pytest.skip("the BLAS thread count cannot be set here (threadpoolctl)")
     monkeypatch.setattr(ModeTuner, "SETTLE", 0.0)
+    seen = []
+    real = _runner.owned_threads
+
+    def spy(n):
+        seen.append(n)
+        return real(n)
+
+    monkeypatch.setattr(_runner, "owned_threads", spy)
+    so = onnxpack.SessionOptions()
+    so.intra_op_num_threads = 2
+    so.add_session_config_entry("onnxpack.thread_mode", mode)
+    model = _conv_gemm_model()
+    sess = onnxpack.InferenceSession(model, so)
+    x = np.ones((1, 16, 48, 48), np.float32)
+    runs = 2 + 2 * (ModeTuner.SKIP + ModeTuner.TRIALS)
+    for _ in range(runs):
+        sess.run(None, {"x": x})
+    assert sess._runner.modes.times == ([], []) and sess._runner.modes.choice is (mode == "owned")
+    assert seen == ([2] * runs if mode == "owned" else [])
+    with pytest.raises(ConfigError, match="auto, blas, owned"):
+        onnxpack.SessionOptions().add_session_config_entry("onnxpack.thread_mode", "fast")
+
+
+def _conv_gemm_model() -> bytes:
+    """A conv net with a classifier Gemm (its weight packed for onnxpack's own GEMM, where the
+    JIT is there: the fixed rule's starting mode is then owned)."""
     rng = np.random.default_rng(7)
     inits = [onnx.numpy_helper.from_array(rng.standard_normal((64, 16, 3, 3)).astype(np.float32) * 0.1, "w1"),
              onnx.numpy_helper.from_array(rng.standard_normal((64, 64, 1, 1)).astype(np.float32) * 0.1, "w2"),
@@ -820,7 +855,20 @@ def test_a_session_on_two_threads_tries_both_modes_and_every_run_agrees(monkeypa
              helper.make_node("Gemm", ["f", "fc"], ["y"])]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 48, 48])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 128])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString()
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString()
+
+
+def test_a_session_on_two_threads_tries_both_modes_and_every_run_agrees(monkeypatch):
+    """A session at intra_op_num_threads=2 (a conv net with a classifier Gemm) runs blocks of
+    both thread modes, then keeps one: every run equals the one-thread session's output (up to
+    the rounding of a GEMM split differently)."""
+    from onnxpack.session._threads import ModeTuner, blas_libraries
+
+    if not blas_libraries(quiet=True):
+        pytest.skip("the BLAS thread count cannot be set here (threadpoolctl)")
+    monkeypatch.setattr(ModeTuner, "SETTLE", 0.0)
+    model = _conv_gemm_model()
+    rng = np.random.default_rng(8)
     x = rng.standard_normal((1, 16, 48, 48)).astype(np.float32)
     one = onnxpack.SessionOptions()
     one.intra_op_num_threads = 1
