@@ -12,15 +12,17 @@ over 4 seeded random images), both models saved by ``onnxpack optimize``.  Figur
 * warm create (the optimized model, packs mapped) of the QDQ model vs the float model: fresh
   processes, alternating, median of ``--creates`` (goal: within 1.1x);
 * run latency, the two sessions called alternately in one fresh process (a busy machine slows
-  both alike; a fresh heap, not the one the quantizer and optimize left), median of ``--repeat``
-  (goal: within 1.1x); onnxruntime's figures, from another process, for context;
+  both alike; a fresh heap, not the one the quantizer and optimize left), after a warm-up of at
+  least 30 runs and 1 s of each (onnxpack picks its thread mode from its first runs), ``--repeat``
+  rounds of a block of each (back-to-back runs for 0.25 s, those started 0.15 s or more into it
+  counted), median (goal: within 1.1x); onnxruntime's figures, from another process, for context;
 * the saved data file vs the QDQ model's own tensors (int8 weights, scales, int32 biases) plus
   its fp32 packs (goal: <= 1.1x): a weight stored twice would show here.
 
 **BERT-base, ORT-optimized** (12 layers, hidden 768; ``models/make_transformers.py --shape
 bert-base``, cached in ``~/.cache/onnxpack/models``): batch 1, sequence 128.  onnxpack's warm create
 (optimized model) vs onnxruntime's create of the model it is given (fresh processes, alternating,
-medians; goal <= 0.1x), run latency side by side in a fresh process (goal <= 1.3x).
+medians; goal <= 0.1x), run latency side by side in a fresh process, as above (goal <= 1.3x).
 
 Threads: run latencies are measured for each ``--threads`` count (default 1 and 2), onnxpack's
 BLAS threads and onnxruntime's intra-op threads set alike (threadpoolctl; onnxruntime spinning
@@ -98,15 +100,32 @@ with limit:
             import onnxpack
             sessions[label] = onnxpack.InferenceSession(path)
     first = {label: [np.asarray(o).tolist() for o in s.run(None, feeds)][0] for label, s in sessions.items()}
-    for _ in range(2):
-        for s in sessions.values():
-            s.run(None, feeds)
-    times = {label: [] for label in sessions}
-    for _ in range(repeat):
+    # Warm-up: at least 30 runs and 1 s of each session (onnxpack on several threads picks its
+    # thread mode from its first runs); then per round a block of each session: back-to-back runs
+    # for at least 0.25 s, those started 0.15 s or more into the block counted (OpenBLAS's workers
+    # poll a core for ~0.1 s after a GEMM on several threads: see bench_models.BLOCK_S).
+    spent = dict.fromkeys(sessions, 0.0)
+    done = 0
+    while done < 30 or min(spent.values()) < 1.0:
         for label, s in sessions.items():
             t0 = time.perf_counter()
             s.run(None, feeds)
-            times[label].append(time.perf_counter() - t0)
+            spent[label] += time.perf_counter() - t0
+        done += 1
+    times = {label: [] for label in sessions}
+    for _ in range(repeat):
+        for label, s in sessions.items():
+            start, n = time.perf_counter(), 0
+            while True:
+                t0 = time.perf_counter()
+                s.run(None, feeds)
+                end = time.perf_counter()
+                n += 1
+                last = n >= 2 and end - start >= 0.25
+                if t0 - start >= 0.15 or last:
+                    times[label].append(end - t0)
+                if last:
+                    break
 print(json.dumps({"times": times, "first": first}))
 """
 

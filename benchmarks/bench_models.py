@@ -17,10 +17,10 @@ Method (issue 16): one process, onnxruntime with ``session.intra_op.allow_spinni
 ``intra_op_num_threads`` = the thread setting, numpy's BLAS limited to the same count
 (threadpoolctl); one run each that checks agreement (max |difference| per output); warm-up runs,
 interleaved, at least 30 and 1 s of each runtime (on several threads onnxpack picks its thread
-mode from its own first runs: the JSON's ``thread_mode``); then per round one run of each runtime
-(interleaved, alternating which goes first, each run 0.15 s after the previous one ended: see
-PAUSE_S); medians over the rounds.  Ratio = onnxpack median / onnxruntime median; the geometric mean is over every model
-measured.  Goals: every model <= 1.5x, geometric mean <= 1.2x, resnet50 <= 1.2x, BERT-base <= 1.3x.
+mode from its own first runs: the JSON's ``thread_mode``); then per round a block of each runtime
+(alternating which goes first): back-to-back runs for at least 0.25 s, those started 0.15 s or
+more into the block counted (see BLOCK_S); medians over every counted run.  Ratio = onnxpack
+median / onnxruntime median; the geometric mean is over every model measured.  Goals: every model <= 1.5x, geometric mean <= 1.2x, resnet50 <= 1.2x, BERT-base <= 1.3x.
 
 ``--split``: at T > 1 threads, numpy's BLAS runs on one thread and ``ONNXPACK_NUM_THREADS=T``
 makes onnxpack split its GEMMs and JIT kernels over its own threads (dynamic chunks, the caller
@@ -114,13 +114,34 @@ def _feeds_for(sess, feeds: dict) -> dict:
 
 WARMUP_RUNS = 30
 WARMUP_S = 1.0
-# Every measured run starts this long after the previous one ended.  After a GEMM on several
-# threads OpenBLAS's workers poll for ~0.1 s (measured: a whole core of CPU time for 100 ms,
+# Each round runs each runtime for a block of at least BLOCK_S seconds (and two runs); only its
+# runs that start SETTLE_S or more into the block count (and always its last).  After a GEMM on
+# several threads OpenBLAS's workers poll a whole core for ~0.1 s (measured: 100 ms of CPU time,
 # then nothing), so onnxruntime's run right after onnxpack's on BLAS threads had one core, not
-# two: 15-25 % slower on MobileNetV2, 8 % on the orientation classifier.  onnxruntime's threads
-# do not spin (allow_spinning=0).  With the pause neither runtime runs beside the other's idle
-# threads; each run is a model run after a moment's idleness.
-PAUSE_S = 0.15
+# two (15-25 % slower on MobileNetV2, 8 % on the orientation classifier); onnxruntime's threads
+# do not spin (allow_spinning=0).  Blocks keep each runtime's runs back to back, as a loop over
+# a model runs them, and count none beside the other's polling threads.  (A pause before each
+# run instead measured a model run after idleness: 5-10x slower for a 0.5 ms model, both
+# runtimes, on this VM.)
+BLOCK_S = 0.25
+SETTLE_S = 0.15
+
+
+def _block(run) -> list[float]:
+    """Runs ``run`` back to back for a block (see BLOCK_S); the times of the runs that count."""
+    start = time.perf_counter()
+    out: list[float] = []
+    n = 0
+    while True:
+        t = time.perf_counter()
+        run()
+        end = time.perf_counter()
+        n += 1
+        last = n >= 2 and end - start >= BLOCK_S
+        if t - start >= SETTLE_S or last:
+            out.append(end - t)
+        if last:
+            return out
 
 
 def bench_one(name: str, factory, runs: int, threads: int) -> dict:
@@ -164,10 +185,7 @@ def bench_one(name: str, factory, runs: int, threads: int) -> dict:
     times = defaultdict(list)
     for r in range(runs):
         for k in (order if r % 2 == 0 else order[::-1]):
-            time.sleep(PAUSE_S)
-            t = time.perf_counter()
-            runners[k]()
-            times[k].append(time.perf_counter() - t)
+            times[k].extend(_block(runners[k]))
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     return {"model": name, "path": path, "threads": threads, "median_ms": med,
             "ratio": med["onnxpack"] / med["onnxruntime"], "max_abs_diff": diffs, "output_scale": scale,

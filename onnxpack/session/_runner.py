@@ -119,8 +119,7 @@ class Runner:
         own, which, key = self.modes.current(), -1, None
         if n > 1 and not first and control is None and plan is program.root and blas_libraries(quiet=True):
             # Plain runs of the whole model choose their thread mode from the session's own runs.
-            key = tuple(getattr(v, "shape", None) for v in inputs)
-            own, which = self.modes.pick(key)
+            own, which, key = self.modes.pick(inputs)
         owned = n if own else 0
         try:
             t_run = time.perf_counter()

@@ -22,7 +22,7 @@ import logging
 import statistics
 import threading
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 __all__ = ["blas_threads", "owned_threads", "set_global_thread_pool_sizes", "global_intra_op_threads", "blas_libraries",
@@ -216,14 +216,20 @@ class ModeTuner:
         """Keeps the starting mode for good (``onnxpack.thread_mode`` set)."""
         self.choice, self.calls, self.since = self.start, -(1 << 62), float("inf")
 
-    def pick(self, key: Hashable) -> tuple[bool, int]:
-        """The mode of the next run with inputs of shapes ``key`` (True = owned), and the block
-        its time counts in (-1: not counted)."""
+    def pick(self, inputs: Sequence[Any]) -> tuple[bool, int, Hashable]:
+        """The mode of the next run on ``inputs`` (True = owned), the block its time counts in
+        (-1: not counted) and the key of its input shapes to :meth:`record` it with."""
+        choice = self.choice
+        if choice is not None:  # decided: no lock (a racing count only moves the recheck a run)
+            self.calls += 1
+            if self.calls < self.RECHECK or time.perf_counter() - self.since < self.RECHECK_S:
+                return choice, -1, None
+        key = tuple(getattr(v, "shape", None) for v in inputs)
         with self.lock:
-            if self.choice is not None:
-                self.calls += 1
+            choice = self.choice
+            if choice is not None:
                 if self.calls < self.RECHECK or time.perf_counter() - self.since < self.RECHECK_S:
-                    return self.choice, -1
+                    return choice, -1, None  # (decided by another thread meanwhile)
                 self.choice, self.key = None, None  # measure again from this run
             if key != self.key:
                 self.key, self.times, self.phase, self.runs = key, ([], []), 0, 0
@@ -233,7 +239,7 @@ class ModeTuner:
                 self.phase, self.runs, self.since = phase, 0, now
             self.runs += 1
             settled = self.runs > self.SKIP and now - self.since >= self.SETTLE
-            return self.start != bool(phase), (phase if settled else -1)
+            return self.start != bool(phase), (phase if settled else -1), key
 
     def record(self, key: Hashable, which: int, seconds: float) -> None:
         """The time of a run :meth:`pick` counted in ``which``."""

@@ -768,43 +768,45 @@ def test_mode_tuner_measures_each_mode_in_a_block_and_keeps_the_faster(start, ow
     RECHECK_S seconds) later."""
     tuner = _fast_mode_tuner(start)
     per = tuner.SKIP + tuner.TRIALS
-    key = ((1, 3, 8, 8),)
+    inputs = [np.empty((1, 3, 8, 8), np.float32)]
     seen = []
     while tuner.choice is None:
-        owned, which = tuner.pick(key)
+        owned, which, key = tuner.pick(inputs)
+        assert key == ((1, 3, 8, 8),)
         seen.append((owned, which))
         tuner.record(key, which, 1.0 if owned == owned_faster else 2.0)
         assert len(seen) <= 2 * per
     assert seen == ([(start, -1)] * tuner.SKIP + [(start, 0)] * tuner.TRIALS
                     + [(not start, -1)] * tuner.SKIP + [(not start, 1)] * tuner.TRIALS)
     assert tuner.choice is owned_faster
+    other = [np.empty((2, 3, 8, 8), np.float32)]
     for _ in range(tuner.RECHECK - 1):
-        assert tuner.pick(((2, 3, 8, 8),)) == (owned_faster, -1)  # decided: any shapes take it
-    assert tuner.pick(key) == (start, -1) and tuner.choice is None  # measured again
+        assert tuner.pick(other) == (owned_faster, -1, None)  # decided: any shapes take it
+    assert tuner.pick(inputs) == (start, -1, ((1, 3, 8, 8),)) and tuner.choice is None  # measured again
     # With RECHECK_S not yet passed, RECHECK runs are not enough.
     patient = _fast_mode_tuner(start, recheck_s=60.0)
     while patient.choice is None:
-        owned, which = patient.pick(key)
+        owned, which, key = patient.pick(inputs)
         patient.record(key, which, 1.0 if owned == owned_faster else 2.0)
     for _ in range(2 * patient.RECHECK):
-        assert patient.pick(key) == (owned_faster, -1)
+        assert patient.pick(inputs) == (owned_faster, -1, None)
 
 
 def test_mode_tuner_counts_one_set_of_shapes_and_waits_for_the_settle_time():
     """A run with other input shapes restarts an undecided measurement; a block's runs count only
     SETTLE seconds after its first (OpenBLAS's workers poll for a while after its last call)."""
     tuner = _fast_mode_tuner(False)
-    a, b = ((1, 4),), ((2, 4),)
+    a, b = [np.empty((1, 4))], [np.empty((2, 4))]
     for _ in range(tuner.SKIP + tuner.TRIALS - 1):
-        owned, which = tuner.pick(a)
-        tuner.record(a, which, 1.0)
+        owned, which, key = tuner.pick(a)
+        tuner.record(key, which, 1.0)
     assert len(tuner.times[0]) == tuner.TRIALS - 1
-    assert tuner.pick(b) == (False, -1) and tuner.times == ([], [])
+    assert tuner.pick(b) == (False, -1, ((2, 4),)) and tuner.times == ([], [])
     slow = _fast_mode_tuner(False, settle=60.0)
     for _ in range(4 * (slow.SKIP + slow.TRIALS)):
-        owned, which = slow.pick(a)
+        owned, which, key = slow.pick(a)
         assert (owned, which) == (False, -1)
-        slow.record(a, which, 1.0)
+        slow.record(key, which, 1.0)
     assert slow.choice is None and slow.times == ([], [])
 
 
