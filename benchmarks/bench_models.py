@@ -4,7 +4,7 @@ Usage::
 
     python3 models/real_models.py fetch          # once: wheels -> ~/.cache/onnxpack/real
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python3 benchmarks/bench_models.py \
-        [--runs 15] [--threads 2,1] [--models a,b] [--profile NAME] [--json PATH]
+        [--runs 15] [--threads 2,1] [--models a,b] [--interleave] [--profile NAME] [--json PATH]
 
 Models: every entry of ``models/real_models.py`` found in the cache (models shipped inside
 wheels: detectors, OCR, layout, orientation, mel front end, MiniLM, Silero VAD), plus resnet50
@@ -19,8 +19,9 @@ Method (issue 16): one process, onnxruntime with ``session.intra_op.allow_spinni
 interleaved, at least 30 and 1 s of each runtime (on several threads onnxpack picks its thread
 mode from its own first runs: the JSON's ``thread_mode``); then per round a block of each runtime
 (alternating which goes first): back-to-back runs for at least 0.25 s, those started 0.15 s or
-more into the block counted (see BLOCK_S); medians over every counted run.  Ratio = onnxpack
-median / onnxruntime median; the geometric mean is over every model measured.  Goals: every model <= 1.5x, geometric mean <= 1.2x, resnet50 <= 1.2x, BERT-base <= 1.3x.
+more into the block counted (see BLOCK_S); medians over every counted run (``--interleave``: one
+run of each per round instead, the method up to session 50).  Ratio = onnxpack median /
+onnxruntime median; the geometric mean is over every model measured.  Goals: every model <= 1.5x, geometric mean <= 1.2x, resnet50 <= 1.2x, BERT-base <= 1.3x.
 
 ``--split``: at T > 1 threads, numpy's BLAS runs on one thread and ``ONNXPACK_NUM_THREADS=T``
 makes onnxpack split its GEMMs and JIT kernels over its own threads (dynamic chunks, the caller
@@ -144,7 +145,7 @@ def _block(run) -> list[float]:
             return out
 
 
-def bench_one(name: str, factory, runs: int, threads: int) -> dict:
+def bench_one(name: str, factory, runs: int, threads: int, interleave: bool = False) -> dict:
     path, feeds = factory()
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -185,7 +186,12 @@ def bench_one(name: str, factory, runs: int, threads: int) -> dict:
     times = defaultdict(list)
     for r in range(runs):
         for k in (order if r % 2 == 0 else order[::-1]):
-            times[k].extend(_block(runners[k]))
+            if interleave:  # one run each (issue 16's first method; see BLOCK_S)
+                t = time.perf_counter()
+                runners[k]()
+                times[k].append(time.perf_counter() - t)
+            else:
+                times[k].extend(_block(runners[k]))
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     return {"model": name, "path": path, "threads": threads, "median_ms": med,
             "ratio": med["onnxpack"] / med["onnxruntime"], "max_abs_diff": diffs, "output_scale": scale,
@@ -259,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split", action="store_true",
                     help="for settings above 1 thread: numpy's BLAS on one thread and ONNXPACK_NUM_THREADS=T "
                          "(onnxpack splits its GEMMs over its own threads; robust to a descheduled BLAS worker)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="per round one run of each runtime, not a block of each (the method of sessions up to 50: "
+                         "onnxruntime then runs beside OpenBLAS's workers still polling after onnxpack's run)")
     ap.add_argument("--json", default=str(RESULTS))
     args = ap.parse_args(argv)
     import threadpoolctl
@@ -295,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.pop("ONNXPACK_NUM_THREADS", None)
         with threadpoolctl.threadpool_limits(1 if split else threads):
             for name, (kind, factory) in models.items():
-                r = bench_one(name, factory, args.runs, threads)
+                r = bench_one(name, factory, args.runs, threads, args.interleave)
                 r["kind"] = kind
                 rows.append(r)
                 m = r["median_ms"]
@@ -305,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         g = _geomean([r["ratio"] for r in rows])
         print(f"geometric mean of {len(rows)} ratios: {g:.2f}x; within 1.5x: "
               f"{sum(r['ratio'] <= GOALS['each'] for r in rows)}/{len(rows)}")
-        result["settings"].append({"threads": threads, "split": split, "rows": rows, "geomean": g,
+        result["settings"].append({"threads": threads, "split": split, "interleave": args.interleave, "rows": rows,
+                                   "geomean": g,
                                    "load_average": os.getloadavg()})
     out = write_json(args.json, result)
     print(f"\nwrote {os.path.relpath(out, ROOT)}")
