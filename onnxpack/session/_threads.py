@@ -40,21 +40,24 @@ _global_intra = 0
 
 def blas_libraries(quiet: bool = False) -> list[Any]:
     """threadpoolctl's controllers of the BLAS libraries numpy loaded (``[]`` without threadpoolctl,
-    which logs a warning once unless ``quiet``)."""
-    global _libs
+    which logs a warning once, at the first call that is not ``quiet``)."""
+    global _libs, _unwarned
     if _libs is None:
         try:
             import numpy  # noqa: F401  (loads the BLAS library to control)
             from threadpoolctl import ThreadpoolController
         except ImportError:
-            if quiet:
-                return []
-            logger.warning("intra_op_num_threads is set but threadpoolctl is not installed, so numpy's BLAS threads "
-                           "cannot be limited; the setting is ignored (pip install threadpoolctl)")
-            _libs = []
+            _libs, _unwarned = [], True
         else:
             _libs = list(ThreadpoolController().select(user_api="blas").lib_controllers)
+    if _unwarned and not quiet:
+        _unwarned = False
+        logger.warning("intra_op_num_threads is set but threadpoolctl is not installed, so numpy's BLAS threads "
+                       "cannot be limited; the setting is ignored (pip install threadpoolctl)")
     return _libs
+
+
+_unwarned = False  # threadpoolctl is missing and no call has said so yet
 
 
 def _apply(n: int) -> None:

@@ -348,6 +348,7 @@ def test_owned_thread_counts_overlap_as_the_smallest():
 
 def test_thread_settings_without_threadpoolctl_warn_once(monkeypatch, caplog):
     monkeypatch.setattr(_threads, "_libs", None)
+    monkeypatch.setattr(_threads, "_unwarned", False)
     monkeypatch.setitem(__import__("sys").modules, "threadpoolctl", None)  # import fails
     so = onnxpack.SessionOptions()
     so.intra_op_num_threads = 1
@@ -357,6 +358,22 @@ def test_thread_settings_without_threadpoolctl_warn_once(monkeypatch, caplog):
             np.testing.assert_array_equal(sess.run(None, {"X": X})[0], X * np.arange(6).reshape(3, 2))
     warnings = [r for r in caplog.records if "threadpoolctl" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_default_threads_without_threadpoolctl_say_nothing_and_keep_one_mode(monkeypatch, caplog):
+    """No thread setting and no threadpoolctl: no warning (nothing was asked), and on several
+    BLAS threads the runs keep their starting thread mode (owned mode needs the BLAS at one
+    thread, which only threadpoolctl can set), measuring nothing."""
+    monkeypatch.setattr(_threads, "_libs", None)
+    monkeypatch.setattr(_threads, "_unwarned", False)
+    monkeypatch.setitem(__import__("sys").modules, "threadpoolctl", None)  # import fails
+    sess = onnxpack.InferenceSession(MUL)
+    with caplog.at_level(logging.WARNING, logger="onnxpack"):
+        for _ in range(40):
+            np.testing.assert_array_equal(sess.run(None, {"X": X})[0], X * np.arange(6).reshape(3, 2))
+    assert not [r for r in caplog.records if "threadpoolctl" in r.getMessage()]
+    modes = sess._runner.modes
+    assert modes.choice is None and modes.times == ([], [])
 
 
 # -- logging --------------------------------------------------------------------------------------
