@@ -183,17 +183,21 @@ class ModeTuner:
     slowing whatever onnxpack's own threads do meanwhile: measured in blocks of six runs
     alternating with the other mode, MobileNetV2 ran owned 1.21x slower than on BLAS, each mode
     in a process of its own the same speed (12.1-12.2 vs 11.9-12.3 ms).  The mode with the lower
-    median then runs; ``RECHECK`` runs and ``RECHECK_S`` seconds later (both: a fast model's
-    measuring must stay a small share of its runs) the session measures again.  Only runs
-    of one set of input shapes count: a run with other shapes restarts an undecided measurement
-    (a model whose shapes change at every run, a decoder's growing cache, keeps the starting
-    mode).  The mode changes no result beyond the rounding of a GEMM split differently, only its
+    median then runs, BLAS only if it is faster by ``BLAS_MARGIN``: after every run its workers
+    keep a core busy polling for ~0.1 s, which the rest of the machine pays (onnxruntime's runs in
+    the same process, interleaved, 15-25 % slower on MobileNetV2), where owned mode's helpers stop
+    polling when a run returns.  ``RECHECK`` runs and ``RECHECK_S`` seconds later (both: a fast
+    model's measuring must stay a small share of its runs) the session measures again.  Only
+    runs of one set of input shapes count: a run with other shapes restarts an undecided
+    measurement (a model whose shapes change at every run, a decoder's growing cache, keeps the
+    starting mode).  The mode changes no result beyond the rounding of a GEMM split differently, only its
     time; concurrent runs may record each other's time: harmless.
     """
 
     SKIP = 7
     SETTLE = 0.25  # seconds from a block's first run before its runs count (see above)
     TRIALS = 5
+    BLAS_MARGIN = 0.97  # BLAS mode is kept only if its median is below this much of owned's
     RECHECK = 2000  # runs, and ...
     RECHECK_S = 60.0  # ... seconds after a choice before measuring again (both)
     __slots__ = ("start", "choice", "key", "phase", "runs", "since", "times", "calls", "lock")
@@ -252,11 +256,11 @@ class ModeTuner:
             self.times[which].append(seconds)
             first, other = self.times
             if len(first) >= self.TRIALS and len(other) >= self.TRIALS:
-                better = statistics.median(other) < statistics.median(first)
-                self.choice = self.start != better
+                owned, blas = (statistics.median(t) for t in ((first, other) if self.start else (other, first)))
+                self.choice = not blas < self.BLAS_MARGIN * owned
                 self.calls, self.since = 0, time.perf_counter()
-                logger.debug("thread mode: %s (medians: starting mode %.3g s, other %.3g s)",
-                             "owned" if self.choice else "BLAS", statistics.median(first), statistics.median(other))
+                logger.debug("thread mode: %s (medians: owned %.3g s, BLAS %.3g s)",
+                             "owned" if self.choice else "BLAS", owned, blas)
 
 
 def set_global_thread_pool_sizes(intra_op_num_threads: int = 0, inter_op_num_threads: int = 0) -> None:

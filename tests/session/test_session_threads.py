@@ -792,6 +792,19 @@ def test_mode_tuner_measures_each_mode_in_a_block_and_keeps_the_faster(start, ow
         assert patient.pick(inputs) == (owned_faster, -1, None)
 
 
+@pytest.mark.parametrize("start", [False, True])
+@pytest.mark.parametrize("blas_over_owned,want_owned", [(1.0, True), (0.98, True), (0.95, False), (1.05, True)])
+def test_mode_tuner_keeps_blas_only_when_it_wins_by_the_margin(start, blas_over_owned, want_owned):
+    """BLAS mode leaves a polling core behind every run: it is kept only when its median is below
+    BLAS_MARGIN of owned mode's; a tie or a smaller gain keeps owned, whichever mode started."""
+    tuner = _fast_mode_tuner(start)
+    inputs = [np.empty((4, 4), np.float32)]
+    while tuner.choice is None:
+        owned, which, key = tuner.pick(inputs)
+        tuner.record(key, which, 1.0 if owned else blas_over_owned)
+    assert tuner.choice is want_owned
+
+
 def test_mode_tuner_counts_one_set_of_shapes_and_waits_for_the_settle_time():
     """A run with other input shapes restarts an undecided measurement; a block's runs count only
     SETTLE seconds after its first (OpenBLAS's workers poll for a while after its last call)."""
