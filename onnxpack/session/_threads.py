@@ -190,8 +190,8 @@ class ModeTuner:
     model's measuring must stay a small share of its runs) the session measures again.  Only
     runs of one set of input shapes count: a run with other shapes restarts an undecided
     measurement (a model whose shapes change at every run, a decoder's growing cache, keeps the
-    starting mode).  The mode changes no result beyond the rounding of a GEMM split differently, only its
-    time; concurrent runs may record each other's time: harmless.
+    starting mode).  The mode changes no result beyond the rounding of a GEMM split differently,
+    only its time; concurrent runs may record each other's time: harmless.
     """
 
     SKIP = 7

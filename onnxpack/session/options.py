@@ -61,16 +61,15 @@ def _text(key: str, value: str) -> str:
 THREAD_MODES = ("auto", "blas", "owned")
 
 
-def _thread_mode(key: str, value: str) -> str:
-    if value not in THREAD_MODES:
-        raise ConfigError(f"config {key!r}: expected one of {', '.join(THREAD_MODES)}, got {value!r}")
-    return value
+def _one_of(choices: tuple[str, ...]) -> Callable[[str, str], str]:
+    """The parser of a key whose value is one of ``choices``."""
 
+    def parse(key: str, value: str) -> str:
+        if value not in choices:
+            raise ConfigError(f"config {key!r}: expected one of {', '.join(choices)}, got {value!r}")
+        return value
 
-def _planner(key: str, value: str) -> str:
-    if value not in PLANNERS:
-        raise ConfigError(f"config {key!r}: expected one of {', '.join(PLANNERS)}, got {value!r}")
-    return value
+    return parse
 
 
 # key -> (parser, default value as a string, one line of documentation)
@@ -89,11 +88,12 @@ CONFIG_KEYS: dict[str, tuple[Callable[[str, str], Any], str, str]] = {
     "onnxpack.allocation_granularity": (_granularity, str(mmap.ALLOCATIONGRANULARITY), "alignment of large tensors"),
     "onnxpack.prepacked_cache_path": (_text, "", "persistent packed-weight cache file (empty = off)"),
     "onnxpack.verify_prepacked": (_bool, "0", "1 verifies every mapped blob's checksum at load"),
-    "onnxpack.memory_planner": (_planner, "none", "activation memory planner: " + "|".join(PLANNERS)),
+    "onnxpack.memory_planner": (_one_of(PLANNERS), "none", "activation memory planner: " + "|".join(PLANNERS)),
     "onnxpack.specialize_shapes": (_bool, "1", "1 runs a root plan specialized per set of input shapes "
                                    "(shape arithmetic folded, If inlined, guarded)"),
-    "onnxpack.thread_mode": (_thread_mode, "auto", "runs on several threads: blas (numpy's BLAS on them), owned "
-                             "(BLAS on one, onnxpack's kernels on them) or auto (a block of each, the faster kept)"),
+    "onnxpack.thread_mode": (_one_of(THREAD_MODES), "auto", "runs on several threads: blas (numpy's BLAS on "
+                             "them), owned (BLAS on one, onnxpack's kernels on them) or auto (a block of each, "
+                             "the faster kept)"),
 }
 
 
