@@ -200,11 +200,14 @@ class ModeTuner:
     BLAS_MARGIN = 0.97  # BLAS mode is kept only if its median is below this much of owned's
     RECHECK = 2000  # runs, and ...
     RECHECK_S = 60.0  # ... seconds after a choice before measuring again (both)
-    __slots__ = ("start", "choice", "key", "phase", "runs", "since", "times", "calls", "lock")
+    # No lock: a child forked while another thread held one would hang at its next run.  Each
+    # step is a few attribute stores under the GIL, and the lists of times are read through a
+    # reference taken once (a reset makes new lists; the old ones only ever grow), so racing
+    # runs can at worst mix up samples, never fail.
+    __slots__ = ("start", "choice", "key", "phase", "runs", "since", "times", "calls")
 
     def __init__(self, start: bool) -> None:
         self.start = start  # the starting mode: True = owned
-        self.lock = threading.Lock()
         self.choice: bool | None = None  # the mode chosen (True = owned); None while measuring
         self.key: Hashable = None  # the input shapes being measured
         self.phase = 0  # the block being measured: 0 the starting mode's, 1 the other's
@@ -227,40 +230,35 @@ class ModeTuner:
         """The mode of the next run on ``inputs`` (True = owned), the block its time counts in
         (-1: not counted) and the key of its input shapes to :meth:`record` it with."""
         choice = self.choice
-        if choice is not None:  # decided: no lock (a racing count only moves the recheck a run)
+        if choice is not None:
             self.calls += 1
             if self.calls < self.RECHECK or time.perf_counter() - self.since < self.RECHECK_S:
                 return choice, -1, None
+            self.choice, self.key = None, None  # measure again from this run
         key = tuple(getattr(v, "shape", None) for v in inputs)
-        with self.lock:
-            choice = self.choice
-            if choice is not None:
-                if self.calls < self.RECHECK or time.perf_counter() - self.since < self.RECHECK_S:
-                    return choice, -1, None  # (decided by another thread meanwhile)
-                self.choice, self.key = None, None  # measure again from this run
-            if key != self.key:
-                self.key, self.times, self.phase, self.runs = key, ([], []), 0, 0
-            phase = 1 if len(self.times[0]) >= self.TRIALS else 0
-            now = time.perf_counter()
-            if phase != self.phase or self.runs == 0:
-                self.phase, self.runs, self.since = phase, 0, now
-            self.runs += 1
-            settled = self.runs > self.SKIP and now - self.since >= self.SETTLE
-            return self.start != bool(phase), (phase if settled else -1), key
+        if key != self.key:
+            self.key, self.times, self.phase, self.runs = key, ([], []), 0, 0
+        phase = 1 if len(self.times[0]) >= self.TRIALS else 0
+        now = time.perf_counter()
+        if phase != self.phase or self.runs == 0:
+            self.phase, self.runs, self.since = phase, 0, now
+        self.runs += 1
+        settled = self.runs > self.SKIP and now - self.since >= self.SETTLE
+        return self.start != bool(phase), (phase if settled else -1), key
 
     def record(self, key: Hashable, which: int, seconds: float) -> None:
         """The time of a run :meth:`pick` counted in ``which``."""
-        with self.lock:
-            if which < 0 or key != self.key or self.choice is not None:
-                return
-            self.times[which].append(seconds)
-            first, other = self.times
-            if len(first) >= self.TRIALS and len(other) >= self.TRIALS:
-                owned, blas = (statistics.median(t) for t in ((first, other) if self.start else (other, first)))
-                self.choice = not blas < self.BLAS_MARGIN * owned
-                self.calls, self.since = 0, time.perf_counter()
-                logger.debug("thread mode: %s (medians: owned %.3g s, BLAS %.3g s)",
-                             "owned" if self.choice else "BLAS", owned, blas)
+        times = self.times
+        if which < 0 or key != self.key or self.choice is not None:
+            return
+        times[which].append(seconds)
+        first, other = times
+        if len(first) >= self.TRIALS and len(other) >= self.TRIALS:
+            owned, blas = (statistics.median(t) for t in ((first, other) if self.start else (other, first)))
+            self.calls, self.since = 0, time.perf_counter()
+            self.choice = not blas < self.BLAS_MARGIN * owned
+            logger.debug("thread mode: %s (medians: owned %.3g s, BLAS %.3g s)",
+                         "owned" if self.choice else "BLAS", owned, blas)
 
 
 def set_global_thread_pool_sizes(intra_op_num_threads: int = 0, inter_op_num_threads: int = 0) -> None:

@@ -897,3 +897,61 @@ def test_a_session_on_two_threads_tries_both_modes_and_every_run_agrees(monkeypa
     # Both blocks were timed (the second one runs the other mode), and a mode was kept.
     assert modes.choice is not None
     assert len(modes.times[0]) >= ModeTuner.TRIALS and len(modes.times[1]) >= ModeTuner.TRIALS
+
+
+def test_a_child_forked_while_a_run_is_inside_the_mode_tuner_runs_the_session(monkeypatch):
+    """A child forked while another thread of the parent is paused inside the thread-mode
+    tuner's measuring step runs the same session to the end, equal to the parent's output: the
+    tuner holds no lock a forked child would wait on forever (the child gives up after 60 s)."""
+    import os
+    import signal
+
+    from onnxpack.session import _threads
+    from onnxpack.session._threads import ModeTuner, blas_libraries
+
+    if not blas_libraries(quiet=True):
+        pytest.skip("the BLAS thread count cannot be set here (threadpoolctl)")
+    monkeypatch.setattr(ModeTuner, "SETTLE", 0.0)
+    two = onnxpack.SessionOptions()
+    two.intra_op_num_threads = 2
+    sess = onnxpack.InferenceSession(_conv_gemm_model(), two)
+    x = np.random.default_rng(3).standard_normal((1, 16, 48, 48)).astype(np.float32)
+    want = sess.run(None, {"x": x})[0]
+    sess.run(None, {"x": x})  # measured from here on
+    worker, paused, release = [0], threading.Event(), threading.Event()
+    real = _threads.time.perf_counter
+
+    class Clock:  # the tuner's clock: pauses the worker thread inside its measuring step
+        @staticmethod
+        def perf_counter():
+            if threading.get_ident() == worker[0]:
+                paused.set()
+                release.wait(30)
+            return real()
+
+    def run_in_worker():
+        worker[0] = threading.get_ident()
+        sess.run(None, {"x": x})
+
+    monkeypatch.setattr(_threads, "time", Clock)
+    t = threading.Thread(target=run_in_worker)
+    t.start()
+    try:
+        assert paused.wait(30)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through the pipe
+            try:
+                signal.alarm(60)
+                ok = all(np.allclose(sess.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6) for _ in range(3))
+                os.write(w, b"ok" if ok else b"bad")
+            finally:
+                os._exit(0)
+        os.close(w)
+        got = os.read(r, 16)
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        t.join(30)
+    assert got == b"ok" and status == 0
