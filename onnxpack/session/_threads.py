@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import statistics
 import threading
 import time
@@ -130,6 +131,20 @@ def _save_original() -> None:
     _applied[:] = _original
 
 
+def _after_fork_in_child() -> None:
+    """A forked child has none of its parent's runs in flight: a fresh lock (another thread of
+    the parent may have held it at the fork, and would never release it here) and no counts in
+    flight (they would never end here, and the smallest would limit the child's runs for good)."""
+    global _lock
+    _lock = threading.Lock()
+    if _active or _owners:
+        _active.clear()
+        _owners.clear()
+        from onnxpack.session.kernels import set_owned_threads
+
+        set_owned_threads(0)
+
+
 def blas_threads(n: int) -> Any:
     """Limit BLAS to ``n`` threads for the duration of a ``with`` (no-op for ``n <= 0``)."""
     if n <= 0 or not blas_libraries():
@@ -138,6 +153,9 @@ def blas_threads(n: int) -> Any:
 
 
 _owners: dict[int, int] = {}  # owned_threads counts in flight
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager

@@ -955,3 +955,110 @@ def test_a_child_forked_while_a_run_is_inside_the_mode_tuner_runs_the_session(mo
         release.set()
         t.join(30)
     assert got == b"ok" and status == 0
+
+
+def test_a_child_forked_while_a_parent_thread_holds_the_thread_locks_runs_sessions():
+    """A child forked while another thread of the parent holds the thread-count lock and the
+    kernels' tuner lock (as a run starting or ending in that thread does for a moment) runs
+    sessions on one and two threads, equal to the parent's outputs: the child makes fresh locks
+    and forgets the parent's runs in flight (it gives up after 60 s)."""
+    import os
+    import signal
+
+    from onnxpack.session import _threads
+    from onnxpack.session.kernels import _act
+
+    model = _conv_gemm_model()
+    x = np.random.default_rng(4).standard_normal((1, 16, 48, 48)).astype(np.float32)
+    sessions = {}
+    for n in (1, 2):
+        so = onnxpack.SessionOptions()
+        so.intra_op_num_threads = n
+        sessions[n] = onnxpack.InferenceSession(model, so)
+    want = {n: s.run(None, {"x": x})[0] for n, s in sessions.items()}
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with _threads._lock, _act._lock:
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert held.wait(30)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through the pipe
+            try:
+                signal.alarm(60)
+                ok = all(np.allclose(s.run(None, {"x": x})[0], want[n], rtol=1e-5, atol=1e-6)
+                         for _ in range(3) for n, s in sessions.items())
+                os.write(w, b"ok" if ok else b"bad")
+            finally:
+                os._exit(0)
+        os.close(w)
+        got = os.read(r, 16)
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        t.join(30)
+    assert got == b"ok" and status == 0
+
+
+def test_a_child_forked_during_runs_in_flight_forgets_them():
+    """A child forked while parent threads are inside a limited run and an owned run: those runs
+    do not exist in the child, so their counts are gone there (left, the smallest would limit
+    every run of the child for good, and owned_threads' count would never drop), and the child's
+    own runs come and go as in any process."""
+    import os
+    import signal
+
+    from onnxpack.session import _threads
+    from onnxpack.session.kernels import _act
+
+    one = onnxpack.SessionOptions()
+    one.intra_op_num_threads = 1
+    sess = onnxpack.InferenceSession(_conv_gemm_model(), one)
+    x = np.ones((1, 16, 48, 48), np.float32)
+    want = sess.run(None, {"x": x})[0]
+    held = [threading.Event(), threading.Event()]
+    release = threading.Event()
+
+    def limited_run():
+        with _threads.blas_threads(1):
+            held[0].set()
+            release.wait(30)
+
+    def owned_run():
+        with _threads.owned_threads(3):
+            held[1].set()
+            release.wait(30)
+
+    threads = [threading.Thread(target=limited_run), threading.Thread(target=owned_run)]
+    for t in threads:
+        t.start()
+    try:
+        assert all(h.wait(30) for h in held)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through the pipe
+            try:
+                signal.alarm(60)
+                clean = not _threads._active and not _threads._owners and _act.owned[0] == 0
+                ok = np.allclose(sess.run(None, {"x": x})[0], want, rtol=1e-6, atol=1e-6)
+                after = not _threads._active and not _threads._owners
+                os.write(w, b"ok" if clean and ok and after else b"bad")
+            finally:
+                os._exit(0)
+        os.close(w)
+        got = os.read(r, 16)
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+        assert _threads._active and _threads._owners  # the parent's runs are still in flight
+    finally:
+        release.set()
+        for t in threads:
+            t.join(30)
+    assert got == b"ok" and status == 0

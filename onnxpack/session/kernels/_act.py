@@ -689,6 +689,18 @@ class _SplitChoice:
 _first_runs = [0]
 
 
+def _after_fork_in_child() -> None:
+    """A forked child runs none of its parent's runs: a fresh lock (a thread of the parent may
+    have held it at the fork, and would never release it here), no first run in flight."""
+    global _lock
+    _lock = threading.Lock()
+    _first_runs[0] = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 @contextlib.contextmanager
 def first_run():
     """While this context is open, :class:`SplitTuner` takes no sample (every call splits, as its
