@@ -899,13 +899,31 @@ def test_a_session_on_two_threads_tries_both_modes_and_every_run_agrees(monkeypa
     assert len(modes.times[0]) >= ModeTuner.TRIALS and len(modes.times[1]) >= ModeTuner.TRIALS
 
 
+def _in_forked_child(check) -> tuple[bytes, int]:
+    """Forks; the child runs ``check()`` (True: ``b"ok"``) under a 60 s alarm (a hang ends it)
+    and reports through a pipe.  Returns what it reported and its exit status."""
+    import os
+    import signal
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            signal.alarm(60)
+            os.write(w, b"ok" if check() else b"bad")
+        finally:
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 16)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    return got, status
+
+
 def test_a_child_forked_while_a_run_is_inside_the_mode_tuner_runs_the_session(monkeypatch):
     """A child forked while another thread of the parent is paused inside the thread-mode
     tuner's measuring step runs the same session to the end, equal to the parent's output: the
     tuner holds no lock a forked child would wait on forever (the child gives up after 60 s)."""
-    import os
-    import signal
-
     from onnxpack.session import _threads
     from onnxpack.session._threads import ModeTuner, blas_libraries
 
@@ -938,19 +956,8 @@ def test_a_child_forked_while_a_run_is_inside_the_mode_tuner_runs_the_session(mo
     t.start()
     try:
         assert paused.wait(30)
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child reports through the pipe
-            try:
-                signal.alarm(60)
-                ok = all(np.allclose(sess.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6) for _ in range(3))
-                os.write(w, b"ok" if ok else b"bad")
-            finally:
-                os._exit(0)
-        os.close(w)
-        got = os.read(r, 16)
-        os.close(r)
-        _, status = os.waitpid(pid, 0)
+        got, status = _in_forked_child(
+            lambda: all(np.allclose(sess.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6) for _ in range(3)))
     finally:
         release.set()
         t.join(30)
@@ -962,9 +969,6 @@ def test_a_child_forked_while_a_parent_thread_holds_the_thread_locks_runs_sessio
     kernels' tuner lock (as a run starting or ending in that thread does for a moment) runs
     sessions on one and two threads, equal to the parent's outputs: the child makes fresh locks
     and forgets the parent's runs in flight (it gives up after 60 s)."""
-    import os
-    import signal
-
     from onnxpack.session import _threads
     from onnxpack.session.kernels import _act
 
@@ -987,20 +991,9 @@ def test_a_child_forked_while_a_parent_thread_holds_the_thread_locks_runs_sessio
     t.start()
     try:
         assert held.wait(30)
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child reports through the pipe
-            try:
-                signal.alarm(60)
-                ok = all(np.allclose(s.run(None, {"x": x})[0], want[n], rtol=1e-5, atol=1e-6)
-                         for _ in range(3) for n, s in sessions.items())
-                os.write(w, b"ok" if ok else b"bad")
-            finally:
-                os._exit(0)
-        os.close(w)
-        got = os.read(r, 16)
-        os.close(r)
-        _, status = os.waitpid(pid, 0)
+        got, status = _in_forked_child(
+            lambda: all(np.allclose(s.run(None, {"x": x})[0], want[n], rtol=1e-5, atol=1e-6)
+                        for _ in range(3) for n, s in sessions.items()))
     finally:
         release.set()
         t.join(30)
@@ -1012,9 +1005,6 @@ def test_a_child_forked_during_runs_in_flight_forgets_them():
     do not exist in the child, so their counts are gone there (left, the smallest would limit
     every run of the child for good, and owned_threads' count would never drop), and the child's
     own runs come and go as in any process."""
-    import os
-    import signal
-
     from onnxpack.session import _threads
     from onnxpack.session.kernels import _act
 
@@ -1041,21 +1031,13 @@ def test_a_child_forked_during_runs_in_flight_forgets_them():
         t.start()
     try:
         assert all(h.wait(30) for h in held)
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child reports through the pipe
-            try:
-                signal.alarm(60)
-                clean = not _threads._active and not _threads._owners and _act.owned[0] == 0
-                ok = np.allclose(sess.run(None, {"x": x})[0], want, rtol=1e-6, atol=1e-6)
-                after = not _threads._active and not _threads._owners
-                os.write(w, b"ok" if clean and ok and after else b"bad")
-            finally:
-                os._exit(0)
-        os.close(w)
-        got = os.read(r, 16)
-        os.close(r)
-        _, status = os.waitpid(pid, 0)
+
+        def check():
+            clean = not _threads._active and not _threads._owners and _act.owned[0] == 0
+            ok = np.allclose(sess.run(None, {"x": x})[0], want, rtol=1e-6, atol=1e-6)
+            return clean and ok and not _threads._active and not _threads._owners
+
+        got, status = _in_forked_child(check)
         assert _threads._active and _threads._owners  # the parent's runs are still in flight
     finally:
         release.set()
