@@ -198,7 +198,20 @@ def bench_one(name: str, factory, runs: int, threads: int, interleave: bool = Fa
             "create_onnxpack_s": create_ours, "fallback_nodes": len(ours.get_fallback_nodes()), "warmup_runs": done,
             "thread_mode": {None: "undecided", True: "owned", False: "blas"}[ours._runner.modes.choice] if threads > 1
             else "one thread",
-            "all_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()}}
+            **spread_ms(times, interleave)}
+
+
+def spread_ms(times: dict[str, list[float]], interleave: bool) -> dict:
+    """The runs behind each median for the JSON: every run's time when interleaved (one per
+    round), else (blocks: up to thousands of runs of a small model) the count and deciles."""
+    if interleave:
+        return {"all_ms": {k: [round(t * 1e3, 3) for t in v] for k, v in times.items()}}
+    out = {}
+    for k, v in times.items():
+        q = statistics.quantiles(v, n=10, method="inclusive") if len(v) > 1 else list(v) * 9
+        out[k] = {"runs": len(v), "min": round(min(v) * 1e3, 3), "deciles": [round(t * 1e3, 3) for t in q],
+                  "max": round(max(v) * 1e3, 3)}
+    return {"runs_ms": out}
 
 
 def profile(name: str, factory, runs: int = 21, top: int = 15) -> dict:
