@@ -61,6 +61,16 @@ def blas_libraries(quiet: bool = False) -> list[Any]:
 _unwarned = False  # threadpoolctl is missing and no call has said so yet
 
 
+def _own_setter(lib: Any) -> Any:
+    """``lib``'s thread-count setter as the library has it.  threadpoolctl (3.6 on) makes
+    OpenBLAS's ``set_num_threads`` a no-op in every thread but one, the first live thread that
+    set it: a run from a server's worker thread after the main thread had set the count (or from
+    the main thread while such a worker lives) kept the count as it was, its BLAS on every core.
+    The runs in flight are coordinated here (the smallest count applies, under ``_lock``), so the
+    library's own setter is called; controllers without that guard are called as they are."""
+    return getattr(lib, "_real_set_num_threads", None) or lib.set_num_threads
+
+
 def _apply(n: int) -> None:
     """Called under ``_lock``: BLAS at ``n`` threads (``n <= 0``: the count the process had).
     ``_applied`` is the count each library has as we last set or read it, so a run sets a
@@ -71,7 +81,7 @@ def _apply(n: int) -> None:
             continue
         want = count if n <= 0 else n
         if _applied[i] != want:
-            lib.set_num_threads(want)
+            _own_setter(lib)(want)
             _applied[i] = want
 
 

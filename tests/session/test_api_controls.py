@@ -284,6 +284,60 @@ def test_intra_op_num_threads_limits_blas_during_runs_only():
         libs[0].set_num_threads(before)
 
 
+@pytest.mark.parametrize("first_setter", ["main", "worker"])
+def test_intra_op_num_threads_limits_blas_in_runs_from_any_thread(first_setter):
+    """threadpoolctl (3.6 on) lets only one live thread change OpenBLAS's thread count, the
+    first that set it, and ignores every other thread's set: a 1-thread session run from a
+    server's worker thread after the main thread had set the count (or from the main thread
+    while a worker that set it lives) ran its BLAS on every core.  A run's limit holds in
+    whichever thread runs it, and the count is restored after it."""
+    pytest.importorskip("threadpoolctl")
+    libs = _threads.blas_libraries()
+    if not libs:
+        pytest.skip("numpy loaded no BLAS threadpoolctl can control")
+    lib = libs[0]
+    clear = getattr(type(lib), "clear_controlling_thread", None)
+    before = lib.num_threads
+    so = onnxpack.SessionOptions()
+    so.intra_op_num_threads = 1
+    sess = onnxpack.InferenceSession(_gate_chain(2), so)
+    seen: list = []
+
+    def run() -> None:
+        Gate.reset()
+        sess.run(None, {"x": np.ones(2, np.float32)})
+        seen.append((list(Gate.blas_threads), lib.num_threads))
+
+    set_it, done = threading.Event(), threading.Event()
+
+    def worker() -> None:  # sets the count through threadpoolctl, then stays alive
+        lib.set_num_threads(2)
+        set_it.set()
+        done.wait(WAIT)
+
+    helper = threading.Thread(target=worker)
+    try:
+        if clear is not None:
+            clear(force=True)
+        if first_setter == "main":
+            lib.set_num_threads(2)
+            runner = threading.Thread(target=run)
+            runner.start()
+            runner.join(WAIT)
+        else:
+            helper.start()
+            assert set_it.wait(WAIT)
+            run()
+        assert seen == [([1, 1], 2)]
+    finally:
+        done.set()
+        if helper.is_alive():
+            helper.join(WAIT)
+        if clear is not None:
+            clear(force=True)
+        lib.set_num_threads(before)
+
+
 def _gate_after_panels() -> bytes:
     """MatMul by a 128-column float32 weight (panels: onnxpack's own GEMM), then a Gate."""
     w = np.random.default_rng(3).standard_normal((8, 128)).astype(np.float32)
