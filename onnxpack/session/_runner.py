@@ -35,7 +35,7 @@ from onnxpack.session._run_options import SessionControl, check_run_options, che
 from onnxpack.session._specialize import Specializer, worth_specializing
 from onnxpack.session._threads import ModeTuner, blas_libraries, blas_threads, global_intra_op_threads, owned_threads
 from onnxpack.session.kernels import blas_threads as current_blas_threads, release_scratch
-from onnxpack.session.kernels._act import first_run, stop_spinning
+from onnxpack.session.kernels._act import first_run, one_thread, stop_spinning
 from onnxpack.session.options import SessionOptions
 
 __all__ = ["Runner"]
@@ -126,6 +126,9 @@ class Runner:
             with first_run() if first else contextlib.nullcontext():
                 if owned > 1:
                     with owned_threads(owned):
+                        values = self._loop(plan, inputs, control)
+                elif threads == 1:  # onnxpack's own kernels on one thread too, whatever else runs
+                    with blas_threads(1), one_thread():
                         values = self._loop(plan, inputs, control)
                 elif threads > 0:
                     with blas_threads(threads):

@@ -387,6 +387,45 @@ def test_runs_of_a_program_whose_gemms_are_its_own_keep_blas_at_one_thread(setti
         libs[0].set_num_threads(before)
 
 
+def test_a_one_thread_run_beside_an_owned_run_splits_nothing(monkeypatch):
+    """A run of a session with ``intra_op_num_threads = 1`` while another session's run owns two
+    threads: its kernels stay on one thread (they read the owned run's count, process-wide, and
+    split over two), and the owner's keep their two."""
+    pytest.importorskip("threadpoolctl")
+    from onnxpack.session.kernels import _act
+
+    if not _threads.blas_libraries():
+        pytest.skip("numpy loaded no BLAS threadpoolctl can control")
+    monkeypatch.delenv("ONNXPACK_NUM_THREADS", raising=False)
+    seen = []
+    real = Gate.run
+    monkeypatch.setattr(Gate, "run", lambda self, x: real(self, x) + (seen.append(_act.threads()),)[:0])
+    owner_opts = onnxpack.SessionOptions()
+    owner_opts.intra_op_num_threads = 2
+    owner_opts.add_session_config_entry("onnxpack.thread_mode", "owned")
+    owner = onnxpack.InferenceSession(_gate_chain(1), owner_opts)
+    one_opts = onnxpack.SessionOptions()
+    one_opts.intra_op_num_threads = 1
+    one = onnxpack.InferenceSession(_gate_chain(1), one_opts)
+    x = {"x": np.ones(2, np.float32)}
+    owner.run(None, x)  # (its first run)
+    Gate.reset(stop_at=1)
+    paused = threading.Thread(target=owner.run, args=(None, x))
+    paused.start()
+    try:
+        assert Gate.reached.wait(WAIT)
+        seen.clear()
+        one.run(None, x)
+        assert seen == [1]
+    finally:
+        Gate.release.set()
+        paused.join(WAIT)
+    assert seen == [1, 2]  # the owner's run resumed after the other's had ended
+    seen.clear()
+    owner.run(None, x)
+    assert seen == [2] and _act.owned[0] == 0
+
+
 def test_owned_thread_counts_overlap_as_the_smallest():
     from onnxpack.session.kernels import _act
 

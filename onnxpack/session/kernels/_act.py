@@ -252,15 +252,41 @@ def set_owned_threads(n: int) -> None:
     owned[0] = max(0, int(n))
 
 
+class _OneThread(threading.local):
+    on = False  # this thread is inside a run of a one-thread session (see one_thread)
+
+
+_one = _OneThread()
+
+
+class one_thread:  # noqa: N801 - used as a context manager, like a function
+    """For the duration, :func:`threads` answers 1 in this thread: a run of a session with
+    ``intra_op_num_threads = 1``.  Per thread, not process-wide as the owned count is: beside
+    another session's run that owns two threads, a one-thread run read that count and split
+    its kernels over both (the BLAS count, process-wide, is the smallest of the two runs')."""
+
+    __slots__ = ("before",)
+
+    def __enter__(self) -> None:
+        self.before = _one.on
+        _one.on = True
+
+    def __exit__(self, *exc: Any) -> None:
+        _one.on = self.before
+
+
 def threads() -> int:
-    """Threads onnxpack's own kernels use: ``ONNXPACK_NUM_THREADS`` when set, else the count of
-    the runs that own their threads (see ``Kernel.owns_threads``), else the BLAS's."""
+    """Threads onnxpack's own kernels use: ``ONNXPACK_NUM_THREADS`` when set, else 1 inside a
+    one-thread session's run (:class:`one_thread`), else the count of the runs that own their
+    threads (see ``Kernel.owns_threads``), else the BLAS's."""
     v = getenv(_ENV_THREADS, _KEY_THREADS)
     if v:
         try:
             return max(1, int(v))
         except ValueError:
             logger.warning("%s=%r is not an integer; using the BLAS's thread count", _ENV_THREADS, v)
+    if _one.on:
+        return 1
     return owned[0] or blas_threads()
 
 
