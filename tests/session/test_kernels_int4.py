@@ -43,7 +43,7 @@ import onnxpack
 from onnxpack import InferenceSession, PrepackedWeightsContainer, SessionOptions
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import KernelContext, TensorInfo, lookup
-from onnxpack.session import optimize
+from onnxpack.session import _threads, optimize
 from onnxpack.session.kernels import quant
 from onnxpack.session.kernels.quant import TILE, dequantize_nbits, to_tiles, unpack_nbits
 
@@ -237,6 +237,39 @@ def test_decode_after_a_stall_runs_serial_and_matches(monkeypatch):
     np.testing.assert_array_equal(after, before)
     want = a.astype(np.float64) @ dequantize_nbits(vals["b"], vals["s"], vals["zp"], k=k, n=n, bits=4, block_size=32)
     np.testing.assert_allclose(after, want, **F32_TOL)
+
+
+@pytest.mark.parametrize("jit_path", ["numba", "native"], indirect=True)
+def test_a_one_thread_runs_gemv_is_serial_on_either_jit(jit_path, monkeypatch):
+    """Inside a one-thread session's run (``_act.one_thread``) the GEMV takes the serial kernel,
+    on numba's module as on the native code cache (numba's thread count is the machine's cores:
+    its parallel GEMV ran on all of them whatever ``intra_op_num_threads`` said), with the same
+    values as the parallel one."""
+    from onnxpack.session.kernels import _act
+
+    monkeypatch.delenv("ONNXPACK_NUM_THREADS", raising=False)
+    k, n = 512, 8192  # m*k*n above JIT_SERIAL_BELOW: the parallel GEMV
+    vals = nbits_values(k, n, 32, 4, zp="uint8", seed=15)
+    kern = lookup(MS, "MatMulNBits", 1)(nbits_node(k, n, 32, 4, vals), KernelContext(1, {MS: 1, "": 17}))
+    for i, name in ((1, "b"), (2, "s"), (3, "zp")):
+        kern.use_prepacked(i, kern.prepack(i, vals[name]))
+    monkeypatch.setattr(quant, "_stall_guard", quant._StallGuard())
+    monkeypatch.setattr(quant._stall_guard, "record", lambda *a, **k: None)
+    a = np.random.default_rng(16).standard_normal((1, k)).astype(np.float32)
+    jit = quant._jit()
+    assert getattr(jit, "native", False) == (jit_path == "native")
+
+    def gemv():
+        return kern._gemv_call(jit, a, kern._packed[1], kern._packed[2], kern._packed[3])[0]
+
+    with _threads.blas_threads(2):  # a two-thread setting outside the one-thread run
+        if quant._parallel_ok() and jit.threads() > 1 and _act.threads() > 1:
+            assert gemv() != jit.gemv4_serial
+        (wide,) = kern.run(a)
+    with _threads.blas_threads(1), _act.one_thread():
+        assert gemv() == jit.gemv4_serial
+        (one,) = kern.run(a)
+    np.testing.assert_array_equal(one, wide)
 
 
 @pytest.mark.parametrize("jit_path", ["native"], indirect=True)

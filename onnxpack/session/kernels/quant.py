@@ -233,10 +233,13 @@ _stall_guard = _StallGuard()
 
 def _gemv_threads(jit, macs: int) -> int:
     """How many threads a JIT GEMV of ``macs`` multiply-adds runs on now: one below the serial
-    cut, after a fork, or while the stall guard says so; else the JIT's thread count."""
+    cut, after a fork, or while the stall guard says so; else the JIT's thread count, at most
+    onnxpack's (:func:`._act.threads`: a session's ``intra_op_num_threads``; numba's own count
+    is the machine's cores, which a one-thread session's GEMVs used when they ran on numba's
+    module rather than the native code cache, whose count is already onnxpack's)."""
     if macs < JIT_SERIAL_BELOW or not _parallel_ok():
         return 1
-    threads = jit.threads()
+    threads = min(jit.threads(), _act.threads())
     return threads if threads == 1 or _stall_guard.parallel_allowed(time.perf_counter()) else 1
 
 
