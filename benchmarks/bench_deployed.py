@@ -74,7 +74,7 @@ print(json.dumps({"create_s": t, "create_cpu_s": c, **extra}))
 # A fresh interpreter runs sessions side by side: the parent's heap (the quantizer, optimize, the
 # 400 MB BERT proto) would otherwise tax every fresh array the runs allocate.
 _RUNS = """
-import contextlib, json, sys, time
+import contextlib, json, sys
 import numpy as np
 spec = json.loads(sys.argv[1])
 threads, repeat = spec["threads"], spec["repeat"]
@@ -100,32 +100,14 @@ with limit:
             import onnxpack
             sessions[label] = onnxpack.InferenceSession(path)
     first = {label: [np.asarray(o).tolist() for o in s.run(None, feeds)][0] for label, s in sessions.items()}
-    # Warm-up: at least 30 runs and 1 s of each session (onnxpack on several threads picks its
-    # thread mode from its first runs); then per round a block of each session: back-to-back runs
-    # for at least 0.25 s, those started 0.15 s or more into the block counted (OpenBLAS's workers
-    # poll a core for ~0.1 s after a GEMM on several threads: see bench_models.BLOCK_S).
-    spent = dict.fromkeys(sessions, 0.0)
-    done = 0
-    while done < 30 or min(spent.values()) < 1.0:
-        for label, s in sessions.items():
-            t0 = time.perf_counter()
-            s.run(None, feeds)
-            spent[label] += time.perf_counter() - t0
-        done += 1
+    # bench_models' method: an interleaved warm-up, then per round a block of each session.
+    import bench_models
+    runners = {label: (lambda s=s: s.run(None, feeds)) for label, s in sessions.items()}
+    bench_models.warm_up(runners)
     times = {label: [] for label in sessions}
     for _ in range(repeat):
-        for label, s in sessions.items():
-            start, n = time.perf_counter(), 0
-            while True:
-                t0 = time.perf_counter()
-                s.run(None, feeds)
-                end = time.perf_counter()
-                n += 1
-                last = n >= 2 and end - start >= 0.25
-                if t0 - start >= 0.15 or last:
-                    times[label].append(end - t0)
-                if last:
-                    break
+        for label, run in runners.items():
+            times[label].extend(bench_models.run_block(run))
 print(json.dumps({"times": times, "first": first}))
 """
 

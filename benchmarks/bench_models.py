@@ -128,7 +128,23 @@ BLOCK_S = 0.25
 SETTLE_S = 0.15
 
 
-def _block(run) -> list[float]:
+def warm_up(runners: dict) -> int:
+    """Warm-up, interleaved: at least WARMUP_RUNS runs and WARMUP_S seconds of each of ``runners``
+    (label -> callable); returns the rounds run.  On several threads onnxpack picks its thread
+    mode from its first runs (session/_threads.py's ModeTuner: a block of each mode, ~25 runs or
+    2 x 0.25 s); what follows measures the steady state."""
+    spent = dict.fromkeys(runners, 0.0)
+    done = 0
+    while done < WARMUP_RUNS or min(spent.values()) < WARMUP_S:
+        for k, run in runners.items():
+            t = time.perf_counter()
+            run()
+            spent[k] += time.perf_counter() - t
+        done += 1
+    return done
+
+
+def run_block(run) -> list[float]:
     """Runs ``run`` back to back for a block (see BLOCK_S); the times of the runs that count."""
     start = time.perf_counter()
     out: list[float] = []
@@ -171,18 +187,8 @@ def bench_one(name: str, factory, runs: int, threads: int, interleave: bool = Fa
             diffs.append(float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))))
     scale = max((float(np.max(np.abs(np.asarray(b, np.float64)))) if np.asarray(b).size else 0.0)
                 for b in outs["onnxruntime"])
-    # Warm-up, interleaved: at least WARMUP_RUNS runs and WARMUP_S seconds of each runtime.  On
-    # several threads onnxpack picks its thread mode from its first runs (session/_threads.py's
-    # ModeTuner: a block of each mode, ~25 runs or 2 x 0.25 s); the rounds measure the steady state.
+    done = warm_up(runners)
     order = list(runners)
-    spent = dict.fromkeys(order, 0.0)
-    done = 0
-    while done < WARMUP_RUNS or min(spent.values()) < WARMUP_S:
-        for k in order:
-            t = time.perf_counter()
-            runners[k]()
-            spent[k] += time.perf_counter() - t
-        done += 1
     times = defaultdict(list)
     for r in range(runs):
         for k in (order if r % 2 == 0 else order[::-1]):
@@ -191,7 +197,7 @@ def bench_one(name: str, factory, runs: int, threads: int, interleave: bool = Fa
                 runners[k]()
                 times[k].append(time.perf_counter() - t)
             else:
-                times[k].extend(_block(runners[k]))
+                times[k].extend(run_block(runners[k]))
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     return {"model": name, "path": path, "threads": threads, "median_ms": med,
             "ratio": med["onnxpack"] / med["onnxruntime"], "max_abs_diff": diffs, "output_scale": scale,
