@@ -318,7 +318,8 @@ def test_a_polling_helper_that_fails_to_load_means_sleeping_helpers(monkeypatch)
     def broken(*a):
         raise RuntimeError("no such intrinsic")
 
-    fake = types.SimpleNamespace(wait_change=broken, wait_sum=broken, bump=broken, pauses=broken)
+    fake = types.SimpleNamespace(serve=broken, post=broken, claim=broken, wait_done=broken, run_job=broken,
+                                 wait_sum=broken, bump=broken, pauses=broken, JOB_LEN=17)
     pool = _act._Pool(1)
     monkeypatch.setattr(_act, "load_jit", lambda name, what, on_load=None: fake)
     monkeypatch.setattr(_act._Pool, "get", classmethod(lambda cls: pool))
@@ -595,10 +596,12 @@ def test_conv_shift_over_channel_blocks_equals_one_thread(stride, c, m, residual
                          ids=["rows", "columns", "columns-ragged", "columns-wide", "too-small"])
 def test_split_matmul_computes_every_block_once(m, k, n, monkeypatch):
     """_act.matmul forced to split over two threads (rows of A from 256 of them or when B is
-    narrow, else column blocks of 64): every output element is numpy's product (each block's
-    BLAS call sums the same products), none left unwritten."""
+    narrow, else column blocks of 64), each block through numpy (the GEMM jobs off: see the
+    next tests for them): every output element is numpy's product (each block's BLAS call sums
+    the same products), none left unwritten."""
     from onnxpack.session.kernels import _act
 
+    monkeypatch.setattr(_act, "_native_split", lambda *a: False)
     monkeypatch.setattr(_act, "_SPLIT_MACS", 1)
     monkeypatch.setattr(_act, "threads", lambda: 2)
     monkeypatch.setattr(_act, "blas_threads", lambda: 1)
@@ -639,6 +642,142 @@ def test_split_matmul_computes_every_block_once(m, k, n, monkeypatch):
     out = np.full((m, n), np.nan, np.float32)
     assert _act.matmul(a, b, out=out, after=after) is out
     assert np.all(seen == 1) and len(blocks) == len(calls), blocks
+
+
+def _operand(rng, shape, wider: int = 0):
+    """A float32 array of ``shape``; with ``wider``, a view of the first columns of a wider
+    one (rows further apart than a row: numpy still hands it to the BLAS as it is)."""
+    x = rng.standard_normal(shape[:-1] + (shape[-1] + wider,)).astype(np.float32)
+    return x[..., :shape[-1]] if wider else x
+
+
+@pytest.mark.parametrize("a_shape,b_shape,wider", [
+    ((300, 40), (40, 70), 0), ((64, 40), (40, 300), 0), ((64, 40), (40, 257), 3), ((300, 40), (40, 70), 5),
+    ((6, 20, 30), (6, 30, 40), 0), ((6, 20, 30), (30, 40), 2), ((1, 20, 30), (6, 30, 40), 0),
+    ((20, 30), (5, 30, 40), 1), ((3, 64, 40), (40, 300), 0)],
+    ids=["rows", "columns", "columns-ragged-strided", "rows-strided", "batch", "batch-shared-b", "batch-broadcast-a",
+         "batch-shared-a-strided", "batch-of-3-by-columns"])
+def test_split_matmul_as_gemm_jobs_equals_numpy_bit_for_bit(a_shape, b_shape, wider, monkeypatch):
+    """A split float32 GEMM goes to the BLAS as jobs (the helpers' blocks computed by a polling
+    helper without Python, or by the caller when none takes them): the output is bit for bit
+    what numpy's matmul gives block by block (the same BLAS calls; OpenBLAS's sums for a block of
+    rows may round differently from the whole product's, as before the jobs), whatever the split
+    (rows, columns, items of a batch, operands shared by every item or broadcast from one, row
+    strides wider than a row), into an output that is a view too, and numpy's matmul is not
+    called."""
+    from onnxpack.session.kernels import _act
+
+    _polling_pool()
+    monkeypatch.setattr(_act, "_SPLIT_MACS", 1)
+    monkeypatch.setattr(_act, "threads", lambda: 2)
+    monkeypatch.setattr(_act, "blas_threads", lambda: 1)
+    rng = np.random.default_rng(11)
+    a, b = _operand(rng, a_shape, wider), _operand(rng, b_shape, wider)
+
+    whole = np.matmul(a, b)
+
+    def split(native):
+        n = whole.shape[-1]
+        out = np.full(whole.shape[:-1] + (n + wider,), np.nan, np.float32)[..., :n]
+        tuner = _act.tuner(("matmul", a.shape, b.shape, "f", False))
+        tuner.threads, tuner.choice = 2, True
+        with monkeypatch.context() as mp:
+            if not native:
+                mp.setattr(_act, "_native_split", lambda *args: False)
+            assert _act.matmul(a, b, out=out) is out
+        return out
+
+    want = split(False)
+    np.testing.assert_allclose(want, whole, rtol=1e-5, atol=1e-5)
+    ran = []
+    real_split = _act._native_split
+    monkeypatch.setattr(_act, "_native_split", lambda *args: ran.append(real_split(*args)) or ran[-1])
+    calls = []
+    real = np.matmul
+    monkeypatch.setattr(_act.np, "matmul", lambda *x, **kw: calls.append(1) or real(*x, **kw))
+    for _ in range(20):  # helpers polling or not, every way gives the same bits
+        np.testing.assert_array_equal(split(True), want)
+    monkeypatch.setattr(_act.np, "matmul", real)
+    assert ran and all(ran) and not calls, (ran, calls)
+
+
+def test_gemm_jobs_only_for_products_numpy_hands_to_the_blas_as_they_are():
+    """A job's sizes and strides are not checked again where it runs: only float32 operands
+    numpy passes to cblas_sgemm unchanged, with agreeing shapes, into a writable output of their
+    own, become jobs (a mismatch is numpy's error; a vector is numpy's GEMV; a transposed or
+    column-strided operand numpy's own loop; an overlapping output numpy's buffered product)."""
+    from onnxpack.session.kernels import _act
+
+    f = np.zeros
+    ok = (f((8, 5), np.float32), f((5, 6), np.float32), f((8, 6), np.float32), 1)
+    assert _act._jobs_fit(*ok)
+    assert _act._jobs_fit(f((4, 8, 5), np.float32), f((5, 6), np.float32), f((4, 8, 6), np.float32), 4)
+    bad = {
+        "float64": (f((8, 5)), f((5, 6)), f((8, 6)), 1),
+        "one row": (f((1, 5), np.float32), f((5, 6), np.float32), f((1, 6), np.float32), 1),
+        "one column": (f((8, 5), np.float32), f((5, 1), np.float32), f((8, 1), np.float32), 1),
+        "inner sizes": (f((8, 5), np.float32), f((4, 6), np.float32), f((8, 6), np.float32), 1),
+        "output shape": (f((8, 5), np.float32), f((5, 6), np.float32), f((8, 7), np.float32), 1),
+        "output items": (f((4, 8, 5), np.float32), f((5, 6), np.float32), f((3, 8, 6), np.float32), 4),
+        "operand items": (f((2, 8, 5), np.float32), f((4, 5, 6), np.float32), f((4, 8, 6), np.float32), 4),
+        "transposed": (f((8, 5), np.float32), f((6, 5), np.float32).T, f((8, 6), np.float32), 1),
+        "column stride": (f((8, 10), np.float32)[:, ::2], f((5, 6), np.float32), f((8, 6), np.float32), 1),
+        "read-only output": (f((4, 8, 5), np.float32), f((5, 6), np.float32),
+                             np.broadcast_to(f((8, 6), np.float32), (4, 8, 6)), 4),
+    }
+    square = f((8, 8), np.float32)
+    bad["output is an operand"] = (square, f((8, 8), np.float32), square, 1)
+    for what, args in bad.items():
+        assert not _act._jobs_fit(*args), what
+
+
+def test_a_polling_helper_computes_the_gemm_jobs_it_claims():
+    """The helper's side of a GEMM job: while it polls, a job posted in its row is claimed and
+    computed by it (the caller's claim then fails and it waits for the result); while it sleeps,
+    the caller claims the job and computes it.  Either way numpy's product, bit for bit."""
+    from onnxpack.session.kernels import _act
+
+    pool = _polling_pool()
+    spin = pool.spinner()
+    if not pool.sgemm:
+        pytest.skip("numpy's BLAS has no ILP64 cblas_sgemm here")
+    rng = np.random.default_rng(5)
+    a, b = _operand(rng, (37, 50)), _operand(rng, (50, 41))
+    want = np.matmul(a, b)
+    saved = pool.limit
+    pool.limit = 10**12  # poll until told to stop
+    try:
+        with pool.native_lock:  # (no split of another test's thread uses the rows meanwhile)
+            for polling in (True, False):
+                if polling:
+                    deadline = time.monotonic() + 10
+                    while not pool.jobs[0, spin.J_POLLING] and time.monotonic() < deadline:
+                        pool.submit(_act._nothing, 1)
+                        time.sleep(0.01)
+                    assert pool.jobs[0, spin.J_POLLING] == 1
+                else:
+                    _act.stop_spinning()
+                    deadline = time.monotonic() + 10
+                    while pool.jobs[0, spin.J_POLLING] and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    assert pool.jobs[0, spin.J_POLLING] == 0
+                out = np.full((37, 41), np.nan, np.float32)
+                pool.jobs[0, pool.fields] = (pool.sgemm, 1, 37, 41, 50, a.ctypes.data, 50, b.ctypes.data, 41,
+                                             out.ctypes.data, 41, 0, 0, 0)
+                pool.token += 1
+                assert spin.post(pool.jobs, 0, pool.token) == polling
+                if polling:
+                    deadline = time.monotonic() + 10
+                    while not spin.wait_done(pool.jobs, 0, pool.token, 1000) and time.monotonic() < deadline:
+                        pass
+                    assert not spin.claim(pool.jobs, 0, pool.token)  # the helper's
+                else:
+                    assert spin.claim(pool.jobs, 0, pool.token)
+                    spin.run_job(pool.jobs, 0)
+                np.testing.assert_array_equal(out, want)
+    finally:
+        pool.limit = saved
+        _act.stop_spinning()
 
 
 @pytest.mark.parametrize("m,hw,channel_steps", [(300, 8, 1), (64, 24, 1), (300, 8, 2), (48, 24, 2)],

@@ -346,40 +346,134 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None,
     # Whether a split pays is measured per shape (SplitTuner): MobileNetV2's 1x1 convs (2-5 M
     # multiply-adds) ran 2x slower split on this VM, where a sleeping thread takes ~15-40 us to wake.
     split = tuner(("matmul", a.shape, b.shape, a.dtype.char, after is not None)).run
+    # A block: (first item, last item + 1, rows, columns) of the output.
     if out.ndim == 3 and batch >= 2 * t:
-        def run(lo, hi):
-            np.matmul(a[lo:hi] if a.ndim == 3 else a, b[lo:hi] if b.ndim == 3 else b, out=out[lo:hi])
-
-        split(run, batch, t)
-        return out
+        def block(lo, hi):
+            return lo, hi, 0, m, 0, n
+        count = batch
     # One block per thread: every BLAS call packs its whole share of the other operand again
     # (OpenBLAS copies both operands into its panels), so more blocks cost more copies (measured
     # on resnet50's and MobileNetV2's 1x1 convs, two threads: 4 blocks 5-40 % slower than 2, the
     # 64-column blocks taken 8 at a time up to 60 % slower).  Rows when A has many (each thread
     # packs only its rows of A: 512 x 128 by 128 x 784 0.45 ms against 0.55 by columns, 0.67 on
     # one thread), else column blocks of a multiple of 64 (a BLAS micro-panel's).
-    if m >= _ROW_SPLIT_M or n < 128 * t:
+    elif m >= _ROW_SPLIT_M or n < 128 * t:
         if m < 16 * t:
             return _whole(a, b, out, after)
 
-        def run(lo, hi):
-            r0, r1 = lo * m // t, hi * m // t
-            np.matmul(a[..., r0:r1, :], b, out=out[..., r0:r1, :])
-            if after is not None:
-                after(r0, r1, 0, n)
+        def block(lo, hi):
+            return 0, batch, lo * m // t, hi * m // t, 0, n
+        count = t
+    else:
+        cuts = [i * (n // 64) // t * 64 for i in range(t)] + [n]
 
-        split(run, t, t)
-        return out
-    cuts = [i * (n // 64) // t * 64 for i in range(t)] + [n]
+        def block(lo, hi):
+            return 0, batch, 0, m, cuts[lo], cuts[hi]
+        count = t
+    tail = after is not None
 
     def run(lo, hi):
-        c0, c1 = cuts[lo], cuts[hi]
-        np.matmul(a, b[..., c0:c1], out=out[..., c0:c1])
-        if after is not None:
-            after(0, m, c0, c1)
+        b0, b1, r0, r1, c0, c1 = block(lo, hi)
+        np.matmul(_items(a, b0, b1)[..., r0:r1, :], _items(b, b0, b1)[..., c0:c1],
+                  out=_items(out, b0, b1)[..., r0:r1, c0:c1])
+        if tail:
+            after(r0, r1, c0, c1)
 
-    split(run, t, t)
+    # GEMM jobs for a split without an epilogue.  (With one, each block's epilogue belongs in
+    # the thread that computed the block, which brings the helper back to Python and the GIL:
+    # measured on resnet50's 1x1 convs with a residual, the jobs gained nothing there, and 3-20 %
+    # was lost with every epilogue left to the caller.)
+    native = None
+    if after is None and _jobs_fit(a, b, out, batch):
+        native = lambda: _native_split(a, b, out, block, count, t)  # noqa: E731
+    split(run, count, t, native)
     return out
+
+
+def _items(x: np.ndarray, b0: int, b1: int) -> np.ndarray:
+    """Items ``b0 .. b1`` of a batched operand (the whole of a 2-D one, or of a batch of one that
+    every item shares by broadcasting)."""
+    return x[b0:b1] if x.ndim == 3 and x.shape[0] != 1 else x
+
+
+def _jobs_fit(a: np.ndarray, b: np.ndarray, out: np.ndarray, batch: int) -> bool:
+    """Whether :func:`_native_split` computes ``out = a @ b`` as numpy would: float32 operands
+    numpy hands to the BLAS as they are (:func:`_blasable`), shapes that agree (a job's sizes
+    are not checked again, and numpy, not a job, reports a mismatch), no vector (numpy computes
+    a product with one row or column as a GEMV, whose sums may round differently), an output
+    that is writable and overlaps neither operand (numpy buffers such a product)."""
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
+    return (a.dtype == b.dtype == out.dtype == np.float32 and m >= 2 and n >= 2 and k >= 1 and out.flags.writeable
+            and not np.may_share_memory(out, a) and not np.may_share_memory(out, b)
+            and b.shape[-2] == k and out.shape[-2:] == (m, n)
+            and all(x.ndim == 2 or x.shape[0] in (1, batch) for x in (a, b)) and (out.ndim == 2 or out.shape[0] == batch)
+            and _blasable(a) and _blasable(b) and _blasable(out))
+
+
+def _blasable(x: np.ndarray) -> bool:
+    """Whether numpy hands float32 ``x`` (2-D, or 3-D batches) to the BLAS as it is: unit stride
+    along rows, a row stride of at least a row.  (Elsewhere numpy's matmul runs its own loops,
+    whose sums differ in rounding from the BLAS's: a split must then go through numpy too.)"""
+    s = x.strides
+    return s[-1] == 4 and s[-2] % 4 == 0 and s[-2] >= 4 * x.shape[-1] and (x.ndim == 2 or s[0] % 4 == 0)
+
+
+def _native_split(a: np.ndarray, b: np.ndarray, out: np.ndarray, block, count: int, threads: int) -> bool:
+    """:func:`matmul`'s split (float32, every operand :func:`_blasable`) over ``count`` items cut
+    into ``threads`` blocks (``block(lo, hi)`` -> the block's item, row and column ranges of the
+    output), the helpers' blocks posted as GEMM jobs that they compute without the GIL
+    (:mod:`._spin_jit`): the caller computes its own block, then each job no helper claimed.
+    False (nothing done) when there is no such path here:
+    no polling helpers, no known ``cblas_sgemm`` in numpy's BLAS, or another thread's split is
+    using the jobs now."""
+    pool = _Pool.get()
+    spin = pool.spinner()
+    if spin is None or not pool.sgemm or not pool.native_lock.acquire(False):
+        return False
+    try:
+        jobs, own, fn = pool.jobs, pool.own, pool.sgemm
+        rows = min(threads - 1, jobs.shape[0])
+        k = a.shape[-1]
+        # Each operand: its address, row stride and item stride (0: a matrix every item shares).
+        pa, pb, pc = a.ctypes.data, b.ctypes.data, out.ctypes.data
+        la, lb, lc = a.strides[-2], b.strides[-2], out.strides[-2]
+        sa, sb, sc = (x.strides[0] if x.ndim == 3 and x.shape[0] != 1 else 0 for x in (a, b, out))
+        tokens = []
+        asleep = 0
+        for r in range(rows + 1):
+            b0, b1, r0, r1, c0, c1 = block(count * r // (rows + 1), count * (r + 1) // (rows + 1))
+            fields = (fn, b1 - b0, r1 - r0, c1 - c0, k, pa + b0 * sa + r0 * la, la // 4, pb + b0 * sb + 4 * c0,
+                      lb // 4, pc + b0 * sc + r0 * lc + 4 * c0, lc // 4, sa, sb, sc)
+            if r == 0:
+                own[0, pool.fields] = fields
+                continue
+            jobs[r - 1, pool.fields] = fields
+            pool.token += 1
+            tokens.append(pool.token)
+            if not spin.post(jobs, r - 1, pool.token):
+                asleep += 1
+        if asleep:  # a task on the queue wakes a helper that sleeps there; it then polls for jobs
+            pool.submit(_nothing, asleep)
+        spin.run_job(own, 0)
+        for r, token in enumerate(tokens):
+            _finish_job(spin, jobs, r, token, pool.limit)
+    finally:
+        pool.native_lock.release()
+    return True
+
+
+def _nothing() -> None:
+    return None
+
+
+def _finish_job(spin, jobs: np.ndarray, row: int, token: int, limit: int) -> None:
+    """Job ``token`` of ``jobs[row]`` computed: here when no helper claimed it, else waited for."""
+    if spin.claim(jobs, row, token):
+        spin.run_job(jobs, row)
+    else:
+        while not spin.wait_done(jobs, row, token, limit):
+            time.sleep(0)
 
 
 def _whole(a: np.ndarray, b: np.ndarray, out: np.ndarray | None, after) -> np.ndarray:
@@ -388,6 +482,37 @@ def _whole(a: np.ndarray, b: np.ndarray, out: np.ndarray | None, after) -> np.nd
     if after is not None:
         after(0, y.shape[-2], 0, y.shape[-1])
     return y
+
+
+def _find_sgemm(spin, row: np.ndarray) -> int:
+    """The address of numpy's OpenBLAS's ILP64 ``cblas_sgemm`` (the one numpy's matmul calls),
+    checked on a small product against ``np.matmul``; 0 when not found or not equal."""
+    import ctypes
+    import glob
+
+    libs = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
+    for path in sorted(glob.glob(os.path.join(libs, "*openblas64*.so*"))):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for sym in ("scipy_cblas_sgemm64_", "cblas_sgemm64_"):
+            fn = getattr(lib, sym, None)
+            if fn is None:
+                continue
+            addr = ctypes.cast(fn, ctypes.c_void_p).value or 0
+            rng = np.random.default_rng(0)
+            a = rng.standard_normal((2, 5, 7), np.float32)
+            b = rng.standard_normal((7, 9), np.float32)
+            c = np.zeros((2, 5, 12), np.float32)[..., :9]
+            # (the fields as _native_split writes them: see _spin_jit's J_FN .. J_SC)
+            row[0, spin.J_FN:spin.J_SC + 1] = (addr, 2, 5, 9, 7, a.ctypes.data, 7, b.ctypes.data, 9, c.ctypes.data, 12, 140, 0, 240)
+            spin.run_job(row, 0)
+            if np.array_equal(c, np.matmul(a, b)):
+                return addr
+            logger.info("thread pool: %s in %s does not compute as numpy's matmul; GEMM jobs off", sym, path)
+            return 0
+    return 0
 
 
 def _find_blas_get_threads():
@@ -512,7 +637,8 @@ class _Pool:
     With :mod:`._spin_jit` (numba already in the process, x86-64, the JIT not disabled) a helper
     that finished a task polls ``ctl[0]`` (bumped by every submit) for up to ``limit`` pauses
     (~250 us) before sleeping on the queue, and publishes its result in that same call, outside
-    the GIL; ``ctl[1]`` set stops the polling.
+    the GIL; ``ctl[1]`` set stops the polling.  Meanwhile it computes the GEMM jobs posted in its
+    row of ``jobs`` (:func:`_native_split`), never returning to Python for them.
     """
 
     _instance: _Pool | None = None
@@ -521,13 +647,20 @@ class _Pool:
     DELAY_US = 3.0  # how long it lets the submitter enter its own share first
 
     def __init__(self, size: int) -> None:
+        self.size = size
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.ctl = np.zeros(2, np.int64)  # [submits, stop polling]
         self._spin: Any = None
         self._spin_tried = False
         self.limit = self.delay = 0
+        # GEMM jobs (see _native_split): one row per helper, the caller's own, their guard.
+        self.jobs = self.own = np.zeros((0, 0), np.int64)
+        self.sgemm = 0  # address of numpy's BLAS's ILP64 cblas_sgemm, 0 when unknown
+        self.native_lock = threading.Lock()
+        self.token = 0
+        self.fields = slice(0, 0)
         for i in range(size):
-            threading.Thread(target=self._serve, name=f"onnxpack-jit-{i}", daemon=True).start()
+            threading.Thread(target=self._serve, args=(i,), name=f"onnxpack-jit-{i}", daemon=True).start()
 
     def spinner(self) -> Any:
         """:mod:`._spin_jit`, or None (helpers sleep between tasks)."""
@@ -538,7 +671,11 @@ class _Pool:
                 if spin is not None:
                     try:  # every entry compiled (or loaded) here, where a failure only means no polling
                         probe = np.zeros(2, np.int64)
-                        spin.wait_change(probe, 0, 1, 0, probe, -1, 0)
+                        rows = np.zeros((1, spin.JOB_LEN), np.int64)
+                        spin.serve(probe, 0, 1, 0, probe, -1, 0, rows, 0)
+                        spin.post(rows, 0, 1)
+                        spin.claim(rows, 0, 1)
+                        spin.wait_done(rows, 0, 1, 1)
                         spin.wait_sum(probe, 0, 1)
                         spin.bump(probe)
                         spin.pauses(1000)
@@ -550,13 +687,17 @@ class _Pool:
                     else:
                         self.limit = max(1, int(self.SPIN_US * 1e-6 / per))
                         self.delay = int(self.DELAY_US * 1e-6 / per)
+                        self.jobs = np.zeros((self.size, spin.JOB_LEN), np.int64)
+                        self.own = np.zeros((1, spin.JOB_LEN), np.int64)
+                        self.fields = slice(spin.J_FN, spin.J_SC + 1)  # what _native_split writes
+                        self.sgemm = _find_sgemm(spin, self.own)
                         self._spin = spin
                         # At exit, no helper left inside the JIT's code while the interpreter
                         # (and numba with it) shuts down.
                         atexit.register(stop_spinning)
         return self._spin
 
-    def _serve(self) -> None:
+    def _serve(self, row: int) -> None:
         get, get_nowait, ctl = self.queue.get, self.queue.get_nowait, self.ctl
         pending = None  # the last task's result to publish: (flags, slot, value)
         none = np.zeros(1, np.int64)
@@ -570,7 +711,7 @@ class _Pool:
                 if spin is not None and not ctl[1]:
                     flags, slot, value = pending if pending is not None else (none, -1, 0)
                     pending = None
-                    spin.wait_change(ctl, seq, self.limit, self.delay, flags, slot, value)
+                    spin.serve(ctl, seq, self.limit, self.delay, flags, slot, value, self.jobs, row)
                     try:
                         task = get_nowait()
                     except queue.Empty:
@@ -635,9 +776,12 @@ class SplitTuner:
     def __init__(self) -> None:
         self.modes = (_SplitChoice(), _SplitChoice())  # [0]: BLAS mode, [1]: owned mode
 
-    def run(self, fn: Callable[[int, int], Any], count: int, threads: int) -> None:
-        """``fn(start, stop)`` over ``[0, count)``: split over ``threads`` or on this thread."""
-        self.modes[1 if owned[0] else 0].run(fn, count, threads)
+    def run(self, fn: Callable[[int, int], Any], count: int, threads: int,
+            native: Callable[[], bool] | None = None) -> None:
+        """``fn(start, stop)`` over ``[0, count)``: split over ``threads`` or on this thread.
+        ``native()``, when given, is the split's own way (GEMM jobs: see :func:`matmul`); when
+        it returns False the split goes through :func:`parallel` as without it."""
+        self.modes[1 if owned[0] else 0].run(fn, count, threads, native)
 
     def current(self) -> _SplitChoice:
         """The measurements and choice of the thread mode now in force."""
@@ -659,6 +803,11 @@ class SplitTuner:
     del _both
 
 
+def _split(fn, count: int, threads: int, native: Callable[[], bool] | None) -> None:
+    if native is None or not native():
+        parallel(fn, count, threads)
+
+
 class _SplitChoice:
     """One thread mode's measurements and choice for a :class:`SplitTuner` (its ``TRIALS`` and
     ``RECHECK``)."""
@@ -673,8 +822,10 @@ class _SplitChoice:
         self.started = False
         self.calls = 0  # calls since the choice was made
 
-    def run(self, fn: Callable[[int, int], Any], count: int, threads: int) -> None:
-        """``fn(start, stop)`` over ``[0, count)``: split over ``threads`` or on this thread."""
+    def run(self, fn: Callable[[int, int], Any], count: int, threads: int,
+            native: Callable[[], bool] | None = None) -> None:
+        """``fn(start, stop)`` over ``[0, count)``: split over ``threads`` or on this thread
+        (see :meth:`SplitTuner.run`)."""
         threads = max(1, min(threads, count))
         if threads == 1:
             fn(0, count)
@@ -687,18 +838,18 @@ class _SplitChoice:
             if self.calls >= SplitTuner.RECHECK:  # measure again from the next call
                 self.one, self.split, self.choice = [], [], None
             if choice:
-                parallel(fn, count, threads)
+                _split(fn, count, threads, native)
             else:
                 fn(0, count)
             return
         if not self.started or _first_runs[0]:  # (not counted)
             self.started = True
-            parallel(fn, count, threads)
+            _split(fn, count, threads, native)
             return
         use_split = len(self.split) <= len(self.one)
         t0 = time.perf_counter()
         if use_split:
-            parallel(fn, count, threads)
+            _split(fn, count, threads, native)
         else:
             fn(0, count)
         (self.split if use_split else self.one).append(time.perf_counter() - t0)
