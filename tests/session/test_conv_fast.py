@@ -181,6 +181,9 @@ SHAPES = {
     "depthwise-3x3-s2-phases": dict(group=8, m=8, x_shape=(2, 8, 12, 14), strides=(2, 2)),
     "depthwise-3x3-s2-phases-endcut": dict(group=8, m=8, x_shape=(1, 8, 10, 8), strides=(2, 2), pads=(1, 1, 0, 0)),
     "depthwise-3x3-s2-phases-tiny": dict(group=8, m=8, x_shape=(1, 8, 2, 2), strides=(2, 2)),
+    # (planes up to 16 wide split into phases through the flat arrays, wider ones by row views)
+    "depthwise-3x3-s2-phases-flat-widest": dict(group=8, m=8, x_shape=(2, 8, 6, 16), strides=(2, 2)),
+    "depthwise-3x3-s2-phases-rows": dict(group=8, m=8, x_shape=(1, 8, 8, 18), strides=(2, 2)),
     "depthwise-5x5-s2-phases": dict(group=8, m=8, k=5, x_shape=(2, 8, 12, 10), strides=(2, 2), pads=(2, 2, 2, 2)),
     "depthwise-5x5-s2-phases-endcut": dict(group=8, m=8, k=5, x_shape=(1, 8, 6, 8), strides=(2, 2), pads=(2, 2, 1, 1)),
     "depthwise-5x5-s2-phases-narrow": dict(group=8, m=8, k=5, x_shape=(1, 8, 4, 2), strides=(2, 2), pads=(2, 2, 2, 2)),

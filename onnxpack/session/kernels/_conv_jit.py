@@ -69,6 +69,9 @@ _FM = {"contract"}
 # passes its arrays counted in and out, ~20 ns, as much as a 7x7 plane's activation (MobileNetV2's
 # 960 x 7x7 depthwise + Clip 147 -> 126 us a call on one AVX-512 core).
 _ACTS_PLANE_MIN = 256
+# Widest input plane whose stride-2 phases depthwise3_s2 splits through the flat arrays
+# (_split_phases_flat): measured faster up to 14x14, slower from 28x28 (1.2x at 192 x 28x28).
+_SPLIT_FLAT_W = 16
 # For kernels whose only reduction is a float64 sum of squares: reassociation lets it vectorize.
 _FM_SUM = {"contract", "reassoc"}
 
@@ -653,6 +656,21 @@ def _split_phases(xf, xbase, h_, w_, s, psz, ow_):
 
 
 @njit(inline="always", fastmath=_FM, error_model="numpy")
+def _split_phases_flat(xf, xbase, h_, w_, s, psz, ow_):
+    """:func:`_split_phases` reading and writing through the flat arrays, for narrow planes: a
+    view per row costs ~10 ns of reference counting, most of a 14x14 plane's split (see
+    :func:`depthwise3_s2`); wider rows vectorize better through views."""
+    for r in range(h_):
+        a = r % 2
+        de = 2 * a * psz + 1 + (r // 2 + 1) * ow_
+        do = de + psz
+        src = xbase + r * w_
+        for j in range(ow_):
+            s[de + j] = xf[src + 2 * j]
+            s[do + j] = xf[src + 2 * j + 1]
+
+
+@njit(inline="always", fastmath=_FM, error_model="numpy")
 def _s2_setup(h_, w_, planes):
     """(OW, OH * OW, phase size, zeroed scratch for the phases of ``planes`` planes, left mask,
     right mask) of the stride-2 kernels: the masks are 1.0 where an output column has its left
@@ -686,18 +704,17 @@ def _s2_taps3(out, s, psz, ow_, wc, bc, okl, first):
     ``i`` shifted by ``-OW`` for the row above and ``-1`` for the column to the left; the left
     column's taps are kept where ``okl`` says that column exists (a select: an Inf or NaN at
     the previous row's end never leaks).  ``first``: store (with the bias), else accumulate."""
-    oo_ul, eo_l, oo_l, oe_u, ee, oe, oo_u, eo, oo = _s2_views(s, psz, ow_, 0)
+    _s2_taps3_views(out, _s2_views(s, psz, ow_, 0), _w9(wc), bc, okl, first)
+
+
+@njit(inline="always", fastmath=_FM, error_model="numpy")
+def _s2_taps3_views(out, views, k, bc, okl, first):
+    """:func:`_s2_taps3` on the phases' nine views (:func:`_s2_views`, made once by a caller that
+    runs many planes through one scratch) and the taps ``k`` (:func:`_w9`)."""
+    oo_ul, eo_l, oo_l, oe_u, ee, oe, oo_u, eo, oo = views
     o = out
     ok = okl
-    w00 = wc[0, 0]
-    w01 = wc[0, 1]
-    w02 = wc[0, 2]
-    w10 = wc[1, 0]
-    w11 = wc[1, 1]
-    w12 = wc[1, 2]
-    w20 = wc[2, 0]
-    w21 = wc[2, 1]
-    w22 = wc[2, 2]
+    w00, w01, w02, w10, w11, w12, w20, w21, w22 = k
     if first:
         for i in range(o.shape[0]):
             g0 = w00 * oo_ul[i] + w10 * eo_l[i] + w20 * oo_l[i]
@@ -738,10 +755,20 @@ def depthwise3_s2(x, w, bias, y, codes, params, nc0, nc1):
     xf = x.reshape(-1)
     yf = y.reshape(-1)
     hw = h_ * w_
+    # The scratch's views made once a call, the weights read without a view: on a 7x7 output
+    # plane the ten views a plane made were most of its time.
+    views = _s2_views(s, psz, ow_, 0)
+    flat = w_ <= _SPLIT_FLAT_W
     for nc in range(nc0, nc1):
-        _split_phases(xf, nc * hw, h_, w_, s, psz, ow_)
+        if flat:
+            _split_phases_flat(xf, nc * hw, h_, w_, s, psz, ow_)
+        else:
+            _split_phases(xf, nc * hw, h_, w_, s, psz, ow_)
         out = yf[nc * ohw:(nc + 1) * ohw]
-        _s2_taps3(out, s, psz, ow_, w[nc % c_], bias[nc % c_], okl, True)
+        c = nc % c_
+        k = (w[c, 0, 0], w[c, 0, 1], w[c, 0, 2], w[c, 1, 0], w[c, 1, 1], w[c, 1, 2], w[c, 2, 0], w[c, 2, 1],
+             w[c, 2, 2])
+        _s2_taps3_views(out, views, k, bias[c], okl, True)
         if ohw >= _ACTS_PLANE_MIN:
             acts_plane(out, codes, params)
     if ohw < _ACTS_PLANE_MIN:
