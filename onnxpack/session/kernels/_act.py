@@ -484,52 +484,57 @@ def _whole(a: np.ndarray, b: np.ndarray, out: np.ndarray | None, after) -> np.nd
     return y
 
 
-def _find_sgemm(spin, row: np.ndarray) -> int:
-    """The address of numpy's OpenBLAS's ILP64 ``cblas_sgemm`` (the one numpy's matmul calls),
-    checked on a small product against ``np.matmul``; 0 when not found or not equal."""
+def _blas_function(pattern: str, names: tuple[str, ...]):
+    """``(library path, symbol, ctypes function)`` of the first of ``names`` exported by a library
+    of numpy's wheel (``numpy.libs``) matching ``pattern`` (its OpenBLAS), or None."""
     import ctypes
     import glob
 
     libs = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
-    for path in sorted(glob.glob(os.path.join(libs, "*openblas64*.so*"))):
+    for path in sorted(glob.glob(os.path.join(libs, pattern))):
         try:
             lib = ctypes.CDLL(path)
         except OSError:
             continue
-        for sym in ("scipy_cblas_sgemm64_", "cblas_sgemm64_"):
+        for sym in names:
             fn = getattr(lib, sym, None)
-            if fn is None:
-                continue
-            addr = ctypes.cast(fn, ctypes.c_void_p).value or 0
-            rng = np.random.default_rng(0)
-            a = rng.standard_normal((2, 5, 7), np.float32)
-            b = rng.standard_normal((7, 9), np.float32)
-            c = np.zeros((2, 5, 12), np.float32)[..., :9]
-            # (the fields as _native_split writes them: see _spin_jit's J_FN .. J_SC)
-            row[0, spin.J_FN:spin.J_SC + 1] = (addr, 2, 5, 9, 7, a.ctypes.data, 7, b.ctypes.data, 9, c.ctypes.data, 12, 140, 0, 240)
-            spin.run_job(row, 0)
-            if np.array_equal(c, np.matmul(a, b)):
-                return addr
-            logger.info("thread pool: %s in %s does not compute as numpy's matmul; GEMM jobs off", sym, path)
-            return 0
+            if fn is not None:
+                return path, sym, fn
+    return None
+
+
+def _find_sgemm(spin, row: np.ndarray) -> int:
+    """The address of numpy's OpenBLAS's ILP64 ``cblas_sgemm`` (the one numpy's matmul calls),
+    checked on a small product against ``np.matmul``; 0 when not found or not equal."""
+    import ctypes
+
+    found = _blas_function("*openblas64*.so*", ("scipy_cblas_sgemm64_", "cblas_sgemm64_"))
+    if found is None:
+        return 0
+    path, sym, fn = found
+    addr = ctypes.cast(fn, ctypes.c_void_p).value or 0
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((2, 5, 7), np.float32)
+    b = rng.standard_normal((7, 9), np.float32)
+    c = np.zeros((2, 5, 12), np.float32)[..., :9]
+    # (the fields as _native_split writes them: see _spin_jit's J_FN .. J_SC)
+    row[0, spin.J_FN:spin.J_SC + 1] = (addr, 2, 5, 9, 7, a.ctypes.data, 7, b.ctypes.data, 9, c.ctypes.data, 12, 140, 0, 240)
+    spin.run_job(row, 0)
+    if np.array_equal(c, np.matmul(a, b)):
+        return addr
+    logger.info("thread pool: %s in %s does not compute as numpy's matmul; GEMM jobs off", sym, path)
     return 0
 
 
 def _find_blas_get_threads():
     import ctypes
-    import glob
 
-    libs = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
-    for path in sorted(glob.glob(os.path.join(libs, "*openblas*.so*"))):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for sym in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads"):
-            fn = getattr(lib, sym, None)
-            if fn is not None:
-                fn.restype = ctypes.c_int
-                return fn
+    found = _blas_function("*openblas*.so*", ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_",
+                                              "openblas_get_num_threads"))
+    if found is not None:
+        fn = found[2]
+        fn.restype = ctypes.c_int
+        return fn
     return lambda: os.cpu_count() or 1
 
 
