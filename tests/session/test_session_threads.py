@@ -731,6 +731,42 @@ def test_gemm_jobs_only_for_products_numpy_hands_to_the_blas_as_they_are():
         assert not _act._jobs_fit(*args), what
 
 
+def test_gemm_jobs_stay_off_where_the_blas_entry_does_not_compute_as_numpy(monkeypatch, caplog):
+    """The cblas_sgemm found in numpy's OpenBLAS is checked once on a strided batched product:
+    an entry that does not give np.matmul's result (here: one that computes nothing) turns the
+    jobs off, with a log line, and splits then go through numpy as before."""
+    import logging
+    import types
+
+    from onnxpack.session.kernels import _act
+
+    pool = _polling_pool()
+    spin = pool.spinner()
+    if not pool.sgemm:
+        pytest.skip("numpy's BLAS has no ILP64 cblas_sgemm here")
+    silent = types.SimpleNamespace(J_FN=spin.J_FN, J_SC=spin.J_SC, run_job=lambda jobs, row: None)
+    with caplog.at_level(logging.INFO, logger=_act.__name__):
+        assert _act._find_sgemm(silent, np.zeros((1, spin.JOB_LEN), np.int64)) == 0
+    assert "GEMM jobs off" in caplog.text
+    assert _act._find_sgemm(spin, np.zeros((1, spin.JOB_LEN), np.int64)) == pool.sgemm
+
+    monkeypatch.setattr(pool, "sgemm", 0)
+    monkeypatch.setattr(_act, "_SPLIT_MACS", 1)
+    monkeypatch.setattr(_act, "threads", lambda: 2)
+    monkeypatch.setattr(_act, "blas_threads", lambda: 1)
+    rng = np.random.default_rng(3)
+    a, b = _operand(rng, (300, 40)), _operand(rng, (40, 70))
+    tuner = _act.tuner(("matmul", a.shape, b.shape, "f", False))
+    tuner.threads, tuner.choice = 2, True
+    calls = []
+    real = np.matmul
+    monkeypatch.setattr(_act.np, "matmul", lambda *x, **kw: calls.append(1) or real(*x, **kw))
+    got = _act.matmul(a, b)
+    monkeypatch.setattr(_act.np, "matmul", real)
+    assert len(calls) == 2  # numpy's two blocks
+    np.testing.assert_allclose(got, a @ b, rtol=1e-5, atol=1e-5)
+
+
 def test_a_polling_helper_computes_the_gemm_jobs_it_claims():
     """The helper's side of a GEMM job: while it polls, a job posted in its row is claimed and
     computed by it (the caller's claim then fails and it waits for the result); while it sleeps,
