@@ -731,6 +731,53 @@ def test_gemm_jobs_only_for_products_numpy_hands_to_the_blas_as_they_are():
         assert not _act._jobs_fit(*args), what
 
 
+def test_split_matmuls_from_concurrent_callers_with_gemm_jobs(monkeypatch):
+    """Two threads splitting GEMMs at once: one at a time posts jobs (the other's split takes the
+    numpy path meanwhile), and every product is numpy's split's, bit for bit, over many calls."""
+    from onnxpack.session.kernels import _act
+
+    _polling_pool()
+    monkeypatch.setattr(_act, "_SPLIT_MACS", 1)
+    monkeypatch.setattr(_act, "threads", lambda: 2)
+    monkeypatch.setattr(_act, "blas_threads", lambda: 1)
+    rng = np.random.default_rng(8)
+    cases = [(_operand(rng, (300, 40)), _operand(rng, (40, 70))), (_operand(rng, (6, 20, 30)), _operand(rng, (30, 40)))]
+    for a, b in cases:
+        tuner = _act.tuner(("matmul", a.shape, b.shape, "f", False))
+        tuner.threads, tuner.choice = 2, True
+        tuner.modes[0].calls = tuner.modes[1].calls = -10**9  # (no re-measuring: every call splits)
+    with monkeypatch.context() as mp:
+        mp.setattr(_act, "_native_split", lambda *args: False)
+        want = [_act.matmul(a, b) for a, b in cases]
+    ran, errors = [], []
+
+    real_split = _act._native_split
+    monkeypatch.setattr(_act, "_native_split", lambda *args: ran.append(real_split(*args)) or ran[-1])
+
+    def caller(i):
+        try:
+            a, b = cases[i]
+            for _ in range(200):
+                np.testing.assert_array_equal(_act.matmul(a, b), want[i])
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    import sys
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(2)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the GIL changes hands between the callers' steps as often as it can
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    assert any(ran), "no split ran as jobs"
+
+
 def test_gemm_jobs_stay_off_where_the_blas_entry_does_not_compute_as_numpy(monkeypatch, caplog):
     """The cblas_sgemm found in numpy's OpenBLAS is checked once on a strided batched product:
     an entry that does not give np.matmul's result (here: one that computes nothing) turns the
