@@ -791,11 +791,11 @@ def test_gemm_jobs_stay_off_where_the_blas_entry_does_not_compute_as_numpy(monke
     spin = pool.spinner()
     if not pool.sgemm:
         pytest.skip("numpy's BLAS has no ILP64 cblas_sgemm here")
-    silent = types.SimpleNamespace(J_FN=spin.J_FN, J_SC=spin.J_SC, run_job=lambda jobs, row: None)
+    silent = types.SimpleNamespace(run_job=lambda jobs, row: None)
     with caplog.at_level(logging.INFO, logger=_act.__name__):
-        assert _act._find_sgemm(silent, np.zeros((1, spin.JOB_LEN), np.int64)) == 0
+        assert _act._find_sgemm(silent, np.zeros((1, spin.JOB_LEN), np.int64), pool.fields) == 0
     assert "GEMM jobs off" in caplog.text
-    assert _act._find_sgemm(spin, np.zeros((1, spin.JOB_LEN), np.int64)) == pool.sgemm
+    assert _act._find_sgemm(spin, np.zeros((1, spin.JOB_LEN), np.int64), pool.fields) == pool.sgemm
 
     monkeypatch.setattr(pool, "sgemm", 0)
     monkeypatch.setattr(_act, "_SPLIT_MACS", 1)

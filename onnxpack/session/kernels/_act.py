@@ -383,17 +383,23 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None,
     # the thread that computed the block, which brings the helper back to Python and the GIL:
     # measured on resnet50's 1x1 convs with a residual, the jobs gained nothing there, and 3-20 %
     # was lost with every epilogue left to the caller.)
+    # (checked only when the tuner splits: ~2 us a call, for nothing on one thread)
     native = None
-    if after is None and _jobs_fit(a, b, out, batch):
-        native = lambda: _native_split(a, b, out, block, count, t)  # noqa: E731
+    if after is None:
+        native = lambda: _jobs_fit(a, b, out, batch) and _native_split(a, b, out, block, count, t)  # noqa: E731
     split(run, count, t, native)
     return out
 
 
+def _shared(x: np.ndarray) -> bool:
+    """Whether every item of a batched product reads all of operand ``x``: a 2-D one, or a batch
+    of one that broadcasts."""
+    return x.ndim == 2 or x.shape[0] == 1
+
+
 def _items(x: np.ndarray, b0: int, b1: int) -> np.ndarray:
-    """Items ``b0 .. b1`` of a batched operand (the whole of a 2-D one, or of a batch of one that
-    every item shares by broadcasting)."""
-    return x[b0:b1] if x.ndim == 3 and x.shape[0] != 1 else x
+    """Items ``b0 .. b1`` of a batched operand (all of a :func:`_shared` one)."""
+    return x if _shared(x) else x[b0:b1]
 
 
 def _jobs_fit(a: np.ndarray, b: np.ndarray, out: np.ndarray, batch: int) -> bool:
@@ -438,7 +444,7 @@ def _native_split(a: np.ndarray, b: np.ndarray, out: np.ndarray, block, count: i
         # Each operand: its address, row stride and item stride (0: a matrix every item shares).
         pa, pb, pc = a.ctypes.data, b.ctypes.data, out.ctypes.data
         la, lb, lc = a.strides[-2], b.strides[-2], out.strides[-2]
-        sa, sb, sc = (x.strides[0] if x.ndim == 3 and x.shape[0] != 1 else 0 for x in (a, b, out))
+        sa, sb, sc = (0 if _shared(x) else x.strides[0] for x in (a, b, out))
         tokens = []
         asleep = 0
         for r in range(rows + 1):
@@ -503,9 +509,10 @@ def _blas_function(pattern: str, names: tuple[str, ...]):
     return None
 
 
-def _find_sgemm(spin, row: np.ndarray) -> int:
+def _find_sgemm(spin, row: np.ndarray, fields: slice) -> int:
     """The address of numpy's OpenBLAS's ILP64 ``cblas_sgemm`` (the one numpy's matmul calls),
-    checked on a small product against ``np.matmul``; 0 when not found or not equal."""
+    checked on a small product against ``np.matmul`` (a job in ``row``, its ``fields`` as
+    :func:`_native_split` writes them); 0 when not found or not equal."""
     import ctypes
 
     found = _blas_function("*openblas64*.so*", ("scipy_cblas_sgemm64_", "cblas_sgemm64_"))
@@ -517,8 +524,7 @@ def _find_sgemm(spin, row: np.ndarray) -> int:
     a = rng.standard_normal((2, 5, 7), np.float32)
     b = rng.standard_normal((7, 9), np.float32)
     c = np.zeros((2, 5, 12), np.float32)[..., :9]
-    # (the fields as _native_split writes them: see _spin_jit's J_FN .. J_SC)
-    row[0, spin.J_FN:spin.J_SC + 1] = (addr, 2, 5, 9, 7, a.ctypes.data, 7, b.ctypes.data, 9, c.ctypes.data, 12, 140, 0, 240)
+    row[0, fields] = (addr, 2, 5, 9, 7, a.ctypes.data, 7, b.ctypes.data, 9, c.ctypes.data, 12, 140, 0, 240)
     spin.run_job(row, 0)
     if np.array_equal(c, np.matmul(a, b)):
         return addr
@@ -705,7 +711,7 @@ class _Pool:
                         self.jobs = np.zeros((self.size, spin.JOB_LEN), np.int64)
                         self.own = np.zeros((1, spin.JOB_LEN), np.int64)
                         self.fields = slice(spin.J_FN, spin.J_SC + 1)  # what _native_split writes
-                        self.sgemm = _find_sgemm(spin, self.own)
+                        self.sgemm = _find_sgemm(spin, self.own, self.fields)
                         self._spin = spin
                         # At exit, no helper left inside the JIT's code while the interpreter
                         # (and numba with it) shuts down.
