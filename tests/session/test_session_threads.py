@@ -845,8 +845,8 @@ def test_a_polling_helper_computes_the_gemm_jobs_it_claims():
                         time.sleep(0.01)
                     assert pool.jobs[0, spin.J_POLLING] == 0
                 out = np.full((37, 41), np.nan, np.float32)
-                pool.jobs[0, pool.fields] = (pool.sgemm, 1, 37, 41, 50, a.ctypes.data, 50, b.ctypes.data, 41,
-                                             out.ctypes.data, 41, 0, 0, 0)
+                pool.jobs[0, pool.fields] = (spin.KIND_GEMM, pool.sgemm, 1, 37, 41, 50, a.ctypes.data, 50,
+                                             b.ctypes.data, 41, out.ctypes.data, 41, 0, 0, 0)
                 pool.token += 1
                 assert spin.post(pool.jobs, 0, pool.token) == polling
                 if polling:
@@ -861,6 +861,138 @@ def test_a_polling_helper_computes_the_gemm_jobs_it_claims():
     finally:
         pool.limit = saved
         _act.stop_spinning()
+
+
+def test_unit_jobs_take_every_unit_once_from_every_thread():
+    """A unit job (:func:`_act.run_units`): the caller and the polling helpers take units from one
+    counter, each unit computed once (a helper late or asleep leaves its units to the caller),
+    over many back-to-back jobs of 0 to 300 units; while another split holds the jobs the call
+    does nothing and says so."""
+    from onnxpack.session.kernels import _act
+
+    pool = _polling_pool()
+    spin = pool.spinner()
+    from numba import carray, cfunc, types
+
+    @cfunc(types.void(types.CPointer(types.int64), types.int64))
+    def mark(table, u):  # + 1 in the unit's slot after the header
+        t = carray(table, (spin.U_ARGS + u + 1,))
+        t[spin.U_ARGS + u] += 1
+
+    for i in range(400):
+        units = (0, 1, 2, 7, 300)[i % 5]
+        table = np.zeros(spin.U_ARGS + units, np.int64)
+        if i % 50 == 49:
+            _act.stop_spinning()  # the helpers asleep: the caller takes every unit
+        assert _act.run_units(mark.address, table, units, 2)
+        assert np.all(table[spin.U_ARGS:] == 1), (i, units, table[spin.U_ARGS:])
+    with pool.native_lock:  # another split posting jobs now
+        table = np.zeros(spin.U_ARGS + 3, np.int64)
+        assert not _act.run_units(mark.address, table, 3, 2)
+        assert not table[spin.U_ARGS:].any()
+    _act.stop_spinning()
+
+
+def _panel_case(rng, m, k, ns):
+    from onnxpack.session.kernels.linalg import pack_panels
+
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    return a, [pack_panels(rng.standard_normal((k, n)).astype(np.float32)) for n in ns], list(ns)
+
+
+@pytest.mark.parametrize("m,k,ns", [(32, 300, (384,)), (32, 300, (200, 128, 384)), (130, 200, (192,)),
+                                    (5, 700, (130, 64)), (70, 40, (3200,)), (13, 1100, (100,))],
+                         ids=["panels", "three-weights-ragged", "rows", "six-rows-whole-panels", "many-panels",
+                              "k-blocks-narrow-tail"])
+@pytest.mark.usefixtures("panels_on")
+def test_split_panel_gemm_as_unit_jobs_equals_one_thread_bit_for_bit(m, k, ns, monkeypatch):
+    """A GEMM on panels split over two threads runs as a unit job (units of one panel, or of
+    rows from 64 of them and fewer than 48 panels; several weights side by side; a narrow last
+    panel; K over several blocks; up to six rows taking each panel whole): bit for bit the
+    one-thread product, with the helpers polling or asleep, and the GIL-bound split is not
+    called."""
+    from onnxpack.session.kernels import _act, linalg
+
+    _polling_pool()
+    if linalg._sgemm() is None:
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(_act, "_SPLIT_MACS", 1)
+    monkeypatch.setattr(_act, "threads", lambda: 2)
+    a, ws, ns = _panel_case(np.random.default_rng(m + k), m, k, ns)
+    tuner = _act.tuner(("sgemm_panels", m, k, ns[0] if len(ns) == 1 else tuple(ns)))
+
+    def product(split: bool):
+        tuner.threads, tuner.choice = 2, split
+        outs = [np.full((m, n), np.nan, np.float32) for n in ns]
+        linalg.matmul_panels_many(a, ws, ns, outs)
+        return outs
+
+    want = product(False)
+    for w, y in zip(ws, want):
+        np.testing.assert_allclose(y, a @ w.transpose(1, 0, 2).reshape(k, -1)[:, :y.shape[1]], rtol=1e-5, atol=1e-4)
+    ran = []
+    real = _act.run_units
+    monkeypatch.setattr(_act, "run_units", lambda *args: ran.append(real(*args)) or ran[-1])
+    monkeypatch.setattr(_act, "parallel", lambda *args: pytest.fail("the GIL-bound split ran"))
+    for i in range(20):
+        if i == 10:
+            _act.stop_spinning()
+        for got, w in zip(product(True), want):
+            np.testing.assert_array_equal(got, w)
+    assert len(ran) == 20 and all(ran)
+
+
+@pytest.mark.usefixtures("panels_on")
+def test_split_panel_gemms_from_concurrent_callers(monkeypatch):
+    """Two threads splitting GEMMs on panels at once, the GIL changing hands as often as it can:
+    one at a time runs a unit job (the other's split takes the GIL-bound path meanwhile), and
+    every product is the one-thread one, bit for bit, over many calls."""
+    import sys
+
+    from onnxpack.session.kernels import _act, linalg
+
+    _polling_pool()
+    if linalg._sgemm() is None:
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(_act, "_SPLIT_MACS", 1)
+    monkeypatch.setattr(_act, "threads", lambda: 2)
+    rng = np.random.default_rng(4)
+    cases = [_panel_case(rng, 32, 200, (384,)), _panel_case(rng, 96, 100, (192, 64))]
+    want = []
+    for a, ws, ns in cases:
+        tuner = _act.tuner(("sgemm_panels", a.shape[0], a.shape[1], ns[0] if len(ns) == 1 else tuple(ns)))
+        tuner.threads, tuner.choice = 2, False
+        want.append([np.empty((a.shape[0], n), np.float32) for n in ns])
+        linalg.matmul_panels_many(a, ws, ns, want[-1])
+        tuner.choice = True
+        tuner.modes[0].calls = tuner.modes[1].calls = -10**9  # (no re-measuring: every call splits)
+    ran, errors = [], []
+    real = _act.run_units
+    monkeypatch.setattr(_act, "run_units", lambda *args: ran.append(real(*args)) or ran[-1])
+
+    def caller(i):
+        try:
+            a, ws, ns = cases[i]
+            for _ in range(200):
+                outs = [np.empty((a.shape[0], n), np.float32) for n in ns]
+                linalg.matmul_panels_many(a, ws, ns, outs)
+                for got, w in zip(outs, want[i]):
+                    np.testing.assert_array_equal(got, w)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(2)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    assert any(ran), "no split ran as a unit job"
 
 
 @pytest.mark.parametrize("m,hw,channel_steps", [(300, 8, 1), (64, 24, 1), (300, 8, 2), (48, 24, 2)],

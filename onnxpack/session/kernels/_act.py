@@ -440,46 +440,89 @@ def _native_split(a: np.ndarray, b: np.ndarray, out: np.ndarray, block, count: i
     try:
         jobs, own, fn = pool.jobs, pool.own, pool.sgemm
         rows = min(threads - 1, jobs.shape[0])
-        k = a.shape[-1]
-        # Each operand: its address, row stride and item stride (0: a matrix every item shares).
-        pa, pb, pc = a.ctypes.data, b.ctypes.data, out.ctypes.data
-        la, lb, lc = a.strides[-2], b.strides[-2], out.strides[-2]
-        sa, sb, sc = (0 if _shared(x) else x.strides[0] for x in (a, b, out))
-        tokens = []
-        asleep = 0
-        for r in range(rows + 1):
-            b0, b1, r0, r1, c0, c1 = block(count * r // (rows + 1), count * (r + 1) // (rows + 1))
-            fields = (fn, b1 - b0, r1 - r0, c1 - c0, k, pa + b0 * sa + r0 * la, la // 4, pb + b0 * sb + 4 * c0,
-                      lb // 4, pc + b0 * sc + r0 * lc + 4 * c0, lc // 4, sa, sb, sc)
-            if r == 0:
-                own[0, pool.fields] = fields
-                continue
-            jobs[r - 1, pool.fields] = fields
-            pool.token += 1
-            tokens.append(pool.token)
-            if not spin.post(jobs, r - 1, pool.token):
-                asleep += 1
-        if asleep:  # a task on the queue wakes a helper that sleeps there; it then polls for jobs
-            pool.submit(_nothing, asleep)
+        # Each operand's address and item stride (0: a matrix every item shares).
+        where = (a.ctypes.data, b.ctypes.data, out.ctypes.data,
+                 *(0 if _shared(x) else x.strides[0] for x in (a, b, out)))
+        own[0, pool.fields] = _gemm_fields(fn, a, b, out, block(0, count // (rows + 1)), where)
+
+        def fill(r: int) -> None:
+            lo, hi = count * (r + 1) // (rows + 1), count * (r + 2) // (rows + 1)
+            jobs[r, pool.fields] = _gemm_fields(fn, a, b, out, block(lo, hi), where)
+
+        tokens = _post_jobs(pool, spin, rows, fill)
         spin.run_job(own, 0)
-        for r, token in enumerate(tokens):
-            _finish_job(spin, jobs, r, token, pool.limit)
+        _finish_jobs(pool, spin, tokens)
     finally:
         pool.native_lock.release()
     return True
 
 
+def _gemm_fields(fn: int, a, b, out, block, where) -> tuple:
+    """A GEMM job's fields (``_Pool.fields``) for one block ``(b0, b1, r0, r1, c0, c1)`` of
+    ``out = a @ b`` (``where``: the operands' addresses, then their item strides)."""
+    b0, b1, r0, r1, c0, c1 = block
+    pa, pb, pc, sa, sb, sc = where
+    la, lb, lc = a.strides[-2], b.strides[-2], out.strides[-2]
+    return (0, fn, b1 - b0, r1 - r0, c1 - c0, a.shape[-1], pa + b0 * sa + r0 * la, la // 4, pb + b0 * sb + 4 * c0,
+            lb // 4, pc + b0 * sc + r0 * lc + 4 * c0, lc // 4, sa, sb, sc)
+
+
+def run_units(fn: int, table: np.ndarray, units: int, threads: int) -> bool:
+    """Units ``0 .. units - 1`` of a native kernel computed by this thread and up to ``threads - 1``
+    polling helpers, none of them holding the GIL (:mod:`._spin_jit`'s unit tables): ``fn`` is
+    the address of the kernel's C entry ``void f(int64 *table, int64 unit)``, ``table`` a
+    C-contiguous int64 array holding its arguments from ``_spin_jit.U_ARGS`` on (the header
+    before is written here).  Every thread takes units from one counter, so a helper that starts
+    late or is descheduled leaves its units to the others.  False (nothing done) when there is
+    no such path here: no polling helpers, or another thread's split is using the jobs now."""
+    pool = _Pool.get()
+    spin = pool.spinner()
+    if spin is None or not pool.native_lock.acquire(False):
+        return False
+    try:
+        table[spin.U_NEXT], table[spin.U_FN], table[spin.U_COUNT] = 0, fn, units
+        addr = table.ctypes.data
+        jobs = pool.jobs
+
+        def fill(r: int) -> None:
+            jobs[r, spin.J_KIND], jobs[r, spin.J_TABLE] = spin.KIND_UNITS, addr
+
+        tokens = _post_jobs(pool, spin, min(threads - 1, jobs.shape[0], units - 1), fill)
+        spin.run_units(addr)
+        _finish_jobs(pool, spin, tokens)
+    finally:
+        pool.native_lock.release()
+    return True
+
+
+def _post_jobs(pool: "_Pool", spin, rows: int, fill: Callable[[int], None]) -> list[int]:
+    """Posts a job in each of the first ``rows`` helpers' rows (``fill(r)`` writes row ``r``'s
+    fields first) and wakes the helpers that are not polling; returns the jobs' tokens."""
+    tokens = []
+    asleep = 0
+    for r in range(rows):
+        fill(r)
+        pool.token += 1
+        tokens.append(pool.token)
+        if not spin.post(pool.jobs, r, pool.token):
+            asleep += 1
+    if asleep:  # a task on the queue wakes a helper that sleeps there; it then polls for jobs
+        pool.submit(_nothing, asleep)
+    return tokens
+
+
+def _finish_jobs(pool: "_Pool", spin, tokens: list[int]) -> None:
+    """Every posted job computed: here when no helper claimed it, else waited for."""
+    for r, token in enumerate(tokens):
+        if spin.claim(pool.jobs, r, token):
+            spin.run_job(pool.jobs, r)
+        else:
+            while not spin.wait_done(pool.jobs, r, token, pool.limit):
+                time.sleep(0)
+
+
 def _nothing() -> None:
     return None
-
-
-def _finish_job(spin, jobs: np.ndarray, row: int, token: int, limit: int) -> None:
-    """Job ``token`` of ``jobs[row]`` computed: here when no helper claimed it, else waited for."""
-    if spin.claim(jobs, row, token):
-        spin.run_job(jobs, row)
-    else:
-        while not spin.wait_done(jobs, row, token, limit):
-            time.sleep(0)
 
 
 def _whole(a: np.ndarray, b: np.ndarray, out: np.ndarray | None, after) -> np.ndarray:
@@ -524,7 +567,7 @@ def _find_sgemm(spin, row: np.ndarray, fields: slice) -> int:
     a = rng.standard_normal((2, 5, 7), np.float32)
     b = rng.standard_normal((7, 9), np.float32)
     c = np.zeros((2, 5, 12), np.float32)[..., :9]
-    row[0, fields] = (addr, 2, 5, 9, 7, a.ctypes.data, 7, b.ctypes.data, 9, c.ctypes.data, 12, 140, 0, 240)
+    row[0, fields] = (0, addr, 2, 5, 9, 7, a.ctypes.data, 7, b.ctypes.data, 9, c.ctypes.data, 12, 140, 0, 240)
     spin.run_job(row, 0)
     if np.array_equal(c, np.matmul(a, b)):
         return addr
@@ -697,6 +740,8 @@ class _Pool:
                         spin.post(rows, 0, 1)
                         spin.claim(rows, 0, 1)
                         spin.wait_done(rows, 0, 1, 1)
+                        table = np.zeros(spin.U_ARGS, np.int64)  # (no units)
+                        spin.run_units(table.ctypes.data)
                         spin.wait_sum(probe, 0, 1)
                         spin.bump(probe)
                         spin.pauses(1000)
@@ -710,7 +755,7 @@ class _Pool:
                         self.delay = int(self.DELAY_US * 1e-6 / per)
                         self.jobs = np.zeros((self.size, spin.JOB_LEN), np.int64)
                         self.own = np.zeros((1, spin.JOB_LEN), np.int64)
-                        self.fields = slice(spin.J_FN, spin.J_SC + 1)  # what _native_split writes
+                        self.fields = slice(spin.J_KIND, spin.J_SC + 1)  # what _native_split writes (kind GEMM: 0)
                         self.sgemm = _find_sgemm(spin, self.own, self.fields)
                         self._spin = spin
                         # At exit, no helper left inside the JIT's code while the interpreter

@@ -59,6 +59,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from onnxpack.session.kernels import _erf as _erf_mod
+from onnxpack.session.kernels._nbits_jit import F32, I64, as_ptr
 from onnxpack.session.kernels._sgemm_jit import TILE, conv_tile1, conv_tile2, conv_tile4, conv_tile6, prefetch
 
 __all__ = ["gather_cols", "depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "pad_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_shift", "wino_input", "wino_output", "bias_act", "maxpool2d", "act_inplace", "expf_array"]
@@ -1840,38 +1841,7 @@ def expf_array(x, out):
         out[i] = _expf(x[i])
 
 
-
 # -- native entry points (see :mod:`._native` and :mod:`._jit_native`) ----------------------------
-@intrinsic
-def as_ptr(typingctx, addr, marker):
-    """A pointer to ``marker``'s dtype (any array of it) at the int64 address ``addr``: native
-    entries read their argument blocks' addresses with it."""
-    if addr != types.int64 or not isinstance(marker, types.Array):
-        return None
-    ptr = types.CPointer(marker.dtype)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(ptr))
-
-    return ptr(types.int64, marker), codegen
-
-
-@intrinsic
-def address(typingctx, p):
-    """A void pointer as an int64."""
-    if p != types.voidptr:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.ptrtoint(args[0], context.get_value_type(types.int64))
-
-    return types.int64(types.voidptr), codegen
-
-
-# dtype markers for :func:`as_ptr` (frozen as constants in compiled code)
-F32, U8, U16, I64 = (np.zeros(0, t) for t in (np.float32, np.uint8, np.uint16, np.int64))
-
-
 def native_entries() -> dict:
     """name -> numba cfunc of this module's native entries (see :mod:`._jit_native`):
     ``act_f32`` runs :func:`act_inplace` over the block (address, length, codes address, code

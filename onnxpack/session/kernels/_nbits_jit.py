@@ -367,6 +367,36 @@ def store_rows(builder, outs, results) -> None:
                           align=4)
 
 
+@intrinsic
+def as_ptr(typingctx, addr, marker):
+    """A pointer to ``marker``'s dtype (any array of it) at the int64 address ``addr``: native
+    entries and unit kernels read their argument blocks' addresses with it."""
+    if addr != types.int64 or not isinstance(marker, types.Array):
+        return None
+    ptr = types.CPointer(marker.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+    return ptr(types.int64, marker), codegen
+
+
+@intrinsic
+def address(typingctx, p):
+    """A void pointer as an int64."""
+    if p != types.voidptr:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.ptrtoint(args[0], context.get_value_type(types.int64))
+
+    return types.int64(types.voidptr), codegen
+
+
+# dtype markers for :func:`as_ptr` (frozen as constants in compiled code)
+F32, U8, U16, I64 = (np.zeros(0, t) for t in (np.float32, np.uint8, np.uint16, np.int64))
+
+
 def array_data(context, builder, ty, val, elt):
     """The data pointer of a numba array value as ``elt*``."""
     return builder.bitcast(context.make_array(ty)(context, builder, val).data, elt.as_pointer())
@@ -860,7 +890,6 @@ def native_entries() -> dict:
     from numba import carray, cfunc
 
     from onnxpack.session.kernels import _jit_native as L
-    from onnxpack.session.kernels._conv_jit import F32, U8, U16, address, as_ptr
 
     loop_start, loop_next, loop_end, thread_num = gomp_functions()
     sig = types.void(types.voidptr)

@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic
 
-from onnxpack.session.kernels._nbits_jit import accumulate, array_data, declare, prefetch_fn, row_pointers, splat
+from onnxpack.session.kernels._nbits_jit import (F32, accumulate, array_data, as_ptr, declare, prefetch_fn, row_pointers,
+                                                 splat)
 
-__all__ = ["sgemm_panels", "prefetch", "conv_tile6", "conv_tile4", "conv_tile2", "conv_tile1", "NR", "KC", "LANES", "TILE"]
+__all__ = ["sgemm_panels", "panel_unit", "PANEL_UNIT", "prefetch", "conv_tile6", "conv_tile4", "conv_tile2", "conv_tile1",
+           "NR", "KC", "LANES", "TILE"]
 
 NR = 64  # columns per panel: the packed layout (4 vectors of 16 float32)
 # Rows of a panel per pass: 32 KB of it, L1-resident while all rows of ``a`` pass.  With 512 (an
@@ -339,6 +341,47 @@ def sgemm_panels(a, w, out, tail, p0, p1):
         for r in range(m_rows):
             for c in range(n - c0):
                 out[r, c0 + c] = tail[r, c]
+
+
+# The unit table of :func:`panel_unit` (int64; ``_spin_jit.U_ARGS`` = 3 header slots first):
+# A's address, rows M and K; rows per unit and row groups; panels per unit and panel groups (a
+# unit is one row group times one panel group: unit u = row group u // groups + panel group
+# u % groups); the panels in all; the weights' count; then per weight (side by side, panel
+# after panel) its panels' address, panel count, columns N, the output's address (M, N) and the
+# tail scratch's (M, 64; 0 when N is a multiple of 64).
+T_A, T_M, T_K, T_ROWS, T_ROW_GROUPS, T_PANELS, T_PANEL_GROUPS, T_ALL, T_WEIGHTS = range(3, 12)
+T_W0, T_WLEN = 12, 5
+
+
+@cfunc(types.void(types.CPointer(types.int64), types.int64), cache=True)
+def panel_unit(table, u):
+    """One unit of a GEMM on panels split over threads without the GIL (``_act.run_units``): its
+    rows of ``a`` times its panels of each weight, by :func:`sgemm_panels` (so the same bits as
+    the same panels computed on one thread)."""
+    head = carray(table, (T_W0,))
+    t = carray(table, (T_W0 + T_WLEN * head[T_WEIGHTS],))
+    m, k = t[T_M], t[T_K]
+    groups = t[T_PANEL_GROUPS]
+    rg = u // groups
+    r0 = rg * t[T_ROWS]
+    rows = min(m, r0 + t[T_ROWS]) - r0
+    q0 = (u - rg * groups) * t[T_PANELS]
+    q1 = min(t[T_ALL], q0 + t[T_PANELS])
+    a = carray(as_ptr(t[T_A] + 4 * r0 * k, F32), (rows, k))
+    first = 0
+    for j in range(t[T_WEIGHTS]):
+        b = T_W0 + T_WLEN * j
+        count, n = t[b + 1], t[b + 2]
+        lo, hi = max(q0, first) - first, min(q1, first + count) - first
+        if lo < hi:
+            w = carray(as_ptr(t[b], F32), (count * k * NR,))
+            out = carray(as_ptr(t[b + 3] + 4 * r0 * n, F32), (rows, n))
+            tail = carray(as_ptr(t[b + 4] + 4 * r0 * NR, F32), (rows if t[b + 4] else 0, NR))
+            sgemm_panels(a, w, out, tail, lo, hi)
+        first += count
+
+
+PANEL_UNIT = panel_unit.address
 
 
 # One specialization per argument types, whatever the arrays' writability (see _act.one_specialization);

@@ -207,7 +207,9 @@ def matmul_panels(a2: np.ndarray, w: np.ndarray, n: int, out: np.ndarray | None 
 def matmul_panels_many(a2: np.ndarray, ws: Sequence[np.ndarray], ns: Sequence[int], outs: Sequence[np.ndarray]) -> None:
     """``outs[j][...] = a2 @ B_j`` for every weight ``B_j`` (K, ``ns[j]``) packed as panels
     ``ws[j]``, all of one K: one GEMM over the weights' panels side by side, split once over
-    onnxpack's threads (the sibling projections of one activation, see :class:`MatMulGroup`)."""
+    onnxpack's threads (the sibling projections of one activation, see :class:`MatMulGroup`):
+    as a unit job where the pool's helpers poll (:func:`._act.run_units`, no GIL), else through
+    :func:`._act.parallel`."""
     m, k = a2.shape
     if m == 0 or not sum(ns):
         return
@@ -239,12 +241,29 @@ def matmul_panels_many(a2: np.ndarray, ws: Sequence[np.ndarray], ns: Sequence[in
 
     key = ("sgemm_panels", m, k, ns[0] if len(ns) == 1 else tuple(ns))
     threads = _act.threads() if m * k * sum(ns) >= _act._SPLIT_MACS else 1
-    if threads > 1 and m >= _ROW_SPLIT_MIN_ROWS and panels < _ROW_SPLIT_MAX_PANELS:
-        # Few panels: each thread all of them for its rows (the panel split's blocks of one or
-        # two panels left the threads' shares uneven).
-        _act.tuner(key).run(lambda lo, hi: run(0, panels, lo * m // threads, hi * m // threads), threads, threads)
+    # Few panels: each thread all of them for its rows (the panel split's blocks of one or two
+    # panels left the threads' shares uneven).
+    by_rows = threads > 1 and m >= _ROW_SPLIT_MIN_ROWS and panels < _ROW_SPLIT_MAX_PANELS
+
+    def native() -> bool:
+        # The split without the GIL (_act.run_units): units of rows (each every panel) or of
+        # one panel (every row), which the threads take from one counter.
+        rows, groups = (-(-m // threads), 1) if by_rows else (m, panels)
+        units = -(-m // rows) * groups
+        table = np.empty(jit.T_W0 + jit.T_WLEN * len(ws), np.int64)
+        table[jit.T_A:jit.T_W0] = (a2.ctypes.data, m, k, rows, -(-m // rows), 1 if groups > 1 else panels, groups,
+                                   panels, len(ws))
+        for j, (flat, count, n, dst, tail) in enumerate(zip(flats, counts, ns, dsts, tails)):
+            b = jit.T_W0 + jit.T_WLEN * j
+            table[b:b + jit.T_WLEN] = (flat.ctypes.data, count, n, dst.ctypes.data,
+                                       tail.ctypes.data if tail.shape[0] else 0)
+        return _act.run_units(jit.PANEL_UNIT, table, units, threads)
+
+    if by_rows:
+        _act.tuner(key).run(lambda lo, hi: run(0, panels, lo * m // threads, hi * m // threads), threads, threads,
+                            native)
     else:
-        _act.tuner(key).run(run, panels, threads)
+        _act.tuner(key).run(run, panels, threads, native)
     for dst, out in zip(dsts, outs):
         if dst is not out:
             out[...] = dst
