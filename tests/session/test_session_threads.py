@@ -995,6 +995,60 @@ def test_split_panel_gemms_from_concurrent_callers(monkeypatch):
     assert any(ran), "no split ran as a unit job"
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["silu", "silu-residual-relu"])
+@pytest.mark.parametrize("m,hw", [(300, 8), (64, 24)], ids=["rows", "columns"])
+def test_split_conv_epilogue_as_unit_jobs_equals_one_thread(m, hw, residual, monkeypatch):
+    """A 1x1 conv with its bias, SiLU and (with a residual) Add and Relu on two threads, split
+    forced: each block's product and epilogue run as one unit of a unit job (no GIL), by rows of
+    output channels or columns of positions, bit for bit the one-thread result (with the helpers
+    polling or asleep), which is onnxruntime's within float32 rounding."""
+    import onnxruntime as ort
+
+    from onnxpack.session.kernels import _act
+
+    pool = _polling_pool()
+    if not pool.sgemm:
+        pytest.skip("numpy's BLAS has no ILP64 cblas_sgemm here")
+    rng = np.random.default_rng(m + hw)
+    c = 40
+    F = TensorProto.FLOAT
+    inits = [onnx.numpy_helper.from_array((rng.standard_normal((m, c, 1, 1)) * 0.2).astype(np.float32), "w"),
+             onnx.numpy_helper.from_array(rng.standard_normal(m).astype(np.float32), "b")]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c0"]), helper.make_node("Sigmoid", ["c0"], ["s"]),
+             helper.make_node("Mul", ["c0", "s"], ["y"])]
+    inputs = [helper.make_tensor_value_info("x", F, [1, c, hw, hw])]
+    feeds = {"x": rng.standard_normal((1, c, hw, hw)).astype(np.float32)}
+    if residual:
+        nodes += [helper.make_node("Add", ["y", "r"], ["a"]), helper.make_node("Relu", ["a"], ["u"])]
+        inputs.append(helper.make_tensor_value_info("r", F, [1, m, hw, hw]))
+        feeds["r"] = rng.standard_normal((1, m, hw, hw)).astype(np.float32)
+    out = nodes[-1].output[0]
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info(out, F, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString()
+    one = onnxpack.SessionOptions()
+    one.intra_op_num_threads = 1
+    want = onnxpack.InferenceSession(model, one).run(None, feeds)[0]
+    np.testing.assert_allclose(want, ort.InferenceSession(model).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
+    monkeypatch.setattr(_act, "_SPLIT_MACS", 1)
+    monkeypatch.setattr(_act, "blas_threads", lambda: 1)
+    sess = onnxpack.InferenceSession(model)
+    assert len(sess.program.root.steps) == 1  # the conv and its epilogue: one step
+    sess.run(None, feeds)
+    for key, t in _act._TUNERS.items():
+        if key[0] == "matmul" and key[-1] is True:
+            t.threads, t.choice = 2, True
+    ran = []
+    real = _act.run_units
+    monkeypatch.setattr(_act, "run_units", lambda *args: ran.append(real(*args)) or ran[-1])
+    monkeypatch.setattr(_act, "parallel", lambda *args: pytest.fail("the GIL-bound split ran"))
+    for i in range(20):
+        if i == 10:
+            _act.stop_spinning()
+        np.testing.assert_array_equal(sess.run(None, feeds)[0], want)
+    assert len(ran) == 20 and all(ran)
+
+
 @pytest.mark.parametrize("m,hw,channel_steps", [(300, 8, 1), (64, 24, 1), (300, 8, 2), (48, 24, 2)],
                          ids=["rows", "columns", "rows-two-tables", "columns-two-tables"])
 def test_split_conv_epilogue_by_blocks_equals_one_thread(m, hw, channel_steps, monkeypatch):

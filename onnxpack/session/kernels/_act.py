@@ -379,14 +379,17 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None,
         if tail:
             after(r0, r1, c0, c1)
 
-    # GEMM jobs for a split without an epilogue.  (With one, each block's epilogue belongs in
-    # the thread that computed the block, which brings the helper back to Python and the GIL:
-    # measured on resnet50's 1x1 convs with a residual, the jobs gained nothing there, and 3-20 %
-    # was lost with every epilogue left to the caller.)
-    # (checked only when the tuner splits: ~2 us a call, for nothing on one thread)
+    # Without the GIL: GEMM jobs for a split without an epilogue, a unit job (each block's
+    # product, then its epilogue in the same thread) for an epilogue that says how to run it
+    # natively (``after.native``); else the split through numpy and :func:`parallel`.  (An
+    # epilogue run in Python after a job brings the helper back to the GIL: measured on
+    # resnet50's 1x1 convs with a residual, jobs gained nothing that way, and 3-20 % was lost
+    # with every epilogue left to the caller.)  Checked only when the tuner splits (~2 us a call).
     native = None
     if after is None:
         native = lambda: _jobs_fit(a, b, out, batch) and _native_split(a, b, out, block, count, t)  # noqa: E731
+    elif getattr(after, "native", None) is not None and out.ndim == 2:
+        native = lambda: _jobs_fit(a, b, out, 1) and _native_epilogue_split(a, b, out, block, count, t, after.native)  # noqa: E731
     split(run, count, t, native)
     return out
 
@@ -455,6 +458,31 @@ def _native_split(a: np.ndarray, b: np.ndarray, out: np.ndarray, block, count: i
     finally:
         pool.native_lock.release()
     return True
+
+
+def _native_epilogue_split(a: np.ndarray, b: np.ndarray, out: np.ndarray, block, count: int, threads: int,
+                           epilogue: tuple) -> bool:
+    """:func:`matmul`'s split of a 2-D float32 product (every operand :func:`_blasable`) with a
+    convolution's epilogue, as a unit job of ``count`` blocks (``block(u, u + 1)``): each block's
+    product by numpy's ``cblas_sgemm``, then ``epilogue`` on it, in the thread that took it
+    (``_conv_jit.gemm_act_unit``).  ``epilogue``: ``(y, bias, codes, params, residual, post
+    codes, post params)`` as :meth:`.conv.Conv._block_epilogue` gives them (``y`` (1, M, L) the
+    output's memory).  False when there is no such path here (see :func:`run_units`)."""
+    pool = _Pool.get()
+    g = jit()
+    if g is None or pool.spinner() is None or not pool.sgemm:
+        return False
+    y, bias, codes, params, res, pcodes, pparams = epilogue
+    table = np.empty(g.GA_BLOCKS + 4 * count, np.int64)
+    table[g.GA_FN:g.GA_BLOCKS] = (
+        pool.sgemm, a.shape[1], a.ctypes.data, a.strides[0] // 4, b.ctypes.data, b.strides[0] // 4, out.ctypes.data,
+        out.strides[0] // 4, y.ctypes.data, y.shape[1], y.shape[2], bias.ctypes.data, bias.shape[0], codes.ctypes.data,
+        codes.shape[0], params.ctypes.data, res.ctypes.data if res.shape[0] else 0, pcodes.ctypes.data,
+        pcodes.shape[0], pparams.ctypes.data)
+    for u in range(count):
+        _, _, r0, r1, c0, c1 = block(u, u + 1)
+        table[g.GA_BLOCKS + 4 * u:g.GA_BLOCKS + 4 * u + 4] = (r0, r1, c0, c1)
+    return run_units(g.GEMM_ACT_UNIT, table, count, threads)
 
 
 def _gemm_fields(fn: int, a, b, out, block, where) -> tuple:

@@ -55,14 +55,15 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic
 
 from onnxpack.session.kernels import _erf as _erf_mod
 from onnxpack.session.kernels._nbits_jit import F32, I64, as_ptr
+from onnxpack.session.kernels._spin_jit import _sgemm
 from onnxpack.session.kernels._sgemm_jit import TILE, conv_tile1, conv_tile2, conv_tile4, conv_tile6, prefetch
 
-__all__ = ["gather_cols", "depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "pad_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_shift", "wino_input", "wino_output", "bias_act", "maxpool2d", "act_inplace", "expf_array"]
+__all__ = ["gather_cols", "depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "pad_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_shift", "wino_input", "wino_output", "bias_act", "gemm_act_unit", "GEMM_ACT_UNIT", "maxpool2d", "act_inplace", "expf_array"]
 
 _FM = {"contract"}
 # Depthwise kernels activate a plane right after computing it (still in L1) from this many
@@ -1875,6 +1876,51 @@ def native_entries() -> dict:
     sig = types.void(types.voidptr)
     return {name: cfunc(sig, nopython=True, error_model="numpy", fastmath=_FM)(fn)
             for name, fn in (("act_f32", act_f32), ("rms_f32", rms_f32))}
+
+
+# The unit table of :func:`gemm_act_unit` (int64; ``_spin_jit.U_ARGS`` = 3 header slots first):
+# the BLAS's ILP64 cblas_sgemm address, K, A's address and row stride, B's, C's (strides in
+# elements; C is Y's (M, L) matrix); Y's address, M and L; the bias's address and length (0: none),
+# the activations before the residual (codes' address and count, params' address: (count, 3)
+# float32), the residual's address (like Y; 0: none), the activations after it; then per unit
+# its block of C: rows r0, r1, columns c0, c1.
+(GA_FN, GA_K, GA_A, GA_LDA, GA_B, GA_LDB, GA_C, GA_LDC, GA_Y, GA_M, GA_L, GA_BIAS, GA_NBIAS, GA_CODES, GA_NCODES,
+ GA_PARAMS, GA_RES, GA_PCODES, GA_NPCODES, GA_PPARAMS, GA_BLOCKS) = range(3, 24)
+
+
+@cfunc(types.void(types.CPointer(types.int64), types.int64), cache=True)
+def gemm_act_unit(table, u):
+    """One block of a split GEMM with a convolution's epilogue (``_act.matmul`` with ``after``
+    of :meth:`.conv.Conv._block_epilogue`), computed without the GIL (``_act.run_units``): the
+    block's product by the BLAS (the call numpy's matmul makes for it), then its epilogue while
+    it is in this core's cache, by :func:`bias_act` on a block of rows, else :func:`bias_act_rows`
+    on a block of columns, as ``after`` calls them: the same bits as the split through numpy."""
+    t = carray(table, (GA_BLOCKS + 4 * (u + 1),))
+    b = GA_BLOCKS + 4 * u
+    r0, r1, c0, c1 = t[b], t[b + 1], t[b + 2], t[b + 3]
+    lda, ldb, ldc = t[GA_LDA], t[GA_LDB], t[GA_LDC]
+    _sgemm(t[GA_FN], r1 - r0, c1 - c0, t[GA_K], t[GA_A] + 4 * r0 * lda, lda, t[GA_B] + 4 * c0, ldb,
+           t[GA_C] + 4 * (r0 * ldc + c0), ldc)
+    m, length, nb = t[GA_M], t[GA_L], t[GA_NBIAS]
+    codes = carray(as_ptr(t[GA_CODES], I64), (t[GA_NCODES],))
+    params = carray(as_ptr(t[GA_PARAMS], F32), (t[GA_NCODES], 3))
+    pcodes = carray(as_ptr(t[GA_PCODES], I64), (t[GA_NPCODES],))
+    pparams = carray(as_ptr(t[GA_PPARAMS], F32), (t[GA_NPCODES], 3))
+    chan = carray(as_ptr(t[GA_PARAMS], F32), (0, 0, 2))
+    res_rows = 1 if t[GA_RES] else 0
+    if c1 - c0 == length:  # output channels r0 .. r1
+        y = carray(as_ptr(t[GA_Y] + 4 * r0 * length, F32), (1, r1 - r0, length))
+        bias = carray(as_ptr(t[GA_BIAS] + 4 * r0, F32), (r1 - r0 if nb else 0,))
+        res = carray(as_ptr(t[GA_RES] + 4 * r0 * length, F32), (res_rows, r1 - r0, length))
+        bias_act(y, bias, codes, params, res, pcodes, pparams, chan)
+    else:  # positions c0 .. c1 of every channel
+        y = carray(as_ptr(t[GA_Y], F32), (1, m, length))
+        bias = carray(as_ptr(t[GA_BIAS], F32), (nb,))
+        res = carray(as_ptr(t[GA_RES], F32), (res_rows, m, length))
+        bias_act_rows(y, 0, c0, c1 - c0, bias, codes, params, res, pcodes, pparams, chan)
+
+
+GEMM_ACT_UNIT = gemm_act_unit.address
 
 
 # One specialization per argument types, whatever the arrays' writability (see _act.one_specialization);

@@ -1207,6 +1207,12 @@ class Conv(Kernel):
             else:  # positions c0..c1 of every channel
                 jit.bias_act_rows(y3, 0, c0, c1 - c0, b, codes, params, r, pcodes, pparams, table)
 
+        # The same epilogue's arrays for a split without the GIL (_act._native_epilogue_split):
+        # one image, no per-channel tables, every array C-contiguous float32 as numba reads it.
+        arrays = (y3, b, params, r, pparams)
+        if (y3.shape[0] == 1 and not table.shape[0] and all(x.dtype == np.float32 and x.flags.c_contiguous for x in arrays)
+                and codes.flags.c_contiguous and pcodes.flags.c_contiguous):
+            after.native = (y3, b, codes, params, r, pcodes, pparams)
         return after
 
     def _epilogue(self, plan: _ConvPlan, y, bias, res, out_dtype) -> np.ndarray:
