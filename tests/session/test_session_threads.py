@@ -762,11 +762,18 @@ def test_split_matmuls_from_concurrent_callers_with_gemm_jobs(monkeypatch):
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
+    _two_callers_racing(caller, errors)
+    assert any(ran), "no split ran as jobs"
+
+
+def _two_callers_racing(caller, errors: list) -> None:
+    """``caller(0)`` and ``caller(1)`` on two threads at once, the GIL changing hands between
+    their steps as often as it can; neither may fail (``errors``) nor hang."""
     import sys
 
     threads = [threading.Thread(target=caller, args=(i,)) for i in range(2)]
     interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # the GIL changes hands between the callers' steps as often as it can
+    sys.setswitchinterval(1e-6)
     try:
         for t in threads:
             t.start()
@@ -775,7 +782,6 @@ def test_split_matmuls_from_concurrent_callers_with_gemm_jobs(monkeypatch):
     finally:
         sys.setswitchinterval(interval)
     assert not errors and not any(t.is_alive() for t in threads), errors
-    assert any(ran), "no split ran as jobs"
 
 
 def test_gemm_jobs_stay_off_where_the_blas_entry_does_not_compute_as_numpy(monkeypatch, caplog):
@@ -930,6 +936,19 @@ def test_split_panel_gemm_as_unit_jobs_equals_one_thread_bit_for_bit(m, k, ns, m
     want = product(False)
     for w, y in zip(ws, want):
         np.testing.assert_allclose(y, a @ w.transpose(1, 0, 2).reshape(k, -1)[:, :y.shape[1]], rtol=1e-5, atol=1e-4)
+
+    def check():
+        for got, w in zip(product(True), want):
+            np.testing.assert_array_equal(got, w)
+
+    _twenty_as_unit_jobs(monkeypatch, check)
+
+
+def _twenty_as_unit_jobs(monkeypatch, call) -> None:
+    """``call()`` twenty times, the pool's helpers polling, then asleep from the eleventh, every
+    split a unit job that ran (the GIL-bound split fails the test)."""
+    from onnxpack.session.kernels import _act
+
     ran = []
     real = _act.run_units
     monkeypatch.setattr(_act, "run_units", lambda *args: ran.append(real(*args)) or ran[-1])
@@ -937,8 +956,7 @@ def test_split_panel_gemm_as_unit_jobs_equals_one_thread_bit_for_bit(m, k, ns, m
     for i in range(20):
         if i == 10:
             _act.stop_spinning()
-        for got, w in zip(product(True), want):
-            np.testing.assert_array_equal(got, w)
+        call()
     assert len(ran) == 20 and all(ran)
 
 
@@ -947,8 +965,6 @@ def test_split_panel_gemms_from_concurrent_callers(monkeypatch):
     """Two threads splitting GEMMs on panels at once, the GIL changing hands as often as it can:
     one at a time runs a unit job (the other's split takes the GIL-bound path meanwhile), and
     every product is the one-thread one, bit for bit, over many calls."""
-    import sys
-
     from onnxpack.session.kernels import _act, linalg
 
     _polling_pool()
@@ -981,17 +997,7 @@ def test_split_panel_gemms_from_concurrent_callers(monkeypatch):
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(2)]
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-    finally:
-        sys.setswitchinterval(interval)
-    assert not errors and not any(t.is_alive() for t in threads), errors
+    _two_callers_racing(caller, errors)
     assert any(ran), "no split ran as a unit job"
 
 
@@ -1038,15 +1044,7 @@ def test_split_conv_epilogue_as_unit_jobs_equals_one_thread(m, hw, residual, mon
     for key, t in _act._TUNERS.items():
         if key[0] == "matmul" and key[-1] is True:
             t.threads, t.choice = 2, True
-    ran = []
-    real = _act.run_units
-    monkeypatch.setattr(_act, "run_units", lambda *args: ran.append(real(*args)) or ran[-1])
-    monkeypatch.setattr(_act, "parallel", lambda *args: pytest.fail("the GIL-bound split ran"))
-    for i in range(20):
-        if i == 10:
-            _act.stop_spinning()
-        np.testing.assert_array_equal(sess.run(None, feeds)[0], want)
-    assert len(ran) == 20 and all(ran)
+    _twenty_as_unit_jobs(monkeypatch, lambda: np.testing.assert_array_equal(sess.run(None, feeds)[0], want))
 
 
 @pytest.mark.parametrize("m,hw,channel_steps", [(300, 8, 1), (64, 24, 1), (300, 8, 2), (48, 24, 2)],
