@@ -214,7 +214,11 @@ class ModeTuner:
     median then runs, BLAS only if it is faster by ``BLAS_MARGIN``: after every run its workers
     keep a core busy polling for ~0.1 s, which the rest of the machine pays (onnxruntime's runs in
     the same process, interleaved, 15-25 % slower on MobileNetV2), where owned mode's helpers stop
-    polling when a run returns.  ``RECHECK`` runs and ``RECHECK_S`` seconds later (both: a fast
+    polling when a run returns.  A choice of the other mode than the starting one is confirmed by a
+    second block of each (the medians of all their runs decide): one pair of blocks disturbed by
+    the rest of the machine took YOLOX on two threads to BLAS mode in one of session 54's
+    benchmark runs (2.02x onnxruntime's time, 1.81x owned in the other run; owned / BLAS measured
+    0.77 in processes of their own).  ``RECHECK`` runs and ``RECHECK_S`` seconds later (both: a fast
     model's measuring must stay a small share of its runs) the session measures again.  Only
     runs of one set of input shapes count: a run with other shapes restarts an undecided
     measurement (a model whose shapes change at every run, a decoder's growing cache, keeps the
@@ -232,7 +236,7 @@ class ModeTuner:
     # step is a few attribute stores under the GIL, and the lists of times are read through a
     # reference taken once (a reset makes new lists; the old ones only ever grow), so racing
     # runs can at worst mix up samples, never fail.
-    __slots__ = ("start", "choice", "key", "phase", "runs", "since", "times", "calls")
+    __slots__ = ("start", "choice", "key", "phase", "runs", "since", "times", "calls", "rounds")
 
     def __init__(self, start: bool) -> None:
         self.start = start  # the starting mode: True = owned
@@ -243,6 +247,7 @@ class ModeTuner:
         self.since = 0.0  # when this block's first run started, or the choice was made
         self.times: tuple[list[float], list[float]] = ([], [])  # counted times per block
         self.calls = 0  # runs since the choice was made
+        self.rounds = 1  # pairs of blocks to measure (2: confirming a switch from the starting mode)
 
     def current(self) -> bool:
         """The mode of runs that are not measured (a session's first, runs with run options or
@@ -265,8 +270,8 @@ class ModeTuner:
             self.choice, self.key = None, None  # measure again from this run
         key = tuple(getattr(v, "shape", None) for v in inputs)
         if key != self.key:
-            self.key, self.times, self.phase, self.runs = key, ([], []), 0, 0
-        phase = 1 if len(self.times[0]) >= self.TRIALS else 0
+            self.key, self.times, self.phase, self.runs, self.rounds = key, ([], []), 0, 0, 1
+        phase = 1 if len(self.times[0]) >= self.TRIALS * self.rounds else 0
         now = time.perf_counter()
         if phase != self.phase or self.runs == 0:
             self.phase, self.runs, self.since = phase, 0, now
@@ -281,10 +286,15 @@ class ModeTuner:
             return
         times[which].append(seconds)
         first, other = times
-        if len(first) >= self.TRIALS and len(other) >= self.TRIALS:
+        want = self.TRIALS * self.rounds
+        if len(first) >= want and len(other) >= want:
             owned, blas = (statistics.median(t) for t in ((first, other) if self.start else (other, first)))
+            choice = not blas < self.BLAS_MARGIN * owned
+            if choice != self.start and self.rounds == 1:
+                self.rounds = 2  # a switch: a second block of each mode first
+                return
             self.calls, self.since = 0, time.perf_counter()
-            self.choice = not blas < self.BLAS_MARGIN * owned
+            self.choice = choice
             logger.debug("thread mode: %s (medians: owned %.3g s, BLAS %.3g s)",
                          "owned" if self.choice else "BLAS", owned, blas)
 
