@@ -103,7 +103,7 @@ with limit:
     # bench_models' method: an interleaved warm-up, then per round a block of each session.
     import bench_models
     runners = {label: (lambda s=s: s.run(None, feeds)) for label, s in sessions.items()}
-    bench_models.warm_up(runners)
+    bench_models.warm_up(runners, [s for label, s in sessions.items() if spec["models"][label][0] != "ort"])
     times = {label: [] for label in sessions}
     for _ in range(repeat):
         for label, run in runners.items():

@@ -128,14 +128,23 @@ BLOCK_S = 0.25
 SETTLE_S = 0.15
 
 
-def warm_up(runners: dict) -> int:
+def _mode_settled(sess) -> bool:
+    """Whether an onnxpack session is not in the middle of timing its thread modes."""
+    modes = getattr(getattr(sess, "_runner", None), "modes", None)
+    return modes is None or modes.choice is not None or not any(modes.times)
+
+
+def warm_up(runners: dict, sessions=()) -> int:
     """Warm-up, interleaved: at least WARMUP_RUNS runs and WARMUP_S seconds of each of ``runners``
-    (label -> callable); returns the rounds run.  On several threads onnxpack picks its thread
-    mode from its first runs (session/_threads.py's ModeTuner: a block of each mode, ~25 runs or
-    2 x 0.25 s); what follows measures the steady state."""
+    (label -> callable), and (up to 10 x WARMUP_RUNS rounds) until the onnxpack ``sessions`` have
+    chosen their thread mode; returns the rounds run.  On several threads onnxpack picks its
+    thread mode from its first runs (session/_threads.py's ModeTuner: a block of each mode, ~25
+    runs or 2 x 0.25 s, twice when the first pair favours a switch); what follows measures the
+    steady state."""
     spent = dict.fromkeys(runners, 0.0)
     done = 0
-    while done < WARMUP_RUNS or min(spent.values()) < WARMUP_S:
+    while (done < WARMUP_RUNS or min(spent.values()) < WARMUP_S
+           or (done < 10 * WARMUP_RUNS and not all(_mode_settled(s) for s in sessions))):
         for k, run in runners.items():
             t = time.perf_counter()
             run()
@@ -187,7 +196,7 @@ def bench_one(name: str, factory, runs: int, threads: int, interleave: bool = Fa
             diffs.append(float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))))
     scale = max((float(np.max(np.abs(np.asarray(b, np.float64)))) if np.asarray(b).size else 0.0)
                 for b in outs["onnxruntime"])
-    done = warm_up(runners)
+    done = warm_up(runners, (ours,))
     order = list(runners)
     times = defaultdict(list)
     for r in range(runs):
