@@ -466,19 +466,20 @@ def _native_epilogue_split(a: np.ndarray, b: np.ndarray, out: np.ndarray, block,
     convolution's epilogue, as a unit job of ``count`` blocks (``block(u, u + 1)``): each block's
     product by numpy's ``cblas_sgemm``, then ``epilogue`` on it, in the thread that took it
     (``_conv_jit.gemm_act_unit``).  ``epilogue``: ``(y, bias, codes, params, residual, post
-    codes, post params)`` as :meth:`.conv.Conv._block_epilogue` gives them (``y`` (1, M, L) the
-    output's memory).  False when there is no such path here (see :func:`run_units`)."""
+    codes, post params)`` as :meth:`.conv.Conv._block_epilogue` gives them (``y`` (1, M, L): the
+    output, ``out`` its (M, L) matrix).  False when there is no such path here (see
+    :func:`run_units`), or ``out`` is not ``y``'s memory."""
     pool = _Pool.get()
     g = jit()
-    if g is None or pool.spinner() is None or not pool.sgemm:
-        return False
     y, bias, codes, params, res, pcodes, pparams = epilogue
+    if (g is None or pool.spinner() is None or not pool.sgemm or not out.flags.c_contiguous
+            or out.shape != y.shape[1:] or out.ctypes.data != y.ctypes.data):
+        return False
     table = np.empty(g.GA_BLOCKS + 4 * count, np.int64)
     table[g.GA_FN:g.GA_BLOCKS] = (
-        pool.sgemm, a.shape[1], a.ctypes.data, a.strides[0] // 4, b.ctypes.data, b.strides[0] // 4, out.ctypes.data,
-        out.strides[0] // 4, y.ctypes.data, y.shape[1], y.shape[2], bias.ctypes.data, bias.shape[0], codes.ctypes.data,
-        codes.shape[0], params.ctypes.data, res.ctypes.data if res.shape[0] else 0, pcodes.ctypes.data,
-        pcodes.shape[0], pparams.ctypes.data)
+        pool.sgemm, a.shape[1], a.ctypes.data, a.strides[0] // 4, b.ctypes.data, b.strides[0] // 4, y.ctypes.data,
+        y.shape[1], y.shape[2], bias.ctypes.data, bias.shape[0], codes.ctypes.data, codes.shape[0], params.ctypes.data,
+        res.ctypes.data if res.shape[0] else 0, pcodes.ctypes.data, pcodes.shape[0], pparams.ctypes.data)
     for u in range(count):
         _, _, r0, r1, c0, c1 = block(u, u + 1)
         table[g.GA_BLOCKS + 4 * u:g.GA_BLOCKS + 4 * u + 4] = (r0, r1, c0, c1)

@@ -1879,13 +1879,13 @@ def native_entries() -> dict:
 
 
 # The unit table of :func:`gemm_act_unit` (int64; ``_spin_jit.U_ARGS`` = 3 header slots first):
-# the BLAS's ILP64 cblas_sgemm address, K, A's address and row stride, B's, C's (strides in
-# elements; C is Y's (M, L) matrix); Y's address, M and L; the bias's address and length (0: none),
+# the BLAS's ILP64 cblas_sgemm address, K, A's address and row stride, B's (strides in elements);
+# Y's address, M and L (the GEMM's output is Y's (M, L) matrix); the bias's address and length (0: none),
 # the activations before the residual (codes' address and count, params' address: (count, 3)
 # float32), the residual's address (like Y; 0: none), the activations after it; then per unit
 # its block of C: rows r0, r1, columns c0, c1.
-(GA_FN, GA_K, GA_A, GA_LDA, GA_B, GA_LDB, GA_C, GA_LDC, GA_Y, GA_M, GA_L, GA_BIAS, GA_NBIAS, GA_CODES, GA_NCODES,
- GA_PARAMS, GA_RES, GA_PCODES, GA_NPCODES, GA_PPARAMS, GA_BLOCKS) = range(3, 24)
+(GA_FN, GA_K, GA_A, GA_LDA, GA_B, GA_LDB, GA_Y, GA_M, GA_L, GA_BIAS, GA_NBIAS, GA_CODES, GA_NCODES,
+ GA_PARAMS, GA_RES, GA_PCODES, GA_NPCODES, GA_PPARAMS, GA_BLOCKS) = range(3, 22)
 
 
 @cfunc(types.void(types.CPointer(types.int64), types.int64), cache=True)
@@ -1898,10 +1898,10 @@ def gemm_act_unit(table, u):
     t = carray(table, (GA_BLOCKS + 4 * (u + 1),))
     b = GA_BLOCKS + 4 * u
     r0, r1, c0, c1 = t[b], t[b + 1], t[b + 2], t[b + 3]
-    lda, ldb, ldc = t[GA_LDA], t[GA_LDB], t[GA_LDC]
-    _sgemm(t[GA_FN], r1 - r0, c1 - c0, t[GA_K], t[GA_A] + 4 * r0 * lda, lda, t[GA_B] + 4 * c0, ldb,
-           t[GA_C] + 4 * (r0 * ldc + c0), ldc)
+    lda, ldb = t[GA_LDA], t[GA_LDB]
     m, length, nb = t[GA_M], t[GA_L], t[GA_NBIAS]
+    _sgemm(t[GA_FN], r1 - r0, c1 - c0, t[GA_K], t[GA_A] + 4 * r0 * lda, lda, t[GA_B] + 4 * c0, ldb,
+           t[GA_Y] + 4 * (r0 * length + c0), length)
     codes = carray(as_ptr(t[GA_CODES], I64), (t[GA_NCODES],))
     params = carray(as_ptr(t[GA_PARAMS], F32), (t[GA_NCODES], 3))
     pcodes = carray(as_ptr(t[GA_PCODES], I64), (t[GA_NPCODES],))

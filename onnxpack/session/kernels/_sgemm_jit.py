@@ -344,13 +344,13 @@ def sgemm_panels(a, w, out, tail, p0, p1):
 
 
 # The unit table of :func:`panel_unit` (int64; ``_spin_jit.U_ARGS`` = 3 header slots first):
-# A's address, rows M and K; rows per unit and row groups; panels per unit and panel groups (a
-# unit is one row group times one panel group: unit u = row group u // groups + panel group
-# u % groups); the panels in all; the weights' count; then per weight (side by side, panel
-# after panel) its panels' address, panel count, columns N, the output's address (M, N) and the
-# tail scratch's (M, 64; 0 when N is a multiple of 64).
-T_A, T_M, T_K, T_ROWS, T_ROW_GROUPS, T_PANELS, T_PANEL_GROUPS, T_ALL, T_WEIGHTS = range(3, 12)
-T_W0, T_WLEN = 12, 5
+# A's address, rows M and K; rows per unit; panels per unit and panel groups (a unit is one
+# group of rows times one panel group: unit u = row group u // groups + panel group u % groups);
+# the panels in all; the weights' count; then per weight (side by side, panel after panel) its
+# panels' address, panel count, columns N, the output's address (M, N) and the tail scratch's
+# (M, 64; 0 when N is a multiple of 64).
+T_A, T_M, T_K, T_ROWS, T_PANELS, T_PANEL_GROUPS, T_ALL, T_WEIGHTS = range(3, 11)
+T_W0, T_WLEN = 11, 5
 
 
 @cfunc(types.void(types.CPointer(types.int64), types.int64), cache=True)

@@ -251,8 +251,7 @@ def matmul_panels_many(a2: np.ndarray, ws: Sequence[np.ndarray], ns: Sequence[in
         rows, groups = (-(-m // threads), 1) if by_rows else (m, panels)
         units = -(-m // rows) * groups
         table = np.empty(jit.T_W0 + jit.T_WLEN * len(ws), np.int64)
-        table[jit.T_A:jit.T_W0] = (a2.ctypes.data, m, k, rows, -(-m // rows), 1 if groups > 1 else panels, groups,
-                                   panels, len(ws))
+        table[jit.T_A:jit.T_W0] = (a2.ctypes.data, m, k, rows, 1 if groups > 1 else panels, groups, panels, len(ws))
         for j, (flat, count, n, dst, tail) in enumerate(zip(flats, counts, ns, dsts, tails)):
             b = jit.T_W0 + jit.T_WLEN * j
             table[b:b + jit.T_WLEN] = (flat.ctypes.data, count, n, dst.ctypes.data,
