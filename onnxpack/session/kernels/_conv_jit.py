@@ -63,7 +63,7 @@ from onnxpack.session.kernels._nbits_jit import F32, I64, as_ptr
 from onnxpack.session.kernels._spin_jit import _sgemm
 from onnxpack.session.kernels._sgemm_jit import TILE, conv_tile1, conv_tile2, conv_tile4, conv_tile6, prefetch
 
-__all__ = ["gather_cols", "depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "pad_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_shift", "wino_input", "wino_output", "bias_act", "gemm_act_unit", "GEMM_ACT_UNIT", "maxpool2d", "act_inplace", "expf_array"]
+__all__ = ["gather_cols", "depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "pad_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_shift", "wino_input", "wino_output", "bias_act", "gemm_act_unit", "GEMM_ACT_UNIT", "shift_unit", "SHIFT_UNIT", "maxpool2d", "act_inplace", "expf_array"]
 
 _FM = {"contract"}
 # Depthwise kernels activate a plane right after computing it (still in L1) from this many
@@ -1921,6 +1921,45 @@ def gemm_act_unit(table, u):
 
 
 GEMM_ACT_UNIT = gemm_act_unit.address
+
+
+# The unit table of :func:`shift_unit` (int64; ``_spin_jit.U_ARGS`` = 3 header slots first): the
+# arguments of :func:`conv_shift` as addresses and sizes: ``x`` and ``w`` (float32, flat: address,
+# length), ``y`` (address, N, M, L), ``taps`` and ``lead`` (int64: address, length), the six int
+# geometry arguments, ``bias`` (address, length), ``codes`` (address, count) and ``params``' address
+# ((count, 3) float32), the residual (address, its images: 0 or N; like ``y``), the activations
+# after it as before, the per-channel tables (address, K, M: (K, M, 2) float32); then the bands
+# per unit and the bands in all.
+(SU_X, SU_NX, SU_W, SU_NW, SU_Y, SU_N, SU_M, SU_L, SU_TAPS, SU_NTAPS, SU_LEAD, SU_NLEAD, SU_C, SU_PLANE, SU_WP,
+ SU_WO, SU_ROWS, SU_CB, SU_BIAS, SU_NBIAS, SU_CODES, SU_NCODES, SU_PARAMS, SU_RES, SU_NRES, SU_PCODES, SU_NPCODES,
+ SU_PPARAMS, SU_CHAN, SU_CHANK, SU_CHANM, SU_PER, SU_COUNT, SU_LEN) = range(3, 37)
+
+
+@cfunc(types.void(types.CPointer(types.int64), types.int64), cache=True)
+def shift_unit(table, u):
+    """Bands ``u * per .. (u + 1) * per`` of a :func:`conv_shift` call split over threads without
+    the GIL (``_act.run_units``): the call itself on those bands, so the same bits as one thread."""
+    t = carray(table, (SU_LEN,))
+    i0 = u * t[SU_PER]
+    i1 = min(t[SU_COUNT], i0 + t[SU_PER])
+    n, m, length = t[SU_N], t[SU_M], t[SU_L]
+    x = carray(as_ptr(t[SU_X], F32), (t[SU_NX],))
+    w = carray(as_ptr(t[SU_W], F32), (t[SU_NW],))
+    y = carray(as_ptr(t[SU_Y], F32), (n, m, length))
+    taps = carray(as_ptr(t[SU_TAPS], I64), (t[SU_NTAPS],))
+    lead = carray(as_ptr(t[SU_LEAD], I64), (t[SU_NLEAD],))
+    bias = carray(as_ptr(t[SU_BIAS], F32), (t[SU_NBIAS],))
+    codes = carray(as_ptr(t[SU_CODES], I64), (t[SU_NCODES],))
+    params = carray(as_ptr(t[SU_PARAMS], F32), (t[SU_NCODES], 3))
+    res = carray(as_ptr(t[SU_RES], F32), (t[SU_NRES], m, length))
+    pcodes = carray(as_ptr(t[SU_PCODES], I64), (t[SU_NPCODES],))
+    pparams = carray(as_ptr(t[SU_PPARAMS], F32), (t[SU_NPCODES], 3))
+    chan = carray(as_ptr(t[SU_CHAN], F32), (t[SU_CHANK], t[SU_CHANM], 2))
+    conv_shift(x, w, y, taps, lead, t[SU_C], t[SU_PLANE], t[SU_WP], t[SU_WO], t[SU_ROWS], t[SU_CB], bias, codes,
+               params, res, pcodes, pparams, chan, i0, i1)
+
+
+SHIFT_UNIT = shift_unit.address
 
 
 # One specialization per argument types, whatever the arrays' writability (see _act.one_specialization);

@@ -108,6 +108,7 @@ _SHIFT_BAND = 256
 # Output channels from which a batch-1 conv_shift with fewer bands than threads (a 7x7 map is one
 # band) splits over blocks of its output channels instead (_run_channel_blocks).
 _SHIFT_SPLIT_MIN_M = 48
+_SHIFT_UNITS = 4
 # A 3x3 stride-1 conv of C inputs and M outputs that conv_shift can run (the JIT, C and M within
 # _SHIFT_MAX_CHANNELS) packs for Winograd only when C*M/(C+M) exceeds this: Winograd's transforms
 # cost per channel, its GEMMs per channel pair, and with few channels conv_shift's direct sum wins.
@@ -650,10 +651,11 @@ class _ConvPlan:
 
 
 
-def _run_items(fn, args, plan: _ConvPlan) -> None:
+def _run_items(fn, args, plan: _ConvPlan, native=None) -> None:
     """``fn(*args, i0, i1)`` over the plan's ``count`` work items: split over onnxpack's threads
     when the plan is ``big`` and splitting it pays here (its :class:`~._act.SplitTuner`), else
-    one call."""
+    one call.  ``native(args, plan, threads)``, when given, is the split without the GIL (a unit
+    job); False from it: the split through :func:`~._act.parallel`."""
     threads = _act.threads() if plan.big else 1
     if threads > 1 and plan.per_image:
         # One block of items per thread: each call first lays out its image's input planes
@@ -661,9 +663,36 @@ def _run_items(fn, args, plan: _ConvPlan) -> None:
         count = plan.count
         plan.split.run(lambda a, b: fn(*args, a * count // threads, b * count // threads), threads, threads)
     elif threads > 1:
-        plan.split.run(lambda a, b: fn(*args, a, b), plan.count, threads)
+        plan.split.run(lambda a, b: fn(*args, a, b), plan.count, threads,
+                       None if native is None else lambda: native(args, plan, threads))
     else:
         fn(*args, 0, plan.count)
+
+
+def _shift_units(args, plan: _ConvPlan, threads: int) -> bool:
+    """conv_shift's bands (``args`` as :func:`_run_items` takes them, with its epilogue's
+    arguments) split over threads as a unit job (``_conv_jit.shift_unit``: a few bands a unit, by
+    conv_shift itself, so the same bits as one call).  Through :func:`~._act.parallel` each chunk
+    takes the GIL: the wake-word's convs (16 images, 1-3 ms a call) gained 0-1.5x there, erratic
+    (a helper that waits for the GIL sleeps).  False when an array is not as the unit reads it
+    (C-contiguous float32 / int64), or there is no unit path here (:func:`~._act.run_units`)."""
+    x, w, y, taps, lead, c, plane, wp, wo, rows, cb, bias, codes, params, res, pcodes, pparams, chan = args
+    for a in (x, w, y, bias, params, res, pparams, chan):
+        if a.dtype != _F32 or not a.flags.c_contiguous:
+            return False
+    for a in (taps, lead, codes, pcodes):
+        if a.dtype != np.int64 or not a.flags.c_contiguous:
+            return False
+    jit = plan.jit
+    count = plan.count
+    per = max(1, count // (_SHIFT_UNITS * threads))
+    table = np.empty(jit.SU_LEN, np.int64)
+    table[jit.SU_X:] = (
+        x.ctypes.data, x.shape[0], w.ctypes.data, w.shape[0], y.ctypes.data, *y.shape, taps.ctypes.data, taps.shape[0],
+        lead.ctypes.data, lead.shape[0], c, plane, wp, wo, rows, cb, bias.ctypes.data, bias.shape[0], codes.ctypes.data,
+        codes.shape[0], params.ctypes.data, res.ctypes.data, res.shape[0], pcodes.ctypes.data, pcodes.shape[0],
+        pparams.ctypes.data, chan.ctypes.data, chan.shape[0], chan.shape[1], per, count)
+    return _act.run_units(jit.SHIFT_UNIT, table, -(-count // per), threads)
 
 
 def _channel_rows(bias: np.ndarray, res: np.ndarray, table: np.ndarray, m0: int, m1: int) -> tuple:
@@ -899,7 +928,7 @@ class Conv(Kernel):
                 if threads > plan.count and plan.n == 1 and plan.m >= _SHIFT_SPLIT_MIN_M:
                     _run_channel_blocks(fn, args, plan, threads)
                     return y if y.dtype == out_dtype else y.astype(out_dtype)
-            _run_items(fn, args, plan)
+            _run_items(fn, args, plan, _shift_units)
             if bias is None and res is None:
                 return y if y.dtype == out_dtype else y.astype(out_dtype)
             return self._epilogue(plan, y, bias, res, out_dtype)
