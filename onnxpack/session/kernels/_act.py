@@ -307,6 +307,15 @@ def jit_possible() -> bool:
 
 # GEMMs below this many multiply-adds are never split (a thread hand-off costs ~10-20 us).
 _SPLIT_MACS = 1 << 21
+# ... counting a GEMM of fewer rows as this many: with few rows its time is reading the weight
+# (MobileNetV2's classifier, 1 x 1280 x 1000: 1.3 M multiply-adds, 5 MB of weight, ~200 us on one
+# thread), not its multiply-adds.
+_SPLIT_MIN_ROWS = 16
+
+
+def split_size(m: int, k: int, n: int, batch: int = 1) -> int:
+    """The size a GEMM of ``batch`` (M, K) @ (K, N) products is held to ``_SPLIT_MACS`` by."""
+    return batch * max(m, _SPLIT_MIN_ROWS) * k * n
 # Row-wise JIT passes (epilogues, normalizations, softmax) over fewer elements than this run on
 # one thread; from it their SplitTuner decides.
 SPLIT_ELEMENTS = 1 << 16
@@ -339,7 +348,7 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None,
     m, k = a.shape[-2:]
     n = b.shape[-1]
     batch = max(a.shape[0] if a.ndim == 3 else 1, b.shape[0] if b.ndim == 3 else 1)
-    if batch * m * k * n < _SPLIT_MACS or a.dtype != b.dtype or a.dtype.kind != "f":
+    if split_size(m, k, n, batch) < _SPLIT_MACS or a.dtype != b.dtype or a.dtype.kind != "f":
         return _whole(a, b, out, after)
     if out is None:
         out = np.empty(((batch,) if (a.ndim == 3 or b.ndim == 3) else ()) + (m, n), dtype=np.result_type(a, b))

@@ -240,7 +240,7 @@ def matmul_panels_many(a2: np.ndarray, ws: Sequence[np.ndarray], ns: Sequence[in
                 jit.sgemm_panels(a2[r0:r1], flats[j], dsts[j][r0:r1], tail[r0:r1] if tail.shape[0] else tail, lo, hi)
 
     key = ("sgemm_panels", m, k, ns[0] if len(ns) == 1 else tuple(ns))
-    threads = _act.threads() if m * k * sum(ns) >= _act._SPLIT_MACS else 1
+    threads = _act.threads() if _act.split_size(m, k, sum(ns)) >= _act._SPLIT_MACS else 1
     # Few panels: each thread all of them for its rows (the panel split's blocks of one or two
     # panels left the threads' shares uneven).
     by_rows = threads > 1 and m >= _ROW_SPLIT_MIN_ROWS and panels < _ROW_SPLIT_MAX_PANELS
