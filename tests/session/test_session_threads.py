@@ -419,9 +419,9 @@ def test_a_sessions_first_run_takes_no_tuner_sample(monkeypatch):
     seen = []
     real = _act.SplitTuner.run
 
-    def spy(self, fn, count, threads):
+    def spy(self, fn, count, threads, native=None):
         seen.append(_act._first_runs[0])
-        return real(self, fn, count, threads)
+        return real(self, fn, count, threads, native)
 
     if _act.jit() is None:
         pytest.skip("numba not installed")
@@ -590,6 +590,94 @@ def test_conv_shift_over_channel_blocks_equals_one_thread(stride, c, m, residual
     np.testing.assert_array_equal(got, want)
     ref = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def _shift_conv_model(rng, batch: int, c: int, m: int, kernel: tuple, stride: int, residual: bool):
+    """A Conv (bias, LeakyRelu; with ``residual`` an Add of a second input and Relu after) that
+    conv_shift runs: one group, few channels.  Returns (model bytes, feeds)."""
+    F = TensorProto.FLOAT
+    hw = (20 * stride, 32 * stride)
+    pads = [k // 2 for k in kernel] * 2
+    inits = [onnx.numpy_helper.from_array((rng.standard_normal((m, c, *kernel)) * 0.2).astype(np.float32), "w"),
+             onnx.numpy_helper.from_array(rng.standard_normal(m).astype(np.float32), "b")]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c0"], pads=pads, strides=[stride, stride]),
+             helper.make_node("LeakyRelu", ["c0"], ["y"], alpha=0.2)]
+    inputs = [helper.make_tensor_value_info("x", F, [batch, c, *hw])]
+    feeds = {"x": rng.standard_normal((batch, c, *hw)).astype(np.float32)}
+    if residual:
+        nodes += [helper.make_node("Add", ["y", "r"], ["a"]), helper.make_node("Relu", ["a"], ["u"])]
+        inputs.append(helper.make_tensor_value_info("r", F, [batch, m, 20, 32]))
+        feeds["r"] = rng.standard_normal((batch, m, 20, 32)).astype(np.float32)
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info(nodes[-1].output[0], F, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString(), feeds
+
+
+@pytest.mark.parametrize("batch,c,m,kernel,stride,residual",
+                         [(3, 24, 24, (1, 3), 1, False), (2, 24, 40, (3, 1), 1, True), (1, 16, 30, (3, 3), 1, True),
+                          (2, 16, 24, (3, 3), 2, False)],
+                         ids=["1x3-batch3", "3x1-residual", "3x3-one-image", "3x3-stride2-phases"])
+def test_conv_shift_split_as_unit_jobs_equals_one_thread(batch, c, m, kernel, stride, residual, monkeypatch):
+    """conv_shift's bands (several images, a residual, a stride-2 conv over its phases) split over
+    two threads (forced) as a unit job, a few bands a unit, no GIL: bit for bit the one-thread
+    result (with the helpers polling or asleep), which is onnxruntime's within float32 rounding."""
+    import onnxruntime as ort
+
+    from onnxpack.session.kernels import _act, conv
+
+    _polling_pool()
+    model, feeds = _shift_conv_model(np.random.default_rng(batch + c + m), batch, c, m, kernel, stride, residual)
+    one = onnxpack.SessionOptions()
+    one.intra_op_num_threads = 1
+    want = onnxpack.InferenceSession(model, one).run(None, feeds)[0]
+    ref = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(want, ref, rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
+    monkeypatch.setattr(conv, "_PARALLEL_MACS", 1)
+    sess = onnxpack.InferenceSession(model)
+    sess.run(None, feeds)
+    (plan,) = [p for st in sess.program.root.steps if isinstance(st.kernel, conv.Conv)
+               for p in st.kernel._plans.values() if isinstance(p, conv._ConvPlan)]
+    assert plan.kind == conv._SHIFT and plan.count >= 3, (plan.kind, plan.count)
+    plan.split.threads, plan.split.choice = 2, True
+    units = []
+    real = conv._shift_units
+    monkeypatch.setattr(conv, "_shift_units", lambda *a: units.append(a[1].count) or real(*a))
+    _twenty_as_unit_jobs(monkeypatch, lambda: np.testing.assert_array_equal(sess.run(None, feeds)[0], want))
+    assert len(units) == 20
+
+
+def test_conv_shift_unit_job_declines_arrays_it_does_not_read_as_they_are(monkeypatch):
+    """The unit table holds addresses and sizes: an argument that is not C-contiguous or not of
+    the kernel's dtype is declined (False: the split goes through the GIL-bound path), and the
+    same call with the arrays as they are computes conv_shift's bands."""
+    from onnxpack.session.kernels import conv
+
+    _polling_pool()
+    model, feeds = _shift_conv_model(np.random.default_rng(3), 2, 24, 24, (1, 3), 1, False)
+    monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
+    seen = []
+    real = conv._shift_units
+    monkeypatch.setattr(conv, "_PARALLEL_MACS", 1)
+    monkeypatch.setattr(conv, "_shift_units", lambda *a: seen.append(a) or real(*a))
+    sess = onnxpack.InferenceSession(model)
+    sess.run(None, feeds)  # (the plan is made in the first run)
+    for st in sess.program.root.steps:
+        for plan in st.kernel._plans.values():
+            plan.split.threads, plan.split.choice = 2, True
+    sess.run(None, feeds)
+    args, plan, threads = seen[-1]
+    y = args[2]
+    want = y.copy()
+    bias = args[11]
+    strided = np.repeat(bias, 2)[::2]
+    assert not strided.flags.c_contiguous
+    for bad in (args[:11] + (strided,) + args[12:], args[:11] + (bias.astype(np.float64),) + args[12:],
+                args[:3] + (args[3].astype(np.int32),) + args[4:]):
+        y[...] = np.nan
+        assert real(bad, plan, threads) is False
+        assert np.isnan(y).all()
+    assert real(args, plan, threads) is True
+    np.testing.assert_array_equal(y, want)
 
 
 @pytest.mark.parametrize("m,k,n", [(300, 40, 70), (64, 40, 300), (64, 40, 257), (40, 16, 1000), (20, 8, 100)],
@@ -942,6 +1030,38 @@ def test_split_panel_gemm_as_unit_jobs_equals_one_thread_bit_for_bit(m, k, ns, m
             np.testing.assert_array_equal(got, w)
 
     _twenty_as_unit_jobs(monkeypatch, check)
+
+
+@pytest.mark.usefixtures("panels_on")
+def test_a_gemm_of_one_row_splits_by_the_size_of_its_weight(monkeypatch):
+    """A GEMM of few rows is held to the split size as if it had 16 (its time is reading the
+    weight: MobileNetV2's classifier, 1 x 1280 x 1000, 1.3 M multiply-adds over 5 MB): such a
+    product on panels goes to its split tuner at two threads, split or not bit for bit the same,
+    while a small one stays on one thread."""
+    from onnxpack.session.kernels import _act, linalg
+
+    _polling_pool()
+    if linalg._sgemm() is None:
+        pytest.skip("numba is not installed")
+    assert _act.split_size(1, 1280, 1000) >= _act._SPLIT_MACS > 1280 * 1000
+    assert _act.split_size(300, 40, 70, 2) == 2 * 300 * 40 * 70
+    assert _act.split_size(1, 64, 64) < _act._SPLIT_MACS
+    monkeypatch.setattr(_act, "threads", lambda: 2)
+    a, ws, ns = _panel_case(np.random.default_rng(1), 1, 1280, (1000,))
+    tuner = _act.tuner(("sgemm_panels", 1, 1280, 1000))
+    outs = []
+    before = tuner.current().calls
+    for split in (False, True):
+        tuner.threads, tuner.choice = 2, split
+        outs.append(np.full((1, 1000), np.nan, np.float32))
+        linalg.matmul_panels_many(a, ws, ns, outs[-1:])
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_allclose(outs[0], a @ ws[0].transpose(1, 0, 2).reshape(1280, -1)[:, :1000], rtol=1e-5, atol=1e-4)
+    assert tuner.current().calls == before + 2  # both calls went through the tuner
+    small, small_ws, small_ns = _panel_case(np.random.default_rng(2), 1, 64, (64,))
+    linalg.matmul_panels_many(small, small_ws, small_ns, [np.empty((1, 64), np.float32)])
+    small_choice = _act.tuner(("sgemm_panels", 1, 64, 64)).current()
+    assert small_choice.threads == 0 and not small_choice.one and not small_choice.split  # one thread, untimed
 
 
 def _twenty_as_unit_jobs(monkeypatch, call) -> None:
