@@ -35,7 +35,7 @@ from onnxpack.session._run_options import SessionControl, check_run_options, che
 from onnxpack.session._specialize import Specializer, worth_specializing
 from onnxpack.session._threads import ModeTuner, blas_libraries, blas_threads, global_intra_op_threads, owned_threads
 from onnxpack.session.kernels import blas_threads as current_blas_threads, release_scratch
-from onnxpack.session.kernels._act import first_run, one_thread, stop_spinning
+from onnxpack.session.kernels._act import blas_run_ended, first_run, one_thread, stop_spinning
 from onnxpack.session.options import SessionOptions
 
 __all__ = ["Runner"]
@@ -139,6 +139,8 @@ class Runner:
                 self.modes.record(key, which, time.perf_counter() - t_run)
         finally:
             stop_spinning()  # the pool's helpers sleep until the next run's first split
+            if n > 1 and not owned and threads != 1:
+                blas_run_ended()  # (OpenBLAS's workers poll a while: no owned-mode split sample then)
         result = dict(zip(plan.output_names, values))
         if profiler is not None:
             profiler.event("Session", "model_run", t0, time.perf_counter_ns())

@@ -411,6 +411,54 @@ def test_split_tuner_measures_again_and_follows_a_change(monkeypatch):
     assert tuner.choice is True
 
 
+def test_owned_mode_split_samples_wait_while_blas_workers_may_be_polling(monkeypatch):
+    """After a run with BLAS on several threads its workers poll a core for ~0.1 s: a split timed
+    then in owned mode competes with them, so owned-mode calls take no sample until BLAS_POLL_S
+    has passed (they split, as an uncounted call does); BLAS-mode calls sample as before (that
+    polling is part of their mode)."""
+    from onnxpack.session.kernels import _act
+
+    def fn(a, b):
+        time.sleep(0.0005)
+
+    monkeypatch.setattr(_act, "BLAS_POLL_S", 60.0)
+    monkeypatch.setattr(_act, "owned", [0])
+    monkeypatch.setattr(_act, "_blas_polling", [0.0])
+    tuner = _act.SplitTuner()
+    _act.blas_run_ended()
+    _act.owned[0] = 2
+    for _ in range(3 * _act.SplitTuner.TRIALS):
+        tuner.run(fn, 4, 2)
+    assert tuner.modes[1].one == [] and tuner.modes[1].split == [] and tuner.modes[1].choice is None
+    _act._blas_polling[0] = time.perf_counter()  # the workers have stopped
+    for _ in range(2 * _act.SplitTuner.TRIALS):
+        tuner.run(fn, 4, 2)
+    assert tuner.modes[1].choice is not None
+    _act.blas_run_ended()
+    _act.owned[0] = 0  # BLAS mode
+    for _ in range(1 + 2 * _act.SplitTuner.TRIALS):
+        tuner.run(fn, 4, 2)
+    assert tuner.modes[0].choice is not None
+
+
+@pytest.mark.parametrize("mode", ["blas", "owned"])
+def test_a_run_with_blas_on_several_threads_marks_the_polling_window(mode, monkeypatch):
+    """A session run in BLAS mode on two threads marks when OpenBLAS's workers may stop polling
+    (_act.blas_run_ended, after the run); an owned-mode run leaves the mark as it was."""
+    from onnxpack.session import _runner
+    from onnxpack.session.kernels import _act
+
+    stamps = []
+    monkeypatch.setattr(_runner, "blas_run_ended", lambda: stamps.append(_act.owned[0]))
+    so = onnxpack.SessionOptions()
+    so.intra_op_num_threads = 2
+    so.add_session_config_entry("onnxpack.thread_mode", mode)
+    sess = onnxpack.InferenceSession(_conv_gemm_model(), so)
+    for _ in range(3):
+        sess.run(None, {"x": np.ones((1, 16, 48, 48), np.float32)})
+    assert stamps == ([0, 0, 0] if mode == "blas" else [])
+
+
 def test_a_sessions_first_run_takes_no_tuner_sample(monkeypatch):
     """A session's first run is run under _act.first_run (its weights' pages fault in on first
     touch, which made splits look slow): its splits record nothing; the second run's do."""

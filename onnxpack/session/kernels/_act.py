@@ -861,7 +861,8 @@ class SplitTuner:
     serves both.
 
     So each kernel geometry (one tuner) times its calls: the first is not counted (JIT loading,
-    cold caches), nor any made in a session's first run (:func:`first_run`), then calls
+    cold caches), nor any made in a session's first run (:func:`first_run`), nor owned-mode
+    calls while OpenBLAS's workers may still poll after a BLAS-mode run (``_blas_polling``), then calls
     alternate between the split and one thread until each has ``TRIALS`` samples, and the lower
     median wins.  Every ``RECHECK`` calls after that it measures again (the same way): six calls
     taken while the other core was busy, or while the machine was still warming up, would
@@ -948,8 +949,8 @@ class _SplitChoice:
             else:
                 fn(0, count)
             return
-        if not self.started or _first_runs[0]:  # (not counted)
-            self.started = True
+        if not self.started or _first_runs[0] or (owned[0] and time.perf_counter() < _blas_polling[0]):
+            self.started = True  # (not counted)
             _split(fn, count, threads, native)
             return
         use_split = len(self.split) <= len(self.one)
@@ -962,6 +963,21 @@ class _SplitChoice:
         if len(self.one) >= SplitTuner.TRIALS and len(self.split) >= SplitTuner.TRIALS:
             self.choice = statistics.median(self.split) < statistics.median(self.one)
             self.calls = 0
+
+
+# Until when (time.perf_counter) OpenBLAS's workers may still be polling a core after the last
+# run with BLAS on several threads (:func:`blas_run_ended`): a split measured then in owned mode
+# (BLAS on one thread, onnxpack's kernels split) competes with them for the other core.  Measured:
+# the wake-word CNN on two threads starts in BLAS mode, and its owned-mode tuners, sampling in
+# the first runs after the switch, once kept every conv_shift on one thread (18.2 ms a run
+# against 13-14 with its splits; 1.73x onnxruntime's time against 1.37-1.53x in three other runs).
+_blas_polling = [0.0]
+BLAS_POLL_S = 0.12  # OpenBLAS's workers poll ~0.1 s after a call (measured: 100 ms of CPU time)
+
+
+def blas_run_ended() -> None:
+    """A session run with BLAS on several threads has returned (see ``_blas_polling``)."""
+    _blas_polling[0] = time.perf_counter() + BLAS_POLL_S
 
 
 # Session runs in flight that are their session's first (:func:`first_run`).  Such a run reads every
