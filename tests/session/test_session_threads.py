@@ -728,6 +728,30 @@ def test_conv_shift_unit_job_declines_arrays_it_does_not_read_as_they_are(monkey
     np.testing.assert_array_equal(y, want)
 
 
+@pytest.mark.parametrize("a_shape,b_shape,splits", [((1, 700), (700, 1000), False), ((300, 700), (700, 1), False),
+                                                    ((4, 1, 700), (700, 300), True)],
+                         ids=["one-row", "one-column", "batch-of-rows"])
+def test_a_gemv_through_numpy_splits_only_by_whole_items(a_shape, b_shape, splits, monkeypatch):
+    """numpy computes a product with one row or one column as a GEMV, whose sums change with the
+    block it is cut into: _act.matmul never cuts one (bit for bit numpy's whole product, nothing
+    split), while a batch of them splits by whole items."""
+    from onnxpack.session.kernels import _act
+
+    monkeypatch.setattr(_act, "threads", lambda: 2)
+    monkeypatch.setattr(_act, "blas_threads", lambda: 1)
+    monkeypatch.setattr(_act, "_SPLIT_MACS", 1)
+    rng = np.random.default_rng(len(a_shape) + b_shape[1])
+    a = rng.standard_normal(a_shape).astype(np.float32)
+    b = rng.standard_normal(b_shape).astype(np.float32)
+    tuner = _act.tuner(("matmul", a.shape, b.shape, "f", False))
+    tuner.threads, tuner.choice = 2, True
+    ran = []
+    real = _act._split
+    monkeypatch.setattr(_act, "_split", lambda *args: ran.append(1) or real(*args))
+    np.testing.assert_array_equal(_act.matmul(a, b), np.matmul(a, b))
+    assert bool(ran) is splits
+
+
 @pytest.mark.parametrize("m,k,n", [(300, 40, 70), (64, 40, 300), (64, 40, 257), (40, 16, 1000), (20, 8, 100)],
                          ids=["rows", "columns", "columns-ragged", "columns-wide", "too-small"])
 def test_split_matmul_computes_every_block_once(m, k, n, monkeypatch):

@@ -108,6 +108,9 @@ _SHIFT_BAND = 256
 # Output channels from which a batch-1 conv_shift with fewer bands than threads (a 7x7 map is one
 # band) splits over blocks of its output channels instead (_run_channel_blocks).
 _SHIFT_SPLIT_MIN_M = 48
+# conv_shift's bands split as a unit job in about this many units a thread (each unit is one call
+# of conv_shift, which allocates its band scratch: sixteen a thread lost ~10 % to that on the
+# wake-word's convs; one a thread makes the caller wait for a helper that starts late).
 _SHIFT_UNITS = 4
 # A 3x3 stride-1 conv of C inputs and M outputs that conv_shift can run (the JIT, C and M within
 # _SHIFT_MAX_CHANNELS) packs for Winograd only when C*M/(C+M) exceeds this: Winograd's transforms
