@@ -476,6 +476,12 @@ def _native_split(a: np.ndarray, b: np.ndarray, out: np.ndarray, block, count: i
     return True
 
 
+def c_arrays(dtype, *arrays: np.ndarray) -> bool:
+    """Whether every array is C-contiguous of ``dtype``: as a unit kernel reads an array from its
+    address and sizes in the unit table."""
+    return all(x.dtype == dtype and x.flags.c_contiguous for x in arrays)
+
+
 def _native_epilogue_split(a: np.ndarray, b: np.ndarray, out: np.ndarray, block, count: int, threads: int,
                            epilogue: tuple) -> bool:
     """:func:`matmul`'s split of a 2-D float32 product (every operand :func:`_blasable`) with a

@@ -277,7 +277,7 @@ def native_entries() -> dict:
     from numba import carray, cfunc
 
     from onnxpack.session.kernels import _jit_native as L
-    from onnxpack.session.kernels._nbits_jit import F32, as_ptr
+    from onnxpack.session.kernels._nbits_jit import F32, address, as_ptr, gomp_functions
 
     @njit(inline="always")
     def views(blk, tid):
@@ -298,9 +298,6 @@ def native_entries() -> dict:
         q, k, v, pk, pv, cos, sin, out, qr, scores = views(blk, 0)
         gqa_decode(q, k, v, pk, pv, b[L.Q_POS], b[L.Q_LO], cos, sin, b[L.Q_HALF], b[L.Q_INTERLEAVED] != 0,
                    np.float32(bf[L.Q_SCALE]), np.float32(bf[L.Q_SOFTCAP]), out, qr, scores)
-
-    from onnxpack.session.kernels._nbits_jit import address
-    from onnxpack.session.kernels._nbits_jit import gomp_functions
 
     loop_start, loop_next, loop_end, thread_num = gomp_functions()
 

@@ -315,8 +315,7 @@ def native_entries() -> dict:
     from numba import carray, cfunc
 
     from onnxpack.session.kernels import _jit_native as L
-    from onnxpack.session.kernels._nbits_jit import U8, address, as_ptr
-    from onnxpack.session.kernels._nbits_jit import _I8_MARK, _I32_MARK, gomp_functions
+    from onnxpack.session.kernels._nbits_jit import _I8_MARK, _I32_MARK, U8, address, as_ptr, gomp_functions
 
     loop_start, loop_next, loop_end, thread_num = gomp_functions()
 

@@ -23,8 +23,9 @@ swap) and computes by calling the BLAS itself, never touching Python; whichever 
 the submitter claims a job first computes it, so a helper that is asleep or busy costs nothing
 but the submitter's time.
 
-**Unit jobs** (:func:`run_units`): a split of one of onnxpack's own JIT kernels (the float32 GEMM
-on panels, :func:`._sgemm_jit.panel_unit`) without the GIL either.  The caller writes a *unit
+**Unit jobs** (:func:`run_units`): a split of one of onnxpack's own JIT kernels without the GIL
+either (the float32 GEMM on panels, :func:`._sgemm_jit.panel_unit`; a 1x1 conv's GEMM blocks with
+their epilogue, :func:`._conv_jit.gemm_act_unit`; conv_shift's bands, :func:`._conv_jit.shift_unit`).  The caller writes a *unit
 table* (the address of the kernel's C entry, compiled by numba's ``cfunc``, the count of units,
 then the kernel's arguments) and posts its address to the helpers as a job; the caller and every
 helper that claims the job take units from one counter (an atomic add) until none is left, so a

@@ -680,12 +680,9 @@ def _shift_units(args, plan: _ConvPlan, threads: int) -> bool:
     (a helper that waits for the GIL sleeps).  False when an array is not as the unit reads it
     (C-contiguous float32 / int64), or there is no unit path here (:func:`~._act.run_units`)."""
     x, w, y, taps, lead, c, plane, wp, wo, rows, cb, bias, codes, params, res, pcodes, pparams, chan = args
-    for a in (x, w, y, bias, params, res, pparams, chan):
-        if a.dtype != _F32 or not a.flags.c_contiguous:
-            return False
-    for a in (taps, lead, codes, pcodes):
-        if a.dtype != np.int64 or not a.flags.c_contiguous:
-            return False
+    if not (_act.c_arrays(_F32, x, w, y, bias, params, res, pparams, chan)
+            and _act.c_arrays(np.int64, taps, lead, codes, pcodes)):
+        return False
     jit = plan.jit
     count = plan.count
     per = max(1, count // (_SHIFT_UNITS * threads))
@@ -1241,9 +1238,8 @@ class Conv(Kernel):
 
         # The same epilogue's arrays for a split without the GIL (_act._native_epilogue_split):
         # one image, no per-channel tables, every array C-contiguous float32 as numba reads it.
-        arrays = (y3, b, params, r, pparams)
-        if (y3.shape[0] == 1 and not table.shape[0] and all(x.dtype == np.float32 and x.flags.c_contiguous for x in arrays)
-                and codes.flags.c_contiguous and pcodes.flags.c_contiguous):
+        if (y3.shape[0] == 1 and not table.shape[0] and _act.c_arrays(_F32, y3, b, params, r, pparams)
+                and _act.c_arrays(np.int64, codes, pcodes)):
             after.native = (y3, b, codes, params, r, pcodes, pparams)
         return after
 
