@@ -121,6 +121,8 @@ class Runner:
             # Plain runs of the whole model choose their thread mode from the session's own runs.
             own, which, key = self.modes.pick(inputs)
         owned = n if own else 0
+        if not owned and n > 1:
+            stop_spinning()  # (helpers still polling after an owned-mode run: see below)
         try:
             t_run = time.perf_counter()
             with first_run() if first else contextlib.nullcontext():
@@ -138,7 +140,16 @@ class Runner:
             if which >= 0:
                 self.modes.record(key, which, time.perf_counter() - t_run)
         finally:
-            stop_spinning()  # the pool's helpers sleep until the next run's first split
+            if owned <= 1:
+                # The pool's helpers sleep until the next run's first split: a run with BLAS on
+                # several threads leaves OpenBLAS's workers polling the other core, where a polling
+                # helper would take their turns.  After a run on onnxpack's own threads the helpers
+                # poll out their window (SPIN_US after their last job, then they sleep), so the
+                # next run's first split finds them awake: stopped here, each run paid a wake-up
+                # (~15-40 us) and a helper coming back for the GIL while this thread ran Python
+                # (measured two threads: the mel-spectrogram 494 -> 382 us a run, YOLOv8n 21.3-23.3
+                # -> 19.8-20.5 ms).
+                stop_spinning()
             if n > 1 and not owned and threads != 1:
                 blas_run_ended()  # (OpenBLAS's workers poll a while: no owned-mode split sample then)
         result = dict(zip(plan.output_names, values))

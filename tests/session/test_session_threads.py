@@ -337,12 +337,41 @@ def test_a_session_run_stops_the_polling(monkeypatch):
 
     calls = []
     monkeypatch.setattr(_runner, "stop_spinning", lambda: calls.append(1))
-    with onnxpack.InferenceSession(str(MODELS / "mlp.onnx")) as sess:
+    so = onnxpack.SessionOptions()
+    so.intra_op_num_threads = 1  # (one thread: the polling stops after every run, a failed one too)
+    with onnxpack.InferenceSession(str(MODELS / "mlp.onnx"), so) as sess:
         x = np.zeros([d if isinstance(d, int) else 1 for d in sess.get_inputs()[0].shape], np.float32)
         sess.run(None, {sess.get_inputs()[0].name: x})
         with pytest.raises(Exception):
             sess.run(None, {sess.get_inputs()[0].name: x.astype(np.int32)})
     assert len(calls) >= 1
+
+
+@pytest.mark.parametrize("mode", ["blas", "owned"])
+def test_only_runs_with_blas_on_several_threads_stop_the_polling(mode, monkeypatch):
+    """Two threads: a BLAS-mode run stops the helpers' polling before and after it (OpenBLAS's
+    workers poll the other core then); an owned-mode run leaves them polling out their window, so
+    the next run's first split finds them awake, and they sleep after it (the process idle)."""
+    from onnxpack.session import _runner
+    from onnxpack.session.kernels import _act
+
+    calls = []
+    real = _runner.stop_spinning
+    monkeypatch.setattr(_runner, "stop_spinning", lambda: (calls.append(1), real()))
+    so = onnxpack.SessionOptions()
+    so.intra_op_num_threads = 2
+    so.add_session_config_entry("onnxpack.thread_mode", mode)
+    sess = onnxpack.InferenceSession(_conv_gemm_model(), so)
+    for _ in range(3):
+        sess.run(None, {"x": np.ones((1, 16, 48, 48), np.float32)})
+    assert len(calls) == (6 if mode == "blas" else 0)
+    pool = _act._Pool._instance
+    if mode == "owned" and pool is not None and pool.spinner() is not None:
+        # (the window is SPIN_US = 250 us: long past after 0.2 s)
+        time.sleep(0.2)
+        c0 = time.process_time()
+        time.sleep(0.1)
+        assert time.process_time() - c0 < 0.02
 
 
 @pytest.mark.parametrize("cost,want_split", [("per-call", False), ("per-item", True)])

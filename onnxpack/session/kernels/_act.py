@@ -657,8 +657,9 @@ def parallel(fn, count: int, threads: int) -> None:
     idle), and ``concurrent.futures``' Future and Condition objects added ~40 us to every call.
     Where the JIT is loaded (x86-64), helpers poll for the next split for a moment instead of
     sleeping and the caller polls for their results (:mod:`._spin_jit`): a 70 us kernel on two
-    threads 100 -> 55 us, a 270 us one 235 -> 165 us (session 47's note); a session run stops the
-    polling when it returns (:func:`stop_spinning`).
+    threads 100 -> 55 us, a 270 us one 235 -> 165 us (session 47's note); a run with BLAS on
+    several threads stops the polling (:func:`stop_spinning`), a run on onnxpack's own threads
+    leaves it to end on its own (see session/_runner.py).
     """
     threads = max(1, min(threads, count))
     if threads == 1:
@@ -732,7 +733,9 @@ def parallel(fn, count: int, threads: int) -> None:
 
 
 def stop_spinning() -> None:
-    """Ends the helpers' polling (see :func:`parallel`): a session run calls it when it returns."""
+    """Ends the helpers' polling (see :func:`parallel`): a session run that is not on onnxpack's
+    own threads calls it when it returns (and before, with BLAS on several threads), and the
+    process at exit."""
     pool = _Pool._instance
     if pool is not None and pool._spin is not None:
         pool.ctl[1] = 1

@@ -9,8 +9,10 @@ Why: on this project's 2-core VM a thread that sleeps on a futex takes ~15-40 us
 every split paid two or three such wakes: a 70 us kernel took ~100 us on two threads.  A helper
 that keeps polling a counter for a moment after its last task, outside the GIL, starts the next
 split's share within a microsecond; the caller likewise polls for the helpers' results.  The
-polling is bounded (a few hundred microseconds, then the helper sleeps as before) and a session
-run stops it when it returns (:func:`._act.stop_spinning`), so no core is kept busy between runs.
+polling is bounded (a few hundred microseconds, then the helper sleeps as before); a session run
+with BLAS on several threads stops it (:func:`._act.stop_spinning`: OpenBLAS's own workers poll
+then), a run on onnxpack's own threads lets it run out, so back-to-back runs find the helpers awake
+and an idle process keeps no core busy past the window.
 
 **GEMM jobs without the GIL** (:func:`serve`, :func:`run_job`).  A helper that returns to Python
 to take its share of a split GEMM asks for the GIL while the submitter still holds it (setting up
