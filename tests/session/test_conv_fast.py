@@ -377,7 +377,7 @@ def test_long_1d_kernels_use_one_window_copy(taps, stride):
 # the columns and takes one dot product per output (conv_tiny); Silero VAD's STFT and encoder.
 # (x shape, weight shape, strides, pads, dilations)
 TINY = {
-    "stft-1d": ((1, 1, 576), (258, 1, 256), [128], [0, 0], [1]),
+    "stft-1d-few-taps": ((1, 1, 90), (40, 1, 24), [30], [0, 0], [1]),  # (below _WIN_MIN_TAPS and _WIN_MIN_M)
     "1d-3tap-padded": ((1, 129, 3), (128, 129, 3), [1], [1, 1], [1]),
     "1d-stride-2": ((1, 128, 3), (64, 128, 3), [2], [1, 1], [1]),
     "1d-one-position": ((1, 64, 1), (128, 64, 3), [1], [1, 1], [1]),
@@ -414,6 +414,101 @@ def test_convs_with_few_outputs_match_onnxruntime(shape, tail, jit_mode):
     sess.run(None, feeds)
     kinds = {p.kind for st in sess.program.root.steps if st.node.op_type == "Conv" for p in st.kernel._plans.values()}
     assert kinds == ({conv_mod._TINY} if jit_mode == "jit" else {conv_mod._GATHER}), kinds
+
+
+# 1-D convs of one input channel by a long kernel (an STFT written as a Conv): with the JIT the
+# weight packs as panels of 64 output channels and the input's windows are read in place
+# (conv_windows); without it, the identity pack and im2col + GEMM.
+# (x shape, weight shape, strides, pads or auto_pad)
+ONE_CHANNEL = {
+    "melspec-257x512-s160": ((1, 1, 16000), (257, 1, 512), [160], [0, 0]),
+    "silero-stft-3-positions": ((1, 1, 576), (258, 1, 256), [128], [0, 0]),
+    "batch3-padded-m48": ((3, 1, 700), (48, 1, 64), [16], [32, 31]),
+    "stride-past-the-kernel": ((1, 1, 2000), (70, 1, 48), [100], [0, 0]),
+    "same-upper": ((1, 1, 333), (130, 1, 32), [7], "SAME_UPPER"),
+    "m64-one-position": ((2, 1, 128), (64, 1, 128), [64], [0, 0]),
+}
+
+
+def _windows_model(x_shape, w_shape, strides, pads, tail="none", bn=False, bias=True):
+    rng = _rng(11)
+    w = (rng.standard_normal(w_shape) / math.sqrt(w_shape[-1])).astype(np.float32)
+    inits = [numpy_helper.from_array(w, "W")]
+    ins = ["x", "W"]
+    if bias:
+        inits.append(_const("B", rng.standard_normal(w_shape[0])))
+        ins.append("B")
+    attrs = dict(strides=strides, kernel_shape=[w_shape[-1]])
+    attrs.update(auto_pad=pads) if isinstance(pads, str) else attrs.update(pads=pads)
+    nodes = [helper.make_node("Conv", ins, ["c"], **attrs)]
+    t = "c"
+    if bn:
+        m = w_shape[0]
+        inits += [_const("s", rng.uniform(0.5, 1.5, m)), _const("bb", rng.standard_normal(m)),
+                  _const("mu", rng.standard_normal(m)), _const("var", rng.uniform(0.5, 2, m))]
+        nodes.append(helper.make_node("BatchNormalization", ["c", "s", "bb", "mu", "var"], ["n"], epsilon=1e-3))
+        t = "n"
+    out = _chain(tail, nodes, inits, t, w_shape[0])
+    nodes.append(helper.make_node("Identity", [out], ["y"]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, list(x_shape))],
+                              [helper.make_tensor_value_info("y", F, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    return model, {"x": rng.standard_normal(x_shape).astype(np.float32)}
+
+
+@pytest.mark.parametrize("variant", ["bias-none", "relu", "bn-silu", "no-bias"])
+@pytest.mark.parametrize("shape", list(ONE_CHANNEL), ids=list(ONE_CHANNEL))
+def test_long_kernel_convs_of_one_channel_match_onnxruntime(shape, variant, jit_mode):
+    """conv_windows against onnxruntime: every output channel of every panel (M not a multiple
+    of 64, one panel of 64), batches, padding (explicit and SAME_UPPER), a stride past the kernel,
+    a few positions (one tile), the bias, a fused activation and a folded BatchNormalization; the
+    pack is conv_win (conv_bn_win when folded) with the JIT, the identity conv pack without."""
+    from onnxpack.session.kernels import conv as conv_mod
+
+    tail = {"relu": "relu", "bn-silu": "silu"}.get(variant, "none")
+    model, feeds = _windows_model(*ONE_CHANNEL[shape], tail=tail, bn=variant == "bn-silu", bias=variant != "no-bias")
+    want = _ort(model, feeds)
+    for how, sess in _sessions(model).items():
+        # (K up to 512 float32 products per output, summed in order: a few ulp of O(1) outputs)
+        np.testing.assert_allclose(sess.run(None, feeds)[0], want[0], **TOL, err_msg=how)
+    sess = onnxpack.InferenceSession(model)
+    sess.run(None, feeds)
+    family = {r["key"].split("/")[0] for r in sess.get_prepack_log() if r["input"] == 1}
+    kinds = {p.kind for st in sess.program.root.steps if st.node.op_type == "Conv" for p in st.kernel._plans.values()}
+    if jit_mode == "jit":
+        assert family == {"conv_bn_win" if variant == "bn-silu" else "conv_win"}, family
+        assert kinds == {conv_mod._WINDOWS}, kinds
+    else:
+        assert family == {"conv_bn" if variant == "bn-silu" else "conv"}, family
+        assert conv_mod._WINDOWS not in kinds, kinds
+
+
+def test_windows_pack_is_saved_and_mapped_and_survives_losing_the_jit(tmp_path, monkeypatch):
+    """The panels are a blob of the saved model, mapped back by a warm session (nothing packed,
+    the same bits); a session whose JIT is gone after packing recovers the weight from the panels
+    once and runs the general path (onnxruntime's outputs)."""
+    from onnxpack.session.kernels import conv as conv_mod
+
+    if _act.jit() is None:
+        pytest.skip("numba not installed")
+    model, feeds = _windows_model(*ONE_CHANNEL["batch3-padded-m48"], tail="relu")
+    src = tmp_path / "m.onnx"
+    src.write_bytes(model)
+    opts = onnxpack.SessionOptions()
+    opts.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    opts.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+    opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "64")
+    want = onnxpack.InferenceSession(str(src), opts).run(None, feeds)[0]
+    warm = onnxpack.InferenceSession(str(tmp_path / "opt.onnx"))
+    assert warm.get_prepack_stats()["weights_packed"] == 0
+    assert any(r["key"].startswith("conv_win/") and r["origin"] == "model" for r in warm.get_prepack_log())
+    np.testing.assert_array_equal(warm.run(None, feeds)[0], want)
+    w = conv_mod.pack_windows(np.arange(70 * 48, dtype=np.float32).reshape(70, 1, 48))
+    assert w.shape == (2 * 48, 64) and not w[48:, 6:].any()  # (two panels, zeros past channel 70)
+    np.testing.assert_array_equal(conv_mod.unpack_windows(w, 70, 48),
+                                  np.arange(70 * 48, dtype=np.float32).reshape(70, 1, 48))
+    monkeypatch.setattr(conv_mod._act, "jit", lambda: None)
+    np.testing.assert_allclose(warm.run(None, feeds)[0], _ort(model, feeds)[0], **TOL)
 
 
 GATHERED = {  # (x shape, w shape, strides, pads, dilations): small column matrices, padding read as zero
@@ -733,7 +828,11 @@ def test_long_kernels_match_onnxruntime(shape, jit_mode):
     for how, sess in _sessions(model).items():
         np.testing.assert_allclose(sess.run(None, feeds)[0], want[0], **TOL, err_msg=how)
         if len(WINDOWS[shape][0]) == 3:
-            assert _conv_kinds(sess) == {conv_mod._IM2COL}, _conv_kinds(sess)
+            # (one channel, no dilation, packed with the JIT: the windows path; see ONE_CHANNEL)
+            panels = (how == "prepacked" and jit_mode == "jit" and WINDOWS[shape][1][1] == 1
+                      and WINDOWS[shape][4] == [1])
+            want_kind = conv_mod._WINDOWS if panels else conv_mod._IM2COL
+            assert _conv_kinds(sess) == {want_kind}, _conv_kinds(sess)
 
 
 MAXPOOL = {

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 import onnxpack
 import onnxpack_sample_models as sample_models  # models/build.py, via tests/conftest.py
@@ -721,6 +721,41 @@ def test_conv_shift_split_as_unit_jobs_equals_one_thread(batch, c, m, kernel, st
     monkeypatch.setattr(conv, "_shift_units", lambda *a: units.append(a[1].count) or real(*a))
     _twenty_as_unit_jobs(monkeypatch, lambda: np.testing.assert_array_equal(sess.run(None, feeds)[0], want))
     assert len(units) == 20
+
+
+@pytest.mark.parametrize("batch, m, taps, stride, pads", [(1, 257, 512, 160, [0, 0]), (3, 48, 64, 16, [32, 31])])
+def test_conv_windows_split_as_unit_jobs_equals_one_thread(batch, m, taps, stride, pads, monkeypatch):
+    """A long-kernel conv of one input channel (conv_windows: items of 64 output channels by a
+    block of positions) split over two threads (forced) as a unit job: bit for bit the one-thread
+    result (the helpers polling or asleep), which is onnxruntime's within float32 rounding."""
+    import onnxruntime as ort
+
+    from onnxpack.session.kernels import _act, conv
+
+    _polling_pool()
+    F = TensorProto.FLOAT
+    rng = np.random.default_rng(m)
+    w = (rng.standard_normal((m, 1, taps)) / np.sqrt(taps)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "W", "B"], ["y"], strides=[stride], pads=pads)], "g",
+        [helper.make_tensor_value_info("x", F, [batch, 1, 2000])], [helper.make_tensor_value_info("y", F, None)],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(rng.standard_normal(m).astype(np.float32), "B")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    feeds = {"x": rng.standard_normal((batch, 1, 2000)).astype(np.float32)}
+    one = onnxpack.SessionOptions()
+    one.intra_op_num_threads = 1
+    want = onnxpack.InferenceSession(model, one).run(None, feeds)[0]
+    ref = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(want, ref, rtol=1e-4, atol=2e-5)
+    monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
+    monkeypatch.setattr(conv, "_PARALLEL_MACS", 1)
+    sess = onnxpack.InferenceSession(model)
+    sess.run(None, feeds)
+    (plan,) = [p for st in sess.program.root.steps if isinstance(st.kernel, conv.Conv)
+               for p in st.kernel._plans.values() if isinstance(p, conv._ConvPlan)]
+    assert plan.kind == conv._WINDOWS and plan.count >= 3, (plan.kind, plan.count)
+    plan.split.threads, plan.split.choice = 2, True
+    _twenty_as_unit_jobs(monkeypatch, lambda: np.testing.assert_array_equal(sess.run(None, feeds)[0], want))
 
 
 def test_conv_shift_unit_job_declines_arrays_it_does_not_read_as_they_are(monkeypatch):

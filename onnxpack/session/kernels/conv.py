@@ -70,6 +70,17 @@ _WINO_VERSION = 1
 _WINOGRAD = os.environ.get("ONNXPACK_WINOGRAD", "1") != "0"
 # ONNXPACK_CONV_SHIFT=0 keeps stride-1 convs on im2col + GEMM (to measure what conv_shift buys).
 _SHIFT_ON = os.environ.get("ONNXPACK_CONV_SHIFT", "1") != "0"
+# A 1-D Conv of one input channel by a long kernel (an STFT written as a Conv: a mel-spectrogram's
+# or a VAD's front end) packs its weight transposed in panels of 64 output channels
+# (pack_windows) and runs as the product of the input's windows, read in place
+# (_conv_jit.conv_windows): from this many taps and output channels (the panels pad M to a
+# multiple of 64: at most 1.33x the weight's bytes from 48 channels; 257 -> 320 for the
+# spectrograms).  Measured one thread, a mel-spectrogram's two 257 x 512-tap convs at stride 160
+# over 16,000 samples: ~180 us each against ~240 through im2col + OpenBLAS.
+_WINDOWS_ON = os.environ.get("ONNXPACK_CONV_WINDOWS", "1") != "0"
+_WIN_VERSION = 1
+_WIN_MIN_TAPS = 32
+_WIN_MIN_M = 48
 # With the JIT, a one-group stride-1 conv (1-D or 2-D, more than one tap, not Winograd's) with at
 # most _SHIFT_MAX_CHANNELS input and output channels and at most _SHIFT_MAX_TAPS taps per output
 # (C * kh * kw) runs conv_shift: tiles of 16 output positions straight from the padded input, no
@@ -638,6 +649,7 @@ _DW_NUMPY = 5  # depthwise without the JIT: a multiply-add per tap over the whol
 _IM2COL_JIT = 6  # 2-D: the JIT's im2col straight from the unpadded input (im2col2d), GEMM
 _TINY = 7  # one group, a few output positions: gather and dot products in one JIT call (conv_tiny)
 _SHIFT = 8  # one group, stride 1: tiles of positions straight from the (padded) input (conv_shift)
+_WINDOWS = 9  # 1-D, one input channel, a long kernel: windows @ W^T from panels (conv_windows)
 
 
 class _ConvPlan:
@@ -652,6 +664,24 @@ class _ConvPlan:
                  "sub", "idx", "zero", "extent", "cols_shape", "small", "pre", "post", "channels", "jit", "enc",
                  "table", "rows3", "chunk", "phased", "padded", "at", "split", "empty", "slack", "pad_size", "per_image")
 
+
+
+def pack_windows(weight: np.ndarray) -> np.ndarray:
+    """A (M, 1, K) weight as :func:`._conv_jit.conv_windows` reads it: ``ceil(M / 64)`` panels of
+    64 output channels, each K rows of 64 (row k: tap k of each channel), zeros past M; float32,
+    shape (panels * K, 64)."""
+    m, k = weight.shape[0], weight.shape[-1]
+    panels = -(-m // 64)
+    w = np.zeros((panels * 64, k), np.float32)
+    w[:m] = weight.reshape(m, k)
+    return np.ascontiguousarray(w.reshape(panels, 64, k).transpose(0, 2, 1)).reshape(panels * k, 64)
+
+
+def unpack_windows(packed: np.ndarray, m: int, k: int) -> np.ndarray:
+    """The (M, 1, K) float32 weight that :func:`pack_windows` packed."""
+    panels = packed.shape[0] // k
+    return np.ascontiguousarray(packed.reshape(panels, k, 64).transpose(0, 2, 1).reshape(panels * 64, k)[:m]
+                                ).reshape(m, 1, k)
 
 
 def _run_items(fn, args, plan: _ConvPlan, native=None) -> None:
@@ -693,6 +723,24 @@ def _shift_units(args, plan: _ConvPlan, threads: int) -> bool:
         codes.shape[0], params.ctypes.data, res.ctypes.data, res.shape[0], pcodes.ctypes.data, pcodes.shape[0],
         pparams.ctypes.data, chan.ctypes.data, chan.shape[0], chan.shape[1], per, count)
     return _act.run_units(jit.SHIFT_UNIT, table, -(-count // per), threads)
+
+
+def _windows_units(args, plan: _ConvPlan, threads: int) -> bool:
+    """conv_windows' items (``args`` as :func:`_run_items` takes them) split over threads as a unit
+    job (``_conv_jit.windows_unit``: a few items a unit, by conv_windows itself, so the same bits
+    as one call).  Through :func:`~._act.parallel` a mel-spectrogram's 257 x 512-tap conv on two
+    threads took 140-190 us against ~210 on one.  False when an array is not C-contiguous
+    float32, or there is no unit path here (:func:`~._act.run_units`)."""
+    x, w, y, stride, bias, block = args
+    if not _act.c_arrays(_F32, x, w, y, bias):
+        return False
+    jit = plan.jit
+    count = plan.count
+    per = max(1, count // (_SHIFT_UNITS * threads))
+    table = np.empty(jit.WU_LEN, np.int64)
+    table[jit.WU_X:] = (x.ctypes.data, *x.shape, w.ctypes.data, w.shape[0], y.ctypes.data, *y.shape[1:], stride,
+                        bias.ctypes.data, bias.shape[0], block, per, count)
+    return _act.run_units(jit.WINDOWS_UNIT, table, -(-count // per), threads)
 
 
 def _channel_rows(bias: np.ndarray, res: np.ndarray, table: np.ndarray, m0: int, m1: int) -> tuple:
@@ -743,6 +791,9 @@ class Conv(Kernel):
         self._w: np.ndarray | None = None  # packed (g, M/g, C/g, *kernel)
         self._u: np.ndarray | None = None  # packed Winograd filters (16, M, C)
         self._w_from_u: np.ndarray | None = None  # (M, C, 3, 3) recovered for small maps, lazily
+        self._wp: np.ndarray | None = None  # packed windows panels (ceil(M/64) * K, 64): pack_windows
+        self._win: tuple[int, int] | None = None  # (M, K) of the weight packed as windows
+        self._w_from_wp: np.ndarray | None = None  # (M, 1, K) recovered when the JIT cannot run, lazily
         self._gather: dict[tuple, np.ndarray] = {}  # (spatial shape, kernel) -> im2col gather indices (small convs)
         # (x shape, x dtype, no JIT[, w shape, w dtype]) -> _ConvPlan; ("winograd", x shape) -> geometry
         self._plans: dict[tuple, object] = {}
@@ -767,11 +818,33 @@ class Conv(Kernel):
         return not (_SHIFT_ON and max(c, m) <= _SHIFT_MAX_CHANNELS and c * 9 <= _SHIFT_MAX_TAPS
                     and c * m <= _WINO_OVER_SHIFT * (c + m) and _act.jit_possible())
 
+    def _windows_ok(self, info: TensorInfo) -> bool:
+        """Whether this Conv packs its weight for conv_windows: a float32-computed 1-D kernel of
+        one input channel (one group), at least ``_WIN_MIN_TAPS`` taps and ``_WIN_MIN_M`` output
+        channels, no dilation, and the JIT to run it."""
+        if not _WINDOWS_ON or len(info.shape) != 3 or self.group != 1 or int(info.shape[1]) != 1:
+            return False
+        if compute_dtype(info.dtype) != np.float32:
+            return False
+        m, k = int(info.shape[0]), int(info.shape[2])
+        if k < _WIN_MIN_TAPS or m < _WIN_MIN_M:
+            return False
+        if any(int(d) != 1 for d in (self.sp.dilations or ())):
+            return False
+        if self.sp.kernel_shape and tuple(int(v) for v in self.sp.kernel_shape) != (k,):
+            return False
+        if not _act.jit_possible():
+            return False
+        self._win = (m, k)
+        return True
+
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
         if input_index != 1 or compute_dtype(info.dtype) is None or len(info.shape) < 3:
             return None
         if info.shape[0] % self.group:
             return None
+        if self._windows_ok(info):
+            return PackSpec("conv_win", _WIN_VERSION, struct.pack("<q", self.group), 1)
         if self._winograd_ok(info):
             return PackSpec("conv_wino", _WINO_VERSION, struct.pack("<q", self.group), 1)
         identity = compute_dtype(info.dtype) == np.dtype(info.dtype)  # the GEMM matrix is a reshape
@@ -782,6 +855,8 @@ class Conv(Kernel):
             return None
         m = info.shape[0]
         g = self.group
+        if self._windows_ok(info):
+            return [(np.dtype(np.float32), (-(-m // 64) * info.shape[2], 64))]
         if self._winograd_ok(info):
             return [(np.dtype(np.float32), (16, m, info.shape[1]))]
         return [(compute_dtype(info.dtype), (g, m // g) + tuple(info.shape[1:]))]
@@ -790,6 +865,8 @@ class Conv(Kernel):
         m = weight.shape[0]
         g = self.group
         info = TensorInfo("", weight.dtype, tuple(weight.shape), 0)
+        if self._windows_ok(info):
+            return (pack_windows(weight),)
         if self._winograd_ok(info):
             if not _winograd.weight_is_tame(weight):
                 return None  # runs on the weight itself (im2col), see weight_is_tame
@@ -800,9 +877,13 @@ class Conv(Kernel):
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
         (packed,) = buffers
         # A (g, M/g, C/g, *kernel) pack has rank >= 4; only the Winograd pack (16, M, C) has rank 3
-        # (check_packed has already matched the buffer against expected_packed).
+        # and the windows pack (panels * K, 64) rank 2 (check_packed has already matched the buffer
+        # against expected_packed, for which pack_spec noted the windows pack's (M, K)).
         if packed.ndim == 3:
             self._u = packed
+        elif packed.ndim == 2:
+            assert self._win is not None, "Bug: a windows pack without its pack_spec"
+            self._wp = packed
         else:
             self._w = packed
 
@@ -845,6 +926,8 @@ class Conv(Kernel):
             raise InvalidArgument(f"node {self.node.name!r}: Conv on {x.dtype} is not supported natively")
         if self._u is not None and w is None:
             return self._conv_winograd(x, b, out, res)
+        if self._wp is not None and w is None:
+            return self._conv_windows(x, b, out, res)
         jit = _act.jit() if cd == np.float32 else None
         packed = self._w is not None
         key = (x.shape, x.dtype, jit is None) if packed else (x.shape, x.dtype, jit is None, w.shape, w.dtype)
@@ -1257,6 +1340,62 @@ class Conv(Kernel):
                          plan.table)
             return y if y.dtype == out_dtype else y.astype(out_dtype)
         return self._finish(y, bias, plan.pre, res, plan.post, out_dtype, plan.channels)
+
+    def _conv_windows(self, x, b, out, res) -> np.ndarray:
+        """The windows path (weight packed by :func:`pack_windows`): the padded input's windows
+        times the panels by :func:`._conv_jit.conv_windows` (the bias added there), then the
+        epilogue's chain in one pass.  Without the JIT (or on an input it does not take) the
+        weight is recovered once and the general path runs."""
+        m, k = self._win
+        jit = _act.jit() if compute_dtype(x.dtype) == np.float32 else None
+        key = ("windows", x.shape, x.dtype)
+        plan = self._plans.get(key) if jit is not None else None
+        if plan is None and jit is not None and x.ndim == 3 and x.shape[1] == 1:
+            ks, strides, dils = self.sp.resolve(1, (k,))
+            begin, end, out_shape = conv_geometry(x.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad)
+            if min(begin) >= 0 and min(end) >= 0 and out_shape[0] > 0 and x.shape[0] > 0:
+                plan = _ConvPlan()
+                plan.kind, plan.n, plan.m, plan.length = _WINDOWS, x.shape[0], m, out_shape[0]
+                plan.begin, plan.strides, plan.yshape = begin, strides, (x.shape[0], m, out_shape[0])
+                plan.extent = None if not (any(begin) or any(end)) else (x.shape[2] + begin[0] + end[0],)
+                # Positions per item: the fewest blocks of at most WIN_BLOCK, evened out to a
+                # multiple of 6 (97 -> 54 + 43).
+                p = out_shape[0]
+                per = -(-p // -(-p // jit.WIN_BLOCK))
+                plan.chunk = -(-per // 6) * 6
+                plan.count = x.shape[0] * -(-p // plan.chunk) * -(-m // 64)
+                plan.big = x.shape[0] * m * k * out_shape[0] >= _PARALLEL_MACS
+                plan.split = _act.SplitTuner()
+                plan.per_image = False
+                plan.jit = jit
+                if len(self._plans) < 64:
+                    self._plans[key] = plan
+        if plan is None:
+            w = self._w_from_wp
+            if w is None:
+                w = self._w_from_wp = unpack_windows(self._wp, m, k)
+            return self._conv(x, w, b, out, res)
+        out_dtype = x.dtype
+        bias = _EMPTY1
+        if b is not None:
+            bias = as_compute(b).astype(np.float32, copy=False)
+            if bias.shape != (m,):
+                raise InvalidArgument(
+                    f"node {self.node.name!r} (Conv): bias must have shape [{m}], got {list(bias.shape)}")
+        n = plan.n
+        xc = as_compute(x).astype(np.float32, copy=False).reshape(n, -1)
+        if plan.extent is None:
+            xp = np.ascontiguousarray(xc)
+        else:
+            xp = np.zeros((n,) + plan.extent, np.float32)
+            xp[:, plan.begin[0]:plan.begin[0] + xc.shape[1]] = xc
+        if (out is not None and out.shape == plan.yshape and out.dtype == np.float32
+                and out.flags.c_contiguous):
+            y = out
+        else:
+            y = np.empty(plan.yshape, np.float32)
+        _run_items(jit.conv_windows, (xp, self._wp, y, plan.strides[0], bias, plan.chunk), plan, _windows_units)
+        return self._finish(y, None, self._pre, res, self._post, out_dtype, self._channels(np.float32))
 
     def _conv_winograd(self, x, b, out, res) -> np.ndarray:
         """The Winograd path (weight packed as ``U``); the epilogue's activations before a
@@ -2059,6 +2198,8 @@ class FusedConv(Conv):
             return spec
         if spec.family == "conv_wino":
             return PackSpec("conv_bn_wino", _WINO_VERSION, spec.attrs + self._fold_digest, 1)
+        if spec.family == "conv_win":
+            return PackSpec("conv_bn_win", _WIN_VERSION, spec.attrs + self._fold_digest, 1)
         return PackSpec("conv_bn", _PACK_VERSION, spec.attrs + self._fold_digest, 1)
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -2107,7 +2248,7 @@ class FusedConv(Conv):
             raise InvalidArgument(f"node {self.node.name!r} (Conv): the QuantizeLinear after it takes float32, "
                                   f"got {x.dtype}")
         if self.multiplier is not None:
-            if self._w is None and self._u is None:  # not packed (a weight fed at run time, or a dtype BLAS cannot take): fold per call
+            if self._w is None and self._u is None and self._wp is None:  # not packed (a weight fed at run time, or a dtype BLAS cannot take): fold per call
                 # In the input's compute dtype, as the unfused Conv casts the weight: folding in an
                 # integer weight's own dtype truncated the multiplier (found by the fuzzer).
                 cd = compute_dtype(x.dtype)
