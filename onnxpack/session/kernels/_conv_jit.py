@@ -1590,13 +1590,13 @@ def conv_windows(x, w, y, stride, bias, block, i0, i1):
                 for c in range(0, 64, TILE):
                     woff = (pan * k_ + k0) * 64 + c
                     if rows == 6:
-                        _tile6(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc)
+                        _tile6(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc, 0, 0)
                     elif rows == 4:
-                        _tile4(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc)
+                        _tile4(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc, 0, 0)
                     elif rows == 2:
-                        _tile2(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc)
+                        _tile2(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc, 0, 0)
                     else:
-                        _tile1(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc)
+                        _tile1(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc, 0, 0)
                 r += rows
         for j in range(min(64, m_ - c0)):
             yj = y[n, c0 + j]
