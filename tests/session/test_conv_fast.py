@@ -492,17 +492,7 @@ def test_windows_pack_is_saved_and_mapped_and_survives_losing_the_jit(tmp_path, 
     if _act.jit() is None:
         pytest.skip("numba not installed")
     model, feeds = _windows_model(*ONE_CHANNEL["batch3-padded-m48"], tail="relu")
-    src = tmp_path / "m.onnx"
-    src.write_bytes(model)
-    opts = onnxpack.SessionOptions()
-    opts.optimized_model_filepath = str(tmp_path / "opt.onnx")
-    opts.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
-    opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "64")
-    want = onnxpack.InferenceSession(str(src), opts).run(None, feeds)[0]
-    warm = onnxpack.InferenceSession(str(tmp_path / "opt.onnx"))
-    assert warm.get_prepack_stats()["weights_packed"] == 0
-    assert any(r["key"].startswith("conv_win/") and r["origin"] == "model" for r in warm.get_prepack_log())
-    np.testing.assert_array_equal(warm.run(None, feeds)[0], want)
+    warm = _saved_then_warm(tmp_path, model, feeds, "conv_win/")
     w = conv_mod.pack_windows(np.arange(70 * 48, dtype=np.float32).reshape(70, 1, 48))
     assert w.shape == (2 * 48, 64) and not w[48:, 6:].any()  # (two panels, zeros past channel 70)
     np.testing.assert_array_equal(conv_mod.unpack_windows(w, 70, 48),
@@ -1154,6 +1144,13 @@ def test_winograd_matches_direct_convolution(case, jit_mode, winograd_any_size):
 
 def test_winograd_pack_is_saved_and_mapped(tmp_path, winograd_any_size):
     model, feeds = conv_model(tail="relu", x_shape=(1, 16, 12, 12), m=16)
+    _saved_then_warm(tmp_path, model, feeds, "conv_bn_wino/")
+
+
+def _saved_then_warm(tmp_path, model: bytes, feeds, family: str):
+    """Saves ``model`` with its pre-packed blobs (a session with optimized_model_filepath), then
+    loads the saved model warm: nothing packed, the ``family`` pack mapped from the model's file,
+    the saving session's outputs bit for bit.  Returns the warm session."""
     src = tmp_path / "m.onnx"
     src.write_bytes(model)
     opts = onnxpack.SessionOptions()
@@ -1163,8 +1160,9 @@ def test_winograd_pack_is_saved_and_mapped(tmp_path, winograd_any_size):
     want = onnxpack.InferenceSession(str(src), opts).run(None, feeds)[0]
     warm = onnxpack.InferenceSession(str(tmp_path / "opt.onnx"))
     assert warm.get_prepack_stats()["weights_packed"] == 0
-    assert any(r["key"].startswith("conv_bn_wino/") and r["origin"] == "model" for r in warm.get_prepack_log())
+    assert any(r["key"].startswith(family) and r["origin"] == "model" for r in warm.get_prepack_log())
     np.testing.assert_array_equal(warm.run(None, feeds)[0], want)
+    return warm
 
 
 @pytest.mark.parametrize("channels", [(16, 16), (16, 32), (32, 32), (40, 40), (32, 64)])

@@ -358,12 +358,7 @@ def test_only_runs_with_blas_on_several_threads_stop_the_polling(mode, monkeypat
     calls = []
     real = _runner.stop_spinning
     monkeypatch.setattr(_runner, "stop_spinning", lambda: (calls.append(1), real()))
-    so = onnxpack.SessionOptions()
-    so.intra_op_num_threads = 2
-    so.add_session_config_entry("onnxpack.thread_mode", mode)
-    sess = onnxpack.InferenceSession(_conv_gemm_model(), so)
-    for _ in range(3):
-        sess.run(None, {"x": np.ones((1, 16, 48, 48), np.float32)})
+    _three_runs_on_two_threads(mode)
     assert len(calls) == (6 if mode == "blas" else 0)
     pool = _act._Pool._instance
     if mode == "owned" and pool is not None and pool.spinner() is not None:
@@ -470,6 +465,16 @@ def test_owned_mode_split_samples_wait_while_blas_workers_may_be_polling(monkeyp
     assert tuner.modes[0].choice is not None
 
 
+def _three_runs_on_two_threads(mode: str) -> None:
+    """Three runs of the conv + GEMM model in a session on two threads fixed in thread ``mode``."""
+    so = onnxpack.SessionOptions()
+    so.intra_op_num_threads = 2
+    so.add_session_config_entry("onnxpack.thread_mode", mode)
+    sess = onnxpack.InferenceSession(_conv_gemm_model(), so)
+    for _ in range(3):
+        sess.run(None, {"x": np.ones((1, 16, 48, 48), np.float32)})
+
+
 @pytest.mark.parametrize("mode", ["blas", "owned"])
 def test_a_run_with_blas_on_several_threads_marks_the_polling_window(mode, monkeypatch):
     """A session run in BLAS mode on two threads marks when OpenBLAS's workers may stop polling
@@ -479,12 +484,7 @@ def test_a_run_with_blas_on_several_threads_marks_the_polling_window(mode, monke
 
     stamps = []
     monkeypatch.setattr(_runner, "blas_run_ended", lambda: stamps.append(_act.owned[0]))
-    so = onnxpack.SessionOptions()
-    so.intra_op_num_threads = 2
-    so.add_session_config_entry("onnxpack.thread_mode", mode)
-    sess = onnxpack.InferenceSession(_conv_gemm_model(), so)
-    for _ in range(3):
-        sess.run(None, {"x": np.ones((1, 16, 48, 48), np.float32)})
+    _three_runs_on_two_threads(mode)
     assert stamps == ([0, 0, 0] if mode == "blas" else [])
 
 
@@ -689,6 +689,30 @@ def _shift_conv_model(rng, batch: int, c: int, m: int, kernel: tuple, stride: in
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString(), feeds
 
 
+def _conv_split_forced(model, feeds, kind, rtol, atol, monkeypatch):
+    """A one-Conv model's one-thread output (checked against onnxruntime within ``rtol`` /
+    ``atol``), and a session on two threads whose conv plan, of path ``kind`` with at least three
+    items, is told to split: returns (that session, the one-thread output)."""
+    import onnxruntime as ort
+
+    from onnxpack.session.kernels import conv
+
+    one = onnxpack.SessionOptions()
+    one.intra_op_num_threads = 1
+    want = onnxpack.InferenceSession(model, one).run(None, feeds)[0]
+    ref = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(want, ref, rtol=rtol, atol=atol)
+    monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
+    monkeypatch.setattr(conv, "_PARALLEL_MACS", 1)
+    sess = onnxpack.InferenceSession(model)
+    sess.run(None, feeds)
+    (plan,) = [p for st in sess.program.root.steps if isinstance(st.kernel, conv.Conv)
+               for p in st.kernel._plans.values() if isinstance(p, conv._ConvPlan)]
+    assert plan.kind == kind and plan.count >= 3, (plan.kind, plan.count)
+    plan.split.threads, plan.split.choice = 2, True
+    return sess, want
+
+
 @pytest.mark.parametrize("batch,c,m,kernel,stride,residual",
                          [(3, 24, 24, (1, 3), 1, False), (2, 24, 40, (3, 1), 1, True), (1, 16, 30, (3, 3), 1, True),
                           (2, 16, 24, (3, 3), 2, False)],
@@ -697,25 +721,11 @@ def test_conv_shift_split_as_unit_jobs_equals_one_thread(batch, c, m, kernel, st
     """conv_shift's bands (several images, a residual, a stride-2 conv over its phases) split over
     two threads (forced) as a unit job, a few bands a unit, no GIL: bit for bit the one-thread
     result (with the helpers polling or asleep), which is onnxruntime's within float32 rounding."""
-    import onnxruntime as ort
-
-    from onnxpack.session.kernels import _act, conv
+    from onnxpack.session.kernels import conv
 
     _polling_pool()
     model, feeds = _shift_conv_model(np.random.default_rng(batch + c + m), batch, c, m, kernel, stride, residual)
-    one = onnxpack.SessionOptions()
-    one.intra_op_num_threads = 1
-    want = onnxpack.InferenceSession(model, one).run(None, feeds)[0]
-    ref = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
-    np.testing.assert_allclose(want, ref, rtol=1e-5, atol=1e-5)
-    monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
-    monkeypatch.setattr(conv, "_PARALLEL_MACS", 1)
-    sess = onnxpack.InferenceSession(model)
-    sess.run(None, feeds)
-    (plan,) = [p for st in sess.program.root.steps if isinstance(st.kernel, conv.Conv)
-               for p in st.kernel._plans.values() if isinstance(p, conv._ConvPlan)]
-    assert plan.kind == conv._SHIFT and plan.count >= 3, (plan.kind, plan.count)
-    plan.split.threads, plan.split.choice = 2, True
+    sess, want = _conv_split_forced(model, feeds, conv._SHIFT, 1e-5, 1e-5, monkeypatch)
     units = []
     real = conv._shift_units
     monkeypatch.setattr(conv, "_shift_units", lambda *a: units.append(a[1].count) or real(*a))
@@ -728,9 +738,7 @@ def test_conv_windows_split_as_unit_jobs_equals_one_thread(batch, m, taps, strid
     """A long-kernel conv of one input channel (conv_windows: items of 64 output channels by a
     block of positions) split over two threads (forced) as a unit job: bit for bit the one-thread
     result (the helpers polling or asleep), which is onnxruntime's within float32 rounding."""
-    import onnxruntime as ort
-
-    from onnxpack.session.kernels import _act, conv
+    from onnxpack.session.kernels import conv
 
     _polling_pool()
     F = TensorProto.FLOAT
@@ -742,19 +750,7 @@ def test_conv_windows_split_as_unit_jobs_equals_one_thread(batch, m, taps, strid
         [numpy_helper.from_array(w, "W"), numpy_helper.from_array(rng.standard_normal(m).astype(np.float32), "B")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
     feeds = {"x": rng.standard_normal((batch, 1, 2000)).astype(np.float32)}
-    one = onnxpack.SessionOptions()
-    one.intra_op_num_threads = 1
-    want = onnxpack.InferenceSession(model, one).run(None, feeds)[0]
-    ref = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
-    np.testing.assert_allclose(want, ref, rtol=1e-4, atol=2e-5)
-    monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
-    monkeypatch.setattr(conv, "_PARALLEL_MACS", 1)
-    sess = onnxpack.InferenceSession(model)
-    sess.run(None, feeds)
-    (plan,) = [p for st in sess.program.root.steps if isinstance(st.kernel, conv.Conv)
-               for p in st.kernel._plans.values() if isinstance(p, conv._ConvPlan)]
-    assert plan.kind == conv._WINDOWS and plan.count >= 3, (plan.kind, plan.count)
-    plan.split.threads, plan.split.choice = 2, True
+    sess, want = _conv_split_forced(model, feeds, conv._WINDOWS, 1e-4, 2e-5, monkeypatch)
     _twenty_as_unit_jobs(monkeypatch, lambda: np.testing.assert_array_equal(sess.run(None, feeds)[0], want))
 
 
