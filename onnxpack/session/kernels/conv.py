@@ -736,7 +736,7 @@ def _windows_units(args, plan: _ConvPlan, threads: int) -> bool:
         return False
     jit = plan.jit
     count = plan.count
-    per = max(1, count // (_SHIFT_UNITS * threads))
+    per = max(1, count // (_SHIFT_UNITS * threads))  # (as many units a thread as conv_shift's)
     table = np.empty(jit.WU_LEN, np.int64)
     table[jit.WU_X:] = (x.ctypes.data, *x.shape, w.ctypes.data, w.shape[0], y.ctypes.data, *y.shape[1:], stride,
                         bias.ctypes.data, bias.shape[0], block, per, count)
