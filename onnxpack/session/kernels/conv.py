@@ -1382,13 +1382,10 @@ class Conv(Kernel):
             if bias.shape != (m,):
                 raise InvalidArgument(
                     f"node {self.node.name!r} (Conv): bias must have shape [{m}], got {list(bias.shape)}")
-        n = plan.n
-        xc = as_compute(x).astype(np.float32, copy=False).reshape(n, -1)
-        if plan.extent is None:
-            xp = np.ascontiguousarray(xc)
-        else:
-            xp = np.zeros((n,) + plan.extent, np.float32)
-            xp[:, plan.begin[0]:plan.begin[0] + xc.shape[1]] = xc
+        xp = as_compute(x).astype(np.float32, copy=False)
+        if plan.extent is not None:  # the padded copy, in this thread's scratch
+            xp = _pad(xp, plan.begin, plan.extent, 0, "pad")
+        xp = np.ascontiguousarray(xp).reshape(plan.n, -1)
         if (out is not None and out.shape == plan.yshape and out.dtype == np.float32
                 and out.flags.c_contiguous):
             y = out
