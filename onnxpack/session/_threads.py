@@ -215,11 +215,13 @@ class ModeTuner:
     keep a core busy polling for ~0.1 s, which the rest of the machine pays (onnxruntime's runs in
     the same process, interleaved, 15-25 % slower on MobileNetV2), where owned mode's helpers stop
     polling when a run returns.  A choice of the other mode than the starting one is confirmed by a
-    second block of each (the medians of all their runs decide): one pair of blocks disturbed by
-    the rest of the machine took YOLOX on two threads to BLAS mode in one of session 54's
-    benchmark runs (2.02x onnxruntime's time, 1.81x owned in the other run; owned / BLAS measured
-    0.77 in processes of their own).  ``RECHECK`` runs and ``RECHECK_S`` seconds later (both: a fast
-    model's measuring must stay a small share of its runs) the session measures again.  Only
+    second pair of blocks, whose medians alone decide (a switch needs two pairs that favour it):
+    one pair of blocks disturbed by the rest of the machine took YOLOX on two threads to BLAS mode
+    in one of session 54's benchmark runs (2.02x onnxruntime's time, 1.81x owned in the other run;
+    owned / BLAS measured 0.77 in processes of their own), a CRNN in session 57's while both
+    pairs' medians decided (13.5 ms a run against 9.0-9.4 owned, 12.3 on one thread).
+    ``RECHECK`` runs and ``RECHECK_S`` seconds later (both: a fast model's measuring must stay a
+    small share of its runs) the session measures again.  Only
     runs of one set of input shapes count: a run with other shapes restarts an undecided
     measurement (a model whose shapes change at every run, a decoder's growing cache, keeps the
     starting mode).  The mode changes no result beyond the rounding of a GEMM split differently,
@@ -288,7 +290,10 @@ class ModeTuner:
         first, other = times
         want = self.TRIALS * self.rounds
         if len(first) >= want and len(other) >= want:
-            owned, blas = (statistics.median(t) for t in ((first, other) if self.start else (other, first)))
+            # The confirming pair of blocks decides alone: a switch needs two pairs that favour it.
+            skip = want - self.TRIALS
+            pair = (first[skip:], other[skip:]) if self.start else (other[skip:], first[skip:])
+            owned, blas = (statistics.median(t) for t in pair)
             choice = not blas < self.BLAS_MARGIN * owned
             if choice != self.start and self.rounds == 1:
                 self.rounds = 2  # a switch: a second block of each mode first

@@ -1590,6 +1590,30 @@ def test_a_session_on_two_threads_tries_both_modes_and_every_run_agrees(monkeypa
     assert len(modes.times[0]) >= ModeTuner.TRIALS and len(modes.times[1]) >= ModeTuner.TRIALS
 
 
+@pytest.mark.parametrize("start", [False, True])
+def test_mode_tuner_switches_only_when_the_confirming_pair_alone_favours_it(start):
+    """The first pair of blocks favours the other mode, by far; the confirming pair favours the
+    starting mode by a little.  Medians over both pairs would switch (the first pair's times
+    dominate); the confirming pair alone keeps the starting mode.  Both pairs favouring the
+    switch switch."""
+    for second_favours_switch, want in ((False, start), (True, not start)):
+        tuner = _fast_mode_tuner(start)
+        inputs = [np.empty((1, 4), np.float32)]
+        counted = 0
+        while tuner.choice is None:
+            owned, which, key = tuner.pick(inputs)
+            if which >= 0:
+                counted += 1
+            first_pair = counted <= 2 * tuner.TRIALS
+            if owned == start:  # the starting mode: slow in the first pair, then 1.0
+                t = 10.0 if first_pair else 1.0
+            else:
+                t = 1.0 if first_pair else (0.5 if second_favours_switch else 1.2)
+            tuner.record(key, which, t)
+            assert counted <= 4 * tuner.TRIALS
+        assert counted == 4 * tuner.TRIALS and tuner.choice is want
+
+
 def _in_forked_child(check) -> tuple[bytes, int]:
     """Forks; the child runs ``check()`` (True: ``b"ok"``) under a 60 s alarm (a hang ends it)
     and reports through a pipe.  Returns what it reported and its exit status."""
