@@ -31,7 +31,12 @@ F32 = np.float32
 
 
 def _session(model, algorithm: str = "none") -> InferenceSession:
+    # One thread: a GEMM split over threads (its blocks, and whether it splits, tuned per call) may
+    # round differently from the whole product where OpenBLAS's kernel for a block's size differs
+    # (its Haswell kernels on an AMD Zen 5 VM: a row or column block of a product is not bit for
+    # bit the whole's); bit-for-bit runs are this test's yardstick.
     opts = SessionOptions()
+    opts.intra_op_num_threads = 1
     opts.add_session_config_entry("onnxpack.memory_planner", algorithm)
     return InferenceSession(model, opts)
 

@@ -1263,8 +1263,8 @@ def test_split_panel_gemms_from_concurrent_callers(monkeypatch):
 def test_split_conv_epilogue_as_unit_jobs_equals_one_thread(m, hw, residual, monkeypatch):
     """A 1x1 conv with its bias, SiLU and (with a residual) Add and Relu on two threads, split
     forced: each block's product and epilogue run as one unit of a unit job (no GIL), by rows of
-    output channels or columns of positions, bit for bit the one-thread result (with the helpers
-    polling or asleep), which is onnxruntime's within float32 rounding."""
+    output channels or columns of positions, the one-thread result within float32 rounding (with
+    the helpers polling or asleep), which is onnxruntime's within float32 rounding."""
     import onnxruntime as ort
 
     from onnxpack.session.kernels import _act
@@ -1301,7 +1301,11 @@ def test_split_conv_epilogue_as_unit_jobs_equals_one_thread(m, hw, residual, mon
     for key, t in _act._TUNERS.items():
         if key[0] == "matmul" and key[-1] is True:
             t.threads, t.choice = 2, True
-    _twenty_as_unit_jobs(monkeypatch, lambda: np.testing.assert_array_equal(sess.run(None, feeds)[0], want))
+    # Each block is its own GEMM call: OpenBLAS may pick another kernel for a block's size than for
+    # the whole product (on an AMD Zen 5 VM, up to 8 float32 ulp apart on outputs near 1; on
+    # Sapphire Rapids bit for bit): float32 rounding of the output's scale.
+    tol = dict(rtol=1e-6, atol=1e-6 * float(np.abs(want).max()))
+    _twenty_as_unit_jobs(monkeypatch, lambda: np.testing.assert_allclose(sess.run(None, feeds)[0], want, **tol))
 
 
 @pytest.mark.parametrize("m,hw,channel_steps", [(300, 8, 1), (64, 24, 1), (300, 8, 2), (48, 24, 2)],
