@@ -831,10 +831,11 @@ def test_winograd_conv_keeps_an_infinity_or_nan_where_it_is(bad, jit, monkeypatc
     # transform subtracts inputs, so one infinity became NaN over its 4x4 tiles' outputs (and a
     # NaN spread to every output of its tiles; a Relu after turned onnxruntime's -inf into 0 where
     # ours stayed NaN).  A plane holding a non-finite value now runs the direct convolution.
-    from onnxpack.session.kernels import _winograd
+    from onnxpack.session.kernels import _winograd, conv as conv_mod
 
     if jit == "numpy":
         monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+    monkeypatch.setattr(conv_mod, "_WINO_TUNED", False)  # Winograd where it packed (not the faster path)
     calls = []
     real = _winograd.conv3x3
     monkeypatch.setattr(_winograd, "conv3x3", lambda *a: calls.append(real(*a)) or calls[-1])

@@ -1126,6 +1126,7 @@ def winograd_any_size(monkeypatch):
     from onnxpack.session.kernels import conv as conv_mod
 
     monkeypatch.setattr(conv_mod, "_WINO_OVER_SHIFT", 0)
+    monkeypatch.setattr(conv_mod, "_WINO_TUNED", False)  # and runs Winograd where it packed it
 
 
 @pytest.mark.parametrize("case", list(WINO), ids=list(WINO))
@@ -1140,6 +1141,68 @@ def test_winograd_matches_direct_convolution(case, jit_mode, winograd_any_size):
     # add and halve, so the error stays a few float32 ulp of the output scale.
     assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
     np.testing.assert_allclose(got, _ort(model, feeds)[0], **TOL)
+
+
+@pytest.mark.parametrize("fast", [0, 1], ids=["winograd-faster", "direct-faster"])
+def test_winograd_conv_times_its_paths_once_and_keeps_the_faster(fast, jit_mode, monkeypatch):
+    """The first call of a Winograd-packed conv's geometry runs Winograd and the direct path
+    (filters recovered from U) each once untimed, then alternately PATH_TRIALS times, and keeps
+    the faster for every later call, in this session and in a new one (the choice is the
+    process's); every run agrees with onnxruntime; with Winograd kept, the recovered filters are
+    let go.  The caller's output buffer is written once, with the chosen path's result."""
+    from onnxpack.session.kernels import _act, conv as conv_mod
+
+    monkeypatch.setattr(conv_mod, "_WINO_OVER_SHIFT", 0)
+    monkeypatch.setattr(_act, "_PATHS", type(_act._PATHS)())
+    seen = []
+    orig_call, orig_conv = conv_mod.Conv._winograd_call, conv_mod.Conv._conv
+    clock = [0.0]
+
+    def path(which, run):
+        seen.append(which)
+        clock[0] += 1.0 if which == fast else 2.0  # what the measuring reads as each call's time
+        return run()
+
+    monkeypatch.setattr(_act.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(conv_mod.Conv, "_winograd_call", lambda self, *a: path(0, lambda: orig_call(self, *a)))
+    monkeypatch.setattr(conv_mod.Conv, "_conv", lambda self, x, w, *a: path(1, lambda: orig_conv(self, x, w, *a))
+                        if w is not None else orig_conv(self, x, w, *a))
+    model, feeds = conv_model(tail="none", x_shape=(1, 16, 12, 12), m=16, bn=False, residual="right")
+    feeds = _feed_residual(model, feeds)
+    want = _ort(model, feeds)[0]
+    sess = onnxpack.InferenceSession(model)
+    for _ in range(3):
+        np.testing.assert_allclose(sess.run(None, feeds)[0], want, **TOL)
+    trials = _act.PATH_TRIALS
+    assert seen == [0, 1] + [0, 1] * trials + [fast, fast]
+    kernel = next(s.kernel for s in sess.program.root.steps if s.node.op_type in ("Conv", "FusedConv"))
+    assert (kernel._w_from_u is None) == (fast == 0)
+    seen.clear()
+    again = onnxpack.InferenceSession(model)
+    np.testing.assert_array_equal(again.run(None, feeds)[0], sess.run(None, feeds)[0])
+    assert seen == [fast, fast]
+
+
+def test_faster_path_takes_the_second_only_below_the_margin(monkeypatch):
+    """faster_path alone: both paths once untimed, then PATH_TRIALS timed each, alternately; the
+    second path wins only when its best time is under PATH_MARGIN of the first's; the choice is
+    kept per key."""
+    from onnxpack.session.kernels import _act
+
+    monkeypatch.setattr(_act, "_PATHS", type(_act._PATHS)())
+    clock = [0.0]
+    monkeypatch.setattr(_act.time, "perf_counter", lambda: clock[0])
+    for key, ratio, want in (("a", 0.85, 1), ("b", 0.95, 0), ("c", 1.5, 0)):
+        calls = []
+
+        def run(which, cost):
+            calls.append(which)
+            clock[0] += cost
+            return which
+
+        got = _act.faster_path(key, lambda: run(0, 1.0), lambda: run(1, ratio))
+        assert got == (want, want) and calls == [0, 1] * (1 + _act.PATH_TRIALS)
+        assert _act.faster_path(key, lambda: run(0, 1.0), lambda: run(1, ratio)) == (want, None)
 
 
 def test_winograd_pack_is_saved_and_mapped(tmp_path, winograd_any_size):
@@ -1252,6 +1315,7 @@ def test_gemm_split_over_onnxpack_threads(shape, monkeypatch):
 
     if shape == "im2col-s2":  # (the JIT runs stride-2 convs of these sizes over the input's phases)
         monkeypatch.setattr(conv_mod, "_S2_MAX_TAPS", {})
+    monkeypatch.setattr(conv_mod, "_WINO_TUNED", False)  # (Winograd's GEMMs, not the faster path's)
     model, feeds = conv_model(tail="silu", x_shape=(2, 32, 40, 40), **SPLIT[shape])
     want = onnxpack.InferenceSession(model).run(None, feeds)[0]
     calls = []

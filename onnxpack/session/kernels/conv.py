@@ -133,6 +133,9 @@ _SHIFT_UNITS = 4
 _WINO_OVER_SHIFT = 18
 # Below this many 2x2 output tiles (batch included) a Winograd conv runs as im2col + one GEMM.
 _WINO_MIN_TILES = 24
+# From that many, its first calls time Winograd against the direct path and keep the faster
+# (_act.PathTuner): which wins is the machine's (ONNXPACK_WINOGRAD_TUNE=0: always Winograd).
+_WINO_TUNED = os.environ.get("ONNXPACK_WINOGRAD_TUNE", "1") != "0"
 _EMPTY1 = np.zeros(0, np.float32)
 # 2-D float32 MaxPools without indices whose windows span several rows run the JIT's maxpool2d
 # (its "zero" argument is this 0.0): measured one thread, kernel vs numpy's padded copy and
@@ -1396,10 +1399,11 @@ class Conv(Kernel):
 
     def _conv_winograd(self, x, b, out, res) -> np.ndarray:
         """The Winograd path (weight packed as ``U``); the epilogue's activations before a
-        residual run inside the output transform."""
-        out_dtype = x.dtype
+        residual run inside the output transform.  Where a call has enough tiles for Winograd,
+        the first call of its geometry in the process times it against the direct path (the
+        filters recovered from ``U``), and the faster one runs (:func:`._act.faster_path`)."""
         u = self._u
-        m, c_w = u.shape[1], u.shape[2]
+        c_w = u.shape[2]
         xc = as_compute(x)
         if xc.ndim != 4 or xc.shape[1] != c_w:
             raise InvalidArgument(
@@ -1411,26 +1415,53 @@ class Conv(Kernel):
             ks, strides, dils = self.sp.resolve(2, (3, 3))
             begin, end, out_shape = conv_geometry(xc.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad)
             tiles = xc.shape[0] * (-(-out_shape[0] // 2)) * (-(-out_shape[1] // 2))
-            geo = (begin, out_shape, tiles >= _WINO_MIN_TILES)
+            geo = [begin, out_shape, tiles >= _WINO_MIN_TILES, None if _WINO_TUNED else 0]
             if len(self._plans) < 64:
                 self._plans[key] = geo
-        begin, out_shape, enough = geo
-        y = None
-        if enough:
-            bias = None if b is None else as_compute(b).astype(np.float32, copy=False)
-            if bias is not None and bias.shape != (m,):
-                raise InvalidArgument(
-                    f"node {self.node.name!r} (Conv): bias must have shape [{m}], got {list(bias.shape)}")
-            inner, outer = ((), self._pre) if self._has_channel else (self._pre, ())
-            y = _winograd.conv3x3(xc, u, bias, begin, out_shape, inner)  # None: an inf or NaN input
-        if y is None:
+        begin, out_shape, enough, path = geo
+        if not enough:
             # Too few tiles for 16 GEMMs to pay (resnet's 7x7 maps: 16 tiles, 2x slower than one
-            # GEMM), or a non-finite input: the direct path, with the filters recovered from U
-            # once (G's left inverse, float64).
-            w = self._w_from_u
-            if w is None:
-                w = self._w_from_u = _winograd.weight_untransform(u)
-            return self._conv(x, w, b, out, res)
+            # GEMM): the direct path.
+            return self._conv(x, self._direct_weight(), b, out, res)
+        if path is None:
+            # The choice is the geometry's (shape, channels, padding, thread count), for every
+            # Conv and session of the process; its measuring calls write no caller's buffer.
+            path, y = _act.faster_path(
+                ("conv3x3", xc.shape, u.shape[1], tuple(begin), tuple(out_shape), _act.threads()),
+                lambda: self._winograd_call(x, xc, b, None, res, begin, out_shape),
+                lambda: self._conv(x, self._direct_weight(), b, None, res))
+            geo[3] = path
+            if path == 0 and not any(type(g) is list and g[3] == 1 for g in self._plans.values()):
+                self._w_from_u = None  # Winograd runs: the recovered filters go
+            if y is not None:
+                if out is not None and out.shape == y.shape and out.dtype == y.dtype:
+                    out[...] = y
+                    return out
+                return y
+        if path:
+            return self._conv(x, self._direct_weight(), b, out, res)
+        return self._winograd_call(x, xc, b, out, res, begin, out_shape)
+
+    def _direct_weight(self) -> np.ndarray:
+        """The (M, C, 3, 3) filters recovered from ``U`` (G's left inverse, float64), once: for
+        the direct path, without keeping a second pack of every weight."""
+        w = self._w_from_u
+        if w is None:
+            w = self._w_from_u = _winograd.weight_untransform(self._u)
+        return w
+
+    def _winograd_call(self, x, xc, b, out, res, begin, out_shape) -> np.ndarray:
+        """One call of the Winograd path proper (the direct one for a non-finite input)."""
+        out_dtype = x.dtype
+        m = self._u.shape[1]
+        bias = None if b is None else as_compute(b).astype(np.float32, copy=False)
+        if bias is not None and bias.shape != (m,):
+            raise InvalidArgument(
+                f"node {self.node.name!r} (Conv): bias must have shape [{m}], got {list(bias.shape)}")
+        inner, outer = ((), self._pre) if self._has_channel else (self._pre, ())
+        y = _winograd.conv3x3(xc, self._u, bias, begin, out_shape, inner)
+        if y is None:  # a non-finite input: the transforms would spread it (inf - inf)
+            return self._conv(x, self._direct_weight(), b, out, res)
         y = self._finish(y, None, outer, res, self._post, out_dtype, self._channels(y.dtype))
         if out is not None and out.shape == y.shape and out.dtype == y.dtype:
             out[...] = y
