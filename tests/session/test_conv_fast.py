@@ -1183,6 +1183,47 @@ def test_winograd_conv_times_its_paths_once_and_keeps_the_faster(fast, jit_mode,
     assert seen == [fast, fast]
 
 
+@pytest.mark.parametrize("fast", [0, 1], ids=["im2col-faster", "shift-faster"])
+def test_conv_beyond_the_shift_limits_times_im2col_and_shift_once(fast, monkeypatch):
+    """A stride-1 conv that the measured limits give to im2col (here: the limits lowered below its
+    taps), where conv_shift can run it too: the first call of its geometry runs both (once
+    untimed, then alternately PATH_TRIALS times), later calls and a new session the faster; every
+    run agrees with onnxruntime.  With the tuning off the limits alone decide."""
+    from onnxpack.session.kernels import _act, conv as conv_mod
+
+    if _act.jit() is None:
+        pytest.skip("numba not installed")
+    monkeypatch.setattr(conv_mod, "_WINOGRAD", False)
+    monkeypatch.setattr(conv_mod, "_SHIFT_MAX_TAPS_WIDE", 64)
+    monkeypatch.setattr(conv_mod, "_SHIFT_MAX_TAPS", 64)
+    monkeypatch.setattr(_act, "_PATHS", type(_act._PATHS)())
+    clock = [0.0]
+    monkeypatch.setattr(_act.time, "perf_counter", lambda: clock[0])
+    seen = []
+    orig = conv_mod.Conv._conv_by
+
+    def by(self, plan, *a):
+        which = int(plan.kind == conv_mod._SHIFT)
+        seen.append(which)
+        clock[0] += 1.0 if which == fast else 2.0
+        return orig(self, plan, *a)
+
+    monkeypatch.setattr(conv_mod.Conv, "_conv_by", by)
+    model, feeds = conv_model(tail="relu", x_shape=(1, 24, 14, 14), m=32)
+    want = _ort(model, feeds)[0]
+    sess = onnxpack.InferenceSession(model)
+    for _ in range(3):
+        np.testing.assert_allclose(sess.run(None, feeds)[0], want, **TOL)
+    assert seen == [0, 1] + [0, 1] * _act.PATH_TRIALS + [fast, fast]
+    seen.clear()
+    np.testing.assert_array_equal(onnxpack.InferenceSession(model).run(None, feeds)[0], sess.run(None, feeds)[0])
+    assert seen == [fast, fast]
+    monkeypatch.setattr(conv_mod, "_SHIFT_TUNED", False)
+    seen.clear()
+    np.testing.assert_allclose(onnxpack.InferenceSession(model).run(None, feeds)[0], want, **TOL)
+    assert seen == [0]
+
+
 def test_faster_path_takes_the_second_only_below_the_margin(monkeypatch):
     """faster_path alone: both paths once untimed, then PATH_TRIALS timed each, alternately; the
     second path wins only when its best time is under PATH_MARGIN of the first's; the choice is

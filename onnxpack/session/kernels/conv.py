@@ -101,6 +101,12 @@ _SHIFT_MAX_TAPS = 800
 # 7x7 0.95 (resnet's last stage, which its Winograd pack hands to the direct path: too few tiles).
 _SHIFT_MAX_TAPS_WIDE = 1600
 _SHIFT_MAX_TAPS_ONE_TILE = 1024 * 9
+# Beyond those limits (other machines draw them elsewhere: on an AMD Zen 5 core conv_shift ran
+# YOLOv8n's 256 -> 64 3x3 on 10x10, 2,304 taps, in 0.6x im2col's time), a stride-1 conv up to
+# this many taps that im2col would run has its first call time both and keeps the faster
+# (_act.faster_path; ONNXPACK_SHIFT_TUNE=0: the limits alone).
+_SHIFT_TUNED_TAPS = 1024 * 9
+_SHIFT_TUNED = os.environ.get("ONNXPACK_SHIFT_TUNE", "1") != "0"
 # Stride-2 convs run conv_shift over the input's four stride phases (one group, no dilation) up to
 # this many taps per output (C * kh * kw), by the tile width (64 positions with AVX-512, 16 with
 # AVX2); beyond, im2col + GEMM.  Measured one thread, 3x3 + SiLU, against im2col + OpenBLAS on the
@@ -665,7 +671,8 @@ class _ConvPlan:
     __slots__ = ("kind", "n", "m", "g", "length", "ks", "strides", "dils", "begin", "out_shape", "yshape",
                  "wm_shape", "wm", "wk_shape", "wk", "fn", "jit_args", "big", "count", "zero_bias", "full",
                  "sub", "idx", "zero", "extent", "cols_shape", "small", "pre", "post", "channels", "jit", "enc",
-                 "table", "rows3", "chunk", "phased", "padded", "at", "split", "empty", "slack", "pad_size", "per_image")
+                 "table", "rows3", "chunk", "phased", "padded", "at", "split", "empty", "slack", "pad_size", "per_image",
+                 "alt", "choice")
 
 
 
@@ -937,8 +944,34 @@ class Conv(Kernel):
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(x.shape, cd, None if packed else w, jit)
+            if plan.kind in (_IM2COL, _IM2COL_JIT) and plan.jit is not None and _SHIFT_TUNED:
+                # A stride-1 conv beyond conv_shift's measured limits: which path is faster is
+                # the machine's (see _SHIFT_TUNED_TAPS); its first call times both.
+                alt = self._plan(x.shape, cd, None if packed else w, jit, shift_any=True)
+                if alt.kind == _SHIFT:
+                    plan.alt = alt
             if len(self._plans) < 64:  # bounded: a model fed ever new shapes
                 self._plans[key] = plan
+        alt = plan.alt
+        if alt is not None:
+            if plan.choice is None:
+                path, y = _act.faster_path(
+                    ("conv", x.shape, plan.wm_shape, plan.ks, plan.strides, plan.dils, tuple(plan.begin),
+                     _act.threads()),
+                    lambda: self._conv_by(plan, x, w, b, None, res), lambda: self._conv_by(alt, x, w, b, None, res))
+                plan.choice = path
+                if y is not None:
+                    if out is not None and out.shape == y.shape and out.dtype == y.dtype:
+                        out[...] = y
+                        return out
+                    return y
+            if plan.choice:
+                plan = alt
+        return self._conv_by(plan, x, w, b, out, res)
+
+    def _conv_by(self, plan: _ConvPlan, x, w, b, out: np.ndarray | None, res: np.ndarray | None) -> np.ndarray:
+        """A call of :meth:`_conv` by ``plan``."""
+        cd = compute_dtype(x.dtype)
         xc = x if x.dtype == cd else x.astype(cd)
         wm = plan.wm
         if wm is None:  # a weight fed at run time
@@ -1114,9 +1147,10 @@ class Conv(Kernel):
             y = np.matmul(wm, cols).reshape(plan.yshape)
         return self._epilogue(plan, y, bias, res, out_dtype)
 
-    def _plan(self, x_shape, cd, w, jit) -> _ConvPlan:
+    def _plan(self, x_shape, cd, w, jit, shift_any: bool = False) -> _ConvPlan:
         """What a call on an input of ``x_shape`` computed in ``cd`` does (``w``: the weight
-        when it is not packed; ``jit``: the numba kernels or None).  Raises what a call would."""
+        when it is not packed; ``jit``: the numba kernels or None; ``shift_any``: conv_shift
+        wherever it can run, up to ``_SHIFT_TUNED_TAPS``).  Raises what a call would."""
         g = self.group
         if w is None:
             m = self._w.shape[0] * self._w.shape[1]
@@ -1157,6 +1191,7 @@ class Conv(Kernel):
                     wm = self._w_as[cd] = self._w.reshape(p.wm_shape).astype(cd)
             p.wm = wm
         p.wk = p.full = p.sub = p.idx = p.zero = p.extent = p.cols_shape = p.padded = p.at = None
+        p.alt = p.choice = None
         p.phased = p.per_image = False
         p.small = False
         pre, post = self._pre, self._post
@@ -1222,7 +1257,8 @@ class Conv(Kernel):
             p.zero = np.zeros(1 if n == 1 and (jit is None or cd != np.float32) else (n, 1), cd)
             p.cols_shape = (n, g, cg * kprod, length)
         elif (_SHIFT_ON and g == 1 and jit is not None and cd == np.float32 and length > 0 and kprod > 1 and nd <= 2
-              and all(s == 1 for s in strides) and min(begin) >= 0 and _shift_fits(c, m, kprod, length, jit.TILE)):
+              and all(s == 1 for s in strides) and min(begin) >= 0
+              and ((shift_any and c * kprod <= _SHIFT_TUNED_TAPS) or _shift_fits(c, m, kprod, length, jit.TILE))):
             # Stride 1: every tap of a tile of output positions is a run of consecutive inputs in the
             # padded plane, read in place (conv_shift; no im2col).
             p.extent = _padded_extent(in_shape, begin, out_shape, ks, strides, dils)
