@@ -884,6 +884,13 @@ class SplitTuner:
     median wins.  Every ``RECHECK`` calls after that it measures again (the same way): six calls
     taken while the other core was busy, or while the machine was still warming up, would
     otherwise decide for as long as the process lives.  A new thread count measures at once.
+    ``RECHECK`` is 128 (was 512): on an AMD Zen 5 VM, session 57, the orientation classifier's
+    depthwise convs on two threads measured their split in a slow moment of some processes
+    (one thread 155 us, split 183, where other processes measured 113 and 77) and ran unsplit
+    for the next 512 calls (the model 4.9 ms a run against 3.6); three processes each, the
+    medians 3.4-4.9 ms at 512 against 3.3-4.9 at 128 (YOLOv8n 10.8-11.3 against 10.2-10.5,
+    MobileNetV2 4.1-4.7 against 4.1-4.3), on a noisy host.  Measuring again costs three calls
+    of the slower way per RECHECK.
     Splitting never changes a result (the kernels split their work by independent items), only
     its time.  Concurrent runs may both record a sample: harmless.
 
@@ -894,7 +901,7 @@ class SplitTuner:
     """
 
     TRIALS = 3
-    RECHECK = 512
+    RECHECK = 128
     __slots__ = ("modes",)
 
     def __init__(self) -> None:
