@@ -140,7 +140,7 @@ _WINO_OVER_SHIFT = 18
 # Below this many 2x2 output tiles (batch included) a Winograd conv runs as im2col + one GEMM.
 _WINO_MIN_TILES = 24
 # From that many, its first calls time Winograd against the direct path and keep the faster
-# (_act.PathTuner): which wins is the machine's (ONNXPACK_WINOGRAD_TUNE=0: always Winograd).
+# (_act.faster_path): which wins is the machine's (ONNXPACK_WINOGRAD_TUNE=0: always Winograd).
 _WINO_TUNED = os.environ.get("ONNXPACK_WINOGRAD_TUNE", "1") != "0"
 _EMPTY1 = np.zeros(0, np.float32)
 # 2-D float32 MaxPools without indices whose windows span several rows run the JIT's maxpool2d
