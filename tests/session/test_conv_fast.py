@@ -1224,6 +1224,43 @@ def test_conv_beyond_the_shift_limits_times_im2col_and_shift_once(fast, monkeypa
     assert seen == [0]
 
 
+def test_a_conv_fed_new_shapes_stops_measuring_once_its_first_shapes_agree(jit_mode, monkeypatch):
+    """A Winograd-packed conv with dynamic spatial dims: its first _PATH_VOTES input shapes are
+    measured (each path twice timed); once they all chose one path, a new shape takes it without
+    measuring, recorded for the process; every output agrees with onnxruntime."""
+    from onnxpack.session.kernels import _act, conv as conv_mod
+
+    monkeypatch.setattr(conv_mod, "_WINO_OVER_SHIFT", 0)
+    monkeypatch.setattr(_act, "_PATHS", type(_act._PATHS)())
+    clock = [0.0]
+    monkeypatch.setattr(_act.time, "perf_counter", lambda: clock[0])
+    seen = []
+    orig_call, orig_conv = conv_mod.Conv._winograd_call, conv_mod.Conv._conv
+
+    def path(which, run):
+        seen.append(which)
+        clock[0] += 1.0 if which == 1 else 2.0  # the direct path measures faster
+        return run()
+
+    monkeypatch.setattr(conv_mod.Conv, "_winograd_call", lambda self, *a: path(0, lambda: orig_call(self, *a)))
+    monkeypatch.setattr(conv_mod.Conv, "_conv", lambda self, x, w, *a: path(1, lambda: orig_conv(self, x, w, *a))
+                        if w is not None else orig_conv(self, x, w, *a))
+    w = (_rng(3).standard_normal((16, 16, 3, 3)) * 0.2).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, "h", "w"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString()
+    sess = onnxpack.InferenceSession(model)
+    measured = [0, 1] + [0, 1] * _act.PATH_TRIALS
+    for k, hw in enumerate((10, 12, 14, 16, 18)):
+        seen.clear()
+        feeds = {"x": _rng(k).standard_normal((1, 16, hw, hw)).astype(np.float32)}
+        np.testing.assert_allclose(sess.run(None, feeds)[0], _ort(model, feeds)[0], **TOL)
+        assert seen == (measured if k < conv_mod._PATH_VOTES else [1]), (hw, seen)
+    assert _act._PATHS[next(k for k in _act._PATHS if k[1] == (1, 16, 18, 18))] == 1
+
+
 def test_faster_path_takes_the_second_only_below_the_margin(monkeypatch):
     """faster_path alone: both paths once untimed, then PATH_TRIALS timed each, alternately; the
     second path wins only when its best time is under PATH_MARGIN of the first's; the choice is

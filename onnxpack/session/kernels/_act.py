@@ -1043,7 +1043,8 @@ PATH_TRIALS = 2
 PATH_MARGIN = 0.9  # the second path is taken only if at most this much of the first's time
 
 
-def faster_path(key: Hashable, first: Callable[[], Any], second: Callable[[], Any]) -> tuple[int, Any]:
+def faster_path(key: Hashable, first: Callable[[], Any], second: Callable[[], Any],
+                prior: int | None = None) -> tuple[int, Any]:
     """Which of two ways of computing a kernel's call (the same result up to rounding) runs for
     the geometry named by ``key``, decided once per process by timing both on the first call:
     returns (0 or 1, that path's result of this call, or None when the choice was made before:
@@ -1060,9 +1061,15 @@ def faster_path(key: Hashable, first: Callable[[], Any], second: Callable[[], An
     that the machine's noise would flip from one process to the next).  The choice is per
     process, not per session: every session of the model computes the same bits, cold or warm,
     and later calls of the geometry (any thread mode) run the chosen path alone.  The paths must
-    not write into memory that the other reads (their caller's output buffer included)."""
+    not write into memory that the other reads (their caller's output buffer included).
+
+    ``prior``: the caller's choice for a geometry not decided yet, taken without measuring and
+    kept for the key (a kernel whose first geometries all chose one path, fed ever new input
+    shapes: a detector on images of every size would otherwise pay the measuring per size)."""
     with _lock:
         choice = _PATHS.get(key)
+        if choice is None and prior is not None:
+            choice = _PATHS[key] = prior
     if choice is not None:
         return choice, None
     first()

@@ -107,6 +107,8 @@ _SHIFT_MAX_TAPS_ONE_TILE = 1024 * 9
 # (_act.faster_path; ONNXPACK_SHIFT_TUNE=0: the limits alone).
 _SHIFT_TUNED_TAPS = 1024 * 9
 _SHIFT_TUNED = os.environ.get("ONNXPACK_SHIFT_TUNE", "1") != "0"
+# After this many geometries of one Conv all chose one path, its new geometries take it unmeasured.
+_PATH_VOTES = 3
 # Stride-2 convs run conv_shift over the input's four stride phases (one group, no dilation) up to
 # this many taps per output (C * kh * kw), by the tile width (64 positions with AVX-512, 16 with
 # AVX2); beyond, im2col + GEMM.  Measured one thread, 3x3 + SiLU, against im2col + OpenBLAS on the
@@ -795,6 +797,7 @@ class Conv(Kernel):
     def __init__(self, node, ctx) -> None:
         super().__init__(node, ctx)
         self.sp = _SpatialAttrs(self)
+        self._votes: dict[str, list[int]] = {}  # _path's choices so far, per question
         self.group = int(self.attr("group", 1))
         if self.group < 1:
             raise InvalidArgument(f"node {node.name!r} ({node.op_type}): attribute group must be >= 1, got {self.group}")
@@ -955,9 +958,9 @@ class Conv(Kernel):
         alt = plan.alt
         if alt is not None:
             if plan.choice is None:
-                path, y = _act.faster_path(
-                    ("conv", x.shape, plan.wm_shape, plan.ks, plan.strides, plan.dils, tuple(plan.begin),
-                     _act.threads()),
+                path, y = self._path(
+                    "shift", ("conv", x.shape, plan.wm_shape, plan.ks, plan.strides, plan.dils, tuple(plan.begin),
+                              _act.threads()),
                     lambda: self._conv_by(plan, x, w, b, None, res), lambda: self._conv_by(alt, x, w, b, None, res))
                 plan.choice = path
                 if y is not None:
@@ -968,6 +971,17 @@ class Conv(Kernel):
             if plan.choice:
                 plan = alt
         return self._conv_by(plan, x, w, b, out, res)
+
+    def _path(self, question: str, key, first, second) -> tuple[int, object]:
+        """:func:`._act.faster_path` for this Conv: once its first ``_PATH_VOTES`` geometries of
+        ``question`` chose one path, a new geometry takes that path unmeasured (recorded for the
+        process all the same)."""
+        votes = self._votes.setdefault(question, [])
+        prior = votes[0] if len(votes) >= _PATH_VOTES and len(set(votes)) == 1 else None
+        path, y = _act.faster_path(key, first, second, prior)
+        if prior is None and len(votes) < _PATH_VOTES:
+            votes.append(path)
+        return path, y
 
     def _conv_by(self, plan: _ConvPlan, x, w, b, out: np.ndarray | None, res: np.ndarray | None) -> np.ndarray:
         """A call of :meth:`_conv` by ``plan``."""
@@ -1462,8 +1476,8 @@ class Conv(Kernel):
         if path is None:
             # The choice is the geometry's (shape, channels, padding, thread count), for every
             # Conv and session of the process; its measuring calls write no caller's buffer.
-            path, y = _act.faster_path(
-                ("conv3x3", xc.shape, u.shape[1], tuple(begin), tuple(out_shape), _act.threads()),
+            path, y = self._path(
+                "winograd", ("conv3x3", xc.shape, u.shape[1], tuple(begin), tuple(out_shape), _act.threads()),
                 lambda: self._winograd_call(x, xc, b, None, res, begin, out_shape),
                 lambda: self._conv(x, self._direct_weight(), b, None, res))
             geo[3] = path
