@@ -696,6 +696,14 @@ def unpack_windows(packed: np.ndarray, m: int, k: int) -> np.ndarray:
                                 ).reshape(m, 1, k)
 
 
+def _into(out: np.ndarray | None, y: np.ndarray) -> np.ndarray:
+    """``y`` written into the caller's ``out`` when it fits (same shape and dtype), else ``y``."""
+    if out is not None and out.shape == y.shape and out.dtype == y.dtype:
+        out[...] = y
+        return out
+    return y
+
+
 def _run_items(fn, args, plan: _ConvPlan, native=None) -> None:
     """``fn(*args, i0, i1)`` over the plan's ``count`` work items: split over onnxpack's threads
     when the plan is ``big`` and splitting it pays here (its :class:`~._act.SplitTuner`), else
@@ -961,16 +969,14 @@ class Conv(Kernel):
                 path, y = self._path(
                     "shift", ("conv", x.shape, plan.wm_shape, plan.ks, plan.strides, plan.dils, tuple(plan.begin),
                               _act.threads()),
-                    lambda: self._conv_by(plan, x, w, b, None, res), lambda: self._conv_by(alt, x, w, b, None, res))
+                    lambda: self._conv_by(plan, x, w, b, None, res, cd),
+                    lambda: self._conv_by(alt, x, w, b, None, res, cd))
                 plan.choice = path
                 if y is not None:
-                    if out is not None and out.shape == y.shape and out.dtype == y.dtype:
-                        out[...] = y
-                        return out
-                    return y
+                    return _into(out, y)
             if plan.choice:
                 plan = alt
-        return self._conv_by(plan, x, w, b, out, res)
+        return self._conv_by(plan, x, w, b, out, res, cd)
 
     def _path(self, question: str, key, first, second) -> tuple[int, object]:
         """:func:`._act.faster_path` for this Conv: once its first ``_PATH_VOTES`` geometries of
@@ -983,9 +989,8 @@ class Conv(Kernel):
             votes.append(path)
         return path, y
 
-    def _conv_by(self, plan: _ConvPlan, x, w, b, out: np.ndarray | None, res: np.ndarray | None) -> np.ndarray:
-        """A call of :meth:`_conv` by ``plan``."""
-        cd = compute_dtype(x.dtype)
+    def _conv_by(self, plan: _ConvPlan, x, w, b, out: np.ndarray | None, res: np.ndarray | None, cd) -> np.ndarray:
+        """A call of :meth:`_conv` by ``plan`` (``cd``: the compute dtype)."""
         xc = x if x.dtype == cd else x.astype(cd)
         wm = plan.wm
         if wm is None:  # a weight fed at run time
@@ -1484,10 +1489,7 @@ class Conv(Kernel):
             if path == 0 and not any(type(g) is list and g[3] == 1 for g in self._plans.values()):
                 self._w_from_u = None  # Winograd runs: the recovered filters go
             if y is not None:
-                if out is not None and out.shape == y.shape and out.dtype == y.dtype:
-                    out[...] = y
-                    return out
-                return y
+                return _into(out, y)
         if path:
             return self._conv(x, self._direct_weight(), b, out, res)
         return self._winograd_call(x, xc, b, out, res, begin, out_shape)
@@ -1512,11 +1514,7 @@ class Conv(Kernel):
         y = _winograd.conv3x3(xc, self._u, bias, begin, out_shape, inner)
         if y is None:  # a non-finite input: the transforms would spread it (inf - inf)
             return self._conv(x, self._direct_weight(), b, out, res)
-        y = self._finish(y, None, outer, res, self._post, out_dtype, self._channels(y.dtype))
-        if out is not None and out.shape == y.shape and out.dtype == y.dtype:
-            out[...] = y
-            return out
-        return y
+        return _into(out, self._finish(y, None, outer, res, self._post, out_dtype, self._channels(y.dtype)))
 
     @staticmethod
     def _finish(y, bias, pre, res, post, out_dtype, channels=((), None)) -> np.ndarray:
