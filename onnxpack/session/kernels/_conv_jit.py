@@ -75,8 +75,9 @@ _FM = {"contract"}
 # passes its arrays counted in and out, ~20 ns, as much as a 7x7 plane's activation (MobileNetV2's
 # 960 x 7x7 depthwise + Clip 147 -> 126 us a call on one AVX-512 core).
 _ACTS_PLANE_MIN = 256
-# Widest input plane whose stride-2 phases depthwise3_s2 splits through the flat arrays
-# (_split_phases_flat): measured faster up to 14x14, slower from 28x28 (1.2x at 192 x 28x28).
+# Widest input plane whose stride-2 phases the depthwise kernels split through the flat arrays
+# (_split_phases_flat): 2.3x faster at 14x14 than through row views, at parity from 18x18 (AMD
+# Zen 5; on a Sapphire Rapids-class VM, with the loop then scalar, faster up to 14x14).
 _SPLIT_FLAT_W = 16
 # For kernels whose only reduction is a float64 sum of squares: reassociation lets it vectorize.
 _FM_SUM = {"contract", "reassoc"}
@@ -665,15 +666,28 @@ def _split_phases(xf, xbase, h_, w_, s, psz, ow_):
 def _split_phases_flat(xf, xbase, h_, w_, s, psz, ow_):
     """:func:`_split_phases` reading and writing through the flat arrays, for narrow planes: a
     view per row costs ~10 ns of reference counting, most of a 14x14 plane's split (see
-    :func:`depthwise3_s2`); wider rows vectorize better through views."""
+    :func:`depthwise3_s2`).  The indices are unsigned: with signed ones numba tests each for a
+    negative (wrap-around) value, which kept the loop scalar (AMD Zen 5, one thread: 256 x 14x14
+    planes 166 -> 69 ns a plane, 8x8 69 -> 37; at parity with the views from 18x18)."""
+    two = np.uint64(2)
     for r in range(h_):
         a = r % 2
-        de = 2 * a * psz + 1 + (r // 2 + 1) * ow_
-        do = de + psz
-        src = xbase + r * w_
-        for j in range(ow_):
-            s[de + j] = xf[src + 2 * j]
-            s[do + j] = xf[src + 2 * j + 1]
+        de = np.uint64(2 * a * psz + 1 + (r // 2 + 1) * ow_)
+        do = de + np.uint64(psz)
+        src = np.uint64(xbase + r * w_)
+        for j in range(np.uint64(ow_)):
+            s[de + j] = xf[src + two * j]
+            s[do + j] = xf[src + two * j + np.uint64(1)]
+
+
+@njit(inline="always", fastmath=_FM, error_model="numpy")
+def _split_plane(xf, xbase, h_, w_, s, psz, ow_):
+    """:func:`_split_phases` of one plane, through the flat arrays where its rows are narrow
+    (``_SPLIT_FLAT_W``)."""
+    if w_ <= _SPLIT_FLAT_W:
+        _split_phases_flat(xf, xbase, h_, w_, s, psz, ow_)
+    else:
+        _split_phases(xf, xbase, h_, w_, s, psz, ow_)
 
 
 @njit(inline="always", fastmath=_FM, error_model="numpy")
@@ -764,12 +778,8 @@ def depthwise3_s2(x, w, bias, y, codes, params, nc0, nc1):
     # The scratch's views made once a call, the weights read without a view: on a 7x7 output
     # plane the ten views a plane made were most of its time.
     views = _s2_views(s, psz, ow_, 0)
-    flat = w_ <= _SPLIT_FLAT_W
     for nc in range(nc0, nc1):
-        if flat:
-            _split_phases_flat(xf, nc * hw, h_, w_, s, psz, ow_)
-        else:
-            _split_phases(xf, nc * hw, h_, w_, s, psz, ow_)
+        _split_plane(xf, nc * hw, h_, w_, s, psz, ow_)
         out = yf[nc * ohw:(nc + 1) * ohw]
         c = nc % c_
         k = (w[c, 0, 0], w[c, 0, 1], w[c, 0, 2], w[c, 1, 0], w[c, 1, 1], w[c, 1, 2], w[c, 2, 0], w[c, 2, 1],
@@ -806,7 +816,7 @@ def depthwise5_s2(x, w, bias, y, codes, params, nc0, nc1):
     cb3 = psz
     cb4 = 1
     for nc in range(nc0, nc1):
-        _split_phases(xf, nc * hw, h_, w_, s, psz, ow_)
+        _split_plane(xf, nc * hw, h_, w_, s, psz, ow_)
         wc = w[nc % c_]
         bc = bias[nc % c_]
         out = yf[nc * ohw:(nc + 1) * ohw]
