@@ -154,6 +154,8 @@ SHAPES = {
     "dense-3x3": dict(),
     "dense-3x3-s2": dict(strides=(2, 2)),
     "pointwise": dict(k=1, pads=(0, 0, 0, 0), m=12),
+    # one position an image (after a global pooling), a batch of 3
+    "pointwise-one-position-batch3": dict(x_shape=(3, 24, 1, 1), k=1, pads=(0, 0, 0, 0), m=40),
     "depthwise-3x3": dict(group=8, m=8),
     "depthwise-5x5-s2": dict(group=8, m=8, k=5, strides=(2, 2), pads=(2, 2, 2, 2)),
     # The JIT's one-pass "same" kernels (3x3 / 5x5, stride 1, (K-1)/2 padding): planes wider
@@ -1445,6 +1447,8 @@ PLAN_SHAPES = {
     "dense-3x3-s2": dict(strides=(2, 2)),
     "dense-3x3-gather": dict(m=16),  # small inputs gather their column matrix; large: im2col
     "pointwise": dict(k=1, pads=(0, 0, 0, 0), m=12),
+    # one position an image (after a global pooling), a batch of 3
+    "pointwise-one-position-batch3": dict(x_shape=(3, 24, 1, 1), k=1, pads=(0, 0, 0, 0), m=40),
     "pointwise-s2": dict(k=1, pads=(0, 0, 0, 0), m=12, strides=(2, 2)),
     "depthwise-3x3": dict(group=8, m=8),
     "depthwise-3x3-s2": dict(group=8, m=8, strides=(2, 2)),
