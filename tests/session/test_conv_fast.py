@@ -1145,6 +1145,62 @@ def test_winograd_matches_direct_convolution(case, jit_mode, winograd_any_size):
     np.testing.assert_allclose(got, _ort(model, feeds)[0], **TOL)
 
 
+# Winograd-packed convs whose direct path runs conv_bcast (output channels vectorized: at least
+# 90 % of the panels' lanes used, C * 9 >= 128): a 7x7 map (too few tiles for Winograd), an odd
+# map with asymmetric pads and batch 2, a partly filled panel (120 = 64 + 56), a residual, a
+# larger map.
+BCAST = {
+    "7x7-map": dict(x_shape=(1, 32, 7, 7), m=64),
+    "odd-map-asym-pads-batch2": dict(x_shape=(2, 16, 13, 11), m=128, pads=(0, 1, 2, 0)),
+    "partial-panel": dict(x_shape=(1, 16, 9, 9), m=120),
+    "no-pad-residual": dict(x_shape=(1, 24, 10, 9), m=64, pads=(0, 0, 0, 0), residual="right"),
+    "large-map": dict(x_shape=(1, 16, 30, 34), m=64),
+}
+
+
+@pytest.mark.parametrize("tail", ["none", "relu6", "silu"])
+@pytest.mark.parametrize("case", list(BCAST), ids=list(BCAST))
+def test_winograd_convs_direct_path_by_output_channels_matches(case, tail, winograd_any_size, monkeypatch):
+    """The direct path of a Winograd-packed conv (timed against Winograd, or alone on small maps)
+    by conv_bcast: equal to float64 direct convolution within float32 rounding of the output's
+    scale, and to onnxruntime; its items split over threads give the same bits as one call; a
+    non-finite input stays where a direct convolution puts it."""
+    from onnxpack.session.kernels import _act, conv as conv_mod
+
+    if _act.jit() is None:
+        pytest.skip("numba not installed")
+    monkeypatch.setattr(conv_mod, "_WINO_TUNED", True)
+    monkeypatch.setattr(_act, "_PATHS", type(_act._PATHS)())
+    monkeypatch.setattr(_act, "faster_path", lambda key, first, second, prior=None: (1, None))  # direct
+    cfg = dict(BCAST[case])
+    residual = cfg.pop("residual", None)
+    model, feeds = conv_model(tail=tail, residual=residual, **cfg)
+    if residual:
+        feeds = _feed_residual(model, feeds)
+    sess = onnxpack.InferenceSession(model)
+    got = sess.run(None, feeds)[0]
+    kernel = next(s.kernel for s in sess.program.root.steps if s.node.op_type in ("Conv", "FusedConv"))
+    assert kernel._u is not None and kernel._bc is not None
+    assert any(getattr(p, "kind", None) == conv_mod._BCAST for p in kernel._plans.values())
+    np.testing.assert_allclose(got, _ort(model, feeds)[0], **TOL)
+    if tail == "none" and not residual:
+        want = _direct_f64((model, feeds))
+        assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
+    # Items split over threads: the same bits as one call.
+    monkeypatch.setattr(_act, "threads", lambda: 2)
+    plan = next(p for p in kernel._plans.values() if getattr(p, "kind", None) == conv_mod._BCAST)
+    monkeypatch.setattr(plan, "big", True)
+    halves = type("Halves", (), {"run": staticmethod(lambda fn, count, threads, native=None: (
+        fn(0, count // 2), fn(count // 2, count)))})
+    monkeypatch.setattr(plan, "split", halves)
+    np.testing.assert_array_equal(sess.run(None, feeds)[0], got)
+    # Inf and NaN where a direct convolution puts them (Winograd's transforms would spread them).
+    x = feeds["x"].copy()
+    x[0, 1, 2, 3], x[-1, 0, -1, -2] = np.inf, np.nan
+    bad = {**feeds, "x": x}
+    np.testing.assert_array_equal(np.isnan(sess.run(None, bad)[0]), np.isnan(_ort(model, bad)[0]))
+
+
 @pytest.mark.parametrize("fast", [0, 1], ids=["winograd-faster", "direct-faster"])
 def test_winograd_conv_times_its_paths_once_and_keeps_the_faster(fast, jit_mode, monkeypatch):
     """The first call of a Winograd-packed conv's geometry runs Winograd and the direct path

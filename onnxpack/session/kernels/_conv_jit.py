@@ -65,9 +65,9 @@ from onnxpack.session.kernels import _erf as _erf_mod
 from onnxpack.session.kernels._nbits_jit import F32, I64, as_ptr
 from onnxpack.session.kernels._spin_jit import _sgemm
 from onnxpack.session.kernels._sgemm_jit import TILE, conv_tile1, conv_tile2, conv_tile4, conv_tile6, prefetch
-from onnxpack.session.kernels._sgemm_jit import KC, _tile1, _tile2, _tile4, _tile6
+from onnxpack.session.kernels._sgemm_jit import KC, _tile1, _tile2, _tile4, _tile6, gtile1, gtile2, gtile4, gtile6
 
-__all__ = ["gather_cols", "depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "pad_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_windows", "WIN_BLOCK", "windows_unit", "WINDOWS_UNIT", "conv_shift", "wino_input", "wino_output", "bias_act", "gemm_act_unit", "GEMM_ACT_UNIT", "shift_unit", "SHIFT_UNIT", "maxpool2d", "act_inplace", "expf_array"]
+__all__ = ["gather_cols", "depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "pad_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_windows", "conv_bcast", "WIN_BLOCK", "windows_unit", "WINDOWS_UNIT", "conv_shift", "wino_input", "wino_output", "bias_act", "gemm_act_unit", "GEMM_ACT_UNIT", "shift_unit", "SHIFT_UNIT", "maxpool2d", "act_inplace", "expf_array"]
 
 _FM = {"contract"}
 # Depthwise kernels activate a plane right after computing it (still in L1) from this many
@@ -83,6 +83,7 @@ _SPLIT_FLAT_W = 16
 _FM_SUM = {"contract", "reassoc"}
 
 _F0 = np.float32(0.0)
+_NO_OFFSETS = np.zeros(0, np.int64)  # conv_windows' (absent) gather offsets (see _panel_items)
 _F1 = np.float32(1.0)
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)
@@ -1553,6 +1554,74 @@ def _tiny_products(x, idx, w, y):
 WIN_BLOCK = 96
 
 
+@njit(inline="always", fastmath=_FM, error_model="numpy")
+def _store_panel(yn, c0, r0, r_end, scr, bias):
+    """An item's sums (positions ``r0 .. r_end`` x 64 channels from ``c0``, in ``scr`` position
+    by position) written transposed into one image's ``yn`` (M, P), with the bias when given;
+    channels past M are dropped."""
+    for j in range(min(64, yn.shape[0] - c0)):
+        yj = yn[c0 + j]
+        if bias.shape[0] > 0:
+            b = bias[c0 + j]
+            for i in range(r_end - r0):
+                yj[r0 + i] = scr[i * 64 + j] + b
+        else:
+            for i in range(r_end - r0):
+                yj[r0 + i] = scr[i * 64 + j]
+
+
+@njit(inline="always", fastmath=_FM, error_model="numpy")
+def _panel_items(x, w, y, stride, bases, koffs, bias, block, i0, i1):
+    """The work items of :func:`conv_windows` (``koffs`` empty: row ``r`` of the product is the
+    window at ``r * stride``) and of :func:`conv_bcast` (row ``r``, element ``k`` at ``bases[r] +
+    koffs[k]``): per item, ``KC`` rows of the panel a block, tiles of 6, 4, 2 or 1 positions by
+    ``TILE`` channels into the scratch, then :func:`_store_panel`."""
+    n_, m_, p_ = y.shape
+    npan = -(-m_ // 64)
+    k_ = w.shape[0] // npan
+    nblk = -(-p_ // block)
+    wf = w.reshape(-1)
+    scr = np.empty(block * 64, np.float32)
+    gathered = koffs.shape[0] > 0
+    for item in range(i0, i1):
+        pan = item % npan
+        blk = (item // npan) % nblk
+        n = item // (npan * nblk)
+        xn = x[n]
+        c0 = pan * 64
+        r0 = blk * block
+        r_end = min(p_, r0 + block)
+        for k0 in range(0, k_, KC):
+            nk = min(KC, k_ - k0)
+            acc = 1 if k0 > 0 else 0
+            r = r0
+            while r < r_end:
+                left = r_end - r
+                rows = 6 if left >= 6 else (4 if left >= 4 else (2 if left >= 2 else 1))
+                so = (r - r0) * 64
+                for c in range(0, 64, TILE):
+                    woff = (pan * k_ + k0) * 64 + c
+                    if gathered:
+                        if rows == 6:
+                            gtile6(scr, so + c, 64, wf, woff, 64, xn, bases, r, koffs, k0, nk, acc)
+                        elif rows == 4:
+                            gtile4(scr, so + c, 64, wf, woff, 64, xn, bases, r, koffs, k0, nk, acc)
+                        elif rows == 2:
+                            gtile2(scr, so + c, 64, wf, woff, 64, xn, bases, r, koffs, k0, nk, acc)
+                        else:
+                            gtile1(scr, so + c, 64, wf, woff, 64, xn, bases, r, koffs, k0, nk, acc)
+                    elif rows == 6:
+                        _tile6(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc, 0, 0)
+                    elif rows == 4:
+                        _tile4(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc, 0, 0)
+                    elif rows == 2:
+                        _tile2(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc, 0, 0)
+                    else:
+                        _tile1(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc, 0, 0)
+                r += rows
+        _store_panel(y[n], c0, r0, r_end, scr, bias)
+
+
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
 def conv_windows(x, w, y, stride, bias, block, i0, i1):
     """Work items ``i0 .. i1`` of a 1-D convolution of one input channel by a kernel of ``K``
@@ -1574,49 +1643,30 @@ def conv_windows(x, w, y, stride, bias, block, i0, i1):
     samples (97 positions): ~180 us against ~200 for OpenBLAS on the im2col matrix, which took
     ~30 us more to build.  Each output is one chain of fused multiply-adds over the taps in
     order (the blocks continue it from the scratch)."""
-    n_, m_, p_ = y.shape
-    npan = -(-m_ // 64)
-    k_ = w.shape[0] // npan
-    nblk = -(-p_ // block)
-    has_bias = bias.shape[0] > 0
-    wf = w.reshape(-1)
-    scr = np.empty(block * 64, np.float32)
-    for item in range(i0, i1):
-        pan = item % npan
-        blk = (item // npan) % nblk
-        n = item // (npan * nblk)
-        xn = x[n]
-        c0 = pan * 64
-        r0 = blk * block
-        r_end = min(p_, r0 + block)
-        for k0 in range(0, k_, KC):
-            nk = min(KC, k_ - k0)
-            acc = 1 if k0 > 0 else 0
-            r = r0
-            while r < r_end:
-                left = r_end - r
-                rows = 6 if left >= 6 else (4 if left >= 4 else (2 if left >= 2 else 1))
-                so = (r - r0) * 64
-                for c in range(0, 64, TILE):
-                    woff = (pan * k_ + k0) * 64 + c
-                    if rows == 6:
-                        _tile6(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc, 0, 0)
-                    elif rows == 4:
-                        _tile4(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc, 0, 0)
-                    elif rows == 2:
-                        _tile2(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc, 0, 0)
-                    else:
-                        _tile1(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc, 0, 0)
-                r += rows
-        for j in range(min(64, m_ - c0)):
-            yj = y[n, c0 + j]
-            if has_bias:
-                b = bias[c0 + j]
-                for i in range(r_end - r0):
-                    yj[r0 + i] = scr[i * 64 + j] + b
-            else:
-                for i in range(r_end - r0):
-                    yj[r0 + i] = scr[i * 64 + j]
+    _panel_items(x, w, y, stride, _NO_OFFSETS, _NO_OFFSETS, bias, block, i0, i1)
+
+
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def conv_bcast(x, w, y, bases, koffs, bias, block, i0, i1):
+    """Work items ``i0 .. i1`` of a 2-D convolution of one group with its output channels
+    vectorized: ``y[n, m, p] = sum_k W[m, k] * x[n, bases[p] + koffs[k]] (+ bias[m])``.
+
+    ``x`` (N, C * plane) the padded images, flat; ``w`` (ceil(M / 64) * K, 64) the weight
+    (M, C, KH, KW) as ``conv.pack_windows`` packs its (M, C * KH * KW) matrix (per 64 output
+    channels, K rows of 64, zeros past M); ``bases`` (P,) where output position ``p``'s window
+    starts in an image, ``koffs`` (K,) where its k-th (input channel, tap) sits from there
+    (strides in ``bases``, dilations in ``koffs``); ``y`` (N, M, P) float32, ``bias`` (M,) or
+    empty.  An item is one image's 64 output channels over ``block`` positions (item = (image *
+    blocks + block) * panels + panel), as :func:`conv_windows`'.
+
+    Why: onnxruntime's NCHWc convolutions vectorize over output channels, so every lane works
+    whatever the map's size; conv_shift's tiles of 64 positions are 77 % filled on a 7x7 map (49
+    of 64) and Winograd needs enough tiles.  Here the micro-kernel of :mod:`._sgemm_jit`
+    broadcasts one input value per output position (gathered: ``gtileR``) against a panel row
+    of 64 channels, 6 positions x 64 channels of sums in registers, ``KC`` (channel, tap) pairs
+    a block; the sums are written transposed (with the bias) into ``y``.  Each output is one
+    chain of fused multiply-adds over k in order, so the bits do not depend on the items' split."""
+    _panel_items(x, w, y, 0, bases, koffs, bias, block, i0, i1)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")

@@ -39,7 +39,7 @@ from onnxpack.session.kernels._nbits_jit import (F32, accumulate, array_data, as
                                                  splat)
 
 __all__ = ["sgemm_panels", "panel_unit", "PANEL_UNIT", "prefetch", "conv_tile6", "conv_tile4", "conv_tile2", "conv_tile1",
-           "NR", "KC", "LANES", "TILE"]
+           "gtile6", "gtile4", "gtile2", "gtile1", "NR", "KC", "LANES", "TILE"]
 
 NR = 64  # columns per panel: the packed layout (4 vectors of 16 float32)
 # Rows of a panel per pass: 32 KB of it, L1-resident while all rows of ``a`` pass.  With 512 (an
@@ -72,7 +72,24 @@ _F32, _I64 = ir.FloatType(), ir.IntType(64)
 _VF = ir.VectorType(_F32, LANES)
 
 
-def _start_sums(builder, acc_in, outs, vecs: int, vptr):
+def _const(v: int) -> ir.Constant:
+    """An int64 constant."""
+    return ir.Constant(_I64, v)
+
+
+def _vptr(builder, p, i: int):
+    """The float32 pointer ``p`` advanced by ``i`` vectors, as a vector pointer."""
+    return builder.bitcast(builder.gep(p, [_const(LANES * i)]), _VF.as_pointer())
+
+
+def _store_sums(builder, outs, sums) -> None:
+    """Each row's vector sums to consecutive vectors at its pointer in ``outs``."""
+    for dst, row in zip(outs, sums):
+        for i, v in enumerate(row):
+            builder.store(v, _vptr(builder, dst, i), align=4)
+
+
+def _start_sums(builder, acc_in, outs, vecs: int):
     """Each row's ``vecs`` starting accumulators: zero, or (``acc_in != 0``) the vectors at its
     pointer in ``outs`` (what an earlier block of the sum left there)."""
     zero = ir.Constant(_VF, None)
@@ -81,7 +98,7 @@ def _start_sums(builder, acc_in, outs, vecs: int, vptr):
     ready = builder.append_basic_block("init.ready")
     builder.cbranch(builder.icmp_signed("!=", acc_in, ir.Constant(_I64, 0)), load, ready)
     builder.position_at_end(load)
-    loaded = [[builder.load(vptr(out, i), align=4) for i in range(vecs)] for out in outs]
+    loaded = [[builder.load(_vptr(builder, out, i), align=4) for i in range(vecs)] for out in outs]
     builder.branch(ready)
     builder.position_at_end(ready)
     inits = []
@@ -106,12 +123,6 @@ def _tile_codegen(rows: int):
     def codegen(context, builder, sig, args):
         out, ooff, ostride, w, woff, wstride, a, aoff, astride, nk, acc_in, pfoff, pfn = args
 
-        def const(v):
-            return ir.Constant(_I64, v)
-
-        def vptr(p, i):
-            return builder.bitcast(builder.gep(p, [const(LANES * i)]), _VF.as_pointer())
-
         op = array_data(context, builder, sig.args[0], out, _F32)
         outs = row_pointers(builder, op, ooff, ostride, rows)
         wbase = array_data(context, builder, sig.args[3], w, _F32)
@@ -121,33 +132,33 @@ def _tile_codegen(rows: int):
         fma = declare(builder, f"llvm.fma.v{LANES}f32", _VF)
         hint = prefetch_fn(builder)
         # The starting sums: zero, or what an earlier block of K left in the output.
-        inits = _start_sums(builder, acc_in, outs, vecs, vptr)
+        inits = _start_sums(builder, acc_in, outs, vecs)
         pre = builder.block
         loop = builder.append_basic_block("k.loop")
         done = builder.append_basic_block("k.done")
-        builder.cbranch(builder.icmp_signed(">", nk, const(0)), loop, done)
+        builder.cbranch(builder.icmp_signed(">", nk, _const(0)), loop, done)
         builder.position_at_end(loop)
         k = builder.phi(_I64)
-        k.add_incoming(const(0), pre)
+        k.add_incoming(_const(0), pre)
         accs = [[builder.phi(_VF) for _ in range(vecs)] for _ in range(rows)]
         for r in range(rows):
             for i in range(vecs):
                 accs[r][i].add_incoming(inits[r][i], pre)
         # One line of the next block a step, among the multiply-adds: a burst of prefetches
         # before the tile filled the core's miss buffers and stalled it until the lines came.
-        with builder.if_then(builder.icmp_signed(">", pfn, const(0))):
-            line = builder.select(builder.icmp_signed("<", k, pfn), k, builder.sub(pfn, const(1)))
-            target = builder.gep(wbase, [builder.add(pfoff, builder.mul(line, const(16)))])
+        with builder.if_then(builder.icmp_signed(">", pfn, _const(0))):
+            line = builder.select(builder.icmp_signed("<", k, pfn), k, builder.sub(pfn, _const(1)))
+            target = builder.gep(wbase, [builder.add(pfoff, builder.mul(line, _const(16)))])
             i32 = ir.IntType(32)
             builder.call(hint, [builder.bitcast(target, ir.IntType(8).as_pointer()), ir.Constant(i32, 0),
                                 ir.Constant(i32, 3), ir.Constant(i32, 1)])
         wrow = builder.gep(wp, [builder.mul(k, wstride)])
-        wv = [builder.load(vptr(wrow, i), align=4) for i in range(vecs)]
+        wv = [builder.load(_vptr(builder, wrow, i), align=4) for i in range(vecs)]
         new = []
         for r in range(rows):
             s = splat(builder, builder.load(builder.gep(aps[r], [k])), LANES)
             new.append([builder.call(fma, [s, v, acc]) for acc, v in zip(accs[r], wv)])
-        k_next = builder.add(k, const(1))
+        k_next = builder.add(k, _const(1))
         end = builder.block
         k.add_incoming(k_next, end)
         for r in range(rows):
@@ -163,7 +174,7 @@ def _tile_codegen(rows: int):
                 p.add_incoming(new[r][i], end)
                 final.append((r, i, p))
         for r, i, p in final:  # (every phi first: LLVM wants them at the top of the block)
-            builder.store(p, vptr(outs[r], i), align=4)
+            builder.store(p, _vptr(builder, outs[r], i), align=4)
         return context.get_dummy_value()
 
     return codegen
@@ -188,6 +199,60 @@ _tile6 = _tile_intrinsic(6)
 _tile4 = _tile_intrinsic(4)
 _tile2 = _tile_intrinsic(2)
 _tile1 = _tile_intrinsic(1)
+
+
+def _gtile_codegen(rows: int):
+    """:func:`_tile_codegen` with A's elements gathered: row ``r``'s k-th element is at
+    ``a.flat[bases[boff + r] + koffs[koff + k]]`` (a convolution's output position ``r`` and
+    its k-th (input channel, tap)), without the prefetching."""
+    vecs = TILE // LANES
+
+    def codegen(context, builder, sig, args):
+        out, ooff, ostride, w, woff, wstride, a, bases, boff, koffs, koff, nk, acc_in = args
+
+        op = array_data(context, builder, sig.args[0], out, _F32)
+        outs = row_pointers(builder, op, ooff, ostride, rows)
+        wp = builder.gep(array_data(context, builder, sig.args[3], w, _F32), [woff])
+        ap = array_data(context, builder, sig.args[6], a, _F32)
+        bp = array_data(context, builder, sig.args[7], bases, _I64)
+        kp = builder.gep(array_data(context, builder, sig.args[9], koffs, _I64), [koff])
+        aps = [builder.gep(ap, [builder.load(builder.gep(bp, [builder.add(boff, _const(r))]))]) for r in range(rows)]
+        fma = declare(builder, f"llvm.fma.v{LANES}f32", _VF)
+
+        def step(k, accs):
+            wrow = builder.gep(wp, [builder.mul(k, wstride)])
+            wv = [builder.load(_vptr(builder, wrow, i), align=4) for i in range(vecs)]
+            ko = builder.load(builder.gep(kp, [k]))
+            return [[builder.call(fma, [splat(builder, builder.load(builder.gep(aps[r], [ko])), LANES), v, acc])
+                     for acc, v in zip(accs[r], wv)] for r in range(rows)]
+
+        sums = accumulate(builder, nk, rows, vecs, step, _VF, init=_start_sums(builder, acc_in, outs, vecs))
+        _store_sums(builder, outs, sums)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _gtile_intrinsic(rows: int):
+    def impl(typingctx, out, ooff, ostride, w, woff, wstride, a, bases, boff, koffs, koff, nk, acc_in):
+        if not (all(isinstance(x, types.Array) and x.layout == "C" and x.dtype == types.float32 for x in (out, w, a))
+                and all(isinstance(x, types.Array) and x.layout == "C" and x.dtype == types.int64
+                        for x in (bases, koffs))):
+            return None
+        i64 = types.int64
+        return (types.void(out, i64, i64, w, i64, i64, a, bases, i64, koffs, i64, i64, i64),
+                _gtile_codegen(rows))
+
+    impl.__name__ = impl.__qualname__ = f"_gtile{TILE}x{rows}"
+    return intrinsic(impl)
+
+
+# ``_gtileR(out, ooff, ostride, w, woff, wstride, a, bases, boff, koffs, koff, nk, acc)``: ``_tileR``
+# with A's row r, element k at ``a.flat[bases[boff + r] + koffs[koff + k]]`` (no prefetching).
+gtile6 = _gtile_intrinsic(6)
+gtile4 = _gtile_intrinsic(4)
+gtile2 = _gtile_intrinsic(2)
+gtile1 = _gtile_intrinsic(1)
 
 
 @intrinsic
@@ -217,12 +282,6 @@ def _conv_tile_codegen(rows: int):
     def codegen(context, builder, sig, args):
         out, ooff, ostride, x, xoff, xstride, w, woff, wrow, ntaps, nk, taps, acc_in = args
 
-        def const(v):
-            return ir.Constant(_I64, v)
-
-        def vptr(p, i):
-            return builder.bitcast(builder.gep(p, [const(LANES * i)]), _VF.as_pointer())
-
         op = array_data(context, builder, sig.args[0], out, _F32)
         xp = array_data(context, builder, sig.args[3], x, _F32)
         wp = array_data(context, builder, sig.args[6], w, _F32)
@@ -234,7 +293,7 @@ def _conv_tile_codegen(rows: int):
             xt = builder.gep(xp, [builder.add(xoff, builder.load(builder.gep(tp, [t])))])
 
             def channel(k, accs):
-                xv = [builder.load(vptr(builder.gep(xt, [builder.mul(k, xstride)]), i), align=4) for i in range(vecs)]
+                xv = [builder.load(_vptr(builder, builder.gep(xt, [builder.mul(k, xstride)]), i), align=4) for i in range(vecs)]
                 at = builder.add(builder.mul(k, ntaps), t)
                 return [[builder.call(fma, [splat(builder, builder.load(builder.gep(wrows[r], [at])), LANES), v, acc])
                          for acc, v in zip(accs[r], xv)] for r in range(rows)]
@@ -242,10 +301,8 @@ def _conv_tile_codegen(rows: int):
             return accumulate(builder, nk, rows, vecs, channel, _VF, init=accs)
 
         outs = row_pointers(builder, op, ooff, ostride, rows)
-        sums = accumulate(builder, ntaps, rows, vecs, tap, _VF, init=_start_sums(builder, acc_in, outs, vecs, vptr))
-        for r, dst in enumerate(outs):
-            for i in range(vecs):
-                builder.store(sums[r][i], vptr(dst, i), align=4)
+        sums = accumulate(builder, ntaps, rows, vecs, tap, _VF, init=_start_sums(builder, acc_in, outs, vecs))
+        _store_sums(builder, outs, sums)
         return context.get_dummy_value()
 
     return codegen

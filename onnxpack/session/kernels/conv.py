@@ -81,6 +81,19 @@ _WINDOWS_ON = os.environ.get("ONNXPACK_CONV_WINDOWS", "1") != "0"
 _WIN_VERSION = 1
 _WIN_MIN_TAPS = 32
 _WIN_MIN_M = 48
+# The direct alternative of a Winograd-packed conv (its filters recovered from U) runs with the
+# output channels vectorized (_conv_jit.conv_bcast: the weight in pack_windows' panels, each
+# output position's inputs broadcast) where the panels are filled (at least _BCAST_MIN_FILL of
+# their lanes) and the sums deep (C * 9 >= _BCAST_MIN_K); measured one thread against
+# onnxruntime's NCHWc convs on resnet50's 3x3 shapes: 1.05-1.12x its time, where conv_shift took
+# 1.22-1.39x and Winograd 1.26-1.35x (256 -> 256 on 14x14 1145 -> 978 us, 512 -> 512 on 7x7
+# 1260 -> 1012).  With idle lanes it loses: YOLOX's 96 -> 96 on 26x26 and 48 -> 48 on 52x52
+# (3/4 of the lanes used) 580 -> 720 and 654 -> 790 us against conv_shift (it still beat
+# Winograd, the only path it is timed against); 32 -> 16 on 80x80 1.9x conv_shift's time.
+# ONNXPACK_CONV_BCAST=0 keeps conv_shift and im2col there.
+_BCAST_ON = os.environ.get("ONNXPACK_CONV_BCAST", "1") != "0"
+_BCAST_MIN_FILL = 0.9
+_BCAST_MIN_K = 128
 # With the JIT, a one-group stride-1 conv (1-D or 2-D, more than one tap, not Winograd's) with at
 # most _SHIFT_MAX_CHANNELS input and output channels and at most _SHIFT_MAX_TAPS taps per output
 # (C * kh * kw) runs conv_shift: tiles of 16 output positions straight from the padded input, no
@@ -661,6 +674,7 @@ _IM2COL_JIT = 6  # 2-D: the JIT's im2col straight from the unpadded input (im2co
 _TINY = 7  # one group, a few output positions: gather and dot products in one JIT call (conv_tiny)
 _SHIFT = 8  # one group, stride 1: tiles of positions straight from the (padded) input (conv_shift)
 _WINDOWS = 9  # 1-D, one input channel, a long kernel: windows @ W^T from panels (conv_windows)
+_BCAST = 10  # 2-D, one group: output channels vectorized, inputs broadcast, from panels (conv_bcast)
 
 
 class _ConvPlan:
@@ -674,7 +688,7 @@ class _ConvPlan:
                  "wm_shape", "wm", "wk_shape", "wk", "fn", "jit_args", "big", "count", "zero_bias", "full",
                  "sub", "idx", "zero", "extent", "cols_shape", "small", "pre", "post", "channels", "jit", "enc",
                  "table", "rows3", "chunk", "phased", "padded", "at", "split", "empty", "slack", "pad_size", "per_image",
-                 "alt", "choice")
+                 "alt", "choice", "bases", "koffs")
 
 
 
@@ -812,6 +826,7 @@ class Conv(Kernel):
         self._w: np.ndarray | None = None  # packed (g, M/g, C/g, *kernel)
         self._u: np.ndarray | None = None  # packed Winograd filters (16, M, C)
         self._w_from_u: np.ndarray | None = None  # (M, C, 3, 3) recovered for small maps, lazily
+        self._bc: np.ndarray | None = None  # those filters as conv_bcast's panels (pack_windows), lazily
         self._wp: np.ndarray | None = None  # packed windows panels (ceil(M/64) * K, 64): pack_windows
         self._win: tuple[int, int] | None = None  # (M, K) of the weight packed as windows
         self._w_from_wp: np.ndarray | None = None  # (M, 1, K) recovered when the JIT cannot run, lazily
@@ -1433,24 +1448,27 @@ class Conv(Kernel):
             if w is None:
                 w = self._w_from_wp = unpack_windows(self._wp, m, k)
             return self._conv(x, w, b, out, res)
-        out_dtype = x.dtype
+        xp, bias, y = self._panel_inputs(plan, x, b, out)
+        _run_items(jit.conv_windows, (xp, self._wp, y, plan.strides[0], bias, plan.chunk), plan, _windows_units)
+        return self._finish(y, None, self._pre, res, self._post, x.dtype, self._channels(np.float32))
+
+    def _panel_inputs(self, plan: _ConvPlan, x, b, out) -> tuple:
+        """The arguments of the panel kernels (conv_windows, conv_bcast) for one call by
+        ``plan``: the input as float32 (N, -1), padded in this thread's scratch when the plan has
+        an ``extent``; the bias (checked; empty when absent); the output, ``out`` when it fits."""
         bias = _EMPTY1
         if b is not None:
             bias = as_compute(b).astype(np.float32, copy=False)
-            if bias.shape != (m,):
+            if bias.shape != (plan.m,):
                 raise InvalidArgument(
-                    f"node {self.node.name!r} (Conv): bias must have shape [{m}], got {list(bias.shape)}")
+                    f"node {self.node.name!r} (Conv): bias must have shape [{plan.m}], got {list(bias.shape)}")
         xp = as_compute(x).astype(np.float32, copy=False)
         if plan.extent is not None:  # the padded copy, in this thread's scratch
             xp = _pad(xp, plan.begin, plan.extent, 0, "pad")
         xp = np.ascontiguousarray(xp).reshape(plan.n, -1)
-        if (out is not None and out.shape == plan.yshape and out.dtype == np.float32
-                and out.flags.c_contiguous):
-            y = out
-        else:
-            y = np.empty(plan.yshape, np.float32)
-        _run_items(jit.conv_windows, (xp, self._wp, y, plan.strides[0], bias, plan.chunk), plan, _windows_units)
-        return self._finish(y, None, self._pre, res, self._post, out_dtype, self._channels(np.float32))
+        if out is not None and out.shape == plan.yshape and out.dtype == np.float32 and out.flags.c_contiguous:
+            return xp, bias, out
+        return xp, bias, np.empty(plan.yshape, np.float32)
 
     def _conv_winograd(self, x, b, out, res) -> np.ndarray:
         """The Winograd path (weight packed as ``U``); the epilogue's activations before a
@@ -1477,22 +1495,87 @@ class Conv(Kernel):
         if not enough:
             # Too few tiles for 16 GEMMs to pay (resnet's 7x7 maps: 16 tiles, 2x slower than one
             # GEMM): the direct path.
-            return self._conv(x, self._direct_weight(), b, out, res)
+            return self._conv_direct(x, b, out, res)
         if path is None:
             # The choice is the geometry's (shape, channels, padding, thread count), for every
             # Conv and session of the process; its measuring calls write no caller's buffer.
             path, y = self._path(
                 "winograd", ("conv3x3", xc.shape, u.shape[1], tuple(begin), tuple(out_shape), _act.threads()),
                 lambda: self._winograd_call(x, xc, b, None, res, begin, out_shape),
-                lambda: self._conv(x, self._direct_weight(), b, None, res))
+                lambda: self._conv_direct(x, b, None, res))
             geo[3] = path
             if path == 0 and not any(type(g) is list and g[3] == 1 for g in self._plans.values()):
-                self._w_from_u = None  # Winograd runs: the recovered filters go
+                self._w_from_u = self._bc = None  # Winograd runs: the recovered filters go
             if y is not None:
                 return _into(out, y)
         if path:
-            return self._conv(x, self._direct_weight(), b, out, res)
+            return self._conv_direct(x, b, out, res)
         return self._winograd_call(x, xc, b, out, res, begin, out_shape)
+
+    def _conv_direct(self, x, b, out, res) -> np.ndarray:
+        """A Winograd-packed conv computed directly: by :meth:`_conv_bcast` where its panels fit
+        (``_BCAST_MIN_FILL``, ``_BCAST_MIN_K``) and the JIT runs, else by the general path on the
+        recovered filters."""
+        m, c = self._u.shape[1:]
+        if (_BCAST_ON and m / (64 * -(-m // 64)) >= _BCAST_MIN_FILL and 9 * c >= _BCAST_MIN_K
+                and compute_dtype(x.dtype) == np.float32 and _act.jit() is not None):
+            y = self._conv_bcast(x, (m, c, 3, 3), b, out, res)
+            if y is not None:
+                return y
+        return self._conv(x, self._direct_weight(), b, out, res)
+
+    def _bcast_panels(self) -> np.ndarray:
+        """The recovered filters (:meth:`_direct_weight`) as :func:`._conv_jit.conv_bcast`'s
+        panels, once (the filters themselves are not kept for it)."""
+        w = self._bc
+        if w is None:
+            f = self._w_from_u if self._w_from_u is not None else _winograd.weight_untransform(self._u)
+            w = self._bc = pack_windows(f.reshape(f.shape[0], 1, -1))
+        return w
+
+    def _conv_bcast(self, x, wshape, b, out, res) -> np.ndarray | None:
+        """A one-group 2-D conv of a weight of ``wshape`` (M, C, KH, KW) by
+        :func:`._conv_jit.conv_bcast` on :meth:`_bcast_panels`: the padded input in this thread's
+        scratch, the bias in the kernel, then the epilogue's chain in one pass.  None for an
+        input it does not take (cropping pads, no output): the caller's general path then."""
+        jit = _act.jit()
+        key = ("bcast", x.shape)
+        plan = self._plans.get(key)
+        if plan is None:
+            m, c = wshape[:2]
+            if x.ndim != 4 or x.shape[1] != c:
+                return None
+            ks, strides, dils = self.sp.resolve(2, wshape[2:])
+            begin, end, out_shape = conv_geometry(x.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad)
+            n, length = x.shape[0], math.prod(out_shape)
+            if min(begin) < 0 or min(end) < 0 or length == 0 or n == 0:
+                return None
+            plan = _ConvPlan()
+            plan.kind, plan.n, plan.m, plan.length, plan.begin = _BCAST, n, m, length, begin
+            plan.yshape = (n, m) + tuple(out_shape)
+            plan.extent = None if not (any(begin) or any(end)) else tuple(
+                s + a + z for s, a, z in zip(x.shape[2:], begin, end))
+            hp, wp = plan.extent if plan.extent is not None else x.shape[2:]
+            oh, ow = out_shape
+            (sh, sw), (dh, dw) = strides, dils
+            plan.bases = ((np.arange(oh, dtype=np.int64) * (sh * wp))[:, None]
+                          + np.arange(ow, dtype=np.int64) * sw).reshape(-1)
+            plan.koffs = ((np.arange(c, dtype=np.int64) * (hp * wp))[:, None, None]
+                          + (np.arange(ks[0], dtype=np.int64) * (dh * wp))[:, None]
+                          + np.arange(ks[1], dtype=np.int64) * dw).reshape(-1)
+            per = -(-length // -(-length // jit.WIN_BLOCK))  # (as conv_windows' blocks)
+            plan.chunk = -(-per // 6) * 6
+            plan.count = n * -(-length // plan.chunk) * -(-m // 64)
+            plan.big = n * m * c * ks[0] * ks[1] * length >= _PARALLEL_MACS
+            plan.split = _act.SplitTuner()
+            plan.per_image = False
+            plan.jit = jit
+            if len(self._plans) < 64:
+                self._plans[key] = plan
+        xp, bias, y = self._panel_inputs(plan, x, b, out)
+        args = (xp, self._bcast_panels(), y.reshape(plan.n, plan.m, -1), plan.bases, plan.koffs, bias, plan.chunk)
+        _run_items(jit.conv_bcast, args, plan)
+        return self._finish(y, None, self._pre, res, self._post, x.dtype, self._channels(np.float32))
 
     def _direct_weight(self) -> np.ndarray:
         """The (M, C, 3, 3) filters recovered from ``U`` (G's left inverse, float64), once: for
@@ -1513,7 +1596,7 @@ class Conv(Kernel):
         inner, outer = ((), self._pre) if self._has_channel else (self._pre, ())
         y = _winograd.conv3x3(xc, self._u, bias, begin, out_shape, inner)
         if y is None:  # a non-finite input: the transforms would spread it (inf - inf)
-            return self._conv(x, self._direct_weight(), b, out, res)
+            return self._conv_direct(x, b, out, res)
         return _into(out, self._finish(y, None, outer, res, self._post, out_dtype, self._channels(y.dtype)))
 
     @staticmethod
