@@ -1201,6 +1201,62 @@ def test_winograd_convs_direct_path_by_output_channels_matches(case, tail, winog
     np.testing.assert_array_equal(np.isnan(sess.run(None, bad)[0]), np.isnan(_ort(model, bad)[0]))
 
 
+# Convs packed as conv_bcast's panels (family conv_bc, conv_bn_bc with the BN folded): 3x3 stride
+# 2, a strided 1x1 of 256 channels, a 5x5 with dilation and asymmetric pads over batch 2, a 1x1 of
+# 320 channels into a partly filled panel on a 7x7 map with a residual.
+BCAST_PACKED = {
+    "3x3-s2": dict(x_shape=(1, 16, 14, 12), m=64, strides=(2, 2)),
+    "1x1-s2-c256": dict(x_shape=(1, 256, 9, 8), m=64, k=1, strides=(2, 2), pads=(0, 0, 0, 0)),
+    "5x5-dil-asym-batch2": dict(x_shape=(2, 8, 15, 13), m=128, k=5, dilations=(2, 1), pads=(3, 2, 1, 4)),
+    "1x1-c320-7x7-residual": dict(x_shape=(1, 320, 7, 7), m=120, k=1, pads=(0, 0, 0, 0), residual="right"),
+}
+
+
+@pytest.mark.parametrize("path", [0, 1], ids=["bcast-kept", "general-kept"])
+@pytest.mark.parametrize("tail", ["none", "relu6"])
+@pytest.mark.parametrize("case", list(BCAST_PACKED), ids=list(BCAST_PACKED))
+def test_convs_packed_as_panels_match_onnxruntime(case, tail, path, monkeypatch):
+    """A conv packed as conv_bcast's panels runs conv_bcast or the general path on the filters
+    recovered from the panels, whichever its first call measured faster (here: decided by a
+    stub after both ran); both agree with onnxruntime, and the recovered filters are let go when
+    conv_bcast is kept."""
+    if _act.jit() is None:
+        pytest.skip("numba not installed")
+
+    def decide(key, first, second, prior=None):
+        first(), second()
+        return path, None
+
+    monkeypatch.setattr(_act, "faster_path", decide)
+    cfg = dict(BCAST_PACKED[case])
+    residual = cfg.pop("residual", None)
+    model, feeds = conv_model(tail=tail, residual=residual, **cfg)
+    if residual:
+        feeds = _feed_residual(model, feeds)
+    want = _ort(model, feeds)[0]
+    sess = onnxpack.InferenceSession(model)
+    for _ in range(2):
+        np.testing.assert_allclose(sess.run(None, feeds)[0], want, **TOL)
+    assert any(r["key"].startswith("conv_bn_bc/") for r in sess.get_prepack_log())
+    kernel = next(s.kernel for s in sess.program.root.steps if s.node.op_type in ("Conv", "FusedConv"))
+    assert kernel._bc is not None and kernel._w is None
+    assert (kernel._w_from_bc is None) == (path == 0)
+
+
+def test_panels_pack_is_saved_and_mapped_and_survives_losing_the_jit(tmp_path, monkeypatch):
+    """The conv_bcast panels are a blob of the saved model, mapped back by a warm session
+    (nothing packed, the same bits); a session whose JIT is gone after packing recovers the
+    filters from the panels and runs the general path (onnxruntime's outputs)."""
+    from onnxpack.session.kernels import conv as conv_mod
+
+    if _act.jit() is None:
+        pytest.skip("numba not installed")
+    model, feeds = conv_model(tail="relu", x_shape=(1, 32, 9, 10), m=64, strides=(2, 2))
+    warm = _saved_then_warm(tmp_path, model, feeds, "conv_bn_bc/")
+    monkeypatch.setattr(conv_mod._act, "jit", lambda: None)
+    np.testing.assert_allclose(warm.run(None, feeds)[0], _ort(model, feeds)[0], **TOL)
+
+
 @pytest.mark.parametrize("fast", [0, 1], ids=["winograd-faster", "direct-faster"])
 def test_winograd_conv_times_its_paths_once_and_keeps_the_faster(fast, jit_mode, monkeypatch):
     """The first call of a Winograd-packed conv's geometry runs Winograd and the direct path
@@ -1452,6 +1508,7 @@ def test_gemm_split_over_onnxpack_threads(shape, monkeypatch):
     if shape == "im2col-s2":  # (the JIT runs stride-2 convs of these sizes over the input's phases)
         monkeypatch.setattr(conv_mod, "_S2_MAX_TAPS", {})
     monkeypatch.setattr(conv_mod, "_WINO_TUNED", False)  # (Winograd's GEMMs, not the faster path's)
+    monkeypatch.setattr(conv_mod, "_BCAST_ON", False)  # (and no conv_bcast panels: its own items)
     model, feeds = conv_model(tail="silu", x_shape=(2, 32, 40, 40), **SPLIT[shape])
     want = onnxpack.InferenceSession(model).run(None, feeds)[0]
     calls = []

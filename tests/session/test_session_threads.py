@@ -616,6 +616,7 @@ def test_conv_shift_over_channel_blocks_equals_one_thread(stride, c, m, residual
 
     if _act.jit() is None:
         pytest.skip("numba not installed")
+    monkeypatch.setattr(conv, "_BCAST_ON", False)  # (conv_shift's split, not conv_bcast's panels)
     rng = np.random.default_rng(9)
     hw = 7 * stride
     F = TensorProto.FLOAT
@@ -756,6 +757,28 @@ def test_conv_windows_split_as_unit_jobs_equals_one_thread(batch, m, taps, strid
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
     feeds = {"x": rng.standard_normal((batch, 1, 2000)).astype(np.float32)}
     sess, want = _conv_split_forced(model, feeds, conv._WINDOWS, 1e-4, 2e-5, monkeypatch)
+    _twenty_as_unit_jobs(monkeypatch, lambda: np.testing.assert_array_equal(sess.run(None, feeds)[0], want))
+
+
+@pytest.mark.parametrize("batch,c,m,k,stride", [(1, 32, 128, 3, 2), (2, 256, 64, 1, 1)])
+def test_conv_bcast_split_as_unit_jobs_equals_one_thread(batch, c, m, k, stride, monkeypatch):
+    """A conv packed as conv_bcast's panels (items of 64 output channels by a block of positions)
+    split over two threads (forced) as a unit job: bit for bit the one-thread result (the helpers
+    polling or asleep), which is onnxruntime's within float32 rounding."""
+    from onnxpack.session.kernels import _act, conv
+
+    _polling_pool()
+    monkeypatch.setattr(_act, "faster_path", lambda key, first, second, prior=None: (0, None))  # conv_bcast
+    F = TensorProto.FLOAT
+    rng = np.random.default_rng(m)
+    w = (rng.standard_normal((m, c, k, k)) / np.sqrt(c * k * k)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "W", "B"], ["y"], strides=[stride, stride], pads=[k // 2] * 4)], "g",
+        [helper.make_tensor_value_info("x", F, [batch, c, 28, 26])], [helper.make_tensor_value_info("y", F, None)],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(rng.standard_normal(m).astype(np.float32), "B")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    feeds = {"x": rng.standard_normal((batch, c, 28, 26)).astype(np.float32)}
+    sess, want = _conv_split_forced(model, feeds, conv._BCAST, 1e-4, 2e-5, monkeypatch)
     _twenty_as_unit_jobs(monkeypatch, lambda: np.testing.assert_array_equal(sess.run(None, feeds)[0], want))
 
 

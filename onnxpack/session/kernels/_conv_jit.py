@@ -2179,18 +2179,19 @@ SHIFT_UNIT = shift_unit.address
 
 
 # The unit table of :func:`windows_unit` (int64; ``_spin_jit.U_ARGS`` = 3 header slots first): the
-# arguments of :func:`conv_windows` as addresses and sizes: ``x`` (address, N, L), ``w`` (address,
-# rows), ``y`` (address, M, P: N as x's), the stride, ``bias`` (address, length), the positions per
-# item; then the items per unit and the items in all.
-(WU_X, WU_N, WU_L, WU_W, WU_NW, WU_Y, WU_M, WU_P, WU_STRIDE, WU_BIAS, WU_NBIAS, WU_BLOCK, WU_PER, WU_COUNT,
- WU_LEN) = range(3, 18)
+# arguments of :func:`conv_windows` or :func:`conv_bcast` as addresses and sizes: ``x`` (address,
+# N, L), ``w`` (address, rows), ``y`` (address, M, P: N as x's), conv_windows' stride, ``bias``
+# (address, length), the positions per item, conv_bcast's ``bases`` and ``koffs`` (address,
+# length: none for conv_windows); then the items per unit and the items in all.
+(WU_X, WU_N, WU_L, WU_W, WU_NW, WU_Y, WU_M, WU_P, WU_STRIDE, WU_BIAS, WU_NBIAS, WU_BLOCK, WU_BASES, WU_NBASES,
+ WU_KOFFS, WU_NKOFFS, WU_PER, WU_COUNT, WU_LEN) = range(3, 22)
 
 
 @cfunc(types.void(types.CPointer(types.int64), types.int64), cache=True)
 def windows_unit(table, u):
-    """Items ``u * per .. (u + 1) * per`` of a :func:`conv_windows` call split over threads
-    without the GIL (``_act.run_units``): the call itself on those items (each output is computed
-    by one item), so the same bits as one thread."""
+    """Items ``u * per .. (u + 1) * per`` of a :func:`conv_windows` or :func:`conv_bcast` call
+    split over threads without the GIL (``_act.run_units``): the call itself on those items
+    (each output is computed by one item), so the same bits as one thread."""
     t = carray(table, (WU_LEN,))
     i0 = u * t[WU_PER]
     i1 = min(t[WU_COUNT], i0 + t[WU_PER])
@@ -2199,7 +2200,9 @@ def windows_unit(table, u):
     w = carray(as_ptr(t[WU_W], F32), (t[WU_NW], 64))
     y = carray(as_ptr(t[WU_Y], F32), (n, t[WU_M], t[WU_P]))
     bias = carray(as_ptr(t[WU_BIAS], F32), (t[WU_NBIAS],))
-    conv_windows(x, w, y, t[WU_STRIDE], bias, t[WU_BLOCK], i0, i1)
+    bases = carray(as_ptr(t[WU_BASES], I64), (t[WU_NBASES],))
+    koffs = carray(as_ptr(t[WU_KOFFS], I64), (t[WU_NKOFFS],))
+    _panel_items(x, w, y, t[WU_STRIDE], bases, koffs, bias, t[WU_BLOCK], i0, i1)
 
 
 WINDOWS_UNIT = windows_unit.address

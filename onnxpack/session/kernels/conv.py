@@ -91,9 +91,17 @@ _WIN_MIN_M = 48
 # (3/4 of the lanes used) 580 -> 720 and 654 -> 790 us against conv_shift (it still beat
 # Winograd, the only path it is timed against); 32 -> 16 on 80x80 1.9x conv_shift's time.
 # ONNXPACK_CONV_BCAST=0 keeps conv_shift and im2col there.
+# Other one-group 2-D convs under the same rule (1x1 convs from C >= _BCAST_MIN_K_1X1: below it
+# OpenBLAS on the activation as it is won, 960 <- 160 on 7x7 107 against 80 us) pack their weight
+# in those panels (family conv_bc); the first call of a geometry times conv_bcast against the
+# general path (the filters recovered from the panels, let go when conv_bcast is kept): one
+# thread, resnet50's 512 <- 256 3x3 stride 2 on 28x28 and 2048 <- 512 1x1 on 7x7 ran 1.05x and
+# 1.2x onnxruntime's time against 1.39x and 1.42x (conv_shift over the phases, OpenBLAS).
 _BCAST_ON = os.environ.get("ONNXPACK_CONV_BCAST", "1") != "0"
+_BCAST_VERSION = 1
 _BCAST_MIN_FILL = 0.9
 _BCAST_MIN_K = 128
+_BCAST_MIN_K_1X1 = 256
 # With the JIT, a one-group stride-1 conv (1-D or 2-D, more than one tap, not Winograd's) with at
 # most _SHIFT_MAX_CHANNELS input and output channels and at most _SHIFT_MAX_TAPS taps per output
 # (C * kh * kw) runs conv_shift: tiles of 16 output positions straight from the padded input, no
@@ -158,6 +166,7 @@ _WINO_MIN_TILES = 24
 # (_act.faster_path): which wins is the machine's (ONNXPACK_WINOGRAD_TUNE=0: always Winograd).
 _WINO_TUNED = os.environ.get("ONNXPACK_WINOGRAD_TUNE", "1") != "0"
 _EMPTY1 = np.zeros(0, np.float32)
+_NO_OFFSETS = np.zeros(0, np.int64)  # conv_windows' (absent) bases and offsets in a unit table
 # 2-D float32 MaxPools without indices whose windows span several rows run the JIT's maxpool2d
 # (its "zero" argument is this 0.0): measured one thread, kernel vs numpy's padded copy and
 # separable passes, the wake-word 2x2 stride-2 pool of 16 x 24 x 72x32 0.22 vs 0.59 ms, 2x2 over
@@ -759,21 +768,26 @@ def _shift_units(args, plan: _ConvPlan, threads: int) -> bool:
     return _act.run_units(jit.SHIFT_UNIT, table, -(-count // per), threads)
 
 
-def _windows_units(args, plan: _ConvPlan, threads: int) -> bool:
-    """conv_windows' items (``args`` as :func:`_run_items` takes them) split over threads as a unit
-    job (``_conv_jit.windows_unit``: a few items a unit, by conv_windows itself, so the same bits
-    as one call).  Through :func:`~._act.parallel` a mel-spectrogram's 257 x 512-tap conv on two
-    threads took 140-190 us against ~210 on one.  False when an array is not C-contiguous
-    float32, or there is no unit path here (:func:`~._act.run_units`)."""
-    x, w, y, stride, bias, block = args
-    if not _act.c_arrays(_F32, x, w, y, bias):
+def _panel_units(args, plan: _ConvPlan, threads: int) -> bool:
+    """conv_windows' or conv_bcast's items (``args`` as :func:`_run_items` takes them: the
+    windows' stride, or conv_bcast's bases and offsets) split over threads as a unit job
+    (``_conv_jit.windows_unit``: a few items a unit, by the kernel's own item loop, so the same
+    bits as one call).  Through :func:`~._act.parallel` a mel-spectrogram's 257 x 512-tap conv on
+    two threads took 140-190 us against ~210 on one.  False when an array is not C-contiguous
+    float32 (int64 offsets), or there is no unit path here (:func:`~._act.run_units`)."""
+    if len(args) == 6:  # conv_windows
+        (x, w, y, stride, bias, block), bases, koffs = args, _NO_OFFSETS, _NO_OFFSETS
+    else:  # conv_bcast
+        (x, w, y, bases, koffs, bias, block), stride = args, 0
+    if not (_act.c_arrays(_F32, x, w, y, bias) and _act.c_arrays(np.int64, bases, koffs)):
         return False
     jit = plan.jit
     count = plan.count
     per = max(1, count // (_SHIFT_UNITS * threads))  # (as many units a thread as conv_shift's)
     table = np.empty(jit.WU_LEN, np.int64)
     table[jit.WU_X:] = (x.ctypes.data, *x.shape, w.ctypes.data, w.shape[0], y.ctypes.data, *y.shape[1:], stride,
-                        bias.ctypes.data, bias.shape[0], block, per, count)
+                        bias.ctypes.data, bias.shape[0], block, bases.ctypes.data, bases.shape[0], koffs.ctypes.data,
+                        koffs.shape[0], per, count)
     return _act.run_units(jit.WINDOWS_UNIT, table, -(-count // per), threads)
 
 
@@ -826,7 +840,11 @@ class Conv(Kernel):
         self._w: np.ndarray | None = None  # packed (g, M/g, C/g, *kernel)
         self._u: np.ndarray | None = None  # packed Winograd filters (16, M, C)
         self._w_from_u: np.ndarray | None = None  # (M, C, 3, 3) recovered for small maps, lazily
-        self._bc: np.ndarray | None = None  # those filters as conv_bcast's panels (pack_windows), lazily
+        # conv_bcast's panels (pack_windows): packed (family conv_bc, of a weight _bcw (M, C, KH, KW)),
+        # or a Winograd conv's recovered filters, lazily
+        self._bc: np.ndarray | None = None
+        self._bcw: tuple[int, int, int, int] | None = None
+        self._w_from_bc: np.ndarray | None = None  # (M, C, KH, KW) recovered from packed panels, lazily
         self._wp: np.ndarray | None = None  # packed windows panels (ceil(M/64) * K, 64): pack_windows
         self._win: tuple[int, int] | None = None  # (M, K) of the weight packed as windows
         self._w_from_wp: np.ndarray | None = None  # (M, 1, K) recovered when the JIT cannot run, lazily
@@ -874,6 +892,25 @@ class Conv(Kernel):
         self._win = (m, k)
         return True
 
+    def _bcast_ok(self, info: TensorInfo) -> bool:
+        """Whether this Conv packs its weight as conv_bcast's panels: a float32-computed 2-D
+        kernel of one group, panels filled (``_BCAST_MIN_FILL``), sums deep enough
+        (``_BCAST_MIN_K``, ``_BCAST_MIN_K_1X1``), and the JIT to run it (Winograd's and the
+        windows' packs are checked first)."""
+        if not _BCAST_ON or len(info.shape) != 4 or self.group != 1 or compute_dtype(info.dtype) != np.float32:
+            return False
+        m, c, kh, kw = (int(d) for d in info.shape)
+        if m == 0 or m / (64 * -(-m // 64)) < _BCAST_MIN_FILL:
+            return False
+        if c * kh * kw < (_BCAST_MIN_K_1X1 if kh * kw == 1 else _BCAST_MIN_K):
+            return False
+        if self.sp.kernel_shape and tuple(int(v) for v in self.sp.kernel_shape) != (kh, kw):
+            return False
+        if not _act.jit_possible():
+            return False
+        self._bcw = (m, c, kh, kw)
+        return True
+
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
         if input_index != 1 or compute_dtype(info.dtype) is None or len(info.shape) < 3:
             return None
@@ -883,6 +920,8 @@ class Conv(Kernel):
             return PackSpec("conv_win", _WIN_VERSION, struct.pack("<q", self.group), 1)
         if self._winograd_ok(info):
             return PackSpec("conv_wino", _WINO_VERSION, struct.pack("<q", self.group), 1)
+        if self._bcast_ok(info):
+            return PackSpec("conv_bc", _BCAST_VERSION, struct.pack("<q", self.group), 1)
         identity = compute_dtype(info.dtype) == np.dtype(info.dtype)  # the GEMM matrix is a reshape
         return PackSpec("conv", _PACK_VERSION, struct.pack("<q", self.group), 1, identity=identity)
 
@@ -895,6 +934,8 @@ class Conv(Kernel):
             return [(np.dtype(np.float32), (-(-m // 64) * info.shape[2], 64))]
         if self._winograd_ok(info):
             return [(np.dtype(np.float32), (16, m, info.shape[1]))]
+        if self._bcast_ok(info):
+            return [(np.dtype(np.float32), (-(-m // 64) * math.prod(info.shape[1:]), 64))]
         return [(compute_dtype(info.dtype), (g, m // g) + tuple(info.shape[1:]))]
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -907,19 +948,24 @@ class Conv(Kernel):
             if not _winograd.weight_is_tame(weight):
                 return None  # runs on the weight itself (im2col), see weight_is_tame
             return (_winograd.weight_transform(weight),)
+        if self._bcast_ok(info):
+            return (pack_windows(weight.reshape(m, 1, -1)),)
         w = weight.reshape((g, m // g) + weight.shape[1:])
         return (np.ascontiguousarray(w, dtype=compute_dtype(weight.dtype)),)
 
     def use_prepacked(self, input_index: int, buffers: tuple[np.ndarray, ...]) -> None:
         (packed,) = buffers
         # A (g, M/g, C/g, *kernel) pack has rank >= 4; only the Winograd pack (16, M, C) has rank 3
-        # and the windows pack (panels * K, 64) rank 2 (check_packed has already matched the buffer
-        # against expected_packed, for which pack_spec noted the windows pack's (M, K)).
+        # and the panels of the windows (1-D) and conv_bcast (2-D) packs (panels * K, 64) rank 2
+        # (check_packed has already matched the buffer against expected_packed, for which
+        # pack_spec noted the windows pack's (M, K) or the conv_bcast pack's (M, C, KH, KW)).
         if packed.ndim == 3:
             self._u = packed
-        elif packed.ndim == 2:
-            assert self._win is not None, "Bug: a windows pack without its pack_spec"
+        elif packed.ndim == 2 and self._win is not None:
             self._wp = packed
+        elif packed.ndim == 2:
+            assert self._bcw is not None, "Bug: a panels pack without its pack_spec"
+            self._bc = packed
         else:
             self._w = packed
 
@@ -964,6 +1010,8 @@ class Conv(Kernel):
             return self._conv_winograd(x, b, out, res)
         if self._wp is not None and w is None:
             return self._conv_windows(x, b, out, res)
+        if self._bcw is not None and self._bc is not None and w is None:
+            return self._conv_bcast_packed(x, b, out, res)
         jit = _act.jit() if cd == np.float32 else None
         packed = self._w is not None
         key = (x.shape, x.dtype, jit is None) if packed else (x.shape, x.dtype, jit is None, w.shape, w.dtype)
@@ -1449,7 +1497,7 @@ class Conv(Kernel):
                 w = self._w_from_wp = unpack_windows(self._wp, m, k)
             return self._conv(x, w, b, out, res)
         xp, bias, y = self._panel_inputs(plan, x, b, out)
-        _run_items(jit.conv_windows, (xp, self._wp, y, plan.strides[0], bias, plan.chunk), plan, _windows_units)
+        _run_items(jit.conv_windows, (xp, self._wp, y, plan.strides[0], bias, plan.chunk), plan, _panel_units)
         return self._finish(y, None, self._pre, res, self._post, x.dtype, self._channels(np.float32))
 
     def _panel_inputs(self, plan: _ConvPlan, x, b, out) -> tuple:
@@ -1525,12 +1573,43 @@ class Conv(Kernel):
         return self._conv(x, self._direct_weight(), b, out, res)
 
     def _bcast_panels(self) -> np.ndarray:
-        """The recovered filters (:meth:`_direct_weight`) as :func:`._conv_jit.conv_bcast`'s
-        panels, once (the filters themselves are not kept for it)."""
+        """:func:`._conv_jit.conv_bcast`'s panels: the conv_bc pack, or a Winograd conv's filters
+        recovered from ``U`` and laid out as panels once (the filters themselves not kept for it)."""
         w = self._bc
         if w is None:
             f = self._w_from_u if self._w_from_u is not None else _winograd.weight_untransform(self._u)
             w = self._bc = pack_windows(f.reshape(f.shape[0], 1, -1))
+        return w
+
+    def _conv_bcast_packed(self, x, b, out, res) -> np.ndarray:
+        """A conv packed as conv_bcast's panels (family conv_bc): the first call of a geometry in
+        the process times :meth:`_conv_bcast` against the general path on the filters recovered
+        from the panels (:func:`._act.faster_path`, by :meth:`_path`), and the faster runs from
+        then on; the recovered filters are let go once no geometry of this Conv uses them.
+        Without the JIT, or on an input conv_bcast does not take, the general path."""
+        plan = self._bcast_plan(x, self._bcw) if compute_dtype(x.dtype) == np.float32 and _act.jit() else None
+        if plan is None:
+            return self._conv(x, self._bcast_filters(), b, out, res)
+        if plan.choice is None:
+            path, y = self._path(
+                "bcast", ("conv_bc", x.shape, self._bcw, plan.strides, plan.dils, tuple(plan.begin), _act.threads()),
+                lambda: self._conv_bcast(x, self._bcw, b, None, res),
+                lambda: self._conv(x, self._bcast_filters(), b, None, res))
+            plan.choice = path
+            if not any(type(p) is _ConvPlan and p.kind == _BCAST and p.choice for p in self._plans.values()):
+                self._w_from_bc = None  # conv_bcast runs every geometry so far: the recovered filters go
+            if y is not None:
+                return _into(out, y)
+        if plan.choice:
+            return self._conv(x, self._bcast_filters(), b, out, res)
+        return self._conv_bcast(x, self._bcw, b, out, res)
+
+    def _bcast_filters(self) -> np.ndarray:
+        """The (M, C, KH, KW) filters recovered from a conv_bc pack, once (for the general path)."""
+        w = self._w_from_bc
+        if w is None:
+            m, c, kh, kw = self._bcw
+            w = self._w_from_bc = unpack_windows(self._bc, m, c * kh * kw).reshape(m, c, kh, kw)
         return w
 
     def _conv_bcast(self, x, wshape, b, out, res) -> np.ndarray | None:
@@ -1538,44 +1617,52 @@ class Conv(Kernel):
         :func:`._conv_jit.conv_bcast` on :meth:`_bcast_panels`: the padded input in this thread's
         scratch, the bias in the kernel, then the epilogue's chain in one pass.  None for an
         input it does not take (cropping pads, no output): the caller's general path then."""
-        jit = _act.jit()
-        key = ("bcast", x.shape)
-        plan = self._plans.get(key)
+        plan = self._bcast_plan(x, wshape)
         if plan is None:
-            m, c = wshape[:2]
-            if x.ndim != 4 or x.shape[1] != c:
-                return None
+            return None
+        xp, bias, y = self._panel_inputs(plan, x, b, out)
+        args = (xp, self._bcast_panels(), y.reshape(plan.n, plan.m, -1), plan.bases, plan.koffs, bias, plan.chunk)
+        _run_items(plan.jit.conv_bcast, args, plan, _panel_units)
+        return self._finish(y, None, self._pre, res, self._post, x.dtype, self._channels(np.float32))
+
+    def _bcast_plan(self, x, wshape) -> _ConvPlan | None:
+        """:meth:`_conv_bcast`'s plan for ``x``'s shape, made once: output position ``p``'s window
+        starts at ``bases[p]`` of the padded image (strides), its (channel, tap) ``k`` sits
+        ``koffs[k]`` further (dilations); items of ``chunk`` positions by 64 channels, as
+        conv_windows'.  None where it does not apply (no JIT, cropping pads, no output)."""
+        key = ("bcast", x.shape)
+        if key in self._plans:
+            return self._plans[key]
+        jit = _act.jit()
+        m, c = wshape[:2]
+        plan = None
+        if x.ndim == 4 and x.shape[1] == c and jit is not None:
             ks, strides, dils = self.sp.resolve(2, wshape[2:])
             begin, end, out_shape = conv_geometry(x.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad)
             n, length = x.shape[0], math.prod(out_shape)
-            if min(begin) < 0 or min(end) < 0 or length == 0 or n == 0:
-                return None
-            plan = _ConvPlan()
-            plan.kind, plan.n, plan.m, plan.length, plan.begin = _BCAST, n, m, length, begin
-            plan.yshape = (n, m) + tuple(out_shape)
-            plan.extent = None if not (any(begin) or any(end)) else tuple(
-                s + a + z for s, a, z in zip(x.shape[2:], begin, end))
-            hp, wp = plan.extent if plan.extent is not None else x.shape[2:]
-            oh, ow = out_shape
-            (sh, sw), (dh, dw) = strides, dils
-            plan.bases = ((np.arange(oh, dtype=np.int64) * (sh * wp))[:, None]
-                          + np.arange(ow, dtype=np.int64) * sw).reshape(-1)
-            plan.koffs = ((np.arange(c, dtype=np.int64) * (hp * wp))[:, None, None]
-                          + (np.arange(ks[0], dtype=np.int64) * (dh * wp))[:, None]
-                          + np.arange(ks[1], dtype=np.int64) * dw).reshape(-1)
-            per = -(-length // -(-length // jit.WIN_BLOCK))  # (as conv_windows' blocks)
-            plan.chunk = -(-per // 6) * 6
-            plan.count = n * -(-length // plan.chunk) * -(-m // 64)
-            plan.big = n * m * c * ks[0] * ks[1] * length >= _PARALLEL_MACS
-            plan.split = _act.SplitTuner()
-            plan.per_image = False
-            plan.jit = jit
-            if len(self._plans) < 64:
-                self._plans[key] = plan
-        xp, bias, y = self._panel_inputs(plan, x, b, out)
-        args = (xp, self._bcast_panels(), y.reshape(plan.n, plan.m, -1), plan.bases, plan.koffs, bias, plan.chunk)
-        _run_items(jit.conv_bcast, args, plan)
-        return self._finish(y, None, self._pre, res, self._post, x.dtype, self._channels(np.float32))
+            if min(begin) >= 0 and min(end) >= 0 and length > 0 and n > 0:
+                plan = _ConvPlan()
+                plan.kind, plan.n, plan.m, plan.length, plan.begin = _BCAST, n, m, length, begin
+                plan.strides, plan.dils, plan.choice, plan.jit = strides, dils, None, jit
+                plan.yshape = (n, m) + tuple(out_shape)
+                plan.extent = None if not (any(begin) or any(end)) else tuple(
+                    s + a + z for s, a, z in zip(x.shape[2:], begin, end))
+                hp, wp = plan.extent if plan.extent is not None else x.shape[2:]
+                (sh, sw), (dh, dw) = strides, dils
+                plan.bases = ((np.arange(out_shape[0], dtype=np.int64) * (sh * wp))[:, None]
+                              + np.arange(out_shape[1], dtype=np.int64) * sw).reshape(-1)
+                plan.koffs = ((np.arange(c, dtype=np.int64) * (hp * wp))[:, None, None]
+                              + (np.arange(ks[0], dtype=np.int64) * (dh * wp))[:, None]
+                              + np.arange(ks[1], dtype=np.int64) * dw).reshape(-1)
+                per = -(-length // -(-length // jit.WIN_BLOCK))  # (as conv_windows' blocks)
+                plan.chunk = -(-per // 6) * 6
+                plan.count = n * -(-length // plan.chunk) * -(-m // 64)
+                plan.big = n * m * c * ks[0] * ks[1] * length >= _PARALLEL_MACS
+                plan.split = _act.SplitTuner()
+                plan.per_image = False
+        if len(self._plans) < 64:
+            self._plans[key] = plan
+        return plan
 
     def _direct_weight(self) -> np.ndarray:
         """The (M, C, 3, 3) filters recovered from ``U`` (G's left inverse, float64), once: for
@@ -2359,6 +2446,8 @@ class FusedConv(Conv):
             return PackSpec("conv_bn_wino", _WINO_VERSION, spec.attrs + self._fold_digest, 1)
         if spec.family == "conv_win":
             return PackSpec("conv_bn_win", _WIN_VERSION, spec.attrs + self._fold_digest, 1)
+        if spec.family == "conv_bc":
+            return PackSpec("conv_bn_bc", _BCAST_VERSION, spec.attrs + self._fold_digest, 1)
         return PackSpec("conv_bn", _PACK_VERSION, spec.attrs + self._fold_digest, 1)
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -2407,7 +2496,7 @@ class FusedConv(Conv):
             raise InvalidArgument(f"node {self.node.name!r} (Conv): the QuantizeLinear after it takes float32, "
                                   f"got {x.dtype}")
         if self.multiplier is not None:
-            if self._w is None and self._u is None and self._wp is None:  # not packed (a weight fed at run time, or a dtype BLAS cannot take): fold per call
+            if self._w is None and self._u is None and self._wp is None and self._bcw is None:  # not packed (a weight fed at run time, or a dtype BLAS cannot take): fold per call
                 # In the input's compute dtype, as the unfused Conv casts the weight: folding in an
                 # integer weight's own dtype truncated the multiplier (found by the fuzzer).
                 cd = compute_dtype(x.dtype)
