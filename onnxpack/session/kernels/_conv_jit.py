@@ -84,6 +84,11 @@ _FM_SUM = {"contract", "reassoc"}
 
 _F0 = np.float32(0.0)
 _NO_OFFSETS = np.zeros(0, np.int64)  # conv_windows' (absent) gather offsets (see _panel_items)
+# conv_windows' (absent) epilogue after the bias: codes, params, residual, channel tables
+_NO_PARAMS = np.zeros((0, 3), np.float32)
+_NO_RES = np.zeros((0, 0, 0), np.float32)
+_NO_CHAN = np.zeros((0, 0, 2), np.float32)
+_NO_BIAS = np.zeros(0, np.float32)
 _F1 = np.float32(1.0)
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)
@@ -1571,11 +1576,14 @@ def _store_panel(yn, c0, r0, r_end, scr, bias):
 
 
 @njit(inline="always", fastmath=_FM, error_model="numpy")
-def _panel_items(x, w, y, stride, bases, koffs, bias, block, i0, i1):
+def _panel_items(x, w, y, stride, bases, koffs, bias, codes, params, res, post_codes, post_params, chan, block,
+                 i0, i1):
     """The work items of :func:`conv_windows` (``koffs`` empty: row ``r`` of the product is the
     window at ``r * stride``) and of :func:`conv_bcast` (row ``r``, element ``k`` at ``bases[r] +
     koffs[k]``): per item, ``KC`` rows of the panel a block, tiles of 6, 4, 2 or 1 positions by
-    ``TILE`` channels into the scratch, then :func:`_store_panel`."""
+    ``TILE`` channels into the scratch, then :func:`_store_panel` and, when there is one, the
+    epilogue after the bias (:func:`bias_act_block`'s arguments) on the item's block while it is
+    in cache, in the thread that computed it."""
     n_, m_, p_ = y.shape
     npan = -(-m_ // 64)
     k_ = w.shape[0] // npan
@@ -1583,6 +1591,7 @@ def _panel_items(x, w, y, stride, bases, koffs, bias, block, i0, i1):
     wf = w.reshape(-1)
     scr = np.empty(block * 64, np.float32)
     gathered = koffs.shape[0] > 0
+    epilogue = codes.shape[0] > 0 or res.shape[0] > 0 or post_codes.shape[0] > 0
     for item in range(i0, i1):
         pan = item % npan
         blk = (item // npan) % nblk
@@ -1620,6 +1629,9 @@ def _panel_items(x, w, y, stride, bases, koffs, bias, block, i0, i1):
                         _tile1(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc, 0, 0)
                 r += rows
         _store_panel(y[n], c0, r0, r_end, scr, bias)
+        if epilogue:
+            bias_act_block(y, n, c0, min(m_, c0 + 64), r0, r_end - r0, _NO_BIAS, codes, params, res, post_codes,
+                           post_params, chan)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
@@ -1643,11 +1655,12 @@ def conv_windows(x, w, y, stride, bias, block, i0, i1):
     samples (97 positions): ~180 us against ~200 for OpenBLAS on the im2col matrix, which took
     ~30 us more to build.  Each output is one chain of fused multiply-adds over the taps in
     order (the blocks continue it from the scratch)."""
-    _panel_items(x, w, y, stride, _NO_OFFSETS, _NO_OFFSETS, bias, block, i0, i1)
+    _panel_items(x, w, y, stride, _NO_OFFSETS, _NO_OFFSETS, bias, _NO_OFFSETS, _NO_PARAMS, _NO_RES, _NO_OFFSETS,
+                 _NO_PARAMS, _NO_CHAN, block, i0, i1)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
-def conv_bcast(x, w, y, bases, koffs, bias, block, i0, i1):
+def conv_bcast(x, w, y, bases, koffs, bias, codes, params, res, post_codes, post_params, chan, block, i0, i1):
     """Work items ``i0 .. i1`` of a 2-D convolution of one group with its output channels
     vectorized: ``y[n, m, p] = sum_k W[m, k] * x[n, bases[p] + koffs[k]] (+ bias[m])``.
 
@@ -1656,7 +1669,8 @@ def conv_bcast(x, w, y, bases, koffs, bias, block, i0, i1):
     channels, K rows of 64, zeros past M); ``bases`` (P,) where output position ``p``'s window
     starts in an image, ``koffs`` (K,) where its k-th (input channel, tap) sits from there
     (strides in ``bases``, dilations in ``koffs``); ``y`` (N, M, P) float32, ``bias`` (M,) or
-    empty.  An item is one image's 64 output channels over ``block`` positions (item = (image *
+    empty; then :func:`bias_act`'s epilogue after the bias (activations, residual like ``y`` or
+    empty, activations, per-channel tables), run on each item's block.  An item is one image's 64 output channels over ``block`` positions (item = (image *
     blocks + block) * panels + panel), as :func:`conv_windows`'.
 
     Why: onnxruntime's NCHWc convolutions vectorize over output channels, so every lane works
@@ -1666,7 +1680,7 @@ def conv_bcast(x, w, y, bases, koffs, bias, block, i0, i1):
     of 64 channels, 6 positions x 64 channels of sums in registers, ``KC`` (channel, tap) pairs
     a block; the sums are written transposed (with the bias) into ``y``.  Each output is one
     chain of fused multiply-adds over k in order, so the bits do not depend on the items' split."""
-    _panel_items(x, w, y, 0, bases, koffs, bias, block, i0, i1)
+    _panel_items(x, w, y, 0, bases, koffs, bias, codes, params, res, post_codes, post_params, chan, block, i0, i1)
 
 
 @njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
@@ -1745,10 +1759,18 @@ def bias_act_rows(y, n, at, length, bias, codes, params, res, post_codes, post_p
     handed this call's eleven arrays: an inlined helper taking them cost ~130 ns a row
     (measured: 64 rows x 256 positions in two blocks 26 -> 11 us; a QDQ chain of fake
     quantizations around a BatchNormalization on 2,048 rows x 49 positions 507 -> 219 us)."""
+    # (np.int64(0): a literal 0 would compile bias_act_block once more, see bias_act)
+    bias_act_block(y, n, np.int64(0), y.shape[1], at, length, bias, codes, params, res, post_codes, post_params, chan)
+
+
+@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
+def bias_act_block(y, n, m0, m1, at, length, bias, codes, params, res, post_codes, post_params, chan):
+    """:func:`bias_act_rows` over output channels ``m0 .. m1`` only (a :func:`conv_bcast` item's
+    block of 64 channels by its positions)."""
     has_bias = bias.shape[0] > 0
     has_res = res.shape[0] > 0
     plain = chan.shape[0] == 0
-    for m in range(y.shape[1]):
+    for m in range(m0, m1):
         row = y[n, m, at:at + length]
         if has_bias:
             bv = bias[m]
@@ -2182,9 +2204,11 @@ SHIFT_UNIT = shift_unit.address
 # arguments of :func:`conv_windows` or :func:`conv_bcast` as addresses and sizes: ``x`` (address,
 # N, L), ``w`` (address, rows), ``y`` (address, M, P: N as x's), conv_windows' stride, ``bias``
 # (address, length), the positions per item, conv_bcast's ``bases`` and ``koffs`` (address,
-# length: none for conv_windows); then the items per unit and the items in all.
+# length: none for conv_windows) and its epilogue as :func:`shift_unit`'s (codes, params, residual,
+# post codes and params, channel tables); then the items per unit and the items in all.
 (WU_X, WU_N, WU_L, WU_W, WU_NW, WU_Y, WU_M, WU_P, WU_STRIDE, WU_BIAS, WU_NBIAS, WU_BLOCK, WU_BASES, WU_NBASES,
- WU_KOFFS, WU_NKOFFS, WU_PER, WU_COUNT, WU_LEN) = range(3, 22)
+ WU_KOFFS, WU_NKOFFS, WU_CODES, WU_NCODES, WU_PARAMS, WU_RES, WU_NRES, WU_PCODES, WU_NPCODES, WU_PPARAMS, WU_CHAN,
+ WU_CHANK, WU_CHANM, WU_PER, WU_COUNT, WU_LEN) = range(3, 33)
 
 
 @cfunc(types.void(types.CPointer(types.int64), types.int64), cache=True)
@@ -2202,7 +2226,14 @@ def windows_unit(table, u):
     bias = carray(as_ptr(t[WU_BIAS], F32), (t[WU_NBIAS],))
     bases = carray(as_ptr(t[WU_BASES], I64), (t[WU_NBASES],))
     koffs = carray(as_ptr(t[WU_KOFFS], I64), (t[WU_NKOFFS],))
-    _panel_items(x, w, y, t[WU_STRIDE], bases, koffs, bias, t[WU_BLOCK], i0, i1)
+    codes = carray(as_ptr(t[WU_CODES], I64), (t[WU_NCODES],))
+    params = carray(as_ptr(t[WU_PARAMS], F32), (t[WU_NCODES], 3))
+    res = carray(as_ptr(t[WU_RES], F32), (t[WU_NRES], t[WU_M], t[WU_P]))
+    pcodes = carray(as_ptr(t[WU_PCODES], I64), (t[WU_NPCODES],))
+    pparams = carray(as_ptr(t[WU_PPARAMS], F32), (t[WU_NPCODES], 3))
+    chan = carray(as_ptr(t[WU_CHAN], F32), (t[WU_CHANK], t[WU_CHANM], 2))
+    _panel_items(x, w, y, t[WU_STRIDE], bases, koffs, bias, codes, params, res, pcodes, pparams, chan, t[WU_BLOCK],
+                 i0, i1)
 
 
 WINDOWS_UNIT = windows_unit.address

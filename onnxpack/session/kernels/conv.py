@@ -777,9 +777,11 @@ def _panel_units(args, plan: _ConvPlan, threads: int) -> bool:
     float32 (int64 offsets), or there is no unit path here (:func:`~._act.run_units`)."""
     if len(args) == 6:  # conv_windows
         (x, w, y, stride, bias, block), bases, koffs = args, _NO_OFFSETS, _NO_OFFSETS
+        codes, params, res, pcodes, pparams, chan = _NO_EPILOGUE
     else:  # conv_bcast
-        (x, w, y, bases, koffs, bias, block), stride = args, 0
-    if not (_act.c_arrays(_F32, x, w, y, bias) and _act.c_arrays(np.int64, bases, koffs)):
+        (x, w, y, bases, koffs, bias, codes, params, res, pcodes, pparams, chan, block), stride = args, 0
+    if not (_act.c_arrays(_F32, x, w, y, bias, params, res, pparams, chan)
+            and _act.c_arrays(np.int64, bases, koffs, codes, pcodes)):
         return False
     jit = plan.jit
     count = plan.count
@@ -787,7 +789,9 @@ def _panel_units(args, plan: _ConvPlan, threads: int) -> bool:
     table = np.empty(jit.WU_LEN, np.int64)
     table[jit.WU_X:] = (x.ctypes.data, *x.shape, w.ctypes.data, w.shape[0], y.ctypes.data, *y.shape[1:], stride,
                         bias.ctypes.data, bias.shape[0], block, bases.ctypes.data, bases.shape[0], koffs.ctypes.data,
-                        koffs.shape[0], per, count)
+                        koffs.shape[0], codes.ctypes.data, codes.shape[0], params.ctypes.data, res.ctypes.data,
+                        res.shape[0], pcodes.ctypes.data, pcodes.shape[0], pparams.ctypes.data, chan.ctypes.data,
+                        chan.shape[0], chan.shape[1], per, count)
     return _act.run_units(jit.WINDOWS_UNIT, table, -(-count // per), threads)
 
 
@@ -1621,9 +1625,21 @@ class Conv(Kernel):
         if plan is None:
             return None
         xp, bias, y = self._panel_inputs(plan, x, b, out)
-        args = (xp, self._bcast_panels(), y.reshape(plan.n, plan.m, -1), plan.bases, plan.koffs, bias, plan.chunk)
+        if plan.enc is None:  # the epilogue's chain, encoded once
+            channels = self._channels(np.float32)
+            plan.enc = _act.encode(self._pre) + _act.encode(self._post)
+            plan.table = channels[1] if channels[1] is not None else _EMPTY_CHAN
+        y3 = y.reshape(plan.n, plan.m, -1)
+        if res is not None and res.shape != y.shape:  # a broadcasting residual: numpy's rules, after
+            args = (xp, self._bcast_panels(), y3, plan.bases, plan.koffs, bias) + _NO_EPILOGUE + (plan.chunk,)
+            _run_items(plan.jit.conv_bcast, args, plan, _panel_units)
+            return self._finish(y, None, self._pre, res, self._post, x.dtype, self._channels(np.float32))
+        codes, params, pcodes, pparams = plan.enc
+        r = _EMPTY3 if res is None else np.ascontiguousarray(res, dtype=np.float32).reshape(y3.shape)
+        args = (xp, self._bcast_panels(), y3, plan.bases, plan.koffs, bias, codes, params, r, pcodes, pparams,
+                plan.table, plan.chunk)
         _run_items(plan.jit.conv_bcast, args, plan, _panel_units)
-        return self._finish(y, None, self._pre, res, self._post, x.dtype, self._channels(np.float32))
+        return y if y.dtype == x.dtype else y.astype(x.dtype)
 
     def _bcast_plan(self, x, wshape) -> _ConvPlan | None:
         """:meth:`_conv_bcast`'s plan for ``x``'s shape, made once: output position ``p``'s window
@@ -1643,7 +1659,7 @@ class Conv(Kernel):
             if min(begin) >= 0 and min(end) >= 0 and length > 0 and n > 0:
                 plan = _ConvPlan()
                 plan.kind, plan.n, plan.m, plan.length, plan.begin = _BCAST, n, m, length, begin
-                plan.strides, plan.dils, plan.choice, plan.jit = strides, dils, None, jit
+                plan.strides, plan.dils, plan.choice, plan.jit, plan.enc = strides, dils, None, jit, None
                 plan.yshape = (n, m) + tuple(out_shape)
                 plan.extent = None if not (any(begin) or any(end)) else tuple(
                     s + a + z for s, a, z in zip(x.shape[2:], begin, end))
