@@ -1234,6 +1234,8 @@ def test_convs_packed_as_panels_match_onnxruntime(case, tail, path, monkeypatch)
     if residual:
         feeds = _feed_residual(model, feeds)
     want = _ort(model, feeds)[0]
+    for how, other in _sessions(model).items():  # (with pre-packing off: the weight as it is)
+        np.testing.assert_allclose(other.run(None, feeds)[0], want, **TOL, err_msg=how)
     sess = onnxpack.InferenceSession(model)
     for _ in range(2):
         np.testing.assert_allclose(sess.run(None, feeds)[0], want, **TOL)

@@ -1596,7 +1596,8 @@ class Conv(Kernel):
             return self._conv(x, self._bcast_filters(), b, out, res)
         if plan.choice is None:
             path, y = self._path(
-                "bcast", ("conv_bc", x.shape, self._bcw, plan.strides, plan.dils, tuple(plan.begin), _act.threads()),
+                "bcast", ("conv_bc", x.shape, self._bcw, plan.strides, plan.dils, tuple(plan.begin), plan.yshape,
+                          _act.threads()),
                 lambda: self._conv_bcast(x, self._bcw, b, None, res),
                 lambda: self._conv(x, self._bcast_filters(), b, None, res))
             plan.choice = path
@@ -1619,8 +1620,9 @@ class Conv(Kernel):
     def _conv_bcast(self, x, wshape, b, out, res) -> np.ndarray | None:
         """A one-group 2-D conv of a weight of ``wshape`` (M, C, KH, KW) by
         :func:`._conv_jit.conv_bcast` on :meth:`_bcast_panels`: the padded input in this thread's
-        scratch, the bias in the kernel, then the epilogue's chain in one pass.  None for an
-        input it does not take (cropping pads, no output): the caller's general path then."""
+        scratch, the bias and the epilogue's chain in the kernel, item by item (a broadcasting
+        residual after it, by numpy's rules).  None for an input it does not take (cropping pads,
+        no output): the caller's general path then."""
         plan = self._bcast_plan(x, wshape)
         if plan is None:
             return None
@@ -2512,7 +2514,7 @@ class FusedConv(Conv):
             raise InvalidArgument(f"node {self.node.name!r} (Conv): the QuantizeLinear after it takes float32, "
                                   f"got {x.dtype}")
         if self.multiplier is not None:
-            if self._w is None and self._u is None and self._wp is None and self._bcw is None:  # not packed (a weight fed at run time, or a dtype BLAS cannot take): fold per call
+            if self._w is None and self._u is None and self._wp is None and self._bc is None:  # not packed (a weight fed at run time, or a dtype BLAS cannot take): fold per call
                 # In the input's compute dtype, as the unfused Conv casts the weight: folding in an
                 # integer weight's own dtype truncated the multiplier (found by the fuzzer).
                 cd = compute_dtype(x.dtype)
