@@ -82,6 +82,12 @@ def _vptr(builder, p, i: int):
     return builder.bitcast(builder.gep(p, [_const(LANES * i)]), _VF.as_pointer())
 
 
+def _c_typed(dtype, *arrays) -> bool:
+    """Whether every numba type in ``arrays`` is a C-contiguous array of ``dtype`` (what the
+    intrinsics' pointer arithmetic takes)."""
+    return all(isinstance(x, types.Array) and x.layout == "C" and x.dtype == dtype for x in arrays)
+
+
 def _store_sums(builder, outs, sums) -> None:
     """Each row's vector sums to consecutive vectors at its pointer in ``outs``."""
     for dst, row in zip(outs, sums):
@@ -182,7 +188,7 @@ def _tile_codegen(rows: int):
 
 def _tile_intrinsic(rows: int):
     def impl(typingctx, out, ooff, ostride, w, woff, wstride, a, aoff, astride, nk, acc_in, pfoff, pfn):
-        if not all(isinstance(x, types.Array) and x.layout == "C" and x.dtype == types.float32 for x in (out, w, a)):
+        if not _c_typed(types.float32, out, w, a):
             return None
         i64 = types.int64
         return types.void(out, i64, i64, w, i64, i64, a, i64, i64, i64, i64, i64, i64), _tile_codegen(rows)
@@ -235,9 +241,7 @@ def _gtile_codegen(rows: int):
 
 def _gtile_intrinsic(rows: int):
     def impl(typingctx, out, ooff, ostride, w, woff, wstride, a, bases, boff, koffs, koff, nk, acc_in):
-        if not (all(isinstance(x, types.Array) and x.layout == "C" and x.dtype == types.float32 for x in (out, w, a))
-                and all(isinstance(x, types.Array) and x.layout == "C" and x.dtype == types.int64
-                        for x in (bases, koffs))):
+        if not (_c_typed(types.float32, out, w, a) and _c_typed(types.int64, bases, koffs)):
             return None
         i64 = types.int64
         return (types.void(out, i64, i64, w, i64, i64, a, bases, i64, koffs, i64, i64, i64),
@@ -310,8 +314,7 @@ def _conv_tile_codegen(rows: int):
 
 def _conv_tile_intrinsic(rows: int):
     def impl(typingctx, out, ooff, ostride, x, xoff, xstride, w, woff, wrow, ntaps, nk, taps, acc_in):
-        if not (all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == types.float32 for a in (out, x, w))
-                and isinstance(taps, types.Array) and taps.layout == "C" and taps.dtype == types.int64):
+        if not (_c_typed(types.float32, out, x, w) and _c_typed(types.int64, taps)):
             return None
         i64 = types.int64
         return types.void(out, i64, i64, x, i64, i64, w, i64, i64, i64, i64, taps, i64), _conv_tile_codegen(rows)

@@ -768,6 +768,24 @@ def _shift_units(args, plan: _ConvPlan, threads: int) -> bool:
     return _act.run_units(jit.SHIFT_UNIT, table, -(-count // per), threads)
 
 
+def _bcast_fits(m: int, c: int, taps: int) -> bool:
+    """Whether conv_bcast's panels fit a weight of ``m`` output channels, ``c`` input channels
+    and ``taps`` taps: at least ``_BCAST_MIN_FILL`` of the panels' lanes used, sums of at least
+    ``_BCAST_MIN_K`` terms (``_BCAST_MIN_K_1X1`` for one tap)."""
+    if m == 0 or m / (64 * -(-m // 64)) < _BCAST_MIN_FILL:
+        return False
+    return c * taps >= (_BCAST_MIN_K_1X1 if taps == 1 else _BCAST_MIN_K)
+
+
+def _panel_blocks(n: int, m: int, positions: int, jit) -> tuple[int, int]:
+    """The panel kernels' (conv_windows, conv_bcast) positions per item and item count for ``n``
+    images of ``m`` output channels by ``positions``: the fewest blocks of at most
+    ``WIN_BLOCK`` positions, evened out to a multiple of 6 (97 -> 54 + 43), times the panels."""
+    per = -(-positions // -(-positions // jit.WIN_BLOCK))
+    chunk = -(-per // 6) * 6
+    return chunk, n * -(-positions // chunk) * -(-m // 64)
+
+
 def _panel_units(args, plan: _ConvPlan, threads: int) -> bool:
     """conv_windows' or conv_bcast's items (``args`` as :func:`_run_items` takes them: the
     windows' stride, or conv_bcast's bases and offsets) split over threads as a unit job
@@ -904,9 +922,7 @@ class Conv(Kernel):
         if not _BCAST_ON or len(info.shape) != 4 or self.group != 1 or compute_dtype(info.dtype) != np.float32:
             return False
         m, c, kh, kw = (int(d) for d in info.shape)
-        if m == 0 or m / (64 * -(-m // 64)) < _BCAST_MIN_FILL:
-            return False
-        if c * kh * kw < (_BCAST_MIN_K_1X1 if kh * kw == 1 else _BCAST_MIN_K):
+        if not _bcast_fits(m, c, kh * kw):
             return False
         if self.sp.kernel_shape and tuple(int(v) for v in self.sp.kernel_shape) != (kh, kw):
             return False
@@ -1483,12 +1499,7 @@ class Conv(Kernel):
                 plan.kind, plan.n, plan.m, plan.length = _WINDOWS, x.shape[0], m, out_shape[0]
                 plan.begin, plan.strides, plan.yshape = begin, strides, (x.shape[0], m, out_shape[0])
                 plan.extent = None if not (any(begin) or any(end)) else (x.shape[2] + begin[0] + end[0],)
-                # Positions per item: the fewest blocks of at most WIN_BLOCK, evened out to a
-                # multiple of 6 (97 -> 54 + 43).
-                p = out_shape[0]
-                per = -(-p // -(-p // jit.WIN_BLOCK))
-                plan.chunk = -(-per // 6) * 6
-                plan.count = x.shape[0] * -(-p // plan.chunk) * -(-m // 64)
+                plan.chunk, plan.count = _panel_blocks(x.shape[0], m, out_shape[0], jit)
                 plan.big = x.shape[0] * m * k * out_shape[0] >= _PARALLEL_MACS
                 plan.split = _act.SplitTuner()
                 plan.per_image = False
@@ -1569,8 +1580,7 @@ class Conv(Kernel):
         (``_BCAST_MIN_FILL``, ``_BCAST_MIN_K``) and the JIT runs, else by the general path on the
         recovered filters."""
         m, c = self._u.shape[1:]
-        if (_BCAST_ON and m / (64 * -(-m // 64)) >= _BCAST_MIN_FILL and 9 * c >= _BCAST_MIN_K
-                and compute_dtype(x.dtype) == np.float32 and _act.jit() is not None):
+        if _BCAST_ON and _bcast_fits(m, c, 9) and compute_dtype(x.dtype) == np.float32 and _act.jit() is not None:
             y = self._conv_bcast(x, (m, c, 3, 3), b, out, res)
             if y is not None:
                 return y
@@ -1672,9 +1682,7 @@ class Conv(Kernel):
                 plan.koffs = ((np.arange(c, dtype=np.int64) * (hp * wp))[:, None, None]
                               + (np.arange(ks[0], dtype=np.int64) * (dh * wp))[:, None]
                               + np.arange(ks[1], dtype=np.int64) * dw).reshape(-1)
-                per = -(-length // -(-length // jit.WIN_BLOCK))  # (as conv_windows' blocks)
-                plan.chunk = -(-per // 6) * 6
-                plan.count = n * -(-length // plan.chunk) * -(-m // 64)
+                plan.chunk, plan.count = _panel_blocks(n, m, length, jit)
                 plan.big = n * m * c * ks[0] * ks[1] * length >= _PARALLEL_MACS
                 plan.split = _act.SplitTuner()
                 plan.per_image = False
