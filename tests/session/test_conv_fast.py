@@ -1201,6 +1201,34 @@ def test_winograd_convs_direct_path_by_output_channels_matches(case, tail, winog
     np.testing.assert_array_equal(np.isnan(sess.run(None, bad)[0]), np.isnan(_ort(model, bad)[0]))
 
 
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_panel_blocks_transposed_in_registers_equal_element_by_element(bias):
+    """The panel kernels' transposes (an item's sums, positions x 64 channels, into the (M, P)
+    output; a residual's block back into the sums' layout): whole LANES x LANES blocks in
+    registers, the rest element by element; every element is the source's (plus its column's
+    bias) bit for bit, -0.0, NaN and -inf included, for any block shape, and nothing outside the
+    block is written."""
+    if _act.jit() is None:
+        pytest.skip("numba not installed")
+    from onnxpack.session.kernels import _conv_jit
+
+    rng = np.random.default_rng(3)
+    for rows, cols, ss, ds in [(49, 64, 64, 49), (33, 56, 64, 100), (16, 17, 64, 16), (6, 64, 64, 7),
+                               (64, 66, 196, 64), (5, 1, 64, 5), (16, 16, 16, 16)]:
+        src = rng.standard_normal(rows * ss + 40).astype(np.float32)
+        src[1], src[ss + 2], src[3 * ss] = -0.0, np.nan, -np.inf
+        b = rng.standard_normal(cols + 9).astype(np.float32) if bias else np.zeros(0, np.float32)
+        soff, doff, boff = 5, 3, 9 if bias else 0
+        dst = np.full(doff + cols * ds + 11, 7.0, np.float32)
+        want = dst.copy()
+        block = src[soff:soff + rows * ss].reshape(rows, ss)[:, :cols].T
+        if bias:
+            block = block + b[boff:boff + cols, None]
+        want[doff:doff + cols * ds].reshape(cols, ds)[:, :rows] = block
+        _conv_jit._transpose(dst, doff, ds, src, soff, ss, rows, cols, b, boff)
+        np.testing.assert_array_equal(dst.view(np.int32), want.view(np.int32), err_msg=f"{rows} {cols}")
+
+
 # Convs packed as conv_bcast's panels (family conv_bc, conv_bn_bc with the BN folded): 3x3 stride
 # 2, a strided 1x1 of 256 channels, a 5x5 with dilation and asymmetric pads over batch 2, a 1x1 of
 # 320 channels into a partly filled panel on a 7x7 map with a residual.
