@@ -1290,11 +1290,12 @@ def test_split_conv_epilogue_as_unit_jobs_equals_one_thread(m, hw, residual, mon
     the helpers polling or asleep), which is onnxruntime's within float32 rounding."""
     import onnxruntime as ort
 
-    from onnxpack.session.kernels import _act
+    from onnxpack.session.kernels import _act, conv
 
     pool = _polling_pool()
     if not pool.sgemm:
         pytest.skip("numpy's BLAS has no ILP64 cblas_sgemm here")
+    monkeypatch.setattr(conv, "_BCAST_ON", False)  # (the general path's split GEMM, not conv_bcast's panels)
     rng = np.random.default_rng(m + hw)
     c = 40
     F = TensorProto.FLOAT
@@ -1345,6 +1346,7 @@ def test_split_conv_epilogue_by_blocks_equals_one_thread(m, hw, channel_steps, m
 
     if _act.jit() is None:
         pytest.skip("numba not installed")
+    monkeypatch.setattr(conv, "_BCAST_ON", False)  # (the general path's split GEMM, not conv_bcast's panels)
     rng = np.random.default_rng(11)
     c = 40
     F = TensorProto.FLOAT

@@ -91,17 +91,20 @@ _WIN_MIN_M = 48
 # (3/4 of the lanes used) 580 -> 720 and 654 -> 790 us against conv_shift (it still beat
 # Winograd, the only path it is timed against); 32 -> 16 on 80x80 1.9x conv_shift's time.
 # ONNXPACK_CONV_BCAST=0 keeps conv_shift and im2col there.
-# Other one-group 2-D convs under the same rule (1x1 convs from C >= _BCAST_MIN_K_1X1: below it
-# OpenBLAS on the activation as it is won, 960 <- 160 on 7x7 107 against 80 us) pack their weight
-# in those panels (family conv_bc); the first call of a geometry times conv_bcast against the
-# general path (the filters recovered from the panels, let go when conv_bcast is kept): one
+# Other one-group 2-D convs under the same rule (1x1 convs from C >= _BCAST_MIN_K_1X1) pack their
+# weight in those panels (family conv_bc); the first call of a geometry times conv_bcast against
+# the general path (the filters recovered from the panels, let go when conv_bcast is kept): one
 # thread, resnet50's 512 <- 256 3x3 stride 2 on 28x28 and 2048 <- 512 1x1 on 7x7 ran 1.05x and
-# 1.2x onnxruntime's time against 1.39x and 1.42x (conv_shift over the phases, OpenBLAS).
+# 1.2x onnxruntime's time against 1.39x and 1.42x (conv_shift over the phases, OpenBLAS).  Since
+# the sums are stored transposed in registers and the epilogue runs on them (_conv_jit._transpose),
+# 1x1 convs of short sums win too (one thread, isolated, against OpenBLAS and onnxruntime: 960 <-
+# 160 on 7x7 64 / 82 / 65 us, 384 <- 64 on 14x14 42 / 51 / 45, 256 <- 64 on 56x56 440 / 523 /
+# 460); 192 <- 32 on 28x28 won alone and lost in MobileNetV2 (its Clip: 67 against 61), so 64.
 _BCAST_ON = os.environ.get("ONNXPACK_CONV_BCAST", "1") != "0"
 _BCAST_VERSION = 1
 _BCAST_MIN_FILL = 0.9
 _BCAST_MIN_K = 128
-_BCAST_MIN_K_1X1 = 256
+_BCAST_MIN_K_1X1 = 64
 # With the JIT, a one-group stride-1 conv (1-D or 2-D, more than one tap, not Winograd's) with at
 # most _SHIFT_MAX_CHANNELS input and output channels and at most _SHIFT_MAX_TAPS taps per output
 # (C * kh * kw) runs conv_shift: tiles of 16 output positions straight from the padded input, no
