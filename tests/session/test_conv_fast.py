@@ -1148,13 +1148,14 @@ def test_winograd_matches_direct_convolution(case, jit_mode, winograd_any_size):
 # Winograd-packed convs whose direct path runs conv_bcast (output channels vectorized: at least
 # 90 % of the panels' lanes used, C * 9 >= 128): a 7x7 map (too few tiles for Winograd), an odd
 # map with asymmetric pads and batch 2, a partly filled panel (120 = 64 + 56), a residual, a
-# larger map.
+# larger map, a last panel of 32 channels (160 = 64 + 64 + 32: half-width tiles).
 BCAST = {
     "7x7-map": dict(x_shape=(1, 32, 7, 7), m=64),
     "odd-map-asym-pads-batch2": dict(x_shape=(2, 16, 13, 11), m=128, pads=(0, 1, 2, 0)),
     "partial-panel": dict(x_shape=(1, 16, 9, 9), m=120),
     "no-pad-residual": dict(x_shape=(1, 24, 10, 9), m=64, pads=(0, 0, 0, 0), residual="right"),
     "large-map": dict(x_shape=(1, 16, 30, 34), m=64),
+    "half-panel": dict(x_shape=(1, 16, 11, 10), m=160),
 }
 
 
@@ -1231,12 +1232,15 @@ def test_panel_blocks_transposed_in_registers_equal_element_by_element(bias):
 
 # Convs packed as conv_bcast's panels (family conv_bc, conv_bn_bc with the BN folded): 3x3 stride
 # 2, a strided 1x1 of 256 channels, a 5x5 with dilation and asymmetric pads over batch 2, a 1x1 of
-# 320 channels into a partly filled panel on a 7x7 map with a residual.
+# 320 channels into a partly filled panel on a 7x7 map with a residual, half panels.
 BCAST_PACKED = {
     "3x3-s2": dict(x_shape=(1, 16, 14, 12), m=64, strides=(2, 2)),
     "1x1-s2-c256": dict(x_shape=(1, 256, 9, 8), m=64, k=1, strides=(2, 2), pads=(0, 0, 0, 0)),
     "5x5-dil-asym-batch2": dict(x_shape=(2, 8, 15, 13), m=128, k=5, dilations=(2, 1), pads=(3, 2, 1, 4)),
     "1x1-c320-7x7-residual": dict(x_shape=(1, 320, 7, 7), m=120, k=1, pads=(0, 0, 0, 0), residual="right"),
+    # a last panel of at most 32 channels runs half-width tiles: 64 + 32, and 30 alone
+    "3x3-s2-half-panel": dict(x_shape=(1, 16, 10, 9), m=96, strides=(2, 2)),
+    "1x1-one-half-panel-residual": dict(x_shape=(1, 64, 7, 7), m=30, k=1, pads=(0, 0, 0, 0), residual="right"),
 }
 
 
@@ -1338,6 +1342,7 @@ def test_conv_beyond_the_shift_limits_times_im2col_and_shift_once(fast, monkeypa
     if _act.jit() is None:
         pytest.skip("numba not installed")
     monkeypatch.setattr(conv_mod, "_WINOGRAD", False)
+    monkeypatch.setattr(conv_mod, "_BCAST_ON", False)  # (32 channels would be conv_bcast's half panel)
     monkeypatch.setattr(conv_mod, "_SHIFT_MAX_TAPS_WIDE", 64)
     monkeypatch.setattr(conv_mod, "_SHIFT_MAX_TAPS", 64)
     monkeypatch.setattr(_act, "_PATHS", type(_act._PATHS)())

@@ -66,6 +66,7 @@ from onnxpack.session.kernels._nbits_jit import F32, I64, as_ptr
 from onnxpack.session.kernels._spin_jit import _sgemm
 from onnxpack.session.kernels._sgemm_jit import TILE, conv_tile1, conv_tile2, conv_tile4, conv_tile6, prefetch
 from onnxpack.session.kernels._sgemm_jit import KC, _tile1, _tile2, _tile4, _tile6, gtile1, gtile2, gtile4, gtile6
+from onnxpack.session.kernels._sgemm_jit import HALF, _tile1h, _tile2h, _tile4h, _tile6h, gtile1h, gtile2h, gtile4h, gtile6h
 from onnxpack.session.kernels._sgemm_jit import LANES, tstore, tstore_bias
 
 __all__ = ["gather_cols", "depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "pad_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_windows", "conv_bcast", "WIN_BLOCK", "windows_unit", "WINDOWS_UNIT", "conv_shift", "wino_input", "wino_output", "bias_act", "gemm_act_unit", "GEMM_ACT_UNIT", "shift_unit", "SHIFT_UNIT", "maxpool2d", "act_inplace", "expf_array"]
@@ -1622,6 +1623,11 @@ def _panel_items(x, w, y, stride, bases, koffs, bias, codes, params, res, post_c
         c0 = pan * 64
         r0 = blk * block
         r_end = min(p_, r0 + block)
+        nj = min(64, m_ - c0)
+        # A last panel whose channels end within its first HALF columns computes only those.
+        cw = 64 if nj > HALF else HALF
+        step = min(TILE, cw)
+        half = step < TILE  # (AVX-512: the half-width tiles; AVX2: two 16-column tiles instead of four)
         for k0 in range(0, k_, KC):
             nk = min(KC, k_ - k0)
             acc = 1 if k0 > 0 else 0
@@ -1630,9 +1636,18 @@ def _panel_items(x, w, y, stride, bases, koffs, bias, codes, params, res, post_c
                 left = r_end - r
                 rows = 6 if left >= 6 else (4 if left >= 4 else (2 if left >= 2 else 1))
                 so = (r - r0) * 64
-                for c in range(0, 64, TILE):
+                for c in range(0, cw, step):
                     woff = (pan * k_ + k0) * 64 + c
-                    if gathered:
+                    if gathered and half:
+                        if rows == 6:
+                            gtile6h(scr, so + c, 64, wf, woff, 64, xn, bases, r, koffs, k0, nk, acc)
+                        elif rows == 4:
+                            gtile4h(scr, so + c, 64, wf, woff, 64, xn, bases, r, koffs, k0, nk, acc)
+                        elif rows == 2:
+                            gtile2h(scr, so + c, 64, wf, woff, 64, xn, bases, r, koffs, k0, nk, acc)
+                        else:
+                            gtile1h(scr, so + c, 64, wf, woff, 64, xn, bases, r, koffs, k0, nk, acc)
+                    elif gathered:
                         if rows == 6:
                             gtile6(scr, so + c, 64, wf, woff, 64, xn, bases, r, koffs, k0, nk, acc)
                         elif rows == 4:
@@ -1641,6 +1656,15 @@ def _panel_items(x, w, y, stride, bases, koffs, bias, codes, params, res, post_c
                             gtile2(scr, so + c, 64, wf, woff, 64, xn, bases, r, koffs, k0, nk, acc)
                         else:
                             gtile1(scr, so + c, 64, wf, woff, 64, xn, bases, r, koffs, k0, nk, acc)
+                    elif half:
+                        if rows == 6:
+                            _tile6h(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc, 0, 0)
+                        elif rows == 4:
+                            _tile4h(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc, 0, 0)
+                        elif rows == 2:
+                            _tile2h(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc, 0, 0)
+                        else:
+                            _tile1h(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc, 0, 0)
                     elif rows == 6:
                         _tile6(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc, 0, 0)
                     elif rows == 4:
@@ -1651,7 +1675,10 @@ def _panel_items(x, w, y, stride, bases, koffs, bias, codes, params, res, post_c
                         _tile1(scr, so + c, 64, wf, woff, 64, xn, r * stride + k0, stride, nk, acc, 0, 0)
                 r += rows
         ni = r_end - r0
-        nj = min(64, m_ - c0)
+        if cw < 64:  # (the columns not computed: zeros, as the panel's padding gives the others)
+            for i in range(ni):
+                for j in range(cw, 64):
+                    scr[i * 64 + j] = _F0
         at = (n * m_ + c0) * p_ + r0
         if not in_scratch:
             _transpose(yf, at, p_, scr, 0, 64, ni, nj, bias, c0)

@@ -39,7 +39,8 @@ from onnxpack.session.kernels._nbits_jit import (F32, accumulate, array_data, as
                                                  splat)
 
 __all__ = ["sgemm_panels", "panel_unit", "PANEL_UNIT", "prefetch", "conv_tile6", "conv_tile4", "conv_tile2", "conv_tile1",
-           "gtile6", "gtile4", "gtile2", "gtile1", "tstore", "tstore_bias", "NR", "KC", "LANES", "TILE"]
+           "gtile6", "gtile4", "gtile2", "gtile1", "gtile6h", "gtile4h", "gtile2h", "gtile1h", "tstore", "tstore_bias",
+           "HALF", "NR", "KC", "LANES", "TILE"]
 
 NR = 64  # columns per panel: the packed layout (4 vectors of 16 float32)
 # Rows of a panel per pass: 32 KB of it, L1-resident while all rows of ``a`` pass.  With 512 (an
@@ -119,12 +120,12 @@ def _start_sums(builder, acc_in, outs, vecs: int):
     return inits
 
 
-def _tile_codegen(rows: int):
-    """``rows`` rows of ``a`` times ``TILE`` columns of one panel block: ``rows x vecs`` vector
+def _tile_codegen(rows: int, width: int = TILE):
+    """``rows`` rows of ``a`` times ``width`` columns of one panel block: ``rows x vecs`` vector
     accumulators, from zero or (``acc != 0``) from the output's current values, stored back at
     the end; the k-th iteration also prefetches cache line ``min(k, pfn - 1)`` of the ``pfn``
     lines at ``w.flat[pfoff:]`` (none when ``pfn <= 0``)."""
-    vecs = TILE // LANES
+    vecs = width // LANES
 
     def codegen(context, builder, sig, args):
         out, ooff, ostride, w, woff, wstride, a, aoff, astride, nk, acc_in, pfoff, pfn = args
@@ -186,14 +187,14 @@ def _tile_codegen(rows: int):
     return codegen
 
 
-def _tile_intrinsic(rows: int):
+def _tile_intrinsic(rows: int, width: int = TILE):
     def impl(typingctx, out, ooff, ostride, w, woff, wstride, a, aoff, astride, nk, acc_in, pfoff, pfn):
         if not _c_typed(types.float32, out, w, a):
             return None
         i64 = types.int64
-        return types.void(out, i64, i64, w, i64, i64, a, i64, i64, i64, i64, i64, i64), _tile_codegen(rows)
+        return types.void(out, i64, i64, w, i64, i64, a, i64, i64, i64, i64, i64, i64), _tile_codegen(rows, width)
 
-    impl.__name__ = impl.__qualname__ = f"_tile{TILE}x{rows}"
+    impl.__name__ = impl.__qualname__ = f"_tile{width}x{rows}"
     return intrinsic(impl)
 
 
@@ -205,13 +206,21 @@ _tile6 = _tile_intrinsic(6)
 _tile4 = _tile_intrinsic(4)
 _tile2 = _tile_intrinsic(2)
 _tile1 = _tile_intrinsic(1)
+# The same over the first HALF columns only (a panel whose output channels end within them:
+# conv_windows' and conv_bcast's last panel).  With AVX2 a tile is already 16 columns wide and
+# the panel kernels run two of them instead.
+HALF = 32
+_tile6h = _tile_intrinsic(6, min(TILE, HALF))
+_tile4h = _tile_intrinsic(4, min(TILE, HALF))
+_tile2h = _tile_intrinsic(2, min(TILE, HALF))
+_tile1h = _tile_intrinsic(1, min(TILE, HALF))
 
 
-def _gtile_codegen(rows: int):
+def _gtile_codegen(rows: int, width: int = TILE):
     """:func:`_tile_codegen` with A's elements gathered: row ``r``'s k-th element is at
     ``a.flat[bases[boff + r] + koffs[koff + k]]`` (a convolution's output position ``r`` and
     its k-th (input channel, tap)), without the prefetching."""
-    vecs = TILE // LANES
+    vecs = width // LANES
 
     def codegen(context, builder, sig, args):
         out, ooff, ostride, w, woff, wstride, a, bases, boff, koffs, koff, nk, acc_in = args
@@ -239,15 +248,15 @@ def _gtile_codegen(rows: int):
     return codegen
 
 
-def _gtile_intrinsic(rows: int):
+def _gtile_intrinsic(rows: int, width: int = TILE):
     def impl(typingctx, out, ooff, ostride, w, woff, wstride, a, bases, boff, koffs, koff, nk, acc_in):
         if not (_c_typed(types.float32, out, w, a) and _c_typed(types.int64, bases, koffs)):
             return None
         i64 = types.int64
         return (types.void(out, i64, i64, w, i64, i64, a, bases, i64, koffs, i64, i64, i64),
-                _gtile_codegen(rows))
+                _gtile_codegen(rows, width))
 
-    impl.__name__ = impl.__qualname__ = f"_gtile{TILE}x{rows}"
+    impl.__name__ = impl.__qualname__ = f"_gtile{width}x{rows}"
     return intrinsic(impl)
 
 
@@ -257,6 +266,10 @@ gtile6 = _gtile_intrinsic(6)
 gtile4 = _gtile_intrinsic(4)
 gtile2 = _gtile_intrinsic(2)
 gtile1 = _gtile_intrinsic(1)
+gtile6h = _gtile_intrinsic(6, min(TILE, HALF))
+gtile4h = _gtile_intrinsic(4, min(TILE, HALF))
+gtile2h = _gtile_intrinsic(2, min(TILE, HALF))
+gtile1h = _gtile_intrinsic(1, min(TILE, HALF))
 
 
 def _transpose_codegen(bias: bool):
