@@ -1590,6 +1590,42 @@ def _transpose(dst, doff, ds, src, soff, ss, rows, cols, bias, boff):
                 dst[d + r] = src[soff + r * ss + c]
 
 
+@njit(error_model="numpy")
+def _scratch_affine(sv, ni, a, b):
+    """``sv[i, j] * a[j] + b[j]`` over an item's sums (``ni`` positions x 64 channels) as a
+    product, then a sum: :func:`_channel_affine`'s two roundings, channel by column."""
+    for i in range(ni):
+        o = i * 64
+        for j in range(64):
+            sv[o + j] = sv[o + j] * a[j]
+    for i in range(ni):
+        o = i * 64
+        for j in range(64):
+            sv[o + j] = sv[o + j] + b[j]
+
+
+@njit(inline="always", fastmath=_FM, error_model="numpy")
+def _scratch_steps(sv, ni, c0, nj, cl, pl, chan, arow, brow):
+    """:func:`bias_act_block`'s steps ``cl`` / ``pl`` over an item's sums in the scratch (``ni``
+    positions x 64 channels from ``c0``, ``nj`` of them real): the activations over the whole
+    item at once, a per-channel step (code 11: table ``chan[k]``) with its 64 channels' factors
+    and offsets laid out as a row (zeros past M), in the steps' order."""
+    if cl.shape[0] == 0:
+        return
+    if chan.shape[0] == 0:
+        acts_plane(sv, cl, pl)
+        return
+    for s in range(cl.shape[0]):
+        if cl[s] == 11:
+            k = int(pl[s, 0])
+            for j in range(64):
+                arow[j] = chan[k, c0 + j, 0] if j < nj else _F0
+                brow[j] = chan[k, c0 + j, 1] if j < nj else _F0
+            _scratch_affine(sv, ni, arow, brow)
+        else:
+            act_one(sv, cl[s], pl[s, 0], pl[s, 1], pl[s, 2])
+
+
 @njit(inline="always", fastmath=_FM, error_model="numpy")
 def _panel_items(x, w, y, stride, bases, koffs, bias, codes, params, res, post_codes, post_params, chan, block,
                  i0, i1):
@@ -1607,13 +1643,13 @@ def _panel_items(x, w, y, stride, bases, koffs, bias, codes, params, res, post_c
     scr = np.empty(block * 64, np.float32)
     gathered = koffs.shape[0] > 0
     epilogue = codes.shape[0] > 0 or res.shape[0] > 0 or post_codes.shape[0] > 0
-    # Without per-channel steps the epilogue runs on the scratch (see below); the residual's
-    # block is read into a second one in the scratch's layout (zeros past M).
-    in_scratch = epilogue and chan.shape[0] == 0
+    # The epilogue runs on the scratch (see below); the residual's block is read into a second
+    # one in the scratch's layout (zeros past M).
     has_res = res.shape[0] > 0
     yf = y.reshape(-1)
     rf = res.reshape(-1)
-    rsc = np.zeros(block * 64 if in_scratch and has_res else 0, np.float32)
+    rsc = np.zeros(block * 64 if epilogue and has_res else 0, np.float32)
+    arow = np.zeros(64, np.float32)
     brow = np.zeros(64, np.float32)
     for item in range(i0, i1):
         pan = item % npan
@@ -1680,10 +1716,8 @@ def _panel_items(x, w, y, stride, bases, koffs, bias, codes, params, res, post_c
                 for j in range(cw, 64):
                     scr[i * 64 + j] = _F0
         at = (n * m_ + c0) * p_ + r0
-        if not in_scratch:
+        if not epilogue:
             _transpose(yf, at, p_, scr, 0, 64, ni, nj, bias, c0)
-            if epilogue:
-                bias_act_block(y, n, c0, c0 + nj, r0, ni, _NO_BIAS, codes, params, res, post_codes, post_params, chan)
             continue
         # The epilogue on the item's sums in the scratch, position by position (64 contiguous
         # channels each: one pass over the item, not one call per channel's short row: ~60 ns a
@@ -1699,14 +1733,12 @@ def _panel_items(x, w, y, stride, bases, koffs, bias, codes, params, res, post_c
                 o = i * 64
                 for j in range(64):
                     sv[o + j] += brow[j]
-        if codes.shape[0] > 0:
-            acts_plane(sv, codes, params)
+        _scratch_steps(sv, ni, c0, nj, codes, params, chan, arow, brow)
         if has_res:
             _transpose(rsc, 0, 64, rf, at, p_, nj, ni, _NO_BIAS, 0)
             for q in range(ni * 64):
                 sv[q] += rsc[q]
-            if post_codes.shape[0] > 0:
-                acts_plane(sv, post_codes, post_params)
+            _scratch_steps(sv, ni, c0, nj, post_codes, post_params, chan, arow, brow)
         _transpose(yf, at, p_, scr, 0, 64, ni, nj, _NO_BIAS, 0)
 
 

@@ -89,7 +89,9 @@ _WIN_MIN_M = 48
 # 1.22-1.39x and Winograd 1.26-1.35x (256 -> 256 on 14x14 1145 -> 978 us, 512 -> 512 on 7x7
 # 1260 -> 1012).  With idle lanes it loses: YOLOX's 96 -> 96 on 26x26 and 48 -> 48 on 52x52
 # (3/4 of the lanes used) 580 -> 720 and 654 -> 790 us against conv_shift (it still beat
-# Winograd, the only path it is timed against); 32 -> 16 on 80x80 1.9x conv_shift's time.
+# Winograd, the only path it is timed against); 32 -> 16 on 80x80 1.9x conv_shift's time.  A
+# last panel of at most _PANEL_HALF channels runs half-width tiles (96 = 64 + 32 fills them:
+# YOLOX one thread 1.23x -> 1.20x onnxruntime's time, two threads 1.50x -> 1.34x).
 # ONNXPACK_CONV_BCAST=0 keeps conv_shift and im2col there.
 # Other one-group 2-D convs under the same rule (1x1 convs from C >= _BCAST_MIN_K_1X1) pack their
 # weight in those panels (family conv_bc); the first call of a geometry times conv_bcast against
