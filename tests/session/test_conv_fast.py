@@ -1277,6 +1277,27 @@ def test_convs_packed_as_panels_match_onnxruntime(case, tail, path, monkeypatch)
     assert (kernel._w_from_bc is None) == (path == 0)
 
 
+def test_path_choices_of_one_geometry_are_kept_per_epilogue(monkeypatch):
+    """The process-wide path choice of a conv geometry is keyed by its epilogue's kinds too: two
+    convs of one geometry, one ending in a Relu and one in a SiLU, are measured each (a QDQ model
+    and its float original in one process must not share a choice measured on the other's
+    chain); the same chain again has the same key (faster_path's record serves it)."""
+    if _act.jit() is None:
+        pytest.skip("numba not installed")
+    keys = []
+
+    def decide(key, first, second, prior=None):
+        keys.append(key)
+        return 0, None
+
+    monkeypatch.setattr(_act, "faster_path", decide)
+    for tail in ("relu", "silu", "relu"):
+        model, feeds = conv_model(tail=tail, x_shape=(1, 32, 9, 10), m=64, strides=(2, 2))
+        np.testing.assert_allclose(onnxpack.InferenceSession(model).run(None, feeds)[0], _ort(model, feeds)[0],
+                                   **TOL)
+    assert len(keys) == 3 and keys[0][:-1] == keys[1][:-1] and keys[0] != keys[1] and keys[0] == keys[2]
+
+
 def test_panels_pack_is_saved_and_mapped_and_survives_losing_the_jit(tmp_path, monkeypatch):
     """The conv_bcast panels are a blob of the saved model, mapped back by a warm session
     (nothing packed, the same bits); a session whose JIT is gone after packing recovers the

@@ -1066,7 +1066,7 @@ class Conv(Kernel):
                     "shift", ("conv", x.shape, plan.wm_shape, plan.ks, plan.strides, plan.dils, tuple(plan.begin),
                               _act.threads()),
                     lambda: self._conv_by(plan, x, w, b, None, res, cd),
-                    lambda: self._conv_by(alt, x, w, b, None, res, cd))
+                    lambda: self._conv_by(alt, x, w, b, None, res, cd), res)
                 plan.choice = path
                 if y is not None:
                     return _into(out, y)
@@ -1074,13 +1074,17 @@ class Conv(Kernel):
                 plan = alt
         return self._conv_by(plan, x, w, b, out, res, cd)
 
-    def _path(self, question: str, key, first, second) -> tuple[int, object]:
+    def _path(self, question: str, key, first, second, res) -> tuple[int, object]:
         """:func:`._act.faster_path` for this Conv: once its first ``_PATH_VOTES`` geometries of
         ``question`` chose one path, a new geometry takes that path unmeasured (recorded for the
-        process all the same)."""
+        process all the same).  The process-wide key holds the epilogue's kinds too (a chain of
+        fake quantizations and per-channel steps costs the paths differently than a Relu: a QDQ
+        model and its float original in one process measure their own choices)."""
         votes = self._votes.setdefault(question, [])
         prior = votes[0] if len(votes) >= _PATH_VOTES and len(set(votes)) == 1 else None
-        path, y = _act.faster_path(key, first, second, prior)
+        chain = (tuple(a.kind for a in self._pre), tuple(a.kind for a in self._post), self._has_channel,
+                 res is not None)
+        path, y = _act.faster_path(key + (chain,), first, second, prior)
         if prior is None and len(votes) < _PATH_VOTES:
             votes.append(path)
         return path, y
@@ -1578,7 +1582,7 @@ class Conv(Kernel):
             path, y = self._path(
                 "winograd", ("conv3x3", xc.shape, u.shape[1], tuple(begin), tuple(out_shape), _act.threads()),
                 lambda: self._winograd_call(x, xc, b, None, res, begin, out_shape),
-                lambda: self._conv_direct(x, b, None, res))
+                lambda: self._conv_direct(x, b, None, res), res)
             geo[3] = path
             if path == 0 and not any(type(g) is list and g[3] == 1 for g in self._plans.values()):
                 self._w_from_u = self._bc = None  # Winograd runs: the recovered filters go
@@ -1622,7 +1626,7 @@ class Conv(Kernel):
                 "bcast", ("conv_bc", x.shape, self._bcw, plan.strides, plan.dils, tuple(plan.begin), plan.yshape,
                           _act.threads()),
                 lambda: self._conv_bcast(x, self._bcw, b, None, res),
-                lambda: self._conv(x, self._bcast_filters(), b, None, res))
+                lambda: self._conv(x, self._bcast_filters(), b, None, res), res)
             plan.choice = path
             if not any(type(p) is _ConvPlan and p.kind == _BCAST and p.choice for p in self._plans.values()):
                 self._w_from_bc = None  # conv_bcast runs every geometry so far: the recovered filters go
