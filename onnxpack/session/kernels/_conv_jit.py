@@ -1606,7 +1606,7 @@ def _scratch_affine(sv, ni, a, b):
 
 @njit(inline="always", fastmath=_FM, error_model="numpy")
 def _scratch_steps(sv, ni, c0, nj, cl, pl, chan, arow, brow):
-    """:func:`bias_act_block`'s steps ``cl`` / ``pl`` over an item's sums in the scratch (``ni``
+    """:func:`bias_act_rows`' steps ``cl`` / ``pl`` over an item's sums in the scratch (``ni``
     positions x 64 channels from ``c0``, ``nj`` of them real): the activations over the whole
     item at once, a per-channel step (code 11: table ``chan[k]``) with its 64 channels' factors
     and offsets laid out as a row (zeros past M), in the steps' order."""
@@ -1633,7 +1633,7 @@ def _panel_items(x, w, y, stride, bases, koffs, bias, codes, params, res, post_c
     window at ``r * stride``) and of :func:`conv_bcast` (row ``r``, element ``k`` at ``bases[r] +
     koffs[k]``): per item, ``KC`` rows of the panel a block, tiles of 6, 4, 2 or 1 positions by
     ``TILE`` channels into the scratch, then the bias and, when there is one, the epilogue
-    (:func:`bias_act_block`'s arguments) on the item's sums while they are in cache, in the
+    (:func:`bias_act_rows`' arguments) on the item's sums while they are in cache, in the
     thread that computed them, and the sums written transposed into ``y`` (:func:`_transpose`)."""
     n_, m_, p_ = y.shape
     npan = -(-m_ // 64)
@@ -1778,15 +1778,16 @@ def conv_bcast(x, w, y, bases, koffs, bias, codes, params, res, post_codes, post
     starts in an image, ``koffs`` (K,) where its k-th (input channel, tap) sits from there
     (strides in ``bases``, dilations in ``koffs``); ``y`` (N, M, P) float32, ``bias`` (M,) or
     empty; then :func:`bias_act`'s epilogue after the bias (activations, residual like ``y`` or
-    empty, activations, per-channel tables), run on each item's block.  An item is one image's 64 output channels over ``block`` positions (item = (image *
-    blocks + block) * panels + panel), as :func:`conv_windows`'.
+    empty, activations, per-channel tables), run on each item's sums before they are stored.  An
+    item is one image's 64 output channels over ``block`` positions (item = (image * blocks +
+    block) * panels + panel), as :func:`conv_windows`'.
 
     Why: onnxruntime's NCHWc convolutions vectorize over output channels, so every lane works
     whatever the map's size; conv_shift's tiles of 64 positions are 77 % filled on a 7x7 map (49
     of 64) and Winograd needs enough tiles.  Here the micro-kernel of :mod:`._sgemm_jit`
     broadcasts one input value per output position (gathered: ``gtileR``) against a panel row
     of 64 channels, 6 positions x 64 channels of sums in registers, ``KC`` (channel, tap) pairs
-    a block; the sums are written transposed (with the bias) into ``y``.  Each output is one
+    a block; the sums are written transposed into ``y`` (:func:`_transpose`).  Each output is one
     chain of fused multiply-adds over k in order, so the bits do not depend on the items' split."""
     _panel_items(x, w, y, 0, bases, koffs, bias, codes, params, res, post_codes, post_params, chan, block, i0, i1)
 
@@ -1867,18 +1868,10 @@ def bias_act_rows(y, n, at, length, bias, codes, params, res, post_codes, post_p
     handed this call's eleven arrays: an inlined helper taking them cost ~130 ns a row
     (measured: 64 rows x 256 positions in two blocks 26 -> 11 us; a QDQ chain of fake
     quantizations around a BatchNormalization on 2,048 rows x 49 positions 507 -> 219 us)."""
-    # (np.int64(0): a literal 0 would compile bias_act_block once more, see bias_act)
-    bias_act_block(y, n, np.int64(0), y.shape[1], at, length, bias, codes, params, res, post_codes, post_params, chan)
-
-
-@njit(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
-def bias_act_block(y, n, m0, m1, at, length, bias, codes, params, res, post_codes, post_params, chan):
-    """:func:`bias_act_rows` over output channels ``m0 .. m1`` only (a :func:`conv_bcast` item's
-    block of 64 channels by its positions)."""
     has_bias = bias.shape[0] > 0
     has_res = res.shape[0] > 0
     plain = chan.shape[0] == 0
-    for m in range(m0, m1):
+    for m in range(y.shape[1]):
         row = y[n, m, at:at + length]
         if has_bias:
             bv = bias[m]

@@ -210,10 +210,7 @@ _tile1 = _tile_intrinsic(1)
 # conv_windows' and conv_bcast's last panel).  With AVX2 a tile is already 16 columns wide and
 # the panel kernels run two of them instead.
 HALF = 32
-_tile6h = _tile_intrinsic(6, min(TILE, HALF))
-_tile4h = _tile_intrinsic(4, min(TILE, HALF))
-_tile2h = _tile_intrinsic(2, min(TILE, HALF))
-_tile1h = _tile_intrinsic(1, min(TILE, HALF))
+_tile6h, _tile4h, _tile2h, _tile1h = (_tile_intrinsic(rows, min(TILE, HALF)) for rows in (6, 4, 2, 1))
 
 
 def _gtile_codegen(rows: int, width: int = TILE):
@@ -262,14 +259,8 @@ def _gtile_intrinsic(rows: int, width: int = TILE):
 
 # ``_gtileR(out, ooff, ostride, w, woff, wstride, a, bases, boff, koffs, koff, nk, acc)``: ``_tileR``
 # with A's row r, element k at ``a.flat[bases[boff + r] + koffs[koff + k]]`` (no prefetching).
-gtile6 = _gtile_intrinsic(6)
-gtile4 = _gtile_intrinsic(4)
-gtile2 = _gtile_intrinsic(2)
-gtile1 = _gtile_intrinsic(1)
-gtile6h = _gtile_intrinsic(6, min(TILE, HALF))
-gtile4h = _gtile_intrinsic(4, min(TILE, HALF))
-gtile2h = _gtile_intrinsic(2, min(TILE, HALF))
-gtile1h = _gtile_intrinsic(1, min(TILE, HALF))
+gtile6, gtile4, gtile2, gtile1 = (_gtile_intrinsic(rows) for rows in (6, 4, 2, 1))
+gtile6h, gtile4h, gtile2h, gtile1h = (_gtile_intrinsic(rows, min(TILE, HALF)) for rows in (6, 4, 2, 1))
 
 
 def _transpose_codegen(bias: bool):
