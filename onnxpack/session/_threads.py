@@ -36,6 +36,10 @@ _active: dict[int, int] = {}  # requested count -> runs in flight asking for it
 _original: list[int | None] = []  # each library's count when the first limited run started
 _applied: list[int | None] = []  # each library's count as last set or read (under _lock)
 _libs: list[Any] | None = None  # threadpoolctl controllers of the loaded BLAS libraries ([] if unavailable)
+# _libs' count getters and setters (bound methods, looked up once per list of libraries)
+_for_libs: list[Any] = [None]
+_getters: list[Any] = []
+_setters: list[Any] = []
 _global_intra = 0
 
 
@@ -50,7 +54,7 @@ def blas_libraries(quiet: bool = False) -> list[Any]:
         except ImportError:
             _libs, _unwarned = [], True
         else:
-            _libs = list(ThreadpoolController().select(user_api="blas").lib_controllers)
+            _libs = _numpy_own(list(ThreadpoolController().select(user_api="blas").lib_controllers))
     if _unwarned and not quiet:
         _unwarned = False
         logger.warning("intra_op_num_threads is set but threadpoolctl is not installed, so numpy's BLAS threads "
@@ -59,6 +63,20 @@ def blas_libraries(quiet: bool = False) -> list[Any]:
 
 
 _unwarned = False  # threadpoolctl is missing and no call has said so yet
+
+
+def _numpy_own(libs: list[Any]) -> list[Any]:
+    """The BLAS numpy itself calls, among ``libs``, when it can be told: the one shipped in the
+    wheel's ``numpy.libs`` folder beside the package.  Others in the process are not ours to
+    limit: numba imports scipy, whose wheel brings its own OpenBLAS, and onnxpack's kernels never
+    call it (its JIT kernels call no BLAS); limiting it too doubled the library calls of every
+    run (~2.5 us of Silero VAD's ~110).  A numpy built against a system BLAS shares it with
+    scipy: then every library found is kept, as before."""
+    import numpy
+
+    mine = os.path.realpath(os.path.dirname(numpy.__file__)) + ".libs"
+    own = [lib for lib in libs if os.path.dirname(os.path.realpath(getattr(lib, "filepath", "") or "")) == mine]
+    return own if own else libs
 
 
 def _own_setter(lib: Any) -> Any:
@@ -75,13 +93,13 @@ def _apply(n: int) -> None:
     """Called under ``_lock``: BLAS at ``n`` threads (``n <= 0``: the count the process had).
     ``_applied`` is the count each library has as we last set or read it, so a run sets a
     library only when its count changes and reads none while others are in flight."""
-    for i, lib in enumerate(_libs or ()):
+    for i, setter in enumerate(_setters):
         count = _original[i]
         if count is None:  # the library cannot say its count: leave it alone
             continue
         want = count if n <= 0 else n
         if _applied[i] != want:
-            _own_setter(lib)(want)
+            setter(want)
             _applied[i] = want
 
 
@@ -137,7 +155,11 @@ _NOTHING = _Nothing()
 def _save_original() -> None:
     """The counts the libraries have when the first limited run starts (re-read each time no run
     is in flight: a user may change them between runs); restored when the last one ends."""
-    _original[:] = [lib.get_num_threads() for lib in _libs or ()]
+    if _for_libs[0] is not _libs:
+        _getters[:] = [lib.get_num_threads for lib in _libs or ()]
+        _setters[:] = [_own_setter(lib) for lib in _libs or ()]
+        _for_libs[0] = _libs
+    _original[:] = [get() for get in _getters]
     _applied[:] = _original
 
 
@@ -155,11 +177,66 @@ def _after_fork_in_child() -> None:
         set_owned_threads(0)
 
 
+class _Limit:
+    """:func:`blas_threads`' context: :class:`_Counted` over ``_active`` written out, with one
+    library (numpy's BLAS, nearly always) in locals.  It is entered at every run of a session with
+    ``intra_op_num_threads`` set, where Python's caches are cold after the model's kernels: the
+    generic object's calls through its attributes cost ~7 us a run of Silero VAD (~110 us in
+    all), this ~3, most of it the library's one get and two sets."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __enter__(self) -> None:
+        n = self.n
+        with _lock:
+            if _active:
+                _active[n] = _active.get(n, 0) + 1
+                _apply(min(_active))
+                return
+            _active[n] = 1
+            if _for_libs[0] is not _libs or len(_getters) != 1:
+                _save_original()
+                _apply(n)
+                return
+            count = _getters[0]()
+            _original[0] = count
+            if count is not None and count != n:
+                _setters[0](n)
+                count = n
+            _applied[0] = count
+
+    def __exit__(self, *exc: Any) -> None:
+        n = self.n
+        with _lock:
+            left = _active[n] - 1
+            if left:
+                _active[n] = left
+                _apply(min(_active))
+                return
+            del _active[n]
+            if _active or len(_setters) != 1:
+                _apply(min(_active) if _active else 0)
+                return
+            count = _original[0]
+            if count is not None and _applied[0] != count:
+                _setters[0](count)
+                _applied[0] = count
+
+
+_limits: dict[int, _Limit] = {}  # n -> its context (it holds only n: one per count, shared)
+
+
 def blas_threads(n: int) -> Any:
     """Limit BLAS to ``n`` threads for the duration of a ``with`` (no-op for ``n <= 0``)."""
-    if n <= 0 or not blas_libraries():
+    if n <= 0 or not (_libs or blas_libraries()):
         return _NOTHING
-    return _Counted(_active, n, _apply, _save_original)
+    limit = _limits.get(n)
+    if limit is None:
+        limit = _limits[n] = _Limit(n)
+    return limit
 
 
 _owners: dict[int, int] = {}  # owned_threads counts in flight

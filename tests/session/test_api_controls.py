@@ -284,6 +284,23 @@ def test_intra_op_num_threads_limits_blas_during_runs_only():
         libs[0].set_num_threads(before)
 
 
+def test_only_numpys_own_blas_is_limited_when_it_can_be_told():
+    """numba imports scipy, whose wheel brings a second OpenBLAS that onnxpack never calls: the
+    limit applies to the one in numpy's wheel (``numpy.libs``); a numpy on a system BLAS (no such
+    folder among the libraries) keeps every library found."""
+    import os
+
+    class Lib:
+        def __init__(self, path: str) -> None:
+            self.filepath = path
+
+    ours = Lib(os.path.join(os.path.realpath(os.path.dirname(np.__file__)) + ".libs", "libscipy_openblas64_.so"))
+    scipys = Lib("/site-packages/scipy.libs/libscipy_openblas.so")
+    system = Lib("/usr/lib/x86_64-linux-gnu/libopenblas.so.0")
+    assert _threads._numpy_own([scipys, ours]) == [ours]
+    assert _threads._numpy_own([system, scipys]) == [system, scipys]
+
+
 @pytest.mark.parametrize("first_setter", ["main", "worker"])
 def test_intra_op_num_threads_limits_blas_in_runs_from_any_thread(first_setter):
     """threadpoolctl (3.6 on) lets only one live thread change OpenBLAS's thread count, the
