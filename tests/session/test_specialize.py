@@ -15,6 +15,7 @@ from onnx.reference import ReferenceEvaluator
 
 import onnxpack
 from onnxpack.session import _specialize
+from onnxpack.session.kernels import _act
 
 F = TensorProto.FLOAT
 I64 = TensorProto.INT64
@@ -262,3 +263,62 @@ def test_reshaping_steps_become_guarded_reshapes():
     _check(sess, model, {"x": np.ones((2, 3), np.float32)})  # 6 nonzeros, not 3: the guard misses
     assert list(_plans(sess).values()) == [_specialize._GENERIC]
     _check(sess, model, {"x": a})
+
+
+def _fixed_forms_model() -> bytes:
+    """Steps with fixed forms (Kernel.fixed) for the recorded shapes: a reflect Pad and a
+    constant Pad, a strided Slice, a 3-tap Conv + Relu over four positions and a
+    1x1 head (conv_tiny), an STFT-like Conv (conv_windows); a reflect Pad of NonZero's indices
+    (its shape depends on the data: its guard misses); a Shape to make the plan worth
+    specializing."""
+    rng = np.random.default_rng(3)
+    w1 = (rng.standard_normal((16, 8, 3)) / 5).astype(np.float32)
+    w2 = (rng.standard_normal((2, 16, 1)) / 4).astype(np.float32)
+    w3 = (rng.standard_normal((70, 1, 64)) / 8).astype(np.float32)
+    inits = [numpy_helper.from_array(w1, "W1"), numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "B1"),
+             numpy_helper.from_array(w2, "W2"), numpy_helper.from_array(w3, "W3")]
+    nodes = [
+        _const("p1", np.array([0, 0, 2, 0, 0, 3], np.int64)),
+        helper.make_node("Pad", ["x", "p1"], ["a"], mode="reflect"),
+        _const("p2", np.array([0, 0, 1, 0, 0, 2], np.int64)),
+        _const("v", np.array(1.5, np.float32)),
+        helper.make_node("Pad", ["a", "p2", "v"], ["b"], mode="constant"),
+        _const("st", np.array([1], np.int64)), _const("en", np.array([12], np.int64)),
+        _const("axs", np.array([2], np.int64)), _const("sp", np.array([3], np.int64)),
+        helper.make_node("Slice", ["b", "st", "en", "axs", "sp"], ["c"]),
+        helper.make_node("Conv", ["c", "W1", "B1"], ["d"], pads=[1, 1], kernel_shape=[3]),
+        helper.make_node("Relu", ["d"], ["e"]),
+        helper.make_node("Conv", ["e", "W2"], ["head"], kernel_shape=[1]),
+        helper.make_node("Conv", ["wave", "W3"], ["spec"], strides=[40], kernel_shape=[64]),
+        helper.make_node("NonZero", ["x"], ["nz"]),
+        helper.make_node("Cast", ["nz"], ["nzf"], to=F),
+        _const("p3", np.array([0, 2, 0, 1], np.int64)),
+        helper.make_node("Pad", ["nzf", "p3"], ["nzp"], mode="reflect"),
+        helper.make_node("Shape", ["x"], ["s"]),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [1, 8, 6]),
+                                           helper.make_tensor_value_info("wave", F, [1, 1, 300])],
+                              [helper.make_tensor_value_info(n, t, None) for n, t in
+                               (("head", F), ("spec", F), ("nzp", F), ("s", I64))], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8).SerializeToString()
+
+
+def test_fixed_forms_of_pad_slice_and_conv_match_the_reference_and_miss_guards_on_new_shapes():
+    model = _fixed_forms_model()
+    sess = onnxpack.InferenceSession(model)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 8, 6)).astype(np.float32)
+    x[0, 0, :3] = 0  # (NonZero's count: 45 here, 48 with another input of the same shape)
+    wave = rng.standard_normal((1, 1, 300)).astype(np.float32)
+    outs = [_check(sess, model, {"x": x, "wave": wave}) for _ in range(4)]  # generic, recording, fixed, fixed
+    for o in outs[2:]:
+        for g, w in zip(o, outs[0]):
+            np.testing.assert_array_equal(g, w)  # the fixed forms compute what the kernels compute
+    (plan,) = _plans(sess).values()
+    fixed = [s.node.op_type for s in plan.steps if type(s.kernel).__name__ == "_Fixed"]
+    jit = _act.jit() is not None  # (without it the convs keep their general path: no fixed form)
+    assert sorted(fixed) == (["Conv"] * 3 if jit else []) + ["Pad", "Pad", "Pad", "Slice"]
+    x2 = rng.standard_normal((1, 8, 6)).astype(np.float32)  # no zero: NonZero's output is wider
+    _check(sess, model, {"x": x2, "wave": wave})
+    assert list(_plans(sess).values()) == [_specialize._GENERIC]
+    _check(sess, model, {"x": x, "wave": wave})

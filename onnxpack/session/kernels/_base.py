@@ -238,6 +238,15 @@ class Kernel:
         an output to allocate as usual); return False to decline.  Default: decline."""
         return False
 
+    def fixed(self, shape: tuple[int, ...], dtype: np.dtype, constants: Sequence[Any]) -> Callable[[np.ndarray], np.ndarray] | None:
+        """For a plan specialized for fixed shapes (session/_specialize.py): this single-output
+        kernel as a function of input 0 alone, valid while that input has ``shape`` and
+        ``dtype`` and the other inputs are ``constants`` (their values, ``None`` where omitted);
+        or ``None`` (the default: the step keeps calling :meth:`run`).  The function must compute
+        exactly what :meth:`run` would, and may return a view of its input only where ``run``
+        does.  The caller guards the shape and dtype."""
+        return None
+
     def warm_up(self) -> None:
         """Work this kernel family can do off the critical path once per process (a JIT's import
         and compiled-code load), run by the session in a background thread after creation.

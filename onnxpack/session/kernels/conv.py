@@ -253,6 +253,10 @@ _GATHER_MAX = 1 << 15
 # 64 x 384 x 2 12 vs 3 us; at N = 1 both ~2 us.
 _TINY_N = 4
 _TINY_MIN_TAPS = 16
+# 1x1 convs take that path too up to this many weights (M * C): Silero VAD's 128 -> 1 head on one
+# position, 4.6 us through np.matmul and the epilogue's own pass, ~2 in one call.  A large 1x1 on
+# one position (a classifier head) stays a BLAS GEMV, which may run on several threads.
+_TINY_ONE_MAX = 1 << 16
 
 
 # -- geometry ---------------------------------------------------------------------------------
@@ -728,6 +732,18 @@ def unpack_windows(packed: np.ndarray, m: int, k: int) -> np.ndarray:
                                 ).reshape(m, 1, k)
 
 
+def _tiny_taps(idx: np.ndarray, wm: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """conv_tiny's gather indices and (g, M, C * taps) weight without the (channel, tap) columns
+    that read only padding at every output position (index ``size``: the appended zero), when
+    there are such columns and their weights are finite: a 3-tap conv over one frame (Silero
+    VAD's last encoder conv, 128 <- 64) reads one tap in three.  A non-finite weight there keeps
+    them: its product with the padding's zero is NaN, which the output must show."""
+    keep = (idx < size).any(axis=1)
+    if keep.all() or not keep.any() or not np.isfinite(wm[:, :, ~keep]).all():
+        return idx, wm
+    return np.ascontiguousarray(idx[keep]), np.ascontiguousarray(wm[:, :, keep])
+
+
 def _into(out: np.ndarray | None, y: np.ndarray) -> np.ndarray:
     """``y`` written into the caller's ``out`` when it fits (same shape and dtype), else ``y``."""
     if out is not None and out.shape == y.shape and out.dtype == y.dtype:
@@ -1004,6 +1020,62 @@ class Conv(Kernel):
 
     def run(self, x, w=None, b=None):
         return (self._conv(x, w, b, None),)
+
+    def fixed(self, shape, dtype, constants):
+        """For a plan specialized for fixed shapes: the calls of a packed float32 conv whose plan
+        for ``shape`` is settled and is one JIT call (a few output positions, ``conv_tiny``; the
+        1-D windows, ``conv_windows``) with this bias, as :meth:`_conv` makes them, without its
+        dispatch (~1.5 us a call of Silero VAD's six convs, each 3-10 us).  Other paths keep
+        :meth:`run`."""
+        w, b, r = (list(constants) + [None, None, None])[:3]
+        if (w is not None or r is not None or getattr(self, "residual", False) or dtype != np.float32
+                or getattr(self, "multiplier", None) is not None or self._u is not None
+                or (self._bcw is not None and self._bc is not None)):
+            return None
+        jit = _act.jit()
+        if jit is None:
+            return None
+        if self._wp is not None:
+            return self._fixed_windows(shape, b, jit)
+        plan = self._plans.get((shape, dtype, False)) if self._w is not None else None
+        if plan is None or plan.kind != _TINY or plan.alt is not None or plan.empty or plan.wm is None:
+            return None
+        if b is not None and (b.dtype != np.float32 or b.shape != (plan.m,)):
+            return None
+        codes, params, pcodes, pparams = plan.enc
+        tiny, idx, w0, yshape, rows3, n, table = plan.jit.conv_tiny, plan.idx, np.ascontiguousarray(plan.wm[0]), \
+            plan.yshape, plan.rows3, plan.n, plan.table
+        bias = _EMPTY1 if b is None else b
+
+        def conv_tiny(x: np.ndarray) -> np.ndarray:
+            y = np.empty(yshape, np.float32)
+            tiny(np.ascontiguousarray(x).reshape(n, -1), idx, w0, y.reshape(rows3), bias, codes, params, _EMPTY3,
+                 pcodes, pparams, table)
+            return y
+
+        return conv_tiny
+
+    def _fixed_windows(self, shape, b, jit):
+        plan = self._plans.get(("windows", shape, np.dtype(np.float32)))
+        if plan is None or plan.extent is not None or self._pre or self._post or self._has_channel:
+            return None
+        if b is not None and (b.dtype != np.float32 or b.shape != (plan.m,)):
+            return None
+        windows, wp, yshape, n, stride, chunk, count = jit.conv_windows, self._wp, plan.yshape, plan.n, \
+            plan.strides[0], plan.chunk, plan.count
+        bias = _EMPTY1 if b is None else b
+
+        def conv_windows(x: np.ndarray) -> np.ndarray:
+            xp = np.ascontiguousarray(x).reshape(n, -1)
+            y = np.empty(yshape, np.float32)
+            args = (xp, wp, y, stride, bias, chunk)
+            if plan.big:
+                _run_items(windows, args, plan, _panel_units)
+            else:
+                windows(*args, 0, count)
+            return y
+
+        return conv_windows
 
     def run_into(self, outs, x, w=None, b=None) -> bool:
         """``run`` writing into ``outs[0]`` (the memory planner's arena): only the one-GEMM case
@@ -1314,6 +1386,9 @@ class Conv(Kernel):
         p.phased = p.per_image = False
         p.small = False
         pre, post = self._pre, self._post
+        # A few output positions: gathered columns and dot products in one JIT call (conv_tiny)
+        tiny = (jit is not None and g == 1 and cd == np.float32 and 0 < n * length <= _TINY_N
+                and c * kprod >= _TINY_MIN_TAPS)
         # Per-channel steps run only in the epilogue's row pass (bias_act), not inside the
         # depthwise, direct or Winograd kernels: with one, the whole pre-residual chain goes there.
         inner, outer = ((), pre) if self._has_channel else (pre, ())
@@ -1355,16 +1430,14 @@ class Conv(Kernel):
             p.fn = jit.conv2d_small
             p.per_image = True  # (each call scatters its images' input planes first)
             p.jit_args = (strides[0], strides[1], dils[0], dils[1], begin[0], begin[1]) + _act.encode(inner)
-        elif kprod == 1 and not any(begin) and not any(end):
+        elif kprod == 1 and not any(begin) and not any(end) and not (
+                tiny and m * c <= _TINY_ONE_MAX and c * length <= _GATHER_MAX):
             p.kind = _ONE
             sub = (Ellipsis,) + tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(out_shape, strides))
             p.sub = None if tuple(out_shape) == in_shape else sub  # all-unit strides: the input itself
             p.cols_shape = (n, g, cg, length)
         elif not depthwise and c * kprod * length <= _GATHER_MAX:
-            p.kind = _GATHER
-            if (jit is not None and g == 1 and cd == np.float32 and 0 < n * length <= _TINY_N
-                    and c * kprod >= _TINY_MIN_TAPS):
-                p.kind = _TINY
+            p.kind = _TINY if tiny else _GATHER
             key = (in_shape, tuple(kernel_shape))
             idx = self._gather.get(key)  # shared by the plans of every batch size
             if idx is None:
@@ -1372,6 +1445,8 @@ class Conv(Kernel):
                 if len(self._gather) < 16:
                     self._gather[key] = idx
             p.idx = idx
+            if tiny and p.wm is not None:
+                p.idx, p.wm = _tiny_taps(idx, p.wm, c * math.prod(in_shape))
             # (N, 1) for the JIT's gather (gather_cols: one row per image) and numpy's batched one
             p.zero = np.zeros(1 if n == 1 and (jit is None or cd != np.float32) else (n, 1), cd)
             p.cols_shape = (n, g, cg * kprod, length)
