@@ -191,6 +191,54 @@ def test_lstm_jit_recurrence_equals_numpy_loop(case, pack, monkeypatch):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("outputs", [1, 2, 3])
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+def test_a_small_lstm_repeated_takes_its_fast_path_with_the_same_results(direction, outputs):
+    """A one-direction LSTM on a short input with packed weights and both initial states (Silero
+    VAD's): after a first call through the general plumbing, calls with the same shapes take
+    LSTM.run's fast path, whose outputs equal a fresh kernel's general path bit for bit and
+    onnx.reference's within float32 rounding; other shapes, a missing state or another
+    dtype take the general path."""
+    from onnxpack.session.kernels import _act
+
+    if _act.load_jit("_rnn_jit", "test") is None:
+        pytest.skip("numba is not installed")
+    node, values = make_case("LSTM", direction=direction, seq=2, batch=1, inp=8, hidden=16, init=True)
+    del node.output[outputs:]
+
+    def packed_kernel():
+        k = _kernel(node)
+        for i in (1, 2, 3):
+            k.use_prepacked(i, k.prepack(i, values[i]))
+        return k
+
+    k = packed_kernel()
+    rng = np.random.default_rng(1)
+    for step in range(4):  # the first call general, the next ones fast; new states each time
+        feeds = [values[0] if step == 0 else rng.standard_normal(values[0].shape).astype(np.float32), None, None, None,
+                 None, rng.standard_normal(values[5].shape).astype(np.float32),
+                 rng.standard_normal(values[6].shape).astype(np.float32)]
+        got = k.run(*feeds)
+        assert k._fast is not None and len(got) == outputs  # (armed by the first call)
+        if step == 0:
+            general = k._run
+            k._run = lambda *a, **kw: pytest.fail("the general path ran")  # the fast path from here on
+        want = packed_kernel().run(*feeds)  # a fresh kernel: the general path
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.flags.c_contiguous
+            np.testing.assert_array_equal(a, b)
+        ref = run_reference(node, [feeds[0]] + values[1:4] + [None] + feeds[5:], 14)
+        assert_close(list(got), ref[:outputs], np.float32)
+    k._run = general
+    longer = rng.standard_normal((3,) + values[0].shape[1:]).astype(np.float32)  # another shape
+    feeds = [longer, None, None, None, None, values[5], values[6]]
+    for a, b in zip(k.run(*feeds), packed_kernel().run(*feeds)):
+        np.testing.assert_array_equal(a, b)
+    no_c = k.run(values[0], None, None, None, None, values[5])  # no initial_c: zeros, the general path
+    for a, b in zip(no_c, packed_kernel().run(values[0], None, None, None, None, values[5])):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("layout", [0, 1])
 def test_bidirectional_lstm_directions_on_two_threads(layout, monkeypatch):
     """A bidirectional LSTM's two JIT recurrences split over two threads (the split forced): each
