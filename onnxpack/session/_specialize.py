@@ -20,8 +20,8 @@ So the runner keeps, per set of input shapes and dtypes (the *key*), a specializ
 * a reshaping step (``Kernel.reshapes_input``: Reshape, Squeeze, Unsqueeze, Flatten) whose other
   inputs are constants becomes one ``reshape`` to the recorded shape, guarded on its input's shape;
 * a step whose kernel offers a fixed form for its input's recorded shape and dtype, its other
-  inputs constants (``Kernel.fixed``: Slice's index, Pad's gather, a small conv's one JIT call),
-  becomes that function, guarded on the input's shape and dtype;
+  inputs constants (``Kernel.fixed``: Slice's index, Pad's gather, Gather's row, a small conv's
+  one JIT call), becomes that function, guarded on the input's shape and dtype;
 * an ``If`` whose condition became a constant is replaced by the steps of the branch it ran
   (recursively), its outputs aliased to the branch's; names are never renamed: a branch that
   defines a name the root also uses (not valid ONNX, which is SSA across scopes) stays an ``If``;
@@ -108,8 +108,9 @@ class _FixedReshape:
 
 class _Fixed:
     """A step whose kernel has a fixed form for the recorded shape and dtype of its input 0, its
-    other inputs constants (``Kernel.fixed``: Slice, Pad): the guard, then that function
-    (~0.3 us for a Slice instead of ~1, ~1.3 for Silero VAD's reflect Pad instead of ~3)."""
+    other inputs constants (``Kernel.fixed``: Slice, Pad, Gather, a small Conv): the guard, then
+    that function (~0.3 us for a Slice instead of ~1, ~1.3 for Silero VAD's reflect Pad instead
+    of ~3)."""
 
     call_mode = "plain"
     __slots__ = ("shape", "dtype", "fn")

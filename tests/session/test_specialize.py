@@ -267,10 +267,10 @@ def test_reshaping_steps_become_guarded_reshapes():
 
 def _fixed_forms_model() -> bytes:
     """Steps with fixed forms (Kernel.fixed) for the recorded shapes: a reflect Pad and a
-    constant Pad, a strided Slice, a 3-tap Conv + Relu over four positions and a
-    1x1 head (conv_tiny), an STFT-like Conv (conv_windows); a reflect Pad of NonZero's indices
-    (its shape depends on the data: its guard misses); a Shape to make the plan worth
-    specializing."""
+    constant Pad, a Gather of one row (a negative index), a strided Slice, a 3-tap Conv + Relu
+    over four positions and a 1x1 head (conv_tiny), an STFT-like Conv (conv_windows); a reflect
+    Pad of NonZero's indices (its shape depends on the data: its guard misses); a Shape to make
+    the plan worth specializing."""
     rng = np.random.default_rng(3)
     w1 = (rng.standard_normal((16, 8, 3)) / 5).astype(np.float32)
     w2 = (rng.standard_normal((2, 16, 1)) / 4).astype(np.float32)
@@ -295,11 +295,13 @@ def _fixed_forms_model() -> bytes:
         _const("p3", np.array([0, 2, 0, 1], np.int64)),
         helper.make_node("Pad", ["nzf", "p3"], ["nzp"], mode="reflect"),
         helper.make_node("Shape", ["x"], ["s"]),
+        _const("row", np.array(-2, np.int64)),
+        helper.make_node("Gather", ["x", "row"], ["picked"], axis=1),
     ]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [1, 8, 6]),
                                            helper.make_tensor_value_info("wave", F, [1, 1, 300])],
                               [helper.make_tensor_value_info(n, t, None) for n, t in
-                               (("head", F), ("spec", F), ("nzp", F), ("s", I64))], inits)
+                               (("head", F), ("spec", F), ("nzp", F), ("s", I64), ("picked", F))], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8).SerializeToString()
 
 
@@ -317,7 +319,7 @@ def test_fixed_forms_of_pad_slice_and_conv_match_the_reference_and_miss_guards_o
     (plan,) = _plans(sess).values()
     fixed = [s.node.op_type for s in plan.steps if type(s.kernel).__name__ == "_Fixed"]
     jit = _act.jit() is not None  # (without it the convs keep their general path: no fixed form)
-    assert sorted(fixed) == (["Conv"] * 3 if jit else []) + ["Pad", "Pad", "Pad", "Slice"]
+    assert sorted(fixed) == (["Conv"] * 3 if jit else []) + ["Gather", "Pad", "Pad", "Pad", "Slice"]
     x2 = rng.standard_normal((1, 8, 6)).astype(np.float32)  # no zero: NonZero's output is wider
     _check(sess, model, {"x": x2, "wave": wave})
     assert list(_plans(sess).values()) == [_specialize._GENERIC]

@@ -392,6 +392,23 @@ class Gather(Kernel):
     def run(self, data, indices):  # type: ignore[override]
         return (np.take(data, indices, axis=self.axis),)  # negative indices wrap, as specified
 
+    def fixed(self, shape, dtype, constants):
+        """One constant index (a 0-d tensor: a row, a state of a stack): a basic index and a
+        copy (~0.4 us against np.take's ~1.2); other indices keep ``run``."""
+        indices = constants[0] if constants else None
+        if indices is None or indices.__class__ is not np.ndarray or indices.ndim or indices.dtype.kind not in "iu":
+            return None
+        axis = self.axis + len(shape) if self.axis < 0 else self.axis
+        i = int(indices)
+        if not 0 <= axis < len(shape) or not -shape[axis] <= i < shape[axis]:
+            return None  # (np.take raises: the step keeps raising where it did)
+        get = operator.itemgetter((slice(None),) * axis + (i + shape[axis] if i < 0 else i,))
+
+        def row(x: np.ndarray) -> np.ndarray:
+            return get(x).copy()
+
+        return row
+
 
 def _element_index(indices: np.ndarray, axis: int) -> tuple[np.ndarray, ...]:
     """Advanced index selecting ``indices`` along ``axis`` and the identity elsewhere."""
