@@ -324,3 +324,40 @@ def test_fixed_forms_of_pad_slice_and_conv_match_the_reference_and_miss_guards_o
     _check(sess, model, {"x": x2, "wave": wave})
     assert list(_plans(sess).values()) == [_specialize._GENERIC]
     _check(sess, model, {"x": x, "wave": wave})
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+def test_reductions_over_one_element_are_copies_in_specialized_plans(opset):
+    """Sum, mean, max, min and product over axes of one element in all (attribute or input axes,
+    keepdims either way) take a fixed form, a reshaped copy, equal to onnx.reference's bit for
+    bit (NaN, -0.0 and inf kept); an integer mean (through float64) and a reduction over more
+    than one element keep their kernels."""
+    nodes, outs = [helper.make_node("Shape", ["x"], ["s"])], [helper.make_tensor_value_info("s", I64, None)]
+    for k, (op, axes, keepdims, src) in enumerate([("ReduceMean", [1], 0, "x"), ("ReduceMax", [-3], 1, "x"),
+                                                   ("ReduceMin", [1, 3], 0, "x"), ("ReduceProd", [1], 1, "x"),
+                                                   ("ReduceSum", [1], 0, "x"), ("ReduceMean", [1], 1, "xi"),
+                                                   ("ReduceSum", [2], 0, "x")]):
+        attrs = {"keepdims": keepdims}
+        ins = [src]
+        if opset >= 18 or op == "ReduceSum":
+            nodes.append(_const(f"a{k}", np.array(axes, np.int64)))
+            ins.append(f"a{k}")
+        else:
+            attrs["axes"] = axes
+        nodes.append(helper.make_node(op, ins, [f"y{k}"], **attrs))
+        outs.append(helper.make_tensor_value_info(f"y{k}", TensorProto.INT32 if src == "xi" else F, None))
+    model = _model(nodes, [helper.make_tensor_value_info("x", F, [2, 1, 3, 1]),
+                           helper.make_tensor_value_info("xi", TensorProto.INT32, [2, 1, 3, 1])], outs, opset=opset)
+    sess = onnxpack.InferenceSession(model)
+    x = np.array([np.nan, -0.0, np.inf, 1.5, -2.25, 3e38], np.float32).reshape(2, 1, 3, 1)
+    xi = np.arange(-3, 3, dtype=np.int32).reshape(2, 1, 3, 1) * 7
+    ref = ReferenceEvaluator(onnx.load_from_string(model)).run(None, {"x": x, "xi": xi})
+    for _ in range(4):
+        got = sess.run(None, {"x": x, "xi": xi})
+        for g, w in zip(got, ref):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            np.testing.assert_array_equal(g, w)
+            assert (np.signbit(g) == np.signbit(w)).all()
+    (plan,) = _plans(sess).values()
+    fixed = [s.outputs[0] for s in plan.steps if type(s.kernel).__name__ == "_Fixed"]
+    assert sorted(fixed) == ["y0", "y1", "y2", "y3", "y4"]
