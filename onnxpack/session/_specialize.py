@@ -126,9 +126,17 @@ class _Fixed:
 
 
 def _fixable(kernel: Any) -> bool:
-    """Whether ``kernel`` has a fixed form to offer (overrides ``Kernel.fixed``)."""
-    fixed = getattr(type(kernel), "fixed", None)
-    return fixed is not None and fixed is not Kernel.fixed
+    """Whether ``kernel`` has a fixed form to offer: a ``fixed`` defined by the class that defines
+    its ``run`` (a subclass whose run computes something else, com.microsoft's FusedConv with its
+    activation after Conv's, inherits Conv's ``fixed`` but must not use it)."""
+    cls = kernel if isinstance(kernel, type) else type(kernel)
+    fixed = run = None
+    for c in cls.__mro__:
+        if fixed is None and "fixed" in c.__dict__:
+            fixed = c
+        if run is None and "run" in c.__dict__:
+            run = c
+    return fixed is not None and fixed is not Kernel and fixed is run
 
 
 class _Alias:

@@ -361,3 +361,38 @@ def test_reductions_over_one_element_are_copies_in_specialized_plans(opset):
     (plan,) = _plans(sess).values()
     fixed = [s.outputs[0] for s in plan.steps if type(s.kernel).__name__ == "_Fixed"]
     assert sorted(fixed) == ["y0", "y1", "y2", "y3", "y4"]
+
+
+def test_a_subclass_that_overrides_run_offers_no_inherited_fixed_form():
+    """com.microsoft's FusedConv runs Conv, then adds Z and applies its activation: Conv's fixed
+    form (the conv alone) must not stand for it in a specialized plan; the result stays
+    onnxruntime's.  Only a class that defines run offers a fixed form (FusedConv, ours, names
+    Conv's)."""
+    import onnxruntime as ort
+
+    from onnxpack.session.kernels.contrib_tensor import MsPad
+    from onnxpack.session.kernels.conv import Conv, FusedConv, OrtFusedConv
+    from onnxpack.session.kernels.nchwc import NchwcConv
+    from onnxpack.session.kernels.tensor import Pad11
+
+    assert [_specialize._fixable(c) for c in (Conv, FusedConv, Pad11)] == [True, True, True]
+    assert [_specialize._fixable(c) for c in (OrtFusedConv, NchwcConv, MsPad)] == [False, False, False]
+    rng = np.random.default_rng(9)
+    w = (rng.standard_normal((8, 16, 3)) / 4).astype(np.float32)
+    nodes = [helper.make_node("FusedConv", ["x", "W", "B"], ["y"], domain="com.microsoft", activation="Relu",
+                              pads=[1, 1], kernel_shape=[3]),
+             helper.make_node("Shape", ["x"], ["s"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [1, 16, 1])],
+                              [helper.make_tensor_value_info("y", F, None), helper.make_tensor_value_info("s", I64, None)],
+                              [numpy_helper.from_array(w, "W"),
+                               numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "B")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                              ir_version=8).SerializeToString()
+    x = rng.standard_normal((1, 16, 1)).astype(np.float32)
+    want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert (want == 0).any()  # (the Relu clips some outputs)
+    sess = onnxpack.InferenceSession(model)
+    for _ in range(4):  # generic, recording, specialized, specialized
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
+    (plan,) = _plans(sess).values()
+    assert not [s for s in plan.steps if type(s.kernel).__name__ == "_Fixed"]

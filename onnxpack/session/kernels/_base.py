@@ -244,7 +244,9 @@ class Kernel:
         ``dtype`` and the other inputs are ``constants`` (their values, ``None`` where omitted);
         or ``None`` (the default: the step keeps calling :meth:`run`).  The function must compute
         exactly what :meth:`run` would, and may return a view of its input only where ``run``
-        does.  The caller guards the shape and dtype."""
+        does.  The caller guards the shape and dtype.  Only a class that defines ``run`` itself
+        offers the ``fixed`` it defines or inherits by name (``fixed = Base.fixed``): a subclass
+        that overrides ``run`` alone offers none."""
         return None
 
     def warm_up(self) -> None:

@@ -2599,6 +2599,10 @@ class FusedConv(Conv):
     def run(self, x, w=None, b=None, r=None):
         return (self._fused(x, w, b, None, r),)
 
+    # (Conv's: its plans encode this kernel's epilogue; it declines a residual, a folded
+    # multiplier and anything but float32)
+    fixed = Conv.fixed
+
     def run_into(self, outs, x, w=None, b=None, r=None) -> bool:
         if self.group != 1 or x.ndim < 3 or x.shape[0] != 1 or outs[0].size == 0:
             return False
