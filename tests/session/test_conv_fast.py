@@ -1192,7 +1192,7 @@ def test_winograd_convs_direct_path_by_output_channels_matches(case, tail, winog
         pytest.skip("numba not installed")
     monkeypatch.setattr(conv_mod, "_WINO_TUNED", True)
     monkeypatch.setattr(_act, "_PATHS", type(_act._PATHS)())
-    monkeypatch.setattr(_act, "faster_path", lambda key, first, second, prior=None, confirm=False: (1, None))  # direct
+    monkeypatch.setattr(_act, "faster_path", lambda key, first, second, prior=None: (1, None))  # direct
     cfg = dict(BCAST[case])
     residual = cfg.pop("residual", None)
     model, feeds = conv_model(tail=tail, residual=residual, **cfg)
@@ -1275,7 +1275,7 @@ def test_convs_packed_as_panels_match_onnxruntime(case, tail, path, monkeypatch)
     if _act.jit() is None:
         pytest.skip("numba not installed")
 
-    def decide(key, first, second, prior=None, confirm=False):
+    def decide(key, first, second, prior=None):
         first(), second()
         return path, None
 
@@ -1306,7 +1306,7 @@ def test_path_choices_of_one_geometry_are_kept_per_epilogue(monkeypatch):
         pytest.skip("numba not installed")
     keys = []
 
-    def decide(key, first, second, prior=None, confirm=False):
+    def decide(key, first, second, prior=None):
         keys.append(key)
         return 0, None
 
@@ -1414,56 +1414,6 @@ def test_conv_beyond_the_shift_limits_times_im2col_and_shift_once(fast, monkeypa
     assert seen == [0]
 
 
-def test_a_path_chosen_at_the_first_call_is_timed_again_once_later(monkeypatch):
-    """The first call of a geometry times both paths (in a session's first run: its timing can
-    mislead); the PATH_CONFIRM_AT-th call after it times them again, once for the process, and
-    that choice stands: here the other path has become the faster by then.  Every run agrees
-    with onnxruntime; a new session takes the confirmed choice unmeasured."""
-    from onnxpack.session.kernels import _act, conv as conv_mod
-
-    if _act.jit() is None:
-        pytest.skip("numba not installed")
-    monkeypatch.setattr(conv_mod, "_WINOGRAD", False)
-    monkeypatch.setattr(conv_mod, "_BCAST_ON", False)
-    monkeypatch.setattr(conv_mod, "_SHIFT_MAX_TAPS_WIDE", 64)
-    monkeypatch.setattr(conv_mod, "_SHIFT_MAX_TAPS", 64)
-    monkeypatch.setattr(_act, "_PATHS", type(_act._PATHS)())
-    monkeypatch.setattr(_act, "_CONFIRMED", set())
-    monkeypatch.setattr(_act, "PATH_CONFIRM_AT", 3)
-    clock = [0.0]
-    monkeypatch.setattr(_act.time, "perf_counter", lambda: clock[0])
-    seen = []
-    fast = [0]  # the faster path (0: im2col, 1: conv_shift)
-    orig = conv_mod.Conv._conv_by
-
-    def by(self, plan, *a):
-        which = int(plan.kind == conv_mod._SHIFT)
-        seen.append(which)
-        clock[0] += 1.0 if which == fast[0] else 2.0
-        return orig(self, plan, *a)
-
-    monkeypatch.setattr(conv_mod.Conv, "_conv_by", by)
-    model, feeds = conv_model(tail="relu", x_shape=(1, 24, 14, 14), m=32)
-    want = _ort(model, feeds)[0]
-    sess = onnxpack.InferenceSession(model)
-    measured = [0, 1] + [0, 1] * _act.PATH_TRIALS
-    np.testing.assert_allclose(sess.run(None, feeds)[0], want, **TOL)
-    assert seen == measured  # (the first call: im2col the faster)
-    fast[0] = 1
-    seen.clear()
-    for _ in range(_act.PATH_CONFIRM_AT):
-        np.testing.assert_allclose(sess.run(None, feeds)[0], want, **TOL)
-    assert seen == [0] * _act.PATH_CONFIRM_AT
-    seen.clear()
-    np.testing.assert_allclose(sess.run(None, feeds)[0], want, **TOL)  # timed again: conv_shift now
-    assert seen == measured
-    seen.clear()
-    for _ in range(2 * _act.PATH_CONFIRM_AT):
-        np.testing.assert_allclose(sess.run(None, feeds)[0], want, **TOL)
-    np.testing.assert_allclose(onnxpack.InferenceSession(model).run(None, feeds)[0], want, **TOL)
-    assert seen == [1] * (2 * _act.PATH_CONFIRM_AT + 1)  # no more timing, in this session or another
-
-
 def test_a_conv_fed_new_shapes_stops_measuring_once_its_first_shapes_agree(jit_mode, monkeypatch):
     """A Winograd-packed conv with dynamic spatial dims: its first _PATH_VOTES input shapes are
     measured (each path twice timed); once they all chose one path, a new shape takes it without
@@ -1521,14 +1471,6 @@ def test_faster_path_takes_the_second_only_below_the_margin(monkeypatch):
         got = _act.faster_path(key, lambda: run(0, 1.0), lambda: run(1, ratio))
         assert got == (want, want) and calls == [0, 1] * (1 + _act.PATH_TRIALS)
         assert _act.faster_path(key, lambda: run(0, 1.0), lambda: run(1, ratio)) == (want, None)
-    # confirm: timed again once per key (here the costs swapped), then that choice stands
-    monkeypatch.setattr(_act, "_CONFIRMED", set())
-    calls = []
-    assert _act.faster_path("a", lambda: run(0, 0.85), lambda: run(1, 1.0), confirm=True) == (0, 0)
-    assert calls == [0, 1] * (1 + _act.PATH_TRIALS)
-    calls.clear()
-    assert _act.faster_path("a", lambda: run(0, 2.0), lambda: run(1, 1.0), confirm=True) == (0, None)
-    assert _act.faster_path("a", lambda: run(0, 2.0), lambda: run(1, 1.0)) == (0, None) and calls == []
 
 
 def test_winograd_pack_is_saved_and_mapped(tmp_path, winograd_any_size):

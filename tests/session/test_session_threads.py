@@ -769,7 +769,7 @@ def test_conv_bcast_split_as_unit_jobs_equals_one_thread(batch, c, m, k, stride,
     from onnxpack.session.kernels import _act, conv
 
     _polling_pool()
-    monkeypatch.setattr(_act, "faster_path", lambda key, first, second, prior=None, confirm=False: (0, None))  # conv_bcast
+    monkeypatch.setattr(_act, "faster_path", lambda key, first, second, prior=None: (0, None))  # conv_bcast
     F = TensorProto.FLOAT
     rng = np.random.default_rng(m)
     w = (rng.standard_normal((m, c, k, k)) / np.sqrt(c * k * k)).astype(np.float32)

@@ -1041,14 +1041,10 @@ def first_run():
 _PATHS: OrderedDict[Hashable, int] = OrderedDict()
 PATH_TRIALS = 2
 PATH_MARGIN = 0.9  # the second path is taken only if at most this much of the first's time
-# A call site's choice made at a geometry's first call is timed again, once, this many calls
-# later (``faster_path(..., confirm=True)``), and the second timing stands for the process.
-PATH_CONFIRM_AT = 12
-_CONFIRMED: set = set()  # keys whose choice was timed again (bounded with _PATHS)
 
 
 def faster_path(key: Hashable, first: Callable[[], Any], second: Callable[[], Any],
-                prior: int | None = None, confirm: bool = False) -> tuple[int, Any]:
+                prior: int | None = None) -> tuple[int, Any]:
     """Which of two ways of computing a kernel's call (the same result up to rounding) runs for
     the geometry named by ``key``, decided once per process by timing both on the first call:
     returns (0 or 1, that path's result of this call, or None when the choice was made before:
@@ -1069,22 +1065,12 @@ def faster_path(key: Hashable, first: Callable[[], Any], second: Callable[[], An
 
     ``prior``: the caller's choice for a geometry not decided yet, taken without measuring and
     kept for the key (a kernel whose first geometries all chose one path, fed ever new input
-    shapes: a detector on images of every size would otherwise pay the measuring per size).
-
-    ``confirm``: a call site's ``PATH_CONFIRM_AT``-th call of a geometry since its choice: the two
-    paths are timed again, once per key and process, and that choice stands.  The first call
-    comes in a session's first run, when the pool's threads start, the JIT warms up in the
-    background and the split tuners are still measuring: on two threads YOLOv8n's 26 conv
-    geometries chose differently in 8-13 of them from one process to the next (the model 9.5 to
-    15.9 ms a run), the first timing unrepresentative more than noisy (more trials did not steady
-    it)."""
+    shapes: a detector on images of every size would otherwise pay the measuring per size)."""
     with _lock:
         choice = _PATHS.get(key)
         if choice is None and prior is not None:
             choice = _PATHS[key] = prior
-        if confirm and choice is not None and key in _CONFIRMED:
-            confirm = False  # (another call site timed it again already)
-    if choice is not None and not confirm:
+    if choice is not None:
         return choice, None
     first()
     second()
@@ -1099,10 +1085,8 @@ def faster_path(key: Hashable, first: Callable[[], Any], second: Callable[[], An
     logger.debug("path %s of %r: %.3g s against %.3g s", choice, key, best[choice], best[1 - choice])
     with _lock:
         _PATHS[key] = choice
-        if confirm:
-            _CONFIRMED.add(key)
         while len(_PATHS) > _MAX_TUNERS:
-            _CONFIRMED.discard(_PATHS.popitem(last=False)[0])
+            _PATHS.popitem(last=False)
     return choice, got[choice]
 
 

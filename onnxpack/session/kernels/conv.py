@@ -710,7 +710,7 @@ class _ConvPlan:
                  "wm_shape", "wm", "wk_shape", "wk", "fn", "jit_args", "big", "count", "zero_bias", "full",
                  "sub", "idx", "zero", "extent", "cols_shape", "small", "pre", "post", "channels", "jit", "enc",
                  "table", "rows3", "chunk", "phased", "padded", "at", "split", "empty", "slack", "pad_size", "per_image",
-                 "alt", "choice", "left", "bases", "koffs")
+                 "alt", "choice", "bases", "koffs")
 
 
 
@@ -1133,35 +1133,29 @@ class Conv(Kernel):
                 self._plans[key] = plan
         alt = plan.alt
         if alt is not None:
-            if plan.choice is None or plan.left == 0:
+            if plan.choice is None:
                 path, y = self._path(
                     "shift", ("conv", x.shape, plan.wm_shape, plan.ks, plan.strides, plan.dils, tuple(plan.begin),
                               _act.threads()),
                     lambda: self._conv_by(plan, x, w, b, None, res, cd),
-                    lambda: self._conv_by(alt, x, w, b, None, res, cd), res, plan.choice is not None)
-                plan.choice, plan.left = path, (-1 if plan.left == 0 else _act.PATH_CONFIRM_AT)
+                    lambda: self._conv_by(alt, x, w, b, None, res, cd), res)
+                plan.choice = path
                 if y is not None:
                     return _into(out, y)
-            elif plan.left > 0:
-                plan.left -= 1
             if plan.choice:
                 plan = alt
         return self._conv_by(plan, x, w, b, out, res, cd)
 
-    def _path(self, question: str, key, first, second, res, confirm: bool = False) -> tuple[int, object]:
+    def _path(self, question: str, key, first, second, res) -> tuple[int, object]:
         """:func:`._act.faster_path` for this Conv: once its first ``_PATH_VOTES`` geometries of
         ``question`` chose one path, a new geometry takes that path unmeasured (recorded for the
         process all the same).  The process-wide key holds the epilogue's kinds too (a chain of
         fake quantizations and per-channel steps costs the paths differently than a Relu: a QDQ
-        model and its float original in one process measure their own choices).  The call sites
-        ask again with ``confirm`` at a geometry's ``PATH_CONFIRM_AT``-th call since its choice
-        (their plan's ``left`` counts down to 0; -1 once confirmed): the choice is timed again."""
-        chain = (tuple(a.kind for a in self._pre), tuple(a.kind for a in self._post), self._has_channel,
-                 res is not None)
-        if confirm:
-            return _act.faster_path(key + (chain,), first, second, confirm=True)
+        model and its float original in one process measure their own choices)."""
         votes = self._votes.setdefault(question, [])
         prior = votes[0] if len(votes) >= _PATH_VOTES and len(set(votes)) == 1 else None
+        chain = (tuple(a.kind for a in self._pre), tuple(a.kind for a in self._post), self._has_channel,
+                 res is not None)
         path, y = _act.faster_path(key + (chain,), first, second, prior)
         if prior is None and len(votes) < _PATH_VOTES:
             votes.append(path)
@@ -1389,7 +1383,6 @@ class Conv(Kernel):
             p.wm = wm
         p.wk = p.full = p.sub = p.idx = p.zero = p.extent = p.cols_shape = p.padded = p.at = None
         p.alt = p.choice = None
-        p.left = -1  # calls until the path choice is timed again (see _path)
         p.phased = p.per_image = False
         p.small = False
         pre, post = self._pre, self._post
@@ -1650,25 +1643,22 @@ class Conv(Kernel):
             ks, strides, dils = self.sp.resolve(2, (3, 3))
             begin, end, out_shape = conv_geometry(xc.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad)
             tiles = xc.shape[0] * (-(-out_shape[0] // 2)) * (-(-out_shape[1] // 2))
-            # (begin, out shape, enough tiles, the path chosen, calls until it is timed again)
-            geo = [begin, out_shape, tiles >= _WINO_MIN_TILES, None if _WINO_TUNED else 0, -1]
+            geo = [begin, out_shape, tiles >= _WINO_MIN_TILES, None if _WINO_TUNED else 0]
             if len(self._plans) < 64:
                 self._plans[key] = geo
-        begin, out_shape, enough, path, left = geo
+        begin, out_shape, enough, path = geo
         if not enough:
             # Too few tiles for 16 GEMMs to pay (resnet's 7x7 maps: 16 tiles, 2x slower than one
             # GEMM): the direct path.
             return self._conv_direct(x, b, out, res)
-        if left > 0:
-            geo[4] = left - 1
-        elif path is None or left == 0:
+        if path is None:
             # The choice is the geometry's (shape, channels, padding, thread count), for every
             # Conv and session of the process; its measuring calls write no caller's buffer.
             path, y = self._path(
                 "winograd", ("conv3x3", xc.shape, u.shape[1], tuple(begin), tuple(out_shape), _act.threads()),
                 lambda: self._winograd_call(x, xc, b, None, res, begin, out_shape),
-                lambda: self._conv_direct(x, b, None, res), res, path is not None)
-            geo[3], geo[4] = path, (-1 if left == 0 else _act.PATH_CONFIRM_AT)
+                lambda: self._conv_direct(x, b, None, res), res)
+            geo[3] = path
             if path == 0 and not any(type(g) is list and g[3] == 1 for g in self._plans.values()):
                 self._w_from_u = self._bc = None  # Winograd runs: the recovered filters go
             if y is not None:
@@ -1706,15 +1696,13 @@ class Conv(Kernel):
         plan = self._bcast_plan(x, self._bcw) if compute_dtype(x.dtype) == np.float32 and _act.jit() else None
         if plan is None:
             return self._conv(x, self._bcast_filters(), b, out, res)
-        if plan.left > 0:
-            plan.left -= 1
-        elif plan.choice is None or plan.left == 0:
+        if plan.choice is None:
             path, y = self._path(
                 "bcast", ("conv_bc", x.shape, self._bcw, plan.strides, plan.dils, tuple(plan.begin), plan.yshape,
                           _act.threads()),
                 lambda: self._conv_bcast(x, self._bcw, b, None, res),
-                lambda: self._conv(x, self._bcast_filters(), b, None, res), res, plan.choice is not None)
-            plan.choice, plan.left = path, (-1 if plan.left == 0 else _act.PATH_CONFIRM_AT)
+                lambda: self._conv(x, self._bcast_filters(), b, None, res), res)
+            plan.choice = path
             if not any(type(p) is _ConvPlan and p.kind == _BCAST and p.choice for p in self._plans.values()):
                 self._w_from_bc = None  # conv_bcast runs every geometry so far: the recovered filters go
             if y is not None:
@@ -1776,7 +1764,6 @@ class Conv(Kernel):
                 plan = _ConvPlan()
                 plan.kind, plan.n, plan.m, plan.length, plan.begin = _BCAST, n, m, length, begin
                 plan.strides, plan.dils, plan.choice, plan.jit, plan.enc = strides, dils, None, jit, None
-                plan.left = -1
                 plan.yshape = (n, m) + tuple(out_shape)
                 plan.extent = None if not (any(begin) or any(end)) else tuple(
                     s + a + z for s, a, z in zip(x.shape[2:], begin, end))
