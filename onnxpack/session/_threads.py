@@ -178,11 +178,10 @@ def _after_fork_in_child() -> None:
 
 
 class _Limit:
-    """:func:`blas_threads`' context: :class:`_Counted` over ``_active`` written out, with one
-    library (numpy's BLAS, nearly always) in locals.  It is entered at every run of a session with
-    ``intra_op_num_threads`` set, where Python's caches are cold after the model's kernels: the
-    generic object's calls through its attributes cost ~7 us a run of Silero VAD (~110 us in
-    all), this ~3, most of it the library's one get and two sets."""
+    """:func:`blas_threads`' context: :class:`_Counted` over ``_active`` written out, one shared
+    object per count.  It is entered at every run of a session with ``intra_op_num_threads`` set,
+    where Python's caches are cold after the model's kernels: a new generic object a run, its calls
+    through attributes, cost several us more of Silero VAD's run (~110 us in all)."""
 
     __slots__ = ("n",)
 
@@ -192,21 +191,10 @@ class _Limit:
     def __enter__(self) -> None:
         n = self.n
         with _lock:
-            if _active:
-                _active[n] = _active.get(n, 0) + 1
-                _apply(min(_active))
-                return
-            _active[n] = 1
-            if _for_libs[0] is not _libs or len(_getters) != 1:
+            if not _active:
                 _save_original()
-                _apply(n)
-                return
-            count = _getters[0]()
-            _original[0] = count
-            if count is not None and count != n:
-                _setters[0](n)
-                count = n
-            _applied[0] = count
+            _active[n] = _active.get(n, 0) + 1
+            _apply(min(_active))
 
     def __exit__(self, *exc: Any) -> None:
         n = self.n
@@ -214,16 +202,9 @@ class _Limit:
             left = _active[n] - 1
             if left:
                 _active[n] = left
-                _apply(min(_active))
-                return
-            del _active[n]
-            if _active or len(_setters) != 1:
-                _apply(min(_active) if _active else 0)
-                return
-            count = _original[0]
-            if count is not None and _applied[0] != count:
-                _setters[0](count)
-                _applied[0] = count
+            else:
+                del _active[n]
+            _apply(min(_active) if _active else 0)
 
 
 _limits: dict[int, _Limit] = {}  # n -> its context (it holds only n: one per count, shared)

@@ -850,12 +850,12 @@ _PAD_MODES = {"constant", "reflect", "edge", "wrap"}
 
 
 def _pad(x: np.ndarray, pads: list[int], mode: str, value, axes: list[int] | None) -> np.ndarray:
-    return _pad_fn(x.shape, x.dtype, pads, mode, value, axes)(x)
+    return _pad_fn(x.shape, pads, mode, value, axes)(x)
 
 
-def _pad_fn(shape: tuple[int, ...], dtype: np.dtype, pads: list[int], mode: str, value,
+def _pad_fn(shape: tuple[int, ...], pads: list[int], mode: str, value,
             axes: list[int] | None) -> Callable[[np.ndarray], np.ndarray]:
-    """Pad of an input of ``shape`` and ``dtype`` as a function of the input: what depends on
+    """Pad of an input of ``shape`` as a function of the input (of any dtype): what depends on
     the shape decided here (a plan specialized for fixed shapes keeps the function:
     ``Kernel.fixed``)."""
     rank = len(shape)
@@ -928,7 +928,7 @@ class Pad2(Kernel):
         return (_pad(x, self.pads, self.mode, self.value, None),)
 
     def fixed(self, shape, dtype, constants):
-        return _pad_fn(shape, dtype, self.pads, self.mode, self.value, None)
+        return _pad_fn(shape, self.pads, self.mode, self.value, None)
 
 
 @register("Pad", since=11)
@@ -946,7 +946,7 @@ class Pad11(Kernel):
 
     def fixed(self, shape, dtype, constants):
         pads, value, axes = (list(constants) + [None, None])[:3]
-        return _pad_fn(shape, dtype, _ints(pads), self.mode, self._value(value), _ints(axes))
+        return _pad_fn(shape, _ints(pads), self.mode, self._value(value), _ints(axes))
 
     @staticmethod
     def _value(value):
