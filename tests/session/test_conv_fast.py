@@ -1192,7 +1192,7 @@ def test_winograd_convs_direct_path_by_output_channels_matches(case, tail, winog
         pytest.skip("numba not installed")
     monkeypatch.setattr(conv_mod, "_WINO_TUNED", True)
     monkeypatch.setattr(_act, "_PATHS", type(_act._PATHS)())
-    monkeypatch.setattr(_act, "faster_path", lambda key, first, second, prior=None: (1, None))  # direct
+    monkeypatch.setattr(_act, "faster_path", lambda key, first, second, prior=None, confirm=False: (1, None))  # direct
     cfg = dict(BCAST[case])
     residual = cfg.pop("residual", None)
     model, feeds = conv_model(tail=tail, residual=residual, **cfg)
@@ -1275,7 +1275,7 @@ def test_convs_packed_as_panels_match_onnxruntime(case, tail, path, monkeypatch)
     if _act.jit() is None:
         pytest.skip("numba not installed")
 
-    def decide(key, first, second, prior=None):
+    def decide(key, first, second, prior=None, confirm=False):
         first(), second()
         return path, None
 
@@ -1306,7 +1306,7 @@ def test_path_choices_of_one_geometry_are_kept_per_epilogue(monkeypatch):
         pytest.skip("numba not installed")
     keys = []
 
-    def decide(key, first, second, prior=None):
+    def decide(key, first, second, prior=None, confirm=False):
         keys.append(key)
         return 0, None
 
@@ -1370,6 +1370,64 @@ def test_winograd_conv_times_its_paths_once_and_keeps_the_faster(fast, jit_mode,
     again = onnxpack.InferenceSession(model)
     np.testing.assert_array_equal(again.run(None, feeds)[0], sess.run(None, feeds)[0])
     assert seen == [fast, fast]
+
+
+@pytest.mark.parametrize("first_fast", [0, 1], ids=["winograd-first", "direct-first"])
+def test_path_choice_is_timed_again_once_and_kept_per_thread_mode(first_fast, jit_mode, monkeypatch):
+    """A geometry's path choice, timed at its first call, is timed again PATH_CONFIRM_AT calls
+    later, once, and that second choice stands (here the other path has become the faster one);
+    a session in the other thread mode (owned, BLAS on one thread) times and confirms its own
+    choice, leaving the first mode's alone; every run agrees with onnxruntime."""
+    from onnxpack.session.kernels import _act, conv as conv_mod
+
+    monkeypatch.setattr(conv_mod, "_WINO_OVER_SHIFT", 0)
+    monkeypatch.setattr(conv_mod, "_WINO_TUNED", True)
+    monkeypatch.setattr(_act, "_PATHS", type(_act._PATHS)())
+    monkeypatch.setattr(_act, "_CONFIRMED", set())
+    monkeypatch.delenv("ONNXPACK_NUM_THREADS", raising=False)
+    seen = []
+    fast = [first_fast]
+    orig_call, orig_conv = conv_mod.Conv._winograd_call, conv_mod.Conv._conv
+    clock = [0.0]
+
+    def path(which, run):
+        seen.append(which)
+        clock[0] += 1.0 if which == fast[0] else 2.0  # what the measuring reads as each call's time
+        return run()
+
+    monkeypatch.setattr(_act.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(conv_mod.Conv, "_winograd_call", lambda self, *a: path(0, lambda: orig_call(self, *a)))
+    monkeypatch.setattr(conv_mod.Conv, "_conv", lambda self, x, w, *a: path(1, lambda: orig_conv(self, x, w, *a))
+                        if w is not None else orig_conv(self, x, w, *a))
+    model, feeds = conv_model(tail="relu", x_shape=(1, 16, 12, 12), m=16, bn=False)
+    want = _ort(model, feeds)[0]
+    timed = [0, 1] + [0, 1] * _act.PATH_TRIALS  # each once untimed, then alternately
+
+    def session(mode):
+        so = onnxpack.SessionOptions()
+        so.intra_op_num_threads = 2
+        so.add_session_config_entry("onnxpack.thread_mode", mode)
+        return onnxpack.InferenceSession(model, so)
+
+    def calls(sess, count):
+        seen.clear()
+        for _ in range(count):
+            np.testing.assert_allclose(sess.run(None, feeds)[0], want, **TOL)
+        return list(seen)
+
+    confirm = _act.PATH_CONFIRM_AT
+    blas = session("blas")
+    first, later = first_fast, 1 - first_fast
+    assert calls(blas, 1 + confirm) == timed + [first] * confirm  # timed, then kept
+    fast[0] = later  # the other path is faster from now on
+    assert calls(blas, 3) == timed + [later, later]  # timed again once: the second choice stands
+    owned = session("owned")
+    assert calls(owned, 1 + confirm) == timed + [later] * confirm  # its own timing
+    fast[0] = first
+    assert calls(owned, 2) == timed + [first]
+    assert calls(blas, 2) == [later, later]  # the BLAS mode's choice is its own, and confirmed
+    assert calls(session("blas"), 8) == [later] * 8  # (a new session: the process's choice)
+    assert sum(1 for k in _act._PATHS if k[0] == "conv3x3") == len(_act._CONFIRMED) == 2
 
 
 @pytest.mark.parametrize("fast", [0, 1], ids=["im2col-faster", "shift-faster"])

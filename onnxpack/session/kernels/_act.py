@@ -1041,10 +1041,60 @@ def first_run():
 _PATHS: OrderedDict[Hashable, int] = OrderedDict()
 PATH_TRIALS = 2
 PATH_MARGIN = 0.9  # the second path is taken only if at most this much of the first's time
+# A call site's choice is timed again, once per key, this many calls of its geometry in one
+# thread mode after its first timing (see PathChoice), and the second timing stands.
+PATH_CONFIRM_AT = 6
+_CONFIRMED: set = set()  # keys whose choice was timed again (bounded with _PATHS)
+
+
+def path_mode() -> tuple[int, bool]:
+    """The thread mode a path choice holds for: :func:`threads`, and whether runs own their
+    threads (BLAS on one thread) or share them with OpenBLAS's workers.  Which path is faster
+    differs between the two (a GEMM-based path splits through BLAS in one and onnxpack's own
+    jobs in the other, and OpenBLAS's polling workers slow the JIT kernels beside them)."""
+    n = threads()
+    return n, n > 1 and owned[0] != 0
+
+
+class PathChoice:
+    """One call site's choice between two paths for one geometry (:func:`faster_path`), per
+    thread mode (:func:`path_mode`).
+
+    Why per mode and timed twice: the first call of a geometry comes in a session's first run,
+    when the pool's threads start, the JIT warms up and the split tuners still measure: on two
+    threads YOLOv8n's 26 conv geometries chose differently in 8-13 of them from one process to
+    the next (the model 9.5 to 15.9 ms a run; more trials at the first call did not steady it).
+    Timed again ``PATH_CONFIRM_AT`` calls later (once per key and process) four of five
+    processes ran 9.5-9.9 ms; but a choice timed again inside the thread-mode tuner's BLAS block
+    and then kept in owned mode moved resnet50's convs to the general path (1.42x onnxruntime's
+    time against 1.23-1.26): each mode now times and keeps its own."""
+
+    __slots__ = ("modes",)
+
+    def __init__(self) -> None:
+        # path_mode() -> [path, calls until it is timed again (-1: never again)]
+        self.modes: dict[tuple[int, bool], list[int]] = {}
+
+    def settled(self) -> int | None:
+        """The path of this call in the mode now in force, or None: it is to be timed (the
+        geometry's first call in this mode, or its confirming one): :meth:`Conv._path`."""
+        got = self.modes.get(path_mode())
+        if got is None:
+            return None
+        left = got[1]
+        if left > 0:
+            got[1] = left - 1
+        elif left == 0:
+            return None
+        return got[0]
+
+    def takes(self, path: int) -> bool:
+        """Whether some mode runs ``path``."""
+        return any(v[0] == path for v in self.modes.values())
 
 
 def faster_path(key: Hashable, first: Callable[[], Any], second: Callable[[], Any],
-                prior: int | None = None) -> tuple[int, Any]:
+                prior: int | None = None, confirm: bool = False) -> tuple[int, Any]:
     """Which of two ways of computing a kernel's call (the same result up to rounding) runs for
     the geometry named by ``key``, decided once per process by timing both on the first call:
     returns (0 or 1, that path's result of this call, or None when the choice was made before:
@@ -1059,18 +1109,25 @@ def faster_path(key: Hashable, first: Callable[[], Any], second: Callable[[], An
     both alternately ``PATH_TRIALS`` times; the second is chosen only when its best time is under
     ``PATH_MARGIN`` of the first's (near parity the first, the packed default, keeps a choice
     that the machine's noise would flip from one process to the next).  The choice is per
-    process, not per session: every session of the model computes the same bits, cold or warm,
-    and later calls of the geometry (any thread mode) run the chosen path alone.  The paths must
-    not write into memory that the other reads (their caller's output buffer included).
+    process and key, not per session: every session of the model computes the same bits, cold
+    or warm, in one thread mode once the key is confirmed (the call sites put the thread mode in
+    the key: :class:`PathChoice`; the modes already differ in a GEMM split's rounding).  The
+    paths must not write into memory that the other reads (their caller's output buffer
+    included).
 
     ``prior``: the caller's choice for a geometry not decided yet, taken without measuring and
     kept for the key (a kernel whose first geometries all chose one path, fed ever new input
-    shapes: a detector on images of every size would otherwise pay the measuring per size)."""
+    shapes: a detector on images of every size would otherwise pay the measuring per size).
+
+    ``confirm``: the call site's confirming call (:class:`PathChoice`): the two paths are timed
+    again, once per key and process, and that choice stands."""
     with _lock:
         choice = _PATHS.get(key)
         if choice is None and prior is not None:
             choice = _PATHS[key] = prior
-    if choice is not None:
+        if confirm and key in _CONFIRMED:
+            confirm = False  # (another call site timed it again already)
+    if choice is not None and not confirm:
         return choice, None
     first()
     second()
@@ -1085,8 +1142,10 @@ def faster_path(key: Hashable, first: Callable[[], Any], second: Callable[[], An
     logger.debug("path %s of %r: %.3g s against %.3g s", choice, key, best[choice], best[1 - choice])
     with _lock:
         _PATHS[key] = choice
+        if confirm:
+            _CONFIRMED.add(key)
         while len(_PATHS) > _MAX_TUNERS:
-            _PATHS.popitem(last=False)
+            _CONFIRMED.discard(_PATHS.popitem(last=False)[0])
     return choice, got[choice]
 
 

@@ -1128,37 +1128,47 @@ class Conv(Kernel):
                 # the machine's (see _SHIFT_TUNED_TAPS); its first call times both.
                 alt = self._plan(x.shape, cd, None if packed else w, jit, shift_any=True)
                 if alt.kind == _SHIFT:
-                    plan.alt = alt
+                    plan.alt, plan.choice = alt, _act.PathChoice()
             if len(self._plans) < 64:  # bounded: a model fed ever new shapes
                 self._plans[key] = plan
         alt = plan.alt
         if alt is not None:
-            if plan.choice is None:
+            path = plan.choice.settled()
+            if path is None:
                 path, y = self._path(
-                    "shift", ("conv", x.shape, plan.wm_shape, plan.ks, plan.strides, plan.dils, tuple(plan.begin),
-                              _act.threads()),
+                    plan.choice, "shift", ("conv", x.shape, plan.wm_shape, plan.ks, plan.strides, plan.dils,
+                                           tuple(plan.begin)),
                     lambda: self._conv_by(plan, x, w, b, None, res, cd),
                     lambda: self._conv_by(alt, x, w, b, None, res, cd), res)
-                plan.choice = path
                 if y is not None:
                     return _into(out, y)
-            if plan.choice:
+            if path:
                 plan = alt
         return self._conv_by(plan, x, w, b, out, res, cd)
 
-    def _path(self, question: str, key, first, second, res) -> tuple[int, object]:
-        """:func:`._act.faster_path` for this Conv: once its first ``_PATH_VOTES`` geometries of
-        ``question`` chose one path, a new geometry takes that path unmeasured (recorded for the
-        process all the same).  The process-wide key holds the epilogue's kinds too (a chain of
-        fake quantizations and per-channel steps costs the paths differently than a Relu: a QDQ
-        model and its float original in one process measure their own choices)."""
-        votes = self._votes.setdefault(question, [])
-        prior = votes[0] if len(votes) >= _PATH_VOTES and len(set(votes)) == 1 else None
+    def _path(self, choice: _act.PathChoice, question: str, key, first, second, res) -> tuple[int, object]:
+        """:func:`._act.faster_path` for a geometry of this Conv whose ``choice`` has no settled
+        path in the thread mode now in force (:class:`._act.PathChoice`): its first call in the
+        mode, or its confirming one (timed again).  Once this Conv's first ``_PATH_VOTES``
+        geometries of ``question`` in a mode chose one path, a new geometry takes that path
+        unmeasured and is not timed again (recorded for the process all the same).  The
+        process-wide key holds the thread mode and the epilogue's kinds (a chain of fake
+        quantizations and per-channel steps costs the paths differently than a Relu: a QDQ model
+        and its float original in one process measure their own choices)."""
+        mode = _act.path_mode()
         chain = (tuple(a.kind for a in self._pre), tuple(a.kind for a in self._post), self._has_channel,
                  res is not None)
-        path, y = _act.faster_path(key + (chain,), first, second, prior)
+        key = key + (mode, chain)
+        if mode in choice.modes:  # the confirming call
+            path, y = _act.faster_path(key, first, second, confirm=True)
+            choice.modes[mode] = [path, -1]
+            return path, y
+        votes = self._votes.setdefault((question, mode), [])
+        prior = votes[0] if len(votes) >= _PATH_VOTES and len(set(votes)) == 1 else None
+        path, y = _act.faster_path(key, first, second, prior)
         if prior is None and len(votes) < _PATH_VOTES:
             votes.append(path)
+        choice.modes[mode] = [path, _act.PATH_CONFIRM_AT if prior is None else -1]
         return path, y
 
     def _conv_by(self, plan: _ConvPlan, x, w, b, out: np.ndarray | None, res: np.ndarray | None, cd) -> np.ndarray:
@@ -1643,23 +1653,25 @@ class Conv(Kernel):
             ks, strides, dils = self.sp.resolve(2, (3, 3))
             begin, end, out_shape = conv_geometry(xc.shape[2:], ks, strides, dils, self.sp.pads, self.sp.auto_pad)
             tiles = xc.shape[0] * (-(-out_shape[0] // 2)) * (-(-out_shape[1] // 2))
-            geo = [begin, out_shape, tiles >= _WINO_MIN_TILES, None if _WINO_TUNED else 0]
+            # (its PathChoice: None when Winograd always runs)
+            geo = [begin, out_shape, tiles >= _WINO_MIN_TILES, _act.PathChoice() if _WINO_TUNED else None]
             if len(self._plans) < 64:
                 self._plans[key] = geo
-        begin, out_shape, enough, path = geo
+        begin, out_shape, enough, choice = geo
         if not enough:
             # Too few tiles for 16 GEMMs to pay (resnet's 7x7 maps: 16 tiles, 2x slower than one
             # GEMM): the direct path.
             return self._conv_direct(x, b, out, res)
+        path = 0 if choice is None else choice.settled()
         if path is None:
-            # The choice is the geometry's (shape, channels, padding, thread count), for every
+            # The choice is the geometry's (shape, channels, padding, thread mode), for every
             # Conv and session of the process; its measuring calls write no caller's buffer.
             path, y = self._path(
-                "winograd", ("conv3x3", xc.shape, u.shape[1], tuple(begin), tuple(out_shape), _act.threads()),
+                choice, "winograd", ("conv3x3", xc.shape, u.shape[1], tuple(begin), tuple(out_shape)),
                 lambda: self._winograd_call(x, xc, b, None, res, begin, out_shape),
                 lambda: self._conv_direct(x, b, None, res), res)
-            geo[3] = path
-            if path == 0 and not any(type(g) is list and g[3] == 1 for g in self._plans.values()):
+            if path == 0 and not any(type(g) is list and g[3] is not None and g[3].takes(1)
+                                     for g in self._plans.values()):
                 self._w_from_u = self._bc = None  # Winograd runs: the recovered filters go
             if y is not None:
                 return _into(out, y)
@@ -1696,18 +1708,18 @@ class Conv(Kernel):
         plan = self._bcast_plan(x, self._bcw) if compute_dtype(x.dtype) == np.float32 and _act.jit() else None
         if plan is None:
             return self._conv(x, self._bcast_filters(), b, out, res)
-        if plan.choice is None:
+        path = plan.choice.settled()
+        if path is None:
             path, y = self._path(
-                "bcast", ("conv_bc", x.shape, self._bcw, plan.strides, plan.dils, tuple(plan.begin), plan.yshape,
-                          _act.threads()),
+                plan.choice, "bcast", ("conv_bc", x.shape, self._bcw, plan.strides, plan.dils, tuple(plan.begin),
+                                       plan.yshape),
                 lambda: self._conv_bcast(x, self._bcw, b, None, res),
                 lambda: self._conv(x, self._bcast_filters(), b, None, res), res)
-            plan.choice = path
-            if not any(type(p) is _ConvPlan and p.kind == _BCAST and p.choice for p in self._plans.values()):
+            if not any(type(p) is _ConvPlan and p.kind == _BCAST and p.choice.takes(1) for p in self._plans.values()):
                 self._w_from_bc = None  # conv_bcast runs every geometry so far: the recovered filters go
             if y is not None:
                 return _into(out, y)
-        if plan.choice:
+        if path:
             return self._conv(x, self._bcast_filters(), b, out, res)
         return self._conv_bcast(x, self._bcw, b, out, res)
 
@@ -1763,7 +1775,7 @@ class Conv(Kernel):
             if min(begin) >= 0 and min(end) >= 0 and length > 0 and n > 0:
                 plan = _ConvPlan()
                 plan.kind, plan.n, plan.m, plan.length, plan.begin = _BCAST, n, m, length, begin
-                plan.strides, plan.dils, plan.choice, plan.jit, plan.enc = strides, dils, None, jit, None
+                plan.strides, plan.dils, plan.choice, plan.jit, plan.enc = strides, dils, _act.PathChoice(), jit, None
                 plan.yshape = (n, m) + tuple(out_shape)
                 plan.extent = None if not (any(begin) or any(end)) else tuple(
                     s + a + z for s, a, z in zip(x.shape[2:], begin, end))
