@@ -134,6 +134,17 @@ def _mode_settled(sess) -> bool:
     return modes is None or modes.choice is not None or not any(modes.times)
 
 
+def _thread_mode(modes) -> str:
+    """The thread mode an onnxpack session runs in at the end of the measurement: owned / blas,
+    ``measuring`` in the middle of the tuner's first measuring, ``owned?`` / ``blas?`` in the
+    middle of one of its later ones (the mode chosen before)."""
+    if modes.choice is not None:
+        return "owned" if modes.choice else "blas"
+    if modes.last is None:
+        return "measuring"
+    return "owned?" if modes.last else "blas?"
+
+
 def warm_up(runners: dict, sessions=()) -> int:
     """Warm-up, interleaved: at least WARMUP_RUNS runs and WARMUP_S seconds of each of ``runners``
     (label -> callable), and (up to 10 x WARMUP_RUNS rounds) until the onnxpack ``sessions`` have
@@ -211,7 +222,7 @@ def bench_one(name: str, factory, runs: int, threads: int, interleave: bool = Fa
     return {"model": name, "path": path, "threads": threads, "median_ms": med,
             "ratio": med["onnxpack"] / med["onnxruntime"], "max_abs_diff": diffs, "output_scale": scale,
             "create_onnxpack_s": create_ours, "fallback_nodes": len(ours.get_fallback_nodes()), "warmup_runs": done,
-            "thread_mode": {None: "undecided", True: "owned", False: "blas"}[ours._runner.modes.choice] if threads > 1
+            "thread_mode": _thread_mode(ours._runner.modes) if threads > 1
             else "one thread",
             **spread_ms(times, interleave)}
 

@@ -278,8 +278,15 @@ class ModeTuner:
     in one of session 54's benchmark runs (2.02x onnxruntime's time, 1.81x owned in the other run;
     owned / BLAS measured 0.77 in processes of their own), a CRNN in session 57's while both
     pairs' medians decided (13.5 ms a run against 9.0-9.4 owned, 12.3 on one thread).
-    ``RECHECK`` runs and ``RECHECK_S`` seconds later (both: a fast model's measuring must stay a
-    small share of its runs) the session measures again.  Only
+    The session measures again ``RECHECK_FIRST`` runs and ``RECHECK_FIRST_S`` seconds after its
+    first choice (both: a fast model's measuring must stay a small share of its runs), then at
+    twice the distance after each choice, up to ``RECHECK`` runs and ``RECHECK_S`` seconds: the
+    first measurement falls in a process's first seconds, which are often unlike its steady
+    state, and a wrong choice then held for a minute.  Measured in session 61 on the orientation
+    classifier, two threads, each process's first runs interleaved with onnxruntime's (a
+    process starting up beside other work): owned mode's medians 4.4-7.9 ms in those runs and
+    3.8-4.7 in the steady state that followed, so two processes of five chose BLAS mode, one of
+    them then running 6.7-7.9 ms.  Only
     runs of one set of input shapes count: a run with other shapes restarts an undecided
     measurement (a model whose shapes change at every run, a decoder's growing cache, keeps the
     starting mode).  The mode changes no result beyond the rounding of a GEMM split differently,
@@ -290,13 +297,15 @@ class ModeTuner:
     SETTLE = 0.25  # seconds from a block's first run before its runs count (see above)
     TRIALS = 5
     BLAS_MARGIN = 0.97  # BLAS mode is kept only if its median is below this much of owned's
-    RECHECK = 2000  # runs, and ...
-    RECHECK_S = 60.0  # ... seconds after a choice before measuring again (both)
+    RECHECK_FIRST = 100  # runs, and ...
+    RECHECK_FIRST_S = 3.0  # ... seconds after the first choice before measuring again (both)
+    RECHECK = 2000  # the most runs, and ...
+    RECHECK_S = 60.0  # ... seconds after a later choice (each doubles the one before)
     # No lock: a child forked while another thread held one would hang at its next run.  Each
     # step is a few attribute stores under the GIL, and the lists of times are read through a
     # reference taken once (a reset makes new lists; the old ones only ever grow), so racing
     # runs can at worst mix up samples, never fail.
-    __slots__ = ("start", "choice", "key", "phase", "runs", "since", "times", "calls", "rounds")
+    __slots__ = ("start", "choice", "key", "phase", "runs", "since", "times", "calls", "rounds", "wait", "last")
 
     def __init__(self, start: bool) -> None:
         self.start = start  # the starting mode: True = owned
@@ -308,16 +317,26 @@ class ModeTuner:
         self.times: tuple[list[float], list[float]] = ([], [])  # counted times per block
         self.calls = 0  # runs since the choice was made
         self.rounds = 1  # pairs of blocks to measure (2: confirming a switch from the starting mode)
+        self.wait: tuple[int, float] | None = None  # runs and seconds from the choice to measuring again
+        self.last: bool | None = None  # the mode chosen last (kept while measuring again)
+
+    def _next_wait(self, wait: tuple[int, float] | None) -> tuple[int, float]:
+        """The distance from a choice to the next measuring, given the one after the choice before."""
+        if wait is None:
+            return self.RECHECK_FIRST, self.RECHECK_FIRST_S
+        return min(2 * wait[0], self.RECHECK), min(2 * wait[1], self.RECHECK_S)
 
     def current(self) -> bool:
         """The mode of runs that are not measured (a session's first, runs with run options or
-        profiling, on a pruned plan): the one chosen, else the starting mode."""
-        choice = self.choice
+        profiling, on a pruned plan): the one chosen (while measuring again: the one chosen
+        before), else the starting mode."""
+        choice = self.choice if self.choice is not None else self.last
         return self.start if choice is None else choice
 
     def fix(self) -> None:
         """Keeps the starting mode for good (``onnxpack.thread_mode`` set)."""
         self.choice, self.calls, self.since = self.start, -(1 << 62), float("inf")
+        self.wait = (self.RECHECK, self.RECHECK_S)
 
     def pick(self, inputs: Sequence[Any]) -> tuple[bool, int, Hashable]:
         """The mode of the next run on ``inputs`` (True = owned), the block its time counts in
@@ -325,7 +344,8 @@ class ModeTuner:
         choice = self.choice
         if choice is not None:
             self.calls += 1
-            if self.calls < self.RECHECK or time.perf_counter() - self.since < self.RECHECK_S:
+            runs, seconds = self.wait
+            if self.calls < runs or time.perf_counter() - self.since < seconds:
                 return choice, -1, None
             self.choice, self.key = None, None  # measure again from this run
         key = tuple(getattr(v, "shape", None) for v in inputs)
@@ -357,7 +377,8 @@ class ModeTuner:
                 self.rounds = 2  # a switch: a second block of each mode first
                 return
             self.calls, self.since = 0, time.perf_counter()
-            self.choice = choice
+            self.wait = self._next_wait(self.wait)
+            self.choice = self.last = choice
             logger.debug("thread mode: %s (medians: owned %.3g s, BLAS %.3g s)",
                          "owned" if self.choice else "BLAS", owned, blas)
 

@@ -769,7 +769,7 @@ def test_conv_bcast_split_as_unit_jobs_equals_one_thread(batch, c, m, k, stride,
     from onnxpack.session.kernels import _act, conv
 
     _polling_pool()
-    monkeypatch.setattr(_act, "faster_path", lambda key, first, second, prior=None: (0, None))  # conv_bcast
+    monkeypatch.setattr(_act, "faster_path", lambda key, first, second, prior=None, confirm=False: (0, None))  # conv_bcast
     F = TensorProto.FLOAT
     rng = np.random.default_rng(m)
     w = (rng.standard_normal((m, c, k, k)) / np.sqrt(c * k * k)).astype(np.float32)
@@ -1448,7 +1448,7 @@ def _fast_mode_tuner(start: bool, settle: float = 0.0, recheck_s: float = 0.0):
 
     class Tuner(ModeTuner):
         SETTLE = settle
-        RECHECK_S = recheck_s
+        RECHECK_FIRST_S = RECHECK_S = recheck_s
 
     return Tuner(start)
 
@@ -1457,9 +1457,10 @@ def _fast_mode_tuner(start: bool, settle: float = 0.0, recheck_s: float = 0.0):
 @pytest.mark.parametrize("owned_faster", [False, True])
 def test_mode_tuner_measures_each_mode_in_a_block_and_keeps_the_faster(start, owned_faster):
     """Runs take the starting mode for a block (its first SKIP runs not counted), then the other
-    mode for a block; the mode of the lower median wins and holds until RECHECK runs (and
-    RECHECK_S seconds) later.  A switch from the starting mode is confirmed first by a second
-    block of each mode."""
+    mode for a block; the mode of the lower median wins and holds until RECHECK_FIRST runs (and
+    RECHECK_FIRST_S seconds) later, then twice as long after each choice, up to RECHECK runs (and
+    RECHECK_S seconds).  A switch from the starting mode is confirmed first by a second block of
+    each mode."""
     tuner = _fast_mode_tuner(start)
     per = tuner.SKIP + tuner.TRIALS
     inputs = [np.empty((1, 3, 8, 8), np.float32)]
@@ -1475,9 +1476,17 @@ def test_mode_tuner_measures_each_mode_in_a_block_and_keeps_the_faster(start, ow
     assert seen == (pair if owned_faster == start else 2 * pair)
     assert tuner.choice is owned_faster
     other = [np.empty((2, 3, 8, 8), np.float32)]
-    for _ in range(tuner.RECHECK - 1):
-        assert tuner.pick(other) == (owned_faster, -1, None)  # decided: any shapes take it
-    assert tuner.pick(inputs) == (start, -1, ((1, 3, 8, 8),)) and tuner.choice is None  # measured again
+    waits = []
+    for runs in [tuner.RECHECK_FIRST * 2 ** k for k in range(6)]:
+        waits.append(min(runs, tuner.RECHECK))
+        for _ in range(waits[-1] - 1):
+            assert tuner.pick(other) == (owned_faster, -1, None)  # decided: any shapes take it
+        assert tuner.pick(inputs) == (start, -1, ((1, 3, 8, 8),)) and tuner.choice is None  # measured again
+        assert tuner.current() is owned_faster  # (unmeasured runs meanwhile: the mode chosen before)
+        while tuner.choice is None:
+            owned, which, key = tuner.pick(inputs)
+            tuner.record(key, which, 1.0 if owned == owned_faster else 2.0)
+    assert waits[0] == tuner.RECHECK_FIRST < tuner.RECHECK == waits[-1]
     # With RECHECK_S not yet passed, RECHECK runs are not enough.
     patient = _fast_mode_tuner(start, recheck_s=60.0)
     while patient.choice is None:
