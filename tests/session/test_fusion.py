@@ -316,7 +316,7 @@ def test_batchnorm_with_its_statistics_outputs_is_training_mode_as_onnxruntime(o
 
 # -- QuantizeLinear -> DequantizeLinear ("fake quantization") ----------------------------------
 def qdq_model(zp: np.ndarray, scale: np.ndarray, *, axis: int = 1, opset: int = 17, dq_scale=None,
-              extra_q_reader: bool = False, q_output: bool = False) -> bytes:
+              extra_q_reader: bool = False, q_output: bool = False, x_shape=(2, 3, 5)) -> bytes:
     """x(2,3,5) -> QuantizeLinear -> DequantizeLinear -> Identity -> y."""
     zt = helper.np_dtype_to_tensor_dtype(zp.dtype)
     inits = [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zp, "z")]
@@ -333,7 +333,7 @@ def qdq_model(zp: np.ndarray, scale: np.ndarray, *, axis: int = 1, opset: int = 
         outputs.append(helper.make_tensor_value_info("qc", F, None))
     if q_output:
         outputs.append(helper.make_tensor_value_info("q", zt, None))
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [2, 3, 5])], outputs, inits)
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, list(x_shape))], outputs, inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9).SerializeToString()
 
 
@@ -385,6 +385,28 @@ def test_fake_quant_pair_is_fused_and_bit_identical(zp, scale, opset, jit, monke
     want = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"]).run(None, x)[0]
     _same_bits(got, unfused)
     _same_bits(got, want)
+
+
+@pytest.mark.parametrize("jit", ["numba", "numpy"])
+@pytest.mark.parametrize("value", [1.0, -0.3, 1e9, np.nan])
+def test_fake_quant_pair_on_a_scalar_keeps_its_shape(value, jit, monkeypatch):
+    """A pair on a rank-0 tensor (onnxruntime's quantizer puts them on a model's shape arithmetic:
+    MobileViT's patch sizes) gives a rank-0 result, onnxruntime's bits: the numba kernel's input
+    made contiguous stays 0-d, and numpy's 0-d arithmetic (a scalar, not an array) still runs in
+    place."""
+    if jit == "numba":
+        pytest.importorskip("numba")
+    else:
+        monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+    model = qdq_model(np.array(-128, np.int8), np.array(0.03, np.float32), x_shape=())
+    x = {"x": np.array(value, np.float32)}
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    want = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"]).run(None, x)[0]
+    with onnxpack.InferenceSession(model) as s:
+        got = s.run(None, x)[0]
+        assert [st.node.name for st in s.program.root.steps] == ["q+dq", "out"]
+    _same_bits(np.asarray(got), want)
 
 
 @pytest.mark.parametrize("case", ["q-read-twice", "q-is-output", "other-scale"])

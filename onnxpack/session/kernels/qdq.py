@@ -377,7 +377,7 @@ class FakeQuant(Kernel):
         jit = _fq_jit() if x.size else None
         if jit is not None:
             return (self._run_jit(jit, xs, s, zp),)
-        t = np.divide(xs, s)
+        t = np.asarray(np.divide(xs, s))  # (a 0-d x and scale make a numpy scalar: in place below needs an array)
         if t.shape != x.shape:  # a per-axis scale broadcast wider than x (cannot happen: _param checks)
             raise InvalidArgument(f"{self.what}: scale {list(np.shape(scale))} does not fit x {list(x.shape)}")
         np.rint(t, out=t)
@@ -389,7 +389,8 @@ class FakeQuant(Kernel):
 
     def _run_jit(self, jit, xs: np.ndarray, s: np.ndarray, zp: np.ndarray) -> np.ndarray:
         """The numba kernel over ``xs`` seen as (outer, C, inner), C the scale's length."""
-        xs = np.ascontiguousarray(xs)
+        if not xs.flags.c_contiguous:
+            xs = xs.copy()  # (not np.ascontiguousarray: it makes a 0-d x 1-d, and the result's shape is xs's)
         if s.size == 1:
             shape3 = (1, 1, xs.size)
         else:
