@@ -142,7 +142,8 @@ def compute_constant(compute: Callable[[], np.ndarray], name: str, where: str) -
     chain's dequantization, a Reshape of a weight to a shape numpy cannot hold) is the model's
     InvalidGraph, naming the constant and ``where`` (its node or graph)."""
     try:
-        return compute()
+        with np.errstate(all="ignore"):  # the arithmetic's inf or NaN, silently (as at run time)
+            return compute()
     except OnnxpackError:
         raise
     except Exception as exc:

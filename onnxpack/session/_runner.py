@@ -24,6 +24,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from onnxpack.errors import InvalidArgumentStatus
 from onnxpack.graph import Model
 from onnxpack.session._api import feed_spec, validate_feed
@@ -125,7 +127,10 @@ class Runner:
             stop_spinning()  # (helpers still polling after an owned-mode run: see below)
         try:
             t_run = time.perf_counter()
-            with first_run() if first else contextlib.nullcontext():
+            # No floating-point warnings from the kernels' numpy (an overflow to inf, a NaN from
+            # inf - inf): onnxruntime computes IEEE arithmetic silently, and a warning at every
+            # run of a model whose masks add float32's lowest value twice would drown the log.
+            with np.errstate(all="ignore"), first_run() if first else contextlib.nullcontext():
                 if owned > 1:
                     with owned_threads(owned):
                         values = self._loop(plan, inputs, control)

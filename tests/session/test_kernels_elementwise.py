@@ -446,3 +446,45 @@ def test_registry_generated_classes_carry_since():
 def test_registry_absent_before_introduction():
     assert lookup("", "Gelu", 19) is None
     assert lookup("", "Mod", 9) is None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_run_warns_of_no_ieee_overflow_or_nan_as_onnxruntime(threads):
+    """IEEE arithmetic that overflows or makes NaN (a causal mask of float32's lowest value added
+    to a padding mask of it: HF GPT-Neo's attention) gives onnxruntime's -inf / NaN without a
+    numpy RuntimeWarning: in a run (a large tensor's Mul too, which a two-thread run may split),
+    in a constant folded at creation."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    import onnxpack
+
+    lo = np.finfo(np.float32).min
+    big = np.full((256, 512), 3e38, np.float32)
+    nodes = [helper.make_node("Add", ["a", "b"], ["s"]),  # lowest + lowest: -inf
+             helper.make_node("Sub", ["s", "s"], ["nan"]),  # -inf - -inf: NaN
+             helper.make_node("Mul", ["x", "k"], ["m"]),  # 3e38 * 3e38: inf, on a large tensor
+             helper.make_node("Mul", ["k", "k"], ["kk"]),  # a constant: folded at creation (inf)
+             helper.make_node("Add", ["m", "kk"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [2, 4]),
+                     helper.make_tensor_value_info("b", TensorProto.FLOAT, [2, 4]),
+                     helper.make_tensor_value_info("x", TensorProto.FLOAT, list(big.shape))],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, d) for n, d in (("s", [2, 4]), ("nan", [2, 4]),
+                                                                              ("y", list(big.shape)))],
+        [numpy_helper.from_array(np.array(3e38, np.float32), "k")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model)
+    feeds = {"a": np.full((2, 4), lo, np.float32), "b": np.full((2, 4), lo, np.float32), "x": big}
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    so = onnxpack.SessionOptions()
+    so.intra_op_num_threads = threads
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sess = onnxpack.InferenceSession(model.SerializeToString(), so)
+        for _ in range(3):
+            got = sess.run(None, feeds)
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g, w)
+    assert np.isneginf(got[0]).all() and np.isnan(got[1]).all() and np.isposinf(got[2]).all()

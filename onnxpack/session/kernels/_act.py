@@ -819,6 +819,7 @@ class _Pool:
         return self._spin
 
     def _serve(self, row: int) -> None:
+        np.seterr(all="ignore")  # (this thread's context: its shares of a run are as quiet as the run)
         get, get_nowait, ctl = self.queue.get, self.queue.get_nowait, self.ctl
         pending = None  # the last task's result to publish: (flags, slot, value)
         none = np.zeros(1, np.int64)
