@@ -317,6 +317,42 @@ def test_qlinear_add_every_code_pair_as_onnxruntime(shapes, dtype):
         check(node, [a, sa, za, b, sb, zb, sc, zc], consts=["sa", "za", "sb", "zb", "sc", "zc"], steps=0)
 
 
+@pytest.mark.parametrize("shapes", ADD_SHAPES[:3] + [((40, 1, 1), (40, 3, 1)), ((2, 3, 1, 40), (3, 5, 1)), ((40,), (6, 40))],
+                         ids=["same", "a-per-span", "b-per-span", "ones-skipped", "both-broadcast", "bias-like"])
+def test_qlinear_add_numba_kernel_gives_the_numpy_codes(shapes, monkeypatch):
+    """QLinearAdd's one-pass numba kernel (taken from _ADD_JIT_MIN codes) gives the numpy
+    arithmetic's codes bit for bit, for every broadcast and both operand orders of onnxruntime's
+    broadcaster, at scale sets drawn at random and at scales of inf, NaN and 0 (saturation, and
+    NaN to the lowest code as cvtps2dq's -2^31 clamps)."""
+    from onnxpack.session.kernels import _act, qlinear
+
+    if _act.load_jit("_qdq_jit", "fake-quant") is None:
+        pytest.skip("numba not installed")
+    rng = np.random.default_rng(7)
+    calls = []
+    real = qlinear._fq_jit
+
+    def spy():
+        calls.append(1)
+        return real()
+
+    for dtype in (np.uint8, np.int8):
+        a, b = ints(rng, dtype, shapes[0]), ints(rng, dtype, shapes[1])
+        for scales in [10 ** rng.uniform(-3, -1, 3), 10 ** rng.uniform(-3, -1, 3), (0.02, 0.03, np.inf),
+                       (np.inf, 0.02, 0.05), (0.02, np.nan, 0.05), (0.02, 0.03, 0.0), (1e30, 1e30, 1e-30)]:
+            sa, sb, sc = (np.array(v, np.float32) for v in scales)
+            za, zb, zc = (ints(rng, dtype, ()) for _ in range(3))
+            node = helper.make_node("QLinearAdd", ["a", "sa", "za", "b", "sb", "zb", "sc", "zc"], ["c"], domain=MS)
+            inputs = [a, sa, za, b, sb, zb, sc, zc]
+            monkeypatch.setattr(qlinear, "_fq_jit", spy)
+            (got,) = run_native(node, inputs, 1)
+            monkeypatch.setattr(qlinear, "_fq_jit", lambda: None)
+            (want,) = run_native(node, inputs, 1)
+            assert got.dtype == want.dtype == dtype and got.shape == want.shape
+            np.testing.assert_array_equal(got, want, err_msg=str(scales))
+    assert len(calls) == 14
+
+
 def test_qlinear_add_omitted_zero_points_are_zero():
     """onnxruntime cannot type an omitted zero point (its type inference fails), so the omitted
     case is compared with onnxruntime given explicit zeros."""

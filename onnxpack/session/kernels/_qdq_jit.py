@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["fake_quant", "quantize_u8"]
+__all__ = ["fake_quant", "qlinear_add", "quantize_u8"]
 
 
 @njit(cache=True, nogil=True)
@@ -58,8 +58,38 @@ def quantize_u8(x, scale, zp, out):  # pragma: no cover - compiled; tested throu
     return out
 
 
+@njit(cache=True, nogil=True)
+def qlinear_add(a, b, ra, rb, constant, a_inner, lo, hi, out):  # pragma: no cover - compiled; tested through QLinearAdd
+    """com.microsoft QLinearAdd over flat codes ``a`` and ``b`` (the output's shape, broadcast
+    already) into ``out``: the numpy arithmetic of ``qlinear.QLinearAdd.run`` one element at a
+    time.  Each multiply-add in float64 rounded once to float32 (a code times a float32 ratio is
+    exact in float64), ``a`` inside when ``a_inner``, else ``b``; then round half to even, a
+    value beyond int32 (or NaN) to -2^31 as cvtps2dq gives it, saturated to ``[lo, hi]``."""
+    ra64 = np.float64(ra)
+    rb64 = np.float64(rb)
+    c64 = np.float64(constant)
+    flo = np.float64(lo)
+    fhi = np.float64(hi)
+    for i in range(out.shape[0]):
+        if a_inner:
+            t = np.float32(np.float64(a[i]) * ra64 + c64)
+            acc = np.float32(np.float64(b[i]) * rb64 + np.float64(t))
+        else:
+            t = np.float32(np.float64(b[i]) * rb64 + c64)
+            acc = np.float32(np.float64(a[i]) * ra64 + np.float64(t))
+        q = np.rint(np.float64(acc))
+        if not (abs(q) < 2147483648.0):
+            q = -2147483648.0
+        if q < flo:
+            q = flo
+        if q > fhi:
+            q = fhi
+        out[i] = q
+    return out
+
+
 # One specialization per argument types, whatever the arrays' writability (see _act.one_specialization);
 # the parameters named here are arrays the kernels only read.
 from onnxpack.session.kernels._act import one_specialization as _act_one_specialization  # noqa: E402
 
-_act_one_specialization(globals(), frozenset({"x", "scale", "low", "high"}))
+_act_one_specialization(globals(), frozenset({"x", "scale", "low", "high", "a", "b"}))
