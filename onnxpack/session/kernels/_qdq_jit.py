@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["fake_quant", "qlinear_add", "quantize_u8"]
+__all__ = ["fake_quant", "qlinear_add", "qlinear_mul", "quantize_u8"]
 
 
 @njit(cache=True, nogil=True)
@@ -80,6 +80,28 @@ def qlinear_add(a, b, ra, rb, constant, a_inner, lo, hi, out):  # pragma: no cov
         q = np.rint(np.float64(acc))
         if not (abs(q) < 2147483648.0):
             q = -2147483648.0
+        if q < flo:
+            q = flo
+        if q > fhi:
+            q = fhi
+        out[i] = q
+    return out
+
+
+@njit(cache=True, nogil=True)
+def qlinear_mul(a, b, za, zb, mult, zc, lo, hi, out):  # pragma: no cover - compiled; tested through QLinearMul
+    """com.microsoft QLinearMul over flat codes ``a`` and ``b`` (broadcast already) into ``out``:
+    ``qlinear.QLinearMul.run``'s float32 arithmetic one element at a time (the zero points taken
+    off exactly, the product of two such differences exact, then times ``mult`` and plus ``zc``,
+    each rounded to float32, round half to even, saturated to ``[lo, hi]``).  ``mult`` is finite
+    (the caller's condition): no NaN reaches the conversion."""
+    flo = np.float32(lo)
+    fhi = np.float32(hi)
+    for i in range(out.shape[0]):
+        p = (np.float32(a[i]) - za) * (np.float32(b[i]) - zb)
+        p = p * mult
+        p = p + zc
+        q = np.rint(p)
         if q < flo:
             q = flo
         if q > fhi:

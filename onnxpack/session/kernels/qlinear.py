@@ -353,8 +353,7 @@ class QLinearAdd(_QBinary):
                 # 128 x 1024 codes 306 -> ~20 us, onnxruntime 16); a broadcast operand made whole.
                 lo, hi = int_range(a.dtype)
                 out = np.empty(shape, a.dtype)
-                flat = [x.reshape(-1) if x.shape == shape and x.flags.c_contiguous
-                        else np.ascontiguousarray(np.broadcast_to(x, shape)).reshape(-1) for x in (a, b)]
+                flat = _flat_operands(a, b, shape)
                 jit.qlinear_add(flat[0], flat[1], ra, rb, constant, _a_per_span(a.shape, b.shape, shape), lo, hi,
                                 out.reshape(-1))
                 return (out,)
@@ -368,7 +367,13 @@ class QLinearAdd(_QBinary):
         return (np.clip(q, lo, hi).astype(a.dtype),)
 
 
-_ADD_JIT_MIN = 64  # codes from which QLinearAdd takes the numba kernel (below it numpy's few calls)
+_ADD_JIT_MIN = 64  # codes from which QLinearAdd and QLinearMul take their numba kernels
+
+
+def _flat_operands(a: np.ndarray, b: np.ndarray, shape: tuple[int, ...]) -> list[np.ndarray]:
+    """``a`` and ``b`` as flat C arrays of the broadcast ``shape`` (no copy when already so)."""
+    return [x.reshape(-1) if x.shape == shape and x.flags.c_contiguous
+            else np.ascontiguousarray(np.broadcast_to(x, shape)).reshape(-1) for x in (a, b)]
 
 
 def _fma32(x, y, z) -> np.ndarray:
@@ -400,8 +405,18 @@ class QLinearMul(_QBinary):
     def run(self, a, a_scale, a_zero_point=None, b=None, b_scale=None, b_zero_point=None, c_scale=None,
             c_zero_point=None):
         sa, za, sb, zb, sc, zc = self._params(a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale, c_zero_point)
+        with np.errstate(all="ignore"):
+            mult = np.float32(np.float32(sa * sb) / sc)
+        shape = np.broadcast_shapes(a.shape, b.shape)
+        jit = _fq_jit() if math.prod(shape) >= _ADD_JIT_MIN and np.isfinite(mult) else None
+        if jit is not None:  # (one pass, the same float32 arithmetic: see QLinearAdd)
+            lo, hi = int_range(a.dtype)
+            out = np.empty(shape, a.dtype)
+            flat = _flat_operands(a, b, shape)
+            jit.qlinear_mul(flat[0], flat[1], za, zb, mult, zc, lo, hi, out.reshape(-1))
+            return (out,)
         prod = np.asarray(shift(a, za) * shift(b, zb))  # |product| <= 65025: exact in float32
-        prod *= np.float32(np.float32(sa * sb) / sc)
+        prod *= mult
         prod += zc
         np.rint(prod, out=prod)
         lo, hi = int_range(a.dtype)
