@@ -58,6 +58,16 @@ def quantize_u8(x, scale, zp, out):  # pragma: no cover - compiled; tested throu
     return out
 
 
+@njit(inline="always")
+def _saturated(q, lo, hi):
+    """``q`` clamped to ``[lo, hi]`` (``q`` not NaN)."""
+    if q < lo:
+        q = lo
+    if q > hi:
+        q = hi
+    return q
+
+
 @njit(cache=True, nogil=True)
 def qlinear_add(a, b, ra, rb, constant, a_inner, lo, hi, out):  # pragma: no cover - compiled; tested through QLinearAdd
     """com.microsoft QLinearAdd over flat codes ``a`` and ``b`` (the output's shape, broadcast
@@ -80,11 +90,7 @@ def qlinear_add(a, b, ra, rb, constant, a_inner, lo, hi, out):  # pragma: no cov
         q = np.rint(np.float64(acc))
         if not (abs(q) < 2147483648.0):
             q = -2147483648.0
-        if q < flo:
-            q = flo
-        if q > fhi:
-            q = fhi
-        out[i] = q
+        out[i] = _saturated(q, flo, fhi)
     return out
 
 
@@ -101,12 +107,7 @@ def qlinear_mul(a, b, za, zb, mult, zc, lo, hi, out):  # pragma: no cover - comp
         p = (np.float32(a[i]) - za) * (np.float32(b[i]) - zb)
         p = p * mult
         p = p + zc
-        q = np.rint(p)
-        if q < flo:
-            q = flo
-        if q > fhi:
-            q = fhi
-        out[i] = q
+        out[i] = _saturated(np.rint(p), flo, fhi)
     return out
 
 
