@@ -368,3 +368,73 @@ def test_without_the_jit_weights_stay_k_by_n_and_keys_tell_the_layouts_apart(mon
     assert e_np["key"] != e_jit["key"] and e_np["origin"] == "packed"  # not the JIT session's panels
     for sess in (jit_sess, numpy_sess):
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, **PANEL_TOL)
+
+
+EINSUM_CASES = {
+    "maxvit-spaces-5d": ("B G H I D, B G H J D -> B G H I J", [(1, 4, 2, 16, 8), (1, 4, 2, 16, 8)]),
+    "matmul": ("ij,jk->ik", [(5, 7), (7, 3)]),
+    "implicit-output": ("ij,jk", [(5, 7), (7, 3)]),
+    "ellipsis-batch": ("...ij,...jk->...ik", [(2, 3, 4, 5), (2, 3, 5, 6)]),
+    "three-operands": ("ab,bc,cd->ad", [(3, 4), (4, 5), (5, 2)]),
+    "trace-and-sum": ("ii->", [(6, 6)]),
+    "transpose": ("abc->cab", [(2, 3, 4)]),
+    "outer": ("i,j->ij", [(5,), (3,)]),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64], ids=["f32", "f16", "i64"])
+@pytest.mark.parametrize("case", list(EINSUM_CASES), ids=list(EINSUM_CASES))
+def test_einsum_is_native_and_matches_onnxruntime(case, dtype):
+    """Einsum runs natively (no onnx.reference fallback) and equals onnxruntime: spaces in the
+    equation (torchvision's MaxViT writes them), ellipses, an implicit output, several operands,
+    traces and transposes, in float32, float16 and int64 (the inputs' dtype kept)."""
+    import onnxruntime as ort
+    from onnx import helper
+
+    import onnxpack
+
+    eq, shapes = EINSUM_CASES[case]
+    rng = np.random.default_rng(len(case))
+    xs = [(rng.standard_normal(s) * 3).astype(dtype) for s in shapes]
+    names = [f"x{i}" for i in range(len(xs))]
+    et = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    graph = helper.make_graph([helper.make_node("Einsum", names, ["y"], equation=eq)], "g",
+                              [helper.make_tensor_value_info(n, et, list(x.shape)) for n, x in zip(names, xs)],
+                              [helper.make_tensor_value_info("y", et, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    feeds = dict(zip(names, xs))
+    want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    sess = onnxpack.InferenceSession(model)
+    got = sess.run(None, feeds)[0]
+    assert sess.get_fallback_nodes() == []
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = {np.float32: 1e-5, np.float16: 2e-2, np.int64: 0}[dtype]
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol,
+                               atol=tol * max(1.0, float(np.abs(want.astype(np.float64)).max())))
+
+
+@pytest.mark.parametrize("eq,match", [("ij,jk->ik->i", "form"), ("ij;jk->ik", "form"), ("ij->ik,j", "form"),
+                                      ("ij,jk,kl->il", "3 input term"), ("", "non-empty")])
+def test_einsum_equation_that_does_not_fit_the_node_is_an_invalid_graph(eq, match):
+    """A malformed equation, or one whose terms do not match the node's inputs, is refused at
+    creation with the node named; operands that do not fit the equation are the run's error."""
+    from onnx import helper
+
+    import onnxpack
+    from onnxpack.errors import InvalidArgument, InvalidGraph, OnnxpackError
+
+    F = TensorProto.FLOAT
+    graph = helper.make_graph([helper.make_node("Einsum", ["a", "b"], ["y"], name="e", equation=eq)], "g",
+                              [helper.make_tensor_value_info("a", F, [2, 3]), helper.make_tensor_value_info("b", F, [3, 4])],
+                              [helper.make_tensor_value_info("y", F, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    with pytest.raises(InvalidGraph, match=match):
+        onnxpack.InferenceSession(model)
+    good = helper.make_graph([helper.make_node("Einsum", ["a", "b"], ["y"], name="e", equation="ij,jk->ik")], "g",
+                             [helper.make_tensor_value_info("a", F, None), helper.make_tensor_value_info("b", F, None)],
+                             [helper.make_tensor_value_info("y", F, None)])
+    sess = onnxpack.InferenceSession(helper.make_model(good, opset_imports=[helper.make_opsetid("", 17)],
+                                                       ir_version=8).SerializeToString())
+    with pytest.raises(OnnxpackError, match="Einsum") as info:
+        sess.run(None, {"a": np.ones((2, 3), np.float32), "b": np.ones((4, 4), np.float32)})
+    assert isinstance(info.value, InvalidArgument) or "do not fit" in str(info.value)

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from onnxpack.errors import InvalidArgument
+from onnxpack.errors import InvalidArgument, InvalidGraph
 from onnxpack.graph._proto import NodeProto
 from onnxpack.session.kernels import _act
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register, register_fused
@@ -292,6 +292,52 @@ def matmul_packed(a: np.ndarray, b: np.ndarray, n: int | None = None, out: np.nd
         _act.matmul(a2, b, out=out.reshape(-1, b.shape[1]))
         return out
     return _act.matmul(a2, b).reshape(*a.shape[:-1], b.shape[1])
+
+
+_EINSUM_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.,->")
+
+
+@register("Einsum", since=12)
+class Einsum(Kernel):
+    """``numpy.einsum`` of the equation (letters, ``...``, ``,``, an optional ``->`` output; spaces
+    allowed anywhere, as exporters write them: torchvision's MaxViT ``"B G H I D, B G H J D -> B
+    G H I J"``), contraction order chosen by numpy (``optimize=True``: pairwise products through
+    BLAS).  The result keeps the inputs' dtype; bfloat16 is computed in float32 (numpy cannot
+    accumulate in it), as onnx.reference does.  An equation that does not fit the node (a
+    character outside the grammar, a term count other than the input count) is the model's
+    InvalidGraph at creation; operands that do not fit it are the run's InvalidArgument."""
+
+    op_type = "Einsum"
+
+    def __init__(self, node, ctx) -> None:
+        super().__init__(node, ctx)
+        eq = self.attr("equation")
+        what = f"node {node.name!r} (Einsum)"
+        if not isinstance(eq, str) or not eq.strip():
+            raise InvalidGraph(f"{what}: needs a non-empty string attribute 'equation', got {eq!r}")
+        compact = "".join(eq.split())
+        if (not set(compact) <= _EINSUM_CHARS or compact.count("->") > 1 or compact.replace("->", "").count(">")
+                or compact.replace("->", "").count("-") or "," in compact.partition("->")[2]):
+            raise InvalidGraph(f"{what}: equation {eq!r} is not of the form 'ab,bc->ac' (letters, '...', ',', '->')")
+        terms = compact.split("->")[0].split(",")
+        inputs = len(node.input)
+        if len(terms) != inputs:
+            raise InvalidGraph(f"{what}: equation {eq!r} has {len(terms)} input term(s) for {inputs} input(s)")
+        self.equation = compact
+        self.what = what
+
+    def run(self, *xs):  # type: ignore[override]
+        dtype = xs[0].dtype
+        try:
+            if dtype.name == "bfloat16":
+                y = np.einsum(self.equation, *(x.astype(np.float32) for x in xs), optimize=True).astype(dtype)
+            else:
+                y = np.einsum(self.equation, *xs, optimize=True)
+        except ValueError as exc:  # shapes that do not fit the equation, mixed ranks, ...
+            raise InvalidArgument(f"{self.what}: inputs {[list(x.shape) for x in xs]} do not fit equation "
+                                  f"{self.equation!r}: {exc}") from exc
+        y = np.asarray(y)
+        return (y if y.dtype == dtype else y.astype(dtype),)
 
 
 @register("MatMul", since=1)
