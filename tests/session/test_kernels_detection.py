@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import helper
+from onnx import TensorProto, helper
 
 from contrib_util import check_all_paths
 from kernel_util import run_native
@@ -91,3 +91,42 @@ def test_max_roi_pool_matches_onnxruntime(attrs):
     rois = np.concatenate([rng.integers(0, 2, (30, 1)).astype(np.float32), rng.uniform(-4, 26, (30, 4)).astype(np.float32)], 1)
     rois[:, 3:] = rois[:, 1:3] + rng.uniform(-2, 15, (30, 2))
     check_all_paths(helper.make_node("MaxRoiPool", ["x", "r"], ["y"], **attrs), {"x": X, "r": rois}, {}, None, opset=17)
+
+
+@pytest.mark.parametrize("center", [0, 1])
+@pytest.mark.parametrize("matrix_max", [0, 2048], ids=["rows", "matrix"])
+def test_nms_many_candidates_row_form_matches_onnxruntime(matrix_max, center, monkeypatch):
+    """NonMaxSuppression over many candidates (torchvision's detectors feed it thousands): the
+    greedy pass by one row of IoUs per kept box (used beyond _NMS_MATRIX_MAX candidates; here
+    forced) and by the matrix of every pair select onnxruntime's boxes, in its order: score ties,
+    zero-area boxes, a score threshold, the per-class limit, two batches and classes."""
+    import onnxruntime as ort
+    from onnx import helper
+
+    import onnxpack
+    from onnxpack.session.kernels import detection
+
+    monkeypatch.setattr(detection, "_NMS_MATRIX_MAX", matrix_max)
+    rng = np.random.default_rng(5 + center)
+    n = 1500
+    xy = rng.uniform(0, 300, (2, n, 2)).astype(np.float32)
+    wh = rng.uniform(0, 40, (2, n, 2)).astype(np.float32)
+    wh[:, ::97] = 0  # zero-area boxes
+    boxes = np.concatenate([xy, wh], -1) if center else np.concatenate([xy, xy + wh], -1)
+    scores = np.round(rng.random((2, 2, n)), 2).astype(np.float32)  # many ties
+    F, I = TensorProto.FLOAT, TensorProto.INT64
+    for limit, score_t in ((n, None), (200, 0.3)):
+        inputs = ["b", "s", "m", "t"] + (["st"] if score_t is not None else [])
+        inits = [helper.make_tensor("m", I, [1], [limit]), helper.make_tensor("t", F, [1], [0.3])]
+        if score_t is not None:
+            inits.append(helper.make_tensor("st", F, [1], [score_t]))
+        graph = helper.make_graph(
+            [helper.make_node("NonMaxSuppression", inputs, ["y"], center_point_box=center)], "g",
+            [helper.make_tensor_value_info("b", F, [2, n, 4]), helper.make_tensor_value_info("s", F, [2, 2, n])],
+            [helper.make_tensor_value_info("y", I, None)], inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+        feeds = {"b": boxes, "s": scores}
+        want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        got = onnxpack.InferenceSession(model).run(None, feeds)[0]
+        assert got.shape[0] > 100
+        np.testing.assert_array_equal(got, want)

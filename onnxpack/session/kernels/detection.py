@@ -127,7 +127,7 @@ class NonMaxSuppression(Kernel):
     order), kept while their IoU with every kept box is at most ``iou_threshold`` and their
     score above ``score_threshold``, at most ``max_output_boxes_per_class`` each; output
     (batch, class, box) rows as int64.  ``center_point_box=1`` reads [x_center, y_center, w, h].
-    The IoUs of a class's candidates are one vectorized matrix."""
+    One vectorized row of IoUs per kept box, over the candidates still in play."""
 
     def __init__(self, node, ctx: KernelContext) -> None:
         super().__init__(node, ctx)
@@ -168,23 +168,55 @@ class NonMaxSuppression(Kernel):
                     continue
                 order = cand[np.argsort(-s[cand], kind="stable")]
                 yy1, xx1, yy2, xx2, ar = y1[bi, order], x1[bi, order], y2[bi, order], x2[bi, order], area[bi, order]
-                ih = np.maximum(np.minimum(yy2[:, None], yy2[None, :]) - np.maximum(yy1[:, None], yy1[None, :]), 0)
-                iw = np.maximum(np.minimum(xx2[:, None], xx2[None, :]) - np.maximum(xx1[:, None], xx1[None, :]), 0)
-                inter = ih * iw
-                union = ar[:, None] + ar[None, :] - inter
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    iou = np.where((ar[:, None] > 0) & (ar[None, :] > 0) & (union > 0), inter / union, 0)
-                suppressed = np.zeros(order.size, bool)
+                if order.size <= _NMS_MATRIX_MAX:
+                    out.extend(_nms_matrix(yy1, xx1, yy2, xx2, ar, order, iou_t, limit, bi, ci))
+                    continue
+                # Greedy: the best remaining box is kept and suppresses the remaining boxes whose
+                # IoU with it exceeds the threshold; one row of IoUs per kept box, over the boxes
+                # still in play (the matrix of every pair took 0.8 s and GBs for torchvision's
+                # 9,000 candidates, this 0.34 s; onnxruntime 50 ms).
+                rest = np.arange(order.size)
                 kept = 0
-                for i in range(order.size):
-                    if suppressed[i]:
-                        continue
+                while rest.size:
+                    i = rest[0]
                     out.append((bi, ci, int(order[i])))
                     kept += 1
                     if kept >= limit:
                         break
-                    suppressed |= iou[i] > iou_t
+                    rest = rest[1:]
+                    ih = np.maximum(np.minimum(yy2[i], yy2[rest]) - np.maximum(yy1[i], yy1[rest]), 0)
+                    iw = np.maximum(np.minimum(xx2[i], xx2[rest]) - np.maximum(xx1[i], xx1[rest]), 0)
+                    inter = ih * iw
+                    ar_rest = ar[rest]
+                    union = ar[i] + ar_rest - inter
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        iou = np.where((ar[i] > 0) & (ar_rest > 0) & (union > 0), inter / union, 0)
+                    rest = rest[~(iou > iou_t)]
         return (np.array(out, np.int64).reshape(-1, 3),)
+
+
+_NMS_MATRIX_MAX = 2048  # candidates up to which a class's IoUs are one matrix (below: ~25 us a kept box)
+
+
+def _nms_matrix(yy1, xx1, yy2, xx2, ar, order, iou_t, limit, bi, ci) -> list[tuple[int, int, int]]:
+    """NonMaxSuppression's greedy pass for one (batch, class) over the IoU matrix of every pair of
+    its candidates (``order``: by descending score), the same IoU arithmetic as the row form."""
+    ih = np.maximum(np.minimum(yy2[:, None], yy2[None, :]) - np.maximum(yy1[:, None], yy1[None, :]), 0)
+    iw = np.maximum(np.minimum(xx2[:, None], xx2[None, :]) - np.maximum(xx1[:, None], xx1[None, :]), 0)
+    inter = ih * iw
+    union = ar[:, None] + ar[None, :] - inter
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iou = np.where((ar[:, None] > 0) & (ar[None, :] > 0) & (union > 0), inter / union, 0)
+    suppressed = np.zeros(order.size, bool)
+    out = []
+    for i in range(order.size):
+        if suppressed[i]:
+            continue
+        out.append((bi, ci, int(order[i])))
+        if len(out) >= limit:
+            break
+        suppressed |= iou[i] > iou_t
+    return out
 
 
 @register("MaxRoiPool", since=1)
