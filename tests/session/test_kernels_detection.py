@@ -94,19 +94,28 @@ def test_max_roi_pool_matches_onnxruntime(attrs):
 
 
 @pytest.mark.parametrize("center", [0, 1])
-@pytest.mark.parametrize("matrix_max", [0, 2048], ids=["rows", "matrix"])
-def test_nms_many_candidates_row_form_matches_onnxruntime(matrix_max, center, monkeypatch):
+@pytest.mark.parametrize("path", ["numba", "rows", "matrix"])
+def test_nms_many_candidates_every_form_matches_onnxruntime(path, center, monkeypatch):
     """NonMaxSuppression over many candidates (torchvision's detectors feed it thousands): the
-    greedy pass by one row of IoUs per kept box (used beyond _NMS_MATRIX_MAX candidates; here
-    forced) and by the matrix of every pair select onnxruntime's boxes, in its order: score ties,
-    zero-area boxes, a score threshold, the per-class limit, two batches and classes."""
+    numba greedy pass, and without numba the greedy pass by one row of IoUs per kept box (used
+    beyond _NMS_MATRIX_MAX candidates; here forced) and by the matrix of every pair, select
+    onnxruntime's boxes in its order: score ties, zero-area boxes, a score threshold, the
+    per-class limit, two batches and classes."""
     import onnxruntime as ort
     from onnx import helper
 
     import onnxpack
-    from onnxpack.session.kernels import detection
+    from onnxpack.session.kernels import _act, detection
 
-    monkeypatch.setattr(detection, "_NMS_MATRIX_MAX", matrix_max)
+    if path == "numba":
+        if _act.load_jit("_det_jit", "NonMaxSuppression") is None:
+            pytest.skip("numba not installed")
+        calls = []
+        real = _act.load_jit
+        monkeypatch.setattr(_act, "load_jit", lambda *a, **k: calls.append(a) or real(*a, **k))
+    else:
+        monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+        monkeypatch.setattr(detection, "_NMS_MATRIX_MAX", 0 if path == "rows" else 2048)
     rng = np.random.default_rng(5 + center)
     n = 1500
     xy = rng.uniform(0, 300, (2, n, 2)).astype(np.float32)
@@ -130,3 +139,5 @@ def test_nms_many_candidates_row_form_matches_onnxruntime(matrix_max, center, mo
         got = onnxpack.InferenceSession(model).run(None, feeds)[0]
         assert got.shape[0] > 100
         np.testing.assert_array_equal(got, want)
+    if path == "numba":
+        assert ("_det_jit", "NonMaxSuppression") in calls

@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from onnxpack.errors import InvalidArgument
+from onnxpack.session.kernels import _act
 from onnxpack.session.kernels._base import Kernel, KernelContext, register
 
 __all__: list[str] = []  # kernels are reached through the registry only
@@ -168,6 +169,13 @@ class NonMaxSuppression(Kernel):
                     continue
                 order = cand[np.argsort(-s[cand], kind="stable")]
                 yy1, xx1, yy2, xx2, ar = y1[bi, order], x1[bi, order], y2[bi, order], x2[bi, order], area[bi, order]
+                jit = _act.load_jit("_det_jit", "NonMaxSuppression") if order.size >= _NMS_JIT_MIN else None
+                if jit is not None:
+                    keep = np.empty(min(order.size, limit), np.int64)
+                    count = jit.nms_greedy(*(np.ascontiguousarray(v) for v in (yy1, xx1, yy2, xx2, ar)),
+                                           np.float32(iou_t), limit, keep)
+                    out.extend((bi, ci, int(k)) for k in order[keep[:count]])
+                    continue
                 if order.size <= _NMS_MATRIX_MAX:
                     out.extend(_nms_matrix(yy1, xx1, yy2, xx2, ar, order, iou_t, limit, bi, ci))
                     continue
@@ -196,6 +204,7 @@ class NonMaxSuppression(Kernel):
 
 
 _NMS_MATRIX_MAX = 2048  # candidates up to which a class's IoUs are one matrix (below: ~25 us a kept box)
+_NMS_JIT_MIN = 64  # candidates from which the numba pass runs (_det_jit), when it can
 
 
 def _nms_matrix(yy1, xx1, yy2, xx2, ar, order, iou_t, limit, bi, ci) -> list[tuple[int, int, int]]:
