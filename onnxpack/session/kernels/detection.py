@@ -128,7 +128,9 @@ class NonMaxSuppression(Kernel):
     order), kept while their IoU with every kept box is at most ``iou_threshold`` and their
     score above ``score_threshold``, at most ``max_output_boxes_per_class`` each; output
     (batch, class, box) rows as int64.  ``center_point_box=1`` reads [x_center, y_center, w, h].
-    One vectorized row of IoUs per kept box, over the candidates still in play."""
+    A class's greedy pass runs in numba from 64 candidates (``_det_jit``), else in numpy: the
+    IoU matrix of every pair up to ``_NMS_MATRIX_MAX`` candidates, beyond it one row of IoUs per
+    kept box over the candidates still in play (:func:`_ious` for both)."""
 
     def __init__(self, node, ctx: KernelContext) -> None:
         super().__init__(node, ctx)
@@ -176,8 +178,9 @@ class NonMaxSuppression(Kernel):
                                            np.float32(iou_t), limit, keep)
                     out.extend((bi, ci, int(k)) for k in order[keep[:count]])
                     continue
+                boxes_c = (yy1, xx1, yy2, xx2, ar)
                 if order.size <= _NMS_MATRIX_MAX:
-                    out.extend(_nms_matrix(yy1, xx1, yy2, xx2, ar, order, iou_t, limit, bi, ci))
+                    out.extend(_nms_matrix(boxes_c, order, iou_t, limit, bi, ci))
                     continue
                 # Greedy: the best remaining box is kept and suppresses the remaining boxes whose
                 # IoU with it exceeds the threshold; one row of IoUs per kept box, over the boxes
@@ -192,14 +195,7 @@ class NonMaxSuppression(Kernel):
                     if kept >= limit:
                         break
                     rest = rest[1:]
-                    ih = np.maximum(np.minimum(yy2[i], yy2[rest]) - np.maximum(yy1[i], yy1[rest]), 0)
-                    iw = np.maximum(np.minimum(xx2[i], xx2[rest]) - np.maximum(xx1[i], xx1[rest]), 0)
-                    inter = ih * iw
-                    ar_rest = ar[rest]
-                    union = ar[i] + ar_rest - inter
-                    with np.errstate(divide="ignore", invalid="ignore"):
-                        iou = np.where((ar[i] > 0) & (ar_rest > 0) & (union > 0), inter / union, 0)
-                    rest = rest[~(iou > iou_t)]
+                    rest = rest[~(_ious(boxes_c, i, rest) > iou_t)]
         return (np.array(out, np.int64).reshape(-1, 3),)
 
 
@@ -207,15 +203,25 @@ _NMS_MATRIX_MAX = 2048  # candidates up to which a class's IoUs are one matrix (
 _NMS_JIT_MIN = 64  # candidates from which the numba pass runs (_det_jit), when it can
 
 
-def _nms_matrix(yy1, xx1, yy2, xx2, ar, order, iou_t, limit, bi, ci) -> list[tuple[int, int, int]]:
-    """NonMaxSuppression's greedy pass for one (batch, class) over the IoU matrix of every pair of
-    its candidates (``order``: by descending score), the same IoU arithmetic as the row form."""
-    ih = np.maximum(np.minimum(yy2[:, None], yy2[None, :]) - np.maximum(yy1[:, None], yy1[None, :]), 0)
-    iw = np.maximum(np.minimum(xx2[:, None], xx2[None, :]) - np.maximum(xx1[:, None], xx1[None, :]), 0)
+def _ious(boxes, i, j) -> np.ndarray:
+    """IoUs of candidates ``i`` and ``j`` (indices, broadcast against each other) of one (batch,
+    class): ``boxes`` = (y1, x1, y2, x2, area) by candidate; 0 where an area or the union is not
+    positive (the numba pass, ``_det_jit.nms_greedy``, computes the same per pair)."""
+    yy1, xx1, yy2, xx2, ar = boxes
+    ih = np.maximum(np.minimum(yy2[i], yy2[j]) - np.maximum(yy1[i], yy1[j]), 0)
+    iw = np.maximum(np.minimum(xx2[i], xx2[j]) - np.maximum(xx1[i], xx1[j]), 0)
     inter = ih * iw
-    union = ar[:, None] + ar[None, :] - inter
+    ai, aj = ar[i], ar[j]
+    union = ai + aj - inter
     with np.errstate(divide="ignore", invalid="ignore"):
-        iou = np.where((ar[:, None] > 0) & (ar[None, :] > 0) & (union > 0), inter / union, 0)
+        return np.where((ai > 0) & (aj > 0) & (union > 0), inter / union, 0)
+
+
+def _nms_matrix(boxes, order, iou_t, limit, bi, ci) -> list[tuple[int, int, int]]:
+    """NonMaxSuppression's greedy pass for one (batch, class) over the IoU matrix of every pair of
+    its candidates (``order``: by descending score)."""
+    idx = np.arange(order.size)
+    iou = _ious(boxes, idx[:, None], idx[None, :])
     suppressed = np.zeros(order.size, bool)
     out = []
     for i in range(order.size):
