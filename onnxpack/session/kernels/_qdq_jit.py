@@ -14,7 +14,9 @@ even), clamped to ``[low, high]`` (the integer range shifted by the zero point) 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 __all__ = ["fake_quant", "qlinear_add", "qlinear_mul", "quantize_u8"]
 
@@ -68,29 +70,61 @@ def _saturated(q, lo, hi):
     return q
 
 
+@intrinsic
+def _fma32(typingctx, x, y, z):
+    """float32 ``x * y + z`` rounded once (LLVM's ``fma``: a vector FMA in a loop LLVM vectorizes;
+    on a CPU without FMA a libm call, still rounded once)."""
+    if not all(t == types.float32 for t in (x, y, z)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.fma", [f32], ir.FunctionType(f32, [f32, f32, f32]))
+        return builder.call(fn, args)
+
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+@intrinsic
+def _rint32(typingctx, x):
+    """float32 round half to even (LLVM's ``rint``: ``vroundps`` in a vectorized loop)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.rint", [f32], ir.FunctionType(f32, [f32]))
+        return builder.call(fn, args)
+
+    return types.float32(types.float32), codegen
+
+
 @njit(cache=True, nogil=True)
 def qlinear_add(a, b, ra, rb, constant, a_inner, lo, hi, out):  # pragma: no cover - compiled; tested through QLinearAdd
     """com.microsoft QLinearAdd over flat codes ``a`` and ``b`` (the output's shape, broadcast
-    already) into ``out``: the numpy arithmetic of ``qlinear.QLinearAdd.run`` one element at a
-    time.  Each multiply-add in float64 rounded once to float32 (a code times a float32 ratio is
-    exact in float64), ``a`` inside when ``a_inner``, else ``b``; then round half to even, a
-    value beyond int32 (or NaN) to -2^31 as cvtps2dq gives it, saturated to ``[lo, hi]``."""
-    ra64 = np.float64(ra)
-    rb64 = np.float64(rb)
-    c64 = np.float64(constant)
-    flo = np.float64(lo)
-    fhi = np.float64(hi)
-    for i in range(out.shape[0]):
-        if a_inner:
-            t = np.float32(np.float64(a[i]) * ra64 + c64)
-            acc = np.float32(np.float64(b[i]) * rb64 + np.float64(t))
-        else:
-            t = np.float32(np.float64(b[i]) * rb64 + c64)
-            acc = np.float32(np.float64(a[i]) * ra64 + np.float64(t))
-        q = np.rint(np.float64(acc))
-        if not (abs(q) < 2147483648.0):
-            q = -2147483648.0
-        out[i] = _saturated(q, flo, fhi)
+    already) into ``out``, MLAS's arithmetic: float32 ``fma(b, rb, fma(a, ra, constant))`` when
+    ``a_inner`` (else ``a`` and ``b`` swapped), round half to even, a value beyond int32 (or NaN)
+    to -2^31 as cvtps2dq gives it, saturated to ``[lo, hi]``.  ``ra``, ``rb``, ``constant``
+    float32.  Each multiply-add is LLVM's fused one, so the loop vectorizes: 128 x 1024 codes
+    59 -> 11 us on one Zen 5 core (onnxruntime 17; the float64 emulation of the FMA it replaced
+    did not vectorize), the same codes for every code pair at 40 random scale sets."""
+    flo = np.float32(lo)
+    fhi = np.float32(hi)
+    big = np.float32(2147483648.0)
+    low32 = np.float32(-2147483648.0)
+    n = out.shape[0]
+    if a_inner:
+        for i in range(n):
+            q = _rint32(_fma32(np.float32(b[i]), rb, _fma32(np.float32(a[i]), ra, constant)))
+            q = q if abs(q) < big else low32
+            q = flo if q < flo else q
+            out[i] = fhi if q > fhi else q
+    else:
+        for i in range(n):
+            q = _rint32(_fma32(np.float32(a[i]), ra, _fma32(np.float32(b[i]), rb, constant)))
+            q = q if abs(q) < big else low32
+            q = flo if q < flo else q
+            out[i] = fhi if q > fhi else q
     return out
 
 
