@@ -284,6 +284,39 @@ def test_quantize_nan_saturates_to_the_lowest_code():
         assert got[0] == np.iinfo(zp.dtype).min
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8], ids=["u8", "s8"])
+def test_quantize_numba_pass_gives_the_numpy_codes_and_onnxruntimes(dtype, monkeypatch):
+    """A per-tensor 8-bit QuantizeLinear of a float32 tensor of at least _QUANTIZE_JIT_MIN
+    elements takes one numba pass (``_qdq_jit.quantize_8bit``): the numpy path's codes at random
+    scales over six decades, ties (x.5 steps), NaN / inf / -0, 3e38, with and without a zero point,
+    a zero scale (inf and NaN quotients: saturated, NaN to the lowest code); and onnxruntime's."""
+    from onnxpack.session.kernels import _act
+    from onnxpack.session.kernels import qdq as qdq_mod
+
+    if _act.jit() is None:
+        pytest.skip("numba not installed")
+    rng = np.random.default_rng(21)
+    info = np.iinfo(dtype)
+    n = 2 * qdq_mod._QUANTIZE_JIT_MIN + 3
+    for trial in range(24):
+        scale = np.array(np.float32(10 ** rng.uniform(-4, 2)) if trial != 5 else np.float32(0), np.float32)
+        x = (rng.standard_normal(n) * float(scale) * 10 ** rng.uniform(0, 3)).astype(np.float32)
+        x[:40] = (np.arange(40, dtype=np.float32) - 20.5) * scale  # ties
+        x[40:47] = [np.nan, np.inf, -np.inf, -0.0, 0.0, 3e38, -3e38]
+        zp = None if trial % 3 == 0 else np.array(rng.integers(info.min, info.max + 1), dtype)
+        out = dtype if zp is None else None
+        got = quantize(x, scale, zp, out_dtype=out)
+        monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+        want = quantize(x, scale, zp, out_dtype=out)
+        monkeypatch.delenv("ONNXPACK_DISABLE_JIT")
+        assert got.dtype == want.dtype == dtype
+        np.testing.assert_array_equal(got, want)
+        if zp is not None and trial % 4 == 1:
+            node = helper.make_node("QuantizeLinear", ["x", "s", "z"], ["y"])
+            (ref,) = ort_node(node, [x, scale, zp], 13)
+            np.testing.assert_array_equal(got, ref)
+
+
 @pytest.mark.parametrize("out", [TensorProto.INT8, TensorProto.UINT4], ids=["int8", "uint4"])
 def test_quantize_output_dtype_without_zero_point(out):
     rng = np.random.default_rng(9)

@@ -488,6 +488,46 @@ def test_qlinear_softmax_matches_onnxruntime(case, dtype, scales):
         check(node, inputs, consts=["xs", "xz", "ys", "yz"], steps=0)
 
 
+def test_qlinear_softmax_numba_kernel_gives_the_numpy_codes(monkeypatch):
+    """From _SOFTMAX_JIT_MIN codes QLinearSoftmax runs one numba pass a row
+    (``_qdq_jit.qsoftmax_rows``): the numpy path's codes for random shapes, axes (every one of
+    them and the default), opsets 1 and 13, both 8-bit types, the quantizer's output scales and
+    others, zero points (the quantizer's and random ones); and onnxruntime's on one attention
+    map (the existing cases reach the kernel with their long rows)."""
+    from onnxpack.session.kernels import KernelContext, _act, lookup
+    from onnxpack.session.kernels import qlinear as ql
+
+    if _act.jit() is None:
+        pytest.skip("numba not installed")
+    rng = np.random.default_rng(36)
+    for trial in range(60):
+        dtype = np.uint8 if trial % 2 else np.int8
+        info = np.iinfo(dtype)
+        shape = tuple(int(v) for v in rng.integers(1, 12, rng.integers(1, 4))) + (int(rng.integers(20, 300)),)
+        x = rng.integers(info.min, info.max + 1, shape).astype(dtype)
+        if x.size < ql._SOFTMAX_JIT_MIN:
+            x = np.concatenate([x] * -(-ql._SOFTMAX_JIT_MIN // x.size), axis=-1)
+        ys = (1 / 256, 1 / 255, float(10 ** rng.uniform(-4, -1)))[trial % 3]
+        yz = info.min if trial % 5 == 0 else int(rng.integers(info.min, info.max + 1))
+        inputs = [x, np.array(10 ** rng.uniform(-3, 0.5), np.float32), np.array(0, dtype), np.array(ys, np.float32),
+                  np.array(yz, dtype)]
+        attrs = {"opset": 13 if trial % 4 else 1}
+        if trial % 3:
+            attrs["axis"] = int(rng.integers(-x.ndim, x.ndim))
+        node = helper.make_node("QLinearSoftmax", ["x", "xs", "xz", "ys", "yz"], ["y"], domain=MS, **attrs)
+        kernel = lookup(MS, "QLinearSoftmax", 1)(node, KernelContext(opset=1, opsets={"": 13, MS: 1}))
+        (got,) = kernel.run(*inputs)
+        monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+        (want,) = kernel.run(*inputs)
+        monkeypatch.delenv("ONNXPACK_DISABLE_JIT")
+        assert got.dtype == want.dtype and got.shape == want.shape == x.shape
+        np.testing.assert_array_equal(got, want)
+    x = rng.integers(0, 256, (1, 4, 64, 64)).astype(np.uint8)
+    inputs = [x, np.array(0.05, np.float32), np.array(128, np.uint8), np.array(1 / 256, np.float32), np.array(0, np.uint8)]
+    node = helper.make_node("QLinearSoftmax", ["x", "xs", "xz", "ys", "yz"], ["y"], domain=MS, opset=13, axis=-1)
+    check(node, inputs, consts=["xs", "xz", "ys", "yz"], steps=0)
+
+
 @pytest.mark.parametrize("keepdims", [0, 1])
 @pytest.mark.parametrize("axes", [[1], [-1, 0]], ids=["ax1", "ax-1,0"])
 def test_qlinear_reduce_mean_matches_reference(axes, keepdims):

@@ -18,7 +18,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-__all__ = ["fake_quant", "qlinear_add", "qlinear_mul", "quantize_u8"]
+__all__ = ["fake_quant", "qlinear_add", "qlinear_mul", "qsoftmax_rows", "quantize_8bit"]
 
 
 @njit(cache=True, nogil=True)
@@ -42,21 +42,54 @@ def fake_quant(x, scale, low, high, out):  # pragma: no cover - compiled; tested
     return out
 
 
-@njit(cache=True)
-def quantize_u8(x, scale, zp, out):  # pragma: no cover - compiled; tested through DynamicQuantizeLinear
-    """``out = uint8(clamp(rint(x / scale) + zp, 0, 255))`` over a flat float32 ``x`` (NaN to 0),
-    the arithmetic of ``qdq.quantize_u8`` in one pass: the division in float32, round half to
-    even, the zero point added in float32, then the clamp."""
-    zero = np.float32(0.0)
-    top = np.float32(255.0)
-    z = np.float32(zp)
+@njit(cache=True, nogil=True, error_model="numpy")
+def quantize_8bit(x, scale, zp, lo, hi, out):  # pragma: no cover - compiled; tested through QuantizeLinear
+    """``out = clamp(rint(x / scale) + zp, lo, hi)`` over a flat float32 ``x`` (NaN to ``lo``), the
+    arithmetic of ``qdq.quantize`` for a per-tensor float32 scale and an 8-bit type in one pass:
+    the division in float32 (numpy's error model: a zero scale gives inf or NaN, as numpy's
+    division does), round half to even, the zero point added in float32, then the clamp.
+    DynamicQuantizeLinear's uint8 codes too (``lo, hi = 0, 255``)."""
     for i in range(x.shape[0]):
-        q = np.rint(x[i] / scale) + z
-        if not (q >= zero):  # NaN too, as numpy's fmax makes it
-            q = zero
-        if q > top:
-            q = top
-        out[i] = np.uint8(q)
+        q = np.rint(x[i] / scale) + zp
+        if not (q >= lo):  # NaN too, as numpy's fmax makes it
+            q = lo
+        if q > hi:
+            q = hi
+        out[i] = q
+    return out
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def qsoftmax_rows(codes, table, y_int, zp, lo, hi, out):  # pragma: no cover - compiled; tested through QLinearSoftmax
+    """com.microsoft QLinearSoftmax over the rows of ``codes`` (rows, D) into ``out`` (rows, D):
+    ``qlinear.QLinearSoftmax.run``'s arithmetic one row at a time.  Each code's exponential is
+    ``table[code - row max + 255]`` (gathered into a float64 row); the row's sum is added in
+    float32 in order; each output is ``rint(v * y_int / float64(sum))`` (NaN to 0, +-inf to
+    ``hi`` / ``lo``), plus ``zp``, clamped to ``[lo, hi]``: selects, so the division loop
+    vectorizes.  ``y_int``, ``zp``, ``lo``, ``hi`` float64."""
+    rows, d = codes.shape
+    vals = np.empty(d, np.float64)
+    for r in range(rows):
+        mx = np.int64(codes[r, 0])
+        for j in range(1, d):
+            c = np.int64(codes[r, j])
+            mx = c if c > mx else mx
+        base = np.int64(255) - mx
+        total = np.float32(0.0)
+        for j in range(d):
+            v = table[np.int64(codes[r, j]) + base]
+            total += v
+            vals[j] = np.float64(v)
+        t64 = np.float64(total)
+        row = out[r]
+        for j in range(d):
+            q = np.rint(vals[j] * y_int / t64)
+            q = 0.0 if q != q else q
+            q = hi if q == np.inf else q
+            q = lo if q == -np.inf else q
+            q = q + zp
+            q = lo if q < lo else q
+            row[j] = hi if q > hi else q
     return out
 
 
@@ -149,4 +182,4 @@ def qlinear_mul(a, b, za, zb, mult, zc, lo, hi, out):  # pragma: no cover - comp
 # the parameters named here are arrays the kernels only read.
 from onnxpack.session.kernels._act import one_specialization as _act_one_specialization  # noqa: E402
 
-_act_one_specialization(globals(), frozenset({"x", "scale", "low", "high", "a", "b"}))
+_act_one_specialization(globals(), frozenset({"x", "scale", "low", "high", "a", "b", "codes", "table"}))
