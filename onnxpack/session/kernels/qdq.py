@@ -87,7 +87,22 @@ _F32 = np.dtype(np.float32)
 
 def int_range(dtype: np.dtype) -> tuple[int, int] | None:
     """(lowest, highest) of an integer quantized type, ``None`` for any other dtype."""
-    return _INT_RANGES.get(np.dtype(dtype).name)
+    try:
+        return _RANGE_OF[dtype]
+    except (KeyError, TypeError):  # (TypeError: an unhashable spelling of a dtype)
+        got = _INT_RANGES.get(np.dtype(dtype).name)
+        if len(_RANGE_OF) < 64:
+            try:
+                _RANGE_OF[dtype] = got
+            except TypeError:
+                pass
+        return got
+
+
+# int_range's answers by the dtype object itself: numpy builds ``dtype.name`` in Python at every
+# access (~2 us), and the quantized kernels ask several times a call (a QOperator BERT's run asked
+# ~150 times).
+_RANGE_OF: dict = {}
 
 
 def is_float_quant(dtype: np.dtype) -> bool:

@@ -275,7 +275,7 @@ def int_conv(xf: np.ndarray, w: np.ndarray, sp: _SpatialAttrs, group: int, x_spa
 
 
 def check_eight_bit(arr: np.ndarray, name: str, what: str) -> None:
-    if arr.dtype.name not in _EIGHT_BIT:
+    if arr.dtype not in _EIGHT_BIT_DTYPES:
         raise InvalidArgument(f"{what}: {name} must be int8 or uint8, got {arr.dtype}")
 
 
