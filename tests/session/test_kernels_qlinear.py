@@ -488,6 +488,34 @@ def test_qlinear_softmax_matches_onnxruntime(case, dtype, scales):
         check(node, inputs, consts=["xs", "xz", "ys", "yz"], steps=0)
 
 
+def test_requantize_numba_pass_gives_the_numpy_codes(monkeypatch):
+    """int32 accumulators from _REQUANT_JIT_MIN take one numba pass (``_qdq_jit.requantize_i32``):
+    the numpy path's codes for per-column and per-tensor multipliers, uint8 and int8, with and
+    without a zero point, accumulators up to int32's range (float32 conversion rounds them).
+    QLinearMatMul / QLinearConv / QGemm reach it in the tests against onnxruntime."""
+    from onnxpack.session.kernels import _act
+    from onnxpack.session.kernels import qlinear as ql
+
+    if _act.jit() is None:
+        pytest.skip("numba not installed")
+    rng = np.random.default_rng(37)
+    for trial in range(80):
+        m, n = int(rng.integers(1, 40)), int(rng.integers(8, 300))
+        big = trial % 3 == 0
+        acc = rng.integers(-2**31, 2**31 - 1 if big else 300_000, (m, n), dtype=np.int64)
+        acc = np.tile(acc, (-(-ql._REQUANT_JIT_MIN // acc.size), 1)).astype(np.int32)
+        mult = (rng.random(n) * 1e-3).astype(np.float32) if trial % 2 else np.float32(rng.random() * 1e-4)
+        dtype = np.dtype(np.uint8 if trial % 4 < 2 else np.int8)
+        info = np.iinfo(dtype)
+        zp = None if trial % 5 == 0 else np.array(rng.integers(info.min, info.max + 1), dtype)
+        got = ql.requantize(acc, mult, zp, dtype)
+        monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+        want = ql.requantize(acc, mult, zp, dtype)
+        monkeypatch.delenv("ONNXPACK_DISABLE_JIT")
+        assert got.dtype == want.dtype == dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+
+
 def test_qlinear_softmax_numba_kernel_gives_the_numpy_codes(monkeypatch):
     """From _SOFTMAX_JIT_MIN codes QLinearSoftmax runs one numba pass a row
     (``_qdq_jit.qsoftmax_rows``): the numpy path's codes for random shapes, axes (every one of

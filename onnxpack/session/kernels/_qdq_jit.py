@@ -18,7 +18,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-__all__ = ["fake_quant", "qlinear_add", "qlinear_mul", "qsoftmax_rows", "quantize_8bit"]
+__all__ = ["fake_quant", "qlinear_add", "qlinear_mul", "qsoftmax_rows", "quantize_8bit", "requantize_i32"]
 
 
 @njit(cache=True, nogil=True)
@@ -90,6 +90,31 @@ def qsoftmax_rows(codes, table, y_int, zp, lo, hi, out):  # pragma: no cover - c
             q = q + zp
             q = lo if q < lo else q
             row[j] = hi if q > hi else q
+    return out
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def requantize_i32(acc, mult, zp, lo, hi, out):  # pragma: no cover - compiled; tested through QLinearMatMul
+    """``out = clamp(rint(float32(acc) * mult) + zp, lo, hi)`` over int32 accumulators ``acc``
+    (M, N) into ``out`` (M, N), ``mult`` float32 (N,) or (1,): ``qlinear.requantize``'s float32
+    arithmetic (the int32 converted once, one product, round half to even, the zero point added,
+    the clamp) in one pass instead of six."""
+    m_, n_ = acc.shape
+    per_col = mult.shape[0] != 1
+    m0 = mult[0]
+    for i in range(m_):
+        row = out[i]
+        src = acc[i]
+        if per_col:
+            for j in range(n_):
+                q = np.rint(np.float32(src[j]) * mult[j]) + zp
+                q = lo if q < lo else q
+                row[j] = hi if q > hi else q
+        else:
+            for j in range(n_):
+                q = np.rint(np.float32(src[j]) * m0) + zp
+                q = lo if q < lo else q
+                row[j] = hi if q > hi else q
     return out
 
 
@@ -182,4 +207,4 @@ def qlinear_mul(a, b, za, zb, mult, zc, lo, hi, out):  # pragma: no cover - comp
 # the parameters named here are arrays the kernels only read.
 from onnxpack.session.kernels._act import one_specialization as _act_one_specialization  # noqa: E402
 
-_act_one_specialization(globals(), frozenset({"x", "scale", "low", "high", "a", "b", "codes", "table"}))
+_act_one_specialization(globals(), frozenset({"x", "scale", "low", "high", "a", "b", "codes", "table", "acc", "mult"}))

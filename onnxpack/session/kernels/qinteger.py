@@ -419,6 +419,8 @@ def lanes_matmul(a: np.ndarray, a_zp, lanes: np.ndarray, colsum: np.ndarray, k: 
         return None
     az = None if a_zp is None else np.asarray(a_zp)
     bz = None if b_zp is None else np.asarray(b_zp)
+    if bz is not None and bz.size > 1 and not bz.any():
+        bz = None  # per-column zero points that are all 0 (symmetric weights): the scalar form below
     if az is not None and az.size != 1 and not (a.ndim == 2 and az.ndim == 1 and az.size == a.shape[0]):
         return None
     if bz is not None and bz.size != 1 and not (bz.ndim == 1 and bz.size == n):

@@ -44,6 +44,7 @@ from onnxpack.session.kernels._base import Kernel, register
 from onnxpack.session.kernels.conv import AveragePool, _pad, _SpatialAttrs, _window
 from onnxpack.session.kernels.qdq import _fq_jit, int_range, quantize
 from onnxpack.session.kernels.qinteger import (
+    _EIGHT_BIT_DTYPES,
     PackedConvWeight,
     PackedMatMulWeight,
     check_eight_bit,
@@ -73,6 +74,18 @@ def requantize(acc: np.ndarray, multiplier: np.ndarray | np.float32, zero_point,
     ``acc`` holds exact integer accumulators (float32 or float64); the sum with the int32 bias is
     exact in float64 and rounded once to float32, as onnxruntime converts its int32 accumulator.
     """
+    if (bias is None and acc.dtype == np.int32 and acc.ndim >= 1 and acc.size >= _REQUANT_JIT_MIN
+            and (dtype == np.uint8 or dtype == np.int8) and np.ndim(zero_point) == 0):
+        mult = np.asarray(multiplier)
+        if mult.dtype == _F32 and (mult.size == 1 or mult.shape == acc.shape[-1:]):
+            jit = _fq_jit()
+            if jit is not None:  # one pass, the same float32 arithmetic (see _qdq_jit.requantize_i32)
+                lo, hi = int_range(dtype)
+                out = np.empty(acc.shape, dtype)
+                jit.requantize_i32(np.ascontiguousarray(acc).reshape(-1, acc.shape[-1]), mult.reshape(-1),
+                                   np.float32(0 if zero_point is None else zero_point), np.float32(lo), np.float32(hi),
+                                   out.reshape(-1, acc.shape[-1]))
+                return out
     if bias is not None:
         acc = acc.astype(np.float64, copy=False) + bias
     f = np.asarray(acc, dtype=np.float32)  # a 0-d array, never a scalar: the ops below write in place
@@ -83,6 +96,9 @@ def requantize(acc: np.ndarray, multiplier: np.ndarray | np.float32, zero_point,
     lo, hi = int_range(dtype)
     np.clip(f, lo, hi, out=f)
     return f.astype(dtype)
+
+
+_REQUANT_JIT_MIN = 1024  # int32 accumulators from which requantize takes its numba pass
 
 
 def _zp_value(zp) -> np.float32 | np.ndarray:
@@ -224,7 +240,7 @@ class QLinearMatMul(PackedMatMulWeight, _QKernel):
 
     def run(self, a, a_scale, a_zero_point, b=None, b_scale=None, b_zero_point=None, y_scale=None, y_zero_point=None):
         what = self.what
-        if a.dtype.name not in ("int8", "uint8") or (b is not None and b.dtype.name not in ("int8", "uint8")):
+        if a.dtype not in _EIGHT_BIT_DTYPES or (b is not None and b.dtype not in _EIGHT_BIT_DTYPES):
             return (self._float_path(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point),)
         _check_same_type(a, a_zero_point, "a_zero_point", what)
         out_dtype = np.asarray(y_zero_point).dtype if y_zero_point is not None else a.dtype
