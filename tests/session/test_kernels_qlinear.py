@@ -489,7 +489,8 @@ def test_qlinear_softmax_matches_onnxruntime(case, dtype, scales):
 
 
 def test_requantize_numba_pass_gives_the_numpy_codes(monkeypatch):
-    """int32 accumulators from _REQUANT_JIT_MIN take one numba pass (``_qdq_jit.requantize_i32``):
+    """Accumulators (int32, or float32 / float64 integers) from _REQUANT_JIT_MIN take one numba
+    pass (``_qdq_jit.requantize_acc``):
     the numpy path's codes for per-column and per-tensor multipliers, uint8 and int8, with and
     without a zero point, accumulators up to int32's range (float32 conversion rounds them).
     QLinearMatMul / QLinearConv / QGemm reach it in the tests against onnxruntime."""
@@ -504,6 +505,8 @@ def test_requantize_numba_pass_gives_the_numpy_codes(monkeypatch):
         big = trial % 3 == 0
         acc = rng.integers(-2**31, 2**31 - 1 if big else 300_000, (m, n), dtype=np.int64)
         acc = np.tile(acc, (-(-ql._REQUANT_JIT_MIN // acc.size), 1)).astype(np.int32)
+        if trial % 7 == 3:  # the exact sgemm's accumulators: integers held as float32 / float64
+            acc = acc.astype(np.float64 if big else np.float32)
         mult = (rng.random(n) * 1e-3).astype(np.float32) if trial % 2 else np.float32(rng.random() * 1e-4)
         dtype = np.dtype(np.uint8 if trial % 4 < 2 else np.int8)
         info = np.iinfo(dtype)

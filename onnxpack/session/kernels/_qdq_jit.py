@@ -18,7 +18,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-__all__ = ["fake_quant", "qlinear_add", "qlinear_mul", "qsoftmax_rows", "quantize_8bit", "requantize_i32"]
+__all__ = ["fake_quant", "qlinear_add", "qlinear_mul", "qsoftmax_rows", "quantize_8bit", "requantize_acc"]
 
 
 @njit(cache=True, nogil=True)
@@ -94,11 +94,12 @@ def qsoftmax_rows(codes, table, y_int, zp, lo, hi, out):  # pragma: no cover - c
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def requantize_i32(acc, mult, zp, lo, hi, out):  # pragma: no cover - compiled; tested through QLinearMatMul
-    """``out = clamp(rint(float32(acc) * mult) + zp, lo, hi)`` over int32 accumulators ``acc``
-    (M, N) into ``out`` (M, N), ``mult`` float32 (N,) or (1,): ``qlinear.requantize``'s float32
-    arithmetic (the int32 converted once, one product, round half to even, the zero point added,
-    the clamp) in one pass instead of six."""
+def requantize_acc(acc, mult, zp, lo, hi, out):  # pragma: no cover - compiled; tested through QLinearMatMul
+    """``out = clamp(rint(float32(acc) * mult) + zp, lo, hi)`` over accumulators ``acc`` (M, N)
+    into ``out`` (M, N), ``mult`` float32 (N,) or (1,): ``qlinear.requantize``'s float32
+    arithmetic (the accumulator converted once: int32, or float32 / float64 holding the exact
+    integer sums; one product, round half to even, the zero point added, the clamp) in one pass
+    instead of six."""
     m_, n_ = acc.shape
     per_col = mult.shape[0] != 1
     m0 = mult[0]

@@ -218,8 +218,9 @@ def int_matmul(a: np.ndarray, a_zp, b: np.ndarray, b_dtype: np.dtype, b_zp, *, a
         acc = exact_matmul(af, bf, amax * span(b_dtype), total)
     else:
         rows, k, n = math.prod(af.shape[:-1]), af.shape[-1], bf.shape[-1]
-        if rows * (k + n) < k * n or bf.ndim > 2:
-            # (a @ b) - rowsum(a) * zp_b: touches the activations, not the weight.
+        if rows * (k + n) < k * n or (bf.ndim > 2 and bf.size > acc_size(af, bf)):
+            # (a @ b) - rowsum(a) * zp_b: touches the activations, not the weight (nor a batched
+            # B larger than the product: then subtracting its zero point would cost more).
             acc = exact_matmul(af, bf, amax * span(b_dtype), total).astype(np.float64, copy=False)
             acc -= af.sum(axis=-1, keepdims=True, dtype=np.float64) * zpb.astype(np.float64)
         else:
@@ -231,6 +232,11 @@ def int_matmul(a: np.ndarray, a_zp, b: np.ndarray, b_dtype: np.dtype, b_zp, *, a
     if squeeze_a:
         acc = acc[..., 0, :] if not squeeze_b else acc[..., 0]
     return acc
+
+
+def acc_size(a: np.ndarray, b: np.ndarray) -> int:
+    """Elements of ``np.matmul(a, b)`` for 2-D or batched operands of matching inner dimensions."""
+    return math.prod(np.broadcast_shapes(a.shape[:-2], b.shape[:-2])) * a.shape[-2] * b.shape[-1]
 
 
 def int_conv(xf: np.ndarray, w: np.ndarray, sp: _SpatialAttrs, group: int, x_span: int, w_span: int,

@@ -74,15 +74,15 @@ def requantize(acc: np.ndarray, multiplier: np.ndarray | np.float32, zero_point,
     ``acc`` holds exact integer accumulators (float32 or float64); the sum with the int32 bias is
     exact in float64 and rounded once to float32, as onnxruntime converts its int32 accumulator.
     """
-    if (bias is None and acc.dtype == np.int32 and acc.ndim >= 1 and acc.size >= _REQUANT_JIT_MIN
+    if (bias is None and acc.dtype in _ACC_DTYPES and acc.ndim >= 1 and acc.size >= _REQUANT_JIT_MIN
             and (dtype == np.uint8 or dtype == np.int8) and np.ndim(zero_point) == 0):
         mult = np.asarray(multiplier)
         if mult.dtype == _F32 and (mult.size == 1 or mult.shape == acc.shape[-1:]):
             jit = _fq_jit()
-            if jit is not None:  # one pass, the same float32 arithmetic (see _qdq_jit.requantize_i32)
+            if jit is not None:  # one pass, the same float32 arithmetic (see _qdq_jit.requantize_acc)
                 lo, hi = int_range(dtype)
                 out = np.empty(acc.shape, dtype)
-                jit.requantize_i32(np.ascontiguousarray(acc).reshape(-1, acc.shape[-1]), mult.reshape(-1),
+                jit.requantize_acc(np.ascontiguousarray(acc).reshape(-1, acc.shape[-1]), mult.reshape(-1),
                                    np.float32(0 if zero_point is None else zero_point), np.float32(lo), np.float32(hi),
                                    out.reshape(-1, acc.shape[-1]))
                 return out
@@ -98,7 +98,9 @@ def requantize(acc: np.ndarray, multiplier: np.ndarray | np.float32, zero_point,
     return f.astype(dtype)
 
 
-_REQUANT_JIT_MIN = 1024  # int32 accumulators from which requantize takes its numba pass
+_REQUANT_JIT_MIN = 1024  # accumulators from which requantize takes its numba pass
+# The accumulators it takes: the int8 GEMM's int32, the exact sgemm's float32 and float64 (integers)
+_ACC_DTYPES = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _zp_value(zp) -> np.float32 | np.ndarray:
