@@ -387,6 +387,24 @@ def test_fake_quant_pair_is_fused_and_bit_identical(zp, scale, opset, jit, monke
     _same_bits(got, want)
 
 
+@pytest.mark.parametrize("case", ["per-tensor", "per-axis"])
+def test_fake_quant_pair_runs_of_changing_shapes_keep_onnxruntimes_bits(case):
+    """The fused pair keeps its scale's and zero point's arrays for the numba kernel between runs
+    of one input shape (``FakeQuant._memo``): runs alternating between shapes (and a per-axis
+    scale laid out anew for each) give onnxruntime's bits every time."""
+    pytest.importorskip("numba")
+    zp, scale, opset = FQ_CASES["uint8" if case == "per-tensor" else "per-axis"]
+    model = qdq_model(zp, scale, opset=opset, x_shape=("n", 3, "w"))
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    ref = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    with onnxpack.InferenceSession(model) as s:
+        assert [st.node.name for st in s.program.root.steps] == ["q+dq", "out"]
+        for shape in [(2, 3, 5), (2, 3, 5), (4, 3, 7), (2, 3, 5), (1, 3, 1), (4, 3, 7)]:
+            x = {"x": (RNG.standard_normal(shape) * 3).astype(np.float32)}
+            _same_bits(s.run(None, x)[0], ref.run(None, x)[0])
+
+
 @pytest.mark.parametrize("jit", ["numba", "numpy"])
 @pytest.mark.parametrize("value", [1.0, -0.3, 1e9, np.nan])
 def test_fake_quant_pair_on_a_scalar_keeps_its_shape(value, jit, monkeypatch):
