@@ -14,6 +14,14 @@ warm-up.  onnxpack's BLAS threads and onnxruntime's intra-op threads are set to 
 (threadpoolctl; onnxruntime spinning off).  Then single-node kernels (ConvInteger, QLinearConv,
 MatMulInteger, packed weights) and the exact chunked sgemm vs a plain (inexact) sgemm vs dgemm.
 
+Then (``--encoder``, default the cached BERT-base export that ``bench_deployed.py`` uses; skipped
+with the command that builds it when absent) the same three quantizations of a transformer encoder
+(batch 1, 128 tokens; per tensor, as the quantizer's defaults), each against onnxruntime with its
+default optimizations (as users run it), with the largest output difference from onnxruntime
+without optimizations beside onnxruntime's own optimized-vs-unoptimized difference: a deep
+quantized model amplifies last-bit differences (a LayerNormalization or erf one ulp apart flips a
+code, which later layers carry).
+
 Note: on the shared 2-core dev machine, OpenBLAS's second thread stalls whenever the other core
 is busy (timings jump by 10x); the one-thread figures are the stable ones there.
 """
@@ -97,6 +105,56 @@ def quantized_models(folder: pathlib.Path, size: int) -> dict[str, pathlib.Path]
     quantize_static(str(src), str(out["QOperator per-channel"]), Reader(), quant_format=QuantFormat.QOperator, per_channel=True)
     quantize_static(str(src), str(out["QDQ per-channel"]), Reader(), quant_format=QuantFormat.QDQ, per_channel=True)
     return out
+
+
+ENCODER = pathlib.Path(os.environ.get("ONNXPACK_MODELS_CACHE", pathlib.Path.home() / ".cache" / "onnxpack" / "models")) / "bert-base-export" / "model.onnx"
+ENCODER_BUILD = "/work/side/bin/python models/make_transformers.py --shape bert-base"
+
+
+def quantized_encoders(folder: pathlib.Path, src: pathlib.Path) -> dict[str, pathlib.Path]:
+    """The float encoder and its QOperator, QDQ (static, 4 random calibration batches) and dynamic
+    quantizations, written to ``folder``."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic, quantize_static
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self._it = iter([encoder_feeds(src, seed) for seed in range(4)])
+
+        def get_next(self):
+            return next(self._it, None)
+
+    out = {"encoder float": src, "encoder QOperator": folder / "enc_qop.onnx", "encoder QDQ": folder / "enc_qdq.onnx",
+           "encoder dynamic": folder / "enc_qd.onnx"}
+    quantize_static(str(src), str(out["encoder QOperator"]), Reader(), quant_format=QuantFormat.QOperator,
+                    use_external_data_format=True)
+    quantize_static(str(src), str(out["encoder QDQ"]), Reader(), quant_format=QuantFormat.QDQ, use_external_data_format=True)
+    quantize_dynamic(str(src), str(out["encoder dynamic"]), weight_type=QuantType.QInt8, use_external_data_format=True)
+    return out
+
+
+def encoder_feeds(path: pathlib.Path, seed: int = 0) -> dict[str, np.ndarray]:
+    """Batch 1, 128 tokens: random ids, a mask of ones, token types 0."""
+    rng = np.random.default_rng(seed)
+    names = [i.name for i in onnx.load(str(path), load_external_data=False).graph.input]
+    return {n: rng.integers(0, 1000, (1, 128)) if n == "input_ids" else
+            (np.ones((1, 128), np.int64) if n == "attention_mask" else np.zeros((1, 128), np.int64)) for n in names}
+
+
+def encoder_rows(models: dict[str, pathlib.Path], threads: int, repeat: int) -> list[dict]:
+    rows = []
+    for name, path in models.items():
+        feeds = encoder_feeds(path)
+        sess = onnxpack.InferenceSession(str(path))
+        ref = _ort_session(path, threads)
+        plain = _ort_session(path, threads, optimize=False).run(None, feeds)[0]
+        t = side_by_side({"onnxpack": lambda: sess.run(None, feeds), "ort": lambda: ref.run(None, feeds)}, repeat)
+        ours, theirs = sess.run(None, feeds)[0], ref.run(None, feeds)[0]
+        rows.append(dict(model=name, threads=threads, onnxpack_ms=t["onnxpack"], ort_ms=t["ort"],
+                         ratio=t["onnxpack"] / t["ort"], fallback_nodes=len(sess.get_fallback_nodes()),
+                         output_scale=float(np.abs(plain).max()),
+                         max_diff_vs_ort_unoptimized=float(np.abs(ours.astype(np.float64) - plain).max()),
+                         ort_optimized_vs_unoptimized=float(np.abs(theirs.astype(np.float64) - plain).max())))
+    return rows
 
 
 def _ort_session(model, threads: int, optimize: bool = True) -> ort.InferenceSession:
@@ -215,18 +273,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--size", type=int, default=128, help="input height and width of the CNN")
     ap.add_argument("--json", help="write the results as JSON here")
+    ap.add_argument("--encoder", default=str(ENCODER), help="float transformer encoder to quantize ('' skips)")
     args = ap.parse_args(argv)
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:  # pragma: no cover - in the bench extra
         threadpool_limits = None
-    result = {"models": [], "kernels": [], "gemm": [], "blas": blas_info(), "loadavg_before": list(os.getloadavg())}
+    result = {"models": [], "encoders": [], "kernels": [], "gemm": [], "blas": blas_info(),
+              "loadavg_before": list(os.getloadavg())}
     with tempfile.TemporaryDirectory() as tmp:
         models = quantized_models(pathlib.Path(tmp), args.size)
+        encoders = {}
+        if args.encoder and pathlib.Path(args.encoder).exists():
+            encoders = quantized_encoders(pathlib.Path(tmp), pathlib.Path(args.encoder))
+        elif args.encoder:
+            print(f"no encoder at {args.encoder}: build it with `{ENCODER_BUILD}` (skipped)")
         for threads in args.threads:
             ctx = threadpool_limits(threads) if threadpool_limits else None
             try:
                 result["models"] += model_rows(models, args.size, threads, args.repeat)
+                result["encoders"] += encoder_rows(encoders, threads, args.repeat)
                 result["kernels"] += kernel_rows(threads, args.repeat)
                 if threads == 1:
                     result["gemm"] = gemm_rows(args.repeat)
@@ -236,6 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     print_table([["model", "threads", "onnxpack ms", "ort ms", "ratio", "fallback"]] + [
         [r["model"], str(r["threads"]), f"{r['onnxpack_ms']:.1f}", f"{r['ort_ms']:.1f}", f"{r['ratio']:.2f}",
          str(r["fallback_nodes"])] for r in result["models"]])
+    if result["encoders"]:
+        print()
+        print_table([["encoder (1 x 128)", "threads", "onnxpack ms", "ort ms", "ratio", "max |diff| vs ort unoptimized",
+                      "ort's own optimized vs unoptimized", "output scale"]] + [
+            [r["model"], str(r["threads"]), f"{r['onnxpack_ms']:.1f}", f"{r['ort_ms']:.1f}", f"{r['ratio']:.2f}",
+             f"{r['max_diff_vs_ort_unoptimized']:.2g}", f"{r['ort_optimized_vs_unoptimized']:.2g}",
+             f"{r['output_scale']:.2g}"] for r in result["encoders"]])
     print()
     print_table([["kernel (packed weights)", "threads", "onnxpack ms", "ort ms", "ratio"]] + [
         [r["kernel"], str(r["threads"]), f"{r['onnxpack_ms']:.2f}", f"{r['ort_ms']:.2f}", f"{r['ratio']:.2f}"]
