@@ -1289,3 +1289,57 @@ def test_sibling_matmuls_fall_back_to_their_own_steps_without_panels(monkeypatch
         got = s.run(None, feed)
     for g, w in zip(got, _ort(model, feed)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
+
+
+DQ_GATHER_CASES = {
+    "uint8-zp-axis0": (np.uint8, 131, None, 0, (3, 4), 13, ""),
+    "int8-no-zp-axis0": (np.int8, None, None, 0, (5,), 13, ""),
+    "int8-zp-axis1": (np.int8, -3, None, 1, (2, 2), 17, ""),
+    "uint8-opset21": (np.uint8, 7, None, 0, (6,), 21, ""),
+    "int8-com.microsoft": (np.int8, 2, None, 0, (4,), 13, "com.microsoft"),
+    "per-axis-not-fused": (np.uint8, 128, 1, 0, (4,), 13, ""),
+}
+
+
+@pytest.mark.parametrize("case", list(DQ_GATHER_CASES), ids=list(DQ_GATHER_CASES))
+def test_dequantize_then_gather_gathers_codes_first(case):
+    """``Gather(DequantizeLinear(W, s, z), idx)`` with a per-tensor scale runs as one step that
+    gathers W's codes and dequantizes those rows (``find_dq_gather``): onnxruntime's and the
+    unfused nodes' bits, negative indices included; a per-axis scale is not fused (its small
+    table is folded at creation instead); an index out of range stays the error it was."""
+    dtype, zp, per_axis, axis, ishape, opset, domain = DQ_GATHER_CASES[case]
+    table = RNG.integers(np.iinfo(dtype).min, np.iinfo(dtype).max + 1, (40, 6)).astype(dtype)
+    scale = np.array(0.037, np.float32) if per_axis is None else (RNG.random(6) * 0.1 + 0.01).astype(np.float32)
+    inits = [numpy_helper.from_array(table, "w"), numpy_helper.from_array(scale, "s")]
+    dq_in = ["w", "s"]
+    if zp is not None:
+        inits.append(numpy_helper.from_array(np.array(zp, dtype) if per_axis is None else
+                                             np.full(6, zp, dtype), "z"))
+        dq_in.append("z")
+    dq_attrs = {"axis": per_axis} if per_axis is not None else {}
+    nodes = [helper.make_node("DequantizeLinear", dq_in, ["t"], name="dq", domain=domain, **dq_attrs),
+             helper.make_node("Gather", ["t", "i"], ["y"], name="g", axis=axis)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("i", TensorProto.INT64, list(ishape))],
+                              [helper.make_tensor_value_info("y", F, None)], inits)
+    opsets = [helper.make_opsetid("", opset)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=9).SerializeToString()
+    bound = table.shape[axis]
+    idx = RNG.integers(-bound, bound, ishape).astype(np.int64)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    want = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"]).run(None, {"i": idx})[0]
+    plain = onnxpack.SessionOptions()
+    plain.add_session_config_entry("session.disable_prepacking", "1")
+    with onnxpack.InferenceSession(model) as s, onnxpack.InferenceSession(model, plain) as u:
+        got, unfused = s.run(None, {"i": idx})[0], u.run(None, {"i": idx})[0]
+        kinds = [type(st.kernel).__name__ for st in s.program.root.steps]
+        assert (kinds == ["DequantizeGather"]) == (per_axis is None), kinds
+        bad = np.full(ishape, bound + 3, np.int64)
+        errors = []
+        for sess in (s, u):
+            with pytest.raises(Exception) as info:
+                sess.run(None, {"i": bad})
+            errors.append(type(info.value))
+        assert errors[0] is errors[1] and issubclass(errors[0], OnnxpackError), errors
+    _same_bits(got, unfused)
+    _same_bits(got, want)

@@ -39,7 +39,7 @@ import numpy as np
 from onnxpack.errors import InvalidArgument
 from onnxpack.graph._proto import tensor_dtype_to_np_dtype
 from onnxpack.session.kernels import _act
-from onnxpack.session.kernels._base import Kernel, register, register_fused
+from onnxpack.session.kernels._base import Kernel, KernelContext, register, register_fused
 
 
 __all__ = [
@@ -331,6 +331,27 @@ class DequantizeLinearMS(DequantizeLinear):
     """onnxruntime's contrib DequantizeLinear (16-bit and 4-bit types before opset 21 had them)."""
 
     domain = "com.microsoft"
+
+
+@register_fused("dq_gather")
+class DequantizeGather(Kernel):
+    """``Gather(DequantizeLinear(W, scale, zero point), indices)`` with a constant ``W`` and a
+    per-tensor scale and zero point (``_fusion.find_dq_gather``): W's codes gathered along the
+    Gather's axis (``np.take``: negative indices wrap, as specified), then the DequantizeLinear's
+    own kernel on the gathered codes: its values, since it is elementwise; only the rows read
+    are dequantized, not the whole table at every run.  Inputs: W, indices, scale, zero point."""
+
+    op_type = "Gather"
+
+    def __init__(self, node, ctx, *, dq) -> None:
+        super().__init__(node, ctx)
+        self.axis = int(self.attr("axis", 0))
+        domain = "com.microsoft" if dq.domain == "com.microsoft" else ""
+        opset = ctx.opsets.get(domain, 1)
+        self._dq = (DequantizeLinearMS if domain else DequantizeLinear)(dq, KernelContext(opset=opset, opsets=ctx.opsets))
+
+    def run(self, w, indices, scale, zero_point=None):  # type: ignore[override]
+        return self._dq.run(np.take(w, indices, axis=self.axis), scale, zero_point)
 
 
 @register("QuantizeLinear", since=10)
