@@ -436,8 +436,9 @@ def match_activation(nodes, t, users_of, const_value, opset):
                 act = Activation("gelu" if n.op_type == "Gelu" else "fastgelu")
             return act, (users[0],), sole_output(n)
         return None
-    if any(n.domain not in ("", "ai.onnx") for n in ops):
-        return None
+    if any(n.domain not in ("", "ai.onnx") for n in ops) and not (
+            len(ops) == 1 and ops[0].domain == "com.microsoft" and ops[0].op_type == "QuantizeLinear"):
+        return None  # (onnxruntime's contrib QuantizeLinear: a fake-quant pair below, as the default domain's)
     if len(users) == 1:
         n = ops[0]
         ins = tuple(n.input[:])
@@ -1026,15 +1027,15 @@ def find_fake_quant_fusions(
     computed at run time (a pair over a constant, ``is_const``, is a derived constant: the
     weight's reader packs the rounded value, see ``_derive.py``).
 
-    The pair fuses when: both are default-domain nodes at opset >= 13 without ``block_size``,
+    The pair fuses when: both are default-domain (any opset: at 10-12 per tensor only) or
+    onnxruntime's com.microsoft nodes (the same arithmetic; the quantizer writes them for 16-bit
+    and 4-bit types and with ``UseQDQContribOps``) without ``block_size``,
     ``output_dtype`` or ``precision``; the Q's output is read by the DQ alone (and is no graph
     output); the DQ's scale and zero point are the Q's (same constants: equal dtypes and values);
     the scale is float32 (the DQ's output is float32) and positive; the zero point an integer type
     of at most 16 bits (both constants; a zero point must be given).  ``params`` carries the
     integer range.
     """
-    if opset < 13:
-        return []
     ops = [n.op_type for n in nodes]
     # The DequantizeLinear nodes by their input: a Q output read once (``readers``) by one of them.
     dq_of = {nodes[k].input[0]: k for k, op in enumerate(ops) if op == "DequantizeLinear" and nodes[k].input}
@@ -1069,7 +1070,7 @@ def _fake_quant_pair(q: NodeProto, dq: NodeProto, const_value: Callable[[str], n
     """``(axis, low, high, scale, zero point)`` when ``dq`` reading ``q``'s output makes the
     pair one rounding of a float tensor (the conditions of :func:`find_fake_quant_fusions`,
     except who reads what, which the caller checks), else None."""
-    if opset < 13 or q.domain not in ("", "ai.onnx") or dq.domain not in ("", "ai.onnx"):
+    if q.domain not in _QDQ_DOMAINS or dq.domain not in _QDQ_DOMAINS:
         return None
     q_in, dq_in = tuple(q.input[:]), tuple(dq.input[:])  # one conversion each, by a slice (see _by_input)
     if len(q_in) != 3 or len(dq_in) != 3 or dq.op_type != "DequantizeLinear" or not q.output:
@@ -1096,11 +1097,14 @@ def _fake_quant_pair(q: NodeProto, dq: NodeProto, const_value: Callable[[str], n
     positive = scale.item() > 0 if scale.size == 1 else bool((scale > 0).all())
     if not positive or (scale.size > 1 and int(qa.get("axis", 1)) != int(da.get("axis", 1))):
         return None
+    if scale.size > 1 and opset < 13 and (q.domain in ("", "ai.onnx") or dq.domain in ("", "ai.onnx")):
+        return None  # (per-axis scales are opset 13's: an older default-domain node runs as it is)
     lo, hi = bounds
     return int(qa.get("axis", 1)), lo, hi, scale, zp
 
 
 _F32 = np.dtype(np.float32)
+_QDQ_DOMAINS = ("", "ai.onnx", "com.microsoft")
 _FAKE_QUANT_RANGES: dict[np.dtype, tuple[int, int] | None] = {}
 
 

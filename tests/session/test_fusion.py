@@ -1343,3 +1343,36 @@ def test_dequantize_then_gather_gathers_codes_first(case):
         assert errors[0] is errors[1] and issubclass(errors[0], OnnxpackError), errors
     _same_bits(got, unfused)
     _same_bits(got, want)
+
+
+@pytest.mark.parametrize("case", ["opset11", "opset12-int8", "contrib-uint8", "contrib-int16", "contrib-per-axis"])
+def test_fake_quant_pair_of_older_opsets_and_contrib_domain_is_fused(case):
+    """A QuantizeLinear -> DequantizeLinear pair at opsets 10-12 (per tensor) and onnxruntime's
+    com.microsoft pair (any type the fusion takes, per axis too) fuse as the opset-13 pair does:
+    the unfused nodes' and onnxruntime's bits."""
+    domain = "com.microsoft" if case.startswith("contrib") else ""
+    opset = 11 if "opset11" in case else (12 if "opset12" in case else 13)
+    per_axis = "per-axis" in case
+    zdtype = {"contrib-int16": np.int16, "opset12-int8": np.int8}.get(case, np.uint8)
+    scale = np.array([0.02, 0.11, 0.05], np.float32) if per_axis else np.array(0.04, np.float32)
+    zp = (np.array([3, 0, 250], zdtype) if per_axis else np.array(7 if zdtype != np.int8 else -3, zdtype))
+    inits = [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zp, "z")]
+    attrs = {"axis": 1} if per_axis else {}
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], name="q", domain=domain, **attrs),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"], name="dq", domain=domain, **attrs),
+             helper.make_node("Identity", ["d"], ["y"], name="out")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [2, 3, 5])],
+                              [helper.make_tensor_value_info("y", F, None)], inits)
+    opsets = [helper.make_opsetid("", opset)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=7).SerializeToString()
+    x = {"x": _hard_values(float(np.max(scale)))}
+    plain = onnxpack.SessionOptions()
+    plain.add_session_config_entry("session.disable_prepacking", "1")
+    with onnxpack.InferenceSession(model) as s, onnxpack.InferenceSession(model, plain) as u:
+        got, unfused = s.run(None, x)[0], u.run(None, x)[0]
+        names = [st.node.name for st in s.program.root.steps]
+    assert names == ["q+dq", "out"], names
+    _same_bits(got, unfused)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    _same_bits(got, ort.InferenceSession(model, so, providers=["CPUExecutionProvider"]).run(None, x)[0])
