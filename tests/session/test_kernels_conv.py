@@ -132,6 +132,30 @@ def test_conv_transpose_groups_match_onnxruntime(attrs):
     assert_close(run_native(node, [x, w, b], OPSET, pack=[1]), want, np.float32)
 
 
+@pytest.mark.parametrize("extra", [0, 1, 2], ids=["natural", "natural+1", "natural+2"])
+def test_conv_transpose_output_shape_larger_than_natural_keeps_the_result_at_the_start(extra):
+    """An explicit ``output_shape`` up to ``stride - 1`` past the natural size puts the extra
+    positions (the bias alone) at the end, as onnxruntime and onnx.reference do (splitting the
+    negative total padding between both ends shifted the result); ``stride`` or more past it is
+    refused, as onnxruntime refuses it."""
+    from onnxpack.errors import InvalidArgument
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 2, 4, 3)).astype(np.float32)
+    w = rng.standard_normal((2, 3, 2, 3)).astype(np.float32)
+    b = rng.standard_normal(3).astype(np.float32)
+    natural = (3 * 3 + 2, 2 * 3 + 3)  # stride 3: (in - 1) * 3 + k
+    node = make_node("ConvTranspose", ["x", "w", "b"], ["y"], strides=[3, 3],
+                     output_shape=[natural[0] + extra, natural[1] + (2 - extra)])
+    want = run_ort(node, [x, w, b], OPSET, optimize=False)
+    assert_close(run_native(node, [x, w, b], OPSET), want, np.float32)
+    assert_close(run_native(node, [x, w, b], OPSET, pack=[1]), want, np.float32)
+    assert_close(run_native(node, [x, w, b], OPSET), run_reference(node, [x, w, b], OPSET), np.float32)
+    too_far = make_node("ConvTranspose", ["x", "w", "b"], ["y"], strides=[3, 3], output_shape=[natural[0] + 3, natural[1]])
+    with pytest.raises(InvalidArgument, match="inconsistent"):
+        run_native(too_far, [x, w, b], OPSET)
+
+
 POOL_CASES = [
     ("k3", dict(kernel_shape=[3, 3])),
     ("k3-s2-pad1", dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),

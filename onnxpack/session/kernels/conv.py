@@ -1950,7 +1950,16 @@ class ConvTranspose(Kernel):
         natural = [(i - 1) * s + (k - 1) * d + 1 + op for i, s, k, d, op in zip(in_shape, strides, ks, dils, opad)]
         if self.output_shape is not None and len(self.output_shape) > 0:
             out = tuple(int(v) for v in self.output_shape[-nd:])
-            begin = self._split_total([nat - o for nat, o in zip(natural, out)])
+            totals = [nat - o for nat, o in zip(natural, out)]
+            for i, (t, s) in enumerate(zip(totals, strides)):
+                if t <= -s:  # (onnxruntime's check: the input would have had more positions)
+                    raise InvalidArgument(
+                        f"node {self.node.name!r} (ConvTranspose): output_shape {list(out)} is inconsistent with the "
+                        f"input's spatial dims {list(in_shape)} (axis {i}: at most {natural[i] + s - 1} for stride {s}, "
+                        f"kernel {ks[i]}, dilation {dils[i]}, output_padding {opad[i]})")
+            # A larger output than the natural one keeps the result at the start and the extra
+            # positions (the bias alone) at the end, as onnxruntime and onnx.reference place it.
+            begin = [0 if t < 0 else b for t, b in zip(totals, self._split_total(totals))]
         elif self.sp.auto_pad in ("SAME_UPPER", "SAME_LOWER"):
             out = tuple(i * s for i, s in zip(in_shape, strides))
             begin = self._split_total([nat - o for nat, o in zip(natural, out)])
