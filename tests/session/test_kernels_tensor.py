@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from kernel_util import assert_outputs_match, make_node, run_native, run_reference
+from kernel_util import assert_outputs_match, make_node, run_native, run_ort, run_reference
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import KernelContext, lookup
@@ -510,6 +510,26 @@ def test_pad_negative_crops(mode):
     x = x_((3, 4))
     (y,) = run_native(make_node("Pad", ["x", "p"], ["y"], mode=mode), [x, i64(0, -1, 1, 0)], 13)
     np.testing.assert_array_equal(y, np.pad(x[:, 1:], [(0, 1), (0, 0)], mode=mode))
+
+
+@pytest.mark.parametrize("pads", [[0, 7, 0, -7], [0, 3, 0, -6], [0, -6, 0, 3], [2, 0, -5, 0], [0, -2, 0, -2]],
+                         ids=str)
+def test_pad_negative_pads_beyond_the_axis_give_onnxruntimes_constant_output(pads):
+    """A negative pad removing more than the axis holds after the other side's padding (+7 then
+    -7 on an axis of 4): the output is the spec's length ``d + begin + end``, the pad value wherever
+    the input is not (onnxruntime's; cropping first kept the input and the wrong length); the
+    other modes refuse it, as onnxruntime does."""
+    from onnxpack.errors import InvalidArgument
+
+    x = x_((3, 4))
+    ins = [x, i64(*pads), np.array(1.5, np.float32)]
+    (got,) = run_native(make_node("Pad", ["x", "p", "v"], ["y"]), ins, 13)
+    (want,) = run_ort(make_node("Pad", ["x", "p", "v"], ["y"]), ins, 13, optimize=False)
+    np.testing.assert_array_equal(got, want)
+    for mode in ("edge", "reflect"):
+        if max(-pads[0], 0) + max(-pads[2], 0) > 3 or max(-pads[1], 0) + max(-pads[3], 0) > 4:
+            with pytest.raises(InvalidArgument, match="remove more"):
+                run_native(make_node("Pad", ["x", "p"], ["y"], mode=mode), [x, i64(*pads)], 13)
 
 
 def test_pad_axes_and_wrap():

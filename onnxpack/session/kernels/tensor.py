@@ -869,6 +869,23 @@ def _pad_fn(shape: tuple[int, ...], pads: list[int], mode: str, value,
         before[axis] = pads[i]
         after[axis] = pads[i + n]
     crop = None
+    if any(max(-b, 0) + max(-a, 0) > d for b, a, d in zip(before, after, shape)):
+        # Negative pads removing more than the axis holds (+7 before and -7 after an axis of 2):
+        # the spec pads, then removes; onnxruntime's output is then the pad value where the input
+        # is not, for the constant mode, and an error for the others.
+        out_shape = tuple(d + b + a for d, b, a in zip(shape, before, after))
+        if min(out_shape) < 0 or mode != "constant":
+            raise InvalidArgument(f"Pad ({mode}): pads {pads} remove more than the input {list(shape)} holds "
+                                  f"(output {list(out_shape)})")
+        src = tuple(slice(max(0, -b), max(max(0, -b), min(d, o - b))) for d, b, o in zip(shape, before, out_shape))
+        dst = tuple(slice(max(0, b), max(0, b) + (c.stop - c.start)) for b, c in zip(before, src))
+
+        def overlap(x: np.ndarray) -> np.ndarray:
+            out = np.full(out_shape, value, dtype=x.dtype)
+            out[dst] = x[src]
+            return out
+
+        return overlap
     if any(p < 0 for p in before + after):
         # Negative pads crop: that first, with a view.
         crop = tuple(slice(max(-b, 0), shape[d] - max(-a, 0)) for d, (b, a) in enumerate(zip(before, after)))
