@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernel_util import assert_outputs_match, make_node, run_native, run_reference
+from kernel_util import assert_outputs_match, make_node, run_native, run_ort, run_reference
 
 from onnxpack.session.kernels import lookup
 
@@ -83,13 +83,38 @@ def test_reduce_axes_attribute(op, axes, keepdims):
 
 
 @pytest.mark.parametrize("noop", [0, 1])
-@pytest.mark.parametrize("op", ["ReduceSum", "ReduceMax", "ReduceMean"])
+@pytest.mark.parametrize("op", REDUCE)
 def test_reduce_empty_axes(op, noop):
+    """No axes: every axis, or with noop_with_empty_axes a reduction over none, whose
+    elementwise part still applies (ReduceL1 |x|, ReduceSumSquare x^2, ReduceLogSum log x), as
+    onnxruntime and onnx.reference compute it."""
     x = data((2, 3), np.float32)
     opset = _axes_opset(op)
     (y,) = check(make_node(op, ["x", "a"], ["y"], noop_with_empty_axes=noop), [x, np.zeros(0, np.int64)], opset)
-    if noop:
+    if noop and op in ("ReduceSum", "ReduceMax", "ReduceMean"):
         np.testing.assert_array_equal(y, x)
+    if noop:
+        xs = np.array([[-2.0, 0.5, 3.0], [1e-3, -0.0, 7.0]], np.float32)
+        ins = [xs if op != "ReduceLogSum" else np.abs(xs) + 0.5, np.zeros(0, np.int64)]
+        node = make_node(op, ["x", "a"], ["y"], noop_with_empty_axes=1)
+        np.testing.assert_allclose(run_native(node, ins, opset)[0], run_ort(node, ins, opset, optimize=False)[0],
+                                   rtol=1e-6)
+
+
+def test_reduce_l2_float16_squares_in_float32_and_empty_means_are_zero():
+    """ReduceL2 of float16 squares and sums in float32 (float16 squares overflow from 256 and
+    small ones underflow), rounded once, as onnxruntime; a mean over an empty axis is 0
+    (onnxruntime's; the spec leaves it undefined)."""
+    x = np.array([[300.0, 300.0, 4.0], [1e-4, 1e-4, 1e-4]], np.float16)
+    node = make_node("ReduceL2", ["x", "a"], ["y"], keepdims=0)
+    ins = [x, np.array([1], np.int64)]
+    (got,) = run_native(node, ins, 18)
+    np.testing.assert_array_equal(got, run_ort(node, ins, 18, optimize=False)[0])
+    assert np.isfinite(got).all() and got[1] > 0
+    for dtype in (np.float32, np.float16, np.int64):
+        empty = [np.zeros((4, 0, 2), dtype), np.array([1], np.int64)]
+        mean = make_node("ReduceMean", ["x", "a"], ["y"], keepdims=1)
+        np.testing.assert_array_equal(run_native(mean, empty, 18)[0], run_ort(mean, empty, 18, optimize=False)[0])
 
 
 @pytest.mark.parametrize("op", ["ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceLogSumExp", "ReduceSumSquare"])

@@ -60,6 +60,8 @@ def _sum(x, axes, keepdims):
 
 
 def _mean(x, axes, keepdims):
+    if _reduced_is_empty(x, axes):  # the mean of nothing: 0, as onnxruntime gives it (the spec is silent)
+        return np.zeros(np.sum(x, axis=axes, keepdims=keepdims).shape, dtype=x.dtype)
     if x.dtype == np.float16:
         return np.mean(x, axis=axes, keepdims=keepdims, dtype=np.float32)
     if x.dtype.kind == "f" and x.size:
@@ -69,7 +71,7 @@ def _mean(x, axes, keepdims):
         if count:
             with np.errstate(all="ignore"):  # an overflowing sum is inf, quietly, as below
                 return np.true_divide(np.add.reduce(x, axis=axes, dtype=x.dtype, keepdims=keepdims), count)
-    with np.errstate(all="ignore"):  # the mean of nothing is NaN, as the spec allows
+    with np.errstate(all="ignore"):
         return np.mean(x, axis=axes, keepdims=keepdims, dtype=x.dtype if x.dtype.kind == "f" else None)
 
 
@@ -94,7 +96,10 @@ def _l1(x, axes, keepdims):
 
 
 def _l2(x, axes, keepdims):
-    return np.sqrt(np.sum(np.square(x), axis=axes, keepdims=keepdims))
+    # float16 squares and sums in float32, rounded once (onnxruntime's; in float16 a square
+    # overflows from 256 and a sum of small ones underflows to 0)
+    xf = x.astype(np.float32) if x.dtype == np.float16 else x
+    return np.sqrt(np.sum(np.square(xf), axis=axes, keepdims=keepdims))
 
 
 def _sum_square(x, axes, keepdims):
@@ -182,9 +187,10 @@ class _ReduceInput(Kernel):
 
     def run(self, x, axes=None):  # type: ignore[override]
         if axes is None or axes.size == 0:
-            if self.noop:
-                return (x,)
-            ax = None
+            # With noop_with_empty_axes, a reduction over no axis: each element alone, so the
+            # elementwise part still applies (ReduceL1 |x|, ReduceSumSquare x^2, ReduceLogSum
+            # log x), as onnxruntime and onnx.reference compute it; the input itself was returned.
+            ax = () if self.noop else None
         else:
             ax = tuple(int(a) for a in axes.reshape(-1).tolist())
         return (_same(type(self)._fn(x, ax, self.keepdims), x),)
