@@ -461,11 +461,13 @@ def match_activation(nodes, t, users_of, const_value, opset):
             return (Activation("fakequant", float(scale.reshape(-1)[0]), lo - z, hi - z), (users[0], dq[0]),
                     nodes[dq[0]].output[0])
         if n.op_type == "Clip":
+            # (a missing bound is float32's largest finite value, as the Clip kernel takes it: an
+            # epilogue runs on float32 sums)
             if opset < 11:
                 a = attrs(n)
-                lo, hi = float(a.get("min", -np.inf)), float(a.get("max", np.inf))
+                lo, hi = float(a.get("min", -_FLT_MAX)), float(a.get("max", _FLT_MAX))
             else:
-                lo, hi = -np.inf, np.inf
+                lo, hi = -_FLT_MAX, _FLT_MAX
                 if len(n.input) > 1 and n.input[1]:
                     lo = _scalar(const_value(n.input[1]))
                 if len(n.input) > 2 and n.input[2]:
@@ -1105,6 +1107,7 @@ def _fake_quant_pair(q: NodeProto, dq: NodeProto, const_value: Callable[[str], n
 
 _F32 = np.dtype(np.float32)
 _QDQ_DOMAINS = ("", "ai.onnx", "com.microsoft")
+_FLT_MAX = float(np.finfo(np.float32).max)
 _FAKE_QUANT_RANGES: dict[np.dtype, tuple[int, int] | None] = {}
 
 

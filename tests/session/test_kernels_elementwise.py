@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-from kernel_util import assert_outputs_match, make_node, run_native, run_reference
+from kernel_util import assert_outputs_match, make_node, run_native, run_ort, run_reference
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import lookup
@@ -345,6 +345,41 @@ def test_clip_zero_dim_input(value, bounds):
 @pytest.mark.parametrize("attrs", [{}, {"min": -0.5}, {"max": 0.5}, {"min": -1.0, "max": 1.5}], ids=str)
 def test_clip_attributes_opset6(attrs):
     check(make_node("Clip", ["x"], ["y"], **attrs), [rand((3, 5), np.float32)], opset=6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("bounds", [(None, None), (-1, None), (None, 1)], ids=str)
+def test_clip_missing_bound_is_the_largest_finite_value(bounds, dtype):
+    """A missing Clip bound is the type's largest finite value (the spec's default,
+    onnxruntime's; onnx.reference leaves the infinities): +-inf become +-max, NaN stays;
+    standalone and as a MatMul's epilogue."""
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    import onnxpack
+
+    lo, hi = bounds
+    x = np.array([[np.inf, -np.inf, np.nan, 0.5, -3.0, 7.0]], dtype)
+    names = ["x", "" if lo is None else "lo", "" if hi is None else "hi"]
+    while names[-1] == "":
+        names.pop()
+    inputs = ([x] + [None if v is None else np.array(v, dtype) for v in bounds])[: len(names)]
+    node = make_node("Clip", names, ["y"])
+    # (onnx.reference leaves the infinities: np.clip without that bound)
+    np.testing.assert_array_equal(run_native(node, inputs, 13)[0], run_ort(node, inputs, 13, optimize=False)[0])
+    if dtype == np.float32:  # (an epilogue of a packed MatMul: float32 sums)
+        inits = [numpy_helper.from_array(np.eye(6, dtype=np.float32), "w")] + [
+            numpy_helper.from_array(np.array(v, np.float32), n) for v, n in zip(bounds, ("lo", "hi")) if v is not None]
+        graph = helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Clip", ["m"] + names[1:], ["y"])], "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 6])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString()
+        xm = np.array([[1e38, -1e38, 0.5, 2.0, -3.0, 7.0]], np.float32) * np.float32(10)
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        want = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"]).run(None, {"x": xm})[0]
+        np.testing.assert_array_equal(onnxpack.InferenceSession(model).run(None, {"x": xm})[0], want)
 
 
 # --- Cast ------------------------------------------------------------------------------------

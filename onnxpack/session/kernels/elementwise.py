@@ -665,7 +665,13 @@ class Clip11(Kernel):
 
 
 def _clip(x: np.ndarray, lo, hi) -> np.ndarray:
-    # maximum then minimum, as the spec defines it (min > max gives max everywhere).
+    # maximum then minimum, as the spec defines it (min > max gives max everywhere).  A missing
+    # bound of a float Clip is the type's largest finite value (the spec's default, onnxruntime's):
+    # an infinity becomes it; NaN stays NaN.
+    if x.dtype.kind == "f" and (lo is None or hi is None):
+        info = np.finfo(x.dtype)
+        lo = info.min if lo is None else lo
+        hi = info.max if hi is None else hi
     if lo is None and hi is None:
         return x
     if lo is not None:
