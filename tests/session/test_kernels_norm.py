@@ -110,6 +110,21 @@ def test_batchnorm_training_mode_is_left_to_fallback():
         lookup("", "BatchNormalization", 15)(node, KernelContext(15, {"": 15}))
 
 
+def test_layernorm_float64_statistics_are_float32():
+    """Mean and InvStdDev come out in the stash type, float32, for float64 X too (onnxruntime's;
+    they were float64); SimplifiedLayerNormalization's inv_std_var likewise."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((4, 6)) * 2).astype(np.float64)
+    s = rng.standard_normal(6).astype(np.float64)
+    for node, ins in ((make_node("LayerNormalization", ["x", "s"], ["y", "m", "i"], epsilon=1e-5), [x, s]),
+                      (make_node("SimplifiedLayerNormalization", ["x", "s"], ["y", "i"], epsilon=1e-5), [x, s])):
+        got = run_native(node, ins, 17)
+        want = run_ort(node, ins, 17, optimize=False)
+        assert [g.dtype for g in got] == [w.dtype for w in want] == [np.float64] + [np.float32] * (len(got) - 1)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
 LN_CASES = [("last", (2, 3, 8), -1), ("axis1", (2, 3, 4, 5), 1), ("axis0", (3, 4), 0), ("axis-2", (2, 3, 4, 5), -2)]
 
 

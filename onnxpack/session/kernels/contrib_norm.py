@@ -282,8 +282,7 @@ class SimplifiedLayerNormalization(Kernel):
                 return got[:2][: self.n_out]
         fd = _float(np.result_type(x.dtype, scale.dtype) if np.float64 in (x.dtype, scale.dtype) else x.dtype)
         y, inv = rms_norm_f(x.astype(fd), scale, self.epsilon, axis)
-        sd = fd if fd == np.float64 else np.dtype(np.float32)
-        return (_to(y, scale.dtype), _to(inv, sd))[: self.n_out]
+        return (_to(y, scale.dtype), _to(inv, np.dtype(np.float32)))[: self.n_out]  # (float32 for float64 X too)
 
 
 # stash_type -> the least precision of RMSNormalization's first stage (bfloat16: float32, numpy

@@ -793,7 +793,8 @@ class Identity(Kernel):
 
 @register("Dropout", since=1)
 class Dropout(Kernel):
-    """Inference Dropout: identity, and a mask of ones when the mask output is requested.
+    """Inference Dropout: identity, and when the mask output is requested a mask of ones from
+    opset 12 (of zeros before, as onnxruntime's).
 
     From opset 12 ``training_mode`` is an input; when it is true at run time the random mask is
     drawn exactly as onnx.reference draws it (``RandomState(seed)``), so results stay
@@ -816,7 +817,10 @@ class Dropout(Kernel):
                 return (y, mask) if self.want_mask else (y,)
         if not self.want_mask:
             return (x,)
-        return (x, np.ones(x.shape, dtype=bool if self.mask_bool else x.dtype))
+        # Before opset 12 (no training_mode) the inference mask is all zeros / False, as
+        # onnxruntime returns it; from 12 all ones / True (nothing dropped).
+        fill = np.ones if self.ctx.opset >= 12 else np.zeros
+        return (x, fill(x.shape, dtype=bool if self.mask_bool else x.dtype))
 
 
 class ActAfter(Kernel):

@@ -203,6 +203,9 @@ class BatchNormalization(Kernel):
         return outs[: len(self.node.output)]
 
 
+_F32_STASH = np.dtype(np.float32)
+
+
 @register("LayerNormalization", since=17)
 class LayerNormalization(Kernel):
     """Normalization over the axes from ``axis`` on; optional Mean and InvStdDev outputs.
@@ -261,7 +264,9 @@ class LayerNormalization(Kernel):
         d *= _f(scale, sd)
         if bias is not None:
             d += _f(bias, sd)
-        return (_f(d, scale.dtype), mean, inv)[: max(1, len(self.node.output))]
+        # Mean and InvStdDev in the stash type (float32: U) whatever X's dtype (float64 too),
+        # as onnxruntime returns them.
+        return (_f(d, scale.dtype), _f(mean, _F32_STASH), _f(inv, _F32_STASH))[: max(1, len(self.node.output))]
 
 
     def _jit(self, x, scale, bias, axis):
