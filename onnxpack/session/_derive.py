@@ -92,14 +92,22 @@ class Derivation:
     @property
     def digest(self) -> bytes:
         if self._digest is None:
-            self._digest = self._make_digest()
+            # The chain's digests from the first one not known yet, in order (not by recursion:
+            # a chain of 600 Transposes over a weight is a valid model, past Python's stack).
+            chain = []
+            d: Derivation | None = self
+            while d is not None and d._digest is None:
+                chain.append(d)
+                d = d._prev
+            for d in reversed(chain):
+                d._digest = d._make_digest()
         return self._digest
 
     def _make_digest(self) -> bytes:
         node, prev, src = self._node, self._prev, self._src
         h = hashlib.blake2b(digest_size=16)
         if prev is not None:
-            h.update(prev.digest)
+            h.update(prev._digest)
         else:
             # The leaf's declared type and shape: the same bytes read as another dtype (a model
             # whose weight now says bfloat16 where it said float16) derive another value, and a
@@ -120,9 +128,21 @@ class Derivation:
         return h.digest()
 
     def compute(self, leaf: np.ndarray) -> np.ndarray:
-        """The value, from the leaf weight's value.  What a hostile chain makes numpy raise here
-        (at creation: the value is being packed or folded) is the model's InvalidGraph."""
-        x = self._prev.compute(leaf) if self._prev is not None else leaf
+        """The value, from the leaf weight's value: each op of the chain in order, from the leaf
+        (a loop, not recursion: see :attr:`digest`).  What a hostile chain makes numpy raise
+        here (at creation: the value is being packed or folded) is the model's InvalidGraph."""
+        chain = []
+        d: Derivation | None = self
+        while d is not None:
+            chain.append(d)
+            d = d._prev
+        x = leaf
+        for d in reversed(chain):
+            x = d._step(x)
+        return x
+
+    def _step(self, x: np.ndarray) -> np.ndarray:
+        """This op on ``x``, the value of the chain before it."""
         node = self._node
 
         def run() -> np.ndarray:

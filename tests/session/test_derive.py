@@ -140,3 +140,28 @@ def test_other_quantizations_of_a_weight_are_left_to_run(case):
     attrs = {"output_dtype": TensorProto.UINT8} if case == "output-dtype" else {}
     node = helper.make_node("QuantizeLinear", ["Wf", "S"] + (["Z"] if "Z" in weights else []), ["q"], **attrs)
     assert derive(node, weights.get, {"": 21}) is None
+
+
+@pytest.mark.parametrize("op", ["Transpose", "Cast"])
+def test_a_chain_longer_than_pythons_stack_derives_and_packs(op):
+    """A weight through 3,000 cheap ops before a MatMul (a valid model onnxruntime runs): its
+    digest and value are computed along the chain in a loop, not by recursion (Python's
+    RecursionError escaped session creation from ~500 nodes on), and the MatMul packs it."""
+    import onnxruntime as ort
+
+    import onnxpack
+
+    n = 3000
+    w = numpy_helper.from_array(np.arange(64, dtype=np.float32).reshape(8, 8), "W")
+    attrs = {"perm": [1, 0]} if op == "Transpose" else {"to": TensorProto.FLOAT}
+    nodes = [helper.make_node(op, [f"w{i}" if i else "W"], [f"w{i + 1}"], **attrs) for i in range(n)]
+    nodes.append(helper.make_node("MatMul", ["x", f"w{n}"], ["y"]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9).SerializeToString()
+    x = np.arange(16, dtype=np.float32).reshape(2, 8)
+    with onnxpack.InferenceSession(model) as s:
+        got = s.run(None, {"x": x})[0]
+        assert s.get_prepack_stats()["weights_packed"] == 1
+    want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
