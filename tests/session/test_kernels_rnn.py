@@ -14,6 +14,8 @@ import pytest
 
 from kernel_util import assert_close, make_node, run_ort, run_native, run_reference
 
+import onnxpack
+from onnxpack.errors import InvalidArgument, InvalidGraph, RuntimeFailure
 from onnxpack.session.kernels import KernelContext, TensorInfo, lookup
 
 PACK_TOL = dict(rtol=1e-6, atol=1e-6)
@@ -130,10 +132,11 @@ def _kernel(node, opset=14):
     return lookup("", node.op_type, opset)(node, KernelContext(opset, {"": opset}))
 
 
-def test_input_forget_is_left_to_fallback():
+def test_input_forget_is_native():
+    """input_forget=1 runs on the native kernel (it used to fall back to onnx.reference, which
+    ignores it); its arithmetic is checked against onnxruntime in test_lstm_gates_match_onnxruntime."""
     node, _ = make_case("LSTM", input_forget=1)
-    with pytest.raises(NotImplementedError):
-        _kernel(node)
+    assert _kernel(node).input_forget
 
 
 def test_packed_layouts():
@@ -324,3 +327,205 @@ def test_lstm_cell_mlas_equals_the_numpy_cell():
     h_np = rnn.mlas_tanh(c_np) * o
     np.testing.assert_array_equal(c_jit, c_np)
     np.testing.assert_array_equal(h_jit, h_np)
+
+
+# -- LSTM gate variants against onnxruntime (unoptimized), numba and numpy ----------------------------
+
+@pytest.fixture(params=["numba", "numpy"])
+def jit_mode(request, monkeypatch):
+    """Both paths: the numba kernels where they apply, and ``ONNXPACK_DISABLE_JIT=1``."""
+    from onnxpack.session.kernels import _act
+
+    if request.param == "numpy":
+        monkeypatch.setenv("ONNXPACK_DISABLE_JIT", "1")
+    elif _act.load_jit("_rnn_jit", "test") is None:
+        pytest.skip("numba is not installed")
+    return request.param
+
+
+GATE_VARIANTS = [
+    # clip crossed by the peephole terms (P scaled up): onnxruntime clips after adding them
+    ("clip-peep", dict(clip=0.5, peep=True), 4.0),
+    ("forget", dict(input_forget=1), 1.0),  # default activations: would be the JIT's
+    ("forget-peep-clip", dict(input_forget=1, clip=0.8, peep=True), 4.0),
+    ("forget-acts", dict(input_forget=1, activations=["HardSigmoid", "Tanh", "Softsign"] * 2,
+                         activation_alpha=[0.3, 0.3], activation_beta=[0.4, 0.4]), 1.0),
+]
+
+
+@pytest.mark.parametrize("seq_lens", [None, [5, 2, 0]], ids=["full", "seqlens"])
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+@pytest.mark.parametrize("variant", GATE_VARIANTS, ids=lambda v: v[0])
+def test_lstm_gates_match_onnxruntime(variant, direction, seq_lens, jit_mode, monkeypatch):
+    """clip with peepholes (each gate clipped after its peephole term) and input_forget=1 (the
+    forget gate 1 - i, its peephole unused) as onnxruntime computes them, without graph
+    optimizations: every direction, with and without sequence_lens (a zero length included),
+    packed and unpacked weights; the numba recurrence does not take these (the numpy loop does)."""
+    from onnxpack.session.kernels import _act
+
+    _, attrs, p_scale = variant
+    attrs = dict(attrs)
+    if direction != "bidirectional" and "activations" in attrs:
+        attrs["activations"] = attrs["activations"][:3]
+        attrs["activation_alpha"], attrs["activation_beta"] = [0.3], [0.4]
+    node, values = make_case("LSTM", direction=direction, seq_lens=seq_lens, init=True, seq=5, batch=3, **attrs)
+    if attrs.get("peep"):
+        values[7] = values[7] * np.float32(p_scale)
+    if jit_mode == "numba":
+        mod = _act.load_jit("_rnn_jit", "test")
+        for fn in ("lstm_standard", "lstm_small"):
+            monkeypatch.setattr(mod, fn, lambda *a, _fn=fn: pytest.fail(f"{_fn} ran"))
+    got = run_native(node, values, 14)
+    assert_close(got, run_ort(node, values, 14, optimize=False), np.float32)
+    check_packed(node, values, got)
+
+
+# -- shapes refused: fed and constant inputs, onnxruntime refusing them too ----------------------------
+
+def _bad(op, case):
+    """(node, values, name in the message, whether onnxruntime's CPU kernel refuses the same): a
+    case of make_case with one input's shape wrong."""
+    g = GATES[op]
+    kw = dict(direction="bidirectional" if case in ("W-dirs", "R-dirs") else "forward", seq=4, batch=3, inp=5,
+              hidden=4, init=True, seq_lens=[4, 2, 3], peep=op == "LSTM")
+    if case == "layout1-h0":
+        kw.update(layout=1, batch=3)
+    node, values = make_case(op, **kw)
+    x, w, r, b, lens, h0 = values[:6]
+    names = {"X": 0, "W": 1, "R": 2, "B": 3, "sequence_lens": 4, "initial_h": 5, "initial_c": 6, "P": 7}
+    bad = {
+        "X-2d": ("X", x[0]),
+        "W-rows": ("W", w[:, :-1]),
+        "W-input": ("W", w[:, :, :-1]),
+        "W-dirs": ("W", w[:1]),
+        "R-dirs": ("R", r[:1]),
+        "R-rows": ("R", r[:, : (g - 1) * 4] if g > 1 else r[:, :3]),  # e.g. (1, 12, 4) for an LSTM of 4
+        "R-hidden": ("R", r[:, :, :-1]),
+        "B-short": ("B", b[:, :-1]),
+        "B-3d": ("B", b[None]),
+        "seqlens-short": ("sequence_lens", lens[:-1]),
+        "seqlens-2d": ("sequence_lens", lens[:, None]),
+        "h0-tiny": ("initial_h", np.zeros((1, 1, 1), np.float32)),
+        "h0-batch": ("initial_h", h0[:, :-1]),
+        "c0-tiny": ("initial_c", np.zeros((1, 1, 1), np.float32)),
+        "P-short": ("P", values[7][:, :-1] if op == "LSTM" else None),
+        "layout1-h0": ("initial_h", h0.transpose(1, 0, 2)),  # (num_dir, batch, H) under layout 1
+    }[case]
+    values = list(values)
+    values[names[bad[0]]] = np.ascontiguousarray(bad[1])
+    return node, values, bad[0], case != "layout1-h0"
+
+
+BAD_CASES = ["X-2d", "W-rows", "W-input", "W-dirs", "R-dirs", "R-rows", "R-hidden", "B-short", "B-3d",
+             "seqlens-short", "seqlens-2d", "h0-tiny", "h0-batch", "c0-tiny", "P-short", "layout1-h0"]
+LSTM_ONLY = {"c0-tiny", "P-short"}
+
+
+def _bad_cases():
+    return [(op, c) for op in ("LSTM", "GRU", "RNN") for c in BAD_CASES if op == "LSTM" or c not in LSTM_ONLY]
+
+
+@pytest.mark.parametrize("op,case", _bad_cases(), ids=lambda v: v)
+def test_wrong_shapes_are_refused(op, case, jit_mode):
+    """A fed input of the wrong shape (initial states, B, R, W, P, sequence_lens, X) is the
+    node's InvalidArgument naming the input, expected vs got, before any arithmetic (the numba
+    recurrence read and wrote past short state and bias buffers: heap corruption); onnxruntime
+    refuses the same inputs."""
+    node, values, name, ort_refuses = _bad(op, case)
+    with pytest.raises(InvalidArgument, match=rf"\({op}\): input {name} must"):
+        run_native(node, values, 14)
+    if ort_refuses:
+        with pytest.raises(Exception, match=rf"{name}|X must"):
+            run_ort(node, values, 14, optimize=False)
+
+
+def _session(node, values, constants=("W", "R", "B")):
+    """An onnxpack session of ``node`` with the inputs named in ``constants`` as initializers
+    (packed at creation when they fit), the others fed; (session, feeds)."""
+    from onnx import helper, numpy_helper
+
+    ins, inits, feeds = [], [], {}
+    for n, v in zip(node.input, values):
+        if not n or v is None:
+            continue
+        if n in constants:
+            inits.append(numpy_helper.from_array(v, n))
+        else:
+            ins.append(helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), None))
+            feeds[n] = v
+    graph = helper.make_graph([node], "g", ins, [helper.make_value_info(o, onnx.TypeProto()) for o in node.output],
+                              inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)], ir_version=10)
+    return onnxpack.InferenceSession(model.SerializeToString()), feeds
+
+
+CONSTANT_CASES = ["W-rows", "W-input", "R-rows", "R-hidden", "B-short", "B-3d", "h0-tiny"]
+
+
+@pytest.mark.parametrize("op,case", [(op, c) for op in ("LSTM", "GRU", "RNN") for c in CONSTANT_CASES],
+                         ids=lambda v: v)
+def test_wrong_shapes_of_constant_weights_are_refused(op, case, jit_mode):
+    """Constant W, R, B of the wrong shape: not packed (pack_spec declines them, prepack refuses
+    them with InvalidGraph), and the run refuses them as fed ones (onnxruntime creates such a
+    session and refuses at run too); a bad fed state beside packed weights is refused the same."""
+    node, values, name, _ = _bad(op, case)
+    index = {"W": 1, "R": 2, "B": 3}.get(name)
+    if index is not None:
+        k = _kernel(node)
+        v = values[index]
+        info = TensorInfo(name, v.dtype, v.shape, onnx.TensorProto.FLOAT)
+        if case != "W-input":  # X's input size is known at run only: W packs, the run refuses it
+            assert k.pack_spec(index, info) is None
+            with pytest.raises(InvalidGraph, match=rf"input {name} must have shape"):
+                k.prepack(index, v)
+    sess, feeds = _session(node, values)
+    with pytest.raises(RuntimeFailure) as err:
+        sess.run(None, feeds)
+    assert isinstance(err.value.__cause__, InvalidArgument)
+    assert f"input {name} must have shape" in str(err.value)
+    good, good_values, _, _ = _bad(op, "X-2d")  # the same node with every input right
+    good_values[0] = make_case(op, seq=4, batch=3, inp=5, hidden=4)[1][0]
+    sess, feeds = _session(good, good_values)
+    assert_close(sess.run(None, feeds), run_ort(good, good_values, 14, optimize=False), np.float32)
+
+
+def test_lstm_state_of_the_wrong_shape_is_refused_after_the_fast_path_armed(jit_mode):
+    """Silero VAD's shape of LSTM (one direction, packed weights, both states: LSTM.run's fast
+    path after a first call), then states of (1, 1, 1) for a hidden size of 256 (the reported
+    heap corruption): InvalidArgument with onnxruntime's expected shape, and the next good call
+    still gives onnxruntime's outputs."""
+    node, values = make_case("LSTM", seq=2, batch=1, inp=8, hidden=256, init=True)
+    sess, feeds = _session(node, values)
+    want = run_ort(node, values, 14, optimize=False)
+    assert_close(sess.run(None, feeds), want, np.float32)
+    assert_close(sess.run(None, feeds), want, np.float32)
+    for bad in ("initial_h", "initial_c"):
+        wrong = dict(feeds, **{bad: np.zeros((1, 1, 1), np.float32)})
+        with pytest.raises(RuntimeFailure, match=rf"input {bad} must have shape \{{1,1,256\}}.*got \{{1,1,1\}}") as err:
+            sess.run(None, wrong)
+        assert isinstance(err.value.__cause__, InvalidArgument)
+    assert_close(sess.run(None, feeds), want, np.float32)
+
+
+def test_sequence_lens_values_and_type_are_checked():
+    """sequence_lens out of [0, seq_length] or not integers: InvalidArgument (onnxruntime refuses
+    out-of-range lengths too)."""
+    node, values = make_case("GRU", seq_lens=[4, 2, 3], seq=4)
+    for lens in (np.array([5, 2, 3], np.int32), np.array([4, -1, 3], np.int32)):
+        bad = values[:4] + [lens] + values[5:]
+        with pytest.raises(InvalidArgument, match="sequence_lens"):
+            run_native(node, bad, 14)
+        with pytest.raises(Exception, match="sequence_lens"):
+            run_ort(node, bad, 14, optimize=False)
+    with pytest.raises(InvalidArgument, match="sequence_lens must be int32"):
+        run_native(node, values[:4] + [np.array([4.0, 2.0, 3.0], np.float32)] + values[5:], 14)
+
+
+def test_missing_weights_and_bad_hidden_size_are_the_graphs_errors():
+    """A node without W or R, or with hidden_size 0: InvalidGraph at kernel creation (onnxruntime
+    refuses such a model too)."""
+    node, _ = make_case("LSTM")
+    for inputs, attrs in ((["X", "W"], {}), (["X", "", "R"], {}), (list(node.input), {"hidden_size": 0})):
+        bad = make_node("LSTM", inputs, ["Y"], **dict({"hidden_size": 6}, **attrs))
+        with pytest.raises(InvalidGraph):
+            _kernel(bad)

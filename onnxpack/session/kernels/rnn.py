@@ -26,8 +26,17 @@ operators" — LeakyRelu 0.01, ThresholdedRelu 1.0, HardSigmoid 0.2/0.5, Elu 1.0
 0 (its output is then 0, as onnxruntime's is).  Where ONNX defines a default and onnxruntime does
 not follow it (it uses 0 for ThresholdedRelu's and Affine's alpha), we keep the spec's.
 
-``input_forget=1`` raises ``NotImplementedError`` from the constructor so the session falls back
-to onnx.reference for that node.
+LSTM as onnxruntime computes it (deep_cpu_lstm.cc): a gate's ``clip`` applies after its peephole
+term (``i = f(clip(Xi + Hi + b + pi * c))``; ``o``'s with the new ``c``); ``input_forget=1``
+couples the forget gate to the input gate, ``f = 1 - i`` (its peephole and weights unused).  The
+numba recurrence (:mod:`._rnn_jit`) takes the default activations without clip, peepholes,
+input_forget or sequence_lens; the numpy loop everything.
+
+Every input's shape is checked against X, hidden_size, direction and layout before any
+arithmetic (onnxruntime's checks, its messages: ``input B must have shape {1,512}``): the JIT
+reads the buffers as those shapes say.  A constant W, R or B whose shape does not fit the node is
+not packed (``pack_spec`` declines it), so the run refuses it as it would a fed one;
+``prepack`` given one anyway refuses it (``InvalidGraph``).
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from onnxpack.errors import InvalidArgument
+from onnxpack.errors import InvalidArgument, InvalidGraph
 from onnxpack.session.kernels import _act
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, register
 
@@ -202,6 +211,11 @@ def _as_f(x: np.ndarray, dtype=np.float32) -> np.ndarray:
     return x if x.dtype == dtype else x.astype(dtype)
 
 
+def _dims(shape) -> str:
+    """A shape as onnxruntime prints one: ``{1,8,256}``."""
+    return "{" + ",".join(str(int(d)) for d in shape) + "}"
+
+
 class _RNNBase(Kernel):
     n_gates: int = 0
     default_acts: tuple[str, ...] = ()
@@ -217,6 +231,10 @@ class _RNNBase(Kernel):
         self.num_dir = 2 if self.direction == "bidirectional" else 1
         self.layout = int(self.attr("layout", 0))
         self.hidden = self.attr("hidden_size")
+        if self.hidden is not None and int(self.hidden) < 1:
+            raise InvalidGraph(f"{self._what()}: hidden_size must be positive, got {self.hidden}")
+        if len(node.input) < 3 or not node.input[1] or not node.input[2]:
+            raise InvalidGraph(f"{self._what()}: inputs X, W and R are required, got {list(node.input)}")
         clip = self.attr("clip")
         self.clip = None if clip is None else float(clip)
         names = [a.decode() if isinstance(a, bytes) else a for a in (self.attr("activations") or [])]
@@ -252,13 +270,40 @@ class _RNNBase(Kernel):
         self._wt = self._rt = self._b = None
 
     # -- pre-packing ------------------------------------------------------------------------------
+    def _what(self) -> str:
+        return f"node {self.node.name!r} ({self.op_type})"
+
+    def _constant_problem(self, input_index: int, shape: tuple[int, ...]) -> str | None:
+        """Why a constant W (1), R (2) or B (3) of ``shape`` cannot be this node's, as far as the
+        attributes tell (X's input size is known at run only; without hidden_size, R's last
+        dimension is it), or None."""
+        nd, g = self.num_dir, self.n_gates
+        s = tuple(int(d) for d in shape)
+        h = int(self.hidden) if self.hidden is not None else None
+        if h is None and input_index == 2 and len(s) == 3:
+            h = s[2]
+        gh = str(g * h) if h is not None else f"{g}*hidden_size"
+        if input_index == 1:
+            ok = len(s) == 3 and s[0] == nd and (s[1] == g * h if h is not None else s[1] > 0 and s[1] % g == 0)
+            want, meaning = f"{{{nd},{gh},input_size}}", f"num_directions, {g}*hidden_size, input_size"
+        elif input_index == 2:
+            ok = len(s) == 3 and s[0] == nd and h is not None and h > 0 and s[2] == h and s[1] == g * h
+            want = f"{{{nd},{gh},{h if h is not None else 'hidden_size'}}}"
+            meaning = f"num_directions, {g}*hidden_size, hidden_size"
+        elif input_index == 3:
+            ok = len(s) == 2 and s[0] == nd and (s[1] == 2 * g * h if h is not None
+                                                 else s[1] > 0 and s[1] % (2 * g) == 0)
+            want = f"{{{nd},{2 * g * h if h is not None else f'{2 * g}*hidden_size'}}}"
+            meaning = f"num_directions, {2 * g}*hidden_size"
+        else:
+            return None
+        return None if ok else f"input {'WRB'[input_index - 1]} must have shape {want} ({meaning}), got {_dims(s)}"
+
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
         if input_index not in (1, 2, 3) or info.dtype.name not in ("float16", "float32", "float64", "bfloat16"):
             return None
-        if input_index in (1, 2) and len(info.shape) != 3:
-            return None
-        if input_index == 3 and (len(info.shape) != 2 or info.shape[1] % (2 * self.n_gates)):
-            return None
+        if self._constant_problem(input_index, tuple(info.shape)) is not None:
+            return None  # not packed: the run refuses it with the same message as a fed one
         return PackSpec(self.op_type.lower(), _PACK_VERSION, bytes([input_index]), 1)
 
     def expected_packed(self, input_index: int, info: TensorInfo):
@@ -272,6 +317,9 @@ class _RNNBase(Kernel):
         return [(np.dtype(np.float32), (nd, self._bias_cols(h)))]
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...]:
+        problem = self._constant_problem(input_index, weight.shape)
+        if problem is not None:
+            raise InvalidGraph(f"{self._what()}: {problem}")
         if input_index in (1, 2):
             return (np.ascontiguousarray(weight.transpose(0, 2, 1), dtype=np.float32),)
         return (self._fuse_bias(_as_f(weight)),)
@@ -295,28 +343,19 @@ class _RNNBase(Kernel):
         return 4 * hidden
 
     # -- shared plumbing ------------------------------------------------------------------------------
-    def _prepare(self, x, w, r, b, seq_lens, init_states):
-        """Inputs in (seq, batch, ...) layout and float32; packed forms resolved."""
+    def _prepare(self, x, w, r, b, seq_lens, init_states, p=None):
+        """Inputs in (seq, batch, ...) layout and float32; packed forms resolved.  Every input's
+        shape checked first (:meth:`_check_shapes`)."""
+        seq, batch, hidden = self._check_shapes(x, w, r, b, seq_lens, init_states, p)
         out_dtype = x.dtype
         xs = _as_f(x)
         if self.layout:
             xs = xs.transpose(1, 0, 2)
-        seq, batch = xs.shape[:2]
         # Unpacked weights (computed by the graph, or packing off): transposed views, no copy —
         # BLAS reads a transposed operand as fast, and a copy per run cost more than a short
         # sequence's whole recurrence (Silero VAD's one-step LSTM: 4 x 256 KB, ~100 us).
         wt = self._wt if self._wt is not None else _as_f(w).transpose(0, 2, 1)
         rt = self._rt if self._rt is not None else _as_f(r).transpose(0, 2, 1)
-        hidden = rt.shape[1]
-        if self.hidden is not None and int(self.hidden) != hidden:
-            raise InvalidArgument(
-                f"node {self.node.name!r} ({self.op_type}): hidden_size={self.hidden} but R has hidden {hidden}"
-            )
-        if wt.shape[0] != self.num_dir:
-            raise InvalidArgument(
-                f"node {self.node.name!r} ({self.op_type}): direction={self.direction} needs "
-                f"{self.num_dir} direction(s) in W, got {wt.shape[0]}"
-            )
         if self._b is not None:
             bias = self._b
         elif b is not None:
@@ -332,15 +371,77 @@ class _RNNBase(Kernel):
                 states.append(s.transpose(1, 0, 2) if self.layout else s)
         lens = None
         if seq_lens is not None:
-            lens = np.asarray(seq_lens).astype(np.int64).reshape(-1)
-            if lens.shape[0] != batch or (lens > seq).any() or (lens < 0).any():
+            lens = np.asarray(seq_lens).astype(np.int64)
+            if (lens > seq).any() or (lens < 0).any():
                 raise InvalidArgument(
-                    f"node {self.node.name!r} ({self.op_type}): sequence_lens must have {batch} "
-                    f"values in [0, {seq}], got {lens.tolist()}"
+                    f"{self._what()}: sequence_lens must have {batch} values in [0, {seq}], got {lens.tolist()}"
                 )
             if (lens == seq).all():
                 lens = None
         return out_dtype, xs, wt, rt, bias, states, lens, seq, batch, hidden
+
+    def _check_shapes(self, x, w, r, b, seq_lens, init_states, p) -> tuple[int, int, int]:
+        """(seq_length, batch_size, hidden_size) after checking X, W, R, B, sequence_lens, the
+        initial states and P against X, hidden_size, direction and layout, in onnxruntime's
+        order and words (``input initial_h must have shape {1,1,256}``): the loops and the JIT
+        read every buffer as these shapes say.  Packed W, R and B are checked in the layout they
+        were given in (their packs are transposes, B's a sum)."""
+        what, nd, g = self._what(), self.num_dir, self.n_gates
+        x_dims = "batch_size, seq_length, input_size" if self.layout else "seq_length, batch_size, input_size"
+        if x is None or x.ndim != 3:
+            raise InvalidArgument(f"{what}: input X must have 3 dimensions ({x_dims}), got "
+                                  f"{'none' if x is None else _dims(x.shape)}")
+        batch, seq, inp = x.shape if self.layout else (x.shape[1], x.shape[0], x.shape[2])
+        # The node's weights as given: (num_dir, G*H, K).  DynamicQuantizeLSTM's are (num_dir, K,
+        # G*H): its run hands us transposed views, and its messages name its own layout.
+        kn = self.op_type == "DynamicQuantizeLSTM"
+        shapes = []
+        for name, given, packed in (("W", w, self._wt), ("R", r, self._rt)):
+            if packed is not None:
+                pnd, pk, pgh = packed.shape
+                shapes.append((pnd, pgh, pk))
+            elif given is None:
+                raise InvalidArgument(f"{what}: input {name} is required")
+            else:
+                shapes.append(tuple(given.shape))
+        w_shape, r_shape = shapes
+        hidden = int(self.hidden) if self.hidden is not None else (r_shape[2] if len(r_shape) == 3 else -1)
+
+        def refuse(name: str, want: tuple, meaning: str, got: tuple) -> None:
+            if kn and name in ("W", "R"):
+                want = (want[0], want[2], want[1])
+                got = (got[0], got[2], got[1]) if len(got) == 3 else got
+                parts = meaning.split(", ")
+                meaning = ", ".join((parts[0], parts[2], parts[1]))
+            raise InvalidArgument(f"{what}: input {name} must have shape {_dims(want)} ({meaning}), got {_dims(got)}")
+
+        if hidden < 1:  # no hidden_size, and R not 3-D
+            raise InvalidArgument(f"{what}: input R must have shape {{{nd},{g}*hidden_size,hidden_size}}, got "
+                                  f"{_dims(r_shape)}")
+        if w_shape != (nd, g * hidden, inp):
+            refuse("W", (nd, g * hidden, inp), f"num_directions, {g}*hidden_size, input_size", w_shape)
+        if r_shape != (nd, g * hidden, hidden):
+            refuse("R", (nd, g * hidden, hidden), f"num_directions, {g}*hidden_size, hidden_size", r_shape)
+        if self._b is not None:
+            b_shape = (self._b.shape[0], self._b.shape[1] * 2 * g // self._bias_cols(1)) if self._b.ndim == 2 else ()
+            if self._b.shape != (nd, self._bias_cols(hidden)):
+                refuse("B", (nd, 2 * g * hidden), f"num_directions, {2 * g}*hidden_size", b_shape)
+        elif b is not None and b.shape != (nd, 2 * g * hidden):
+            refuse("B", (nd, 2 * g * hidden), f"num_directions, {2 * g}*hidden_size", b.shape)
+        if seq_lens is not None:
+            lens = np.asarray(seq_lens)
+            if lens.shape != (batch,):
+                refuse("sequence_lens", (batch,), "batch_size", lens.shape)
+            if lens.dtype.kind not in "iu":
+                raise InvalidArgument(f"{what}: input sequence_lens must be int32 (integers), got {lens.dtype}")
+        st_want, st_dims = ((batch, nd, hidden), "batch_size, num_directions, hidden_size") if self.layout else \
+            ((nd, batch, hidden), "num_directions, batch_size, hidden_size")
+        for name, state in zip(("initial_h", "initial_c"), init_states):
+            if state is not None and state.shape != st_want:
+                refuse(name, st_want, st_dims, state.shape)
+        if p is not None and p.shape != (nd, 3 * hidden):
+            refuse("P", (nd, 3 * hidden), "num_directions, 3*hidden_size", p.shape)
+        return seq, batch, hidden
 
     def _reverse(self, d: int) -> bool:
         return self.direction == "reverse" or (self.direction == "bidirectional" and d == 1)
@@ -412,7 +513,8 @@ class RNN(_RNNBase):
 
 @register("LSTM", since=7)
 class LSTM(_RNNBase):
-    """LSTM (gate order i, o, f, c), peepholes, clip, sequence_lens, layout 0/1, all directions."""
+    """LSTM (gate order i, o, f, c), peepholes, clip, input_forget, sequence_lens, layout 0/1, all
+    directions."""
 
     op_type = "LSTM"
     n_gates = 4
@@ -420,8 +522,8 @@ class LSTM(_RNNBase):
 
     def __init__(self, node, ctx) -> None:
         super().__init__(node, ctx)
-        if int(self.attr("input_forget", 0)):
-            raise NotImplementedError("LSTM input_forget=1 is not implemented natively")
+        # Coupled input-forget gate (onnxruntime's: f = 1 - i); the numpy loop's, not the JIT's.
+        self.input_forget = bool(int(self.attr("input_forget", 0) or 0))
 
     def _fuse_bias(self, b: np.ndarray) -> np.ndarray:
         g = b.shape[1] // 2
@@ -456,7 +558,7 @@ class LSTM(_RNNBase):
         return a @ weight
 
     def _run(self, x, w, r, b, seq_lens, h0, c0, p, q=None):
-        out_dtype, xs, wt, rt, bias, (hs, cs), lens, seq, batch, H = self._prepare(x, w, r, b, seq_lens, (h0, c0))
+        out_dtype, xs, wt, rt, bias, (hs, cs), lens, seq, batch, H = self._prepare(x, w, r, b, seq_lens, (h0, c0), p)
         y = np.zeros((seq, self.num_dir, batch, H), np.float32)
         finals_h, finals_c = [], []
         recurrences: list = []  # the JIT's recurrences, run after the projections: (d, its Y, arguments)
@@ -468,7 +570,9 @@ class LSTM(_RNNBase):
             if p is not None:
                 pp = _as_f(p)[d]
                 pi, po, pf = pp[:H], pp[H : 2 * H], pp[2 * H :]
-            standard = pi is None and self.clip is None and f is _sigmoid and g is np.tanh and hact is np.tanh
+            coupled = self.input_forget
+            standard = (pi is None and self.clip is None and not coupled and f is _sigmoid and g is np.tanh
+                        and hact is np.tanh)
             jit = _lstm_jit() if standard and lens is None and type(self)._project is LSTM._project else None
             jit = jit if seq and batch else None
             small = jit is not None and seq * batch <= _SMALL_LSTM  # the input projection in the JIT's call
@@ -500,7 +604,8 @@ class LSTM(_RNNBase):
                 gates += xw[t]
                 if exact:
                     gates += bias[d]
-                self._clip(gates)
+                if pi is None:
+                    self._clip(gates)  # (with peepholes: each gate after its peephole term, below)
                 if standard and exact and cell is not None:
                     c_new = np.array(c, np.float32)
                     h_new = np.empty_like(c_new)
@@ -529,16 +634,24 @@ class LSTM(_RNNBase):
                     c_new += cand
                     h_new = np.tanh(c_new)
                     h_new *= iof[:, H : 2 * H]
-                elif pi is None:
+                elif pi is None and not coupled:
                     # i, o, f are adjacent: one activation call for the three gates.
                     iof = f(gates[:, : 3 * H])
                     c_new = iof[:, 2 * H :] * c + iof[:, :H] * g(gates[:, 3 * H :])
                     h_new = iof[:, H : 2 * H] * hact(c_new)
                 else:
-                    gi = gates[:, :H] + pi * c
-                    gf = gates[:, 2 * H : 3 * H] + pf * c
-                    c_new = f(gf) * c + f(gi) * g(gates[:, 3 * H :])
-                    go = gates[:, H : 2 * H] + po * c_new
+                    # onnxruntime's order (deep_cpu_lstm.cc): a gate's peephole term, then its
+                    # clip, then its activation; the coupled forget gate is 1 - i.
+                    gi = gates[:, :H] if pi is None else self._clip(gates[:, :H] + pi * c)
+                    gate_i = f(gi)
+                    if coupled:
+                        gate_f = 1.0 - gate_i
+                    else:
+                        gf = gates[:, 2 * H : 3 * H] if pi is None else self._clip(gates[:, 2 * H : 3 * H] + pf * c)
+                        gate_f = f(gf)
+                    cand = g(gates[:, 3 * H :] if pi is None else self._clip(gates[:, 3 * H :]))
+                    c_new = gate_f * c + gate_i * cand
+                    go = gates[:, H : 2 * H] if pi is None else self._clip(gates[:, H : 2 * H] + po * c_new)
                     h_new = f(go) * hact(c_new)
                 if lens is not None:
                     valid = (t < lens)[:, None]
