@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from onnxpack.errors import OnnxpackError, RuntimeInvalidArgument
+from onnxpack.session._api import to_user
 from onnxpack.session._ortvalue import OrtValue, _device_name, elem_dtype, value_type
 from onnxpack.session._program import Frame, Plan, Step, StepHook, call_step, step_failure
 from onnxpack.session.kernels import same_view
@@ -198,7 +199,10 @@ class IOBinding:
         for name, value in zip(names, values):
             bound = self._outputs[name]
             if bound is None:
-                results.append(OrtValue(value, types.get(name)))
+                # As run() hands outputs out (to_user): never a read-only view of a weight in the
+                # mapped data file (truncating that file after the run killed a later read with
+                # SIGBUS) nor an input's memory.
+                results.append(OrtValue(to_user(value, list(self._inputs.values()), name), types.get(name)))
                 continue
             buf = bound._value
             if value is not buf and not same_view(value, buf):  # written in place: nothing to copy

@@ -450,3 +450,35 @@ def test_model_compiler_writes_a_prepacked_model(tmp_path):
     for c, fail in ((strict, state.Fail), (theirs, ort.capi.onnxruntime_pybind11_state.Fail)):
         with pytest.raises(fail, match="Unable to compile any nodes"):
             c.compile_to_file(str(tmp_path / "strict.onnx"))
+
+
+def test_iobinding_output_bound_by_name_is_never_a_view_of_a_weight_or_an_input(tmp_path):
+    """An output bound by name (onnxpack allocates it) that is a weight reshaped, or an input
+    passed through, comes out as run() gives it: a writable copy, not a read-only view of the
+    mapped data file (truncating the file after the run then killed a read of the output with
+    SIGBUS) nor the input's memory."""
+    w = np.arange(1 << 12, dtype=np.float32).reshape(64, 64)
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["W", "shp"], ["y"]), helper.make_node("Identity", ["x"], ["z"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None), helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(np.array([-1], np.int64), "shp")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path), save_as_external_data=True, location="m.data", size_threshold=0)
+    sess = onnxpack.InferenceSession(str(path))
+    x = np.ones(3, np.float32)
+    b = sess.io_binding()
+    b.bind_cpu_input("x", x)
+    b.bind_output("y")
+    b.bind_output("z")
+    sess.run_with_iobinding(b)
+    y, z = (v.numpy() for v in b.get_outputs())
+    assert y.flags.writeable and z.flags.writeable and not np.shares_memory(z, x)
+    y[:] = -1.0
+    z[:] = 5.0
+    sess.run_with_iobinding(b)
+    y2, z2 = (v.numpy() for v in b.get_outputs())
+    np.testing.assert_array_equal(y2, w.reshape(-1))
+    np.testing.assert_array_equal(z2, x)
+    np.testing.assert_array_equal(x, 1.0)
