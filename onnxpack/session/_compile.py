@@ -104,7 +104,7 @@ class _Compiler:
         self.container = container
         self.holder = holder
         self.opsets = dict(model.opsets)
-        self.functions = tuple(model.proto.functions)
+        self.functions = tuple(_checked_function(model, f) for f in model.proto.functions)
         self.local_functions = frozenset((normalize_domain(f.domain), f.name) for f in self.functions)
         root = model.root
         self.root = root
@@ -569,6 +569,40 @@ class _Unbound:
         self.inputs = inputs
         self.outputs = outputs
         self.implicit = implicit
+
+
+def _checked_function(model: Model, function: Any) -> Any:
+    """A model-local function whose tensors stored as external data (a Constant's ``value``,
+    a nested graph's initializer) hold their bytes inline, read through the model's checked
+    loader (its location rules: nothing outside the model's folder): onnx.reference, which runs
+    function bodies, would resolve a location against the working directory.  The function
+    itself when it has none."""
+    from onnxpack.graph._model import subgraphs_of
+
+    def external(nodes) -> bool:
+        for node in nodes:
+            for a in node.attribute[:]:
+                tensors = [a.t] if a.type == AttributeProto.TENSOR else list(a.tensors) if a.type == AttributeProto.TENSORS else []
+                if any(t.data_location == TensorProto.EXTERNAL for t in tensors):
+                    return True
+            for _name, _k, g in subgraphs_of(node):
+                if any(t.data_location == TensorProto.EXTERNAL for t in g.initializer) or external(g.node):
+                    return True
+        return False
+
+    if not external(function.node):
+        return function
+    copy = type(function)()
+    copy.CopyFrom(function)
+    stack = list(copy.node)
+    while stack:
+        node = stack.pop()
+        model._inline_attribute_tensors(node)
+        for _name, _k, g in subgraphs_of(node):
+            for t in g.initializer:
+                model._inline(t)
+            stack.extend(g.node)
+    return copy
 
 
 def _all_folded(step: Step, folded: Mapping[str, Any]) -> bool:

@@ -147,3 +147,45 @@ def test_nothing_outside_model_folder_is_opened(layout):
         real = os.path.realpath(p)
         assert not real.startswith(real_outside), f"opened {p} outside the model folder"
         assert not real.endswith("fifo.bin"), "a FIFO must never be opened"
+
+
+@pytest.mark.parametrize("location", ["c.bin", "../outside/c.bin", "ABSOLUTE"])
+def test_external_tensor_in_a_model_local_function_goes_through_the_checked_loader(tmp_path, monkeypatch, location):
+    """A Constant with external data inside a model-local function (run by onnx.reference) reads
+    the model folder's file, not one of the working directory's name; a location outside the
+    folder is refused as anywhere else (onnx.reference resolved it against the working directory:
+    a decoy there was computed with)."""
+    import onnx
+    import onnxruntime as ort
+
+    import onnxpack
+
+    mdir, cwd, out = (tmp_path / n for n in ("model", "cwd", "outside"))
+    for d in (mdir, cwd, out):
+        d.mkdir()
+    np.ones(4, np.float32).tofile(mdir / "c.bin")
+    np.full(4, 666.0, np.float32).tofile(cwd / "c.bin")
+    np.full(4, 777.0, np.float32).tofile(out / "c.bin")
+    loc = str(out / "c.bin") if location == "ABSOLUTE" else location
+    t = TensorProto(name="c", data_type=TensorProto.FLOAT, dims=[4], data_location=TensorProto.EXTERNAL)
+    t.external_data.add(key="location", value=loc)
+    t.external_data.add(key="length", value="16")
+    f = helper.make_function("loc", "F", ["a"], ["b"], [helper.make_node("Constant", [], ["k"], value=t),
+                                                         helper.make_node("Add", ["a", "k"], ["b"])],
+                             [helper.make_opsetid("", 17)])
+    g = helper.make_graph([helper.make_node("F", ["x"], ["y"], domain="loc")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("loc", 1)],
+                          functions=[f], ir_version=9)
+    path = mdir / "m.onnx"
+    onnx.save(m, str(path))
+    monkeypatch.chdir(cwd)
+    x = np.zeros(4, np.float32)
+    if location == "c.bin":
+        got = onnxpack.InferenceSession(str(path)).run(None, {"x": x})[0]
+        np.testing.assert_array_equal(got, np.ones(4, np.float32))
+        np.testing.assert_array_equal(got, ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0])
+    else:
+        with pytest.raises(ExternalDataError):
+            onnxpack.InferenceSession(str(path))
