@@ -442,6 +442,27 @@ def test_cast_to_string_falls_back():
         cls(make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT8E4M3FN), KernelContext(19, {"": 19}))
 
 
+@pytest.mark.parametrize("op", ["Sum", "Max", "Min", "Mean"])
+def test_variadic_of_three_scalars(op):
+    """Three or more rank-0 operands (a numpy scalar from the first pair has no out= target)."""
+    ins = [np.array(v, np.float32) for v in (1.0, 2.5, -3.0)]
+    node = make_node(op, ["a", "b", "c"], ["y"])
+    (got,) = run_native(node, ins, 13)
+    np.testing.assert_array_equal(got, run_ort(node, ins, 13, optimize=False)[0])
+    assert isinstance(got, np.ndarray) and got.shape == ()
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_pow_integer_base_to_negative_integer_powers(dtype):
+    """numpy refuses an integer to a negative integer power; onnxruntime gives the C++ integer
+    result: 1 for base 1, +-1 for base -1 by the exponent's parity, 0 for the others."""
+    a = np.array([2, 1, -1, -1, 3, 5, 0, -7], dtype)
+    b = np.array([-1, -3, -3, -2, 2, -2, 3, 1], dtype)
+    node = make_node("Pow", ["a", "b"], ["y"])
+    (got,) = run_native(node, [a, b], 15)
+    np.testing.assert_array_equal(got, run_ort(node, [a, b], 15, optimize=False)[0])
+
+
 # --- Identity / Dropout ----------------------------------------------------------------------
 def test_identity_returns_input():
     x = rand((2, 3), np.float32)

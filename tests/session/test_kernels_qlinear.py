@@ -355,6 +355,15 @@ def test_qlinear_add_and_mul_numba_kernels_give_the_numpy_codes(op, shapes, monk
     assert len(calls) == (14 if op == "QLinearAdd" else 6)  # (Mul: 4 of 7 scale sets give no finite multiplier)
 
 
+@pytest.mark.parametrize("op", ["QLinearAdd", "QLinearMul"])
+def test_qlinear_add_and_mul_of_rank_0_codes(op):
+    """Rank-0 A and B (numpy's 0-d arithmetic gives scalars, which the numpy path wrote into)."""
+    ins = [np.array(10, np.uint8), np.array(0.05, np.float32), np.array(3, np.uint8), np.array(200, np.uint8),
+           np.array(0.02, np.float32), np.array(128, np.uint8), np.array(0.1, np.float32), np.array(7, np.uint8)]
+    node = helper.make_node(op, ["a", "as", "az", "b", "bs", "bz", "cs", "cz"], ["y"], domain=MS)
+    check(node, ins, consts=["as", "az", "bs", "bz", "cs", "cz"])
+
+
 def test_qlinear_add_omitted_zero_points_are_zero():
     """onnxruntime cannot type an omitted zero point (its type inference fails), so the omitted
     case is compared with onnxruntime given explicit zeros."""

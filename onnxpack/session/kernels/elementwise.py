@@ -199,6 +199,13 @@ def _pow(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.square(a)  # x ** 2 (variance, L2 norms): one multiply instead of pow
     if a.dtype.kind == "f" and b.dtype != a.dtype:
         b = b.astype(a.dtype)  # float base, other exponent type: compute in the base's type
+    if a.dtype.kind in "iu" and b.dtype.kind == "i" and (b < 0).any():
+        # An integer base to a negative integer power (numpy refuses it): the integer result
+        # onnxruntime computes, 1 for base 1, +-1 for base -1 by the exponent's parity, 0 else.
+        neg = b < 0
+        safe = np.power(a, np.where(neg, 0, b).astype(b.dtype, copy=False))
+        small = np.where(a == 1, 1, np.where(a == -1, np.where(b % 2 == 0, 1, -1), 0)).astype(safe.dtype)
+        return _same(np.where(neg, small, safe), a)
     return _same(np.power(a, b), a)
 
 
@@ -415,7 +422,7 @@ class _Variadic(Kernel):
         if len(xs) == 1:
             return (xs[0],)
         fn = type(self)._fn
-        out = fn(xs[0], xs[1])
+        out = np.asarray(fn(xs[0], xs[1]))  # (0-d operands give a numpy scalar: no out= target)
         for x in xs[2:]:
             if np.broadcast_shapes(out.shape, x.shape) == out.shape:
                 fn(out, x, out=out)

@@ -406,7 +406,7 @@ class QLinearAdd(_QBinary):
                 acc = _fma32(b, rb, _fma32(a, ra, constant))
             else:
                 acc = _fma32(a, ra, _fma32(b, rb, constant))
-            q = np.rint(np.broadcast_to(acc, shape).astype(np.float64))
+            q = np.asarray(np.rint(np.broadcast_to(acc, shape).astype(np.float64)))  # (0-d: an array, not a scalar)
         q[~(np.abs(q) < 2.0 ** 31)] = -(2.0 ** 31)  # cvtps2dq's answer out of range (and NaN)
         return (np.clip(q, lo, hi).astype(a.dtype),)
 
