@@ -765,3 +765,32 @@ def test_resize_nearest_integer_upsampling_equals_onnxruntime(coord, nearest, sc
         want = ref.run(None, {"x": x})[0]
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(got, want)
+
+
+def _bad_cases():
+    rng = np.random.default_rng(9)
+    x4 = rng.standard_normal((2, 3, 4, 5)).astype(np.float32)
+    yield "argmax-axis", make_node("ArgMax", ["x"], ["y"], axis=-5), [x4], 13
+    yield "argmin-axis", make_node("ArgMin", ["x"], ["y"], axis=4), [x4], 13
+    yield "gatherelements-axis", make_node("GatherElements", ["d", "i"], ["y"], axis=3), [
+        rng.standard_normal((4, 5, 6)).astype(np.float32), rng.integers(0, 4, (4, 5, 2)).astype(np.int64)], 13
+    yield "topk-negative-k", make_node("TopK", ["x", "k"], ["v", "i"], axis=0), [x4, np.array([-1], np.int64)], 11
+    yield "topk-k-past-axis", make_node("TopK", ["x", "k"], ["v", "i"], axis=1), [x4, np.array([4], np.int64)], 11
+    yield "gemm-3d-c", make_node("Gemm", ["a", "b", "c"], ["y"], transA=1, transB=1), [
+        rng.standard_normal((1, 8)).astype(np.float32), rng.standard_normal((64, 1)).astype(np.float32),
+        rng.standard_normal((2, 8, 64)).astype(np.float32)], 13
+    yield "batchnorm-empty-var", make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"]), [
+        rng.standard_normal((2, 1, 1, 1)).astype(np.float32), np.ones(1, np.float32), np.zeros(1, np.float32),
+        np.zeros(1, np.float32), np.zeros(0, np.float32)], 15
+
+
+@pytest.mark.parametrize("case", list(_bad_cases()), ids=lambda c: c[0])
+def test_inputs_onnxruntime_refuses_are_refused(case):
+    """Axes out of range, a negative or too large TopK k, a Gemm C that does not broadcast to
+    (M, N), BatchNormalization statistics of the wrong length: onnxruntime refuses them, and
+    numpy wrapped or broadcast them into a result (a helper's attacks)."""
+    _, node, ins, opset = case
+    with pytest.raises(InvalidArgument):
+        run_native(node, ins, opset)
+    with pytest.raises(Exception):
+        run_ort(node, ins, opset, optimize=False)

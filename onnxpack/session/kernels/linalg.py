@@ -503,6 +503,10 @@ class Gemm(Kernel):
             if self.alpha != 1.0:
                 y *= y.dtype.type(self.alpha)
         if c is not None and self.beta != 0.0:
+            if c.ndim > 2 or np.broadcast_shapes(y.shape, c.shape) != y.shape:
+                # (C broadcasts to (M, N) one way only; numpy would widen Y to C's rank)
+                raise InvalidArgument(f"node {self.node.name!r} (Gemm): C of shape {list(c.shape)} does not "
+                                      f"broadcast to (M, N) = {list(y.shape)}")
             c2 = as_compute(c)
             if self.beta != 1.0:
                 c2 = c2 * c2.dtype.type(self.beta)

@@ -148,6 +148,12 @@ class BatchNormalization(Kernel):
             return self._train(x, scale, bias, mean, var)
         sd = _stat_dtype(x.dtype)
         nd = x.ndim - 2
+        if x.ndim >= 2:
+            want = x.shape[1]
+            for name, v in (("scale", scale), ("B", bias), ("input_mean", mean), ("input_var", var)):
+                if v.ndim == 1 and v.shape[0] != want:  # (onnxruntime's check; numpy would broadcast some)
+                    raise InvalidArgument(f"node {self.node.name!r} (BatchNormalization): {name} has "
+                                          f"{v.shape[0]} values, X has {want} channels")
         a, b = batch_norm_affine(scale, bias, mean, var, self.epsilon, x.dtype)
         if a.ndim == 1:
             shape = (1, a.shape[0]) + (1,) * nd

@@ -58,6 +58,15 @@ def _norm_axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
 
 
+def _data_axis(axis: int, rank: int, what: str) -> int:
+    """``axis`` of an input of ``rank`` in ``[0, rank)``; one outside ``[-rank, rank)`` is refused
+    (numpy wraps some silently: ArgMax's -5 on rank 4 reduced axis 3), as onnxruntime refuses it."""
+    if not -rank <= axis < rank:
+        raise InvalidArgument(f"{what}: axis {axis} is out of range for an input of rank {rank} "
+                              f"(valid: {-rank} to {rank - 1})")
+    return axis + rank if axis < 0 else axis
+
+
 # ------------------------------------------------------------------------------------------------
 # shape-only ops (views)
 # ------------------------------------------------------------------------------------------------
@@ -431,7 +440,7 @@ class GatherElements(Kernel):
         self.axis = int(self.attr("axis", 0))
 
     def run(self, data, indices):  # type: ignore[override]
-        axis = _norm_axis(self.axis, data.ndim)
+        axis = _data_axis(self.axis, data.ndim, f"node {self.node.name!r} (GatherElements)")
         return (data[_element_index(indices, axis)],)
 
 
@@ -511,7 +520,10 @@ class NonZero(Kernel):
 
 
 def _topk(x: np.ndarray, k: int, axis: int, largest: bool):
-    axis = _norm_axis(axis, x.ndim)
+    axis = _data_axis(axis, x.ndim, "TopK")
+    if not 0 <= k <= x.shape[axis]:
+        raise InvalidArgument(f"TopK: k {k} must be between 0 and the axis' size {x.shape[axis]} (axis {axis} of "
+                              f"{list(x.shape)})")
     if largest:
         # Descending, lower index first among equal values (onnxruntime's order), for every
         # dtype without negating: a stable ascending sort of the flipped axis, read backwards.
@@ -558,7 +570,7 @@ class _ArgExtreme(Kernel):
         self.last = bool(self.attr("select_last_index", 0))
 
     def run(self, x):  # type: ignore[override]
-        axis = _norm_axis(self.axis, x.ndim)
+        axis = _data_axis(self.axis, x.ndim, f"node {self.node.name!r} ({self.op_type})")
         fn = type(self)._fn
         if self.last:
             idx = x.shape[axis] - 1 - fn(np.flip(x, axis), axis=axis, keepdims=self.keepdims)
