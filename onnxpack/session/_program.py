@@ -361,6 +361,10 @@ class RunControl:
     def hook(self, plan: Plan, inner: StepHook | None, root: bool) -> StepHook | None:
         return inner
 
+    def check(self) -> None:
+        """Raises what a step would raise were the run to stop now (``Terminated``): for kernels
+        that loop without running steps (a Loop whose body has none)."""
+
 
 def missing_outputs(step: Step, outs: Sequence[Any], scope: str) -> None:
     """Refuses a result with fewer values than the node names outputs: a node written with more

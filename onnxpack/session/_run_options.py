@@ -105,6 +105,9 @@ class SessionControl(RunControl):
         self.profiler = profiler
         self.binder = binder
 
+    def check(self) -> None:
+        check_terminate(self.run_options)
+
     def hook(self, plan: Plan, inner: StepHook | None, root: bool) -> StepHook | None:
         if root and self.binder is not None:
             inner = self.binder.hook(inner)

@@ -675,3 +675,42 @@ def test_config_entry_errors():
         ro.get_run_config_entry("nope")
     with pytest.raises(TypeError):
         ro.add_run_config_entry("a", 1)
+
+
+@pytest.mark.parametrize("empty", [True, False], ids=["empty-body", "one-node-body"])
+def test_terminate_stops_a_loop_whose_body_has_no_steps(empty):
+    """A Loop of 2^62 trips whose body has no node (outputs wired to its inputs) stops when
+    another thread sets terminate, as one whose body runs steps does: with no step, the body
+    never reached the run's check (the run kept going after terminate)."""
+    import time
+
+    cond = helper.make_tensor_value_info
+    if empty:
+        body = helper.make_graph([], "body", [cond("i", TensorProto.INT64, []), cond("c", TensorProto.BOOL, []),
+                                             cond("v", TensorProto.FLOAT, [1])],
+                                 [cond("c", TensorProto.BOOL, []), cond("v", TensorProto.FLOAT, [1])])
+    else:
+        body = helper.make_graph([helper.make_node("Identity", ["c"], ["c2"]), helper.make_node("Identity", ["v"], ["v2"])],
+                                 "body", [cond("i", TensorProto.INT64, []), cond("c", TensorProto.BOOL, []),
+                                          cond("v", TensorProto.FLOAT, [1])],
+                                 [cond("c2", TensorProto.BOOL, []), cond("v2", TensorProto.FLOAT, [1])])
+    graph = helper.make_graph([helper.make_node("Loop", ["M", "C", "x"], ["y"], body=body)], "g",
+                              [cond("x", TensorProto.FLOAT, [1])], [cond("y", TensorProto.FLOAT, [1])],
+                              [numpy_helper.from_array(np.array(2**62, np.int64), "M"), numpy_helper.from_array(np.array(True), "C")])
+    sess = onnxpack.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    ro = onnxpack.RunOptions()
+    got: list = []
+
+    def run() -> None:
+        try:
+            sess.run(None, {"x": np.ones(1, np.float32)}, ro)
+            got.append("returned")
+        except Terminated as exc:
+            got.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    ro.terminate = True
+    t.join(20)
+    assert not t.is_alive() and len(got) == 1 and isinstance(got[0], Terminated), got

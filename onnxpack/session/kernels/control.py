@@ -84,7 +84,11 @@ class Loop(ControlFlowKernel):
         state = list(v_initial)
         scans: list[list[np.ndarray]] = [[] for _ in range(n_scan)]
         i = 0
+        # A body without steps never reaches the run's terminate check: the loop checks itself.
+        control = frame.control if not body.steps else None
         while keep_going and (max_trips is None or i < max_trips):
+            if control is not None:
+                control.check()
             cond_in = np.array(keep_going) if cond is not None else np.array(True)
             outs = body.run([np.full(self._iter_shape, i, dtype=np.int64), cond_in, *state], frame)
             if cond is not None:
