@@ -558,3 +558,34 @@ def test_a_run_warns_of_no_ieee_overflow_or_nan_as_onnxruntime(threads):
             for g, w in zip(got, want):
                 np.testing.assert_array_equal(g, w)
     assert np.isneginf(got[0]).all() and np.isnan(got[1]).all() and np.isposinf(got[2]).all()
+
+
+@pytest.mark.parametrize("n", [511, 512, 4099])
+def test_half_float_conversion_pass_gives_numpys_bits(n):
+    """float16 <-> float32 by the JIT's pass (``_act.astype``, from HALF_JIT_MIN elements): numpy's
+    bits both ways, for every float16 value, and float32 values that round to ties, overflow to
+    inf, underflow to subnormals and zero, -0; NaN stays NaN (the hardware conversion quiets a
+    signaling NaN's payload, numpy keeps it); non-contiguous inputs; shapes kept."""
+    from onnxpack.session.kernels import _act
+
+    def same_bits(got, want, bits):
+        nan = np.isnan(want)
+        np.testing.assert_array_equal(np.isnan(got), nan)
+        np.testing.assert_array_equal(got[~nan].view(bits), want[~nan].view(bits))
+
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    same_bits(_act.astype(every, np.float32), every.astype(np.float32), np.uint32)
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-9, 6, n)).astype(np.float32)
+    ties = (np.arange(n, dtype=np.float32) + np.float32(0.5)) * np.float32(2.0 ** -10)  # halfway between halves
+    special = np.array([np.nan, -np.nan, np.inf, -np.inf, -0.0, 0.0, 65504.0, 65519.996, 65520.0, 6e-8, 3e-8, 1e-9],
+                       np.float32)
+    for arr in (x, ties, np.resize(special, n), x.reshape(-1, 1)[::1, 0], np.stack([x, x])[:, ::2]):
+        with np.errstate(over="ignore"):
+            want = arr.astype(np.float16)
+        got = _act.astype(arr, np.float16)
+        assert got.shape == arr.shape and got.dtype == np.float16
+        same_bits(got, want, np.uint16)
+        same_bits(_act.astype(got, np.float32), got.astype(np.float32), np.uint32)
+    same = np.zeros(3, np.float32)
+    assert _act.astype(same, np.float32) is same

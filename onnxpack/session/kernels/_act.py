@@ -209,6 +209,40 @@ def jit():
     return load_jit("_conv_jit", "conv")
 
 
+_F16 = np.dtype(np.float16)
+_F32 = np.dtype(np.float32)
+# Elements from which a float16 <-> float32 conversion takes the JIT's pass (below, numpy's call
+# costs less than the JIT's dispatch).
+HALF_JIT_MIN = 512
+_half_broken = [False]  # the JIT's conversion failed here once (no F16C lowering?): numpy's from then on
+
+
+def astype(x: np.ndarray, dtype) -> np.ndarray:
+    """``x`` in ``dtype``: ``x`` itself when it already is, float16 <-> float32 by one vectorized
+    JIT pass (:mod:`._half_jit`, the same bits as numpy's conversion, 40x to 900x faster), else
+    ``x.astype(dtype)``."""
+    dtype = np.dtype(dtype)
+    src = x.dtype
+    if src == dtype:
+        return x
+    if (x.size >= HALF_JIT_MIN and not _half_broken[0]
+            and ((src == _F16 and dtype == _F32) or (src == _F32 and dtype == _F16))):
+        mod = load_jit("_half_jit", "half-float conversion")
+        if mod is not None:
+            flat = np.ascontiguousarray(x).reshape(-1)
+            out = np.empty(x.shape, dtype)
+            try:
+                if src == _F16:
+                    mod.h2f(flat.view(np.uint16), out.reshape(-1))
+                else:
+                    mod.f2h(flat, out.reshape(-1).view(np.uint16))
+                return out
+            except Exception as exc:  # noqa: BLE001 - numpy's conversion computes the same
+                _half_broken[0] = True
+                logger.info("half-float conversion: numba kernels unavailable (%s); using numpy", exc)
+    return x.astype(dtype)
+
+
 def act_kernels():
     """What runs ``act_inplace(flat, codes, params)``: the native code cache's kernels when this
     machine has them (no numba in the process), else :func:`jit`'s module, else None."""

@@ -1173,7 +1173,7 @@ class Conv(Kernel):
 
     def _conv_by(self, plan: _ConvPlan, x, w, b, out: np.ndarray | None, res: np.ndarray | None, cd) -> np.ndarray:
         """A call of :meth:`_conv` by ``plan`` (``cd``: the compute dtype)."""
-        xc = x if x.dtype == cd else x.astype(cd)
+        xc = x if x.dtype == cd else _act.astype(x, cd)
         wm = plan.wm
         if wm is None:  # a weight fed at run time
             wm = as_compute(w).reshape(plan.wm_shape)
@@ -1247,10 +1247,10 @@ class Conv(Kernel):
                 threads = _act.threads() if plan.big else 1
                 if threads > plan.count and plan.n == 1 and plan.m >= _SHIFT_SPLIT_MIN_M:
                     _run_channel_blocks(fn, args, plan, threads)
-                    return y if y.dtype == out_dtype else y.astype(out_dtype)
+                    return _act.astype(y, out_dtype)
             _run_items(fn, args, plan, _shift_units)
             if bias is None and res is None:
-                return y if y.dtype == out_dtype else y.astype(out_dtype)
+                return _act.astype(y, out_dtype)
             return self._epilogue(plan, y, bias, res, out_dtype)
         if out is not None and (out.shape != plan.yshape or not out.flags.c_contiguous):
             out = None
@@ -1268,7 +1268,7 @@ class Conv(Kernel):
             codes, params, pcodes, pparams = plan.enc
             r = _EMPTY3 if res is None else np.ascontiguousarray(res, dtype=np.float32).reshape(plan.rows3)
             plan.jit.conv_tiny(*args, _EMPTY1 if bias is None else bias, codes, params, r, pcodes, pparams, plan.table)
-            return y if y.dtype == out_dtype else y.astype(out_dtype)
+            return _act.astype(y, out_dtype)
         if kind == _ONE:
             # 1x1: the (strided) input is the column matrix.
             cols = np.ascontiguousarray(xc if plan.sub is None else xc[plan.sub]).reshape(plan.cols_shape)
@@ -1337,7 +1337,7 @@ class Conv(Kernel):
             after = self._block_epilogue(plan, y, bias, res)
             if after is not None:
                 _act.matmul(wm[0], cols[0, 0], out=y.reshape(plan.m, plan.length), after=after)
-                return y if y.dtype == out_dtype else y.astype(out_dtype)
+                return _act.astype(y, out_dtype)
             out = y
         if out is not None:
             mm(wm[0], cols[0, 0], out=out.reshape(plan.m, plan.length))
@@ -1573,7 +1573,7 @@ class Conv(Kernel):
         """:meth:`_finish` with the plan's chain: its common case (one JIT pass over a fresh
         C-contiguous float32 ``y``) with what the plan encoded once, the others through _finish."""
         if bias is None and res is None and not plan.pre:  # nothing left (the JIT kernels' bias is done)
-            return y if y.dtype == out_dtype else y.astype(out_dtype)
+            return _act.astype(y, out_dtype)
         jit = plan.jit
         if (jit is not None and plan.length and plan.n and plan.m and y.flags.c_contiguous
                 and (res is None or res.shape == y.shape)):
@@ -1581,7 +1581,7 @@ class Conv(Kernel):
             r = _EMPTY3 if res is None else np.ascontiguousarray(res, dtype=np.float32).reshape(plan.rows3)
             jit.bias_act(y.reshape(plan.rows3), _EMPTY1 if bias is None else bias, codes, params, r, pcodes, pparams,
                          plan.table)
-            return y if y.dtype == out_dtype else y.astype(out_dtype)
+            return _act.astype(y, out_dtype)
         return self._finish(y, bias, plan.pre, res, plan.post, out_dtype, plan.channels)
 
     def _conv_windows(self, x, b, out, res) -> np.ndarray:
@@ -1755,7 +1755,7 @@ class Conv(Kernel):
         args = (xp, self._bcast_panels(), y3, plan.bases, plan.koffs, bias, codes, params, r, pcodes, pparams,
                 plan.table, plan.chunk)
         _run_items(plan.jit.conv_bcast, args, plan, _panel_units)
-        return y if y.dtype == x.dtype else y.astype(x.dtype)
+        return _act.astype(y, x.dtype)
 
     def _bcast_plan(self, x, wshape) -> _ConvPlan | None:
         """:meth:`_conv_bcast`'s plan for ``x``'s shape, made once: output position ``p``'s window
@@ -2257,15 +2257,16 @@ class MaxPool(_Pool):
         ks, strides, dils, begin, end, out, extent = self._geometry(x)
         if 0 in out:
             return self._empty(x, out)
-        if (x.dtype == np.float32 and x.ndim == 4 and ks[0] > 1 and not self.want_indices and x.size
+        if (x.dtype in (np.float32, np.float16) and x.ndim == 4 and ks[0] > 1 and not self.want_indices and x.size
                 and min(out) > 0):
-            # Windows of several rows: the JIT's one pass (see _F32_ZERO's comment).
+            # Windows of several rows: the JIT's one pass (see _F32_ZERO's comment); float16
+            # through float32, exactly (a maximum is one of its values).
             jit = _act.jit()
             if jit is not None:
                 y = np.empty(x.shape[:2] + tuple(out), np.float32)
-                jit.maxpool2d(np.ascontiguousarray(x), y, ks[0], ks[1], strides[0], strides[1], dils[0], dils[1],
-                              begin[0], begin[1], _F32_ZERO)
-                return (y,)
+                jit.maxpool2d(np.ascontiguousarray(_act.astype(x, np.float32)), y, ks[0], ks[1], strides[0], strides[1],
+                              dils[0], dils[1], begin[0], begin[1], _F32_ZERO)
+                return (_act.astype(y, x.dtype),)
         if np.issubdtype(x.dtype, np.floating) or x.dtype.name == "bfloat16":
             fill = -np.inf
         else:

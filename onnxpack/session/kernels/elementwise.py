@@ -113,7 +113,7 @@ def _erf(x: np.ndarray) -> np.ndarray:
 def _same(y: np.ndarray, like: np.ndarray) -> np.ndarray:
     """``y`` as an array of ``like``'s dtype (no copy when it already is)."""
     y = np.asarray(y)
-    return y if y.dtype == like.dtype else y.astype(like.dtype)
+    return y if y.dtype == like.dtype else _act.astype(y, like.dtype)
 
 
 # Float32 tensors of at least this many elements run activations through the JIT (one pass);
@@ -767,7 +767,7 @@ class Cast(Kernel):
             # onnxruntime's, without numpy's warning (a T5 mask of finfo.min casts every run).
             with np.errstate(invalid="ignore", over="ignore"):
                 return (x.astype(self.dtype, copy=False),)
-        return (x.astype(self.dtype, copy=False),)
+        return (_act.astype(x, self.dtype),)  # (float16 <-> float32 by the JIT's pass)
 
 
 @register("CastLike", since=15)

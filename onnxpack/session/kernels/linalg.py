@@ -80,7 +80,7 @@ def as_compute(x: np.ndarray) -> np.ndarray:
     cd = compute_dtype(x.dtype)
     if cd is None or x.dtype == cd:
         return x
-    return x.astype(cd)
+    return _act.astype(x, cd)
 
 
 def uses_panels(dtype, shape) -> bool:

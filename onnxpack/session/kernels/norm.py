@@ -32,7 +32,7 @@ def _stat_dtype(dtype: np.dtype) -> np.dtype:
 
 
 def _f(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    return x if x.dtype == dtype else x.astype(dtype)
+    return x if x.dtype == dtype else _act.astype(x, dtype)
 
 
 def batch_norm_affine(scale, bias, mean, var, epsilon: float, dtype) -> tuple[np.ndarray, np.ndarray]:

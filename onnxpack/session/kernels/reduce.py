@@ -34,7 +34,7 @@ __all__: list[str] = []  # kernels are reached through the registry only
 
 def _same(y, like: np.ndarray) -> np.ndarray:
     y = np.asarray(y)
-    return y if y.dtype == like.dtype else y.astype(like.dtype)
+    return y if y.dtype == like.dtype else _act.astype(y, like.dtype)
 
 
 def _reduced_is_empty(x: np.ndarray, axes: tuple[int, ...] | None) -> bool:
