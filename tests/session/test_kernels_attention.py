@@ -21,7 +21,7 @@ from contrib_util import MS, check_all_paths, run_ort_model, single_node_model
 from quant_util import onnxpack_node, ort_node
 
 import onnxpack
-from onnxpack.errors import InvalidArgument
+from onnxpack.errors import InvalidArgument, OnnxpackError
 from onnxpack.session.kernels import KernelContext, lookup
 from onnxpack.session.kernels.attention import GroupQueryAttention, sliding_rows
 
@@ -499,10 +499,10 @@ def _gqa_loop_vs_onnxruntime(case, dtype, batch, monkeypatch) -> list[bool]:
                 np.testing.assert_allclose(y[1, :3].astype(np.float64), y_ort[1, :3].astype(np.float64), **t)
         else:
             np.testing.assert_allclose(y.astype(np.float64), y_ort.astype(np.float64), **t, err_msg=f"step {step}")
-        # rows from the longest row's end on are unspecified (onnxruntime zero-fills, we do not write)
+        # every row, those past the longest row's end too (zero on both sides)
         for got, ref, what in ((k, k_ort, "present_key"), (v, v_ort, "present_value")):
-            np.testing.assert_allclose(got[:, :, :total].astype(np.float64), ref[:, :, :total].astype(np.float64), **t,
-                                       err_msg=f"{what} {step}")
+            np.testing.assert_allclose(got.astype(np.float64), ref.astype(np.float64), **t, err_msg=f"{what} {step}")
+            np.testing.assert_array_equal(got[:, :, total:] == 0, True, err_msg=f"{what} {step}")
     return took
 
 
@@ -661,6 +661,279 @@ def test_gqa_declines_what_it_does_not_implement_and_checks_lengths():
     past = np.zeros((1, 1, 2, 4), np.float32)
     with pytest.raises(InvalidArgument, match="seqlens_k"):
         k.run(q, kv, kv, past, past, np.array([5], np.int32), np.array(3, np.int32))
+
+
+def _heap_junk():
+    """Leave freed float32 arrays of a recognizable value on the heap: memory an array is later
+    given without being written would show it."""
+    junk = [np.full(64 * 64, 12345.0, np.float32) for _ in range(64)]
+    del junk
+
+
+def _bits(x):
+    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+
+
+GQA_STATIC = [
+    # id, dtype, batch, packed, past rows P (static: P >= total; 0: the growing cache)
+    ("static-f32", np.float32, 1, False, 10),
+    ("static-f32-packed", np.float32, 1, True, 10),
+    ("static-f16", np.float16, 1, False, 10),
+    ("static-f32-batch2", np.float32, 2, False, 10),
+    ("static-f16-batch2-packed", np.float16, 2, True, 10),
+    ("growing-f32-batch2", np.float32, 2, False, 0),
+    ("growing-f16", np.float16, 1, True, 0),
+]
+
+
+@pytest.mark.parametrize("case", GQA_STATIC, ids=[c[0] for c in GQA_STATIC])
+def test_gqa_present_rows_equal_onnxruntime_bit_for_bit(case, jit_path):
+    """A valid static KV cache (a past buffer of P rows, the used ones first; its other rows hold
+    stale values, not zeros) and a growing one, prompt then decode steps, batch rows of
+    different lengths: every row of present_key / present_value is onnxruntime's, bit for bit
+    (no rotary: the present is copies of past and new rows, and onnxruntime's zeros wherever a
+    call writes nothing -- past a row's end and a static buffer's unused rows, whatever the past
+    buffer held there).  Before each run the heap is left holding freed arrays of 12345.0, and
+    the same feeds run twice give the same bits: no row is memory left unwritten."""
+    _, dtype, batch, packed, cap = case
+    rng = np.random.default_rng(21)
+    n, nkv, h = 4, 2, 16
+    used = {"query", "past_key", "past_value", "seqlens_k", "total_sequence_length"}
+    used |= set() if packed else {"key", "value"}
+    pair = GqaPair(gqa_model(dtype, used, {}, num_heads=n, kv_num_heads=nkv))
+    lens = np.array([4, 2])[:batch]
+    past = rand(rng, (batch, nkv, cap, h), dtype), rand(rng, (batch, nkv, cap, h), dtype)  # stale rows
+    for step in range(4):
+        s = 4 if step == 0 else 1
+        if step:
+            lens = lens + 1
+        total = 4 if step == 0 else int(lens.max())
+        feeds = {"seqlens_k": (lens - 1).astype(np.int32), "total_sequence_length": np.array(total, np.int32),
+                 "past_key": past[0], "past_value": past[1]}
+        if packed:
+            feeds["query"] = rand(rng, (batch, s, (n + 2 * nkv) * h), dtype)
+        else:
+            feeds["query"] = rand(rng, (batch, s, n * h), dtype)
+            feeds["key"] = rand(rng, (batch, s, nkv * h), dtype)
+            feeds["value"] = rand(rng, (batch, s, nkv * h), dtype)
+        want = pair.ort.run(None, feeds)
+        runs = []
+        for _ in range(2):
+            _heap_junk()
+            runs.append(pair.ours.run(None, feeds))
+        got = runs[0]
+        assert got[1].shape == want[1].shape == (batch, nkv, max(cap, total), h)
+        for i, what in ((1, "present_key"), (2, "present_value")):
+            np.testing.assert_array_equal(_bits(got[i]), _bits(want[i]), err_msg=f"{what} step {step}")
+            np.testing.assert_array_equal(_bits(runs[1][i]), _bits(got[i]), err_msg=f"{what} step {step}")
+        for r in range(batch):  # a padded prompt's rows past the row's length: unspecified
+            keep = slice(0, int(lens[r])) if step == 0 else slice(None)
+            np.testing.assert_allclose(got[0][r, keep].astype(np.float64), want[0][r, keep].astype(np.float64),
+                                       **tol(dtype), err_msg=f"output step {step} row {r}")
+        past = (want[1], want[2])  # both continue from onnxruntime's caches
+
+
+@pytest.mark.parametrize("layout", ["shared", "apart"])
+def test_gqa_bound_present_rows_equal_onnxruntime(layout):
+    """IOBinding: present bound to the past buffer itself (the shared KV cache: only the new row
+    is written, the buffer's other rows stay as they were, in onnxruntime too) or to a buffer
+    apart from it that holds junk (zeroed first, as onnxruntime zeroes it): every row equal to
+    onnxruntime's, bit for bit, over a few decode steps of a static cache.  (A binding's first
+    run of a signature computes a fresh present that is then copied into the buffer -- zeros
+    in its unused rows, see ``_iobinding._BindHook`` -- so one warm-up step on scratch buffers
+    comes first, on both sides.)"""
+    rng = np.random.default_rng(22)
+    n, nkv, h, cap = 4, 2, 16, 12
+    used = {"query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"}
+    pair = GqaPair(gqa_model(np.float32, used, {}, num_heads=n, kv_num_heads=nkv))
+    stale = rand(rng, (1, nkv, cap, h), np.float32), rand(rng, (1, nkv, cap, h), np.float32)
+    results = {}
+    for side, sess, rt in (("ort", pair.ort, ort), ("ours", pair.ours, onnxpack)):
+        step_rng = np.random.default_rng(23)  # the same feeds on both sides
+        binding = sess.io_binding()
+        got = []
+        for step, length in enumerate((3, 3, 4, 5)):
+            if step < 2:  # the warm-up's scratch buffers, then the real cache
+                past = [rt.OrtValue.ortvalue_from_numpy(x.copy()) for x in stale]
+            present = past if layout == "shared" else [
+                rt.OrtValue.ortvalue_from_numpy(np.full((1, nkv, cap, h), 12345.0, np.float32)) for _ in range(2)]
+            for name, x in (("query", rand(step_rng, (1, 1, n * h), np.float32)),
+                            ("key", rand(step_rng, (1, 1, nkv * h), np.float32)),
+                            ("value", rand(step_rng, (1, 1, nkv * h), np.float32)),
+                            ("seqlens_k", np.array([length - 1], np.int32)),
+                            ("total_sequence_length", np.array(length, np.int32))):
+                binding.bind_cpu_input(name, x)
+            binding.bind_ortvalue_input("past_key", past[0])
+            binding.bind_ortvalue_input("past_value", past[1])
+            binding.bind_output("y")
+            binding.bind_ortvalue_output("present_key", present[0])
+            binding.bind_ortvalue_output("present_value", present[1])
+            sess.run_with_iobinding(binding)
+            assert present[0].data_ptr() == binding.get_outputs()[1].data_ptr()
+            if step:
+                got.append([o.copy() for o in binding.copy_outputs_to_cpu()])
+            past = present
+        results[side] = got
+    for step, (want, got) in enumerate(zip(results["ort"], results["ours"])):
+        np.testing.assert_allclose(got[0], want[0], **F32, err_msg=f"step {step}")
+        for i in (1, 2):
+            np.testing.assert_array_equal(_bits(got[i]), _bits(want[i]), err_msg=f"present {i} step {step}")
+        if layout == "shared":  # the stale rows past the sequence are untouched
+            np.testing.assert_array_equal(got[1][:, :, 5:], stale[0][:, :, 5:])
+        else:
+            assert not got[1][:, :, 3 + step:].any()
+
+
+GQA_LENGTHS = [
+    # id, batch, S, past rows P, total T, seqlens_k, onnxruntime's error (None: computed)
+    ("over-long-total-no-past", 1, 1, 0, 64, [0], "total_sequence_length must equal"),
+    ("over-long-total-past", 1, 1, 3, 9, [3], "total_sequence_length must equal"),
+    ("over-long-total-prompt", 1, 3, 2, 4, [2], "total_sequence_length must equal"),
+    ("total-shorter-than-the-tokens", 1, 3, 0, 2, [1], "at least kv_sequence_length"),
+    ("chunk-after-a-past-batch2", 2, 2, 3, 5, [4, 3], "batch_size must be 1"),
+    ("seqlens-past-the-present", 1, 1, 4, 4, [4], "seqlens_k"),
+    ("growing-full-past", 1, 1, 2, 3, [2], None),
+    ("growing", 2, 1, 3, 4, [3, 1], None),
+    ("static-total-below-past", 1, 1, 6, 3, [2], None),
+    ("static-seqlens-beyond-total", 1, 1, 8, 4, [6], None),  # onnxruntime bounds seqlens_k by C, not T
+    ("static-prompt", 2, 3, 5, 3, [2, 1], None),
+    ("chunk-after-a-past", 1, 2, 4, 4, [3], None),
+]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["kv", "packed"])
+@pytest.mark.parametrize("case", GQA_LENGTHS, ids=[c[0] for c in GQA_LENGTHS])
+def test_gqa_lengths_refused_or_computed_as_onnxruntime(case, packed, jit_path):
+    """total_sequence_length T, past rows P, new tokens S and seqlens_k checked as onnxruntime
+    checks them: T >= S, T == P + S (growing) or T <= P (static), seqlens_k in [0, max(T, P)),
+    a chunk after a past only for one sequence.  What onnxruntime refuses is an onnxpack
+    InvalidArgument (the kernel's own; a RuntimeFailure caused by it from a session) -- a T
+    larger than P + S no longer returns present rows nobody wrote; what it computes gives its
+    values (the present bit for bit).  Every decoding path is tried: numpy, numba, native and,
+    for packed float32 decoding steps, the packed path."""
+    _, b, s, p, t, seqlens, error = case
+    rng = np.random.default_rng(24)
+    n, nkv, h = 2, 1, 16
+    used = {"query", "past_key", "past_value", "seqlens_k", "total_sequence_length"}
+    used |= set() if packed else {"key", "value"}
+    pair = GqaPair(gqa_model(np.float32, used, {}, num_heads=n, kv_num_heads=nkv))
+    feeds = {"seqlens_k": np.array(seqlens, np.int32), "total_sequence_length": np.array(t, np.int32),
+             "past_key": rand(rng, (b, nkv, p, h), np.float32), "past_value": rand(rng, (b, nkv, p, h), np.float32)}
+    if packed:
+        feeds["query"] = rand(rng, (b, s, (n + 2 * nkv) * h), np.float32)
+    else:
+        feeds["query"] = rand(rng, (b, s, n * h), np.float32)
+        feeds["key"] = rand(rng, (b, s, nkv * h), np.float32)
+        feeds["value"] = rand(rng, (b, s, nkv * h), np.float32)
+    if error is not None:
+        with pytest.raises(Exception, match=error):
+            pair.ort.run(None, feeds)
+        with pytest.raises(OnnxpackError, match=error) as info:
+            pair.ours.run(None, feeds)
+        assert isinstance(info.value.__cause__, InvalidArgument), repr(info.value.__cause__)
+        kernel = lookup(MS, "GroupQueryAttention", 1)(
+            mk("GroupQueryAttention", [x if x in feeds else "" for x in GQA_INPUTS[:7]], ["y", "pk", "pv"],
+               num_heads=n, kv_num_heads=nkv), KernelContext(1, {MS: 1}))
+        with pytest.raises(InvalidArgument, match=error):
+            kernel.run(*(feeds.get(x) for x in GQA_INPUTS[:7]))
+        return
+    want = pair.ort.run(None, feeds)
+    _heap_junk()
+    got = pair.ours.run(None, feeds)
+    for i in (1, 2):
+        np.testing.assert_array_equal(_bits(got[i]), _bits(want[i]))
+    lens = np.array(seqlens) + 1
+    for r in range(b):  # a padded prompt's rows past its length: unspecified
+        keep = slice(0, int(lens[r])) if s == t else slice(None)
+        np.testing.assert_allclose(got[0][r, keep], want[0][r, keep], **F32, err_msg=f"row {r}")
+
+
+def test_attention_shared_buffer_present_keeps_the_buffer_rows():
+    """Attention with past_present_share_buffer=1 (onnxruntime's CPU kernel refuses it): present is
+    the past buffer with the new rows written after past_sequence_length -- the rows beyond are
+    the buffer's, never memory left unwritten."""
+    rng = np.random.default_rng(25)
+    x, w, bias = attention_case(rng, np.float32)
+    m, p = 9, 2
+    past = rand(rng, (2, B, NH, m, 4), np.float32)
+    node = mk("Attention", ["x", "w", "b", "", "past", "", "pl"], ["y", "present"], num_heads=NH,
+              past_present_share_buffer=1)
+    kernel = lookup(MS, "Attention", 1)(node, KernelContext(1, {MS: 1}))
+    _heap_junk()
+    _, present = kernel.run(x, w, bias, None, past, None, np.array([p], np.int32))
+    np.testing.assert_array_equal(present[:, :, :, :p], past[:, :, :, :p])
+    np.testing.assert_array_equal(present[:, :, :, p + S:], past[:, :, :, p + S:])
+    assert not np.array_equal(present[:, :, :, p:p + S], past[:, :, :, p:p + S])
+
+
+# -- a float16 / bfloat16 exported attention chain: the nodes' rounding, BLAS products ----------
+def _chain_model(elem, scale: np.ndarray) -> bytes:
+    nodes = [helper.make_node("Transpose", ["qr"], ["qt"], perm=[0, 2, 1, 3]),
+             helper.make_node("Transpose", ["kr"], ["kt"], perm=[0, 2, 3, 1]),
+             helper.make_node("Transpose", ["vr"], ["vt"], perm=[0, 2, 1, 3]),
+             helper.make_node("MatMul", ["qt", "kt"], ["qk"]), helper.make_node("Mul", ["qk", "sc"], ["qks"]),
+             helper.make_node("Add", ["qks", "mask"], ["qkm"]), helper.make_node("Softmax", ["qkm"], ["pr"], axis=-1),
+             helper.make_node("MatMul", ["pr", "vt"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "chain", [helper.make_tensor_value_info(x, elem, [2, 70, 3, 16]) for x in ("qr", "kr", "vr")]
+        + [helper.make_tensor_value_info("mask", elem, [2, 1, 1, 70])],
+        [helper.make_tensor_value_info("y", elem, None)], [numpy_helper.from_array(scale, "sc")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_attention_chain_equals_unfused_nodes(dtype, monkeypatch):
+    """Q.K^T -> Mul -> Add(mask) -> Softmax -> .V in float16 (convert_float_to_float16's output)
+    and bfloat16: the attention_chain kernel's two products are float32 BLAS GEMMs of the
+    widened operands, rounded once, as the MatMul kernel computes them (numpy's float16 matmul
+    is a scalar loop), the scale, mask and softmax the nodes' own: the same bits as onnxpack's
+    unfused nodes (pre-packing off: no fusion).  float16 runs fused in a session (bfloat16
+    chains are not fused: the kernel is called directly) and is within the file's float16
+    tolerance of onnxruntime."""
+    from onnxpack.session.kernels import _act
+    from onnxpack.session.kernels.attention import AttentionChain
+
+    if dtype == "bfloat16":
+        ml = pytest.importorskip("ml_dtypes")
+        np_dtype, elem = np.dtype(ml.bfloat16), TensorProto.BFLOAT16
+    else:
+        np_dtype, elem = np.dtype(np.float16), TensorProto.FLOAT16
+    rng = np.random.default_rng(26)
+    feeds = {x: (rng.standard_normal((2, 70, 3, 16)) * 2).astype(np_dtype) for x in ("qr", "kr", "vr")}
+    feeds["mask"] = np.where(rng.random((2, 1, 1, 70)) < 0.3, -10000.0, 0.0).astype(np_dtype)
+    scale = np.array(0.25, np_dtype)
+    model = onnx.load_from_string(_chain_model(elem, np.array(0.25, np.float32)))
+    # (numpy_helper cannot write ml_dtypes' bfloat16: make_tensor rounds the float to either type)
+    model.graph.initializer[0].CopyFrom(helper.make_tensor("sc", elem, [], [0.25]))
+    model = model.SerializeToString()
+    so = onnxpack.SessionOptions()
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    with onnxpack.InferenceSession(model, so) as sess:
+        assert "AttentionChain" not in [type(st.kernel).__name__ for st in sess.program.root.steps]
+        (unfused,) = sess.run(None, feeds)
+    products = []
+    real = _act.matmul
+
+    def spy(a, b, *args, **kwargs):
+        products.append((a.dtype, b.dtype))
+        return real(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(_act, "matmul", spy)
+    q = feeds["qr"].transpose(0, 2, 1, 3)
+    k = feeds["kr"].transpose(0, 2, 3, 1)
+    v = feeds["vr"].transpose(0, 2, 1, 3)
+    kernel = AttentionChain(helper.make_node("MatMul", ["q", "k"], ["y"]), KernelContext(17, {"": 17}), scale=scale)
+    (direct,) = kernel.run(q, k, v, feeds["mask"])
+    assert products == [(np.float32, np.float32)] * 2, products  # both products widened, by BLAS
+    assert direct.dtype == unfused.dtype == np_dtype and direct.shape == unfused.shape == (2, 3, 70, 16)
+    np.testing.assert_array_equal(direct.view(np.uint16), unfused.view(np.uint16))
+    if dtype == "float16":
+        with onnxpack.InferenceSession(model) as sess:
+            assert "AttentionChain" in [type(st.kernel).__name__ for st in sess.program.root.steps]
+            (got,) = sess.run(None, feeds)
+        np.testing.assert_array_equal(got.view(np.uint16), unfused.view(np.uint16))
+        (want,) = run_ort_model(onnx.load_from_string(model), feeds)
+        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), **F16)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -236,9 +236,13 @@ class AttentionChain(Kernel):
     float32 Q (B, N, S, H), K (B, N, H, T), V (B, N, T, H) with a float32 scale and mask run
     the JIT's ``attend_heads`` (K read transposed in place; the scale applied as its node does, a
     product or a division, then the mask: two roundings; Softmax's rule for a row of -inf: NaN);
-    every other case runs the nodes' own operations one after the other (numpy's matmul and
-    broadcasting, this module's softmax).  Torch's BERT-base export: 12 heads of 128 tokens
-    0.9 -> 0.6 ms a layer on one thread, and its heads split over threads.
+    every other case runs the nodes' own operations one after the other, with their rounding
+    points: each MatMul as the MatMul kernel computes it (float16 / bfloat16 widened to float32
+    and rounded once, :func:`_node_matmul`), the scale and mask as numpy's broadcasting, the
+    Softmax kernel's softmax (float16 step by step in float16): the unfused nodes' bits.  Torch's
+    BERT-base export: 12 heads of 128 tokens 0.9 -> 0.6 ms a layer on one thread, and its heads
+    split over threads; float16, 4 heads of 128 tokens 24 -> 1.7 ms on one thread (numpy's
+    float16 matmul is a scalar loop; what remains is the float16 scale, mask and softmax steps).
     """
 
     def __init__(self, node, ctx, *, scale: np.ndarray | None = None, divide: bool = False) -> None:
@@ -260,12 +264,31 @@ class AttentionChain(Kernel):
         from onnxpack.session.kernels.reduce import _softmax
 
         with np.errstate(all="ignore"):  # (the nodes' kernels warn of nothing either)
-            y = np.matmul(q, k)
+            y = _node_matmul(q, k)
             if sc is not None:
                 y = np.divide(y, sc) if self.divide else np.multiply(y, sc)
             if mask is not None:
                 y = np.add(y, mask)
-            return (np.matmul(_softmax(y, -1), v),)
+            return (_node_matmul(_softmax(y, -1), v),)
+
+
+def _node_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b`` as the MatMul node's kernel (``linalg.MatMul`` without a packed B) computes it:
+    float16 / bfloat16 operands widened to float32, multiplied by BLAS (equal leading dimensions
+    as one 3-D batch, :func:`_act.matmul`), the product rounded once to ``a``'s dtype; other
+    dtypes (float32, float64, and what the node would refuse) numpy's own ``matmul``.  numpy has
+    no half-precision BLAS: its float16 ``matmul`` is a scalar loop, ~100-500x slower."""
+    cd = compute_dtype(a.dtype)
+    if cd is None or cd == a.dtype or a.dtype != b.dtype:
+        return np.matmul(a, b)
+    a2, b2 = a.astype(cd), b.astype(cd)
+    if a2.ndim >= 3 and a2.ndim == b2.ndim and a2.shape[:-2] == b2.shape[:-2] and a2.size and b2.size:
+        lead = a2.shape[:-2]
+        y = _act.matmul(a2.reshape(-1, *a2.shape[-2:]), b2.reshape(-1, *b2.shape[-2:]))
+        y = y.reshape(*lead, *y.shape[-2:])
+    else:
+        y = np.matmul(a2, b2)
+    return y.astype(a.dtype)
 
 
 def _bsd_to_bnsh(x: np.ndarray, heads: int) -> np.ndarray:
@@ -344,8 +367,9 @@ class Attention(Kernel):
     Inputs: input (B, S, D_in), weights (D_in, Dq + Dk + Dv), bias, mask_index, past
     (2, B, N, P, H), attention_bias, past_sequence_length.  Outputs: output (B, S, Dv), present
     (2, B, N, P + S, H).  ``past_present_share_buffer=1``: past is a (2, B, N, M, H) buffer whose
-    first ``past_sequence_length`` rows are valid, and present has the same shape with the new
-    rows written after them (rows beyond are unspecified, as in onnxruntime: not written).
+    first ``past_sequence_length`` rows are valid, and present is that buffer with the new rows
+    written after them (the rows beyond are the past buffer's: what sharing it gives;
+    onnxruntime's CPU kernel refuses the attribute).
     """
 
     def __init__(self, node, ctx) -> None:
@@ -456,8 +480,10 @@ class Attention(Kernel):
                 if not 0 <= past_len <= past.shape[3] - s:
                     raise _err(self, f"past_sequence_length {past_len} + sequence {s} exceeds the buffer's "
                                      f"{past.shape[3]} rows")
-                present = np.empty_like(past)  # only valid rows are written: O(past), not O(buffer)
-                present[:, :, :, :past_len] = past[:, :, :, :past_len]
+                # present is the buffer with the new rows written into it (where the buffer is
+                # shared, onnxruntime's CUDA kernel writes them into past itself): a copy of the
+                # whole past, rows beyond past_len + S included, never unwritten memory.
+                present = past.copy()
                 present[0, :, :, past_len:past_len + s] = k
                 present[1, :, :, past_len:past_len + s] = v
                 k_all = _f(present[0, :, :, :past_len + s], fd)
@@ -683,6 +709,24 @@ def _bounds(a: np.ndarray) -> tuple[int, int]:
         v = a.ravel().tolist()
         return min(v), max(v)
     return int(a.min()), int(a.max())
+
+
+def _present_cache(given, past, shape: tuple[int, ...], dtype) -> tuple[np.ndarray, bool]:
+    """(the array a present cache is written into, whether it is the past buffer itself).
+
+    ``given`` (a buffer bound to the output, or None) serves when it fits: the past buffer
+    itself (the shared KV cache: its past rows are already in place and nothing else of it is
+    written) or a buffer apart from the past, which is zeroed as onnxruntime zeroes a present
+    that is not the past buffer: the rows a call does not write (past the longest row, a
+    shorter row's tail, a static cache's unused end) are 0, never memory left unwritten.
+    Otherwise a fresh zeroed array (calloc: pages untouched until written)."""
+    if given is not None and given.shape == shape and given.dtype == dtype and given.flags.writeable:
+        if same_view(given, past):
+            return given, True
+        if past is None or not np.may_share_memory(given, past):
+            given.fill(0)
+            return given, False
+    return np.zeros(shape, dtype), False
 
 
 def _gather_cache(kernel, cache: np.ndarray, positions: np.ndarray, half: int, what: str) -> np.ndarray:
@@ -1008,17 +1052,21 @@ class GroupQueryAttention(Kernel):
     int32 = total length - 1 per row; total_sequence_length (scalar int32); cos_cache/sin_cache
     (max_position, rotary_dim / 2); position_ids (B, S); attention_bias (B or 1, N or 1, S, T);
     head_sink (N).  Outputs: output (B, S, N*H), present_key/present_value (B, Nkv, C, H) with
-    ``C = max(total_sequence_length, P)``, in the cache's dtype; rows from the longest row's
-    end on are unspecified (not written: a step costs O(total length), not O(C)).
+    ``C = max(total_sequence_length, P)``, in the cache's dtype.  As onnxruntime checks, T =
+    total_sequence_length is at least S and either ``P + S`` (a growing cache) or at most P (a
+    static cache, a buffer of P rows), and ``seqlens_k`` is in [0, C).  A present that is not
+    the past buffer is zero where a call writes nothing (past a row's end, a static cache's
+    unused rows), as onnxruntime zeroes it; a present bound to the past buffer itself (the
+    shared KV cache, ``run_into``) gets only the new rows: a step costs O(new tokens) there.
 
     As in onnxruntime, a call is the first prompt when ``S == total_sequence_length``: then every
     row's past is empty and its S new rows fill present rows 0..S-1 (rows of a right-padded
     prompt past ``seqlens_k[b]`` are written but never attended to).  Otherwise row b has
     ``past_b = seqlens_k[b] + 1 - S`` cached tokens and the new ones go to rows
-    ``past_b .. past_b + S - 1``; rows of a shorter row up to the longest row's end are zero.
-    Past and present never share memory here (each step copies the valid past rows, which the
-    attention reads anyway): "past is a max-length buffer" (P = C) and "past has exactly the
-    past length" give the same values in every specified row.
+    ``past_b .. past_b + S - 1``.  A present apart from the past gets the valid past rows
+    copied (which the attention reads anyway): "past is a max-length buffer" (P = C) and "past
+    has exactly the past length" give the same values in every row but the past buffer's rows
+    beyond the valid ones, which are zero in the present as in onnxruntime's.
 
     Query i of row b (absolute position ``p = past_b + i``) attends to keys ``j <= p`` (all
     ``j < seqlens_k[b] + 1`` with ``causal=0``), and with ``local_window_size = W > 0`` only to
@@ -1138,14 +1186,18 @@ class GroupQueryAttention(Kernel):
                 raise _err(self, f"past_key/past_value must be {list(want)}, got {list(past_key.shape)} / "
                                  f"{list(past_value.shape)}")
         lens_lo, lens_hi = _bounds(lens)
-        if lens_lo < 1 or lens_hi > total:
-            raise _err(self, f"seqlens_k + 1 must be in [1, total_sequence_length={total}], got {lens.tolist()}")
         first_prompt = s == total
         past = np.zeros(b, np.int64) if first_prompt else lens - s
         if self.sliding:
+            if lens_lo < 1 or lens_hi > total:
+                raise _err(self, f"seqlens_k + 1 must be in [1, total_sequence_length={total}], got {lens.tolist()}")
             return self._sliding(q, k, v, past_key, past_value, past, lens, first_prompt, position_ids, cos_cache,
                                  sin_cache, attention_bias, head_sink, query.dtype, fd, h)
+        self._check_total(total, plen, s, b)
         cap = max(total, plen)
+        if lens_lo < 1 or lens_hi > cap:  # onnxruntime: seqlens_k in [0, present rows)
+            raise _err(self, f"seqlens_k must be in [0, {cap}) (the present cache's rows: max(total_sequence_length"
+                             f"={total}, past rows={plen})), got {(lens - 1).tolist()}")
         past_lo, past_hi = _bounds(past)
         if past_lo < 0 or past_hi + s > cap or (not first_prompt and past_hi > plen):
             raise _err(self, f"seqlens_k {(lens - 1).tolist()} do not fit sequence {s}, past {plen}, total {total}")
@@ -1162,39 +1214,43 @@ class GroupQueryAttention(Kernel):
             q = apply_rotary(q, cos[:, :, None, :], sin[:, :, None, :], self.interleaved, rot)
             k = apply_rotary(k, cos[:, :, None, :], sin[:, :, None, :], self.interleaved, rot)
         cache_dtype = query.dtype if past_key is None else past_key.dtype
-        # Rows at and past the longest row's end are left unwritten (unspecified, as onnxruntime
-        # documents them): zero-filling a max-length buffer would cost O(max_seq) per step.
         shape = (b, nkv, cap, h)
-        pk, pv = (o if o is not None and o.shape == shape and o.dtype == cache_dtype else np.empty(shape, cache_dtype)
-                  for o in present)
-        # The shared cache: present is the past buffer itself, its past rows are already there.
-        shared = same_view(pk, past_key) and same_view(pv, past_value)
+        (pk, k_shared), (pv, v_shared) = (_present_cache(o, past_c, shape, cache_dtype)
+                                          for o, past_c in zip(present, (past_key, past_value)))
         kt = k.transpose(0, 2, 1, 3)  # (B, Nkv, S, H)
         vt = v.transpose(0, 2, 1, 3)
         if past_lo == past_hi:  # every row has the same past: one slice per cache
             p0 = int(past[0])
-            if p0 and not shared:
+            if p0 and not k_shared:
                 pk[:, :, :p0] = past_key[:, :, :p0]
+            if p0 and not v_shared:
                 pv[:, :, :p0] = past_value[:, :, :p0]
             pk[:, :, p0:p0 + s] = kt
             pv[:, :, p0:p0 + s] = vt
         else:  # right-padded batch: a slice per row (a loop over the batch only)
             for r in range(b):
                 p0 = int(past[r])
-                if not shared:
+                if not k_shared:
                     pk[r, :, :p0] = past_key[r, :, :p0]
+                if not v_shared:
                     pv[r, :, :p0] = past_value[r, :, :p0]
                 pk[r, :, p0:p0 + s] = kt[r]
                 pv[r, :, p0:p0 + s] = vt[r]
         t = int((past + s).max())  # keys any query can see
-        for r in np.flatnonzero(past + s < t):  # a shorter row's keys up to t: zero, never garbage
-            pk[r, :, past[r] + s:t] = 0
-            pv[r, :, past[r] + s:t] = 0
         if (s == 1 and b == 1 and attention_bias is None and head_sink is None and not self.smooth
                 and self.causal):
             return self._decode_step(q, pk, pv, t, query.dtype, fd, h)
         kk = _f(pk[:, :, :t], fd)
         vv = _f(pv[:, :, :t], fd)
+        shorter = np.flatnonzero(past + s < t)
+        if shorter.size and (k_shared or v_shared):
+            # A shorter row's keys up to t, which no query of the row attends: zero in what the
+            # products read (a fresh present is zero there already; a shared buffer, whatever the
+            # caller left there, possibly NaN, is not written: onnxruntime leaves it as it is).
+            kk, vv = np.array(kk), np.array(vv)
+            for r in shorter:
+                kk[r, :, past[r] + s:t] = 0
+                vv[r, :, past[r] + s:t] = 0
         qpos = past[:, None] + np.arange(s)[None, :]  # (B, S) absolute query positions
         j = np.arange(t)[None, None, :]
         exclude = j >= lens[:, None, None]  # beyond the row's length
@@ -1214,6 +1270,24 @@ class GroupQueryAttention(Kernel):
                          post_bias=bias, sink=sink)
         y = _bnsh_to_bsd(out).astype(query.dtype, copy=False)
         return (y, pk, pv)[: self.n_out]
+
+    def _check_total(self, total: int, plen: int, s: int, b: int) -> None:
+        """onnxruntime's checks of ``total_sequence_length`` T against the past buffer's P rows
+        and the S new tokens (a cache that is not ``sliding_window_cache``): ``T >= S``, and
+        ``T == P + S`` (a growing cache: present is past plus the new rows) or ``T <= P`` (a
+        static cache: present is a buffer of P rows).  A larger T would ask for present rows
+        that no past and no new token fills.  Several new tokens after a past (a chunk of a
+        prompt) only for a batch of one."""
+        if total < s:
+            raise _err(self, f"total_sequence_length must be at least kv_sequence_length for a non-sliding cache, "
+                             f"got {total} and {s}")
+        if b > 1 and s > 1 and s != total:  # (not a first prompt: the new tokens follow a past)
+            raise _err(self, "batch_size must be 1 when sequence_length > 1 and past context is given, got batch "
+                             f"{b}, sequence {s}, total_sequence_length {total}")
+        if total != plen + s and total > plen:
+            raise _err(self, f"total_sequence_length must equal past_sequence_length + kv_sequence_length for a "
+                             f"dynamic cache, or be no greater than past_sequence_length for a static cache, got "
+                             f"total_sequence_length={total}, past_sequence_length={plen}, kv_sequence_length={s}")
 
     def _sink_scale(self, head_sink, n: int, h: int, fd) -> tuple:
         """(the softmax's extra logit: ``head_sink`` per head, 0 for ``smooth_softmax``, else None;
@@ -1351,8 +1425,8 @@ class GroupQueryAttention(Kernel):
         if past_key.shape != (1, nkv, plen, h) or past_value.shape != past_key.shape:
             return None
         length, t_total = int(seqlens_k.item()) + 1, int(total.item())
-        if length < 1 or length > t_total:
-            return None
+        if length < 1 or length > t_total or t_total < 1 or (t_total != plen + 1 and t_total > plen):
+            return None  # (what _run refuses, or a static cache's seqlens_k past total: _run computes it)
         first = t_total == 1  # the first prompt, of one token
         p0 = 0 if first else length - 1
         cap = max(t_total, plen)
@@ -1447,14 +1521,17 @@ class GroupQueryAttention(Kernel):
     def _jit_step(self, kern, q, k, v, past_key, past_value, present, p0: int, lo: int, cap: int, cos, sin,
                   half: int) -> tuple:
         """The JIT call of one float32 token: ``q`` (heads, H), ``k``/``v`` (kv_heads, H), C-contiguous;
-        past rows are copied into a present buffer that is not the past buffer itself."""
+        past rows are copied into a present buffer that is not the past buffer itself (zeroed
+        first: see :func:`_present_cache`)."""
         n, nkv = self.heads, self.kv_heads
         h = q.shape[-1]
         shape = (1, nkv, cap, h)
-        pk, pv = (o if o is not None and o.shape == shape and o.dtype == _F32 and o.flags.c_contiguous
-                  and o.flags.writeable else np.empty(shape, _F32) for o in present)
-        if p0 and not (same_view(pk, past_key) and same_view(pv, past_value)):
+        (pk, k_shared), (pv, v_shared) = (
+            _present_cache(o if o is None or o.flags.c_contiguous else None, past_c, shape, _F32)
+            for o, past_c in zip(present, (past_key, past_value)))
+        if p0 and not k_shared:
             pk[:, :, :p0] = past_key[:, :, :p0]
+        if p0 and not v_shared:
             pv[:, :, :p0] = past_value[:, :, :p0]
         out = np.empty((1, 1, n * h), _F32)
         scale = self.scale if self.scale != 0.0 else 1.0 / math.sqrt(h)
