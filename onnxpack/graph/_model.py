@@ -31,6 +31,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from onnxpack.errors import InvalidGraph, ModelLoadError
+from onnxpack.graph._attributes import allowed as _allowed_attributes
 from onnxpack.graph._external import DataFiles, read_regular_file
 from onnxpack.graph._proto import AttributeProto, GraphProto, ModelProto, NodeProto, SparseTensorProto, TensorProto
 from onnxpack.graph._tensor import Tensor
@@ -46,6 +47,7 @@ _NO_GRAPH_TYPES = frozenset(t for t in AttributeProto.AttributeType.values() if 
 # Attribute types that hold neither a graph nor a tensor (most attributes of most nodes).
 _SCALAR_TYPES = frozenset({AttributeProto.FLOAT, AttributeProto.INT, AttributeProto.STRING, AttributeProto.FLOATS,
                            AttributeProto.INTS, AttributeProto.STRINGS})
+_UNSEEN = object()  # an op whose allowed attribute names are not looked up yet
 
 
 def subgraphs_of(node: NodeProto) -> Iterator[tuple[str, int | None, GraphProto]]:
@@ -216,6 +218,10 @@ def sparse_to_dense(sparse: SparseTensorProto, what: str = "sparse tensor") -> n
 class Model:
     """A parsed model whose external data is mapped, not read.
 
+    A node of the default or ``ai.onnx.ml`` domain, in any scope, with an attribute its op's
+    schema does not have at the model's opset of that domain is refused (InvalidGraph), as
+    onnxruntime refuses it: the names come from ``_attributes`` (no onnx import).
+
     Attributes:
         proto: the ModelProto (external data is NOT pulled into it).
         path: model file path, or ``None`` when loaded from bytes.
@@ -288,9 +294,42 @@ class Model:
         with the same external-data checks and mappings as initializers."""
         return Tensor(proto, self._files)
 
+    def _allowed_attributes(self, domain: str, op_type: str) -> frozenset[str] | None:
+        """The attribute names a node of ``op_type`` may carry in this model (its opset of the
+        node's domain), or ``None``: no check (a domain or op the table does not know, an opset
+        before the op existed, a model-local function of that name: other layers decide)."""
+        if domain == "ai.onnx":
+            domain = ""
+        opset = self.opsets.get(domain)
+        if opset is None:
+            return None
+        functions = self.proto.functions[:]
+        if functions and any(f.name == op_type and f.domain in (domain, domain or "ai.onnx") for f in functions):
+            return None
+        return _allowed_attributes(domain, op_type, opset)
+
+    def _check_attribute_names(self, node: NodeProto, attrs: list, names: frozenset[str], scope: Scope) -> None:
+        """Raises InvalidGraph for an attribute of ``node`` that is not in ``names`` (names
+        starting with ``__`` excepted: onnx's checker lets those through)."""
+        unknown = [a.name for a in attrs if a.name not in names and not a.name.startswith("__")]
+        if not unknown:
+            return
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        where = f"graph {scope.graph.name!r}{' (' + scope.path + ')' if scope.path else ''}"
+        listed = ", ".join(sorted(names)) if names else "none"
+        raise InvalidGraph(
+            f"{where}: node {node.name!r} ({node.op_type}, opset {self.opsets[domain]} of domain "
+            f"{domain or 'ai.onnx'!r}) has attribute{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(repr(n) for n in unknown)} that {node.op_type} does not have at this opset "
+            f"(its attributes there: {listed}; an attribute of another opset, e.g. one that became "
+            "an input, needs the model converted): onnxruntime refuses the model too (Unrecognized "
+            "attribute)"
+        )
+
     def _build(self, graph: GraphProto) -> Scope:
         root = Scope(graph, None, None, None, "")
         used_paths = {""}
+        allowed_names: dict[tuple[str, str], frozenset[str] | None] = {}
         order: list[Scope] = []
         stack = [root]
         while stack:  # pre-order: parents before children, so path collisions resolve stably
@@ -319,9 +358,20 @@ class Model:
                         )
                     if o:
                         defined.add(o)
+                attrs = node.attribute[:]
+                if not attrs:
+                    continue
+                # Names the op's schema does not declare at the model's opset: refused, as
+                # onnxruntime does (one cached set per op of this model).
+                key = (node.domain, node.op_type)
+                names = allowed_names.get(key, _UNSEEN)
+                if names is _UNSEEN:
+                    names = allowed_names[key] = self._allowed_attributes(*key)
+                if names is not None and not names.issuperset([a.name for a in attrs]):
+                    self._check_attribute_names(node, attrs, names, scope)
                 # One pass over the attributes decides for most nodes: numbers and strings hold
                 # neither tensors to read nor graphs.
-                if all(a.type in _SCALAR_TYPES for a in node.attribute[:]):
+                if all(a.type in _SCALAR_TYPES for a in attrs):
                     continue
                 self._inline_attribute_tensors(node)
                 subs = list(subgraphs_of(node))

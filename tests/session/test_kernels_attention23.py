@@ -223,12 +223,20 @@ def test_opset25_windows(qkv, window, causal):
           right_window_size=right, is_causal=causal)
 
 
-def test_windows_are_ignored_before_opset25(qkv):
-    """The window attributes exist from opset 25: an opset-23 node ignores them (as its schema does)."""
-    want = check(list(qkv), is_causal=1)
+def test_windows_are_refused_before_opset25(qkv):
+    """The window attributes exist from opset 25: an opset-23 node carrying one is refused at load,
+    as onnxruntime refuses it (graph/_attributes.py)."""
+    import onnxruntime as ort
+
+    from onnxpack.errors import InvalidGraph
+
     node, feeds = attention(list(qkv), is_causal=1, left_window_size=0)
-    got, _ = run_onnxpack(single_node_model(node, feeds, {}, 23), feeds)
-    np.testing.assert_array_equal(got[0], want[0])
+    model = single_node_model(node, feeds, {}, 23)
+    with pytest.raises(InvalidGraph, match="left_window_size"):
+        run_onnxpack(model, feeds)
+    with pytest.raises(Exception, match="left_window_size"):
+        ort.InferenceSession(model if isinstance(model, (bytes, str)) else model.SerializeToString(),
+                             providers=["CPUExecutionProvider"])
 
 
 def test_edge_sizes_and_overflow():
