@@ -589,3 +589,24 @@ def test_half_float_conversion_pass_gives_numpys_bits(n):
         same_bits(_act.astype(got, np.float32), got.astype(np.float32), np.uint32)
     same = np.zeros(3, np.float32)
     assert _act.astype(same, np.float32) is same
+
+
+@pytest.mark.parametrize("op", ["Add", "Sub", "Mul", "Div"])
+def test_float16_arithmetic_in_float32_gives_numpys_float16_bits(op):
+    """float16 + - * / of large operands compute in float32 and round once (the JIT's
+    conversions): numpy's float16 results bit for bit (numpy rounds each float32 result too),
+    with overflow to inf, subnormals, signed zeros, NaN, and broadcasting either side."""
+    rng = np.random.default_rng(41)
+    a = (rng.standard_normal((64, 48)) * 10.0 ** rng.uniform(-6, 4, (64, 48))).astype(np.float16)
+    b = (rng.standard_normal((64, 48)) * 10.0 ** rng.uniform(-6, 4, (64, 48))).astype(np.float16)
+    a[0, :8] = [np.nan, np.inf, -np.inf, -0.0, 65504, 6e-8, 1e-7, 0.0]
+    b[0, :8] = [1.0, -np.inf, 2.0, 0.0, 65504, 6e-8, -1e-7, 0.0]
+    fn = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide}[op]
+    for x, y in ((a, b), (a, b[:1]), (a[:, :1], b)):
+        (got,) = run_native(make_node(op, ["a", "b"], ["y"]), [x, y], 14)
+        with np.errstate(all="ignore"):
+            want = fn(x, y)
+        assert got.dtype == np.float16 and got.shape == want.shape
+        nan = np.isnan(want)
+        np.testing.assert_array_equal(np.isnan(got), nan)
+        np.testing.assert_array_equal(got[~nan].view(np.uint16), want[~nan].view(np.uint16))
