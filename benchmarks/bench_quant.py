@@ -168,10 +168,16 @@ def _ort_session(model, threads: int, optimize: bool = True) -> ort.InferenceSes
     return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
 
 
-def side_by_side(fns: dict[str, callable], repeat: int) -> dict[str, float]:
-    """Median ms of each callable, calls interleaved (one of each per round) after a warm-up."""
+def side_by_side(fns: dict[str, callable], repeat: int, warm_s: float = 1.0, warm_calls: int = 20) -> dict[str, float]:
+    """Median ms of each callable, calls interleaved (one of each per round) after a warm-up of at
+    least ``warm_calls`` calls and ``warm_s`` seconds of each (an onnxpack session on several
+    threads first measures its two thread modes, one of them BLAS's own threads: a QOperator
+    BERT-base ran 3x slower in that block than after it)."""
     for fn in fns.values():
-        fn()
+        t0, calls = time.perf_counter(), 0
+        while calls < warm_calls or time.perf_counter() - t0 < warm_s:
+            fn()
+            calls += 1
     times = {k: [] for k in fns}
     for _ in range(repeat):
         for k, fn in fns.items():
