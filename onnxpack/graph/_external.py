@@ -55,6 +55,16 @@ _OPEN_FLAGS = (
 )
 
 
+def _opened_path(fd: int) -> str | None:
+    """The path of the file open as ``fd``, as the kernel names it (Linux's /proc/self/fd), or
+    None where that cannot be asked."""
+    try:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    return path if path.startswith("/") and not path.endswith(" (deleted)") else None
+
+
 @fast_init
 @dataclasses.dataclass(frozen=True)
 class ExternalLocation:
@@ -245,7 +255,11 @@ class DataFiles:
                 f"folder {self.base_dir!r} with '..'"
             )
         # realpath resolves symlinks with lstat/readlink only: nothing is opened.
-        real = os.path.realpath(os.path.join(self._real_base, location))
+        try:
+            real = os.path.realpath(os.path.join(self._real_base, location))
+        except (OSError, ValueError) as e:  # (a path changing under it: a loop, a component gone)
+            raise ExternalDataError(
+                f"tensor {tensor_name!r}: external data location {location!r} cannot be resolved: {e}") from e
         if os.path.commonpath([real, self._real_base]) != self._real_base or real == self._real_base:
             raise ExternalDataError(
                 f"tensor {tensor_name!r}: external data location {location!r} resolves to {real!r}, "
@@ -287,6 +301,15 @@ class DataFiles:
                 raise ExternalDataError(
                     f"tensor {tensor_name!r}: external data file {location!r} ({real}) changed "
                     "while it was being opened or is not a regular file"
+                )
+            opened = _opened_path(fd)
+            if opened is not None and (os.path.commonpath([opened, self._real_base]) != self._real_base
+                                       or opened == self._real_base):
+                # A directory of the path swapped for a symlink between the checks and the open
+                # (the stat and the open both followed it): what was opened is what counts.
+                raise ExternalDataError(
+                    f"tensor {tensor_name!r}: external data file {location!r} opened as {opened!r}, outside "
+                    f"the model folder {self._real_base!r} (the path changed while it was being opened)"
                 )
             size = fst.st_size
             mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size > 0 else None
