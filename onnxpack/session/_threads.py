@@ -308,11 +308,7 @@ class ModeTuner:
     SETTLE = 0.25  # seconds from a block's first run before its runs count (see above)
     TRIALS = 5
     BLAS_MARGIN = 0.97  # BLAS mode is kept only if its median is below this much of owned's
-    # One thread is kept only if its median is below this much of the faster multi-thread mode's:
-    # a wrong choice costs more this way (YOLOv8n on two threads, its tuner measuring while the
-    # machine's other core was busy, chose one thread, 13.6 ms a run, where owned mode ran 10.5
-    # in a quieter minute; MobileNetV2's modes are within ~10 % of each other either way).
-    ONE_MARGIN = 0.9
+    ONE_MARGIN = 0.97  # one thread is kept only if its median is below this much of the other's
     RECHECK_FIRST = 100  # runs, and ...
     RECHECK_FIRST_S = 3.0  # ... seconds after the first choice before measuring again (both)
     RECHECK = 2000  # the most runs, and ...
