@@ -1619,19 +1619,6 @@ def _conv_gemm_model() -> bytes:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString()
 
 
-def _two_thread_session():
-    """An input of :func:`_conv_gemm_model`, its output on one thread, and a session of the model
-    at intra_op_num_threads=2."""
-    model = _conv_gemm_model()
-    x = np.random.default_rng(8).standard_normal((1, 16, 48, 48)).astype(np.float32)
-    one = onnxpack.SessionOptions()
-    one.intra_op_num_threads = 1
-    want = onnxpack.InferenceSession(model, one).run(None, {"x": x})[0]
-    two = onnxpack.SessionOptions()
-    two.intra_op_num_threads = 2
-    return x, want, onnxpack.InferenceSession(model, two)
-
-
 def test_a_session_on_two_threads_tries_every_mode_and_every_run_agrees(monkeypatch):
     """A session at intra_op_num_threads=2 (a conv net with a classifier Gemm) runs blocks of
     each thread mode (owned, BLAS, one thread), then keeps one: every run equals the one-thread
@@ -1641,7 +1628,15 @@ def test_a_session_on_two_threads_tries_every_mode_and_every_run_agrees(monkeypa
     if not blas_libraries(quiet=True):
         pytest.skip("the BLAS thread count cannot be set here (threadpoolctl)")
     monkeypatch.setattr(ModeTuner, "SETTLE", 0.0)
-    x, want, sess = _two_thread_session()
+    model = _conv_gemm_model()
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((1, 16, 48, 48)).astype(np.float32)
+    one = onnxpack.SessionOptions()
+    one.intra_op_num_threads = 1
+    want = onnxpack.InferenceSession(model, one).run(None, {"x": x})[0]
+    two = onnxpack.SessionOptions()
+    two.intra_op_num_threads = 2
+    sess = onnxpack.InferenceSession(model, two)
     modes = sess._runner.modes
     # (three blocks, or six when the first round favours a switch: see ModeTuner)
     for _ in range(1 + 6 * (ModeTuner.SKIP + ModeTuner.TRIALS) + 3):
@@ -1680,7 +1675,14 @@ def test_each_thread_mode_runs_as_it_says(mode, monkeypatch):
             return real_loop(self, plan, inputs, control)
 
     monkeypatch.setattr(_runner.Runner, "_loop", loop)
-    x, want, sess = _two_thread_session()
+    model = _conv_gemm_model()
+    x = np.random.default_rng(8).standard_normal((1, 16, 48, 48)).astype(np.float32)
+    one = onnxpack.SessionOptions()
+    one.intra_op_num_threads = 1
+    want = onnxpack.InferenceSession(model, one).run(None, {"x": x})[0]
+    two = onnxpack.SessionOptions()
+    two.intra_op_num_threads = 2
+    sess = onnxpack.InferenceSession(model, two)
     seen.clear()
     for _ in range(3):
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
