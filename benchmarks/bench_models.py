@@ -135,14 +135,14 @@ def _mode_settled(sess) -> bool:
 
 
 def _thread_mode(modes) -> str:
-    """The thread mode an onnxpack session runs in at the end of the measurement: owned / blas /
-    one (one thread), ``measuring`` in the middle of the tuner's first measuring, ``owned?`` /
-    ``blas?`` / ``one?`` in the middle of one of its later ones (the mode chosen before)."""
+    """The thread mode an onnxpack session runs in at the end of the measurement: owned / blas,
+    ``measuring`` in the middle of the tuner's first measuring, ``owned?`` / ``blas?`` in the
+    middle of one of its later ones (the mode chosen before)."""
     if modes.choice is not None:
-        return modes.choice
+        return "owned" if modes.choice else "blas"
     if modes.last is None:
         return "measuring"
-    return f"{modes.last}?"
+    return "owned?" if modes.last else "blas?"
 
 
 def warm_up(runners: dict, sessions=()) -> int:

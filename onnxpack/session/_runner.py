@@ -13,7 +13,7 @@ facade takes — ``run``, ``run_async``, ``run_with_ort_values``, ``run_with_iob
    (run options, profiling, bound outputs): otherwise the plain loop runs;
 5. the root plan runs — through the memory planner if configured — under the session's BLAS
    thread limit, on several threads in the thread mode its :class:`~._threads.ModeTuner` picks
-   (owned, BLAS or one thread; plain runs of the whole model are timed for it).
+   (plain runs of the whole model are timed for it).
 """
 
 from __future__ import annotations
@@ -35,9 +35,7 @@ from onnxpack.session._profile import Profiler
 from onnxpack.session._program import Plan, Program, prune, run_plan
 from onnxpack.session._run_options import SessionControl, check_run_options, check_terminate
 from onnxpack.session._specialize import Specializer, worth_specializing
-from onnxpack.session._threads import (
-    BLAS, ONE, OWNED, ModeTuner, blas_libraries, blas_threads, global_intra_op_threads, owned_threads,
-)
+from onnxpack.session._threads import ModeTuner, blas_libraries, blas_threads, global_intra_op_threads, owned_threads
 from onnxpack.session.kernels import blas_threads as current_blas_threads, release_scratch
 from onnxpack.session.kernels._act import blas_run_ended, first_run, one_thread, stop_spinning
 from onnxpack.session.options import SessionOptions
@@ -73,7 +71,7 @@ class Runner:
         self._ran = False  # a run has started (the first one maps the weights' pages: see _act.first_run)
         # The thread mode of runs on several threads: fixed by onnxpack.thread_mode, else tuned.
         mode = config["onnxpack.thread_mode"]
-        self.modes = ModeTuner((OWNED if program.owns_threads else BLAS) if mode == "auto" else mode)
+        self.modes = ModeTuner(program.owns_threads if mode == "auto" else mode == "owned")
         if mode != "auto":
             self.modes.fix()
 
@@ -120,12 +118,11 @@ class Runner:
         threads = self.threads if self.per_session_threads else global_intra_op_threads()
         n = threads if threads > 0 else current_blas_threads()
         first, self._ran = not self._ran, True
-        mode, which, key = self.modes.current(), -1, None
+        own, which, key = self.modes.current(), -1, None
         if n > 1 and not first and control is None and plan is program.root and blas_libraries(quiet=True):
             # Plain runs of the whole model choose their thread mode from the session's own runs.
-            mode, which, key = self.modes.pick(inputs)
-        owned = n if mode == OWNED else 0
-        alone = threads == 1 or (n > 1 and mode == ONE)  # everything on one thread
+            own, which, key = self.modes.pick(inputs)
+        owned = n if own else 0
         if not owned and n > 1:
             stop_spinning()  # (helpers still polling after an owned-mode run: see below)
         try:
@@ -137,7 +134,7 @@ class Runner:
                 if owned > 1:
                     with owned_threads(owned):
                         values = self._loop(plan, inputs, control)
-                elif alone:  # onnxpack's own kernels on one thread too, whatever else runs
+                elif threads == 1:  # onnxpack's own kernels on one thread too, whatever else runs
                     with blas_threads(1), one_thread():
                         values = self._loop(plan, inputs, control)
                 elif threads > 0:
@@ -158,7 +155,7 @@ class Runner:
                 # (measured two threads: the mel-spectrogram 494 -> 382 us a run, YOLOv8n 21.3-23.3
                 # -> 19.8-20.5 ms).
                 stop_spinning()
-            if n > 1 and not owned and not alone:
+            if n > 1 and not owned and threads != 1:
                 blas_run_ended()  # (OpenBLAS's workers poll a while: no owned-mode split sample then)
         result = dict(zip(plan.output_names, values))
         if profiler is not None:

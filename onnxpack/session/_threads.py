@@ -27,7 +27,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 __all__ = ["blas_threads", "owned_threads", "set_global_thread_pool_sizes", "global_intra_op_threads", "blas_libraries",
-           "ModeTuner", "OWNED", "BLAS", "ONE"]
+           "ModeTuner"]
 
 logger = logging.getLogger(__name__)
 
@@ -245,16 +245,12 @@ def owned_threads(n: int) -> Iterator[None]:
         yield
 
 
-OWNED, BLAS, ONE = "owned", "blas", "one"  # the thread modes of runs on several threads (ModeTuner)
-
-
 class ModeTuner:
     """Which thread mode a session's runs on ``n > 1`` threads take, decided from its own runs:
-    ``BLAS`` (numpy's BLAS on ``n`` threads, onnxpack's own kernels split over ``n`` too),
-    ``OWNED`` (:func:`owned_threads`: BLAS on one, onnxpack's kernels and its GEMM splits on ``n``)
-    or ``ONE`` (everything on one thread, as a session with ``intra_op_num_threads = 1``).
+    BLAS on ``n`` threads (onnxpack's own kernels split over ``n`` too), or owned
+    (:func:`owned_threads`: BLAS on one, onnxpack's kernels and its GEMM splits on ``n``).
 
-    Why: none wins everywhere, and which one does is a property of the model on the machine,
+    Why: neither wins everywhere, and which one does is a property of the model on the machine,
     not of its op types.  Measured on this project's 2-vCPU VM, steady state, each mode in a
     process of its own (owned time / BLAS time): a CRNN 0.66, openWakeWord's embedding CNN 0.72,
     YOLOX 0.77, resnet50 0.83, PP-PicoDet 0.92, PP-OCR's detector 0.93, YOLOv8n 0.99,
@@ -262,33 +258,26 @@ class ModeTuner:
     mel-spectrogram front end 1.40-1.57: OpenBLAS splits a small GEMM between its own threads
     for less than onnxpack's pool pays to hand a share over (the GIL), while after each of its
     calls OpenBLAS's workers poll the other core for a while and slow onnxpack's own split
-    kernels beside them.  And a model of many small layers gains nothing from a second thread
-    that the hand-overs do not cost again: measured in session 63, a session fixed in each mode
-    and onnxruntime's on two threads, in blocks interleaved in one process, MobileNetV2 ran
-    5.13 ms owned, 5.65 BLAS and 4.82 on one thread, the orientation classifier 4.95, 5.09 and
-    4.48; an hour later the tuners of both measured owned 3.8-4.6 ms and one thread 5.1: which
-    wins changes with the machine's load, and the session's own runs tell.  A fixed rule (owned when a kernel's heavy work is onnxpack's own,
+    kernels beside them.  A fixed rule (owned when a kernel's heavy work is onnxpack's own,
     ``Program.owns_threads``) is the starting mode.
 
     Measuring: the session's first run is not counted (it maps the weights' pages), then runs
-    take the starting mode until ``TRIALS`` of them are counted, then the other multi-thread
-    mode as long, then one thread as long.  A block's runs count from its ``SKIP + 1``-th and
-    ``SETTLE`` seconds after its first: each mode's kernels tune their own splits in their first
-    runs (see ``kernels._act.SplitTuner``), and after a BLAS-mode run OpenBLAS's workers poll for
-    up to ~0.1 s (``THREAD_TIMEOUT``), slowing whatever onnxpack's own threads do meanwhile:
-    measured in blocks of six runs alternating with the other mode, MobileNetV2 ran owned 1.21x
-    slower than on BLAS, each mode in a process of its own the same speed (12.1-12.2 vs
-    11.9-12.3 ms).  Of the two multi-thread modes the one with the lower median is kept, BLAS
-    only if it is faster by ``BLAS_MARGIN``: after every run its workers keep a core busy polling
-    for ~0.1 s, which the rest of the machine pays (onnxruntime's runs in the same process,
-    interleaved, 15-25 % slower on MobileNetV2), where owned mode's helpers stop polling when a
-    run returns; one thread then runs if its median is below ``ONE_MARGIN`` of that mode's.  A
-    choice of another mode than the starting one is confirmed by a second round of blocks, whose
-    medians alone decide (a switch needs two rounds that favour it): one pair of blocks disturbed
-    by the rest of the machine took YOLOX on two threads to BLAS mode in one of session 54's
-    benchmark runs (2.02x onnxruntime's time, 1.81x owned in the other run; owned / BLAS measured
-    0.77 in processes of their own), a CRNN in session 57's while both pairs' medians decided
-    (13.5 ms a run against 9.0-9.4 owned, 12.3 on one thread).
+    take the starting mode until ``TRIALS`` of them are counted, then the other mode as long.  A
+    block's runs count from its ``SKIP + 1``-th and ``SETTLE`` seconds after its first: each
+    mode's kernels tune their own splits in their first runs (see ``kernels._act.SplitTuner``),
+    and after a BLAS-mode run OpenBLAS's workers poll for up to ~0.1 s (``THREAD_TIMEOUT``),
+    slowing whatever onnxpack's own threads do meanwhile: measured in blocks of six runs
+    alternating with the other mode, MobileNetV2 ran owned 1.21x slower than on BLAS, each mode
+    in a process of its own the same speed (12.1-12.2 vs 11.9-12.3 ms).  The mode with the lower
+    median then runs, BLAS only if it is faster by ``BLAS_MARGIN``: after every run its workers
+    keep a core busy polling for ~0.1 s, which the rest of the machine pays (onnxruntime's runs in
+    the same process, interleaved, 15-25 % slower on MobileNetV2), where owned mode's helpers stop
+    polling when a run returns.  A choice of the other mode than the starting one is confirmed by a
+    second pair of blocks, whose medians alone decide (a switch needs two pairs that favour it):
+    one pair of blocks disturbed by the rest of the machine took YOLOX on two threads to BLAS mode
+    in one of session 54's benchmark runs (2.02x onnxruntime's time, 1.81x owned in the other run;
+    owned / BLAS measured 0.77 in processes of their own), a CRNN in session 57's while both
+    pairs' medians decided (13.5 ms a run against 9.0-9.4 owned, 12.3 on one thread).
     The session measures again ``RECHECK_FIRST`` runs and ``RECHECK_FIRST_S`` seconds after its
     first choice (both: a fast model's measuring must stay a small share of its runs), then at
     twice the distance after each choice, up to ``RECHECK`` runs and ``RECHECK_S`` seconds: the
@@ -308,7 +297,6 @@ class ModeTuner:
     SETTLE = 0.25  # seconds from a block's first run before its runs count (see above)
     TRIALS = 5
     BLAS_MARGIN = 0.97  # BLAS mode is kept only if its median is below this much of owned's
-    ONE_MARGIN = 0.97  # one thread is kept only if its median is below this much of the other's
     RECHECK_FIRST = 100  # runs, and ...
     RECHECK_FIRST_S = 3.0  # ... seconds after the first choice before measuring again (both)
     RECHECK = 2000  # the most runs, and ...
@@ -317,25 +305,20 @@ class ModeTuner:
     # step is a few attribute stores under the GIL, and the lists of times are read through a
     # reference taken once (a reset makes new lists; the old ones only ever grow), so racing
     # runs can at worst mix up samples, never fail.
-    __slots__ = ("start", "order", "choice", "key", "phase", "runs", "since", "times", "calls", "rounds", "wait",
-                 "last")
+    __slots__ = ("start", "choice", "key", "phase", "runs", "since", "times", "calls", "rounds", "wait", "last")
 
-    def __init__(self, start: str) -> None:
-        if start not in (OWNED, BLAS, ONE):
-            raise ValueError(f"Bug: thread mode {start!r}")
-        self.start = start  # the starting mode
-        # The blocks of a measuring, in order: the starting mode's first.
-        self.order = (start, *[m for m in (OWNED, BLAS, ONE) if m != start])
-        self.choice: str | None = None  # the mode chosen; None while measuring
+    def __init__(self, start: bool) -> None:
+        self.start = start  # the starting mode: True = owned
+        self.choice: bool | None = None  # the mode chosen (True = owned); None while measuring
         self.key: Hashable = None  # the input shapes being measured
-        self.phase = 0  # the block being measured (an index into order)
+        self.phase = 0  # the block being measured: 0 the starting mode's, 1 the other's
         self.runs = 0  # runs taken in this block
         self.since = 0.0  # when this block's first run started, or the choice was made
-        self.times: tuple[list[float], ...] = ([], [], [])  # counted times per block
+        self.times: tuple[list[float], list[float]] = ([], [])  # counted times per block
         self.calls = 0  # runs since the choice was made
-        self.rounds = 1  # rounds of blocks to measure (2: confirming a switch from the starting mode)
+        self.rounds = 1  # pairs of blocks to measure (2: confirming a switch from the starting mode)
         self.wait: tuple[int, float] | None = None  # runs and seconds from the choice to measuring again
-        self.last: str | None = None  # the mode chosen last (kept while measuring again)
+        self.last: bool | None = None  # the mode chosen last (kept while measuring again)
 
     def _next_wait(self, wait: tuple[int, float] | None) -> tuple[int, float]:
         """The distance from a choice to the next measuring, given the one after the choice before."""
@@ -343,7 +326,7 @@ class ModeTuner:
             return self.RECHECK_FIRST, self.RECHECK_FIRST_S
         return min(2 * wait[0], self.RECHECK), min(2 * wait[1], self.RECHECK_S)
 
-    def current(self) -> str:
+    def current(self) -> bool:
         """The mode of runs that are not measured (a session's first, runs with run options or
         profiling, on a pruned plan): the one chosen (while measuring again: the one chosen
         before), else the starting mode."""
@@ -355,9 +338,9 @@ class ModeTuner:
         self.choice, self.calls, self.since = self.start, -(1 << 62), float("inf")
         self.wait = (self.RECHECK, self.RECHECK_S)
 
-    def pick(self, inputs: Sequence[Any]) -> tuple[str, int, Hashable]:
-        """The mode of the next run on ``inputs``, the block its time counts in (-1: not counted)
-        and the key of its input shapes to :meth:`record` it with."""
+    def pick(self, inputs: Sequence[Any]) -> tuple[bool, int, Hashable]:
+        """The mode of the next run on ``inputs`` (True = owned), the block its time counts in
+        (-1: not counted) and the key of its input shapes to :meth:`record` it with."""
         choice = self.choice
         if choice is not None:
             self.calls += 1
@@ -367,16 +350,14 @@ class ModeTuner:
             self.choice, self.key = None, None  # measure again from this run
         key = tuple(getattr(v, "shape", None) for v in inputs)
         if key != self.key:
-            self.key, self.times, self.phase, self.runs, self.rounds = key, ([], [], []), 0, 0, 1
-        want = self.TRIALS * self.rounds
-        times = self.times
-        phase = 0 if len(times[0]) < want else 1 if len(times[1]) < want else 2
+            self.key, self.times, self.phase, self.runs, self.rounds = key, ([], []), 0, 0, 1
+        phase = 1 if len(self.times[0]) >= self.TRIALS * self.rounds else 0
         now = time.perf_counter()
         if phase != self.phase or self.runs == 0:
             self.phase, self.runs, self.since = phase, 0, now
         self.runs += 1
         settled = self.runs > self.SKIP and now - self.since >= self.SETTLE
-        return self.order[phase], (phase if settled else -1), key
+        return self.start != bool(phase), (phase if settled else -1), key
 
     def record(self, key: Hashable, which: int, seconds: float) -> None:
         """The time of a run :meth:`pick` counted in ``which``."""
@@ -384,22 +365,22 @@ class ModeTuner:
         if which < 0 or key != self.key or self.choice is not None:
             return
         times[which].append(seconds)
+        first, other = times
         want = self.TRIALS * self.rounds
-        if all(len(t) >= want for t in times):
-            # The confirming round of blocks decides alone: a switch needs two rounds that favour it.
+        if len(first) >= want and len(other) >= want:
+            # The confirming pair of blocks decides alone: a switch needs two pairs that favour it.
             skip = want - self.TRIALS
-            med = {mode: statistics.median(t[skip:]) for mode, t in zip(self.order, times)}
-            choice = BLAS if med[BLAS] < self.BLAS_MARGIN * med[OWNED] else OWNED
-            if med[ONE] < self.ONE_MARGIN * med[choice]:
-                choice = ONE
+            pair = (first[skip:], other[skip:]) if self.start else (other[skip:], first[skip:])
+            owned, blas = (statistics.median(t) for t in pair)
+            choice = not blas < self.BLAS_MARGIN * owned
             if choice != self.start and self.rounds == 1:
                 self.rounds = 2  # a switch: a second block of each mode first
                 return
             self.calls, self.since = 0, time.perf_counter()
             self.wait = self._next_wait(self.wait)
             self.choice = self.last = choice
-            logger.debug("thread mode: %s (medians: owned %.3g s, BLAS %.3g s, one thread %.3g s)",
-                         choice, med[OWNED], med[BLAS], med[ONE])
+            logger.debug("thread mode: %s (medians: owned %.3g s, BLAS %.3g s)",
+                         "owned" if self.choice else "BLAS", owned, blas)
 
 
 def set_global_thread_pool_sizes(intra_op_num_threads: int = 0, inter_op_num_threads: int = 0) -> None:

@@ -58,7 +58,7 @@ def _text(key: str, value: str) -> str:
     return value
 
 
-THREAD_MODES = ("auto", "blas", "owned", "one")
+THREAD_MODES = ("auto", "blas", "owned")
 
 
 def _one_of(choices: tuple[str, ...]) -> Callable[[str, str], str]:
@@ -92,8 +92,8 @@ CONFIG_KEYS: dict[str, tuple[Callable[[str, str], Any], str, str]] = {
     "onnxpack.specialize_shapes": (_bool, "1", "1 runs a root plan specialized per set of input shapes "
                                    "(shape arithmetic folded, If inlined, guarded)"),
     "onnxpack.thread_mode": (_one_of(THREAD_MODES), "auto", "runs on several threads: blas (numpy's BLAS on "
-                             "them), owned (BLAS on one, onnxpack's kernels on them), one (everything on one "
-                             "thread) or auto (a block of each, the fastest kept)"),
+                             "them), owned (BLAS on one, onnxpack's kernels on them) or auto (a block of each, "
+                             "the faster kept)"),
 }
 
 

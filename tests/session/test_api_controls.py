@@ -483,7 +483,7 @@ def test_default_threads_without_threadpoolctl_say_nothing_and_keep_one_mode(mon
             np.testing.assert_array_equal(sess.run(None, {"X": X})[0], X * np.arange(6).reshape(3, 2))
     assert not [r for r in caplog.records if "threadpoolctl" in r.getMessage()]
     modes = sess._runner.modes
-    assert modes.choice is None and modes.times == ([], [], [])
+    assert modes.choice is None and modes.times == ([], [])
 
 
 # -- logging --------------------------------------------------------------------------------------
