@@ -405,6 +405,33 @@ def test_fake_quant_pair_runs_of_changing_shapes_keep_onnxruntimes_bits(case):
             _same_bits(s.run(None, x)[0], ref.run(None, x)[0])
 
 
+def test_fake_quant_kernel_reads_a_read_only_scale_that_changed():
+    """The fused pair's kernel keeps its numba arrays while the same read-only scale and zero
+    point come with the same values; the same objects with other values (set writable, written,
+    set read-only again) are laid out anew: the pair's arithmetic on the new values."""
+    pytest.importorskip("numba")  # (the numpy path keeps nothing)
+    from onnxpack.session.kernels import KernelContext
+    from onnxpack.session.kernels.qdq import FakeQuant
+
+    node = helper.make_node("QuantizeLinear", ["x", "s", "z"], ["y"], name="q+dq")
+    kernel = FakeQuant(node, KernelContext(opset=13, opsets={"": 13}), axis=1, low=0, high=255)
+    scale, zp = np.array(0.05, np.float32), np.array(128, np.uint8)
+    for v in (scale, zp):
+        v.flags.writeable = False
+    x = (RNG.standard_normal((3, 4)) * 40).astype(np.float32)  # (most codes saturate: the zero point tells)
+    for step in range(3):
+        (got,) = kernel.run(x, scale, zp)
+        z = np.float32(zp)
+        want = (np.clip(np.rint(x / scale) + z, 0, 255) - z) * scale
+        np.testing.assert_array_equal(got, want.astype(np.float32), err_msg=f"step {step}")
+        for v in (scale, zp):
+            v.flags.writeable = True
+        scale *= 4
+        zp -= 50
+        for v in (scale, zp):
+            v.flags.writeable = False
+
+
 @pytest.mark.parametrize("jit", ["numba", "numpy"])
 @pytest.mark.parametrize("value", [1.0, -0.3, 1e9, np.nan])
 def test_fake_quant_pair_on_a_scalar_keeps_its_shape(value, jit, monkeypatch):

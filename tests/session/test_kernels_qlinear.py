@@ -364,6 +364,84 @@ def test_qlinear_add_and_mul_of_rank_0_codes(op):
     check(node, ins, consts=["as", "az", "bs", "bz", "cs", "cz"])
 
 
+@pytest.mark.parametrize("op", ["QLinearAdd", "QLinearMul"])
+@pytest.mark.parametrize("how", ["flag-flipped", "view-of-writable", "reshaped"])
+def test_qlinear_binary_reads_a_fed_read_only_scale_that_changed(op, how):
+    """A fed scale that is read-only but changes between runs (its owner sets it writable, writes
+    and sets it read-only again; a read-only view of a buffer its owner writes; the same array
+    given another shape) is read again: onnxruntime's codes at every run, never the constants
+    derived from the values of an earlier run (the kernel keeps those only while the very same
+    bytes come: ``qdq.memo_key``)."""
+    import onnxruntime as ort
+
+    import onnxpack
+
+    node = helper.make_node(op, ["a", "as", "az", "b", "bs", "bz", "cs", "cz"], ["c"], domain=MS)
+    inits = [numpy_helper.from_array(np.array(v, dt), n) for n, v, dt in
+             [("az", 3, np.uint8), ("bs", 0.05, np.float32), ("bz", 2, np.uint8), ("cs", 0.1, np.float32),
+              ("cz", 5, np.uint8)]]
+    scale_shape = [1] if how == "reshaped" else []
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("a", onnx.TensorProto.UINT8, [4, 8]),
+                      helper.make_tensor_value_info("as", onnx.TensorProto.FLOAT, None),
+                      helper.make_tensor_value_info("b", onnx.TensorProto.UINT8, [4, 8])],
+        [helper.make_tensor_value_info("c", onnx.TensorProto.UINT8, [4, 8])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid(MS, 1)])
+    model = model.SerializeToString()
+    ours = onnxpack.InferenceSession(model)
+    theirs = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(41)
+    a, b = ints(rng, np.uint8, (4, 8)), ints(rng, np.uint8, (4, 8))
+    buffer = np.array([0.02], np.float32)
+    scale = buffer.reshape(()) if how == "view-of-writable" else buffer.reshape(()).copy()
+    scale.flags.writeable = False
+    seen = set()
+    for run in range(4):
+        feed = {"a": a, "as": scale, "b": b}
+        got = ours.run(None, feed)[0]
+        want = theirs.run(None, {**feed, "as": scale.reshape(scale_shape) if how == "reshaped" else scale})[0]
+        np.testing.assert_array_equal(got, want, err_msg=f"run {run}")
+        seen.add(got.tobytes())
+        if how == "view-of-writable":
+            buffer *= 3  # (the fed view stays read-only)
+        elif how == "flag-flipped":
+            scale.flags.writeable = True
+            scale *= 3
+            scale.flags.writeable = False
+        else:
+            scale.shape = (1,) if scale.shape == () else ()
+            if run == 1:
+                scale.flags.writeable = True
+                scale *= 3
+                scale.flags.writeable = False
+    assert len(seen) >= 2  # the scale's change changed the codes
+
+
+def test_memo_key_holds_only_for_the_same_arrays_and_bytes():
+    """``memo_key`` / ``memo_holds``: None for a writable (or non-array) value; holds for the same
+    read-only arrays (and omitted inputs) with the same dtype, shape and bytes, not for an equal
+    copy, a changed value, another shape or another dtype."""
+    from onnxpack.session.kernels.qdq import memo_holds, memo_key
+
+    s = np.array(0.5, np.float32)
+    assert memo_key((s, None)) is None and memo_key((0.5,)) is None
+    s.flags.writeable = False
+    z = np.arange(4, dtype=np.uint8)
+    z.flags.writeable = False
+    key = memo_key((s, None, z))
+    assert key is not None and memo_holds(key, (s, None, z))
+    assert not memo_holds(key, (s.copy(), None, z)) and not memo_holds(key, (s, z, z))
+    assert not memo_holds(key, (s, None)) and not memo_holds(None, (s, None, z))
+    z.shape = (2, 2)
+    assert not memo_holds(key, (s, None, z))
+    z.shape = (4,)
+    assert memo_holds(key, (s, None, z))
+    z.flags.writeable = True
+    z[0] = 9
+    z.flags.writeable = False
+    assert not memo_holds(key, (s, None, z))
+
+
 def test_qlinear_add_omitted_zero_points_are_zero():
     """onnxruntime cannot type an omitted zero point (its type inference fails), so the omitted
     case is compared with onnxruntime given explicit zeros."""

@@ -85,6 +85,36 @@ _ALWAYS_SATURATE = ("float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn")
 _F32 = np.dtype(np.float32)
 
 
+def memo_key(values: tuple) -> tuple | None:
+    """What a kernel keeps a memo of constants derived from ``values`` (scales, zero points; None
+    for an omitted input) under: the arrays and a copy of each one's dtype, shape and bytes; None
+    when one of them is not a read-only ndarray (a caller may still write it: read at every call).
+
+    Read-only is not unchanging: a fed array may be a read-only view of a buffer its owner writes,
+    or an array its owner sets writable, changes and sets read-only again, and the next run then
+    brings the same object with other values.  :func:`memo_holds` compares the copies too (~0.2 us
+    a small array): a memo never answers for values other than those it was made from."""
+    if all(v is None or (type(v) is np.ndarray and not v.flags.writeable) for v in values):
+        return tuple(values), tuple(None if v is None else (v.dtype, v.shape, v.tobytes()) for v in values)
+    return None
+
+
+def memo_holds(key: tuple | None, values: tuple) -> bool:
+    """Whether ``values`` are the very arrays :func:`memo_key` made ``key`` from, with the same
+    dtype, shape and bytes."""
+    if key is None:
+        return False
+    kept, copies = key
+    if len(values) != len(kept):
+        return False
+    for v, k, c in zip(values, kept, copies):
+        if v is not k:
+            return False
+        if v is not None and (v.dtype != c[0] or v.shape != c[1] or v.tobytes() != c[2]):
+            return False
+    return True
+
+
 def int_range(dtype: np.dtype) -> tuple[int, int] | None:
     """(lowest, highest) of an integer quantized type, ``None`` for any other dtype."""
     try:
@@ -418,27 +448,28 @@ class FakeQuant(Kernel):
         self.axis, self.low, self.high = axis, float(low), float(high)
         self.what = f"node {node.name!r} (QuantizeLinear+DequantizeLinear)"
 
-    _memo = None  # (scale, zero point, x's shape, the numba kernel's arrays): see run
+    _memo = None  # (memo_key of scale and zero point, x's shape, the numba kernel's arrays): see run
 
     def run(self, x, scale, zero_point):  # type: ignore[override]
         if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
             raise InvalidArgument(f"{self.what}: x must be a float tensor, got {x.dtype}")
         xs = x if x.dtype == _F32 else x.astype(np.float32)
         memo = self._memo
-        if memo is not None and memo[0] is scale and memo[1] is zero_point and memo[2] == x.shape:
+        if memo is not None and memo[1] == x.shape and memo_holds(memo[0], (scale, zero_point)):
             # The model's constant scale and zero point at the shape they were checked for: the
             # kernel's arrays as made then (a QDQ BERT runs ~130 pairs, most on 128 x 256 floats,
             # where laying them out was half of a ~10 us call).
             jit = _fq_jit()
             if jit is not None:
-                return (self._jit_call(jit, xs, *memo[3]),)
+                return (self._jit_call(jit, xs, *memo[2]),)
         s = _param(scale, x.shape, self.axis, 0, self.what)
         zp = _param(zero_point, x.shape, self.axis, 0, self.what).astype(np.float32)
         jit = _fq_jit() if x.size else None
         if jit is not None:
             args = self._jit_args(xs, s, zp)
-            if all(type(v) is np.ndarray and not v.flags.writeable for v in (scale, zero_point)):
-                self._memo = (scale, zero_point, x.shape, args)
+            key = memo_key((scale, zero_point))
+            if key is not None:
+                self._memo = (key, x.shape, args)
             return (self._jit_call(jit, xs, *args),)
         t = np.asarray(np.divide(xs, s))  # (a 0-d x and scale make a numpy scalar: in place below needs an array)
         if t.shape != x.shape:  # a per-axis scale broadcast wider than x (cannot happen: _param checks)

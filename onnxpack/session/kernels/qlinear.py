@@ -42,7 +42,7 @@ import numpy as np
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels._base import Kernel, register
 from onnxpack.session.kernels.conv import AveragePool, _pad, _SpatialAttrs, _window
-from onnxpack.session.kernels.qdq import _fq_jit, int_range, quantize
+from onnxpack.session.kernels.qdq import _fq_jit, int_range, memo_holds, memo_key, quantize
 from onnxpack.session.kernels.qinteger import (
     _EIGHT_BIT_DTYPES,
     PackedConvWeight,
@@ -327,23 +327,22 @@ class QGemm(PackedMatMulWeight, _QKernel):
 
 
 class _QBinary(_QKernel):
-    _memo = None  # (A's dtype, the six scale / zero-point objects, their derived constants)
+    _memo = None  # (A's dtype, memo_key of the six scale / zero-point inputs, their derived constants)
 
     def _derived(self, a, b, params: tuple) -> tuple:
         """The op's constants from its six scale and zero-point inputs (``_from_params``),
-        validated as :meth:`_params` does; kept while calls bring the same read-only arrays (a
-        model's constants) with an A and B of the type they were checked with: the checks and the
-        scalar arithmetic were most of a QLinearAdd call on 128 x 256 codes (19 -> ~9 us a step).
-        Arrays a caller may still write (fed inputs) are read again at every call."""
+        validated as :meth:`_params` does; kept while calls bring the same read-only arrays with the
+        same values (a model's constants: :func:`.qdq.memo_key`) and an A and B of the type they
+        were checked with: the checks and the scalar arithmetic were most of a QLinearAdd call on
+        128 x 256 codes (19 -> ~9 us a step).  Arrays a caller may still write (fed inputs) are
+        read again at every call."""
         memo = self._memo
-        if memo is not None and a.dtype == memo[0] and b.dtype == memo[0]:
-            kept = memo[1]
-            if (params[0] is kept[0] and params[1] is kept[1] and params[2] is kept[2] and params[3] is kept[3]
-                    and params[4] is kept[4] and params[5] is kept[5]):
-                return memo[2]
+        if memo is not None and a.dtype == memo[0] and b.dtype == memo[0] and memo_holds(memo[1], params):
+            return memo[2]
         derived = self._from_params(*self._params(a, params[0], params[1], b, *params[2:]), a.dtype)
-        if all(p is None or (type(p) is np.ndarray and not p.flags.writeable) for p in params):
-            self._memo = (a.dtype, params, derived)
+        key = memo_key(params)
+        if key is not None:
+            self._memo = (a.dtype, key, derived)
         return derived
 
     def _from_params(self, sa, za, sb, zb, sc, zc, dtype) -> tuple:
