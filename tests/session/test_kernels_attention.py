@@ -436,6 +436,15 @@ def test_gqa_prompt_then_decode_steps(case, dtype, batch, jit_path, monkeypatch)
     assert ("packed" in took) == (any(took) and case[2]), took
 
 
+def _new_tokens(rng, batch: int, s: int, n: int, nkv: int, h: int, dtype, packed: bool) -> dict:
+    """GroupQueryAttention's inputs for ``s`` new tokens: packed QKV as ``query``, or query, key
+    and value apart (drawn in that order)."""
+    if packed:
+        return {"query": rand(rng, (batch, s, (n + 2 * nkv) * h), dtype)}
+    return {"query": rand(rng, (batch, s, n * h), dtype), "key": rand(rng, (batch, s, nkv * h), dtype),
+            "value": rand(rng, (batch, s, nkv * h), dtype)}
+
+
 def _gqa_loop_vs_onnxruntime(case, dtype, batch, monkeypatch) -> list[bool]:
     """test_gqa_prompt_then_decode_steps's loop; returns, per decode call, whether the JIT took it
     (``"packed"`` when the packed-QKV decoding path did)."""
@@ -477,12 +486,7 @@ def _gqa_loop_vs_onnxruntime(case, dtype, batch, monkeypatch) -> list[bool]:
             s = 1
         total = int(lens.max())
         feeds = {"seqlens_k": (lens - 1).astype(np.int32), "total_sequence_length": np.array(total, np.int32)}
-        if packed:
-            feeds["query"] = rand(rng, (batch, s, (n + 2 * nkv) * h), dtype)
-        else:
-            feeds["query"] = rand(rng, (batch, s, n * h), dtype)
-            feeds["key"] = rand(rng, (batch, s, nkv * h), dtype)
-            feeds["value"] = rand(rng, (batch, s, nkv * h), dtype)
+        feeds.update(_new_tokens(rng, batch, s, n, nkv, h, dtype, packed))
         outs = {}
         for side, sess in (("ort", pair.ort), ("ours", pair.ours)):
             pk, pv = caches[side]
@@ -710,12 +714,7 @@ def test_gqa_present_rows_equal_onnxruntime_bit_for_bit(case, jit_path):
         total = 4 if step == 0 else int(lens.max())
         feeds = {"seqlens_k": (lens - 1).astype(np.int32), "total_sequence_length": np.array(total, np.int32),
                  "past_key": past[0], "past_value": past[1]}
-        if packed:
-            feeds["query"] = rand(rng, (batch, s, (n + 2 * nkv) * h), dtype)
-        else:
-            feeds["query"] = rand(rng, (batch, s, n * h), dtype)
-            feeds["key"] = rand(rng, (batch, s, nkv * h), dtype)
-            feeds["value"] = rand(rng, (batch, s, nkv * h), dtype)
+        feeds.update(_new_tokens(rng, batch, s, n, nkv, h, dtype, packed))
         want = pair.ort.run(None, feeds)
         runs = []
         for _ in range(2):
