@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     import onnx
     import onnxruntime
 
+    os.environ.update(harness.DETERMINISTIC)  # (as the test suite: outputs compared bit for bit)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="onnxpack-campaign-") as work:
         bases = harness.make_bases(FUZZ_SAMPLES, work)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import mmap
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -199,8 +200,10 @@ class SessionOptions:
                                   convert=bool)
     enable_mem_reuse = _typed("enable_mem_reuse", (bool, _INT), "kept; values are always released after last use",
                               convert=bool)
-    use_deterministic_compute = _typed("use_deterministic_compute", (bool, _INT),
-                                       "kept; results are deterministic for a given BLAS thread count", convert=bool)
+    use_deterministic_compute = _typed(
+        "use_deterministic_compute", (bool, _INT),
+        "True: the same bits in every run and process for a given thread count (no timed path choices, "
+        "the starting thread mode kept); default from ONNXPACK_DETERMINISTIC=1", convert=bool)
     use_per_session_threads = _typed("use_per_session_threads", (bool, _INT),
                                      "False: use set_global_thread_pool_sizes' intra-op count", convert=bool)
     graph_optimization_level = _typed("graph_optimization_level", GraphOptimizationLevel,
@@ -220,7 +223,8 @@ class SessionOptions:
         self.enable_mem_pattern = True
         self.enable_cpu_mem_arena = True
         self.enable_mem_reuse = True
-        self.use_deterministic_compute = False
+        # (A process-wide default, for a test suite or a batch job that compares outputs bit for bit.)
+        self.use_deterministic_compute = os.environ.get("ONNXPACK_DETERMINISTIC", "") == "1"
         self.use_per_session_threads = True
         self.graph_optimization_level = GraphOptimizationLevel.ORT_ENABLE_ALL
         self.execution_mode = ExecutionMode.ORT_SEQUENTIAL

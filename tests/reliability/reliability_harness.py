@@ -92,6 +92,13 @@ def load_build():
     return module
 
 
+# Every session of the suite, in this process and its children, runs with
+# use_deterministic_compute: outputs are compared bit for bit with the bases' expected ones, and
+# without it a conv's path is chosen per process by timing two ways that round differently (the
+# cnn sample's outputs 3e-8 apart between a busy parent and its children).
+DETERMINISTIC = {"ONNXPACK_DETERMINISTIC": "1"}
+
+
 def subprocess_env() -> dict[str, str]:
     """Environment for child Pythons: the repository first on the path, quiet BLAS threads."""
     env = dict(os.environ)
@@ -99,6 +106,7 @@ def subprocess_env() -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
     env["PYTHONFAULTHANDLER"] = "1"
+    env.update(DETERMINISTIC)
     return env
 
 
@@ -225,7 +233,21 @@ def make_bases(names: Iterable[str], work: str) -> dict[str, dict[str, Any]]:
     Each base is a dict: ``files`` (name -> bytes), ``entry`` (model file name), ``config``,
     ``feeds``, ``expected`` (outputs of the unmutated files), ``blobs`` / ``weights`` (byte ranges
     in the data file) or ``cache`` (cache layout), all plain data so it pickles to workers.
+    Its sessions run with :data:`DETERMINISTIC` set, as the workers' do.
     """
+    saved = {k: os.environ.get(k) for k in DETERMINISTIC}
+    os.environ.update(DETERMINISTIC)
+    try:
+        return _make_bases(names, work)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _make_bases(names: Iterable[str], work: str) -> dict[str, dict[str, Any]]:
     import warnings
 
     import numpy as np

@@ -1531,6 +1531,51 @@ def test_faster_path_takes_the_second_only_below_the_margin(monkeypatch):
         assert _act.faster_path(key, lambda: run(0, 1.0), lambda: run(1, ratio)) == (want, None)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_deterministic_compute_runs_every_default_path_untimed(threads, monkeypatch):
+    """use_deterministic_compute: no path of a conv is timed (faster_path is never asked) and the
+    outputs are path 0's bit for bit, whichever path the process's timing would keep; the
+    starting thread mode stays (no mode sample is recorded).  Without it, the same session asks
+    faster_path (the model has a timed choice: the check is not vacuous).  ONNXPACK_DETERMINISTIC=1
+    is the options' default."""
+    import onnxpack_sample_models as samples
+
+    from onnxpack.session import _threads
+
+    if _act.jit() is None:
+        pytest.skip("the timed conv paths need the JIT")
+    model = samples.cnn().SerializeToString()
+    feeds = samples.sample_inputs("cnn")
+    asked = []
+
+    def take(path):
+        def fake(key, first, second, prior=None, confirm=False):
+            asked.append(key)
+            return path, (first, second)[path]()
+        return fake
+
+    def outputs(path, deterministic):
+        monkeypatch.setattr(_act, "_PATHS", type(_act._PATHS)())
+        monkeypatch.setattr(_act, "faster_path", take(path))
+        opts = onnxpack.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.use_deterministic_compute = deterministic
+        with onnxpack.InferenceSession(model, opts) as s:
+            return [s.run(None, feeds)[0] for _ in range(12)]
+
+    default = outputs(0, False)
+    assert asked, "no conv path of the model is timed"
+    asked.clear()
+    monkeypatch.setattr(_threads.ModeTuner, "record", lambda *a: pytest.fail("a mode sample was recorded"))
+    for y in outputs(1, True):
+        np.testing.assert_array_equal(y, default[0])
+    assert not asked
+    monkeypatch.setenv("ONNXPACK_DETERMINISTIC", "1")
+    assert onnxpack.SessionOptions().use_deterministic_compute
+    monkeypatch.setenv("ONNXPACK_DETERMINISTIC", "0")
+    assert not onnxpack.SessionOptions().use_deterministic_compute
+
+
 def test_winograd_pack_is_saved_and_mapped(tmp_path, winograd_any_size):
     model, feeds = conv_model(tail="relu", x_shape=(1, 16, 12, 12), m=16)
     _saved_then_warm(tmp_path, model, feeds, "conv_bn_wino/")

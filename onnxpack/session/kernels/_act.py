@@ -310,6 +310,33 @@ class one_thread:  # noqa: N801 - used as a context manager, like a function
         _one.on = self.before
 
 
+class _DefaultPaths(threading.local):
+    on = False  # this thread is inside a run of a deterministic session (see default_paths)
+
+
+_default_paths = _DefaultPaths()
+
+
+class default_paths:  # noqa: N801 - used as a context manager, like a function
+    """For the duration, every :class:`PathChoice` in this thread answers path 0 (the packed
+    default) without timing anything: a run of a session with ``use_deterministic_compute``.
+
+    Why: :func:`faster_path` times two ways of computing a geometry that round differently (the
+    last bits of a sum: ~3e-8 on a Conv's outputs), so which one a process keeps depends on how
+    busy the machine was at its first calls; two processes, or a session's runs before and after
+    a choice is timed again, may then give outputs that differ in the last bits.  Per thread, as
+    :class:`one_thread`: another session's run beside it keeps its own choices."""
+
+    __slots__ = ("before",)
+
+    def __enter__(self) -> None:
+        self.before = _default_paths.on
+        _default_paths.on = True
+
+    def __exit__(self, *exc: Any) -> None:
+        _default_paths.on = self.before
+
+
 def threads() -> int:
     """Threads onnxpack's own kernels use: ``ONNXPACK_NUM_THREADS`` when set, else 1 inside a
     one-thread session's run (:class:`one_thread`), else the count of the runs that own their
@@ -1112,7 +1139,10 @@ class PathChoice:
 
     def settled(self) -> int | None:
         """The path of this call in the mode now in force, or None: it is to be timed (the
-        geometry's first call in this mode, or its confirming one): :meth:`Conv._path`."""
+        geometry's first call in this mode, or its confirming one): :meth:`Conv._path`.  Path 0,
+        untimed, inside a deterministic run (:class:`default_paths`)."""
+        if _default_paths.on:
+            return 0
         got = self.modes.get(path_mode())
         if got is None:
             return None
