@@ -889,6 +889,42 @@ def test_maxpool_matches_onnxruntime_with_nan_and_inf(case, jit_mode):
     np.testing.assert_array_equal(got[~holds], want[~holds])
 
 
+@pytest.mark.parametrize("attrs,shape", [
+    (dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]), (1, 32, 96, 96)),
+    (dict(kernel_shape=[5, 5], pads=[2, 2, 2, 2]), (2, 24, 40, 40)),
+    (dict(kernel_shape=[3, 2], strides=[2, 1], dilations=[2, 1], pads=[2, 0, 1, 1]), (3, 7, 90, 60)),
+], ids=["3x3-s2", "5x5-s1-batch2", "dil-batch3"])
+def test_maxpool_split_over_planes_equals_one_thread(attrs, shape, monkeypatch):
+    """The JIT's maxpool2d split over two threads by blocks of planes (its tuner's first call
+    splits, then it alternates): every run's bits are the one-thread run's and onnxruntime's
+    (no NaN here: see above), and a split really ran, over every plane."""
+    if _act.jit() is None:
+        pytest.skip("maxpool2d is the JIT's")
+    node = helper.make_node("MaxPool", ["x"], ["y"], **attrs)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", F, None)],
+                              [helper.make_tensor_value_info("y", F, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    x = _rng(21).standard_normal(shape).astype(np.float32)
+    x[0, 0, 3, 4] = np.inf
+    one = onnxpack.SessionOptions()
+    one.intra_op_num_threads = 1
+    want = onnxpack.InferenceSession(model, one).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(want, _ort(model, {"x": x})[0])
+    splits = []
+    real = _act.parallel
+
+    def spy(fn, count, threads):
+        splits.append((count, threads))
+        return real(fn, count, threads)
+
+    monkeypatch.setattr(_act, "parallel", spy)
+    monkeypatch.setenv("ONNXPACK_NUM_THREADS", "2")
+    sess = onnxpack.InferenceSession(model)
+    for _ in range(1 + 2 * _act.SplitTuner.TRIALS + 2):
+        np.testing.assert_array_equal(sess.run(None, {"x": x})[0], want)
+    assert (shape[0] * shape[1], 2) in splits
+
+
 @pytest.mark.parametrize("rank", [1, 2])
 def test_maxpool_window_of_minus_inf_is_minus_inf(rank, jit_mode):
     """A window holding only -inf (or only padding) gives -inf, as the ONNX reference does
