@@ -287,37 +287,40 @@ def set_owned_threads(n: int) -> None:
     owned[0] = max(0, int(n))
 
 
-class _OneThread(threading.local):
-    on = False  # this thread is inside a run of a one-thread session (see one_thread)
+class _ThreadFlag(threading.local):
+    on = False
 
 
-_one = _OneThread()
+class _FlagOn:
+    """A context manager (subclasses name their ``flag``): the thread-local ``flag.on`` is True
+    in this thread for the duration, then what it was (runs nest)."""
+
+    __slots__ = ("before",)
+    flag: _ThreadFlag
+
+    def __enter__(self) -> None:
+        self.before = self.flag.on
+        self.flag.on = True
+
+    def __exit__(self, *exc: Any) -> None:
+        self.flag.on = self.before
 
 
-class one_thread:  # noqa: N801 - used as a context manager, like a function
+_one = _ThreadFlag()  # this thread is inside a run of a one-thread session (see one_thread)
+_default_paths = _ThreadFlag()  # ... of a deterministic session (see default_paths)
+
+
+class one_thread(_FlagOn):  # noqa: N801 - used as a context manager, like a function
     """For the duration, :func:`threads` answers 1 in this thread: a run of a session with
     ``intra_op_num_threads = 1``.  Per thread, not process-wide as the owned count is: beside
     another session's run that owns two threads, a one-thread run read that count and split
     its kernels over both (the BLAS count, process-wide, is the smallest of the two runs')."""
 
-    __slots__ = ("before",)
-
-    def __enter__(self) -> None:
-        self.before = _one.on
-        _one.on = True
-
-    def __exit__(self, *exc: Any) -> None:
-        _one.on = self.before
+    __slots__ = ()
+    flag = _one
 
 
-class _DefaultPaths(threading.local):
-    on = False  # this thread is inside a run of a deterministic session (see default_paths)
-
-
-_default_paths = _DefaultPaths()
-
-
-class default_paths:  # noqa: N801 - used as a context manager, like a function
+class default_paths(_FlagOn):  # noqa: N801 - used as a context manager, like a function
     """For the duration, every :class:`PathChoice` in this thread answers path 0 (the packed
     default) without timing anything: a run of a session with ``use_deterministic_compute``.
 
@@ -327,14 +330,8 @@ class default_paths:  # noqa: N801 - used as a context manager, like a function
     a choice is timed again, may then give outputs that differ in the last bits.  Per thread, as
     :class:`one_thread`: another session's run beside it keeps its own choices."""
 
-    __slots__ = ("before",)
-
-    def __enter__(self) -> None:
-        self.before = _default_paths.on
-        _default_paths.on = True
-
-    def __exit__(self, *exc: Any) -> None:
-        _default_paths.on = self.before
+    __slots__ = ()
+    flag = _default_paths
 
 
 def threads() -> int:
