@@ -37,7 +37,7 @@ from onnxpack.session._run_options import SessionControl, check_run_options, che
 from onnxpack.session._specialize import Specializer, worth_specializing
 from onnxpack.session._threads import ModeTuner, blas_libraries, blas_threads, global_intra_op_threads, owned_threads
 from onnxpack.session.kernels import blas_threads as current_blas_threads, release_scratch
-from onnxpack.session.kernels._act import blas_run_ended, default_paths, first_run, one_thread, stop_spinning
+from onnxpack.session.kernels._act import blas_run_ended, deterministic_run, first_run, one_thread, stop_spinning
 from onnxpack.session.options import SessionOptions
 
 __all__ = ["Runner"]
@@ -71,7 +71,7 @@ class Runner:
         self._ran = False  # a run has started (the first one maps the weights' pages: see _act.first_run)
         # The thread mode of runs on several threads: fixed by onnxpack.thread_mode, else tuned.
         # use_deterministic_compute keeps the starting mode (the modes may round a GEMM split
-        # differently) and runs every kernel's default path, untimed (see _act.default_paths).
+        # differently) and decides nothing by timing that changes a result (see _act.deterministic_run).
         mode = config["onnxpack.thread_mode"]
         self.deterministic = bool(options.use_deterministic_compute)
         self.modes = ModeTuner(program.owns_threads if mode == "auto" else mode == "owned")
@@ -134,7 +134,7 @@ class Runner:
             # inf - inf): onnxruntime computes IEEE arithmetic silently, and a warning at every
             # run of a model whose masks add float32's lowest value twice would drown the log.
             with (np.errstate(all="ignore"), first_run() if first else contextlib.nullcontext(),
-                  default_paths() if self.deterministic else contextlib.nullcontext()):
+                  deterministic_run() if self.deterministic else contextlib.nullcontext()):
                 if owned > 1:
                     with owned_threads(owned):
                         values = self._loop(plan, inputs, control)

@@ -202,8 +202,8 @@ class SessionOptions:
                               convert=bool)
     use_deterministic_compute = _typed(
         "use_deterministic_compute", (bool, _INT),
-        "True: the same bits in every run and process for a given thread count (no timed path choices, "
-        "the starting thread mode kept); default from ONNXPACK_DETERMINISTIC=1", convert=bool)
+        "True: the same bits in every run and process for a given thread count (no timed path or GEMM "
+        "split choices, the starting thread mode kept); default from ONNXPACK_DETERMINISTIC=1", convert=bool)
     use_per_session_threads = _typed("use_per_session_threads", (bool, _INT),
                                      "False: use set_global_thread_pool_sizes' intra-op count", convert=bool)
     graph_optimization_level = _typed("graph_optimization_level", GraphOptimizationLevel,

@@ -953,6 +953,42 @@ def test_split_matmul_as_gemm_jobs_equals_numpy_bit_for_bit(a_shape, b_shape, wi
     assert ran and all(ran) and not calls, (ran, calls)
 
 
+@pytest.mark.parametrize("a_shape,b_shape", [((300, 40), (40, 70)), ((64, 40), (40, 300)), ((6, 20, 30), (6, 30, 40))],
+                         ids=["rows", "columns", "batch"])
+def test_a_deterministic_run_splits_gemms_by_size_untimed(a_shape, b_shape, monkeypatch):
+    """Inside deterministic_run (a use_deterministic_compute session's run) matmul never asks
+    its SplitTuner: a product from _DETERMINISTIC_SPLIT_MACS multiply-adds gives the split's
+    bits, a smaller one the whole product's (a block's sums may round otherwise than the whole
+    product's, with OpenBLAS's Haswell kernels), whatever a tuner decided or is measuring;
+    outside it, the tuner decides."""
+    from onnxpack.session.kernels import _act
+
+    monkeypatch.setattr(_act, "_SPLIT_MACS", 1)
+    monkeypatch.setattr(_act, "threads", lambda: 2)
+    monkeypatch.setattr(_act, "blas_threads", lambda: 1)
+    rng = np.random.default_rng(17)
+    a, b = _operand(rng, a_shape), _operand(rng, b_shape)
+    key = ("matmul", a.shape, b.shape, "f", False)
+    tuner = _act.tuner(key)
+    tuner.threads, tuner.choice = 2, True
+    split = _act.matmul(a, b)
+    tuner.choice = False
+    whole = _act.matmul(a, b)
+    macs = _act.split_size(a.shape[-2], a.shape[-1], b.shape[-1], max(a.shape[0], b.shape[0]) if a.ndim == 3 else 1)
+    asked = []
+    real = _act.tuner
+    monkeypatch.setattr(_act, "tuner", lambda k: asked.append(k) or real(k))
+    for limit, want in ((macs, split), (macs + 1, whole)):
+        monkeypatch.setattr(_act, "_DETERMINISTIC_SPLIT_MACS", limit)
+        for choice in (True, False, None):  # whatever the tuner holds
+            tuner.choice = choice
+            with _act.deterministic_run():
+                np.testing.assert_array_equal(_act.matmul(a, b), want)
+    assert key not in asked
+    np.testing.assert_allclose(_act.matmul(a, b), np.matmul(a, b), rtol=1e-5, atol=1e-5)
+    assert key in asked
+
+
 def test_gemm_jobs_only_for_products_numpy_hands_to_the_blas_as_they_are():
     """A job's sizes and strides are not checked again where it runs: only float32 operands
     numpy passes to cblas_sgemm unchanged, with agreeing shapes, into a writable output of their

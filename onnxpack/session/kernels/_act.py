@@ -307,7 +307,7 @@ class _FlagOn:
 
 
 _one = _ThreadFlag()  # this thread is inside a run of a one-thread session (see one_thread)
-_default_paths = _ThreadFlag()  # ... of a deterministic session (see default_paths)
+_deterministic = _ThreadFlag()  # ... of a deterministic session (see deterministic_run)
 
 
 class one_thread(_FlagOn):  # noqa: N801 - used as a context manager, like a function
@@ -320,18 +320,24 @@ class one_thread(_FlagOn):  # noqa: N801 - used as a context manager, like a fun
     flag = _one
 
 
-class default_paths(_FlagOn):  # noqa: N801 - used as a context manager, like a function
-    """For the duration, every :class:`PathChoice` in this thread answers path 0 (the packed
-    default) without timing anything: a run of a session with ``use_deterministic_compute``.
+class deterministic_run(_FlagOn):  # noqa: N801 - used as a context manager, like a function
+    """For the duration, this thread's kernels decide nothing by timing that changes a result: a
+    run of a session with ``use_deterministic_compute``.  Every :class:`PathChoice` answers path
+    0 (the packed default) untimed, and :func:`matmul` splits a GEMM by its size alone
+    (``_DETERMINISTIC_SPLIT_MACS``) instead of asking its :class:`SplitTuner`.
 
     Why: :func:`faster_path` times two ways of computing a geometry that round differently (the
-    last bits of a sum: ~3e-8 on a Conv's outputs), so which one a process keeps depends on how
-    busy the machine was at its first calls; two processes, or a session's runs before and after
-    a choice is timed again, may then give outputs that differ in the last bits.  Per thread, as
-    :class:`one_thread`: another session's run beside it keeps its own choices."""
+    last bits of a sum: ~3e-8 on a Conv's outputs), and with some BLAS kernels a GEMM cut into
+    blocks of rows or columns sums differently from the whole product (OpenBLAS's Haswell
+    kernels: up to ~1e-6 of the values; its SkylakeX kernels give the same bits), so what a
+    process keeps depends on how busy the machine was when it measured: two processes, or a
+    session's runs before and after a choice is measured again, may then give outputs that differ
+    in the last bits.  The other kernels' splits cut their work into independent items (the same
+    bits split or not) and stay tuned.  Per thread, as :class:`one_thread`: another session's run
+    beside it keeps its own choices."""
 
     __slots__ = ()
-    flag = _default_paths
+    flag = _deterministic
 
 
 def threads() -> int:
@@ -366,6 +372,9 @@ def jit_possible() -> bool:
 
 # GEMMs below this many multiply-adds are never split (a thread hand-off costs ~10-20 us).
 _SPLIT_MACS = 1 << 21
+# In a deterministic run (deterministic_run) a GEMM of at least this many multiply-adds splits, untimed;
+# smaller ones run whole (MobileNetV2's 1x1 convs of 2-5 M ran 2x slower split on this VM, see matmul).
+_DETERMINISTIC_SPLIT_MACS = 1 << 24
 # ... counting a GEMM of fewer rows as this many: with few rows its time is reading the weight
 # (MobileNetV2's classifier, 1 x 1280 x 1000: 1.3 M multiply-adds, 5 MB of weight, ~200 us on one
 # thread), not its multiply-adds.
@@ -420,7 +429,14 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None,
         out = np.empty(((batch,) if (a.ndim == 3 or b.ndim == 3) else ()) + (m, n), dtype=np.result_type(a, b))
     # Whether a split pays is measured per shape (SplitTuner): MobileNetV2's 1x1 convs (2-5 M
     # multiply-adds) ran 2x slower split on this VM, where a sleeping thread takes ~15-40 us to wake.
-    split = tuner(("matmul", a.shape, b.shape, a.dtype.char, after is not None)).run
+    if _deterministic.on:
+        # Untimed: a block's sums may round otherwise than the whole product's (see
+        # deterministic_run), so the size alone decides.
+        if split_size(m, k, n, batch) < _DETERMINISTIC_SPLIT_MACS:
+            return _whole(a, b, out, after)
+        split = _split
+    else:
+        split = tuner(("matmul", a.shape, b.shape, a.dtype.char, after is not None)).run
     # A block: (first item, last item + 1, rows, columns) of the output.
     if out.ndim == 3 and batch >= 2 * t:
         def block(lo, hi):
@@ -950,8 +966,10 @@ class SplitTuner:
     medians 3.4-4.9 ms at 512 against 3.3-4.9 at 128 (YOLOv8n 10.8-11.3 against 10.2-10.5,
     MobileNetV2 4.1-4.7 against 4.1-4.3), on a noisy host.  Measuring again costs three calls
     of the slower way per RECHECK.
-    Splitting never changes a result (the kernels split their work by independent items), only
-    its time.  Concurrent runs may both record a sample: harmless.
+    Splitting changes no result (the kernels split their work by independent items), only its
+    time, except :func:`matmul`'s blocks of a GEMM, whose sums some BLAS kernels round otherwise
+    than the whole product's (see :class:`deterministic_run`, which decides them by size).
+    Concurrent runs may both record a sample: harmless.
 
     The two thread modes of a run (BLAS on the session's threads, or BLAS on one and onnxpack's
     kernels on them: see ``session._threads``) measure and decide apart: what a split costs
@@ -1137,8 +1155,8 @@ class PathChoice:
     def settled(self) -> int | None:
         """The path of this call in the mode now in force, or None: it is to be timed (the
         geometry's first call in this mode, or its confirming one): :meth:`Conv._path`.  Path 0,
-        untimed, inside a deterministic run (:class:`default_paths`)."""
-        if _default_paths.on:
+        untimed, inside a deterministic run (:class:`deterministic_run`)."""
+        if _deterministic.on:
             return 0
         got = self.modes.get(path_mode())
         if got is None:
