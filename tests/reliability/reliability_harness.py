@@ -68,6 +68,7 @@ import time
 import traceback
 from collections.abc import Iterable, Iterator
 from typing import Any
+from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -227,6 +228,7 @@ def _read_dir(folder: str) -> dict[str, bytes]:
     return out
 
 
+@mock.patch.dict(os.environ, DETERMINISTIC)
 def make_bases(names: Iterable[str], work: str) -> dict[str, dict[str, Any]]:
     """Builds, per sample, an optimized base ``<name>`` and a plain+cache base ``<name>+cache``.
 
@@ -235,19 +237,6 @@ def make_bases(names: Iterable[str], work: str) -> dict[str, dict[str, Any]]:
     in the data file) or ``cache`` (cache layout), all plain data so it pickles to workers.
     Its sessions run with :data:`DETERMINISTIC` set, as the workers' do.
     """
-    saved = {k: os.environ.get(k) for k in DETERMINISTIC}
-    os.environ.update(DETERMINISTIC)
-    try:
-        return _make_bases(names, work)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _make_bases(names: Iterable[str], work: str) -> dict[str, dict[str, Any]]:
     import warnings
 
     import numpy as np

@@ -176,9 +176,6 @@ _WINO_MIN_TILES = 24
 _WINO_TUNED = os.environ.get("ONNXPACK_WINOGRAD_TUNE", "1") != "0"
 _EMPTY1 = np.zeros(0, np.float32)
 _NO_OFFSETS = np.zeros(0, np.int64)  # conv_windows' (absent) bases and offsets in a unit table
-# Output elements from which the JIT's maxpool2d may split its planes over threads (its
-# SplitTuner decides whether that pays; below, the split's Python costs more than it saves).
-_POOL_SPLIT_MIN = 1 << 15
 # 2-D float32 MaxPools without indices whose windows span several rows run the JIT's maxpool2d
 # (its "zero" argument is this 0.0): measured one thread, kernel vs numpy's padded copy and
 # separable passes, the wake-word 2x2 stride-2 pool of 16 x 24 x 72x32 0.22 vs 0.59 ms, 2x2 over
@@ -2278,9 +2275,8 @@ class MaxPool(_Pool):
                     jit.maxpool2d(x3[:, lo:hi], y3[:, lo:hi], ks[0], ks[1], strides[0], strides[1],
                                   dils[0], dils[1], begin[0], begin[1], _F32_ZERO)
 
-                threads = _act.threads()
-                if threads > 1 and planes > 1 and y.size >= _POOL_SPLIT_MIN:
-                    _act.tuner(("maxpool2d", x.shape, ks, strides, dils, tuple(begin))).run(part, planes, threads)
+                if y.size >= _act.SPLIT_ELEMENTS:  # (as the other JIT passes: below, its SplitTuner's Python costs more)
+                    _act.tuner(("maxpool2d", x.shape, ks, strides, dils, tuple(begin))).run(part, planes, _act.threads())
                 else:
                     part(0, planes)
                 return (_act.astype(y, x.dtype),)
