@@ -39,7 +39,8 @@ from onnxpack.session._api import declared_dim
 from onnxpack.session._derive import compute_constant, derive
 from onnxpack.session._fold import fold_constants
 from onnxpack.session._api import override_dims
-from onnxpack.session._fusion import ConstMeta, Fusion, apply_fusions, inputs_index, nodes_with_index, plan_fusions
+from onnxpack.session._fusion import (ConstMeta, Fusion, apply_fusions, identity_aliases, inputs_index, nodes_with_index,
+                                      plan_fusions, read_through)
 from onnxpack.session._program import PackEvent, Plan, PrepackStats, Program, Step, schedule, topological_order
 from onnxpack.session._resolve import resolve
 from onnxpack.session.kernels import Kernel, KernelContext, TensorInfo, normalize_domain
@@ -225,6 +226,8 @@ class _Compiler:
         self._settled.add(scope.path)  # its derived values are known: _weight's answers hold
         fusions: list[Fusion] = []
         if self.options.fuse:
+            nodes, ins, outs, children, implicit = self._without_identities(scope, nodes, ins, outs, children, implicit)
+            reads = [[*ins[k], *implicit[k]] if k in implicit else ins[k] for k in range(len(nodes))] if implicit else ins
             # without pre-packing, only those that compute as onnxruntime's optimized graph does
             fusions = self._fusions(scope, nodes, ins, implicit, arithmetic_only=not self.options.prepack)
         entries = apply_fusions(nodes, fusions)
@@ -266,6 +269,25 @@ class _Compiler:
             output_types=tuple(o.type.tensor_type.elem_type for o in graph.output),
             output_dims=tuple(_declared_dims(o) for o in graph.output),
         )
+
+    @staticmethod
+    def _without_identities(scope: Scope, nodes: list[NodeProto], ins: list[list[str]], outs: list[list[str]],
+                            children: dict[int, list[Scope]], implicit: dict[int, tuple[str, ...]]):
+        """The scope's nodes without the Identity nodes it can do without, their readers reading
+        through them (:func:`._fusion.identity_aliases`: onnxruntime's Identity elimination), as
+        ``(nodes, ins, outs, children, implicit)``, the last two keyed by the new indices."""
+        pinned = {o.name for o in scope.graph.output}
+        for names in implicit.values():
+            pinned.update(names)
+        aliases = identity_aliases(nodes, ins, outs, pinned, set(children))
+        if not aliases:
+            return nodes, ins, outs, children, implicit
+        kept = [k for k in range(len(nodes))
+                if not (nodes[k].op_type == "Identity" and len(outs[k]) == 1 and outs[k][0] in aliases)]
+        index = {k: i for i, k in enumerate(kept)}
+        return ([read_through(nodes[k], aliases) for k in kept], [[aliases.get(n, n) for n in ins[k]] for k in kept],
+                [outs[k] for k in kept], {index[k]: v for k, v in children.items()},
+                {index[k]: v for k, v in implicit.items()})
 
     def _pack_folded(self, b: _Bound, folded: Mapping[str, Callable[[], np.ndarray]]) -> _Bound:
         """The step with the folded constants its kernel packs taken pre-packed.

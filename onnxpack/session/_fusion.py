@@ -51,7 +51,8 @@ from onnxpack.session.kernels._act import Activation
 
 __all__ = ["ConvFusion", "Fusion", "MatMulFusion", "apply_fusions", "bn_fold", "find_conv_fusions",
            "find_attention_chains", "find_fake_quant_fusions", "find_gated_nbits", "find_matmul_fusions", "find_nbits_fusions",
-           "find_relu_fusions", "fused_node", "group_sibling_matmuls", "inputs_index", "match_activation", "nodes_with_index", "plan_fusions"]
+           "find_relu_fusions", "fused_node", "group_sibling_matmuls", "identity_aliases", "inputs_index", "match_activation",
+           "nodes_with_index", "plan_fusions", "read_through"]
 
 
 @fast_init
@@ -126,6 +127,53 @@ class _Nodes(list):
     300-node decoder), or given by a caller that has it (:func:`nodes_with_index`)."""
 
     by_input: dict[str, list[int]] | None = None
+
+
+def identity_aliases(nodes: Sequence[NodeProto], ins: Sequence[Sequence[str]], outs: Sequence[Sequence[str]],
+                     pinned: set[str], holders: set[int]) -> dict[str, str]:
+    """The ``Identity`` nodes a scope can do without, as output name -> the name its readers read
+    instead (an Identity of an Identity reads through both); ``ins`` / ``outs``: each node's input
+    and output names.
+
+    onnxruntime removes them before fusing (its Identity elimination); so must we, or a chain with
+    one in it stops there: Paddle's exporter writes an Identity after most adds (an SE block's
+    ``Conv -> Add -> Identity -> Relu`` ran as a fused Conv and two more steps, each ~10-40 us of
+    Python on a cache the convolutions had just flushed).  An Identity stays when its output
+    keeps its name for someone: ``pinned`` (graph outputs, names subgraphs read) or a node in
+    ``holders`` (nodes with subgraphs, left as the model wrote them) reading it.  A reader then
+    gets the object the Identity would have returned (it returns its input)."""
+    candidates: dict[str, str] = {}
+    for k, node in enumerate(nodes):
+        if (node.op_type == "Identity" and node.domain in ("", "ai.onnx") and len(ins[k]) == 1 and ins[k][0]
+                and len(outs[k]) == 1 and outs[k][0] and outs[k][0] not in pinned and k not in holders):
+            candidates[outs[k][0]] = ins[k][0]
+    if not candidates:
+        return {}
+    for k in holders:
+        for name in ins[k]:
+            candidates.pop(name, None)
+    aliases: dict[str, str] = {}
+    for out in candidates:
+        src, seen = candidates[out], {out}
+        while src in candidates and src not in seen:  # (a cycle is not a valid graph: left as it is)
+            seen.add(src)
+            src = candidates[src]
+        if src not in candidates:
+            aliases[out] = src
+    return aliases
+
+
+def read_through(node: NodeProto, aliases: Mapping[str, str]) -> NodeProto:
+    """``node`` reading through ``aliases`` (:func:`identity_aliases`): a copy with those inputs
+    renamed, or the node itself when it reads none (the model's own nodes are never changed)."""
+    names = node.input[:]
+    if not any(n in aliases for n in names):
+        return node
+    copy = NodeProto()
+    copy.CopyFrom(node)
+    del copy.input[:]
+    copy.input.extend([aliases.get(n, n) for n in names])
+    return copy
 
 
 def nodes_with_index(nodes: Sequence[NodeProto], by_input: dict[str, list[int]]) -> Sequence[NodeProto]:

@@ -1403,3 +1403,75 @@ def test_fake_quant_pair_of_older_opsets_and_contrib_domain_is_fused(case):
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     _same_bits(got, ort.InferenceSession(model, so, providers=["CPUExecutionProvider"]).run(None, x)[0])
+
+
+# -- Identity nodes between the links of a chain ----------------------------------------------------
+def _identity_chain_model(variant: str) -> bytes:
+    """x -> Conv -> Add(per-channel constant) -> Identity [-> Identity] -> Relu -> y, as Paddle's
+    exporter writes an SE block; ``variant`` adds a reason for an Identity to stay."""
+    rng = np.random.default_rng(11)
+    inits = [numpy_helper.from_array(rng.standard_normal((6, 4, 1, 1)).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.standard_normal((1, 6, 1, 1)).astype(np.float32), "b")]
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], name="conv"),
+             helper.make_node("Add", ["c", "b"], ["a"], name="add"),
+             helper.make_node("Identity", ["a"], ["i1"], name="id1")]
+    last = "i1"
+    if variant == "two":
+        nodes.append(helper.make_node("Identity", ["i1"], ["i2"], name="id2"))
+        last = "i2"
+    nodes.append(helper.make_node("Relu", [last], ["y"], name="relu"))
+    outputs = [helper.make_tensor_value_info("y", F, None)]
+    if variant == "graph-output":
+        outputs.append(helper.make_tensor_value_info("i1", F, None))
+    if variant == "subgraph":
+        branch = helper.make_graph([helper.make_node("Neg", ["i1"], ["n"])], "then", [],
+                                   [helper.make_tensor_value_info("n", F, None)])
+        other = helper.make_graph([helper.make_node("Abs", ["i1"], ["m"])], "else", [],
+                                  [helper.make_tensor_value_info("m", F, None)])
+        nodes.append(helper.make_node("If", ["flag"], ["z"], then_branch=branch, else_branch=other))
+        inits.append(numpy_helper.from_array(np.array(True), "flag"))
+        outputs.append(helper.make_tensor_value_info("z", F, None))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [2, 4, 5, 5])], outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+
+
+@pytest.mark.parametrize("variant,steps,identities", [("one", 1, 0), ("two", 1, 0), ("graph-output", 3, 1),
+                                                      ("subgraph", 4, 1)])
+def test_identities_inside_a_chain_do_not_stop_its_fusion(variant, steps, identities):
+    """As onnxruntime's Identity elimination: readers of an Identity read its input, so the Conv
+    takes the Add and the Relu after the Identity (one step); an Identity whose name is a graph
+    output or read by a subgraph stays (and the chain stops at the name read twice).  Outputs
+    equal onnxruntime's and the unoptimized session's; the model's own nodes are unchanged."""
+    model = _identity_chain_model(variant)
+    feed = {"x": np.random.default_rng(3).standard_normal((2, 4, 5, 5)).astype(np.float32)}
+    with onnxpack.InferenceSession(model) as s:
+        got = s.run(None, feed)
+        kinds = [st.node.op_type for st in s.program.root.steps]
+        assert len(kinds) == steps and kinds.count("Identity") == identities, kinds
+        assert sum(n.op_type == "Identity" for n in s.model.proto.graph.node) == (2 if variant == "two" else 1)
+    plain = onnxpack.SessionOptions()
+    plain.graph_optimization_level = onnxpack.GraphOptimizationLevel.ORT_DISABLE_ALL
+    with onnxpack.InferenceSession(model, plain) as s:
+        assert "Identity" in [st.node.op_type for st in s.program.root.steps]
+        unoptimized = s.run(None, feed)
+    for a, b, c in zip(got, unoptimized, _ort(model, feed)):
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_identity_aliases_rules():
+    """The pure rule: an Identity chain reads through to its first input; one that is pinned, read
+    by a node with subgraphs or has no single named input and output stays."""
+    from onnxpack.session._fusion import identity_aliases, read_through
+
+    nodes = [helper.make_node("Identity", ["a"], ["b"]), helper.make_node("Identity", ["b"], ["c"]),
+             helper.make_node("Identity", ["c"], ["d"]), helper.make_node("Identity", ["a"], ["e"]),
+             helper.make_node("Identity", [""], ["f"]), helper.make_node("Identity", ["a"], ["g"], domain="com.x"),
+             helper.make_node("Add", ["c", "e"], ["h"]), helper.make_node("If", ["e"], ["k"])]
+    ins = [n.input[:] for n in nodes]
+    outs = [n.output[:] for n in nodes]
+    got = identity_aliases(nodes, ins, outs, pinned={"d"}, holders={7})
+    assert got == {"b": "a", "c": "a"}
+    add = read_through(nodes[6], got)
+    assert list(add.input) == ["a", "e"] and list(nodes[6].input) == ["c", "e"]
+    assert read_through(nodes[3], got) is nodes[3]
