@@ -600,6 +600,9 @@ def test_direct_conv_split_in_one_block_per_thread_equals_one_thread(stride, bat
         return real(*a)
 
     plan.fn = spy
+    # (the split through Python threads: where the helpers poll, the unit job takes the same
+    # blocks, see test_plane_kernels_split_as_unit_jobs_equals_one_thread)
+    monkeypatch.setattr(conv, "_plane_units", lambda *a: False)
     got = sess.run(None, feeds)[0]
     assert sorted(calls) == [(0, batch * m // 2), (batch * m // 2, batch * m)] and len(idents) == 2, calls
     np.testing.assert_array_equal(got, want)
@@ -784,6 +787,46 @@ def test_conv_bcast_split_as_unit_jobs_equals_one_thread(batch, c, m, k, stride,
     feeds = {"x": rng.standard_normal((batch, c, 28, 26)).astype(np.float32)}
     sess, want = _conv_split_forced(model, feeds, conv._BCAST, 1e-4, 2e-5, monkeypatch)
     _twenty_as_unit_jobs(monkeypatch, lambda: np.testing.assert_array_equal(sess.run(None, feeds)[0], want))
+
+
+@pytest.mark.parametrize("batch,c,m,group,kernel,stride,dilation,pads,unit", [
+    (2, 24, 24, 24, 3, 1, 1, [1, 1, 1, 1], "PK_DW3_SAME"),
+    (1, 20, 20, 20, 5, 1, 1, [2, 2, 2, 2], "PK_DW5_SAME"),
+    (2, 24, 24, 24, 3, 2, 1, [1, 1, 1, 1], "PK_DW3_S2"),
+    (1, 20, 20, 20, 5, 2, 1, [2, 2, 2, 2], "PK_DW5_S2"),
+    (2, 16, 16, 16, 3, 1, 2, [0, 1, 2, 3], "PK_DW2D"),
+    (2, 3, 16, 1, 3, 2, 1, [1, 1, 1, 1], "PK_S2_STEM"),
+    (3, 3, 12, 1, 3, 1, 1, [1, 0, 1, 2], "PK_SMALL"),
+], ids=["dw3-same", "dw5-same", "dw3-stride2", "dw5-stride2", "dw-general", "rgb-stem-stride2", "rgb-direct"])
+def test_plane_kernels_split_as_unit_jobs_equals_one_thread(batch, c, m, group, kernel, stride, dilation, pads, unit,
+                                                            monkeypatch):
+    """The JIT's plane kernels (every depthwise kernel, the direct kernels of RGB stems) split over
+    two threads (forced) as a unit job, a block of planes a unit, no GIL, with a Clip fused:
+    bit for bit the one-thread result (with the helpers polling or asleep), which is
+    onnxruntime's within float32 rounding."""
+    from onnxpack.session.kernels import _act, conv
+
+    _polling_pool()
+    F = TensorProto.FLOAT
+    rng = np.random.default_rng(c + m + kernel + stride)
+    w = (rng.standard_normal((m, c // group, kernel, kernel)) / kernel).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "W", "B"], ["t"], group=group, strides=[stride] * 2,
+                          dilations=[dilation] * 2, pads=pads),
+         helper.make_node("Clip", ["t", "lo", "hi"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", F, [batch, c, 20, 18])], [helper.make_tensor_value_info("y", F, None)],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(rng.standard_normal(m).astype(np.float32), "B"),
+         numpy_helper.from_array(np.float32(-1.0), "lo"), numpy_helper.from_array(np.float32(1.5), "hi")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    feeds = {"x": rng.standard_normal((batch, c, 20, 18)).astype(np.float32)}
+    sess, want = _conv_split_forced(model, feeds, conv._DW_JIT if group > 1 else conv._DIRECT, 1e-5, 1e-5, monkeypatch)
+    (plan,) = [p for st in sess.program.root.steps for p in st.kernel._plans.values()]
+    assert plan.unit == getattr(_act.jit(), unit)
+    units = []
+    real = conv._plane_units
+    monkeypatch.setattr(conv, "_plane_units", lambda *a: units.append(a[1].unit) or real(*a))
+    _twenty_as_unit_jobs(monkeypatch, lambda: np.testing.assert_array_equal(sess.run(None, feeds)[0], want))
+    assert units == [plan.unit] * 20
 
 
 def test_conv_shift_unit_job_declines_arrays_it_does_not_read_as_they_are(monkeypatch):

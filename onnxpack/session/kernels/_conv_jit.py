@@ -69,7 +69,7 @@ from onnxpack.session.kernels._sgemm_jit import KC, _tile1, _tile2, _tile4, _til
 from onnxpack.session.kernels._sgemm_jit import HALF, _tile1h, _tile2h, _tile4h, _tile6h, gtile1h, gtile2h, gtile4h, gtile6h
 from onnxpack.session.kernels._sgemm_jit import LANES, tstore, tstore_bias
 
-__all__ = ["gather_cols", "depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "pad_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_windows", "conv_bcast", "WIN_BLOCK", "windows_unit", "WINDOWS_UNIT", "conv_shift", "wino_input", "wino_output", "bias_act", "gemm_act_unit", "GEMM_ACT_UNIT", "shift_unit", "SHIFT_UNIT", "maxpool2d", "act_inplace", "expf_array"]
+__all__ = ["gather_cols", "depthwise2d", "depthwise3_same", "depthwise5_same", "depthwise3_s2", "depthwise5_s2", "conv3_s2_small", "stride_phases", "pad_phases", "im2col2d", "conv2d_small", "conv_tiny", "conv_windows", "conv_bcast", "WIN_BLOCK", "windows_unit", "WINDOWS_UNIT", "conv_shift", "wino_input", "wino_output", "bias_act", "gemm_act_unit", "GEMM_ACT_UNIT", "shift_unit", "SHIFT_UNIT", "planes_unit", "PLANES_UNIT", "maxpool2d", "act_inplace", "expf_array"]
 
 _FM = {"contract"}
 # Depthwise kernels activate a plane right after computing it (still in L1) from this many
@@ -2338,6 +2338,60 @@ def windows_unit(table, u):
 
 
 WINDOWS_UNIT = windows_unit.address
+
+
+# The unit table of :func:`planes_unit` (int64; ``_spin_jit.U_ARGS`` = 3 header slots first): which
+# plane kernel (``PK_*``), ``x`` (address, N, C, H, W), ``w`` (address and four dims: the
+# depthwise kernels' (C, KH, KW, 1), the direct ones' (M, C, KH, KW)), ``bias`` (address, length),
+# ``y`` (address, N, M, OH, OW), the geometry of depthwise2d / conv2d_small (sh, sw, dh, dw, ph,
+# pw; unused by the others), ``codes`` (address, count) and ``params``' address ((count, 3)
+# float32); then the units and the planes in all.
+(PU_KIND, PU_X, PU_N, PU_C, PU_H, PU_W, PU_WT, PU_W0, PU_W1, PU_W2, PU_W3, PU_BIAS, PU_NBIAS, PU_Y, PU_YN, PU_M,
+ PU_OH, PU_OW, PU_SH, PU_SW, PU_DH, PU_DW, PU_PH, PU_PW, PU_CODES, PU_NCODES, PU_PARAMS, PU_UNITS, PU_COUNT,
+ PU_LEN) = range(3, 33)
+# The plane kernels a unit runs (PU_KIND).
+PK_DW2D, PK_DW3_SAME, PK_DW5_SAME, PK_DW3_S2, PK_DW5_S2, PK_S2_STEM, PK_SMALL = range(7)
+
+
+@cfunc(types.void(types.CPointer(types.int64), types.int64), cache=True)
+def planes_unit(table, u):
+    """Planes ``u * count // units .. (u + 1) * count // units`` of a depthwise or direct
+    (``conv2d_small``, ``conv3_s2_small``) call split over threads without the GIL
+    (``_act.run_units``): the kernel itself on those planes, each computed by one call as on
+    one thread, so the same bits; the blocks' bounds are those of the split through Python
+    (``conv._run_items``)."""
+    t = carray(table, (PU_LEN,))
+    units, count = t[PU_UNITS], t[PU_COUNT]
+    i0 = u * count // units
+    i1 = (u + 1) * count // units
+    kind = t[PU_KIND]
+    x = carray(as_ptr(t[PU_X], F32), (t[PU_N], t[PU_C], t[PU_H], t[PU_W]))
+    bias = carray(as_ptr(t[PU_BIAS], F32), (t[PU_NBIAS],))
+    y = carray(as_ptr(t[PU_Y], F32), (t[PU_YN], t[PU_M], t[PU_OH], t[PU_OW]))
+    codes = carray(as_ptr(t[PU_CODES], I64), (t[PU_NCODES],))
+    params = carray(as_ptr(t[PU_PARAMS], F32), (t[PU_NCODES], 3))
+    if kind >= PK_S2_STEM:
+        w4 = carray(as_ptr(t[PU_WT], F32), (t[PU_W0], t[PU_W1], t[PU_W2], t[PU_W3]))
+        if kind == PK_S2_STEM:
+            conv3_s2_small(x, w4, bias, y, codes, params, i0, i1)
+        else:
+            conv2d_small(x, w4, bias, y, t[PU_SH], t[PU_SW], t[PU_DH], t[PU_DW], t[PU_PH], t[PU_PW], codes, params,
+                         i0, i1)
+        return
+    w3 = carray(as_ptr(t[PU_WT], F32), (t[PU_W0], t[PU_W1], t[PU_W2]))
+    if kind == PK_DW2D:
+        depthwise2d(x, w3, bias, y, t[PU_SH], t[PU_SW], t[PU_DH], t[PU_DW], t[PU_PH], t[PU_PW], codes, params, i0, i1)
+    elif kind == PK_DW3_SAME:
+        depthwise3_same(x, w3, bias, y, codes, params, i0, i1)
+    elif kind == PK_DW5_SAME:
+        depthwise5_same(x, w3, bias, y, codes, params, i0, i1)
+    elif kind == PK_DW3_S2:
+        depthwise3_s2(x, w3, bias, y, codes, params, i0, i1)
+    else:
+        depthwise5_s2(x, w3, bias, y, codes, params, i0, i1)
+
+
+PLANES_UNIT = planes_unit.address
 
 
 # One specialization per argument types, whatever the arrays' writability (see _act.one_specialization);

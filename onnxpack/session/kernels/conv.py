@@ -710,7 +710,7 @@ class _ConvPlan:
                  "wm_shape", "wm", "wk_shape", "wk", "fn", "jit_args", "big", "count", "zero_bias", "full",
                  "sub", "idx", "zero", "extent", "cols_shape", "small", "pre", "post", "channels", "jit", "enc",
                  "table", "rows3", "chunk", "phased", "padded", "at", "split", "empty", "slack", "pad_size", "per_image",
-                 "alt", "choice", "bases", "koffs")
+                 "alt", "choice", "bases", "koffs", "unit")
 
 
 
@@ -762,12 +762,40 @@ def _run_items(fn, args, plan: _ConvPlan, native=None) -> None:
         # One block of items per thread: each call first lays out its image's input planes
         # (an RGB stem's stride phases), which finer chunks would each redo.
         count = plan.count
-        plan.split.run(lambda a, b: fn(*args, a * count // threads, b * count // threads), threads, threads)
+        plan.split.run(lambda a, b: fn(*args, a * count // threads, b * count // threads), threads, threads,
+                       None if native is None else lambda: native(args, plan, threads))
     elif threads > 1:
         plan.split.run(lambda a, b: fn(*args, a, b), plan.count, threads,
                        None if native is None else lambda: native(args, plan, threads))
     else:
         fn(*args, 0, plan.count)
+
+
+def _plane_units(args, plan: _ConvPlan, threads: int) -> bool:
+    """The JIT's plane kernels (depthwise, ``conv2d_small``, ``conv3_s2_small``: ``args`` as
+    :func:`_run_items` takes them) split over threads as a unit job (``_conv_jit.planes_unit``):
+    blocks of planes, each computed by one call as on one thread, so the same bits.  Through
+    :func:`~._act.parallel` each chunk takes the GIL, and a helper that wakes late leaves most
+    chunks to the caller: MobileNetV2's 32 x 112x112 depthwise conv, 111 us on one thread, took
+    92 us split that way and 68 us as units (one thread, then two, in a loop).  A block per
+    thread (a per-image kernel lays out its image's input planes first, and each depthwise call
+    sets up its scratch and column masks: finer blocks redo that).  False when an array is not
+    as the unit reads it, or there is no unit path here (:func:`~._act.run_units`)."""
+    x, w, bias, y = args[:4]
+    codes, params = args[-2:]
+    if not (_act.c_arrays(_F32, x, w, y, bias, params) and _act.c_arrays(np.int64, codes)):
+        return False
+    jit = plan.jit
+    if jit is None:
+        return False
+    geometry = args[4:10] if len(args) == 12 else (0,) * 6
+    dims = w.shape if w.ndim == 4 else (*w.shape, 1)
+    units = min(threads, plan.count)
+    table = np.empty(jit.PU_LEN, np.int64)
+    table[jit.PU_KIND:] = (plan.unit, x.ctypes.data, *x.shape, w.ctypes.data, *dims, bias.ctypes.data, bias.shape[0],
+                           y.ctypes.data, *y.shape, *geometry, codes.ctypes.data, codes.shape[0], params.ctypes.data,
+                           units, plan.count)
+    return _act.run_units(jit.PLANES_UNIT, table, units, threads)
 
 
 def _shift_units(args, plan: _ConvPlan, threads: int) -> bool:
@@ -1207,7 +1235,7 @@ class Conv(Kernel):
             dst = y if plan.full is None else np.empty(plan.full, np.float32)
             args = (np.ascontiguousarray(xc), wk, plan.zero_bias if bias is None else bias, dst) + plan.jit_args
             fn = plan.fn
-            _run_items(fn, args, plan)
+            _run_items(fn, args, plan, _plane_units)
             if dst is not y:
                 # Strided (or cut short): every output is the "same" conv's at (oh*sh, ow*sw).
                 y[...] = dst[plan.sub]
@@ -1392,7 +1420,7 @@ class Conv(Kernel):
                     wm = self._w_as[cd] = self._w.reshape(p.wm_shape).astype(cd)
             p.wm = wm
         p.wk = p.full = p.sub = p.idx = p.zero = p.extent = p.cols_shape = p.padded = p.at = None
-        p.alt = p.choice = None
+        p.alt = p.choice = p.unit = None
         p.phased = p.per_image = False
         p.small = False
         pre, post = self._pre, self._post
@@ -1407,15 +1435,16 @@ class Conv(Kernel):
             p.kind = _DW_JIT
             p.wk_shape = (m,) + tuple(ks)
             p.big = math.prod(p.yshape) * kprod >= _PARALLEL_MACS
-            p.fn = jit.depthwise2d
+            p.fn, p.unit = jit.depthwise2d, jit.PK_DW2D
             p.jit_args = (strides[0], strides[1], dils[0], dils[1], begin[0], begin[1]) + _act.encode(inner)
             same = _same_depthwise(ks, dils, begin, in_shape, out_shape, strides)
             if same is not None and _halving(in_shape, out_shape, strides):
                 # Stride 2 on even planes: one pass over the output from the plane's phases.
-                p.fn = jit.depthwise3_s2 if same == 3 else jit.depthwise5_s2
+                p.fn, p.unit = (jit.depthwise3_s2, jit.PK_DW3_S2) if same == 3 else (jit.depthwise5_s2, jit.PK_DW5_S2)
                 p.jit_args = _act.encode(inner)
             elif same is not None and (tuple(out_shape) == in_shape or in_shape[0] * in_shape[1] * kprod <= _SUBSAMPLE_MAX):
-                p.fn = jit.depthwise3_same if same == 3 else jit.depthwise5_same
+                p.fn, p.unit = ((jit.depthwise3_same, jit.PK_DW3_SAME) if same == 3
+                                else (jit.depthwise5_same, jit.PK_DW5_SAME))
                 p.jit_args = _act.encode(inner)
                 if tuple(out_shape) != in_shape:
                     p.full = (n, m) + in_shape
@@ -1428,7 +1457,7 @@ class Conv(Kernel):
             p.kind = _DIRECT
             p.wk_shape = (m, c) + tuple(ks)
             p.big = math.prod(p.yshape) * c * kprod >= _PARALLEL_MACS
-            p.fn = jit.conv3_s2_small
+            p.fn, p.unit = jit.conv3_s2_small, jit.PK_S2_STEM
             p.per_image = True  # (each call splits its images' input planes into phases first)
             p.jit_args = _act.encode(inner)
         elif (g == 1 and nd == 2 and jit is not None and length > 0 and kprod > 1 and c * kprod <= _DIRECT_TAPS
@@ -1437,7 +1466,7 @@ class Conv(Kernel):
             p.kind = _DIRECT
             p.wk_shape = (m, c) + tuple(ks)
             p.big = math.prod(p.yshape) * c * kprod >= _PARALLEL_MACS
-            p.fn = jit.conv2d_small
+            p.fn, p.unit = jit.conv2d_small, jit.PK_SMALL
             p.per_image = True  # (each call scatters its images' input planes first)
             p.jit_args = (strides[0], strides[1], dils[0], dils[1], begin[0], begin[1]) + _act.encode(inner)
         elif kprod == 1 and not any(begin) and not any(end) and not (
