@@ -537,6 +537,7 @@ class FusedMatMul(MatMul):
                  post=()) -> None:
         super().__init__(node, ctx)
         self.bias = bias
+        self._bias_as: dict[tuple[str, int], np.ndarray] = {}  # the bias cast for the output (see _epilogue)
         self.pre = tuple(pre)
         self.post = tuple(post)
         self.residual = residual
@@ -561,7 +562,18 @@ class FusedMatMul(MatMul):
                                   f"got {np.dtype(out_dtype)}")
         yc = y if y.dtype == compute_dtype(y.dtype) else y.astype(compute_dtype(y.dtype) or np.float32)
         n = yc.shape[-1] if yc.ndim else 1
-        bias = None if self.bias is None else np.broadcast_to(self.bias, (n,)).astype(yc.dtype)
+        bias = self.bias
+        if bias is not None and (bias.dtype != yc.dtype or bias.shape != (n,)):
+            # The bias (kept float64 by the fusion) in the output's dtype and width, made once per
+            # dtype and width: a cast per call was a mixed-dtype pass ~10 us in a model.
+            key = (yc.dtype.char, n)
+            cast = self._bias_as.get(key)
+            if cast is None:
+                cast = np.broadcast_to(bias, (n,)).astype(yc.dtype)
+                cast.setflags(write=False)
+                if len(self._bias_as) < 8:
+                    self._bias_as[key] = cast
+            bias = cast
         res = r if self.residual else None
         if res is not None and res.shape != yc.shape:  # broadcasting residual: numpy's rules
             yc = self._apply(yc, bias, self.pre, None, ())
