@@ -27,6 +27,9 @@ pre-packing on:
   a per-channel step ``x * A + B`` of the epilogue: a QDQ ResNet block runs as its Convs'
   epilogues, one pass each, as the float model does, with the unfused nodes' bits.
 
+Before the finders run, the compile step reads through ``Identity`` nodes (:func:`identity_aliases`,
+onnxruntime's Identity elimination), so an Identity between two links does not end a chain.
+
 The folded weight is an ordinary pre-packed weight of ``W``: its key includes a digest of the
 folded constants, so it is saved, mapped and shared like any other, and a changed statistic is a
 different key.  The graph itself is never rewritten: the saved model is the original one, and
