@@ -40,7 +40,7 @@ from onnxpack.session._derive import compute_constant, derive
 from onnxpack.session._fold import fold_constants
 from onnxpack.session._api import override_dims
 from onnxpack.session._fusion import (ConstMeta, Fusion, apply_fusions, identity_aliases, inputs_index, nodes_with_index,
-                                      plan_fusions, read_through)
+                                      passes_through, plan_fusions, read_through)
 from onnxpack.session._program import PackEvent, Plan, PrepackStats, Program, Step, schedule, topological_order
 from onnxpack.session._resolve import resolve
 from onnxpack.session.kernels import Kernel, KernelContext, TensorInfo, normalize_domain
@@ -273,8 +273,8 @@ class _Compiler:
     @staticmethod
     def _without_identities(scope: Scope, nodes: list[NodeProto], ins: list[list[str]], outs: list[list[str]],
                             children: dict[int, list[Scope]], implicit: dict[int, tuple[str, ...]]):
-        """The scope's nodes without the Identity nodes it can do without, their readers reading
-        through them (:func:`._fusion.identity_aliases`: onnxruntime's Identity elimination), as
+        """The scope's nodes without the Identity (and inference Dropout) nodes it can do without,
+        their readers reading through them (:func:`._fusion.identity_aliases`: onnxruntime's Identity elimination), as
         ``(nodes, ins, outs, children, implicit)``, the last two keyed by the new indices."""
         pinned = {o.name for o in scope.graph.output}
         for names in implicit.values():
@@ -282,8 +282,8 @@ class _Compiler:
         aliases = identity_aliases(nodes, ins, outs, pinned, set(children))
         if not aliases:
             return nodes, ins, outs, children, implicit
-        kept = [k for k in range(len(nodes))
-                if not (nodes[k].op_type == "Identity" and len(outs[k]) == 1 and outs[k][0] in aliases)]
+        kept = [k for k in range(len(nodes)) if not (outs[k] and outs[k][0] in aliases
+                                                     and passes_through(nodes[k], ins[k], outs[k]))]
         index = {k: i for i, k in enumerate(kept)}
         return ([read_through(nodes[k], aliases) for k in kept], [[aliases.get(n, n) for n in ins[k]] for k in kept],
                 [outs[k] for k in kept], {index[k]: v for k, v in children.items()},

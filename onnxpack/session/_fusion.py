@@ -55,7 +55,7 @@ from onnxpack.session.kernels._act import Activation
 __all__ = ["ConvFusion", "Fusion", "MatMulFusion", "apply_fusions", "bn_fold", "find_conv_fusions",
            "find_attention_chains", "find_fake_quant_fusions", "find_gated_nbits", "find_matmul_fusions", "find_nbits_fusions",
            "find_relu_fusions", "fused_node", "group_sibling_matmuls", "identity_aliases", "inputs_index", "match_activation",
-           "nodes_with_index", "plan_fusions", "read_through"]
+           "nodes_with_index", "passes_through", "plan_fusions", "read_through"]
 
 
 @fast_init
@@ -132,11 +132,25 @@ class _Nodes(list):
     by_input: dict[str, list[int]] | None = None
 
 
+def passes_through(node: NodeProto, ins: Sequence[str], outs: Sequence[str]) -> bool:
+    """Whether ``node`` (its input and output names ``ins``, ``outs``) returns its first input as
+    its one output: an ``Identity``, or an inference ``Dropout`` (no mask asked for, no
+    ``training_mode`` input: what its kernel and onnxruntime's Dropout elimination take as an
+    identity)."""
+    if node.domain not in ("", "ai.onnx") or not ins or not ins[0] or not outs or not outs[0]:
+        return False
+    if node.op_type == "Identity":
+        return len(ins) == 1 and len(outs) == 1
+    if node.op_type == "Dropout":
+        return (len(ins) < 3 or not ins[2]) and (len(outs) == 1 or not outs[1])
+    return False
+
+
 def identity_aliases(nodes: Sequence[NodeProto], ins: Sequence[Sequence[str]], outs: Sequence[Sequence[str]],
                      pinned: set[str], holders: set[int]) -> dict[str, str]:
-    """The ``Identity`` nodes a scope can do without, as output name -> the name its readers read
-    instead (an Identity of an Identity reads through both); ``ins`` / ``outs``: each node's input
-    and output names.
+    """The ``Identity`` nodes (and inference ``Dropout`` nodes: :func:`passes_through`) a scope can
+    do without, as output name -> the name its readers read instead (an Identity of an Identity
+    reads through both); ``ins`` / ``outs``: each node's input and output names.
 
     onnxruntime removes them before fusing (its Identity elimination); so must we, or a chain with
     one in it stops there: Paddle's exporter writes an Identity after most adds (an SE block's
@@ -147,8 +161,7 @@ def identity_aliases(nodes: Sequence[NodeProto], ins: Sequence[Sequence[str]], o
     gets the object the Identity would have returned (it returns its input)."""
     candidates: dict[str, str] = {}
     for k, node in enumerate(nodes):
-        if (node.op_type == "Identity" and node.domain in ("", "ai.onnx") and len(ins[k]) == 1 and ins[k][0]
-                and len(outs[k]) == 1 and outs[k][0] and outs[k][0] not in pinned and k not in holders):
+        if passes_through(node, ins[k], outs[k]) and outs[k][0] not in pinned and k not in holders:
             candidates[outs[k][0]] = ins[k][0]
     if not candidates:
         return {}

@@ -1419,10 +1419,18 @@ def _identity_chain_model(variant: str) -> bytes:
     if variant == "two":
         nodes.append(helper.make_node("Identity", ["i1"], ["i2"], name="id2"))
         last = "i2"
+    if variant.startswith("dropout"):
+        extra = {"dropout": ([], ["i2"]), "dropout-mask": ([], ["i2", "mask"]),
+                 "dropout-training": (["ratio", "training"], ["i2"])}[variant]
+        nodes.append(helper.make_node("Dropout", ["i1", *extra[0]], extra[1], name="drop"))
+        inits += [numpy_helper.from_array(np.float32(0.3), "ratio"), numpy_helper.from_array(np.array(False), "training")]
+        last = "i2"
     nodes.append(helper.make_node("Relu", [last], ["y"], name="relu"))
     outputs = [helper.make_tensor_value_info("y", F, None)]
     if variant == "graph-output":
         outputs.append(helper.make_tensor_value_info("i1", F, None))
+    if variant == "dropout-mask":
+        outputs.append(helper.make_tensor_value_info("mask", TensorProto.BOOL, None))
     if variant == "subgraph":
         branch = helper.make_graph([helper.make_node("Neg", ["i1"], ["n"])], "then", [],
                                    [helper.make_tensor_value_info("n", F, None)])
@@ -1436,12 +1444,14 @@ def _identity_chain_model(variant: str) -> bytes:
 
 
 @pytest.mark.parametrize("variant,steps,identities", [("one", 1, 0), ("two", 1, 0), ("graph-output", 3, 1),
-                                                      ("subgraph", 4, 1)])
+                                                      ("subgraph", 4, 1), ("dropout", 1, 0), ("dropout-mask", 3, 0),
+                                                      ("dropout-training", 3, 0)])
 def test_identities_inside_a_chain_do_not_stop_its_fusion(variant, steps, identities):
-    """As onnxruntime's Identity elimination: readers of an Identity read its input, so the Conv
-    takes the Add and the Relu after the Identity (one step); an Identity whose name is a graph
-    output or read by a subgraph stays (and the chain stops at the name read twice).  Outputs
-    equal onnxruntime's and the unoptimized session's; the model's own nodes are unchanged."""
+    """As onnxruntime's Identity (and Dropout) elimination: readers of an Identity read its input,
+    so the Conv takes the Add and the Relu after the Identity (one step); an Identity whose name
+    is a graph output or read by a subgraph stays (and the chain stops at the name read twice);
+    so does a Dropout whose mask is asked for or that is given a training_mode.  Outputs equal
+    onnxruntime's and the unoptimized session's; the model's own nodes are unchanged."""
     model = _identity_chain_model(variant)
     feed = {"x": np.random.default_rng(3).standard_normal((2, 4, 5, 5)).astype(np.float32)}
     with onnxpack.InferenceSession(model) as s:
@@ -1449,6 +1459,7 @@ def test_identities_inside_a_chain_do_not_stop_its_fusion(variant, steps, identi
         kinds = [st.node.op_type for st in s.program.root.steps]
         assert len(kinds) == steps and kinds.count("Identity") == identities, kinds
         assert sum(n.op_type == "Identity" for n in s.model.proto.graph.node) == (2 if variant == "two" else 1)
+        assert ("Dropout" in kinds) == (variant in ("dropout-mask", "dropout-training"))
     plain = onnxpack.SessionOptions()
     plain.graph_optimization_level = onnxpack.GraphOptimizationLevel.ORT_DISABLE_ALL
     with onnxpack.InferenceSession(model, plain) as s:
@@ -1462,7 +1473,7 @@ def test_identities_inside_a_chain_do_not_stop_its_fusion(variant, steps, identi
 def test_identity_aliases_rules():
     """The pure rule: an Identity chain reads through to its first input; one that is pinned, read
     by a node with subgraphs or has no single named input and output stays."""
-    from onnxpack.session._fusion import identity_aliases, read_through
+    from onnxpack.session._fusion import identity_aliases, passes_through, read_through
 
     nodes = [helper.make_node("Identity", ["a"], ["b"]), helper.make_node("Identity", ["b"], ["c"]),
              helper.make_node("Identity", ["c"], ["d"]), helper.make_node("Identity", ["a"], ["e"]),
@@ -1475,3 +1486,7 @@ def test_identity_aliases_rules():
     add = read_through(nodes[6], got)
     assert list(add.input) == ["a", "e"] and list(nodes[6].input) == ["c", "e"]
     assert read_through(nodes[3], got) is nodes[3]
+    drops = [helper.make_node("Dropout", ["a"], ["b"]), helper.make_node("Dropout", ["a", "r"], ["b"]),
+             helper.make_node("Dropout", ["a", "", ""], ["b", ""]), helper.make_node("Dropout", ["a"], ["b", "m"]),
+             helper.make_node("Dropout", ["a", "r", "t"], ["b"]), helper.make_node("Dropout", [""], ["b"])]
+    assert [passes_through(n, n.input[:], n.output[:]) for n in drops] == [True, True, True, False, False, False]
