@@ -483,8 +483,8 @@ class LoadRecord:
         else:
             fam = f"{spec.family}/{spec.version}"
             raise PrepackFormatError(
-                f"no pack for kernel {fam} with this weight's dtype/shape (record has "
-                f"{[p.key.rsplit('/', 1)[0] for p in rec.packs]})"
+                f"no pack for kernel {fam} with this weight's dtype/shape, the kernel's pack attributes and the "
+                f"chain it is computed by (record has {[p.key.rsplit('/', 1)[0] for p in rec.packs]})"
             )
         buffers = pack.buffers
         location = buffers[0].location

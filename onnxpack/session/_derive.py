@@ -190,6 +190,11 @@ def derive(node: NodeProto, weight_of: Callable[[str], WeightRef | None], opsets
     src = weight_of(inputs[0])
     if src is None or src.user or src.elem_type == TensorProto.STRING:
         return None
+    if node.op_type == "Identity" and domain == "":
+        # The weight itself, not a derivation of it: its packs have the weight's own key whether
+        # the compile reads through the Identity (graph optimizations on) or runs it (off), so a
+        # model saved at one level warm-starts at the other.
+        return src
     others = []
     for name in inputs[1:]:
         if not name:

@@ -1490,3 +1490,41 @@ def test_identity_aliases_rules():
              helper.make_node("Dropout", ["a", "", ""], ["b", ""]), helper.make_node("Dropout", ["a"], ["b", "m"]),
              helper.make_node("Dropout", ["a", "r", "t"], ["b"]), helper.make_node("Dropout", [""], ["b"])]
     assert [passes_through(n, n.input[:], n.output[:]) for n in drops] == [True, True, True, False, False, False]
+
+
+@pytest.mark.parametrize("saved_at,loaded_at", [("all", "off"), ("off", "all"), ("all", "all")])
+def test_a_weight_through_an_identity_warm_starts_at_either_optimization_level(saved_at, loaded_at, tmp_path):
+    """A Conv and a MatMul weight reached through an Identity (how torch exports shared weights)
+    are packed under the weight's own key whether the compile reads through the Identity (graph
+    optimizations on) or runs it (off): a model saved at one level maps every blob at the other,
+    packs nothing and warns of nothing, with the cold run's outputs."""
+    import warnings
+
+    rng = np.random.default_rng(5)
+    inits = [numpy_helper.from_array(rng.standard_normal((6, 4, 3, 3)).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.standard_normal((6, 5)).astype(np.float32), "M")]
+    nodes = [helper.make_node("Identity", ["W"], ["w_shared"]), helper.make_node("Identity", ["M"], ["m_shared"]),
+             helper.make_node("Conv", ["x", "w_shared"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]), helper.make_node("MatMul", ["r", "m_shared"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [1, 4, 5, 6])],
+                              [helper.make_tensor_value_info("y", F, None)], inits)
+    (tmp_path / "m.onnx").write_bytes(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString())
+    level = {"all": onnxpack.GraphOptimizationLevel.ORT_ENABLE_ALL, "off": onnxpack.GraphOptimizationLevel.ORT_DISABLE_ALL}
+    feed = {"x": rng.standard_normal((1, 4, 5, 6)).astype(np.float32)}
+    opts = onnxpack.SessionOptions()
+    opts.graph_optimization_level = level[saved_at]
+    opts.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    opts.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+    opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "64")
+    with onnxpack.InferenceSession(str(tmp_path / "m.onnx"), opts) as cold:
+        want = cold.run(None, feed)[0]
+        assert cold.get_prepack_stats()["weights_packed"] == 2
+    warm_opts = onnxpack.SessionOptions()
+    warm_opts.graph_optimization_level = level[loaded_at]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with onnxpack.InferenceSession(str(tmp_path / "opt.onnx"), warm_opts) as warm:
+            stats = warm.get_prepack_stats()
+            assert (stats["weights_packed"], stats["blobs_rejected"], stats["blobs_from_model"]) == (0, 0, 2), stats
+            np.testing.assert_allclose(warm.run(None, feed)[0], want, rtol=1e-6, atol=1e-6)
