@@ -233,6 +233,29 @@ def check_required(infos: Sequence[ValueInfoProto], feedable: Collection[str], o
                               f"({list(input_feed)}). ({details})")
 
 
+def distinct_outputs(values: Sequence[Any]) -> list[Any]:
+    """The run's output values with any array sharing memory with an earlier one copied: two graph
+    outputs of one value (``y`` and ``Identity(y)``), or overlapping views of one buffer, are
+    separate arrays for the user, as onnxruntime's are (writing into one must not change the
+    other).  Only arrays over the same base buffer are compared."""
+    if len(values) < 2:
+        return list(values)
+    out = list(values)
+    seen: dict[int, list[np.ndarray]] = {}
+    for i, v in enumerate(values):
+        if not isinstance(v, np.ndarray) or not v.size:
+            continue
+        root = v
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        others = seen.setdefault(id(root), [])
+        if any(o is v or np.may_share_memory(o, v) for o in others):
+            out[i] = v.copy()
+        else:
+            others.append(v)
+    return out
+
+
 def to_user(value: Any, feeds: Sequence[Any] = (), name: str = "") -> Any:
     """An output as the user gets it: never a read-only view of a weight or blob, never memory
     of one of the run's inputs (a graph input passed through is copied, as onnxruntime does),

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from onnxpack.errors import OnnxpackError, RuntimeInvalidArgument
-from onnxpack.session._api import to_user
+from onnxpack.session._api import distinct_outputs, to_user
 from onnxpack.session._ortvalue import OrtValue, _device_name, elem_dtype, value_type
 from onnxpack.session._program import Frame, Plan, Step, StepHook, call_step, step_failure
 from onnxpack.session.kernels import same_view
@@ -196,7 +196,7 @@ class IOBinding:
 
     def _finish(self, names: Sequence[str], values: Sequence[Any], types: dict[str, str]) -> None:
         results = []
-        for name, value in zip(names, values):
+        for name, value in zip(names, distinct_outputs(values)):
             bound = self._outputs[name]
             if bound is None:
                 # As run() hands outputs out (to_user): never a read-only view of a weight in the

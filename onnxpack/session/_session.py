@@ -25,7 +25,7 @@ from onnxpack.graph import Model
 from onnxpack.prepack import PackSources, PrepackedWeightsContainer
 from onnxpack.session import _providers
 from onnxpack.session._api import (ModelMetadata, NodeArg, check_required, model_inputs, model_metadata, model_outputs,
-                                   to_user, type_string)
+                                   distinct_outputs, to_user, type_string)
 from onnxpack.session._compile import compile
 from onnxpack.session._iobinding import IOBinding
 from onnxpack.session._load import compile_options, load_for_session, options_from_model
@@ -219,7 +219,7 @@ class InferenceSession(ProviderAPI):
         self._enter()
         try:
             names, values, inputs = self._runner.execute(input_feed, output_names, run_options)
-            return [to_user(v, inputs, n) for n, v in zip(names, values)]
+            return [to_user(v, inputs, n) for n, v in zip(names, distinct_outputs(values))]
         finally:
             self._exit()
 
@@ -229,7 +229,8 @@ class InferenceSession(ProviderAPI):
         self._enter()
         try:
             names, values, inputs = self._runner.execute(input_dict_ort_values, output_names, run_options)
-            return [OrtValue(to_user(v, inputs, n), self._output_types.get(n)) for n, v in zip(names, values)]
+            return [OrtValue(to_user(v, inputs, n), self._output_types.get(n))
+                    for n, v in zip(names, distinct_outputs(values))]
         finally:
             self._exit()
 

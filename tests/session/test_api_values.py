@@ -482,3 +482,56 @@ def test_iobinding_output_bound_by_name_is_never_a_view_of_a_weight_or_an_input(
     np.testing.assert_array_equal(y2, w.reshape(-1))
     np.testing.assert_array_equal(z2, x)
     np.testing.assert_array_equal(x, 1.0)
+
+
+@pytest.mark.parametrize("outputs", [["y", "z"], ["y", "v"], ["y", "y2", "z"]], ids=["identity", "reshape-view", "three"])
+def test_outputs_of_one_value_are_separate_arrays(outputs):
+    """Two graph outputs of one value (``y`` and ``Identity(y)``; ``y`` and a Reshape of it, a view
+    of the same memory) come back as separate arrays, as onnxruntime's do: writing into one
+    leaves the other as computed."""
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Identity", ["y"], ["z"]),
+             helper.make_node("Identity", ["y"], ["y2"]), helper.make_node("Reshape", ["y", "shape"], ["v"])]
+    model = _model(nodes, [helper.make_tensor_value_info("x", f, [2, 3])],
+                   [helper.make_tensor_value_info(n, f, None) for n in outputs],
+                   [numpy_helper.from_array(np.array([3, 2], np.int64), "shape")])
+    x = np.array([[1, -2, 3], [4, 5, -6]], np.float32)
+    want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for run in (lambda s: s.run(None, {"x": x}), lambda s: [v.numpy() for v in s.run_with_ort_values(None, {"x": x})]):
+        got = run(onnxpack.InferenceSession(model))
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+        got[0][...] = 42.0
+        for g, w in zip(got[1:], want[1:]):
+            np.testing.assert_array_equal(g, w)
+
+
+def test_optional_kernels_hold_get_and_test_their_value():
+    """Optional / OptionalHasElement / OptionalGetElement run natively as onnxruntime does: the
+    optional of a tensor gives the tensor back, an empty one has no element, and getting its
+    element is the run's error (onnx.reference's Optional wraps its value in a list)."""
+    f = TensorProto.FLOAT
+    full = _model([helper.make_node("Optional", ["a"], ["o"]), helper.make_node("OptionalGetElement", ["o"], ["y"]),
+                   helper.make_node("OptionalHasElement", ["o"], ["h"])],
+                  [helper.make_tensor_value_info("a", f, [2, 3])],
+                  [helper.make_tensor_value_info("y", f, [2, 3]), helper.make_tensor_value_info("h", TensorProto.BOOL, [])],
+                  opset=18)
+    empty_node = helper.make_node("Optional", [], ["o"], type=helper.make_tensor_type_proto(f, None))
+    empty = _model([empty_node, helper.make_node("OptionalHasElement", ["o"], ["h"])],
+                   [helper.make_tensor_value_info("a", f, [2, 3])], [helper.make_tensor_value_info("h", TensorProto.BOOL, [])],
+                   opset=18)
+    get_empty = _model([empty_node, helper.make_node("OptionalGetElement", ["o"], ["y"])],
+                       [helper.make_tensor_value_info("a", f, [2, 3])], [helper.make_tensor_value_info("y", f, None)],
+                       opset=18)
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    for model in (full, empty):
+        want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"a": a})
+        with onnxpack.InferenceSession(model) as s:
+            assert not s.get_fallback_nodes()
+            got = s.run(None, {"a": a})
+        assert [type(g) for g in got] == [np.ndarray] * len(want)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            np.testing.assert_array_equal(g, w)
+    with pytest.raises(Exception, match="holds no value"):
+        onnxpack.InferenceSession(get_empty).run(None, {"a": a})

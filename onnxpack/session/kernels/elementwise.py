@@ -813,6 +813,36 @@ class Identity(Kernel):
         return (x,)
 
 
+@register("Optional", since=15)
+class Optional(Kernel):
+    """An optional holding its input, or empty (``None``) without one.  (onnx.reference's wraps
+    the value in a list, so OptionalGetElement returned the list and an empty optional read as
+    holding a value.)"""
+
+    def run(self, x=None):  # type: ignore[override]
+        return (x,)
+
+
+@register("OptionalHasElement", since=15)
+class OptionalHasElement(Kernel):
+    """Whether the optional holds a value (from opset 18 the input may be a plain tensor or
+    sequence, or omitted: an empty optional)."""
+
+    def run(self, x=None):  # type: ignore[override]
+        return (np.array(x is not None),)
+
+
+@register("OptionalGetElement", since=15)
+class OptionalGetElement(Kernel):
+    """The optional's value (from opset 18 a plain tensor or sequence passes through); an empty
+    optional is the run's error."""
+
+    def run(self, x=None):  # type: ignore[override]
+        if x is None:
+            raise InvalidArgument(f"node {self.node.name!r} (OptionalGetElement): the optional input holds no value")
+        return (x,)
+
+
 @register("Dropout", since=1)
 class Dropout(Kernel):
     """Inference Dropout: identity, and when the mask output is requested a mask of ones from
