@@ -562,12 +562,40 @@ RESIZE = [
 @pytest.mark.parametrize("scales", [(1, 1, 2, 2), (1, 1, 0.5, 0.6), (1, 1, 1.7, 0.8)], ids=str)
 @pytest.mark.parametrize("mode,coord,nearest", RESIZE, ids=["-".join(filter(None, r)) for r in RESIZE])
 def test_resize_scales(mode, coord, nearest, scales):
+    """Against onnx.reference; align_corners against onnxruntime, whose rule we follow where the
+    two differ: it divides by the output's length minus one, onnx.reference (and the node suite's
+    stored outputs) by the scale's un-rounded length minus one (5 x 1.7 = 8.5 for 8 positions)."""
     attrs = {"mode": mode, "coordinate_transformation_mode": coord}
     if nearest:
         attrs["nearest_mode"] = nearest
     x = x_((1, 2, 5, 6))
-    check(make_node("Resize", ["x", "", "s"], ["y"], **attrs), [x, None, np.array(scales, np.float32)], 19, close=True,
-          tol=1e-5 if mode == "cubic" else None)
+    node = make_node("Resize", ["x", "", "s"], ["y"], **attrs)
+    inputs = [x, None, np.array(scales, np.float32)]
+    if coord != "align_corners":
+        check(node, inputs, 19, close=True, tol=1e-5 if mode == "cubic" else None)
+        return
+    t = 1e-5 if mode == "cubic" else 1e-6
+    assert_outputs_match(run_native(node, inputs, 19), run_ort(node, inputs, 19, optimize=False),
+                         lambda dtype: dict(rtol=t, atol=t))
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int32])
+def test_resize_integer_input_truncates_as_onnxruntime(dtype):
+    """A linearly interpolated integer is truncated toward zero (onnxruntime's static_cast; a
+    QOperator model resizes its uint8 / int8 codes), not rounded to nearest: equal to
+    onnxruntime's up to one code where the float sums round across an integer (the two sum in
+    other orders).  (onnxruntime has no cubic Resize of integers; ours truncates the same way and
+    holds the result to the type's range.)"""
+    x = rng.integers(-60 if np.dtype(dtype).kind == "i" else 0, 100, size=(1, 3, 6, 7)).astype(dtype)
+    node = make_node("Resize", ["x", "", "s"], ["y"], mode="linear")
+    inputs = [x, None, np.array([1, 1, 1.7, 1.3], np.float32)]
+    (got,) = run_native(node, inputs, 19)
+    (want,) = run_ort(node, inputs, 19, optimize=False)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    diff = np.abs(got.astype(np.int64) - want.astype(np.int64))
+    assert diff.max() <= 1 and np.mean(diff > 0) < 0.02, (diff.max(), np.mean(diff > 0))
+    rounded = np.abs(np.rint(run_native(node, [x.astype(np.float64), *inputs[1:]], 19)[0]) - want).max()
+    assert rounded >= 1  # (this input tells the rules apart: rounding to nearest is off by a code)
 
 
 @pytest.mark.parametrize("mode", ["nearest", "linear", "cubic"])

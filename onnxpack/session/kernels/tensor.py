@@ -1271,7 +1271,9 @@ class Resize(Kernel):
         width = scale * n_in  # the un-rounded output length, as the spec uses it
         mode = self.coord
         if mode == "align_corners":
-            return np.zeros(n_out) if width == 1 else y * (n_in - 1) / (width - 1)
+            # onnxruntime's rule (the spec's "length_resized"): the output's own length, not the
+            # scale's un-rounded one (6 x 1.7 is 10 positions, the last one reading the input's last)
+            return np.zeros(n_out) if n_out == 1 else y * (n_in - 1) / (n_out - 1)
         # The scale-based modes in float32, as onnxruntime computes them: a source coordinate
         # that is an integer in exact arithmetic (12 / 2.4) rounds to it in float32 but falls
         # just below it in float64, and a nearest pixel then moves by one.  (Measured against
@@ -1396,9 +1398,12 @@ class Resize10(_LegacyResize):
 
 
 def _cast_back(y: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """An interpolated result in the input's dtype: integers truncated toward zero, as
+    onnxruntime's ``static_cast`` does (a QOperator model resizes its uint8 / int8 codes: rounding
+    to nearest moved ~half of them by one code), then held to the type's range (a cubic overshoot)."""
     if y.dtype == dtype:
         return y
     if dtype.kind in "iu":
         info = np.iinfo(dtype)
-        return np.clip(np.rint(y), info.min, info.max).astype(dtype)
+        return np.clip(np.trunc(y), info.min, info.max).astype(dtype)
     return y.astype(dtype)
