@@ -702,6 +702,8 @@ def find_dq_matmul_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], pr
     used = set(taken)
     users_of = _sole_users(nodes, readers, protected, used)
     out: list[Fusion] = []
+    dequantized: set[str] | None = None  # every DequantizeLinear output, made at the first candidate
+    by_input = _by_input(nodes)
     for d, dq in enumerate(nodes):
         if (d in used or dq.op_type != "DequantizeLinear" or dq.domain not in ("", "ai.onnx", "com.microsoft")
                 or not dq.output or not dq.output[0]):
@@ -716,6 +718,14 @@ def find_dq_matmul_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], pr
         mm = nodes[k]
         if (mm.op_type != "MatMul" or mm.domain not in ("", "ai.onnx") or len(mm.input) != 2
                 or mm.input[1] != dq.output[0] or mm.input[0] == dq.output[0] or len(mm.output) != 1):
+            continue
+        # onnxruntime's rule (its DQ -> MatMul selector): the weight's DequantizeLinear is the
+        # MatMul's only one, and no QuantizeLinear reads its result.  A static QDQ model's MatMul
+        # (activations dequantized, the result quantized again) runs in float there: with the
+        # int8 activations of accuracy level 4 its outputs moved by a step.
+        if dequantized is None:
+            dequantized = {n.output[0] for n in nodes if n.op_type == "DequantizeLinear" and n.output}
+        if mm.input[0] in dequantized or any(nodes[j].op_type == "QuantizeLinear" for j in by_input.get(mm.output[0], ())):
             continue
         attrs = _attrs(dq)
         bs = attrs.get("block_size", 0)

@@ -457,6 +457,49 @@ def test_int4_dequantize_matmul_pairs_run_as_matmulnbits(symmetric, block_size, 
         session(path, **{"session.qdq_matmulnbits_accuracy_level": "5"})
 
 
+def test_int4_block_weights_of_a_static_qdq_model_stay_the_float_graph(tmp_path):
+    """quantize_static with 4-bit block weights (``weight_type=QInt4``, ``BlockSize``) writes
+    ``DQ(activation) -> MatMul <- DQ(int4 weight)`` with a QuantizeLinear after the MatMul:
+    onnxruntime leaves that MatMul in float (its DQ -> MatMulNBits rewrite takes a MatMul whose
+    weight's DequantizeLinear is its only one and whose result nothing quantizes), so must we
+    (fused, with int8 activations at accuracy level 4, a quarter of the outputs moved a step)."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    rng = np.random.default_rng(1)
+    f = onnx.TensorProto.FLOAT
+    inits = [onnx.numpy_helper.from_array((rng.standard_normal((64, 48)) / 8).astype(np.float32), "w1"),
+             onnx.numpy_helper.from_array((rng.standard_normal((48, 16)) / 7).astype(np.float32), "w2")]
+    nodes = [onnx.helper.make_node("MatMul", ["x", "w1"], ["h"]), onnx.helper.make_node("Relu", ["h"], ["r"]),
+             onnx.helper.make_node("MatMul", ["r", "w2"], ["y"])]
+    graph = onnx.helper.make_graph(nodes, "g", [onnx.helper.make_tensor_value_info("x", f, [4, 64])],
+                                   [onnx.helper.make_tensor_value_info("y", f, [4, 16])], inits)
+    src, path = tmp_path / "f.onnx", tmp_path / "q.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)]), src)
+    batches = [{"x": rng.standard_normal((4, 64)).astype(np.float32)} for _ in range(4)]
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter(batches)
+
+        def get_next(self):
+            return next(self.it, None)
+
+    quantize_static(str(src), str(path), Reader(), quant_format=QuantFormat.QDQ, weight_type=QuantType.QInt4,
+                    activation_type=QuantType.QUInt8, extra_options={"BlockSize": 32})
+    model = onnx.load(path)
+    inits = {t.name: t for t in model.graph.initializer}
+    assert any(n.op_type == "DequantizeLinear" and n.input[0] in inits and inits[n.input[0]].data_type == onnx.TensorProto.INT4
+               for n in model.graph.node)
+    feeds = {"x": batches[0]["x"]}
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    want = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    sess = session(str(path))
+    assert "MatMulNBits" not in {r["op_type"] for r in sess.get_prepack_log()}
+    step = np.abs(want[want != 0]).min()  # (the output's quantization step, at most)
+    assert np.abs(sess.run(None, feeds)[0] - want).max() < 0.5 * step
+
+
 # -- ORT-optimizer and LLM fixtures ------------------------------------------------------------
 SIDECARS = fx.read_sidecars()
 
