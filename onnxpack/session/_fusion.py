@@ -702,8 +702,19 @@ def find_dq_matmul_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], pr
     used = set(taken)
     users_of = _sole_users(nodes, readers, protected, used)
     out: list[Fusion] = []
-    dequantized: set[str] | None = None  # every DequantizeLinear output, made at the first candidate
+    dequantizers: dict[str, NodeProto] | None = None  # DequantizeLinear nodes by output, made at the first candidate
     by_input = _by_input(nodes)
+
+    def eight_bit(q: NodeProto) -> bool:
+        """Whether a QuantizeLinear / DequantizeLinear works on 8-bit codes (its zero point's type,
+        else QuantizeLinear's output_dtype; unknown counts as 8-bit)."""
+        qins = q.input[:]
+        meta = const_meta(qins[2]) if len(qins) > 2 and qins[2] else None
+        if meta is not None:
+            return meta.dtype.name in ("int8", "uint8")
+        od = int(_attrs(q).get("output_dtype", 0)) if q.op_type == "QuantizeLinear" else 0
+        return od in (0, 2, 3)  # (unset: uint8 without a zero point; UINT8, INT8)
+
     for d, dq in enumerate(nodes):
         if (d in used or dq.op_type != "DequantizeLinear" or dq.domain not in ("", "ai.onnx", "com.microsoft")
                 or not dq.output or not dq.output[0]):
@@ -719,13 +730,16 @@ def find_dq_matmul_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], pr
         if (mm.op_type != "MatMul" or mm.domain not in ("", "ai.onnx") or len(mm.input) != 2
                 or mm.input[1] != dq.output[0] or mm.input[0] == dq.output[0] or len(mm.output) != 1):
             continue
-        # onnxruntime's rule (its DQ -> MatMul selector): the weight's DequantizeLinear is the
-        # MatMul's only one, and no QuantizeLinear reads its result.  A static QDQ model's MatMul
-        # (activations dequantized, the result quantized again) runs in float there: with the
-        # int8 activations of accuracy level 4 its outputs moved by a step.
-        if dequantized is None:
-            dequantized = {n.output[0] for n in nodes if n.op_type == "DequantizeLinear" and n.output}
-        if mm.input[0] in dequantized or any(nodes[j].op_type == "QuantizeLinear" for j in by_input.get(mm.output[0], ())):
+        # onnxruntime's rule: a MatMul of an 8-bit QDQ group (its activation dequantized from 8-bit
+        # codes, or an 8-bit QuantizeLinear reading its result) is left to the 8-bit QDQ rules and
+        # runs in float there (quantize_static's int4 block weights with 8-bit activations: with
+        # the int8 activations of accuracy level 4 its outputs moved by a step); with 16-bit ones
+        # it is still rewritten (measured, onnxruntime 1.32: /work/tmp/s65/helperB).
+        if dequantizers is None:
+            dequantizers = {n.output[0]: n for n in nodes if n.op_type == "DequantizeLinear" and n.output}
+        a_dq = dequantizers.get(mm.input[0])
+        if ((a_dq is not None and eight_bit(a_dq))
+                or any(nodes[j].op_type == "QuantizeLinear" and eight_bit(nodes[j]) for j in by_input.get(mm.output[0], ()))):
             continue
         attrs = _attrs(dq)
         bs = attrs.get("block_size", 0)

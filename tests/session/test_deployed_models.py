@@ -500,6 +500,58 @@ def test_int4_block_weights_of_a_static_qdq_model_stay_the_float_graph(tmp_path)
     assert np.abs(sess.run(None, feeds)[0] - want).max() < 0.5 * step
 
 
+_QT = {"uint8": (onnx.TensorProto.UINT8, 128), "int8": (onnx.TensorProto.INT8, 0),
+       "uint16": (onnx.TensorProto.UINT16, 32768), "int16": (onnx.TensorProto.INT16, 0)}
+
+
+@pytest.mark.parametrize("a_type,q_type,fused", [(None, None, True), (None, "uint8", False), ("int8", None, False),
+                                                 ("uint16", None, True), ("int16", "uint16", True),
+                                                 ("uint16", "int8", False), ("uint8", "int16", False)])
+def test_int4_block_matmul_in_a_qdq_group_fuses_as_onnxruntime(a_type, q_type, fused, tmp_path):
+    """``MatMul(A, DQ(int4 block weight))`` inside a QDQ group: onnxruntime rewrites it to
+    MatMulNBits (accuracy level 4: int8 activations) unless the group is 8-bit (A dequantized from
+    8-bit codes, or an 8-bit QuantizeLinear reading the result), whose rules keep it in float;
+    ours fuses alike and equals onnxruntime's default session, whichever way it goes."""
+    rng = np.random.default_rng(0)
+    th, f = onnx.helper, onnx.TensorProto
+    k, n = 64, 24
+    nodes = [th.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"], axis=0, block_size=16)]
+    inits = [th.make_tensor("w", f.INT4, [k, n], rng.integers(-8, 8, k * n).tolist()),
+             onnx.numpy_helper.from_array((rng.random((k // 16, n)) * 0.02 + 0.01).astype(np.float32), "ws"),
+             th.make_tensor("wz", f.INT4, [k // 16, n], [0] * (k // 16 * n))]
+    a = "x"
+    if a_type is not None:
+        t, zp = _QT[a_type]
+        inits += [onnx.numpy_helper.from_array(np.array(0.05 if "8" in a_type else 0.0005, np.float32), "as"),
+                  th.make_tensor("az", t, [], [zp])]
+        nodes += [th.make_node("QuantizeLinear", ["x", "as", "az"], ["xq"]),
+                  th.make_node("DequantizeLinear", ["xq", "as", "az"], ["xd"])]
+        a = "xd"
+    nodes.append(th.make_node("MatMul", [a, "wd"], ["m"]))
+    out = "m"
+    if q_type is not None:
+        t, zp = _QT[q_type]
+        inits += [onnx.numpy_helper.from_array(np.array(0.5 if "8" in q_type else 0.002, np.float32), "ys"),
+                  th.make_tensor("yz", t, [], [zp])]
+        nodes += [th.make_node("QuantizeLinear", ["m", "ys", "yz"], ["mq"]),
+                  th.make_node("DequantizeLinear", ["mq", "ys", "yz"], ["y"])]
+        out = "y"
+    graph = th.make_graph(nodes, "g", [th.make_tensor_value_info("x", f.FLOAT, [4, k])],
+                          [th.make_tensor_value_info(out, f.FLOAT, None)], inits)
+    path = str(tmp_path / "m.onnx")
+    onnx.save(th.make_model(graph, opset_imports=[th.make_opsetid("", 21)], ir_version=10), path)
+    feeds = {"x": (rng.standard_normal((4, k)) * 3).astype(np.float32)}
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    want = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    plain = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    assert np.array_equal(want, plain) != fused  # (onnxruntime's rewrite changes the numbers)
+    sess = session(path)
+    assert ("MatMulNBits" in {r["op_type"] for r in sess.get_prepack_log()}) == fused
+    np.testing.assert_allclose(sess.run(None, feeds)[0], want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
 # -- ORT-optimizer and LLM fixtures ------------------------------------------------------------
 SIDECARS = fx.read_sidecars()
 
