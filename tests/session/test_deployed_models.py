@@ -519,23 +519,19 @@ def test_int4_block_matmul_in_a_qdq_group_fuses_as_onnxruntime(a_type, q_type, f
     inits = [th.make_tensor("w", f.INT4, [k, n], rng.integers(-8, 8, k * n).tolist()),
              onnx.numpy_helper.from_array((rng.random((k // 16, n)) * 0.02 + 0.01).astype(np.float32), "ws"),
              th.make_tensor("wz", f.INT4, [k // 16, n], [0] * (k // 16 * n))]
-    a = "x"
-    if a_type is not None:
-        t, zp = _QT[a_type]
-        inits += [onnx.numpy_helper.from_array(np.array(0.05 if "8" in a_type else 0.0005, np.float32), "as"),
-                  th.make_tensor("az", t, [], [zp])]
-        nodes += [th.make_node("QuantizeLinear", ["x", "as", "az"], ["xq"]),
-                  th.make_node("DequantizeLinear", ["xq", "as", "az"], ["xd"])]
-        a = "xd"
+
+    def fake_quant(src: str, dst: str, qtype: str, scale8: float, scale16: float) -> str:
+        """``src`` through a QuantizeLinear -> DequantizeLinear pair of type ``qtype`` as ``dst``."""
+        t, zp = _QT[qtype]
+        inits.extend([onnx.numpy_helper.from_array(np.array(scale8 if "8" in qtype else scale16, np.float32), dst + "s"),
+                      th.make_tensor(dst + "z", t, [], [zp])])
+        nodes.extend([th.make_node("QuantizeLinear", [src, dst + "s", dst + "z"], [dst + "q"]),
+                      th.make_node("DequantizeLinear", [dst + "q", dst + "s", dst + "z"], [dst])])
+        return dst
+
+    a = "x" if a_type is None else fake_quant("x", "xd", a_type, 0.05, 0.0005)
     nodes.append(th.make_node("MatMul", [a, "wd"], ["m"]))
-    out = "m"
-    if q_type is not None:
-        t, zp = _QT[q_type]
-        inits += [onnx.numpy_helper.from_array(np.array(0.5 if "8" in q_type else 0.002, np.float32), "ys"),
-                  th.make_tensor("yz", t, [], [zp])]
-        nodes += [th.make_node("QuantizeLinear", ["m", "ys", "yz"], ["mq"]),
-                  th.make_node("DequantizeLinear", ["mq", "ys", "yz"], ["y"])]
-        out = "y"
+    out = "m" if q_type is None else fake_quant("m", "y", q_type, 0.5, 0.002)
     graph = th.make_graph(nodes, "g", [th.make_tensor_value_info("x", f.FLOAT, [4, k])],
                           [th.make_tensor_value_info(out, f.FLOAT, None)], inits)
     path = str(tmp_path / "m.onnx")
