@@ -496,8 +496,12 @@ def test_int4_block_weights_of_a_static_qdq_model_stay_the_float_graph(tmp_path)
     want = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     sess = session(str(path))
     assert "MatMulNBits" not in {r["op_type"] for r in sess.get_prepack_log()}
-    step = np.abs(want[want != 0]).min()  # (the output's quantization step, at most)
-    assert np.abs(sess.run(None, feeds)[0] - want).max() < 0.5 * step
+    # In output steps (the float products may round a tie the other way on another machine):
+    # at most one step off, on a few outputs; fused, a quarter of them were.
+    last = next(n for n in model.graph.node if n.output[0] == model.graph.output[0].name)
+    assert last.op_type == "DequantizeLinear"
+    step = float(onnx.numpy_helper.to_array(inits[last.input[1]]))
+    _within_a_step(sess.run(None, feeds)[0], want, step)
 
 
 _QT = {"uint8": (onnx.TensorProto.UINT8, 128), "int8": (onnx.TensorProto.INT8, 0),
@@ -545,7 +549,18 @@ def test_int4_block_matmul_in_a_qdq_group_fuses_as_onnxruntime(a_type, q_type, f
     assert np.array_equal(want, plain) != fused  # (onnxruntime's rewrite changes the numbers)
     sess = session(path)
     assert ("MatMulNBits" in {r["op_type"] for r in sess.get_prepack_log()}) == fused
-    np.testing.assert_allclose(sess.run(None, feeds)[0], want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    got = sess.run(None, feeds)[0]
+    if q_type is None:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    else:  # (a quantized result: in its steps, as above)
+        _within_a_step(got, want, 0.5 if "8" in q_type else 0.002)
+
+
+def _within_a_step(got: np.ndarray, want: np.ndarray, step: float) -> None:
+    """``got`` is ``want`` (both dequantized by ``step``) but for at most one step on at most 5 %
+    of the outputs: a product rounded the other way at a quantization tie."""
+    off = np.rint(np.abs(got - want) / step)
+    assert off.max() <= 1 and np.mean(off > 0) <= 0.05, (off.max(), np.mean(off > 0))
 
 
 # -- ORT-optimizer and LLM fixtures ------------------------------------------------------------
