@@ -220,14 +220,16 @@ class _Compiler:
         # builds a container and its strings anew) and what it reads: plus its subgraphs' names.
         ins = [node.input[:] for node in nodes]
         outs = [node.output[:] for node in nodes]
-        reads = [[*ins[k], *implicit[k]] if k in implicit else ins[k] for k in range(len(nodes))] if implicit else ins
+        reads = _reads(ins, implicit)
         if self.options.prepack:
             self.derived[scope.path] = self._derivations(scope, nodes, reads, local, available, name, outs)
         self._settled.add(scope.path)  # its derived values are known: _weight's answers hold
         fusions: list[Fusion] = []
         if self.options.fuse:
-            nodes, ins, outs, children, implicit = self._without_identities(scope, nodes, ins, outs, children, implicit)
-            reads = [[*ins[k], *implicit[k]] if k in implicit else ins[k] for k in range(len(nodes))] if implicit else ins
+            stripped = self._without_identities(scope, nodes, ins, outs, children, implicit)
+            if stripped is not None:
+                nodes, ins, outs, children, implicit = stripped
+                reads = _reads(ins, implicit)
             # without pre-packing, only those that compute as onnxruntime's optimized graph does
             fusions = self._fusions(scope, nodes, ins, implicit, arithmetic_only=not self.options.prepack)
         entries = apply_fusions(nodes, fusions)
@@ -275,13 +277,14 @@ class _Compiler:
                             children: dict[int, list[Scope]], implicit: dict[int, tuple[str, ...]]):
         """The scope's nodes without the Identity (and inference Dropout) nodes it can do without,
         their readers reading through them (:func:`._fusion.identity_aliases`: onnxruntime's Identity elimination), as
-        ``(nodes, ins, outs, children, implicit)``, the last two keyed by the new indices."""
+        ``(nodes, ins, outs, children, implicit)``, the last two keyed by the new indices; None
+        when there is none to do without."""
         pinned = {o.name for o in scope.graph.output}
         for names in implicit.values():
             pinned.update(names)
         aliases = identity_aliases(nodes, ins, outs, pinned, set(children))
         if not aliases:
-            return nodes, ins, outs, children, implicit
+            return None
         kept = [k for k in range(len(nodes)) if not (outs[k] and outs[k][0] in aliases
                                                      and passes_through(nodes[k], ins[k], outs[k]))]
         index = {k: i for i, k in enumerate(kept)}
@@ -625,6 +628,14 @@ def _checked_function(model: Model, function: Any) -> Any:
                 model._inline(t)
             stack.extend(g.node)
     return copy
+
+
+def _reads(ins: list[list[str]], implicit: dict[int, tuple[str, ...]]) -> list[list[str]]:
+    """What each node reads: its inputs (``ins``), plus the names its subgraphs read (``implicit``,
+    by node index)."""
+    if not implicit:
+        return ins
+    return [[*ins[k], *implicit[k]] if k in implicit else ins[k] for k in range(len(ins))]
 
 
 def _all_folded(step: Step, folded: Mapping[str, Any]) -> bool:
