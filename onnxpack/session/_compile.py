@@ -143,21 +143,18 @@ class _Compiler:
             if e.entry.check_source is not None:
                 guards.setdefault(id(getattr(e.entry.check_source, "__self__", e.entry.check_source)), e.entry.check_source)
         warm: dict[type, Callable[[], None]] = {}
-        owns = False
         for plan in self.plans.values():
             for step in plan.steps:
                 k = step.kernel
                 task = k.warm_up  # a bound method, or a task the kernel set that holds no reference to it
                 if getattr(task, "__func__", None) is not Kernel.warm_up:
                     warm.setdefault(type(k), task)
-                owns = owns or k.owns_threads
         inputs, outputs = override_dims(root.graph.input, root.graph.output, self.options.dims_by_name,
                                         self.options.dims_by_denotation)
         return Program(
             plans=dict(self.plans), root=self.plans[root.path], overridable=self.overridable, defaults=defaults,
             pack_log=tuple(self.log), fallback_nodes=tuple(self.fallback_nodes), stats=stats,
             inputs=inputs, outputs=outputs, guards=tuple(guards.values()), warm_ups=tuple(warm.values()),
-            owns_threads=owns,
         )
 
     # -- names ------------------------------------------------------------------------------------

@@ -257,9 +257,6 @@ class Program:
     # One kernel per class that has process-wide warm-up work (Kernel.warm_up): the session runs
     # them in a background thread after creation.
     warm_ups: tuple[Callable[[], None], ...] = ()
-    # Some kernel's heavy work runs on onnxpack's own threads (Kernel.owns_threads): runs keep the
-    # BLAS at one thread and give its count to those (session/_threads.owned_threads).
-    owns_threads: bool = False
 
     def check_files(self) -> None:
         for guard in self.guards:

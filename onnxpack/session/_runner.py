@@ -74,7 +74,7 @@ class Runner:
         # differently) and decides nothing by timing that changes a result (see _act.deterministic_run).
         mode = config["onnxpack.thread_mode"]
         self.deterministic = bool(options.use_deterministic_compute)
-        self.modes = ModeTuner(program.owns_threads if mode == "auto" else mode == "owned")
+        self.modes = ModeTuner(mode != "blas")  # auto starts owned (see ModeTuner)
         if mode != "auto" or self.deterministic:
             self.modes.fix()
 
@@ -121,10 +121,12 @@ class Runner:
         threads = self.threads if self.per_session_threads else global_intra_op_threads()
         n = threads if threads > 0 else current_blas_threads()
         first, self._ran = not self._ran, True
-        own, which, key = self.modes.current(), -1, None
-        if n > 1 and not first and control is None and plan is program.root and blas_libraries(quiet=True):
-            # Plain runs of the whole model choose their thread mode from the session's own runs.
-            own, which, key = self.modes.pick(inputs)
+        own, which, key = False, -1, None
+        if n > 1 and blas_libraries(quiet=True):  # (owned mode needs the BLAS at one thread: threadpoolctl)
+            own = self.modes.current()
+            if not first and control is None and plan is program.root:
+                # Plain runs of the whole model choose their thread mode from the session's own runs.
+                own, which, key = self.modes.pick(inputs)
         owned = n if own else 0
         if not owned and n > 1:
             stop_spinning()  # (helpers still polling after an owned-mode run: see below)

@@ -229,8 +229,8 @@ if hasattr(os, "register_at_fork"):
 @contextlib.contextmanager
 def owned_threads(n: int) -> Iterator[None]:
     """For the duration, BLAS at one thread and onnxpack's own kernels on ``n`` threads (the
-    smallest count while several such runs overlap): a run whose heavy work is onnxpack's own
-    (``Kernel.owns_threads``).  Why not both pools: after each call an OpenBLAS worker spins
+    smallest count while several such runs overlap): a run in owned mode (see :class:`ModeTuner`).
+    Why not both pools: after each call an OpenBLAS worker spins
     for a while, waiting for more work, and takes the core onnxpack's threads would use
     (measured, BERT-base on 2 cores: 250-270 ms per run with the JIT GEMM on 2 threads beside
     2-thread BLAS, 160-180 ms with the BLAS at one thread).  Without threadpoolctl the BLAS keeps
@@ -258,8 +258,20 @@ class ModeTuner:
     mel-spectrogram front end 1.40-1.57: OpenBLAS splits a small GEMM between its own threads
     for less than onnxpack's pool pays to hand a share over (the GIL), while after each of its
     calls OpenBLAS's workers poll the other core for a while and slow onnxpack's own split
-    kernels beside them.  A fixed rule (owned when a kernel's heavy work is onnxpack's own,
-    ``Program.owns_threads``) is the starting mode.
+    kernels beside them.
+
+    The starting mode is owned, whatever the model.  Until session 66 it was owned only for a
+    program with a GEMM of onnxpack's own (the panel GEMM), BLAS for the rest, and a switch needs
+    two pairs of blocks that favour it (below) where keeping the starting mode needs one: one
+    disturbed pair kept a model in its starting mode.  Measured in session 66, two threads, each
+    mode in a session of its own, blocks alternating in one process (owned / BLAS): YOLOv8n 0.57,
+    resnet50 0.69, YOLOX 0.70, PicoDet 0.73, the wake-word CNN 0.66, PP-OCR's recognizer 0.59 and
+    detector 0.91, the orientation classifier 0.67 and 0.96 in two runs, MobileNetV2 0.95, the
+    CRNN 0.75, MiniLM-L3 1.03, Silero VAD 1.07, the mel-spectrogram front end 1.14: owned wins
+    almost everywhere since onnxpack's conv kernels split without the GIL, and a starting mode in
+    BLAS had taken the orientation classifier to BLAS mode in two of three benchmark runs (1.7-1.9x
+    onnxruntime's time against 1.4x owned).  The mel front end, which prefers BLAS, gets there by
+    the confirmed switch.
 
     Measuring: the session's first run is not counted (it maps the weights' pages), then runs
     take the starting mode until ``TRIALS`` of them are counted, then the other mode as long.  A

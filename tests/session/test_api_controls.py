@@ -266,13 +266,18 @@ def test_intra_op_num_threads_limits_blas_during_runs_only():
         sess.run(None, {"x": np.ones(2, np.float32)})
         assert Gate.blas_threads == [1, 1]
         assert libs[0].num_threads == 2  # restored after the run
+        # On several threads, in BLAS mode (runs start in owned mode: the BLAS at one thread, see
+        # test_runs_on_several_threads_start_in_owned_mode).
+        so0 = onnxpack.SessionOptions()
+        so0.add_session_config_entry("onnxpack.thread_mode", "blas")
         Gate.reset()
-        onnxpack.InferenceSession(_gate_chain(2)).run(None, {"x": np.ones(2, np.float32)})
+        onnxpack.InferenceSession(_gate_chain(2), so0).run(None, {"x": np.ones(2, np.float32)})
         assert Gate.blas_threads == [2, 2]  # 0: left as it is
         # The user changes the count between runs: the next run restores the new one.
         libs[0].set_num_threads(1)
         so2 = onnxpack.SessionOptions()
         so2.intra_op_num_threads = 2
+        so2.add_session_config_entry("onnxpack.thread_mode", "blas")
         Gate.reset()
         onnxpack.InferenceSession(_gate_chain(2), so2).run(None, {"x": np.ones(2, np.float32)})
         assert Gate.blas_threads == [2, 2]
@@ -366,10 +371,11 @@ def _gate_after_panels() -> bytes:
 
 @pytest.mark.usefixtures("panels_on")
 @pytest.mark.parametrize("setting", [2, 0], ids=["intra2", "default"])
-def test_runs_of_a_program_whose_gemms_are_its_own_keep_blas_at_one_thread(setting, monkeypatch):
-    """A program with a panel GEMM (Kernel.owns_threads, with numba) runs with the BLAS at one
-    thread and onnxpack's threads at the session's count (the BLAS's, when 0); both are restored
-    after the run, and a program without one keeps the old behaviour (BLAS at the count)."""
+def test_runs_on_several_threads_start_in_owned_mode(setting, monkeypatch):
+    """Runs on several threads start in owned mode (see ModeTuner), whatever the program: the BLAS
+    at one thread and onnxpack's threads at the session's count (the BLAS's, when 0), both
+    restored after the run, for a program with a panel GEMM (with numba) and one without a GEMM;
+    ``onnxpack.thread_mode = blas`` keeps the BLAS at the count."""
     pytest.importorskip("threadpoolctl")
     from onnxpack.session.kernels import _act
 
@@ -388,7 +394,6 @@ def test_runs_of_a_program_whose_gemms_are_its_own_keep_blas_at_one_thread(setti
         so = onnxpack.SessionOptions()
         so.intra_op_num_threads = setting
         sess = onnxpack.InferenceSession(_gate_after_panels(), so)
-        assert sess.program.owns_threads
         x = np.random.default_rng(4).standard_normal((2, 8)).astype(np.float32)
         got = sess.run(None, {"x": x})[0]
         assert seen == [(1, 2)]
@@ -397,9 +402,14 @@ def test_runs_of_a_program_whose_gemms_are_its_own_keep_blas_at_one_thread(setti
         np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
         seen.clear()
         plain = onnxpack.InferenceSession(_gate_chain(1), so)
-        assert not plain.program.owns_threads
         plain.run(None, {"x": np.ones(2, np.float32)})
-        assert Gate.blas_threads[-1] == 2  # not an owner: BLAS at the session's count
+        assert seen == [(1, 2)]
+        assert libs[0].num_threads == 2 and _act.threads() == 2
+        seen.clear()
+        so.add_session_config_entry("onnxpack.thread_mode", "blas")
+        blas = onnxpack.InferenceSession(_gate_chain(1), so)
+        blas.run(None, {"x": np.ones(2, np.float32)})
+        assert seen == [(2, 2)]
     finally:
         libs[0].set_num_threads(before)
 

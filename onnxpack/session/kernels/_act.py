@@ -343,7 +343,7 @@ class deterministic_run(_FlagOn):  # noqa: N801 - used as a context manager, lik
 def threads() -> int:
     """Threads onnxpack's own kernels use: ``ONNXPACK_NUM_THREADS`` when set, else 1 inside a
     one-thread session's run (:class:`one_thread`), else the count of the runs that own their
-    threads (see ``Kernel.owns_threads``), else the BLAS's."""
+    threads (owned mode: see ``_threads.ModeTuner``), else the BLAS's."""
     v = getenv(_ENV_THREADS, _KEY_THREADS)
     if v:
         try:

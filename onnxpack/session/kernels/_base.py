@@ -165,11 +165,6 @@ class Kernel:
     # (the same array bound as both), or -1 for none.  ``run_into`` then gets ``None`` for
     # outputs not given and returns every output (a tuple), given ones in their buffers.
     bound_outputs: ClassVar[dict[int, int]] = {}
-    # True when this kernel's heavy work runs on onnxpack's own threads rather than the BLAS's
-    # (the float32 GEMM on panels).  A run of a program with such a kernel keeps the BLAS at one
-    # thread and gives the run's thread count to onnxpack's threads (session/_threads.py): an
-    # idle OpenBLAS worker spins for a while after each call and would take the cores they need.
-    owns_threads: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -176,11 +176,9 @@ def warm_panels(writeable: bool) -> None:
 
 
 def adopt_pack(kernel: Kernel, w: np.ndarray) -> None:
-    """What a kernel's packed ``B`` says of its runs: with panels for the JIT, its GEMMs are
-    onnxpack's own (``Kernel.owns_threads``) and its warm-up loads the JIT through a task that
-    references no kernel (see ``Kernel.warm_up``)."""
+    """What a kernel's packed ``B`` says of its runs: with panels for the JIT, its warm-up loads the
+    JIT through a task that references no kernel (see ``Kernel.warm_up``)."""
     if w.ndim == 3 and _act.jit_possible():
-        kernel.owns_threads = True
         kernel.warm_up = functools.partial(warm_panels, bool(w.flags.writeable))
 
 
