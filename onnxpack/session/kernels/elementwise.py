@@ -195,8 +195,21 @@ def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _pow(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    if b.size == 1 and b.ndim <= a.ndim and a.dtype.kind == "f" and b.reshape(()).item() == 2:
-        return np.square(a)  # x ** 2 (variance, L2 norms): one multiply instead of pow
+    if b.size == 1 and b.ndim <= a.ndim and a.dtype.kind == "f":
+        e = b.reshape(()).item()
+        if e == 2:
+            return np.square(a)  # x ** 2 (variance, L2 norms): one multiply instead of pow
+        if a.dtype in (np.float32, np.float64) and isinstance(e, (int, float)) and math.isfinite(e) and e == int(e):
+            if e == 3:
+                # onnxruntime's bits: its Pow multiplies for an exponent of 2 or 3 (the tanh
+                # GELU's cube), and calls pow for any other.
+                return a * a * a
+            # An integer exponent: pow of the magnitude, then the base's sign for an odd one,
+            # the same bits as pow itself (C's pow(-x, n) is +-pow(x, n)).  numpy's float32 pow
+            # of a negative base took ~50-100x as long as of a positive one (measured: 49k
+            # floats, 0.06 ms positive, 2.7 ms mixed signs, 5.4 ms negative).
+            mag = np.power(np.abs(a), a.dtype.type(e))
+            return np.copysign(mag, a, out=mag) if int(e) % 2 else mag
     if a.dtype.kind == "f" and b.dtype != a.dtype:
         b = b.astype(a.dtype)  # float base, other exponent type: compute in the base's type
     if a.dtype.kind in "iu" and b.dtype.kind == "i" and (b < 0).any():
