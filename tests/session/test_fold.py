@@ -242,6 +242,48 @@ def test_a_folded_matmul_weight_is_packed_and_integer_constants_are_not():
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-6, atol=1e-6)
 
 
+def test_a_subgraph_folds_and_packs_weights_its_outer_scopes_hold_in_constant_nodes():
+    """Silero VAD v5's layout: the weights are Constant nodes of an If branch, and the node that
+    reads them (there its LSTM; here a MatMul) sits in an If nested in that branch, behind a
+    Slice + Concat.  The outer scope's constants are known when the nested one compiles: the
+    chain folds and the MatMul's weight is packed (it was re-sliced and read unpacked at every
+    run); both branches compute what onnxruntime computes."""
+    import onnxruntime as ort
+
+    w = (np.arange(64, dtype=np.float32).reshape(16, 4) - 30) / 17
+    inner_then = helper.make_graph(
+        [_const("s0", np.array([0], np.int64)), _const("s8", np.array([8], np.int64)),
+         _const("s16", np.array([16], np.int64)),
+         helper.make_node("Slice", ["W", "s0", "s8"], ["lo"]), helper.make_node("Slice", ["W", "s8", "s16"], ["hi"]),
+         helper.make_node("Concat", ["hi", "lo"], ["Wc"], axis=0), helper.make_node("MatMul", ["x", "Wc"], ["t"])],
+        "inner_then", [], [helper.make_tensor_value_info("t", F, None)])
+    inner_else = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["e"])], "inner_else", [],
+                                   [helper.make_tensor_value_info("e", F, None)])
+    outer_then = helper.make_graph(
+        [helper.make_node("Constant", [], ["W"], value=numpy_helper.from_array(w, "W_t")),
+         helper.make_node("If", ["inner"], ["o"], then_branch=inner_then, else_branch=inner_else)],
+        "outer_then", [], [helper.make_tensor_value_info("o", F, None)])
+    outer_else = helper.make_graph([helper.make_node("Neg", ["x"], ["n"]), helper.make_node("ReduceSum", ["n"], ["r"])],
+                                   "outer_else", [], [helper.make_tensor_value_info("r", F, None)])
+    graph = helper.make_graph([helper.make_node("If", ["outer"], ["y"], then_branch=outer_then, else_branch=outer_else)],
+                              "g", [helper.make_tensor_value_info("x", F, [2, 16]),
+                                    helper.make_tensor_value_info("outer", TensorProto.BOOL, []),
+                                    helper.make_tensor_value_info("inner", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("y", F, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    sess = onnxpack.InferenceSession(model)
+    matmuls = [s for plan in sess.program.plans.values() for s in plan.steps if s.node.op_type == "MatMul"]
+    assert len(matmuls) == 2 and all(s.packed == {1} for s in matmuls)
+    inner = next(plan for path, plan in sess.program.plans.items() if path.endswith("then_branch") and path.count("/") == 2)
+    assert [s.node.op_type for s in inner.steps] == ["MatMul"]  # the Slices and the Concat folded
+    theirs = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(1).standard_normal((2, 16)).astype(np.float32)
+    for outer in (True, False):
+        for inner_cond in (True, False):
+            feeds = {"x": x, "outer": np.array(outer), "inner": np.array(inner_cond)}
+            np.testing.assert_allclose(sess.run(None, feeds)[0], theirs.run(None, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
 def test_a_folded_graph_output_is_copied_for_the_user():
     nodes = [_const("c", np.zeros((2, 3), np.float32)), helper.make_node("Shape", ["c"], ["y"])]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [1])],
