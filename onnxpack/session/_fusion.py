@@ -946,6 +946,129 @@ def find_attention_chains(nodes: Sequence[NodeProto], readers: dict[str, int], p
     return out
 
 
+def find_layernorm_chains(nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
+                          const_value: Callable[[str], np.ndarray | None], taken: set[int]) -> list[Fusion]:
+    """A LayerNormalization over the last axis written out in elementwise ops, as torch's exporter
+    writes ``nn.LayerNorm`` below opset 17 (and tf2onnx, and Keras models):
+    ``m = ReduceMean(x, [-1]); d = x - m; v = ReduceMean(d ** 2 | d * d, [-1]);
+    y = d / Sqrt(v + eps) * gamma + beta`` (either operand order of the last Mul and Add), with
+    ``eps`` a constant scalar and ``gamma``, ``beta`` constant float32 vectors of one length: one
+    step, kernel ``layernorm_chain`` (pure), as onnxruntime's LayerNormFusion rewrites the chain.
+
+    Why: nine numpy passes over the activations, and nine steps of the loop (an openWakeWord head
+    has two such chains in 26 steps; a BERT exported at opset 14 one per sub-layer).  Every
+    intermediate must be read only inside the chain."""
+    used = set(taken)
+    users_of = _sole_users(nodes, readers, protected, used)
+    out: list[Fusion] = []
+
+    def last_axis_mean(node: NodeProto) -> bool:
+        if node.op_type != "ReduceMean" or node.domain not in ("", "ai.onnx") or not sole_output(node):
+            return False
+        attrs = {a.name: a for a in node.attribute[:]}
+        if "keepdims" in attrs and attrs["keepdims"].i != 1:
+            return False
+        if "noop_with_empty_axes" in attrs and attrs["noop_with_empty_axes"].i:
+            return False
+        ins = node.input[:]
+        if "axes" in attrs:
+            axes = list(attrs["axes"].ints)
+        elif len(ins) > 1 and ins[1]:
+            v = const_value(ins[1])
+            axes = None if v is None else [int(a) for a in np.asarray(v).reshape(-1)]
+        else:
+            return False
+        return axes == [-1]
+
+    def sole(name: str, op: str) -> int | None:
+        users = users_of(name)
+        if users is None or len(users) != 1 or nodes[users[0]].op_type != op or nodes[users[0]].domain not in ("", "ai.onnx"):
+            return None
+        return users[0]
+
+    def scalar(name: str) -> float | None:
+        v = const_value(name) if name else None
+        if v is None or np.asarray(v).size != 1 or np.asarray(v).dtype.kind != "f":
+            return None
+        return float(np.asarray(v).reshape(()))
+
+    for r1, mean_node in enumerate(nodes):
+        if r1 in used or not last_axis_mean(mean_node):
+            continue
+        x, mean = mean_node.input[0], mean_node.output[0]
+        sub = sole(mean, "Sub")
+        if sub is None or nodes[sub].input[:] != [x, mean] or not sole_output(nodes[sub]):
+            continue
+        d = nodes[sub].output[0]
+        reads = _by_input(nodes).get(d, [])
+        if d in protected or readers.get(d, 0) != len(reads) or not used.isdisjoint(reads):
+            continue
+        kinds = sorted(set(reads))
+        if len(kinds) != 2:
+            continue
+        sq, div = (kinds if nodes[kinds[1]].op_type == "Div" else kinds[::-1])
+        sq_node, div_node = nodes[sq], nodes[div]
+        if div_node.op_type != "Div" or div_node.input[:] != [d, div_node.input[1]] or not sole_output(div_node):
+            continue
+        if sq_node.op_type == "Pow":
+            if sq_node.input[0] != d or scalar(sq_node.input[1]) != 2.0 or len(reads) != 2:
+                continue
+        elif sq_node.op_type == "Mul":
+            if sq_node.input[:] != [d, d] or len(reads) != 3:
+                continue
+        else:
+            continue
+        if not sole_output(sq_node):
+            continue
+        r2 = sole(sq_node.output[0], "ReduceMean")
+        if r2 is None or not last_axis_mean(nodes[r2]) or nodes[r2].input[0] != sq_node.output[0]:
+            continue
+        add_eps = sole(nodes[r2].output[0], "Add")
+        if add_eps is None or not sole_output(nodes[add_eps]):
+            continue
+        a_ins = nodes[add_eps].input[:]
+        eps_name = a_ins[1] if a_ins[0] == nodes[r2].output[0] else a_ins[0]
+        eps = scalar(eps_name)
+        if eps is None or len(a_ins) != 2 or nodes[r2].output[0] not in a_ins:
+            continue
+        sqrt = sole(nodes[add_eps].output[0], "Sqrt")
+        if sqrt is None or not sole_output(nodes[sqrt]) or div_node.input[1] != nodes[sqrt].output[0]:
+            continue
+        mul = sole(div_node.output[0], "Mul")
+        if mul is None or not sole_output(nodes[mul]):
+            continue
+        m_ins = nodes[mul].input[:]
+        gamma = m_ins[1] if m_ins[0] == div_node.output[0] else m_ins[0]
+        add_b = sole(nodes[mul].output[0], "Add")
+        if add_b is None or not sole_output(nodes[add_b]):
+            continue
+        b_ins = nodes[add_b].input[:]
+        beta = b_ins[1] if b_ins[0] == nodes[mul].output[0] else b_ins[0]
+        g, b = const_value(gamma), const_value(beta)
+        if (g is None or b is None or g.dtype != np.float32 or b.dtype != np.float32 or g.ndim != 1 or g.shape != b.shape
+                or g.shape[0] < 2 or len(m_ins) != 2 or len(b_ins) != 2 or gamma == div_node.output[0]
+                or beta == nodes[mul].output[0]):
+            continue
+        chain = (r1, sub, sq, r2, add_eps, sqrt, div, mul, add_b)
+        if not used.isdisjoint(chain) or len(set(chain)) != len(chain):
+            continue
+        node = NodeProto()
+        node.op_type, node.name = "LayerNormalization", nodes[add_b].name or mean_node.name
+        node.input.extend([x, gamma, beta])
+        node.output.extend([nodes[add_b].output[0]])
+        for name, value in (("axis", -1), ("epsilon", eps)):
+            a = node.attribute.add()
+            a.name = name
+            if name == "axis":
+                a.type, a.i = AttributeProto.INT, value
+            else:
+                a.type, a.f = AttributeProto.FLOAT, value
+        used.update(chain)
+        out.append(Fusion(node, add_b, tuple(i for i in chain if i != add_b), kernel="layernorm_chain",
+                          params={"epsilon": eps}))
+    return out
+
+
 def find_relu_fusions(
     nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str], taken: set[int],
     const_value: Callable[[str], np.ndarray | None] | None = None, opset: int = 1,
@@ -1396,6 +1519,10 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
         taken.update((f.anchor, *f.absorbed))
     for f in (find_attention_chains(nodes, readers, protected, const_value, is_const, opset, taken)
               if "Softmax" in types and "MatMul" in types else ()):
+        out.append(f)
+        taken.update((f.anchor, *f.absorbed))
+    for f in (find_layernorm_chains(nodes, readers, protected, const_value, taken)
+              if "ReduceMean" in types and "Sqrt" in types else ()):
         out.append(f)
         taken.update((f.anchor, *f.absorbed))
     for f, acts in find_relu_fusions(nodes, readers, protected, taken, const_value, opset):

@@ -1528,3 +1528,82 @@ def test_a_weight_through_an_identity_warm_starts_at_either_optimization_level(s
             stats = warm.get_prepack_stats()
             assert (stats["weights_packed"], stats["blobs_rejected"], stats["blobs_from_model"]) == (0, 0, 2), stats
             np.testing.assert_allclose(warm.run(None, feed)[0], want, rtol=1e-6, atol=1e-6)
+
+
+# -- LayerNormalization written out in elementwise ops (torch's nn.LayerNorm below opset 17) --------
+def _layernorm_chain_model(*, opset=13, square="Pow", swap=False, axes=(-1,), d_out=False, dims=("b", 5, 8),
+                           hidden=8, eps=1e-5) -> bytes:
+    """``y = Relu((x - mean) / sqrt(mean((x - mean)^2) + eps) * gamma + beta)`` over the last
+    axis, as the exporters write it: ReduceMean's axes an attribute below opset 18 and an input
+    from 18; the square a Pow by 2 or a Mul; ``swap``: gamma and beta as the first operands;
+    ``d_out``: the centred value is a graph output too (read outside the chain)."""
+    rng = np.random.default_rng(11)
+    inits = [numpy_helper.from_array(rng.standard_normal(hidden).astype(np.float32), "gamma"),
+             numpy_helper.from_array(rng.standard_normal(hidden).astype(np.float32), "beta"),
+             numpy_helper.from_array(np.array(eps, np.float32), "eps"),
+             numpy_helper.from_array(np.array(2.0, np.float32), "two")]
+
+    def mean(inp, out):
+        if opset >= 18:
+            return helper.make_node("ReduceMean", [inp, "axes"], [out], keepdims=1)
+        return helper.make_node("ReduceMean", [inp], [out], axes=list(axes), keepdims=1)
+
+    if opset >= 18:
+        inits.append(numpy_helper.from_array(np.array(axes, np.int64), "axes"))
+    nodes = [helper.make_node("Add", ["x0", "x0"], ["x"]), mean("x", "m"), helper.make_node("Sub", ["x", "m"], ["d"]),
+             helper.make_node("Pow", ["d", "two"], ["sq"]) if square == "Pow" else helper.make_node("Mul", ["d", "d"], ["sq"]),
+             mean("sq", "v"), helper.make_node("Add", ["v", "eps"], ["ve"]), helper.make_node("Sqrt", ["ve"], ["sd"]),
+             helper.make_node("Div", ["d", "sd"], ["n"]),
+             helper.make_node("Mul", ["gamma", "n"] if swap else ["n", "gamma"], ["g"]),
+             helper.make_node("Add", ["beta", "g"] if swap else ["g", "beta"], ["ln"]),
+             helper.make_node("Relu", ["ln"], ["y"])]
+    outputs = [helper.make_tensor_value_info("y", F, None)]
+    if d_out:
+        outputs.append(helper.make_tensor_value_info("d", F, None))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x0", F, list(dims))], outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8).SerializeToString()
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(square="Mul"), dict(swap=True), dict(opset=18), dict(opset=11, eps=1e-12)],
+                         ids=["pow", "mul-square", "swapped-operands", "axes-input", "opset11"])
+def test_a_written_out_layernorm_runs_as_one_step_like_onnxruntime(variant):
+    """torch's nn.LayerNorm below opset 17 (nine elementwise ops): one LayerNormalization step,
+    as onnxruntime's LayerNormFusion makes it; the outputs as onnxruntime's."""
+    model = _layernorm_chain_model(**variant)
+    sess = onnxpack.InferenceSession(model)
+    ops = [s.node.op_type for s in sess.program.root.steps]
+    assert ops.count("LayerNormalization") == 1 and "ReduceMean" not in ops and "Sqrt" not in ops, ops
+    theirs = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    for batch in (1, 3):
+        x = RNG.standard_normal((batch, 5, 8)).astype(np.float32) * 3 + 1
+        np.testing.assert_allclose(sess.run(None, {"x0": x})[0], theirs.run(None, {"x0": x})[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", [dict(axes=(1,)), dict(d_out=True)], ids=["not-last-axis", "centred-value-read"])
+def test_a_chain_that_is_not_a_layernorm_keeps_its_steps(variant):
+    """Reduced over another axis, or an intermediate read outside the chain: not fused, and the
+    results are still onnxruntime's."""
+    model = _layernorm_chain_model(**variant)
+    sess = onnxpack.InferenceSession(model)
+    assert "LayerNormalization" not in [s.node.op_type for s in sess.program.root.steps]
+    theirs = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    x = RNG.standard_normal((2, 5, 8)).astype(np.float32)
+    for got, want in zip(sess.run(None, {"x0": x}), theirs.run(None, {"x0": x})):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_written_out_layernorm_whose_last_axis_broadcasts_computes_what_its_nodes_compute():
+    """A last axis of 1 against an 8-value gamma (the chain broadcasts it; a LayerNormalization
+    would refuse the scale): the fused step computes the chain's arithmetic, as onnxruntime does
+    on the nodes without its optimizations (with them, its own fusion refuses the run: "Last
+    dimension of gamma and input does not match")."""
+    model = _layernorm_chain_model(dims=("b", 5, 1))
+    sess = onnxpack.InferenceSession(model)
+    assert "LayerNormalization" in [s.node.op_type for s in sess.program.root.steps]
+    x = RNG.standard_normal((2, 5, 1)).astype(np.float32)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    want = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"]).run(None, {"x0": x})[0]
+    got = sess.run(None, {"x0": x})[0]
+    assert got.shape == want.shape == (2, 5, 8)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -12,13 +12,14 @@ pre-packing contract packs one input at a time, and the fold needs four).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
 
 from onnxpack.errors import InvalidArgument
 from onnxpack.session.kernels import _act
-from onnxpack.session.kernels._base import Kernel, register
+from onnxpack.session.kernels._base import Kernel, register, register_fused
 
 _EMPTY = np.zeros(0, np.float32)
 
@@ -289,6 +290,28 @@ class LayerNormalization(Kernel):
         y, mean, inv = got
         shape = x.shape[:-1] + (1,)
         return (y.reshape(x.shape), mean.reshape(shape), inv.reshape(shape))[: max(1, len(self.node.output))]
+
+
+@register_fused("layernorm_chain")
+class LayerNormChain(LayerNormalization):
+    """A LayerNormalization over the last axis that the model writes out in elementwise ops
+    (``_fusion.find_layernorm_chains``: ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div, Mul,
+    Add): the kernel above when the scale's length is the last axis', else the chain's own
+    broadcasting arithmetic in numpy (a chain the fusion cannot tell at compile is one, such as
+    a last axis of 1 broadcast against the scale, computes what the nodes compute)."""
+
+    def __init__(self, node, ctx, epsilon: float) -> None:
+        super().__init__(node, dataclasses.replace(ctx, opset=max(17, ctx.opset)))
+        self.epsilon = float(epsilon)
+
+    def run(self, x, scale, bias):
+        if x.dtype == np.float32 and x.ndim >= 1 and x.shape[-1] == scale.shape[0] and x.size:
+            return super().run(x, scale, bias)[:1]
+        with np.errstate(all="ignore"):
+            mean = np.mean(x, axis=-1, keepdims=True, dtype=x.dtype)
+            d = x - mean
+            std = np.sqrt(np.mean(d * d, axis=-1, keepdims=True, dtype=x.dtype) + x.dtype.type(self.epsilon))
+            return (np.asarray(d / std * scale + bias),)
 
 
 def layer_norm_rows(x2: np.ndarray, scale: np.ndarray, bias: np.ndarray | None, eps: float) -> tuple | None:
