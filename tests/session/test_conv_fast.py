@@ -1955,3 +1955,43 @@ def test_conv_scratch_is_per_thread():
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+@pytest.mark.parametrize("geometry", [dict(k=3, stride=1, pads=(1, 1), dil=1), dict(k=5, stride=2, pads=(2, 1), dil=1),
+                                      dict(k=3, stride=1, pads=(0, 0), dil=2), dict(k=1, stride=1, pads=(0, 0), dil=1)],
+                         ids=["k3", "k5-s2-asym", "k3-d2", "k1"])
+@pytest.mark.parametrize("relu", [False, True], ids=["plain", "relu"])
+def test_depthwise_1d_matches_onnxruntime(geometry, relu, jit_mode):
+    """A 1-D depthwise conv (Silero VAD v4's) runs as the 2-D depthwise kernel over planes of one
+    row (jit) or numpy's taps: both as onnxruntime computes it, with its bias and a fused Relu,
+    at one and two threads, values with non-finite ones among them."""
+    rng = _rng(5)
+    c, length = 6, 29
+    w = rng.standard_normal((c, 1, geometry["k"])).astype(np.float32)
+    b = rng.standard_normal(c).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c" if relu else "y"], group=c, kernel_shape=[geometry["k"]],
+                              strides=[geometry["stride"]], pads=list(geometry["pads"]), dilations=[geometry["dil"]])]
+    if relu:
+        nodes.append(helper.make_node("Relu", ["c"], ["y"]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [2, c, length])],
+                              [helper.make_tensor_value_info("y", F, None)], [_const("w", w), _const("b", b)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString()
+    x = rng.standard_normal((2, c, length)).astype(np.float32)
+    x[1, 2, 7] = np.inf
+    x[0, 4, 0] = np.nan
+    want = _ort(model, {"x": x})[0]
+    for threads in (1, 2):
+        so = onnxpack.SessionOptions()
+        so.intra_op_num_threads = threads
+        sess = onnxpack.InferenceSession(model, so)
+        got = sess.run(None, {"x": x})[0]
+        if jit_mode == "jit":
+            from onnxpack.session.kernels import conv as conv_kernels
+
+            (plan,) = sess.program.root.steps[0].kernel._plans.values()
+            assert plan.kind == conv_kernels._DW_JIT and plan.planes is not None
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        fin = np.isfinite(want)
+        np.testing.assert_array_equal(got[~fin & ~np.isnan(want)], want[~fin & ~np.isnan(want)])
+        np.testing.assert_allclose(got[fin], want[fin], **TOL)
