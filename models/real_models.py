@@ -177,6 +177,10 @@ MODELS: dict[str, RealModel] = {m.name: m for m in (
               "7b7f5436cfcb02fae583a05b512ea96467fd449fe54cb49a5e4f06c51a1e43b8",
               "silero_vad/data/silero_vad_16k_op15.onnx",
               "7ed98ddbad84ccac4cd0aeb3099049280713df825c610a8ed34543318f1b2c49", _silero(True)),
+    RealModel("silero-vad-v5", "Silero VAD v5 (If on the sample rate around the model, LSTM weights in Constant "
+              "nodes of nested Ifs; 512 samples)", "silero-vad", "5.1", "silero_vad-5.1-py3-none-any.whl",
+              "ecb50b484f538f7a962ce5cd3c07120d9db7b9d5a0c5861ccafe459856f22c8f", "silero_vad/data/silero_vad.onnx",
+              "2623a2953f6ff3d2c1e61740c6cdb7168133479b267dfef114a4a3cc5bdd788f", _silero(True)),
     RealModel("silero-vad-half", "Silero VAD with float16 activations (512 samples)", "silero-vad", "6.2.3",
               "silero_vad-6.2.3-py3-none-any.whl",
               "7b7f5436cfcb02fae583a05b512ea96467fd449fe54cb49a5e4f06c51a1e43b8",

@@ -72,3 +72,25 @@ def _check(name: str, path: str, ort_options=None) -> None:
         scale = float(np.max(np.abs(w.astype(np.float64))))
         err = float(np.max(np.abs(g.astype(np.float64) - w.astype(np.float64))))
         assert err <= 1e-5 * scale + 1e-5, (name, err, scale)
+
+
+@pytest.mark.parametrize("name", ["silero-vad", "silero-vad-v5"])
+def test_silero_streams_like_onnxruntime_through_its_specialized_plans(name):
+    """Silero VAD as it is used: chunks streamed with the state fed back, long enough for the
+    session's plans specialized per input shapes (and, v5, per sample rate: its If on ``sr`` is
+    inlined) to run, then the other rate (256-sample chunks at 8 kHz) and back: every chunk's
+    probability and state as onnxruntime computes them."""
+    path = real_models.path(name)
+    if path is None:
+        pytest.skip(f"{name} not in the cache (python3 models/real_models.py fetch)")
+    ours = onnxpack.InferenceSession(path)
+    theirs = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(3)
+    states = [np.zeros((2, 1, 128), np.float32)] * 2
+    for rate, samples in ((16000, 512),) * 6 + ((8000, 256),) * 4 + ((16000, 512),) * 3:
+        feeds = {"input": (0.2 * rng.standard_normal((1, samples))).astype(np.float32), "sr": np.array(rate, np.int64)}
+        got = ours.run(None, {**feeds, "state": states[0]})
+        want = theirs.run(None, {**feeds, "state": states[1]})
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+        states = [got[1], want[1]]

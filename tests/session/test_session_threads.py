@@ -213,9 +213,13 @@ def test_parallel_in_a_forked_child():
                 out[a:b] += 1
                 idents.add(threading.get_ident())
 
-            for _ in range(5):
+            calls = 0
+            # Until a helper has taken a chunk (at most 100 calls: on a loaded 2-core machine the
+            # new helper thread may not be scheduled within one call's few milliseconds).
+            while calls < 5 or (len(idents) < 2 and calls < 100):
                 _act.parallel(fn, out.size, 2)
-            os.write(w, b"ok" if np.all(out == 5) and len(idents) > 1 else b"bad")
+                calls += 1
+            os.write(w, b"ok" if np.all(out == calls) and len(idents) > 1 else b"bad")
         finally:
             os._exit(0)
     os.close(w)
