@@ -1064,8 +1064,7 @@ def find_layernorm_chains(nodes: Sequence[NodeProto], readers: dict[str, int], p
             else:
                 a.type, a.f = AttributeProto.FLOAT, value
         used.update(chain)
-        out.append(Fusion(node, add_b, tuple(i for i in chain if i != add_b), kernel="layernorm_chain",
-                          params={"epsilon": eps}))
+        out.append(Fusion(node, add_b, tuple(i for i in chain if i != add_b), kernel="layernorm_chain"))
     return out
 
 

@@ -300,9 +300,9 @@ class LayerNormChain(LayerNormalization):
     broadcasting arithmetic in numpy (a chain the fusion cannot tell at compile is one, such as
     a last axis of 1 broadcast against the scale, computes what the nodes compute)."""
 
-    def __init__(self, node, ctx, epsilon: float) -> None:
+    def __init__(self, node, ctx) -> None:
+        # (epsilon: the fused node's attribute, as the base reads it)
         super().__init__(node, dataclasses.replace(ctx, opset=max(17, ctx.opset)))
-        self.epsilon = float(epsilon)
 
     def run(self, x, scale, bias):
         if x.dtype == np.float32 and x.ndim >= 1 and x.shape[-1] == scale.shape[0] and x.size:
