@@ -308,6 +308,74 @@ def test_dynamic_quantize_lstm_matches_onnxruntime(case):
     assert sess.get_prepack_stats()["weights_packed"] == 3
 
 
+JIT_LSTM_CASES = [
+    # id, seq, batch, input, hidden, directions, weight dtype, per-column, what else
+    ("u8-column-zero-points", 6, 2, 7, 5, 2, np.uint8, True, "zero-points"),
+    ("s8-rows-4-and-1", 5, 5, 8, 36, 1, np.int8, False, ""),  # the GEMM's 4-row pass and a leftover row
+    ("s8-lengths", 7, 3, 4, 6, 2, np.int8, True, "lengths"),
+    ("s8-nan-midway", 6, 1, 5, 4, 2, np.int8, False, "nan"),
+    ("u8-inf-state", 4, 2, 3, 4, 1, np.uint8, False, "inf"),
+    ("s8-wide", 9, 1, 16, 130, 1, np.int8, True, ""),  # 4H = 520: a last tile of 8 columns
+]
+
+
+@pytest.mark.parametrize("case", JIT_LSTM_CASES, ids=[c[0] for c in JIT_LSTM_CASES])
+def test_dynamic_quantize_lstm_recurrence_in_one_call_is_the_loop(case, monkeypatch):
+    """With R packed as lanes, the recurrence runs every step in one JIT call (_qlstm_jit); its
+    results are the per-step loop's, bit for bit: nonzero per-column zero points, sequence
+    lengths, a NaN in X and an infinite initial state (the loop takes over from the step whose h
+    is not finite), batches over the GEMM's 4-row pass, a hidden size not a multiple of 4."""
+    from onnxpack.session.kernels import _act, qinteger as qi
+
+    if qi._qjit() is None or _act.load_jit("_qlstm_jit", "DynamicQuantizeLSTM") is None:
+        pytest.skip("the one-call recurrence needs numba and a CPU with AVX-512 VNNI or AVX2")
+    _, seq, batch, inp, hidden, nd, wdt, per_col, extra = case
+    rng = np.random.default_rng(len(case[0]) + seq)
+    inputs = lstm_case(rng, seq, batch, inp, hidden, nd, wdt, per_col)
+    names = ["x", "w", "r", "b", "", "", "", "", "ws", "wz", "rs", "rz"]
+    pshape = inputs[10].shape
+    if extra == "zero-points":
+        inputs[9] = ints(rng, wdt, pshape)
+        inputs[11] = ints(rng, wdt, pshape)
+    if extra == "lengths":
+        names[4], inputs[4] = "lens", np.array([7, 2, 5], np.int32)
+    if extra == "nan":
+        inputs[0][3, 0, 2] = np.nan
+    if extra == "inf":
+        names[5], names[6] = "h0", "c0"
+        inputs[5] = rng.standard_normal((nd, batch, hidden)).astype(np.float32)
+        inputs[5][0, 1, 2] = np.inf
+        inputs[6] = rng.standard_normal((nd, batch, hidden)).astype(np.float32)
+    direction = "bidirectional" if nd == 2 else "forward"
+    node = helper.make_node("DynamicQuantizeLSTM", names, ["y", "yh", "yc"], domain=MS, hidden_size=hidden,
+                            direction=direction)
+    calls = []
+    one_call = qi.DynamicQuantizeLSTM._exact_steps
+
+    def counted(self, *args):
+        done = one_call(self, *args)
+        calls.append(done)
+        return done
+
+    monkeypatch.setattr(qi.DynamicQuantizeLSTM, "_exact_steps", counted)
+    got = run_native(node, inputs, 1, pack=[1, 2, 3])
+    assert len(calls) == nd
+    if extra == "nan":  # X is quantized as one tensor: every step's X W is NaN, h too after a step
+        assert calls == [1, 1]
+    elif extra == "inf":
+        assert calls == [0]
+    else:
+        assert calls == [seq] * nd
+    monkeypatch.setattr(qi.DynamicQuantizeLSTM, "_exact_steps", lambda self, *args: 0)
+    want = run_native(node, inputs, 1, pack=[1, 2, 3])
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(g, w)
+    if batch == 1 and not extra:  # (onnxruntime's min and max of a tensor with a NaN depend on its position)
+        for g, w in zip(got, ort_node(node, inputs, OPSET)):
+            np.testing.assert_array_equal(g, w)
+
+
 # -- the int8 lanes pack and its GEMM -------------------------------------------------------------
 
 from onnxpack.session.kernels import qinteger  # noqa: E402

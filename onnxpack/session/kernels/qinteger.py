@@ -895,6 +895,26 @@ class DynamicQuantizeLSTM(LSTM):
         return acc.astype(np.float32) * (np.float32(a_scale) * s)
 
 
+    def _exact_steps(self, d, xw, bias, weight, h, c, y, lens, q) -> int:
+        # Every step in one call of the JIT (see _qlstm_jit) where R is packed as lanes.
+        if not isinstance(weight, _LanesDirection) or weight.k > _LANES_MAX_K or weight.k != h.shape[1]:
+            return 0
+        if not (h.dtype == c.dtype == xw.dtype == bias.dtype == _F32 and h.flags.c_contiguous and c.flags.c_contiguous):
+            return 0
+        jit = _act.load_jit("_qlstm_jit", "DynamicQuantizeLSTM")
+        if jit is None or not jit.available:
+            return 0
+        scale, zp, _dtype = q[1]
+        n = weight.n
+        w_scale = np.ascontiguousarray(np.broadcast_to(scale[d] if scale.shape[1] > 1 else scale[d, 0], (n,)), _F32)
+        z = (zp[d] if zp.shape[1] > 1 else zp[d, :1]).astype(np.int64)
+        b_shift = np.ascontiguousarray(np.broadcast_to((128 if weight.unsigned else 0) - z, (n,)))
+        signs = 1 if jit.signs_form and weight.no_min() else 0
+        lens64 = np.zeros(0, np.int64) if lens is None else np.asarray(lens, np.int64).reshape(-1)
+        return int(jit.qlstm_steps(np.ascontiguousarray(xw), bias, weight.lanes, weight.colsum, b_shift, w_scale,
+                                   h, c, y, d, self._reverse(d), lens64, signs))
+
+
 class _LanesWeight:
     """DynamicQuantizeLSTM's packed W or R: each direction's (K, 4H) weight as int8 lanes
     (:func:`to_lanes`) with its column sums; ``shape`` is the float layout's (num_dir, K, 4H),

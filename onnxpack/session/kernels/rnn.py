@@ -557,6 +557,12 @@ class LSTM(_RNNBase):
         ``qinteger.DynamicQuantizeLSTM``) overrides this; ``q`` is what its ``run`` passed."""
         return a @ weight
 
+    def _exact_steps(self, d, xw, bias, weight, h, c, y, lens, q) -> int:
+        """Runs the first steps of direction ``d`` of the quantized recurrence (``q``: see
+        :meth:`_project`) another way, in place on ``h`` and ``c`` and into ``y``, with the
+        loop's arithmetic; returns how many it ran (the loop runs the rest).  None here."""
+        return 0
+
     def _run(self, x, w, r, b, seq_lens, h0, c0, p, q=None):
         out_dtype, xs, wt, rt, bias, (hs, cs), lens, seq, batch, H = self._prepare(x, w, r, b, seq_lens, (h0, c0), p)
         y = np.zeros((seq, self.num_dir, batch, H), np.float32)
@@ -599,7 +605,10 @@ class LSTM(_RNNBase):
                 finals_h.append(h)
                 finals_c.append(c)
                 continue
-            for t in self._steps(d, seq):
+            steps = self._steps(d, seq)
+            if exact and standard and cell is not None:
+                steps = steps[self._exact_steps(d, xw, bias[d], rt[d], h, c, y, lens, q):]
+            for t in steps:
                 gates = self._project(h, rt[d], d, 1, q)
                 gates += xw[t]
                 if exact:
