@@ -15,9 +15,14 @@ arrays); a value released at its last use (the local set to ``None``) so memory 
 the loop frees it; a kernel's exception wrapped in the same :class:`~onnxpack.errors.RuntimeFailure`
 naming the step, a ``RuntimeFailure`` passed through as is (a specialized plan's guard miss).
 
-What it declines (the loop runs instead): a step called with its frame or context (control flow,
-the onnx.reference fallback), a name read when the loop would not find it in the frame (read
-before it is produced or after it is released), an output that is not a live value at the end.
+A control-flow step (If, Loop, Scan: called with its frame) gets a frame of the values its
+subgraphs read from this plan (``Step.implicit``: the live locals and constants of those names)
+over the enclosing frame, so its bodies run as in the loop, generated themselves (a small model
+ending in an If on its score, openWakeWord's heads, paid the loop's ~1 us a step for all of them).
+
+What it declines (the loop runs instead): a step called with the run's whole context (the
+onnx.reference fallback), a name read when the loop would not find it in the frame (read before
+it is produced or after it is released), an output that is not a live value at the end.
 A plan is compiled on its second plain run (a plan run once never pays for it); the function is
 kept on the plan.
 """
@@ -44,15 +49,17 @@ class Declined(Exception):
 
 
 def generate(plan: Any, store: Callable[[Any], Any], missing_outputs: Callable[..., None],
-             step_failure: Callable[..., Exception]) -> Callable:
-    """The function ``run(inputs, get)`` doing ``plan``'s plain run (``get``: the enclosing frame's
-    lookup; for a root plan one that raises KeyError), or raises :class:`Declined`.  ``store``,
-    ``missing_outputs`` and ``step_failure`` are the loop's own helpers (_program)."""
+             step_failure: Callable[..., Exception], frame: Callable[..., Any] | None = None) -> Callable:
+    """The function ``run(inputs, get, parent)`` doing ``plan``'s plain run (``get``: the enclosing
+    frame's lookup, for a root plan one that raises KeyError; ``parent``: that frame, or None), or
+    raises :class:`Declined`.  ``store``, ``missing_outputs`` and ``step_failure`` are the loop's
+    own helpers, ``frame`` its Frame class (_program; without it a step called with its frame is
+    declined)."""
     if len(plan.steps) > MAX_STEPS:
         raise Declined(f"{len(plan.steps)} steps (more than {MAX_STEPS})")
     names: dict[str, str] = {}  # value name -> local identifier
     glob: dict[str, Any] = {"_nd": np.ndarray, "_RF": RuntimeFailure, "_store": store, "_missing": missing_outputs,
-                            "_fail": step_failure, "_scope": plan.name, "_steps": plan.steps}
+                            "_fail": step_failure, "_scope": plan.name, "_steps": plan.steps, "_Frame": frame}
     consts: dict[str, str] = {}
     for j, n in enumerate(plan.constants):
         consts[n] = f"C{j}"
@@ -69,7 +76,7 @@ def generate(plan: Any, store: Callable[[Any], Any], missing_outputs: Callable[.
 
     live = set(plan.input_names)
     live_consts = set(consts)
-    lines = ["def _run(_inputs, _get):"]
+    lines = ["def _run(_inputs, _get, _parent):"]
     if plan.input_names:
         targets = ", ".join(ident(n) for n in plan.input_names)
         lines.append(f"    {targets}, = _inputs")
@@ -88,26 +95,44 @@ def generate(plan: Any, store: Callable[[Any], Any], missing_outputs: Callable[.
             raise Declined(f"{n!r} read where the loop would look it up outside the plan")
         return f"_get({n!r})"
 
+    def frame_of(step: Any) -> str:
+        # The frame a control-flow step's subgraphs run in: the names they read from this plan
+        # (its live values and constants) and, through the parent, from the enclosing plans; a
+        # name the loop's frame would not hold here is read there from the enclosing frames.
+        held = []
+        for n in step.implicit:
+            if n in live:
+                held.append(f"{n!r}: {ident(n)}")
+            elif n in consts and n in live_consts and n not in local_names:
+                held.append(f"{n!r}: {consts[n]}")
+            elif n in local_names or n in consts:
+                raise Declined(f"{n!r} read by {step.label}'s subgraphs where the loop would look it up outside the plan")
+        return f"_Frame({{{', '.join(held)}}}, _parent)"
+
     for k, step in enumerate(plan.steps):
         kernel = step.kernel
-        if getattr(kernel, "call_mode", "plain") != "plain":
-            raise Declined(f"{step.label} is called with its frame")
+        mode = getattr(kernel, "call_mode", "plain")
+        if mode == "frame" and frame is not None:
+            call = f"K{k}.run_in_frame({', '.join([frame_of(step)] + [read(n) for n in step.args])})"
+        elif mode == "plain":
+            call = f"K{k}.run({', '.join(read(n) for n in step.args)})"
+        else:
+            raise Declined(f"{step.label} is called with its {mode}")
         glob[f"K{k}"] = kernel
-        args = ", ".join(read(n) for n in step.args)
         body(f"        _k = {k}")
         outs = step.outputs
         if len(outs) == 1:
             if outs[0]:
                 v = ident(outs[0])
-                body(f"        {v} = K{k}.run({args})[0]")
+                body(f"        {v} = {call}[0]")
                 body(f"        if {v}.__class__ is not _nd and {v} is not None: {v} = _store({v})")
                 live.add(outs[0])
             else:
-                body(f"        K{k}.run({args})")
+                body(f"        {call}")
         elif not outs:  # (a specialized plan's shape guard)
-            body(f"        K{k}.run({args})")
+            body(f"        {call}")
         else:
-            body(f"        _o = K{k}.run({args})")
+            body(f"        _o = {call}")
             body(f"        if len(_o) < {len(outs)}: _missing(_steps[{k}], _o, _scope)")
             for j, o in enumerate(outs):
                 if o:

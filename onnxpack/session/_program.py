@@ -425,7 +425,7 @@ def _generated(plan: Plan, runs: int | None) -> Any:
     from onnxpack.session import _codegen
 
     try:
-        fast = _codegen.generate(plan, store, missing_outputs, step_failure)
+        fast = _codegen.generate(plan, store, missing_outputs, step_failure, Frame)
     except _codegen.Declined as exc:
         logger.debug("graph %r runs on the step loop: %s", plan.name, exc)
         fast = _DECLINED
@@ -454,7 +454,7 @@ def run_plan(plan: Plan, inputs: Sequence[Any], parent: Frame | None = None,
         if fast is None or fast.__class__ is int:
             fast = _generated(plan, fast)
         if fast is not _DECLINED and fast.__class__ is not int:
-            return fast(inputs, _no_outer if parent is None else parent.get)
+            return fast(inputs, _no_outer if parent is None else parent.get, parent)
     values = dict(plan.constants)
     for name, value in zip(plan.input_names, inputs):
         values[name] = value

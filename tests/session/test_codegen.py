@@ -136,19 +136,53 @@ def test_outer_names_come_from_the_enclosing_frame():
     assert fast[1] is parent.values["outer2"]
 
 
-def test_declines_frame_steps_and_reads_the_loop_would_resolve_elsewhere():
+def test_frame_steps_read_their_subgraphs_names_as_the_loop_does():
+    """A control-flow step (called with its frame) runs in the generated function: its frame holds
+    the plan's live values and constants its subgraphs read (Step.implicit), the enclosing frame
+    the rest; what it reads equals the loop's frame, and its outputs."""
+    seen = []
+
     class FrameKernel:
         call_mode = "frame"
 
         def run_in_frame(self, frame, a):
+            got = {n: frame.get(n) for n in ("t", "c", "outer")}
+            seen.append(got)
+            return (a + got["t"] + got["c"] + got["outer"],)
+
+    steps = [(_Fn(lambda a: a * 2), ["x"], ["t"]), (FrameKernel(), ["x"], ["y"])]
+    made = [Step(helper.make_node("Custom", ins, outs, name=f"n{k}"), kern, tuple(ins), tuple(outs),
+                 implicit=("t", "c", "outer") if k == 1 else ())
+            for k, (kern, ins, outs) in enumerate(steps)]
+    consts = {"c": np.float32(3)}
+    made = schedule(made, ["x"], ["y"], consts)
+    plan = Plan("g", "g", ("x",), ("y",), consts, tuple(made))
+    parent = Frame({"outer": np.float32(10), "t": np.float32(-100)}, None)  # the plan's own t wins
+    loop, fast = _both(plan, [np.ones(2, np.float32)], parent)
+    np.testing.assert_array_equal(loop[0], fast[0])
+    np.testing.assert_array_equal(fast[0], [16.0, 16.0])
+    assert all(np.array_equal(v, seen[0][n]) for got in seen[1:] for n, v in got.items())
+    # A step called with the run's whole context (the onnx.reference fallback): declined.
+
+    class ContextKernel:
+        call_mode = "context"
+
+        def run(self, a, context=None):
             return (a,)
 
-    plan = _plan([(FrameKernel(), ["x"], ["y"])], ["x"], ["y"])
+    plan = _plan([(ContextKernel(), ["x"], ["y"])], ["x"], ["y"])
     with pytest.raises(_codegen.Declined):
-        _codegen.generate(plan, _program.store, _program.missing_outputs, _program.step_failure)
+        _codegen.generate(plan, _program.store, _program.missing_outputs, _program.step_failure, Frame)
     for _ in range(3):
         np.testing.assert_array_equal(run_plan(plan, [np.ones(1)])[0], [1.0])
     assert plan.__dict__["_fast"] is _program._DECLINED
+    # A subgraph reading a name of the plan after its release: declined (the loop's frame would
+    # not hold it there).
+    made = [Step(helper.make_node("Custom", ["x"], ["t"], name="a"), _Fn(lambda a: a), ("x",), ("t",), release=("t",)),
+            Step(helper.make_node("Custom", ["x"], ["y"], name="b"), FrameKernel(), ("x",), ("y",), implicit=("t",))]
+    with pytest.raises(_codegen.Declined, match="subgraphs"):
+        _codegen.generate(Plan("g", "g", ("x",), ("y",), {}, tuple(made)), _program.store, _program.missing_outputs,
+                          _program.step_failure, Frame)
     # A name read after its release (not produced by a valid graph, but the loop then looks it up
     # in the enclosing frames): declined.
     steps = (Step(helper.make_node("Custom", ["x"], ["t"], name="a"), _Fn(lambda a: a), ("x",), ("t",), release=("t",)),
@@ -172,9 +206,8 @@ def test_sample_models_run_the_same_generated_and_looped(name, monkeypatch):
     path = str(MODELS / f"{name}.onnx")
     so = onnxpack.SessionOptions()
     if name == "subgraphs":
-        # Specialized, its If on the ``cond`` input is inlined into a root plan of Loops, which the
-        # step loop runs (a Loop is called with its frame): its branches, generated plans, would
-        # not run at all.
+        # Unspecialized: the If on the ``cond`` input runs its branches (specialized, it would be
+        # inlined, and the branches' plans would not run at all).
         so.add_session_config_entry("onnxpack.specialize_shapes", "0")
     sess = onnxpack.InferenceSession(path, so)
     rng = np.random.default_rng(0)
