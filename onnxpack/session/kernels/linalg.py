@@ -221,6 +221,16 @@ def matmul_panels_many(a2: np.ndarray, ws: Sequence[np.ndarray], ns: Sequence[in
             out[...] = np.matmul(a2, w).transpose(1, 0, 2).reshape(m, -1)[:, :n]
         return
     a2 = np.ascontiguousarray(a2, dtype=np.float32)
+    if len(ws) == 1 and _act.split_size(m, k, ns[0]) < _act._SPLIT_MACS:
+        # Too small to split: one call, none of the split's plumbing (a small model's GEMV,
+        # 1 x 128 @ 128 x 128: ~1 us of arithmetic under ~9 us of it).
+        (w,), (n,), (out,) = ws, ns, outs
+        dst = out if out.flags.c_contiguous and out.dtype == np.float32 else np.empty((m, n), np.float32)
+        jit.sgemm_panels(a2, w.reshape(-1), dst, _NO_TAIL if n % PANEL == 0 else np.empty((m, PANEL), np.float32),
+                         0, w.shape[0])
+        if dst is not out:
+            out[...] = dst
+        return
     dsts = [out if out.flags.c_contiguous and out.dtype == np.float32 else np.empty((m, n), np.float32)
             for n, out in zip(ns, outs)]
     tails = [_NO_TAIL if n % PANEL == 0 else np.empty((m, PANEL), np.float32) for n in ns]
@@ -501,17 +511,15 @@ class Gemm(Kernel):
             if self.alpha != 1.0:
                 y *= y.dtype.type(self.alpha)
         if c is not None and self.beta != 0.0:
-            if c.ndim > 2 or np.broadcast_shapes(y.shape, c.shape) != y.shape:
-                # (C broadcasts to (M, N) one way only; numpy would widen Y to C's rank)
+            # C broadcasts to (M, N) one way only (numpy would widen Y to C's rank): each of its
+            # dims 1 or Y's (compared here: np.broadcast_shapes costs ~4 us, a small model's GEMV).
+            if c.ndim > 2 or any(d != 1 and d != e for d, e in zip(c.shape[::-1], y.shape[::-1])):
                 raise InvalidArgument(f"node {self.node.name!r} (Gemm): C of shape {list(c.shape)} does not "
                                       f"broadcast to (M, N) = {list(y.shape)}")
             c2 = as_compute(c)
             if self.beta != 1.0:
                 c2 = c2 * c2.dtype.type(self.beta)
-            if np.broadcast_shapes(y.shape, c2.shape) == y.shape:
-                y += c2
-            else:
-                y = y + c2
+            y += c2
         if y.dtype != out_dtype:
             y = y.astype(out_dtype)
         return (y,)

@@ -329,9 +329,11 @@ def layer_norm_rows(x2: np.ndarray, scale: np.ndarray, bias: np.ndarray | None, 
     b = _EMPTY if bias is None else np.ascontiguousarray(bias).reshape(d)
     s = np.ascontiguousarray(scale).reshape(d)
     e = np.float32(eps)
-    threads = _act.threads() if x2.size >= _act.SPLIT_ELEMENTS else 1
+    if x2.size < _act.SPLIT_ELEMENTS or rows < 2:  # one thread: the call alone (no tuner, no closure)
+        jit.layer_norm_rows(x2, s, b, e, y, mean, inv, 0, rows)
+        return y, mean, inv
     _act.tuner(("layer_norm_rows", x2.shape)).run(lambda a, c: jit.layer_norm_rows(x2, s, b, e, y, mean, inv, a, c),
-                                                  rows, threads)
+                                                  rows, _act.threads())
     return y, mean, inv
 
 
