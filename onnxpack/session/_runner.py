@@ -24,7 +24,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 
 from onnxpack.errors import InvalidArgumentStatus
 from onnxpack.graph import Model
@@ -37,7 +36,7 @@ from onnxpack.session._run_options import SessionControl, check_run_options, che
 from onnxpack.session._specialize import Specializer, worth_specializing
 from onnxpack.session._threads import ModeTuner, blas_libraries, blas_threads, global_intra_op_threads, owned_threads
 from onnxpack.session.kernels import blas_threads as current_blas_threads, release_scratch
-from onnxpack.session.kernels._act import blas_run_ended, deterministic_run, first_run, one_thread, stop_spinning
+from onnxpack.session.kernels._act import blas_run_ended, deterministic_run, first_run, one_thread, quiet, stop_spinning
 from onnxpack.session.options import SessionOptions
 
 __all__ = ["Runner"]
@@ -135,7 +134,7 @@ class Runner:
             # No floating-point warnings from the kernels' numpy (an overflow to inf, a NaN from
             # inf - inf): onnxruntime computes IEEE arithmetic silently, and a warning at every
             # run of a model whose masks add float32's lowest value twice would drown the log.
-            with (np.errstate(all="ignore"), first_run() if first else contextlib.nullcontext(),
+            with (quiet(), first_run() if first else contextlib.nullcontext(),
                   deterministic_run() if self.deterministic else contextlib.nullcontext()):
                 if owned > 1:
                     with owned_threads(owned):

@@ -306,6 +306,38 @@ class _FlagOn:
         self.flag.on = self.before
 
 
+try:  # numpy 2's floating-point error state: a context variable holding one C object
+    from numpy._core._ufunc_config import _extobj_contextvar as _fp_state, _make_extobj
+
+    _FP_IGNORE = _make_extobj(all="ignore")
+except (ImportError, TypeError):  # pragma: no cover - numpy 1.x, or another layout
+    _fp_state = None
+
+
+class quiet:  # noqa: N801 - used as a context manager, like a function
+    """``np.errstate(all="ignore")``: no floating-point warnings for the duration (onnxruntime
+    computes IEEE arithmetic silently).  Its state made once, set and reset through numpy's
+    context variable: ~0.2 us a use against ~1-1.5 us for a new ``np.errstate`` (every run enters
+    one; so do small tensors' numpy formulas).  The state made at import keeps the buffer size and
+    error callback numpy had then; neither changes a result."""
+
+    __slots__ = ("token",)
+
+    if _fp_state is not None:
+        def __enter__(self) -> None:
+            self.token = _fp_state.set(_FP_IGNORE)
+
+        def __exit__(self, *exc: Any) -> None:
+            _fp_state.reset(self.token)
+    else:  # pragma: no cover
+        def __enter__(self) -> None:
+            self.token = np.errstate(all="ignore")
+            self.token.__enter__()
+
+        def __exit__(self, *exc: Any) -> None:
+            self.token.__exit__(*exc)
+
+
 _one = _ThreadFlag()  # this thread is inside a run of a one-thread session (see one_thread)
 _deterministic = _ThreadFlag()  # ... of a deterministic session (see deterministic_run)
 

@@ -175,7 +175,7 @@ def _sigmoid_numpy(x: np.ndarray) -> np.ndarray:
     # for negative x); exp overflows to inf only where the true result is below float range.
     y = np.empty_like(x)  # (not np.negative(x): that is a numpy scalar for 0-d x)
     np.negative(x, out=y)
-    with np.errstate(over="ignore"):
+    with _act.quiet():
         np.exp(y, out=y)
     y += 1
     np.reciprocal(y, out=y)
