@@ -1958,16 +1958,21 @@ def test_conv_scratch_is_per_thread():
 
 
 @pytest.mark.parametrize("geometry", [dict(k=3, stride=1, pads=(1, 1), dil=1), dict(k=5, stride=2, pads=(2, 1), dil=1),
-                                      dict(k=3, stride=1, pads=(0, 0), dil=2), dict(k=1, stride=1, pads=(0, 0), dil=1)],
-                         ids=["k3", "k5-s2-asym", "k3-d2", "k1"])
+                                      dict(k=3, stride=1, pads=(0, 0), dil=2), dict(k=1, stride=1, pads=(0, 0), dil=1),
+                                      dict(k=3, stride=2, pads=(1, 2), dil=1, bad_weights=True)],
+                         ids=["k3", "k5-s2-asym", "k3-d2", "k1", "k3-s2-nonfinite-weights"])
 @pytest.mark.parametrize("relu", [False, True], ids=["plain", "relu"])
 def test_depthwise_1d_matches_onnxruntime(geometry, relu, jit_mode):
     """A 1-D depthwise conv (Silero VAD v4's) runs as the 2-D depthwise kernel over planes of one
     row (jit) or numpy's taps: both as onnxruntime computes it, with its bias and a fused Relu,
-    at one and two threads, values with non-finite ones among them."""
+    at one and two threads, values with non-finite ones among them (and weights: an infinite
+    one's product with the padding is NaN, as onnxruntime's)."""
     rng = _rng(5)
     c, length = 6, 29
     w = rng.standard_normal((c, 1, geometry["k"])).astype(np.float32)
+    if geometry.get("bad_weights"):
+        w[3, 0, 0] = np.inf
+        w[1, 0, 2] = np.nan
     b = rng.standard_normal(c).astype(np.float32)
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c" if relu else "y"], group=c, kernel_shape=[geometry["k"]],
                               strides=[geometry["stride"]], pads=list(geometry["pads"]), dilations=[geometry["dil"]])]
