@@ -688,7 +688,11 @@ def find_dq_matmul_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], pr
                          accuracy_level: int) -> list[Fusion]:
     """``MatMul(A, DequantizeLinear(W, scale[, zero point]))`` with a constant 4-bit ``W``
     quantized in blocks along K (``axis`` 0, ``block_size`` a power of two >= 16): one
-    ``MatMulNBits`` step (pure), as onnxruntime's QDQ transformer rewrites the pair.
+    ``MatMulNBits`` step (pure), as onnxruntime's QDQ transformer rewrites the pair; a Gemm that
+    is such a MatMul (alpha 1, no transposes; beta 1 and a C of N values, MatMulNBits' bias) too.
+    Not where onnxruntime's node groups keep it float: an 8-bit QDQ group (below), or a MatMul
+    whose one reader is a Relu or Clip with one reader that is not a graph output (that group's
+    clip is made redundant by a QuantizeLinear or not at all; neither is rewritten).
 
     Why: the pair is how QDQ-format int4 LLMs store their projections (onnxruntime-genai's builder
     with ``use_qdq``, the weight-only quantizer's QDQ format).  Folding the DequantizeLinear into
@@ -727,9 +731,22 @@ def find_dq_matmul_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], pr
             continue
         k = users[0]
         mm = nodes[k]
-        if (mm.op_type != "MatMul" or mm.domain not in ("", "ai.onnx") or len(mm.input) != 2
-                or mm.input[1] != dq.output[0] or mm.input[0] == dq.output[0] or len(mm.output) != 1):
+        mins = mm.input[:]
+        if (mm.op_type not in ("MatMul", "Gemm") or mm.domain not in ("", "ai.onnx") or len(mm.output) != 1
+                or len(mins) < 2 or mins[1] != dq.output[0] or mins[0] == dq.output[0]
+                or len(mins) != 2 and mm.op_type == "MatMul" or len(mins) > 3):
             continue
+        bias = mins[2] if len(mins) > 2 and mins[2] else ""
+        if mm.op_type == "Gemm" and not _gemm_is_matmul(mm, bias):
+            continue
+        # onnxruntime's QDQ node groups: a MatMul whose one reader is a Relu or Clip with one
+        # reader of its own (not a graph output) forms a group with that clip, which no
+        # DequantizeLinear -> MatMul rewrite takes (GetQDQSelection): the pair stays float there.
+        after = by_input.get(mm.output[0], ())
+        if len(after) == 1 and nodes[after[0]].op_type in ("Relu", "Clip"):
+            clip_out = nodes[after[0]].output[:1]
+            if clip_out and clip_out[0] not in protected and len(by_input.get(clip_out[0], ())) == 1:
+                continue
         # onnxruntime's rule: a MatMul of an 8-bit QDQ group (its activation dequantized from 8-bit
         # codes, or an 8-bit QuantizeLinear reading its result) is left to the 8-bit QDQ rules and
         # runs in float there (quantize_static's int4 block weights with 8-bit activations: with
@@ -754,10 +771,14 @@ def find_dq_matmul_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], pr
                 or (len(ins) > 2 and ins[2] and (zp is None or zp.dtype != w.dtype or tuple(zp.shape) != (nb, n)))
                 or (zp is None and w.dtype.name == "uint4") or kdim < 1 or n < 1):
             continue
+        if bias:  # (a Gemm's C: MatMulNBits' bias input, of N values)
+            meta = const_meta(bias)
+            if meta is None or tuple(meta.shape) != (n,):
+                continue
         node = NodeProto()
         node.op_type, node.domain = "MatMulNBits", "com.microsoft"
         node.name = mm.name  # reports and logs name the weight's reader
-        node.input.extend([mm.input[0], ins[0], ins[1], ins[2] if zp is not None else ""])
+        node.input.extend([mins[0], ins[0], ins[1], ins[2] if zp is not None else ""] + (["", bias] if bias else []))
         node.output.extend([mm.output[0]])
         for name, value in (("K", kdim), ("N", n), ("bits", 4), ("block_size", bs), ("accuracy_level", accuracy_level)):
             a = node.attribute.add()
@@ -765,6 +786,14 @@ def find_dq_matmul_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], pr
         used.update((k, d))
         out.append(Fusion(node, k, (d,), kernel="dq_nbits"))
     return out
+
+
+def _gemm_is_matmul(gemm: NodeProto, bias: str) -> bool:
+    """Whether a Gemm is ``A @ B (+ C)``: alpha 1, neither input transposed, beta 1 where C is
+    given (onnxruntime's condition for rewriting it as MatMulNBits, 1e-6 on alpha and beta)."""
+    attrs = {a.name: get_attribute_value(a) for a in gemm.attribute[:]}
+    return (abs(float(attrs.get("alpha", 1.0)) - 1.0) <= 1e-6 and not int(attrs.get("transA", 0))
+            and not int(attrs.get("transB", 0)) and (not bias or abs(float(attrs.get("beta", 1.0)) - 1.0) <= 1e-6))
 
 
 def find_dq_gather(nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
@@ -1490,7 +1519,7 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
     types = {n.op_type for n in nodes}
     dq = "DequantizeLinear" in types
     for f in (find_dq_matmul_nbits(nodes, readers, protected, const_meta, taken, qdq_accuracy_level)
-              if dq and "MatMul" in types else ()):
+              if dq and ("MatMul" in types or "Gemm" in types) else ()):
         out.append(f)
         taken.update((f.anchor, *f.absorbed))
     for f in find_dq_gather(nodes, readers, protected, const_meta, taken) if dq and "Gather" in types else ():

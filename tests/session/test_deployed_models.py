@@ -556,6 +556,65 @@ def test_int4_block_matmul_in_a_qdq_group_fuses_as_onnxruntime(a_type, q_type, f
         _within_a_step(got, want, 0.5 if "8" in q_type else 0.002)
 
 
+@pytest.mark.parametrize("form,fused", [("relu", False), ("clip", False), ("relu-output", True), ("relu-twice", True),
+                                        ("sigmoid", True), ("gemm", True), ("gemm-bias", True), ("gemm-alpha", False),
+                                        ("gemm-transB", False), ("gemm-bias-relu", False)])
+def test_int4_block_matmul_rewrite_follows_onnxruntime_node_groups(form, fused, tmp_path):
+    """Where onnxruntime rewrites ``DQ(int4 block weight) -> MatMul`` (or a Gemm that is a
+    MatMul: alpha 1, no transposes, beta 1 with a bias of N) to MatMulNBits, and where not: a
+    MatMul whose one reader is a Relu or Clip with one reader, not a graph output, forms a group
+    with it that no rewrite takes (float); ours fuses alike and equals its default session."""
+    rng = np.random.default_rng(3)
+    th, f = onnx.helper, onnx.TensorProto
+    k, n = 64, 48
+    inits = [th.make_tensor("wq", f.INT4, [k, n], rng.integers(-8, 8, k * n).tolist()),
+             onnx.numpy_helper.from_array((rng.random((k // 32, n)) * 0.02 + 0.01).astype(np.float32), "ws"),
+             onnx.numpy_helper.from_array((rng.standard_normal((n, 8)) * 0.1).astype(np.float32), "w2"),
+             onnx.numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), "b")]
+    nodes = [th.make_node("DequantizeLinear", ["wq", "ws"], ["w"], axis=0, block_size=32)]
+    outs = ["y"]
+    if form.startswith("gemm"):
+        attrs = {"alpha": 0.5} if form == "gemm-alpha" else {}
+        if form == "gemm-transB":  # (B given transposed: the rewrite needs B as (K, N))
+            inits[0] = th.make_tensor("wq", f.INT4, [n, k], rng.integers(-8, 8, k * n).tolist())
+            inits[1] = onnx.numpy_helper.from_array((rng.random((n // 16, k)) * 0.02 + 0.01).astype(np.float32), "ws")
+            nodes[0] = th.make_node("DequantizeLinear", ["wq", "ws"], ["w"], axis=0, block_size=16)
+            attrs["transB"] = 1
+        ins = ["x", "w", "b"] if "bias" in form else ["x", "w"]
+        nodes.append(th.make_node("Gemm", ins, ["m"], **attrs))
+    else:
+        nodes.append(th.make_node("MatMul", ["x", "w"], ["m"]))
+    act = {"relu": "Relu", "relu-output": "Relu", "relu-twice": "Relu", "clip": "Clip", "sigmoid": "Sigmoid",
+           "gemm-bias-relu": "Relu"}.get(form)
+    if act is not None:
+        nodes.append(th.make_node(act, ["m"], ["r"]))
+        nodes.append(th.make_node("MatMul", ["r", "w2"], ["y"]))
+        if form == "relu-output":
+            outs.append("r")
+        if form == "relu-twice":
+            nodes.append(th.make_node("Add", ["r", "r"], ["r2"]))
+            outs.append("r2")
+    else:
+        nodes.append(th.make_node("MatMul", ["m", "w2"], ["y"]))
+    graph = th.make_graph(nodes, "g", [th.make_tensor_value_info("x", f.FLOAT, [4, k])],
+                          [th.make_tensor_value_info(o, f.FLOAT, None) for o in outs], inits)
+    path = str(tmp_path / "m.onnx")
+    onnx.save(th.make_model(graph, opset_imports=[th.make_opsetid("", 21)], ir_version=10), path)
+    feeds = {"x": (rng.standard_normal((4, k)) * 3).astype(np.float32)}
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    want = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, feeds)
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    plain = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, feeds)
+    assert np.array_equal(want[0], plain[0]) != fused  # (onnxruntime's rewrite changes the numbers)
+    for prepack in ("0", "1"):
+        sess = session(path, **{"session.disable_prepacking": prepack})
+        fused_here = any(type(st.kernel).__name__ == "DequantizeMatMulNBits" for st in sess.program.root.steps)
+        assert fused_here == fused
+        for g, w in zip(sess.run(None, feeds), want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()))
+
+
 def _within_a_step(got: np.ndarray, want: np.ndarray, step: float) -> None:
     """``got`` is ``want`` (both dequantized by ``step``) but for at most one step on at most 5 %
     of the outputs: a product rounded the other way at a quantization tie."""
