@@ -143,6 +143,11 @@ CASES = [
     ("b8-k80-n200-bs16-nozp-bias", 80, 200, 16, 8, None, np.float32, True),
     ("b8-k100-n24-bs64-floatzp", 100, 24, 64, 8, "float", np.float32, False),
     ("b8-k64-n16-bs32-f16-u8zp", 64, 16, 32, 8, "uint8", np.float16, True),
+    # 2-bit codes, packed as 4-bit ones (the same values) for the 4-bit kernels
+    ("b2-k64-n40-bs32-u8zp", 64, 40, 32, 2, "uint8", np.float32, False),
+    ("b2-k96-n300-bs16-nozp-bias", 96, 300, 16, 2, None, np.float32, True),
+    ("b2-k100-n24-bs32-u8zp", 100, 24, 32, 2, "uint8", np.float32, False),
+    ("b2-k64-n40-bs16-f16-floatzp", 64, 40, 16, 2, "float", np.float16, False),
 ]
 ROWS = [(1,), (3,), (2, 17)]  # decode, a few rows, a 3-D prefill above JIT_MAX_ROWS
 
@@ -404,7 +409,7 @@ def int8_model(a, b, s, zp, *, k, n, bits, bs):
     return (scale * dots).sum(axis=1)
 
 
-@pytest.mark.parametrize("bits", [4, 8], ids=["b4", "b8"])
+@pytest.mark.parametrize("bits", [2, 4, 8], ids=["b2", "b4", "b8"])
 def test_accuracy_level_4_as_onnxruntime(bits, path):
     """onnxruntime's accuracy_level=4 rounds A to int8 per block.  Where onnxpack does too (the
     JIT GEMV on a CPU with VNNI or AVX2) it agrees with onnxruntime to float32 rounding; elsewhere it
@@ -432,6 +437,20 @@ def test_accuracy_level_4_as_onnxruntime(bits, path):
         assert (err <= bound * 1.01 + 1e-4 + 1e-4 * np.abs(want)).all(), float((err - bound).max())
         # ... and the bound is not vacuous: the exact float32 product is much closer than it.
         assert np.abs(got - exact).max() < 1e-3 * bound.max()
+
+
+def test_two_bit_blocks_of_16_stay_float_at_accuracy_level_4(path):
+    """onnxruntime 1.32 rounds A to int8 for 2-bit weights at accuracy level 4 only in blocks of
+    32 or more (test above); in blocks of 16 it multiplies in float, and so do we."""
+    k, n, bs = 128, 40, 16
+    vals = nbits_values(k, n, bs, 2, zp="uint8", seed=9)
+    node = nbits_node(k, n, bs, 2, vals, accuracy_level=4)
+    a = np.random.default_rng(10).standard_normal((3, k)).astype(np.float32)
+    (want,) = ort_run(single_node_model(node, a, vals), {"a": a})
+    (got,) = run_native(node, [a, vals["b"], vals["s"], vals["zp"]], 1, pack=[1, 2, 3])
+    w = dequantize_nbits(vals["b"], vals["s"], vals["zp"], k=k, n=n, bits=2, block_size=bs)
+    np.testing.assert_allclose(got, a.astype(np.float64) @ w, **F32_TOL)
+    np.testing.assert_allclose(got, want, **F32_TOL)
 
 
 INT8_CASES = [  # (K, N, block size, rows): tiles of 128 columns, 64-column runs, odd tails, K not a multiple

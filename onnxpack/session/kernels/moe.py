@@ -404,6 +404,8 @@ class QMoE(MoE):
             # geometry.
             return None
         attrs = struct.pack("<qqBqB", self.proj_bits[j], self.block_size, ord(kind), TILE, j)
+        if kind == "w" and self.proj_bits[j] == 2:
+            attrs += b"\x04"  # (2-bit codes packed 4-bit: another layout, another key)
         return PackSpec("qmoe", _QMOE_PACK_VERSION, attrs + struct.pack("<q", len(info.shape)), 1)
 
     def prepack(self, input_index: int, weight: np.ndarray) -> tuple[np.ndarray, ...] | None:
@@ -440,8 +442,8 @@ class QMoE(MoE):
                 return None
             e, n, k, bits, bs = self._geometry(j, arr.shape)
             nb = -(-k // bs)
-            if bits == 3:  # the row's bit stream as 4-bit codes, two to a byte (the even one low)
-                arr = _three_bit_codes(arr, k)
+            if bits in (2, 3):  # the row's codes as 4-bit ones, two to a byte (the even one low)
+                arr = _three_bit_codes(arr, k) if bits == 3 else unpack_nbits(arr, 2, k)
                 arr = (arr[..., 0::2] | (arr[..., 1::2] << 4)).astype(np.uint8)
                 bits = 4
             blob = bs * bits // 8
@@ -487,8 +489,9 @@ class QMoE(MoE):
 
 
 def _stored_bits(bits: int) -> int:
-    """The width a projection's codes are packed and computed in: 3-bit codes as 4-bit ones."""
-    return 4 if bits == 3 else bits
+    """The width a projection's codes are packed and computed in: 2- and 3-bit codes as 4-bit
+    ones (the layout MatMulNBits packs 2-bit weights in)."""
+    return 4 if bits in (2, 3) else bits
 
 
 def _three_bit_codes(packed: np.ndarray, count: int) -> np.ndarray:
@@ -605,7 +608,7 @@ class _QuantExperts:
         subs = kernel._subs.get(key)
         if subs is not None:
             return subs[0]
-        blob = bs * bits // 8
+        blob = bs * _stored_bits(bits) // 8  # (2-bit codes are packed 4-bit: MatMulNBits' layout)
         if bq.size != e * n * nb * blob or sc.size != e * n * nb or (zq is not None and zq.size != e * n * nb):
             raise InvalidArgument(f"{where}: fc{j + 1}'s packed buffers do not match {e} experts of {n}x{k}")
         # onnxruntime rounds a projection's activations to int8 per block where its QNBit GEMM

@@ -394,7 +394,12 @@ class MatMulNBits(Kernel):
         if self.k < 0 or self.n < 0:
             raise InvalidArgument(f"node {node.name!r} (MatMulNBits): K and N must be >= 0, got K={self.k} N={self.n}")
         self.nblocks = -(-self.k // self.block_size)
-        self.blob = self.block_size * self.bits // 8
+        # The packed (tiled) codes' width: 2-bit weights are packed as 4-bit codes (the same
+        # values), so every 4-bit path serves them, accuracy level 4's int8 activations among
+        # them, as onnxruntime quantizes A for 2-bit weights too (its SQ2Bit int8 kernels).
+        self.cbits = 4 if self.bits == 2 else self.bits
+        self.blob = self.block_size * self.cbits // 8  # bytes a block of a column, packed
+        self.wire_blob = self.block_size * self.bits // 8  # ... in input B
         self.has_zp = len(node.input) > 3 and bool(node.input[3])
         self._packed: dict[int, np.ndarray] = {}  # input index -> tiled buffer
         self._gemv_fns: tuple | None = None  # see _gemv_call
@@ -417,6 +422,8 @@ class MatMulNBits(Kernel):
             spec = None  # a wrong type: run() says what is wrong
         else:
             attrs = struct.pack("<qqqqBq", self.k, self.n, self.bits, self.block_size, input_index, TILE)
+            if self.cbits != self.bits:
+                attrs += bytes([self.cbits])  # (2-bit codes packed 4-bit: another layout, another key)
             spec = PackSpec("matmulnbits", _PACK_VERSION, attrs, 1)
         if len(_SPECS) < 1024:
             _SPECS[cache_key] = spec
@@ -447,6 +454,9 @@ class MatMulNBits(Kernel):
         self._check_input(i, arr)
         n, nb = self.n, self.nblocks
         if i == 1:
+            if self.cbits != self.bits:  # 2-bit codes, four a byte -> 4-bit codes, two a byte (low first)
+                codes = unpack_nbits(np.asarray(arr).reshape(n, nb, self.wire_blob), self.bits, self.block_size)
+                return to_tiles(codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4)))
             return to_tiles(np.asarray(arr).reshape(n, nb, self.blob))
         if i == 3 and arr.dtype == np.uint8:
             return to_tiles(unpack_nbits(np.asarray(arr).reshape(n, -1), self.bits, nb).reshape(n, nb, 1))
@@ -458,9 +468,9 @@ class MatMulNBits(Kernel):
             raise InvalidArgument(f"node {name!r} (MatMulNBits): input {i} is missing")
         count = self.n * self.nblocks
         if i == 1:
-            if arr.dtype != np.uint8 or arr.size != count * self.blob:
+            if arr.dtype != np.uint8 or arr.size != count * self.wire_blob:
                 raise InvalidArgument(
-                    f"node {name!r} (MatMulNBits): B must be uint8 with {self.n}x{self.nblocks}x{self.blob} "
+                    f"node {name!r} (MatMulNBits): B must be uint8 with {self.n}x{self.nblocks}x{self.wire_blob} "
                     f"elements (N, n_blocks, blob), got {arr.dtype}{list(arr.shape)}"
                 )
         elif i == 2:
@@ -508,7 +518,7 @@ class MatMulNBits(Kernel):
         # One tile, no BLAS: loads the dequantization kernel without touching BLAS's thread count.
         kpad = self.nblocks * self.block_size
         w = np.empty((kpad, min(self.n, TILE)), np.float32)
-        dq = jit.dequant4 if self.bits == 4 else jit.dequant8
+        dq = jit.dequant4 if self.cbits == 4 else jit.dequant8
         dq(bq, _jit_view(sc), _jit_view(zarr), zmode, zmid, w, self.n, self.nblocks, self.blob, TILE, 0, 1)
 
     def run(self, a, b=None, scales=None, zero_points=None, g_idx=None, bias=None):
@@ -608,7 +618,7 @@ class MatMulNBits(Kernel):
         """``a2 @ W`` (M, N); from the GEMV, a fresh array of ``shape`` (M * N elements) when given:
         the result owns its memory (no view), so a fused activation works on it in place."""
         m = a2.shape[0]
-        jit = _jit() if self.bits in (4, 8) else None
+        jit = _jit()
         if jit is not None and (m <= JIT_MAX_ROWS or self._int8(jit, zq)):
             out = None if shape is None else np.empty(shape, np.float32)
             fn, args = self._gemv_call(jit, a2, bq, sc, zq, out)
@@ -634,7 +644,7 @@ class MatMulNBits(Kernel):
         :class:`GatedMatMulNBits` pairs with another — or None where this call takes another path."""
         bq, sc = self._packed.get(1), self._packed.get(2)
         zq = self._packed.get(3) if self.has_zp else None
-        if bq is None or sc is None or (self.has_zp and zq is None) or self.bits not in (4, 8) or not self._int8(jit, zq):
+        if bq is None or sc is None or (self.has_zp and zq is None) or not self._int8(jit, zq):
             return None
         out = np.empty(shape, np.float32)
         fn, args = self._gemv_call(jit, a2, bq, sc, zq, out)
@@ -652,7 +662,7 @@ class MatMulNBits(Kernel):
         kept = self._plan
         if kept is not None and kept[0] == key and kept[1].holds(bq, sc):
             return kept[1]
-        plan = jit.gemv_plan(self.bits, parallel, a2, bq, sc, zq, zmode, zmid, n, nb, blob, tile, threads,
+        plan = jit.gemv_plan(self.cbits, parallel, a2, bq, sc, zq, zmode, zmid, n, nb, blob, tile, threads,
                              "_i8" if self._int8(jit, zq) else "")
         self._plan = None if plan is None else (key, plan)
         return plan
@@ -663,7 +673,9 @@ class MatMulNBits(Kernel):
         AVX2, for any number of rows (at M=128 it beats dequantized panels and BLAS: measured with
         VNNI 896x4864 5.3 vs 6.8 ms, the lm_head 152 vs 219 ms, 2 threads; with AVX2 7.7 vs
         10.4 ms and 310 vs 274 ms, at M=32 2.5 vs 5.3 ms and 50 vs 86 ms)."""
-        return self.accuracy_level == 4 and jit.int8_dot and (zq is None or zq.dtype == np.uint8)
+        # (2-bit weights in blocks of 16: onnxruntime 1.32 computes those in float)
+        return (self.accuracy_level == 4 and jit.int8_dot and (zq is None or zq.dtype == np.uint8)
+                and (self.bits != 2 or self.block_size >= 32))
 
     def _gemv_call(self, jit, a2: np.ndarray, bq, sc, zq, out: np.ndarray | None = None) -> tuple[Any, tuple]:
         """The JIT GEMV for ``a2`` and its arguments; the output ``y`` (M, N) is ``args[6]``, a
@@ -674,7 +686,7 @@ class MatMulNBits(Kernel):
             # (jit, sc, zq, serial GEMV, parallel GEMV, the arguments after A and B): the same
             # for every call once the weights are packed
             zmode, zarr, zmid = self._zmode(zq)
-            name = f"gemv{self.bits}{'_i8' if self._int8(jit, zq) else ''}"
+            name = f"gemv{self.cbits}{'_i8' if self._int8(jit, zq) else ''}"
             fns = self._gemv_fns = (jit, sc, zq, getattr(jit, name + "_serial"), getattr(jit, name),
                                     (_jit_view(sc), _jit_view(zarr), zmode, zmid))
         y = np.empty((m, self.n), np.float32) if out is None else out.reshape(m, self.n)
@@ -712,7 +724,7 @@ class MatMulNBits(Kernel):
                 c0, c1 = t0 * TILE, min(self.n, t1 * TILE)
                 w = _scratch(kpad * (c1 - c0)).reshape(kpad, c1 - c0)
                 if jit is not None:
-                    fn = jit.dequant4 if self.bits == 4 else jit.dequant8
+                    fn = jit.dequant4 if self.cbits == 4 else jit.dequant8
                     fn(bq, _jit_view(sc), _jit_view(zarr), zmode, zmid, w, self.n, self.nblocks, self.blob, TILE,
                        t0, t1)
                 else:
@@ -734,7 +746,7 @@ class MatMulNBits(Kernel):
         bit plane is shifted, masked and converted in one assignment, then the zero point is
         subtracted and the scale applied in place: 2 + 8/bits passes, no temporaries of W's size.
         """
-        n, nb, bs, bits = self.n, self.nblocks, self.block_size, self.bits
+        n, nb, bs, bits = self.n, self.nblocks, self.block_size, self.cbits
         per = 8 // bits
         mask = np.uint8((1 << bits) - 1)
         bfull, blast = _tile_views(bq, n, nb, self.blob)
@@ -775,7 +787,7 @@ class MatMulNBits(Kernel):
     def _dense_g_idx(self, bq, sc, zq, g_idx) -> np.ndarray:
         """The (K, N) float32 weight with act-order block indices (numpy; correct, not fast)."""
         n, nb = self.n, self.nblocks
-        q = unpack_nbits(_untile(bq, n, nb, self.blob), self.bits, self.block_size).reshape(n, -1)[:, : self.k]
+        q = unpack_nbits(_untile(bq, n, nb, self.blob), self.cbits, self.block_size).reshape(n, -1)[:, : self.k]
         s = _untile(sc, n, nb, 1).reshape(n, nb).astype(np.float32)
         z = (_untile(zq, n, nb, 1).reshape(n, nb).astype(np.float32) if zq is not None
              else np.full((n, nb), float(1 << (self.bits - 1)), np.float32))
