@@ -394,6 +394,12 @@ DQL_INPUTS = {
     # From 4,096 elements the quantization runs as one JIT pass (with numba): the same codes.
     "ties-large": lambda r: np.tile(np.arange(-20, 236, dtype=np.float32) * (10.0 / 255) + 5.0 / 255, 40).reshape(40, 256),
     "random-large": lambda r: (r.standard_normal((3, 64, 100)) * 2.5 + 0.7).astype(np.float32),
+    # A NaN is left out of the min and max (onnxruntime's kernels drop it, here where its scalar
+    # loop reads it: fewer than 16 values, or past the last 16) and quantizes to code 0; before,
+    # the scale was NaN and every code 0.
+    "nan-short": lambda r: np.array([0.5, np.nan, -1.0, 2.0, 0.25, np.nan, -0.125], np.float32),
+    "nan-tail": lambda r: np.concatenate([r.standard_normal(64), [np.nan, 1.5, -3.0]]).astype(np.float32),
+    "all-nan": lambda r: np.full((5,), np.nan, np.float32),
 }
 
 

@@ -313,7 +313,7 @@ JIT_LSTM_CASES = [
     ("u8-column-zero-points", 6, 2, 7, 5, 2, np.uint8, True, "zero-points"),
     ("s8-rows-4-and-1", 5, 5, 8, 36, 1, np.int8, False, ""),  # the GEMM's 4-row pass and a leftover row
     ("s8-lengths", 7, 3, 4, 6, 2, np.int8, True, "lengths"),
-    ("s8-nan-midway", 6, 1, 5, 4, 2, np.int8, False, "nan"),
+    ("s8-nan-bias", 6, 1, 5, 4, 2, np.int8, False, "nan"),
     ("u8-inf-state", 4, 2, 3, 4, 1, np.uint8, False, "inf"),
     ("s8-wide", 9, 1, 16, 130, 1, np.int8, True, ""),  # 4H = 520: a last tile of 8 columns
 ]
@@ -323,7 +323,7 @@ JIT_LSTM_CASES = [
 def test_dynamic_quantize_lstm_recurrence_in_one_call_is_the_loop(case, monkeypatch):
     """With R packed as lanes, the recurrence runs every step in one JIT call (_qlstm_jit); its
     results are the per-step loop's, bit for bit: nonzero per-column zero points, sequence
-    lengths, a NaN in X and an infinite initial state (the loop takes over from the step whose h
+    lengths, a NaN bias and an infinite initial state (the loop takes over from the step whose h
     is not finite), batches over the GEMM's 4-row pass, a hidden size not a multiple of 4."""
     from onnxpack.session.kernels import _act, qinteger as qi
 
@@ -339,8 +339,8 @@ def test_dynamic_quantize_lstm_recurrence_in_one_call_is_the_loop(case, monkeypa
         inputs[11] = ints(rng, wdt, pshape)
     if extra == "lengths":
         names[4], inputs[4] = "lens", np.array([7, 2, 5], np.int32)
-    if extra == "nan":
-        inputs[0][3, 0, 2] = np.nan
+    if extra == "nan":  # a NaN bias: every step's gates, so h after the first step
+        inputs[3][:, 5] = np.nan
     if extra == "inf":
         names[5], names[6] = "h0", "c0"
         inputs[5] = rng.standard_normal((nd, batch, hidden)).astype(np.float32)
@@ -360,7 +360,7 @@ def test_dynamic_quantize_lstm_recurrence_in_one_call_is_the_loop(case, monkeypa
     monkeypatch.setattr(qi.DynamicQuantizeLSTM, "_exact_steps", counted)
     got = run_native(node, inputs, 1, pack=[1, 2, 3])
     assert len(calls) == nd
-    if extra == "nan":  # X is quantized as one tensor: every step's X W is NaN, h too after a step
+    if extra == "nan":  # the loop takes over at the second step of each direction
         assert calls == [1, 1]
     elif extra == "inf":
         assert calls == [0]

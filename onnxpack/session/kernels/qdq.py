@@ -293,8 +293,14 @@ _QUANTIZE_JIT_MIN = 4096
 def dynamic_qparams(x: np.ndarray) -> tuple[np.float32, np.uint8]:
     """uint8 scale and zero point of a float tensor, as onnxruntime's GetQuantizationParameter."""
     if x.size:
-        lo = np.float32(min(np.float32(x.min()), np.float32(0)))
-        hi = np.float32(max(np.float32(x.max()), np.float32(0)))
+        # NaN left out, as onnxruntime's min and max kernels mostly do (SSE/AVX min and max
+        # return their second operand where one is NaN: which NaN survives depends on its lane);
+        # the NaN elements themselves quantize to code 0 (see quantize_u8).  With np.min one NaN
+        # made the scale NaN and every code 0.
+        lo = np.fmin.reduce(x, axis=None)
+        hi = np.fmax.reduce(x, axis=None)
+        lo = np.float32(lo) if lo < 0 else np.float32(0)  # (an all-NaN tensor: 0 and 0)
+        hi = np.float32(hi) if hi > 0 else np.float32(0)
     else:
         lo = hi = np.float32(0)
     scale = np.float32(1.0) if hi == lo else np.float32(np.float32(hi - lo) / np.float32(255))
