@@ -579,6 +579,33 @@ def test_resize_scales(mode, coord, nearest, scales):
                          lambda dtype: dict(rtol=t, atol=t))
 
 
+@pytest.mark.parametrize("how", [("s", (1, 1, 2, 2)), ("s", (1, 1, 1.5, 3)), ("s", (1, 1, 0.6, 1.7)), ("s", (1, 1, 1, 2.5)),
+                                 ("s", (2.5, 0.5)), ("z", (1, 2, 9, 4)), ("z", (7, 13))], ids=str)
+@pytest.mark.parametrize("coord", ["half_pixel", "align_corners", "asymmetric", "pytorch_half_pixel"])
+def test_linear_resize_is_onnxruntimes_bilinear_bit_for_bit(coord, how):
+    """A float32 linear Resize over the last two axes (2-D, or 4-D with the outer axes kept) is
+    onnxruntime's bilinear formula, bit for bit: its clamped coordinates, its weights (the
+    distances to the other pixel; 0.5 and 0.5 at the last one) and its four products summed in
+    order; non-finite inputs spread as there (a neighbour weighted 0 still multiplies).  The
+    separable passes before rounded between the axes: a QuantizeLinear after an upsampling
+    (quantize_static's QDQ models) moved a code at its ties."""
+    kind, vals = how
+    rng = np.random.default_rng(len(coord) + len(vals))
+    x = rng.standard_normal((1, 2, 5, 6) if len(vals) == 4 else (5, 6)).astype(np.float32)
+    x.reshape(-1)[[3, 17]] = [np.inf, np.nan]
+    if kind == "s":
+        node = make_node("Resize", ["x", "", "s"], ["y"], mode="linear", coordinate_transformation_mode=coord)
+        inputs = [x, None, np.array(vals, np.float32)]
+    else:
+        node = make_node("Resize", ["x", "", "", "z"], ["y"], mode="linear", coordinate_transformation_mode=coord)
+        inputs = [x, None, None, i64(*vals)]
+    (got,) = run_native(node, inputs, 19)
+    (want,) = run_ort(node, inputs, 19, optimize=False)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)])
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+
+
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int32])
 def test_resize_integer_input_truncates_as_onnxruntime(dtype):
     """A linearly interpolated integer is truncated toward zero (onnxruntime's static_cast; a

@@ -1124,6 +1124,10 @@ _NEAREST_MODES = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")
 _ASPECT_POLICIES = ("stretch", "not_larger", "not_smaller")
 
 
+# Coordinate modes whose linear 2-D Resize runs onnxruntime's bilinear formula (Resize._bilinear).
+_ORT_BILINEAR_COORDS = frozenset({"half_pixel", "asymmetric", "pytorch_half_pixel", "align_corners"})
+
+
 @register("Resize", since=11)
 class Resize(Kernel):
     """Separable Resize: one 1-D gather (nearest) or weighted gather (linear/cubic) per axis.
@@ -1194,6 +1198,13 @@ class Resize(Kernel):
             return (x.copy(),)
         if self.mode == "nearest":
             return (self._resize_nearest(x, factors, out_shape),)
+        if self.mode == "linear" and x.dtype == np.float32 and x.ndim in (2, 4) and 0 not in x.shape and \
+                0 not in out_shape and self.coord in _ORT_BILINEAR_COORDS and all(
+                    out_shape[a] == x.shape[a] and math.isclose(factors[a], 1.0) for a in range(x.ndim - 2)):
+            scales2 = [np.float32(np.float32(o) / np.float32(i)) if sizes is not None and sizes.size
+                       and self.policy == "stretch" else np.float32(f)
+                       for o, i, f in zip(out_shape[-2:], x.shape[-2:], factors[-2:])]
+            return (self._bilinear(x, scales2, out_shape[-2:]),)
         work = x if x.dtype.kind == "f" and x.dtype != np.float16 else x.astype(np.float32)
         for axis, (scale, n_out) in enumerate(zip(factors, out_shape)):
             n_in = work.shape[axis]
@@ -1315,6 +1326,51 @@ class Resize(Kernel):
         out = np.take(work, idx[:, 0], axis=axis) * w[:, 0].reshape(shape)
         for t in range(1, idx.shape[1]):
             out += np.take(work, idx[:, t], axis=axis) * w[:, t].reshape(shape)
+        return out
+
+    def _ort_axis(self, n_in: int, n_out: int, scale: np.float32) -> tuple:
+        """One axis of onnxruntime's bilinear Resize (its SetupUpsampleBilinear), in float32: the
+        source coordinate (the output's own index where the scale is 1), clamped into the input;
+        its lower and upper pixel; their weights as distances to the other one (``|c - i1|``,
+        ``|c - i2|``), 0.5 and 0.5 where both pixels are the last."""
+        o = np.arange(n_out, dtype=np.float32)
+        one, half = np.float32(1), np.float32(0.5)
+        if scale == 1:
+            c = o
+        elif self.coord == "asymmetric":
+            c = o / scale
+        elif self.coord == "align_corners":
+            c = np.zeros(n_out, np.float32) if n_out == 1 else o * np.float32(n_in - 1) / np.float32(n_out - 1)
+        elif self.coord == "pytorch_half_pixel" and n_out <= 1:
+            c = np.zeros(n_out, np.float32)
+        else:  # half_pixel, pytorch_half_pixel
+            c = (o + half) / scale - half
+        c = np.minimum(np.maximum(c, np.float32(0)), np.float32(n_in - 1))
+        i1 = np.minimum(c.astype(np.int64), n_in - 1)
+        i2 = np.minimum(i1 + 1, n_in - 1)
+        d1 = np.abs(c - i1.astype(np.float32))
+        d2 = np.abs(c - i2.astype(np.float32))
+        last = i1 == i2
+        d1[last] = half
+        d2[last] = half
+        return i1, i2, d1, d2
+
+    def _bilinear(self, x: np.ndarray, scales: list, out_hw: list) -> np.ndarray:
+        """A float32 2-D input, or a 4-D one resized over its last two axes, as onnxruntime's
+        UpsampleBilinear computes it: ``dx2*dy2*X11 + dx1*dy2*X21 + dx2*dy1*X12 + dx1*dy1*X22``
+        in float32, left to right (its weights and neighbours from :meth:`_ort_axis`).  The
+        separable passes of :meth:`_linear` round between the axes and weigh ``1 - r`` and ``r``:
+        the last bit of 3-75 % of the outputs differed, and a QuantizeLinear after such a Resize
+        (quantize_static's QDQ upsampling) moved a code at its ties."""
+        (h, w), (oh, ow) = x.shape[-2:], out_hw
+        y1, y2, dy1, dy2 = self._ort_axis(h, oh, scales[0])
+        x1, x2, dx1, dx2 = self._ort_axis(w, ow, scales[1])
+        dy1, dy2 = dy1[:, None], dy2[:, None]
+        r1, r2 = np.take(x, y1, axis=-2), np.take(x, y2, axis=-2)
+        out = (dx2 * dy2) * np.take(r1, x1, axis=-1)
+        out += (dx1 * dy2) * np.take(r1, x2, axis=-1)
+        out += (dx2 * dy1) * np.take(r2, x1, axis=-1)
+        out += (dx1 * dy1) * np.take(r2, x2, axis=-1)
         return out
 
     def _linear(self, work, axis, coords, n_in):
