@@ -66,6 +66,8 @@ class CompileOptions:
             which ``get_inputs()`` reports and runs are checked against.
         qdq_accuracy_level: ``session.qdq_matmulnbits_accuracy_level`` (see
             ``_fusion.find_dq_matmul_nbits``).
+        qdq_rewrite: rewrite 4-bit ``DequantizeLinear -> MatMul`` pairs as MatMulNBits, as
+            onnxruntime's QDQ transformer does from ``ORT_ENABLE_EXTENDED`` on (not at basic).
     """
 
     prepack: bool = True
@@ -75,6 +77,7 @@ class CompileOptions:
     dims_by_name: Mapping[str, int] = dataclasses.field(default_factory=dict)
     dims_by_denotation: Mapping[str, int] = dataclasses.field(default_factory=dict)
     qdq_accuracy_level: int = 4
+    qdq_rewrite: bool = True
 
 
 def compile(model: Model, options: CompileOptions, sources: PackSources,  # noqa: A001 - the compile step
@@ -394,7 +397,8 @@ class _Compiler:
             return self._weight(scope, n).value  # the WeightRef alone, not this compiler
 
         return plan_fusions(nodes_with_index(nodes, by_input), readers, protected, const_value, self.opsets.get("", 1),
-                            is_const, const_meta, const_lazy, self.options.qdq_accuracy_level, arithmetic_only)
+                            is_const, const_meta, const_lazy, self.options.qdq_accuracy_level, arithmetic_only,
+                            self.options.qdq_rewrite)
 
     def _constants(self, scope: Scope, output_names: list[str]) -> dict[str, Any]:
         """The scope's constants: originals still read unpacked (all readers are bound by now:

@@ -701,8 +701,8 @@ def find_dq_matmul_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], pr
     here; onnxruntime's default 4 quantizes the activations to int8 where the int4 GEMV does).
 
     The fused node reads ``W``, the scales and the zero points as the model stores them ((K, N),
-    (K / block, N)); kernel ``dq_nbits`` packs them into MatMulNBits' layout.  A uint4 weight
-    without zero points (zero point 0, MatMulNBits' default being 8) keeps the float path."""
+    (K / block, N)); kernel ``dq_nbits`` packs them into MatMulNBits' layout (a uint4 weight
+    without zero points gets zero points of 0 there, as onnxruntime's rewrite gives it)."""
     used = set(taken)
     users_of = _sole_users(nodes, readers, protected, used)
     out: list[Fusion] = []
@@ -769,7 +769,7 @@ def find_dq_matmul_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], pr
         nb = -(-kdim // bs)
         if (sc.dtype.name not in ("float32", "float16") or tuple(sc.shape) != (nb, n)
                 or (len(ins) > 2 and ins[2] and (zp is None or zp.dtype != w.dtype or tuple(zp.shape) != (nb, n)))
-                or (zp is None and w.dtype.name == "uint4") or kdim < 1 or n < 1):
+                or kdim < 1 or n < 1):
             continue
         if bias:  # (a Gemm's C: MatMulNBits' bias input, of N values)
             meta = const_meta(bias)
@@ -784,7 +784,10 @@ def find_dq_matmul_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], pr
             a = node.attribute.add()
             a.name, a.type, a.i = name, AttributeProto.INT, value
         used.update((k, d))
-        out.append(Fusion(node, k, (d,), kernel="dq_nbits"))
+        # A uint4 weight without zero points: onnxruntime's rewrite gives it zero points of 0
+        # (MatMulNBits' default, 8, is int4's 0); the kernel makes them.
+        out.append(Fusion(node, k, (d,), kernel="dq_nbits",
+                          params={"zero_codes": True} if zp is None and w.dtype.name == "uint4" else {}))
     return out
 
 
@@ -1423,7 +1426,7 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
                  is_const: Callable[[str], bool] | None = None,
                  const_meta: Callable[[str], ConstMeta | None] | None = None,
                  const_lazy: Callable[[str], Callable[[], np.ndarray]] | None = None,
-                 qdq_accuracy_level: int = 4, arithmetic_only: bool = False) -> list[Fusion]:
+                 qdq_accuracy_level: int = 4, arithmetic_only: bool = False, qdq_rewrite: bool = True) -> list[Fusion]:
     """Every fusion of one scope's nodes (pure).
 
     Args:
@@ -1446,10 +1449,12 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
             optimizer does (its MatMulNBits of a DequantizeLinear pair quantizes activations at
             accuracy level 4): they apply whenever graph optimizations are on, with pre-packing
             off too, so both give onnxruntime's results.
+        qdq_rewrite: whether those DequantizeLinear pairs become MatMulNBits at all (onnxruntime's
+            QDQ transformer runs from ``ORT_ENABLE_EXTENDED`` on: at basic they stay float).
     """
     if arithmetic_only:
         return find_dq_matmul_nbits(nodes, readers, protected, const_meta or _meta_from(const_value), set(),
-                                    qdq_accuracy_level)
+                                    qdq_accuracy_level) if qdq_rewrite else []
     if const_lazy is None:
         def const_lazy(n: str) -> Callable[[], np.ndarray]:
             return lambda: const_value(n)
@@ -1519,7 +1524,7 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
     types = {n.op_type for n in nodes}
     dq = "DequantizeLinear" in types
     for f in (find_dq_matmul_nbits(nodes, readers, protected, const_meta, taken, qdq_accuracy_level)
-              if dq and ("MatMul" in types or "Gemm" in types) else ()):
+              if qdq_rewrite and dq and ("MatMul" in types or "Gemm" in types) else ()):
         out.append(f)
         taken.update((f.anchor, *f.absorbed))
     for f in find_dq_gather(nodes, readers, protected, const_meta, taken) if dq and "Gather" in types else ():

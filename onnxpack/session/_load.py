@@ -110,7 +110,8 @@ def compile_options(options: SessionOptions, config: dict[str, Any]) -> CompileO
     return CompileOptions(prepack=not config["session.disable_prepacking"], initializers=options.initializers,
                           fuse=options.graph_optimization_level != GraphOptimizationLevel.ORT_DISABLE_ALL,
                           dims_by_name=by_name, dims_by_denotation=by_denotation,
-                          qdq_accuracy_level=config["session.qdq_matmulnbits_accuracy_level"])
+                          qdq_accuracy_level=config["session.qdq_matmulnbits_accuracy_level"],
+                          qdq_rewrite=options.graph_optimization_level >= GraphOptimizationLevel.ORT_ENABLE_EXTENDED)
 
 
 _ORT_CONFIG_KEY = "ort_config"

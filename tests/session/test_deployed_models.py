@@ -558,7 +558,7 @@ def test_int4_block_matmul_in_a_qdq_group_fuses_as_onnxruntime(a_type, q_type, f
 
 @pytest.mark.parametrize("form,fused", [("relu", False), ("clip", False), ("relu-output", True), ("relu-twice", True),
                                         ("sigmoid", True), ("gemm", True), ("gemm-bias", True), ("gemm-alpha", False),
-                                        ("gemm-transB", False), ("gemm-bias-relu", False)])
+                                        ("gemm-transB", False), ("gemm-bias-relu", False), ("uint4-no-zero-points", True)])
 def test_int4_block_matmul_rewrite_follows_onnxruntime_node_groups(form, fused, tmp_path):
     """Where onnxruntime rewrites ``DQ(int4 block weight) -> MatMul`` (or a Gemm that is a
     MatMul: alpha 1, no transposes, beta 1 with a bias of N) to MatMulNBits, and where not: a
@@ -571,6 +571,8 @@ def test_int4_block_matmul_rewrite_follows_onnxruntime_node_groups(form, fused, 
              onnx.numpy_helper.from_array((rng.random((k // 32, n)) * 0.02 + 0.01).astype(np.float32), "ws"),
              onnx.numpy_helper.from_array((rng.standard_normal((n, 8)) * 0.1).astype(np.float32), "w2"),
              onnx.numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), "b")]
+    if form == "uint4-no-zero-points":  # (zero points of 0 in onnxruntime's rewrite: MatMulNBits' default is 8)
+        inits[0] = th.make_tensor("wq", f.UINT4, [k, n], rng.integers(0, 16, k * n).tolist())
     nodes = [th.make_node("DequantizeLinear", ["wq", "ws"], ["w"], axis=0, block_size=32)]
     outs = ["y"]
     if form.startswith("gemm"):
@@ -613,6 +615,37 @@ def test_int4_block_matmul_rewrite_follows_onnxruntime_node_groups(form, fused, 
         assert fused_here == fused
         for g, w in zip(sess.run(None, feeds), want):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()))
+
+
+@pytest.mark.parametrize("level", ["ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_ALL"])
+def test_int4_block_matmul_is_rewritten_from_the_extended_level_as_onnxruntime(level, tmp_path):
+    """onnxruntime rewrites ``DQ(int4 block weight) -> MatMul`` in its QDQ transformer, which runs
+    from ORT_ENABLE_EXTENDED on: at ORT_ENABLE_BASIC the pair stays float there, and here."""
+    rng = np.random.default_rng(4)
+    th, f = onnx.helper, onnx.TensorProto
+    k, n = 64, 32
+    inits = [th.make_tensor("wq", f.INT4, [k, n], rng.integers(-8, 8, k * n).tolist()),
+             onnx.numpy_helper.from_array((rng.random((k // 32, n)) * 0.02 + 0.01).astype(np.float32), "ws")]
+    nodes = [th.make_node("DequantizeLinear", ["wq", "ws"], ["w"], axis=0, block_size=32),
+             th.make_node("MatMul", ["x", "w"], ["y"])]
+    graph = th.make_graph(nodes, "g", [th.make_tensor_value_info("x", f.FLOAT, [4, k])],
+                          [th.make_tensor_value_info("y", f.FLOAT, None)], inits)
+    path = str(tmp_path / "m.onnx")
+    onnx.save(th.make_model(graph, opset_imports=[th.make_opsetid("", 21)], ir_version=10), path)
+    feeds = {"x": (rng.standard_normal((4, k)) * 3).astype(np.float32)}
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    want = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    plain = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    assert np.array_equal(want, plain) == (level == "ORT_ENABLE_BASIC")
+    for prepack in ("0", "1"):
+        ours = onnxpack.SessionOptions()
+        ours.graph_optimization_level = getattr(onnxpack.GraphOptimizationLevel, level)
+        ours.add_session_config_entry("session.disable_prepacking", prepack)
+        got = onnxpack.InferenceSession(path, ours).run(None, feeds)[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
 def _within_a_step(got: np.ndarray, want: np.ndarray, step: float) -> None:

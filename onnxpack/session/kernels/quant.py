@@ -807,6 +807,12 @@ class DequantizeMatMulNBits(MatMulNBits):
     op_type = "MatMulNBits"
     domain = "com.microsoft"
 
+    def __init__(self, node, ctx, *, zero_codes: bool = False) -> None:
+        super().__init__(node, ctx)
+        if zero_codes:  # a uint4 weight without zero points: codes of 0 (``_fusion.find_dq_matmul_nbits``)
+            self.has_zp = True
+            self._packed[3] = to_tiles(np.zeros((self.n, self.nblocks, 1), np.uint8))
+
     def pack_spec(self, input_index: int, info: TensorInfo) -> PackSpec | None:
         if input_index not in (1, 2, 3) or self._dq_problem(input_index, tuple(info.shape), np.dtype(info.dtype)):
             return None
