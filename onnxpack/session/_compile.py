@@ -39,7 +39,8 @@ from onnxpack.session._api import declared_dim
 from onnxpack.session._derive import compute_constant, derive
 from onnxpack.session._fold import fold_constants
 from onnxpack.session._api import override_dims
-from onnxpack.session._fusion import (ConstMeta, Fusion, apply_fusions, identity_aliases, inputs_index, nodes_with_index,
+from onnxpack.session._fusion import (ConstMeta, Fusion, apply_fusions, declared_shapes, identity_aliases, inputs_index,
+                                      nodes_with_index,
                                       passes_through, plan_fusions, read_through)
 from onnxpack.session._program import PackEvent, Plan, PrepackStats, Program, Step, schedule, topological_order
 from onnxpack.session._resolve import resolve
@@ -396,9 +397,17 @@ class _Compiler:
         def const_lazy(n: str) -> Callable[[], np.ndarray]:
             return self._weight(scope, n).value  # the WeightRef alone, not this compiler
 
+        shapes: dict[str, tuple] | None = None
+
+        def declared(n: str) -> tuple | None:
+            nonlocal shapes
+            if shapes is None:  # (read at the first question: most scopes never ask)
+                shapes = declared_shapes(scope.graph)
+            return shapes.get(n)
+
         return plan_fusions(nodes_with_index(nodes, by_input), readers, protected, const_value, self.opsets.get("", 1),
                             is_const, const_meta, const_lazy, self.options.qdq_accuracy_level, arithmetic_only,
-                            self.options.qdq_rewrite)
+                            self.options.qdq_rewrite, declared)
 
     def _constants(self, scope: Scope, output_names: list[str]) -> dict[str, Any]:
         """The scope's constants: originals still read unpacked (all readers are bound by now:

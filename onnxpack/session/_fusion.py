@@ -683,9 +683,77 @@ def group_sibling_matmuls(nodes: Sequence[NodeProto], fusions: list[Fusion], tak
     return [f for f in fusions if id(f) not in grouped] + groups
 
 
+# Ops whose output has their first input's shape, and the elementwise ops that broadcast theirs
+# (for _shape_of: what onnxruntime's shape inference knows where a fusion of its depends on it).
+_SAME_SHAPE = frozenset({"Relu", "Sigmoid", "Tanh", "Clip", "LeakyRelu", "Cast", "Identity", "Dropout", "Erf", "Gelu",
+                         "Softmax", "LogSoftmax", "LayerNormalization", "Neg", "Abs", "Sqrt", "Exp", "Log", "HardSigmoid",
+                         "HardSwish", "Elu", "Selu", "Softplus", "Softsign", "PRelu", "QuantizeLinear",
+                         "DequantizeLinear", "BatchNormalization", "InstanceNormalization", "Floor", "Ceil", "Round"})
+_BROADCAST = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean"})
+Dim = int | str | None
+
+
+def _shape_of(name: str, nodes: Sequence[NodeProto], producer: dict[str, int], declared: Callable[[str], tuple | None],
+              const_meta: Callable[[str], ConstMeta | None], memo: dict[str, tuple | None]) -> tuple | None:
+    """The shape of ``name`` as far as it is known without running the model: declared (a graph
+    input or value_info: ints, symbolic names, None for unknown), a constant's, or carried through
+    the ops above from those (None: unknown)."""
+    if name in memo:
+        return memo[name]
+    memo[name] = None  # (a cycle, in an invalid graph: unknown)
+    got = declared(name)
+    if got is None:
+        meta = const_meta(name)
+        if meta is not None:
+            got = tuple(meta.shape)
+    k = producer.get(name) if got is None else None
+    if k is not None:
+        node = nodes[k]
+        op, ins = node.op_type, node.input[:]
+        shapes = [_shape_of(i, nodes, producer, declared, const_meta, memo) if i else None for i in ins]
+        if op in _SAME_SHAPE and node.output[0] == name and shapes and shapes[0] is not None:
+            got = shapes[0]
+        elif op in _BROADCAST and shapes and all(s is not None for s in shapes):
+            rank = max(len(s) for s in shapes)
+            dims = []
+            for j in range(rank):
+                col = [s[len(s) - rank + j] for s in shapes if len(s) - rank + j >= 0]
+                known = {d for d in col if d != 1}
+                dims.append(known.pop() if len(known) == 1 else (1 if not known else None))
+            got = tuple(dims)
+        elif op == "MatMul" and len(shapes) == 2 and shapes[0] is not None and shapes[1] is not None \
+                and len(shapes[1]) == 2 and len(shapes[0]) >= 2:
+            got = shapes[0][:-1] + shapes[1][-1:]
+        elif op == "Flatten" and shapes and shapes[0] is not None:
+            got = (None, None)
+    memo[name] = got
+    return got
+
+
+def declared_shapes(graph) -> dict[str, tuple]:
+    """name -> declared shape of a graph's inputs, outputs and value_info entries (dims as ints,
+    symbolic names, or None: a dim without either, or a legacy -1)."""
+    out: dict[str, tuple] = {}
+    for vi in (*graph.input, *graph.value_info, *graph.output):
+        tt = vi.type.tensor_type
+        if vi.type.HasField("tensor_type") and tt.HasField("shape"):
+            out[vi.name] = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value >= 0
+                                 else (d.dim_param or None) for d in tt.shape.dim)
+    return out
+
+
+def _gemm_bias_ok(bias: tuple, a: tuple, n: int) -> bool:
+    """Whether onnxruntime's MatMulAddFusion takes ``bias`` as a Gemm's C for a 2-D A of shape
+    ``a``: (N), (1, N), or (A's rows, 1 or N), dims compared as declared."""
+    if len(bias) == 1:
+        return bias[0] == n
+    return len(bias) == 2 and ((bias[0] == 1 and bias[1] == n)
+                               or (bias[0] is not None and bias[0] == a[0] and bias[1] in (1, n)))
+
+
 def find_dq_matmul_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], protected: set[str],
                          const_meta: Callable[[str], ConstMeta | None], taken: set[int],
-                         accuracy_level: int) -> list[Fusion]:
+                         accuracy_level: int, declared: Callable[[str], tuple | None] | None = None) -> list[Fusion]:
     """``MatMul(A, DequantizeLinear(W, scale[, zero point]))`` with a constant 4-bit ``W``
     quantized in blocks along K (``axis`` 0, ``block_size`` a power of two >= 16): one
     ``MatMulNBits`` step (pure), as onnxruntime's QDQ transformer rewrites the pair; a Gemm that
@@ -708,6 +776,8 @@ def find_dq_matmul_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], pr
     out: list[Fusion] = []
     dequantizers: dict[str, NodeProto] | None = None  # DequantizeLinear nodes by output, made at the first candidate
     by_input = _by_input(nodes)
+    shape_memo: dict[str, tuple | None] = {}
+    producer = {o: k for k, node in enumerate(nodes) for o in node.output[:] if o} if declared is not None else {}
 
     def eight_bit(q: NodeProto) -> bool:
         """Whether a QuantizeLinear / DequantizeLinear works on 8-bit codes (its zero point's type,
@@ -747,6 +817,10 @@ def find_dq_matmul_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], pr
             clip_out = nodes[after[0]].output[:1]
             if clip_out and clip_out[0] not in protected and len(by_input.get(clip_out[0], ())) == 1:
                 continue
+        if (len(after) == 1 and mm.op_type == "MatMul" and nodes[after[0]].op_type == "Add"
+                and mm.output[0] not in protected and declared is not None and not _stays_matmul(
+                    nodes, after[0], mm, by_input, protected, declared, const_meta, shape_memo, producer)):
+            continue
         # onnxruntime's rule: a MatMul of an 8-bit QDQ group (its activation dequantized from 8-bit
         # codes, or an 8-bit QuantizeLinear reading its result) is left to the 8-bit QDQ rules and
         # runs in float there (quantize_static's int4 block weights with 8-bit activations: with
@@ -789,6 +863,36 @@ def find_dq_matmul_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], pr
         out.append(Fusion(node, k, (d,), kernel="dq_nbits",
                           params={"zero_codes": True} if zp is None and w.dtype.name == "uint4" else {}))
     return out
+
+
+def _stays_matmul(nodes: Sequence[NodeProto], add_k: int, mm: NodeProto, by_input: dict[str, list[int]],
+                  protected: set[str], declared: Callable[[str], tuple | None],
+                  const_meta: Callable[[str], ConstMeta | None], memo: dict, producer: dict[str, int]) -> bool:
+    """Whether ``MatMul -> Add`` (the MatMul's one reader) stays a MatMul in onnxruntime's QDQ
+    rewrite, or ends float there: its MatMulAddFusion (before the QDQ transformer) makes a 2-D
+    A's MatMul and Add a Gemm whose C is the Add's other input, where that input is a Gemm bias
+    (:func:`_gemm_bias_ok`); such a Gemm is rewritten only with a C of N values and no clip group
+    after it (a Relu or Clip, its one reader, with one reader and not a graph output).  An A of
+    another rank or unknown shape: no Gemm (a reshaped one's reader is a Reshape, its C must be
+    of N values: the same rewrite)."""
+    add = nodes[add_k]
+    ains = add.input[:]
+    if len(ains) != 2:
+        return True
+    bias = ains[1] if ains[0] == mm.output[0] else ains[0]
+    a = _shape_of(mm.input[0], nodes, producer, declared, const_meta, memo)
+    c = _shape_of(bias, nodes, producer, declared, const_meta, memo)
+    w = _shape_of(mm.input[1], nodes, producer, declared, const_meta, memo)
+    if a is None or len(a) != 2 or c is None or w is None or len(w) != 2 or not _gemm_bias_ok(c, a, w[1]):
+        return True  # no Gemm there
+    if tuple(c) != (w[1],):
+        return False  # a Gemm whose C is not N values: float
+    after = by_input.get(add.output[0], ())
+    if len(after) == 1 and nodes[after[0]].op_type in ("Relu", "Clip"):
+        clip_out = nodes[after[0]].output[:1]
+        if clip_out and clip_out[0] not in protected and len(by_input.get(clip_out[0], ())) == 1:
+            return False  # the Gemm's clip group: float
+    return True
 
 
 def _gemm_is_matmul(gemm: NodeProto, bias: str) -> bool:
@@ -1426,7 +1530,8 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
                  is_const: Callable[[str], bool] | None = None,
                  const_meta: Callable[[str], ConstMeta | None] | None = None,
                  const_lazy: Callable[[str], Callable[[], np.ndarray]] | None = None,
-                 qdq_accuracy_level: int = 4, arithmetic_only: bool = False, qdq_rewrite: bool = True) -> list[Fusion]:
+                 qdq_accuracy_level: int = 4, arithmetic_only: bool = False, qdq_rewrite: bool = True,
+                 declared: Callable[[str], tuple | None] | None = None) -> list[Fusion]:
     """Every fusion of one scope's nodes (pure).
 
     Args:
@@ -1451,10 +1556,12 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
             off too, so both give onnxruntime's results.
         qdq_rewrite: whether those DequantizeLinear pairs become MatMulNBits at all (onnxruntime's
             QDQ transformer runs from ``ORT_ENABLE_EXTENDED`` on: at basic they stay float).
+        declared: a value's declared shape (graph input, output or value_info; dims as ints,
+            symbolic names or None), or None: where onnxruntime's rewrite depends on shapes.
     """
     if arithmetic_only:
         return find_dq_matmul_nbits(nodes, readers, protected, const_meta or _meta_from(const_value), set(),
-                                    qdq_accuracy_level) if qdq_rewrite else []
+                                    qdq_accuracy_level, declared) if qdq_rewrite else []
     if const_lazy is None:
         def const_lazy(n: str) -> Callable[[], np.ndarray]:
             return lambda: const_value(n)
@@ -1523,7 +1630,7 @@ def plan_fusions(nodes: Sequence[NodeProto], readers: dict[str, int], protected:
     # ~0.6 ms of its warm create, for patterns it has none of).
     types = {n.op_type for n in nodes}
     dq = "DequantizeLinear" in types
-    for f in (find_dq_matmul_nbits(nodes, readers, protected, const_meta, taken, qdq_accuracy_level)
+    for f in (find_dq_matmul_nbits(nodes, readers, protected, const_meta, taken, qdq_accuracy_level, declared)
               if qdq_rewrite and dq and ("MatMul" in types or "Gemm" in types) else ()):
         out.append(f)
         taken.update((f.anchor, *f.absorbed))

@@ -558,12 +558,15 @@ def test_int4_block_matmul_in_a_qdq_group_fuses_as_onnxruntime(a_type, q_type, f
 
 @pytest.mark.parametrize("form,fused", [("relu", False), ("clip", False), ("relu-output", True), ("relu-twice", True),
                                         ("sigmoid", True), ("gemm", True), ("gemm-bias", True), ("gemm-alpha", False),
-                                        ("gemm-transB", False), ("gemm-bias-relu", False), ("uint4-no-zero-points", True)])
+                                        ("gemm-transB", False), ("gemm-bias-relu", False), ("uint4-no-zero-points", True),
+                                        ("add", True), ("add-relu", False), ("add-1n", False), ("add-relu-3d", True)])
 def test_int4_block_matmul_rewrite_follows_onnxruntime_node_groups(form, fused, tmp_path):
     """Where onnxruntime rewrites ``DQ(int4 block weight) -> MatMul`` (or a Gemm that is a
     MatMul: alpha 1, no transposes, beta 1 with a bias of N) to MatMulNBits, and where not: a
     MatMul whose one reader is a Relu or Clip with one reader, not a graph output, forms a group
-    with it that no rewrite takes (float); ours fuses alike and equals its default session."""
+    with it that no rewrite takes (float); ours fuses alike and equals its default session.  A
+    MatMul of a 2-D A followed by an Add is a Gemm there first (MatMulAddFusion), rewritten only
+    with a bias of N values and no clip group after it (the A's shape as declared)."""
     rng = np.random.default_rng(3)
     th, f = onnx.helper, onnx.TensorProto
     k, n = 64, 48
@@ -584,10 +587,15 @@ def test_int4_block_matmul_rewrite_follows_onnxruntime_node_groups(form, fused, 
             attrs["transB"] = 1
         ins = ["x", "w", "b"] if "bias" in form else ["x", "w"]
         nodes.append(th.make_node("Gemm", ins, ["m"], **attrs))
+    elif form.startswith("add"):
+        nodes.append(th.make_node("MatMul", ["x", "w"], ["m0"]))
+        if form == "add-1n":
+            inits.append(onnx.numpy_helper.from_array(rng.standard_normal((1, n)).astype(np.float32), "b1n"))
+        nodes.append(th.make_node("Add", ["m0", "b1n" if form == "add-1n" else "b"], ["m"]))
     else:
         nodes.append(th.make_node("MatMul", ["x", "w"], ["m"]))
     act = {"relu": "Relu", "relu-output": "Relu", "relu-twice": "Relu", "clip": "Clip", "sigmoid": "Sigmoid",
-           "gemm-bias-relu": "Relu"}.get(form)
+           "gemm-bias-relu": "Relu", "add-relu": "Relu", "add-relu-3d": "Relu"}.get(form)
     if act is not None:
         nodes.append(th.make_node(act, ["m"], ["r"]))
         nodes.append(th.make_node("MatMul", ["r", "w2"], ["y"]))
@@ -598,11 +606,12 @@ def test_int4_block_matmul_rewrite_follows_onnxruntime_node_groups(form, fused, 
             outs.append("r2")
     else:
         nodes.append(th.make_node("MatMul", ["m", "w2"], ["y"]))
-    graph = th.make_graph(nodes, "g", [th.make_tensor_value_info("x", f.FLOAT, [4, k])],
+    xshape = [2, 4, k] if form.endswith("3d") else ["batch", k]
+    graph = th.make_graph(nodes, "g", [th.make_tensor_value_info("x", f.FLOAT, xshape)],
                           [th.make_tensor_value_info(o, f.FLOAT, None) for o in outs], inits)
     path = str(tmp_path / "m.onnx")
     onnx.save(th.make_model(graph, opset_imports=[th.make_opsetid("", 21)], ir_version=10), path)
-    feeds = {"x": (rng.standard_normal((4, k)) * 3).astype(np.float32)}
+    feeds = {"x": (rng.standard_normal([2, 4, k] if form.endswith("3d") else [4, k]) * 3).astype(np.float32)}
     so = ort.SessionOptions()
     so.log_severity_level = 3
     want = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, feeds)
