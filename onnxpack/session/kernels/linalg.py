@@ -550,6 +550,11 @@ class FusedMatMul(MatMul):
         self._fakequant = any(act.kind == "fakequant" for act in (*self.pre, *self.post))
 
     def run(self, a, b=None, r=None):
+        if compute_dtype(a.dtype) not in (None, a.dtype) and (self._b is not None or b is not None):
+            # Half precision: the epilogue on the float32 product, one rounding at the end, as
+            # onnxruntime computes such a chain (no float16 MatMul, Add or activation kernels on
+            # its CPU: it casts to float32 around them and drops the casts between them).
+            return (self._epilogue(self._product(a, b), r, a.dtype),)
         (y,) = super().run(a, b)
         return (self._epilogue(y, r, a.dtype),)
 
