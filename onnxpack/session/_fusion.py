@@ -691,15 +691,19 @@ _SAME_SHAPE = frozenset({"Relu", "Sigmoid", "Tanh", "Clip", "LeakyRelu", "Cast",
                          "DequantizeLinear", "BatchNormalization", "InstanceNormalization", "Floor", "Ceil", "Round"})
 _BROADCAST = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean"})
 Dim = int | str | None
+_SHAPE_DEPTH = 48  # producers _shape_of follows up from a value
 
 
 def _shape_of(name: str, nodes: Sequence[NodeProto], producer: dict[str, int], declared: Callable[[str], tuple | None],
-              const_meta: Callable[[str], ConstMeta | None], memo: dict[str, tuple | None]) -> tuple | None:
+              const_meta: Callable[[str], ConstMeta | None], memo: dict[str, tuple | None], depth: int = 0) -> tuple | None:
     """The shape of ``name`` as far as it is known without running the model: declared (a graph
     input or value_info: ints, symbolic names, None for unknown), a constant's, or carried through
-    the ops above from those (None: unknown)."""
+    the ops above from those, at most ``_SHAPE_DEPTH`` producers up (None: unknown; a chain of
+    thousands of nodes is a valid model, past Python's stack)."""
     if name in memo:
         return memo[name]
+    if depth > _SHAPE_DEPTH:
+        return None
     memo[name] = None  # (a cycle, in an invalid graph: unknown)
     got = declared(name)
     if got is None:
@@ -710,7 +714,7 @@ def _shape_of(name: str, nodes: Sequence[NodeProto], producer: dict[str, int], d
     if k is not None:
         node = nodes[k]
         op, ins = node.op_type, node.input[:]
-        shapes = [_shape_of(i, nodes, producer, declared, const_meta, memo) if i else None for i in ins]
+        shapes = [_shape_of(i, nodes, producer, declared, const_meta, memo, depth + 1) if i else None for i in ins]
         if op in _SAME_SHAPE and node.output[0] == name and shapes and shapes[0] is not None:
             got = shapes[0]
         elif op in _BROADCAST and shapes and all(s is not None for s in shapes):

@@ -657,6 +657,32 @@ def test_int4_block_matmul_is_rewritten_from_the_extended_level_as_onnxruntime(l
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
+def test_a_long_chain_before_the_rewrite_asks_no_deep_recursion(tmp_path):
+    """The rewrite's shape question (a 2-D A's MatMul -> Add) follows at most a few dozen
+    producers up: 3,000 Relus before it are a valid model, not a RecursionError; the shape is then
+    unknown and the pair rewritten as before."""
+    rng = np.random.default_rng(5)
+    th, f = onnx.helper, onnx.TensorProto
+    k, n = 64, 32
+    nodes, prev = [], "x"
+    for i in range(3000):
+        nodes.append(th.make_node("Relu", [prev], [f"r{i}"]))
+        prev = f"r{i}"
+    inits = [th.make_tensor("wq", f.INT4, [k, n], rng.integers(-8, 8, k * n).tolist()),
+             onnx.numpy_helper.from_array((rng.random((k // 32, n)) * 0.02 + 0.01).astype(np.float32), "ws"),
+             onnx.numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), "b")]
+    nodes += [th.make_node("DequantizeLinear", ["wq", "ws"], ["w"], axis=0, block_size=32),
+              th.make_node("MatMul", [prev, "w"], ["m"]), th.make_node("Add", ["m", "b"], ["y"])]
+    graph = th.make_graph(nodes, "g", [th.make_tensor_value_info("x", f.FLOAT, [4, k])],
+                          [th.make_tensor_value_info("y", f.FLOAT, None)], inits)
+    model = th.make_model(graph, opset_imports=[th.make_opsetid("", 21)], ir_version=10).SerializeToString()
+    feeds = {"x": rng.standard_normal((4, k)).astype(np.float32)}
+    sess = onnxpack.InferenceSession(model)
+    assert any(type(st.kernel).__name__ == "DequantizeMatMulNBits" for st in sess.program.root.steps)
+    got = sess.run(None, feeds)[0]
+    assert got.shape == (4, n) and np.isfinite(got).all()
+
+
 def _within_a_step(got: np.ndarray, want: np.ndarray, step: float) -> None:
     """``got`` is ``want`` (both dequantized by ``step``) but for at most one step on at most 5 %
     of the outputs: a product rounded the other way at a quantization tie."""
