@@ -897,8 +897,10 @@ class DynamicQuantizeLSTM(LSTM):
 
     def _exact_steps(self, d, xw, bias, weight, h, c, y, lens, q) -> int:
         # Every step in one call of the JIT (see _qlstm_jit) where R is packed as lanes.
-        if not isinstance(weight, _LanesDirection) or weight.k > _LANES_MAX_K or weight.k != h.shape[1]:
-            return 0
+        if (not isinstance(weight, _LanesDirection) or weight.k > _LANES_MAX_K or weight.k != h.shape[1]
+                or xw.ndim != 3 or xw.shape[2] != weight.n or bias.shape != (weight.n,) or weight.n != 4 * weight.k
+                or h.shape != c.shape or xw.shape[1] != h.shape[0]):
+            return 0  # (the JIT indexes without bounds checks: only shapes it was written for)
         if not (h.dtype == c.dtype == xw.dtype == bias.dtype == _F32 and h.flags.c_contiguous and c.flags.c_contiguous):
             return 0
         jit = _act.load_jit("_qlstm_jit", "DynamicQuantizeLSTM")
