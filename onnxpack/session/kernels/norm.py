@@ -306,8 +306,21 @@ class LayerNormChain(LayerNormalization):
 
     def run(self, x, scale, bias):
         if x.dtype == np.float32 and x.ndim >= 1 and x.shape[-1] == scale.shape[0] and x.size:
+            d = x.shape[-1]
+            if (x.size < _act.SPLIT_ELEMENTS and x.flags.c_contiguous and scale.dtype == bias.dtype == np.float32
+                    and scale.shape == bias.shape == (d,)):
+                jit = _act.jit()
+                if jit is not None:
+                    # A small one (a wake-word head's 128 values): the JIT's rows alone, none of
+                    # the general path's checks and reshapes (~8 -> ~4 us a call).
+                    rows = x.size // d
+                    y = np.empty(x.shape, np.float32)
+                    stats = np.empty(2 * rows, np.float32)
+                    jit.layer_norm_rows(x.reshape(rows, d), scale, bias, np.float32(self.epsilon), y.reshape(rows, d),
+                                        stats[:rows], stats[rows:], 0, rows)
+                    return (y,)
             return super().run(x, scale, bias)[:1]
-        with np.errstate(all="ignore"):
+        with _act.quiet():
             mean = np.mean(x, axis=-1, keepdims=True, dtype=x.dtype)
             d = x - mean
             std = np.sqrt(np.mean(d * d, axis=-1, keepdims=True, dtype=x.dtype) + x.dtype.type(self.epsilon))
