@@ -221,9 +221,9 @@ def matmul_panels_many(a2: np.ndarray, ws: Sequence[np.ndarray], ns: Sequence[in
             out[...] = np.matmul(a2, w).transpose(1, 0, 2).reshape(m, -1)[:, :n]
         return
     a2 = np.ascontiguousarray(a2, dtype=np.float32)
-    if len(ws) == 1 and _act.split_size(m, k, ns[0]) < _act._SPLIT_MACS:
-        # Too small to split: one call, none of the split's plumbing (a small model's GEMV,
-        # 1 x 128 @ 128 x 128: ~1 us of arithmetic under ~9 us of it).
+    if len(ws) == 1 and (_act.split_size(m, k, ns[0]) < _act._SPLIT_MACS or _act.threads() == 1):
+        # Too small to split, or one thread: one call, none of the split's plumbing (a small
+        # model's GEMV, 1 x 128 @ 128 x 128: ~1 us of arithmetic under ~9 us of it).
         (w,), (n,), (out,) = ws, ns, outs
         dst = out if out.flags.c_contiguous and out.dtype == np.float32 else np.empty((m, n), np.float32)
         jit.sgemm_panels(a2, w.reshape(-1), dst, _NO_TAIL if n % PANEL == 0 else np.empty((m, PANEL), np.float32),
