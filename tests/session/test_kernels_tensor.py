@@ -606,6 +606,31 @@ def test_linear_resize_is_onnxruntimes_bilinear_bit_for_bit(coord, how):
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
 
 
+@pytest.mark.parametrize("extra", [{}, {"exclude_outside": 1}, {"cubic_coeff_a": -0.5}], ids=["plain", "exclude", "a05"])
+@pytest.mark.parametrize("how", [("s", (1, 1, 2, 2)), ("s", (1, 1, 1.5, 0.7)), ("z", (1, 2, 9, 4)), ("z", (7, 13))], ids=str)
+@pytest.mark.parametrize("coord", ["half_pixel", "align_corners", "asymmetric", "pytorch_half_pixel"])
+def test_cubic_resize_is_onnxruntimes_bicubic_bit_for_bit(coord, how, extra):
+    """A float32 cubic Resize over the last two axes is onnxruntime's ResizeBiCubic bit for bit:
+    Keys coefficients of the coordinate's fraction in float32, along x then along y, each sum
+    from 0 in order, ``exclude_outside`` renormalizing; non-finite inputs spread as there."""
+    kind, vals = how
+    rng = np.random.default_rng(len(coord) + len(vals) + len(extra))
+    x = rng.standard_normal((1, 2, 5, 6) if len(vals) == 4 else (5, 6)).astype(np.float32)
+    x.reshape(-1)[[3, 17]] = [np.inf, np.nan]
+    attrs = dict(mode="cubic", coordinate_transformation_mode=coord, **extra)
+    if kind == "s":
+        node = make_node("Resize", ["x", "", "s"], ["y"], **attrs)
+        inputs = [x, None, np.array(vals, np.float32)]
+    else:
+        node = make_node("Resize", ["x", "", "", "z"], ["y"], **attrs)
+        inputs = [x, None, None, i64(*vals)]
+    (got,) = run_native(node, inputs, 19)
+    (want,) = run_ort(node, inputs, 19, optimize=False)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(got.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)])
+
+
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int32])
 def test_resize_integer_input_truncates_as_onnxruntime(dtype):
     """A linearly interpolated integer is truncated toward zero (onnxruntime's static_cast; a

@@ -1130,7 +1130,10 @@ _ORT_BILINEAR_COORDS = frozenset({"half_pixel", "asymmetric", "pytorch_half_pixe
 
 @register("Resize", since=11)
 class Resize(Kernel):
-    """Separable Resize: one 1-D gather (nearest) or weighted gather (linear/cubic) per axis.
+    """Separable Resize: one 1-D gather (nearest) or weighted gather (linear/cubic) per axis; a
+    float32 linear or cubic resize over the last two axes (2-D, or 4-D with the outer two kept)
+    is onnxruntime's own bilinear / bicubic formula instead, bit for bit (:meth:`_bilinear`,
+    :meth:`_bicubic`).
 
     Supported: every ``mode`` and ``nearest_mode``; coordinate modes half_pixel,
     half_pixel_symmetric, pytorch_half_pixel, align_corners, asymmetric; ``axes``;
@@ -1205,6 +1208,13 @@ class Resize(Kernel):
                        and self.policy == "stretch" else np.float32(f)
                        for o, i, f in zip(out_shape[-2:], x.shape[-2:], factors[-2:])]
             return (self._bilinear(x, scales2, out_shape[-2:]),)
+        if self.mode == "cubic" and x.dtype == np.float32 and x.ndim in (2, 4) and 0 not in x.shape and \
+                0 not in out_shape and self.coord in _ORT_BILINEAR_COORDS and all(
+                    out_shape[a] == x.shape[a] and math.isclose(factors[a], 1.0) for a in range(x.ndim - 2)):
+            scales2 = [np.float32(np.float32(o) / np.float32(i)) if sizes is not None and sizes.size
+                       and self.policy == "stretch" else np.float32(f)
+                       for o, i, f in zip(out_shape[-2:], x.shape[-2:], factors[-2:])]
+            return (self._bicubic(x, scales2, out_shape[-2:]),)
         work = x if x.dtype.kind == "f" and x.dtype != np.float16 else x.astype(np.float32)
         for axis, (scale, n_out) in enumerate(zip(factors, out_shape)):
             n_in = work.shape[axis]
@@ -1326,6 +1336,66 @@ class Resize(Kernel):
         out = np.take(work, idx[:, 0], axis=axis) * w[:, 0].reshape(shape)
         for t in range(1, idx.shape[1]):
             out += np.take(work, idx[:, t], axis=axis) * w[:, t].reshape(shape)
+        return out
+
+    def _ort_coords(self, n_in: int, n_out: int, scale: np.float32) -> np.ndarray:
+        """onnxruntime's source coordinates of one axis, in float32 (the output's own index where
+        the scale is 1), not clamped."""
+        o = np.arange(n_out, dtype=np.float32)
+        half = np.float32(0.5)
+        if scale == 1:
+            return o
+        if self.coord == "asymmetric":
+            return o / scale
+        if self.coord == "align_corners":
+            return np.zeros(n_out, np.float32) if n_out == 1 else o * np.float32(n_in - 1) / np.float32(n_out - 1)
+        if self.coord == "pytorch_half_pixel" and n_out <= 1:
+            return np.zeros(n_out, np.float32)
+        return (o + half) / scale - half  # half_pixel, pytorch_half_pixel
+
+    def _ort_cubic_axis(self, n_in: int, n_out: int, scale: np.float32) -> tuple:
+        """One axis of onnxruntime's bicubic Resize (its ResizeBiCubic), in float32: the four
+        source pixels of each output (clamped into the input) and their Keys coefficients of the
+        coordinate's fraction, zeroed outside the input and divided by their sum with
+        ``exclude_outside`` (else divided by 1)."""
+        c = self._ort_coords(n_in, n_out, scale)
+        base = np.floor(c)
+        s = np.abs(c - base)
+        a = np.float32(self.cubic_a)
+        one, two = np.float32(1), np.float32(2)
+        f4, f5, f8 = np.float32(4), np.float32(5), np.float32(8)
+        s1, s2, s3 = s + one, one - s, two - s
+        coeffs = np.stack([((a * s1 - f5 * a) * s1 + f8 * a) * s1 - f4 * a,
+                           ((a + two) * s - (a + np.float32(3))) * s * s + one,
+                           ((a + two) * s2 - (a + np.float32(3))) * s2 * s2 + one,
+                           ((a * s3 - f5 * a) * s3 + f8 * a) * s3 - f4 * a], axis=1).astype(np.float32)
+        taps = base.astype(np.int64)[:, None] + np.arange(-1, 3)[None, :]
+        total = np.ones(n_out, np.float32)
+        if self.exclude_outside:
+            coeffs = np.where((taps < 0) | (taps >= n_in), np.float32(0), coeffs)
+            total = np.zeros(n_out, np.float32)
+            for i in range(4):
+                total = total + coeffs[:, i]
+        return np.clip(taps, 0, n_in - 1), coeffs, total
+
+    def _bicubic(self, x: np.ndarray, scales: list, out_hw: list) -> np.ndarray:
+        """A float32 2-D input, or a 4-D one resized over its last two axes, as onnxruntime's
+        ResizeBiCubic computes it: along x first, ``sum_j coeff_x[j] / sum_x * X[row, col_j]``
+        from 0, then along y, ``sum_i x_i * coeff_y[i] / sum_y`` from 0, in float32 and in that
+        order (the separable passes weighed in float64 and rounded between the axes)."""
+        (h, w), (oh, ow) = x.shape[-2:], out_hw
+        yi, cy, sy = self._ort_cubic_axis(h, oh, scales[0])
+        xi, cx, sx = self._ort_cubic_axis(w, ow, scales[1])
+        wx = [cx[:, j] / sx for j in range(4)]
+        out = None
+        for i in range(4):
+            rows = np.take(x, yi[:, i], axis=-2)  # (..., OH, W)
+            t = None
+            for j in range(4):
+                term = wx[j] * np.take(rows, xi[:, j], axis=-1)
+                t = term + np.float32(0) if t is None else t + term  # (from 0: a -0.0 term is +0.0)
+            term = (t * cy[:, i][:, None]) / sy[:, None]
+            out = term + np.float32(0) if out is None else out + term
         return out
 
     def _ort_axis(self, n_in: int, n_out: int, scale: np.float32) -> tuple:
