@@ -1201,20 +1201,14 @@ class Resize(Kernel):
             return (x.copy(),)
         if self.mode == "nearest":
             return (self._resize_nearest(x, factors, out_shape),)
-        if self.mode == "linear" and x.dtype == np.float32 and x.ndim in (2, 4) and 0 not in x.shape and \
-                0 not in out_shape and self.coord in _ORT_BILINEAR_COORDS and all(
+        if x.dtype == np.float32 and x.ndim in (2, 4) and 0 not in x.shape and 0 not in out_shape and \
+                self.coord in _ORT_BILINEAR_COORDS and all(
                     out_shape[a] == x.shape[a] and math.isclose(factors[a], 1.0) for a in range(x.ndim - 2)):
+            # onnxruntime's own 2-D formulas, with its float32 scales (sizes: output / input)
             scales2 = [np.float32(np.float32(o) / np.float32(i)) if sizes is not None and sizes.size
                        and self.policy == "stretch" else np.float32(f)
                        for o, i, f in zip(out_shape[-2:], x.shape[-2:], factors[-2:])]
-            return (self._bilinear(x, scales2, out_shape[-2:]),)
-        if self.mode == "cubic" and x.dtype == np.float32 and x.ndim in (2, 4) and 0 not in x.shape and \
-                0 not in out_shape and self.coord in _ORT_BILINEAR_COORDS and all(
-                    out_shape[a] == x.shape[a] and math.isclose(factors[a], 1.0) for a in range(x.ndim - 2)):
-            scales2 = [np.float32(np.float32(o) / np.float32(i)) if sizes is not None and sizes.size
-                       and self.policy == "stretch" else np.float32(f)
-                       for o, i, f in zip(out_shape[-2:], x.shape[-2:], factors[-2:])]
-            return (self._bicubic(x, scales2, out_shape[-2:]),)
+            return ((self._bilinear if self.mode == "linear" else self._bicubic)(x, scales2, out_shape[-2:]),)
         work = x if x.dtype.kind == "f" and x.dtype != np.float16 else x.astype(np.float32)
         for axis, (scale, n_out) in enumerate(zip(factors, out_shape)):
             n_in = work.shape[axis]
@@ -1403,18 +1397,8 @@ class Resize(Kernel):
         source coordinate (the output's own index where the scale is 1), clamped into the input;
         its lower and upper pixel; their weights as distances to the other one (``|c - i1|``,
         ``|c - i2|``), 0.5 and 0.5 where both pixels are the last."""
-        o = np.arange(n_out, dtype=np.float32)
-        one, half = np.float32(1), np.float32(0.5)
-        if scale == 1:
-            c = o
-        elif self.coord == "asymmetric":
-            c = o / scale
-        elif self.coord == "align_corners":
-            c = np.zeros(n_out, np.float32) if n_out == 1 else o * np.float32(n_in - 1) / np.float32(n_out - 1)
-        elif self.coord == "pytorch_half_pixel" and n_out <= 1:
-            c = np.zeros(n_out, np.float32)
-        else:  # half_pixel, pytorch_half_pixel
-            c = (o + half) / scale - half
+        half = np.float32(0.5)
+        c = self._ort_coords(n_in, n_out, scale)
         c = np.minimum(np.maximum(c, np.float32(0)), np.float32(n_in - 1))
         i1 = np.minimum(c.astype(np.int64), n_in - 1)
         i2 = np.minimum(i1 + 1, n_in - 1)
