@@ -690,7 +690,6 @@ _SAME_SHAPE = frozenset({"Relu", "Sigmoid", "Tanh", "Clip", "LeakyRelu", "Cast",
                          "HardSwish", "Elu", "Selu", "Softplus", "Softsign", "PRelu", "QuantizeLinear",
                          "DequantizeLinear", "BatchNormalization", "InstanceNormalization", "Floor", "Ceil", "Round"})
 _BROADCAST = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean"})
-Dim = int | str | None
 _SHAPE_DEPTH = 48  # producers _shape_of follows up from a value
 
 
@@ -744,6 +743,17 @@ def declared_shapes(graph) -> dict[str, tuple]:
             out[vi.name] = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value >= 0
                                  else (d.dim_param or None) for d in tt.shape.dim)
     return out
+
+
+def _clip_group(nodes: Sequence[NodeProto], name: str, by_input: dict[str, list[int]], protected: set[str]) -> bool:
+    """Whether ``name``'s one reader is a Relu or Clip with one reader of its own, not a graph
+    output: onnxruntime's QDQ "redundant clip" node group (GetQDQSelection) with the producer of
+    ``name``, which no DequantizeLinear -> MatMul rewrite takes."""
+    after = by_input.get(name, ())
+    if len(after) != 1 or nodes[after[0]].op_type not in ("Relu", "Clip"):
+        return False
+    clip_out = nodes[after[0]].output[:1]
+    return bool(clip_out) and clip_out[0] not in protected and len(by_input.get(clip_out[0], ())) == 1
 
 
 def _gemm_bias_ok(bias: tuple, a: tuple, n: int) -> bool:
@@ -825,14 +835,10 @@ def find_dq_matmul_nbits(nodes: Sequence[NodeProto], readers: dict[str, int], pr
         bias = mins[2] if len(mins) > 2 and mins[2] else ""
         if mm.op_type == "Gemm" and not _gemm_is_matmul(mm, bias):
             continue
-        # onnxruntime's QDQ node groups: a MatMul whose one reader is a Relu or Clip with one
-        # reader of its own (not a graph output) forms a group with that clip, which no
-        # DequantizeLinear -> MatMul rewrite takes (GetQDQSelection): the pair stays float there.
+        # onnxruntime's QDQ node groups: a MatMul in a clip group stays float there.
+        if _clip_group(nodes, mm.output[0], by_input, protected):
+            continue
         after = by_input.get(mm.output[0], ())
-        if len(after) == 1 and nodes[after[0]].op_type in ("Relu", "Clip"):
-            clip_out = nodes[after[0]].output[:1]
-            if clip_out and clip_out[0] not in protected and len(by_input.get(clip_out[0], ())) == 1:
-                continue
         if len(after) == 1 and mm.op_type == "MatMul" and nodes[after[0]].op_type == "Add" and \
                 mm.output[0] not in protected and declared is not None:
             if producer is None:
@@ -904,12 +910,7 @@ def _stays_matmul(nodes: Sequence[NodeProto], add_k: int, mm: NodeProto, by_inpu
         return True  # no Gemm there
     if tuple(c) != (w[1],):
         return False  # a Gemm whose C is not N values: float
-    after = by_input.get(add.output[0], ())
-    if len(after) == 1 and nodes[after[0]].op_type in ("Relu", "Clip"):
-        clip_out = nodes[after[0]].output[:1]
-        if clip_out and clip_out[0] not in protected and len(by_input.get(clip_out[0], ())) == 1:
-            return False  # the Gemm's clip group: float
-    return True
+    return not _clip_group(nodes, add.output[0], by_input, protected)  # the Gemm's clip group: float
 
 
 def _gemm_is_matmul(gemm: NodeProto, bias: str) -> bool:

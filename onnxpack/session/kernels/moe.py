@@ -56,7 +56,8 @@ from onnxpack.graph._proto import AttributeProto, NodeProto
 from onnxpack.session.kernels._base import Kernel, PackSpec, TensorInfo, quiet_floats, register
 from onnxpack.session.kernels.contrib_activation import tanh_gelu_inplace
 from onnxpack.session.kernels.linalg import as_compute
-from onnxpack.session.kernels.quant import TILE, MatMulNBits, _as_storage, _float_storage, to_tiles, unpack_nbits
+from onnxpack.session.kernels.quant import (TILE, MatMulNBits, _as_storage, _float_storage, pack_nibbles, to_tiles,
+                                            unpack_nbits)
 from onnxpack.session.kernels.rnn import _sigmoid
 
 __all__ = ["MoE", "QMoE", "route"]
@@ -444,7 +445,7 @@ class QMoE(MoE):
             nb = -(-k // bs)
             if bits in (2, 3):  # the row's codes as 4-bit ones, two to a byte (the even one low)
                 arr = _three_bit_codes(arr, k) if bits == 3 else unpack_nbits(arr, 2, k)
-                arr = (arr[..., 0::2] | (arr[..., 1::2] << 4)).astype(np.uint8)
+                arr = pack_nibbles(arr.astype(np.uint8))
                 bits = 4
             blob = bs * bits // 8
             rows = arr.reshape(e, n, -1)

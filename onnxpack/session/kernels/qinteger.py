@@ -894,7 +894,6 @@ class DynamicQuantizeLSTM(LSTM):
         acc = int_matmul(af, None, weight, dtype, z, a_shifted=True, a_span=a_span, what=self.what)
         return acc.astype(np.float32) * (np.float32(a_scale) * s)
 
-
     def _exact_steps(self, d, xw, bias, weight, h, c, y, lens, q) -> int:
         # Every step in one call of the JIT (see _qlstm_jit) where R is packed as lanes.
         if (not isinstance(weight, _LanesDirection) or weight.k > _LANES_MAX_K or weight.k != h.shape[1]

@@ -289,6 +289,12 @@ def unpack_nbits(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
     return vals[..., :count]
 
 
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """4-bit codes (uint8 values < 16, an even count on the last axis) two to a byte, the even
+    one in the low nibble: MatMulNBits' 4-bit layout."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4))).astype(np.uint8)
+
+
 def to_tiles(x: np.ndarray) -> np.ndarray:
     """(N, n_blocks, r) per-column block data -> the 1-D tiled layout (see the module docstring)."""
     n, nb, r = x.shape
@@ -456,7 +462,7 @@ class MatMulNBits(Kernel):
         if i == 1:
             if self.cbits != self.bits:  # 2-bit codes, four a byte -> 4-bit codes, two a byte (low first)
                 codes = unpack_nbits(np.asarray(arr).reshape(n, nb, self.wire_blob), self.bits, self.block_size)
-                return to_tiles(codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4)))
+                return to_tiles(pack_nibbles(codes))
             return to_tiles(np.asarray(arr).reshape(n, nb, self.blob))
         if i == 3 and arr.dtype == np.uint8:
             return to_tiles(unpack_nbits(np.asarray(arr).reshape(n, -1), self.bits, nb).reshape(n, nb, 1))
@@ -847,7 +853,7 @@ class DequantizeMatMulNBits(MatMulNBits):
         else:
             full = np.zeros((self.n, self.nblocks + (self.nblocks & 1)), np.uint8)
             full[:, : self.nblocks] = codes
-        return super()._pack(i, full[:, 0::2] | (full[:, 1::2] << 4))
+        return super()._pack(i, pack_nibbles(full))
 
 
 @register_fused("nbits_gated")
